@@ -1,0 +1,95 @@
+//! The backend trait: the few verbs the layer executor needs. Every op takes the subset of rows or
+//! heads to compute, so the dense path is the sparse path with full sets.
+use crate::{IndexSet, QuantType};
+
+/// A row-major weight matrix borrowed from the model file: `rows` rows of `cols` elements, each row
+/// `qtype.row_bytes(cols)` bytes. Built only through [`Weight::new`], which checks the length.
+#[derive(Debug, Clone, Copy)]
+pub struct Weight<'a> {
+    pub qtype: QuantType,
+    pub rows: usize,
+    pub cols: usize,
+    pub data: &'a [u8],
+}
+
+impl<'a> Weight<'a> {
+    pub fn new(qtype: QuantType, rows: usize, cols: usize, data: &'a [u8]) -> Result<Self, BackendError> {
+        if cols % qtype.block_len() != 0 {
+            return Err(BackendError::Shape(format!(
+                "{qtype:?}: row length {cols} is not a multiple of the block size {}",
+                qtype.block_len()
+            )));
+        }
+        let need = rows.checked_mul(qtype.row_bytes(cols));
+        if need != Some(data.len()) {
+            return Err(BackendError::Shape(format!(
+                "{qtype:?} {rows}x{cols} needs {need:?} bytes, got {}",
+                data.len()
+            )));
+        }
+        Ok(Self { qtype, rows, cols, data })
+    }
+    pub fn row(&self, r: usize) -> &'a [u8] {
+        let rb = self.qtype.row_bytes(self.cols);
+        &self.data[r * rb..(r + 1) * rb]
+    }
+}
+
+/// How RoPE pairs the dimensions of a head: `Interleaved` rotates `(x[2i], x[2i+1])` (ggml's
+/// "normal" mode, llama GGUFs), `Neox` rotates `(x[i], x[i + d/2])` (qwen2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeStyle {
+    Interleaved,
+    Neox,
+}
+
+/// Geometry of one attention call: `n_tokens` queries at positions `pos0..pos0+n_tokens`, each
+/// attending causally to cache entries `0..=pos`.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnShape {
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub pos0: usize,
+    pub n_tokens: usize,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error("shape mismatch: {0}")]
+    Shape(String),
+    #[error("backend `{backend}` does not support {what}")]
+    Unsupported { backend: String, what: String },
+}
+
+/// Verbs of the layer executor. Activations are f32, token-major (`[n_tokens][width]`).
+/// Contracts shared by all ops: slices have exactly the stated lengths (the executor guarantees it;
+/// implementations may `debug_assert`), and outputs for unselected rows or heads are written as 0.
+pub trait Backend: Send + Sync {
+    fn name(&self) -> String;
+
+    /// Capability query: can this backend compute with weights of this type?
+    fn supports(&self, qtype: QuantType) -> bool;
+
+    /// `y[t][r] = dot(W[r], x[t])` for `r` in `rows`, 0 for other rows.
+    /// `x`: `n_tokens * w.cols`, `y`: `n_tokens * w.rows`.
+    fn matmul(&self, w: &Weight, rows: &IndexSet, x: &[f32], y: &mut [f32]);
+
+    /// Dequantize row `r` of `w` into `out` (`w.cols` long): embedding lookup.
+    fn dequantize_row(&self, w: &Weight, r: usize, out: &mut [f32]);
+
+    /// Per token: `out = x / sqrt(mean(x^2) + eps) * weight`. `x`, `out`: `n_tokens * weight.len()`.
+    fn rmsnorm(&self, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]);
+
+    /// Rotate each head of `x` (`n_tokens * n_heads * head_dim`), token `t` at position `pos0 + t`.
+    #[allow(clippy::too_many_arguments)]
+    fn rope(&self, x: &mut [f32], n_heads: usize, head_dim: usize, pos0: usize, theta: f32, style: RopeStyle);
+
+    /// SwiGLU: `gate[i] = silu(gate[i]) * up[i]`.
+    fn silu_mul(&self, gate: &mut [f32], up: &[f32]);
+
+    /// Causal grouped-query attention for the selected query heads. `q`/`out`:
+    /// `n_tokens * n_heads * head_dim`; `k_cache`/`v_cache`: `(pos0 + n_tokens) * n_kv_heads * head_dim`
+    /// at least. Query head `h` reads kv head `h / (n_heads / n_kv_heads)`.
+    fn attention(&self, q: &[f32], k_cache: &[f32], v_cache: &[f32], heads: &IndexSet, shape: AttnShape, out: &mut [f32]);
+}

@@ -1,0 +1,12 @@
+//! What every backend shares: the [`Backend`] trait (shaped by the executor's verbs), the quantized
+//! block layouts ([`quant`]), weight views ([`Weight`]) and validated index sets ([`IndexSet`]).
+//!
+//! This crate is a leaf: it opens no files and depends on no other part of the engine.
+
+mod backend;
+mod index_set;
+pub mod quant;
+
+pub use backend::{AttnShape, Backend, BackendError, RopeStyle, Weight};
+pub use index_set::{IndexSet, IndexSetError};
+pub use quant::QuantType;

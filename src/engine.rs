@@ -1,0 +1,83 @@
+//! An [`Engine`]: a loaded model, its tokenizer, a backend and the thread pool it runs on.
+use crate::executor::{Executor, KvCache};
+use crate::model::Model;
+use crate::tokenizer::Tokenizer;
+use crate::{Error, Result};
+use dejavu_backend_api::Backend;
+use dejavu_backend_cpu::CpuBackend;
+use std::path::Path;
+
+/// Context window used when the caller does not choose one (capped by the model's own).
+pub const DEFAULT_CTX: usize = 4096;
+
+#[derive(Debug, Clone, Default)]
+pub struct EngineOptions {
+    /// Worker threads (default: every core).
+    pub threads: Option<usize>,
+    /// Context window in tokens (default: min(model's, DEFAULT_CTX)).
+    pub n_ctx: Option<usize>,
+}
+
+pub struct Engine {
+    pub model: Model,
+    pub tokenizer: Tokenizer,
+    pub n_ctx: usize,
+    backend: CpuBackend,
+    pool: rayon::ThreadPool,
+}
+
+impl Engine {
+    pub fn load(path: impl AsRef<Path>, opts: &EngineOptions) -> Result<Self> {
+        let model = Model::load(path)?;
+        let tokenizer = Tokenizer::from_gguf(&model.file.header)?;
+        if tokenizer.vocab_size() != model.config.vocab_size {
+            return Err(Error::Tokenizer(format!(
+                "{} tokens in the vocabulary but the model has {} embedding rows",
+                tokenizer.vocab_size(),
+                model.config.vocab_size
+            )));
+        }
+        let max_ctx = model.config.context_length;
+        let n_ctx = match opts.n_ctx {
+            Some(0) => return Err(Error::Invalid("context size must be positive".into())),
+            Some(n) if n > max_ctx => {
+                return Err(Error::Invalid(format!("context {n} exceeds the model's {max_ctx} tokens")))
+            }
+            Some(n) => n,
+            None => max_ctx.min(DEFAULT_CTX),
+        };
+        let threads = match opts.threads {
+            Some(0) => return Err(Error::Invalid("--threads must be at least 1".into())),
+            Some(n) => n,
+            None => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        };
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .map_err(|e| Error::Invalid(format!("thread pool: {e}")))?;
+        let backend = CpuBackend;
+        Executor::new(&model, &backend)?;
+        Ok(Self { model, tokenizer, n_ctx, backend, pool })
+    }
+
+    pub fn executor(&self) -> Executor<'_> {
+        Executor { model: &self.model, backend: &self.backend }
+    }
+
+    pub fn backend(&self) -> &dyn Backend {
+        &self.backend
+    }
+
+    pub fn new_cache(&self) -> KvCache {
+        KvCache::new(&self.model, self.n_ctx)
+    }
+
+    /// Run `f` on this engine's thread pool.
+    pub fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        self.pool.install(f)
+    }
+
+    pub fn threads(&self) -> usize {
+        self.pool.current_num_threads()
+    }
+}

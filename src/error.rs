@@ -1,0 +1,43 @@
+//! The engine's typed error. Every variant names what was wrong and where; the CLI prints it and
+//! exits non-zero.
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Format(#[from] dejavu_formats::FormatError),
+    #[error("model file not found: {0}")]
+    MissingFile(PathBuf),
+    #[error("metadata key `{0}` is missing")]
+    MissingKey(String),
+    #[error("metadata key `{key}` is invalid: {reason}")]
+    BadKey { key: String, reason: String },
+    #[error("unsupported architecture `{0}` (supported: llama, qwen2)")]
+    UnknownArchitecture(String),
+    #[error("tensor `{0}` is missing")]
+    MissingTensor(String),
+    #[error("tensor `{tensor}` has shape {got:?}, expected {expected:?}")]
+    ShapeMismatch { tensor: String, expected: Vec<u64>, got: Vec<u64> },
+    #[error("tensor `{tensor}`: unsupported weight type {qtype}")]
+    UnsupportedType { tensor: String, qtype: String },
+    #[error("tensor `{tensor}`: {reason}")]
+    BadTensor { tensor: String, reason: String },
+    #[error("prompt of {n_tokens} tokens does not fit the context window of {n_ctx} tokens")]
+    ContextOverflow { n_tokens: usize, n_ctx: usize },
+    #[error("invalid sparse plan: {0}")]
+    BadPlan(String),
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("chat template: {0}")]
+    Template(String),
+    #[error("fetching model: {0}")]
+    Fetch(String),
+    #[error("{0}")]
+    Invalid(String),
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Backend(#[from] dejavu_backend_api::BackendError),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

