@@ -74,7 +74,10 @@ impl ModelConfig {
             let v = h.get(&key).ok_or_else(|| Error::MissingKey(key.clone()))?;
             match v.as_u64() {
                 Some(x) if x > 0 && x <= 1 << 24 => Ok(x as usize),
-                _ => Err(bad(&key, &format!("expected a positive integer, got {}", v.summary(40)))),
+                _ => Err(bad(
+                    &key,
+                    &format!("expected a positive integer, got {}", v.summary(40)),
+                )),
             }
         };
         let float = |k: ArchKey, default: Option<f64>| -> Result<f32> {
@@ -82,7 +85,10 @@ impl ModelConfig {
             match (h.get(&key), default) {
                 (Some(v), _) => match v.as_f64() {
                     Some(x) if x.is_finite() && x > 0.0 => Ok(x as f32),
-                    _ => Err(bad(&key, &format!("expected a positive number, got {}", v.summary(40)))),
+                    _ => Err(bad(
+                        &key,
+                        &format!("expected a positive number, got {}", v.summary(40)),
+                    )),
                 },
                 (None, Some(d)) => Ok(d as f32),
                 (None, None) => Err(Error::MissingKey(key)),
@@ -95,7 +101,10 @@ impl ModelConfig {
         let n_kv_heads = int(ArchKey::HeadCountKv)?;
         let context_length = int(ArchKey::ContextLength)?;
         if d_model % n_heads != 0 {
-            return Err(bad(&ArchKey::HeadCount.key(a), &format!("{n_heads} does not divide d_model {d_model}")));
+            return Err(bad(
+                &ArchKey::HeadCount.key(a),
+                &format!("{n_heads} does not divide d_model {d_model}"),
+            ));
         }
         if n_kv_heads > n_heads || n_heads % n_kv_heads != 0 {
             return Err(bad(
@@ -105,10 +114,18 @@ impl ModelConfig {
         }
         let head_dim = d_model / n_heads;
         if head_dim % 2 != 0 {
-            return Err(bad(&ArchKey::HeadCount.key(a), &format!("head_dim {head_dim} is odd")));
+            return Err(bad(
+                &ArchKey::HeadCount.key(a),
+                &format!("head_dim {head_dim} is odd"),
+            ));
         }
-        if h.get(&ArchKey::RopeDimensionCount.key(a)).is_some() && int(ArchKey::RopeDimensionCount)? != head_dim {
-            return Err(bad(&ArchKey::RopeDimensionCount.key(a), "partial rotary embeddings are not supported"));
+        if h.get(&ArchKey::RopeDimensionCount.key(a)).is_some()
+            && int(ArchKey::RopeDimensionCount)? != head_dim
+        {
+            return Err(bad(
+                &ArchKey::RopeDimensionCount.key(a),
+                "partial rotary embeddings are not supported",
+            ));
         }
         // The vocabulary size: explicit key, else the tokenizer's token list, else the embedding rows.
         let vocab_size = match h.get(&ArchKey::VocabSize.key(a)) {
@@ -145,5 +162,8 @@ impl ModelConfig {
 }
 
 fn bad(key: &str, reason: &str) -> Error {
-    Error::BadKey { key: key.into(), reason: reason.into() }
+    Error::BadKey {
+        key: key.into(),
+        reason: reason.into(),
+    }
 }

@@ -41,7 +41,9 @@ impl Engine {
         let n_ctx = match opts.n_ctx {
             Some(0) => return Err(Error::Invalid("context size must be positive".into())),
             Some(n) if n > max_ctx => {
-                return Err(Error::Invalid(format!("context {n} exceeds the model's {max_ctx} tokens")))
+                return Err(Error::Invalid(format!(
+                    "context {n} exceeds the model's {max_ctx} tokens"
+                )))
             }
             Some(n) => n,
             None => max_ctx.min(DEFAULT_CTX),
@@ -57,11 +59,20 @@ impl Engine {
             .map_err(|e| Error::Invalid(format!("thread pool: {e}")))?;
         let backend = CpuBackend;
         Executor::new(&model, &backend)?;
-        Ok(Self { model, tokenizer, n_ctx, backend, pool })
+        Ok(Self {
+            model,
+            tokenizer,
+            n_ctx,
+            backend,
+            pool,
+        })
     }
 
     pub fn executor(&self) -> Executor<'_> {
-        Executor { model: &self.model, backend: &self.backend }
+        Executor {
+            model: &self.model,
+            backend: &self.backend,
+        }
     }
 
     pub fn backend(&self) -> &dyn Backend {

@@ -17,7 +17,11 @@ pub enum Error {
     #[error("tensor `{0}` is missing")]
     MissingTensor(String),
     #[error("tensor `{tensor}` has shape {got:?}, expected {expected:?}")]
-    ShapeMismatch { tensor: String, expected: Vec<u64>, got: Vec<u64> },
+    ShapeMismatch {
+        tensor: String,
+        expected: Vec<u64>,
+        got: Vec<u64>,
+    },
     #[error("tensor `{tensor}`: unsupported weight type {qtype}")]
     UnsupportedType { tensor: String, qtype: String },
     #[error("tensor `{tensor}`: {reason}")]

@@ -25,7 +25,12 @@ impl KvCache {
     pub fn new(model: &Model, n_ctx: usize) -> Self {
         let c = &model.config;
         let size = n_ctx * c.kv_dim();
-        Self { k: vec![vec![0.0; size]; c.n_layers], v: vec![vec![0.0; size]; c.n_layers], len: 0, n_ctx }
+        Self {
+            k: vec![vec![0.0; size]; c.n_layers],
+            v: vec![vec![0.0; size]; c.n_layers],
+            len: 0,
+            n_ctx,
+        }
     }
     pub fn len(&self) -> usize {
         self.len
@@ -66,7 +71,10 @@ impl<'m> Executor<'m> {
             refs.extend([&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]);
         }
         if let Some(w) = refs.iter().find(|w| !backend.supports(w.qtype)) {
-            return Err(Error::UnsupportedType { tensor: w.name.clone(), qtype: format!("{} on {}", w.qtype.name(), backend.name()) });
+            return Err(Error::UnsupportedType {
+                tensor: w.name.clone(),
+                qtype: format!("{} on {}", w.qtype.name(), backend.name()),
+            });
         }
         Ok(Self { model, backend })
     }
@@ -77,7 +85,13 @@ impl<'m> Executor<'m> {
 
     /// Run `tokens` at positions `cache.len()..`, append their keys/values to the cache and return
     /// the logits asked for (`[n][vocab]`, n = 1 for `Last`).
-    pub fn forward(&self, tokens: &[u32], cache: &mut KvCache, plan: &SparsePlan, want: Logits) -> Result<Vec<f32>> {
+    pub fn forward(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        plan: &SparsePlan,
+        want: Logits,
+    ) -> Result<Vec<f32>> {
         let m = self.model;
         let c = &m.config;
         let b = self.backend;
@@ -87,10 +101,17 @@ impl<'m> Executor<'m> {
             return Err(Error::Invalid("forward called with no tokens".into()));
         }
         if pos0 + n > cache.n_ctx {
-            return Err(Error::ContextOverflow { n_tokens: pos0 + n, n_ctx: cache.n_ctx });
+            return Err(Error::ContextOverflow {
+                n_tokens: pos0 + n,
+                n_ctx: cache.n_ctx,
+            });
         }
         if plan.layers.len() != c.n_layers {
-            return Err(Error::BadPlan(format!("{} layer plans for {} layers", plan.layers.len(), c.n_layers)));
+            return Err(Error::BadPlan(format!(
+                "{} layer plans for {} layers",
+                plan.layers.len(),
+                c.n_layers
+            )));
         }
         let (d, qd, kvd, ff) = (c.d_model, c.n_heads * c.head_dim, c.kv_dim(), c.n_ff);
 
@@ -98,7 +119,10 @@ impl<'m> Executor<'m> {
         let embd = m.weight(&m.token_embd);
         for (&t, xt) in tokens.iter().zip(x.chunks_exact_mut(d)) {
             if t as usize >= c.vocab_size {
-                return Err(Error::Invalid(format!("token id {t} out of range (vocab {})", c.vocab_size)));
+                return Err(Error::Invalid(format!(
+                    "token id {t} out of range (vocab {})",
+                    c.vocab_size
+                )));
             }
             b.dequantize_row(&embd, t as usize, xt);
         }
@@ -121,13 +145,40 @@ impl<'m> Executor<'m> {
                 add_bias(&mut k, m.vector(bk), None);
                 add_bias(&mut v, m.vector(bv), None);
             }
-            b.rope(&mut q, c.n_heads, c.head_dim, pos0, c.rope_theta, c.rope_style);
-            b.rope(&mut k, c.n_kv_heads, c.head_dim, pos0, c.rope_theta, c.rope_style);
+            b.rope(
+                &mut q,
+                c.n_heads,
+                c.head_dim,
+                pos0,
+                c.rope_theta,
+                c.rope_style,
+            );
+            b.rope(
+                &mut k,
+                c.n_kv_heads,
+                c.head_dim,
+                pos0,
+                c.rope_theta,
+                c.rope_style,
+            );
             cache.k[l][pos0 * kvd..(pos0 + n) * kvd].copy_from_slice(&k);
             cache.v[l][pos0 * kvd..(pos0 + n) * kvd].copy_from_slice(&v);
-            let shape = AttnShape { n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim, pos0, n_tokens: n };
+            let shape = AttnShape {
+                n_heads: c.n_heads,
+                n_kv_heads: c.n_kv_heads,
+                head_dim: c.head_dim,
+                pos0,
+                n_tokens: n,
+            };
             let end = (pos0 + n) * kvd;
-            b.attention(&q, &cache.k[l][..end], &cache.v[l][..end], &lp.heads, shape, &mut att);
+            b.attention(
+                &q,
+                &cache.k[l][..end],
+                &cache.v[l][..end],
+                &lp.heads,
+                shape,
+                &mut att,
+            );
             self.matmul(&lw.wo, &full_d, &att, &mut o);
             add(&mut x, &o);
 
@@ -143,7 +194,11 @@ impl<'m> Executor<'m> {
         let (start, end) = match want {
             Logits::Last => (n - 1, n),
             Logits::Range(s, e) if s < e && e <= n => (s, e),
-            Logits::Range(s, e) => return Err(Error::Invalid(format!("logit range {s}..{e} outside batch of {n}"))),
+            Logits::Range(s, e) => {
+                return Err(Error::Invalid(format!(
+                    "logit range {s}..{e} outside batch of {n}"
+                )))
+            }
         };
         let xs = &x[start * d..end * d];
         let mut hn = vec![0f32; xs.len()];

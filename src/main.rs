@@ -11,7 +11,11 @@ use dejavu::sparsity::SparsePlan;
 use std::io::{BufRead, Write};
 
 #[derive(Parser)]
-#[command(name = "dejavu", version, about = "CPU-first LLM inference with contextual sparsity (Deja Vu)")]
+#[command(
+    name = "dejavu",
+    version,
+    about = "CPU-first LLM inference with contextual sparsity (Deja Vu)"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -50,7 +54,10 @@ struct ModelArgs {
 impl ModelArgs {
     fn load(&self, n_ctx: Option<usize>) -> Result<Engine> {
         let path = fetch::resolve_model(self.model.as_deref())?;
-        let opts = EngineOptions { threads: self.threads, n_ctx };
+        let opts = EngineOptions {
+            threads: self.threads,
+            n_ctx,
+        };
         Engine::load(&path, &opts).with_context(|| format!("loading {}", path.display()))
     }
 }
@@ -170,7 +177,9 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
     let engine = a.model.load(a.ctx)?;
     let mut sampler = a.sampling.sampler()?;
     let text = if a.chat {
-        engine.tokenizer.apply_chat_template(&[("user".into(), a.prompt.clone())])?
+        engine
+            .tokenizer
+            .apply_chat_template(&[("user".into(), a.prompt.clone())])?
     } else {
         a.prompt.clone()
     };
@@ -178,10 +187,18 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
     let plan = SparsePlan::dense(&engine.model.config);
     let mut cache = engine.new_cache();
     let mut stdout = std::io::stdout().lock();
-    let (_, stats) = generate(&engine, &mut cache, &ids, a.max_tokens, &mut sampler, &plan, |s| {
-        let _ = stdout.write_all(s.as_bytes());
-        let _ = stdout.flush();
-    })?;
+    let (_, stats) = generate(
+        &engine,
+        &mut cache,
+        &ids,
+        a.max_tokens,
+        &mut sampler,
+        &plan,
+        |s| {
+            let _ = stdout.write_all(s.as_bytes());
+            let _ = stdout.flush();
+        },
+    )?;
     writeln!(stdout)?;
     eprintln!(
         "prompt: {} tokens, {:.1} tok/s | decode: {} tokens, {:.1} tok/s | {} threads",
@@ -203,7 +220,11 @@ fn cmd_chat(a: ChatArgs) -> Result<()> {
     let plan = SparsePlan::dense(&engine.model.config);
     let mut cache = engine.new_cache();
     let mut cached: Vec<u32> = Vec::new();
-    let mut messages: Vec<(String, String)> = a.system.iter().map(|s| ("system".into(), s.clone())).collect();
+    let mut messages: Vec<(String, String)> = a
+        .system
+        .iter()
+        .map(|s| ("system".into(), s.clone()))
+        .collect();
     let stdin = std::io::stdin();
     eprintln!("chat with the model; an empty line or end of input quits");
     loop {
@@ -213,15 +234,30 @@ fn cmd_chat(a: ChatArgs) -> Result<()> {
             return Ok(());
         }
         messages.push(("user".into(), line.trim_end().to_string()));
-        let ids = engine.tokenizer.encode(&engine.tokenizer.apply_chat_template(&messages)?)?;
+        let ids = engine
+            .tokenizer
+            .encode(&engine.tokenizer.apply_chat_template(&messages)?)?;
         // Reuse the cached prefix of the conversation; feed only what is new.
-        let common = cached.iter().zip(&ids).take_while(|(a, b)| a == b).count().min(ids.len() - 1);
+        let common = cached
+            .iter()
+            .zip(&ids)
+            .take_while(|(a, b)| a == b)
+            .count()
+            .min(ids.len() - 1);
         cache.truncate(common);
         let mut stdout = std::io::stdout().lock();
-        let (reply, _) = generate(&engine, &mut cache, &ids[common..], a.max_tokens, &mut sampler, &plan, |s| {
-            let _ = stdout.write_all(s.as_bytes());
-            let _ = stdout.flush();
-        })?;
+        let (reply, _) = generate(
+            &engine,
+            &mut cache,
+            &ids[common..],
+            a.max_tokens,
+            &mut sampler,
+            &plan,
+            |s| {
+                let _ = stdout.write_all(s.as_bytes());
+                let _ = stdout.flush();
+            },
+        )?;
         writeln!(stdout)?;
         cached = ids;
         cached.extend(&reply);
@@ -230,15 +266,23 @@ fn cmd_chat(a: ChatArgs) -> Result<()> {
 }
 
 fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
-    let text = std::fs::read_to_string(&a.file).with_context(|| format!("reading {}", a.file.display()))?;
+    let text = std::fs::read_to_string(&a.file)
+        .with_context(|| format!("reading {}", a.file.display()))?;
     let engine = a.model.load(Some(a.ctx))?;
     let tokens = engine.tokenizer.encode(&text)?;
     let plan = SparsePlan::dense(&engine.model.config);
-    eprintln!("{} tokens, {} chunks of {}", tokens.len(), tokens.len() / a.ctx, a.ctx);
+    eprintln!(
+        "{} tokens, {} chunks of {}",
+        tokens.len(),
+        tokens.len() / a.ctx,
+        a.ctx
+    );
     let bar = indicatif::ProgressBar::new((tokens.len() / a.ctx) as u64);
     bar.set_style(
-        indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} chunks, {elapsed} elapsed, eta {eta} {msg}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        indicatif::ProgressStyle::with_template(
+            "{bar:40} {pos}/{len} chunks, {elapsed} elapsed, eta {eta} {msg}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
     let t0 = std::time::Instant::now();
     let r = perplexity(&engine, &tokens, a.ctx, &plan, |i, _, ppl| {
@@ -261,7 +305,13 @@ fn cmd_inspect(path: &std::path::Path) -> Result<()> {
     let f = dejavu_formats::GgufFile::open(path)?;
     let h = &f.header;
     println!("file: {}  ({} bytes)", path.display(), f.file_size());
-    println!("GGUF v{}, {} metadata keys, {} tensors, alignment {}", h.version, h.metadata.len(), h.tensors.len(), h.alignment);
+    println!(
+        "GGUF v{}, {} metadata keys, {} tensors, alignment {}",
+        h.version,
+        h.metadata.len(),
+        h.tensors.len(),
+        h.alignment
+    );
     match dejavu::config::ModelConfig::from_gguf(h) {
         Ok(c) => println!("config: {c:?}"),
         Err(e) => println!("config: not loadable: {e}"),
@@ -270,9 +320,19 @@ fn cmd_inspect(path: &std::path::Path) -> Result<()> {
     for (k, v) in &h.metadata {
         println!("{k:48} {}", v.summary(60).replace('\n', "\\n"));
     }
-    println!("\n## tensors\n{:40} {:6} {:>20} {:>12} {:>12}", "name", "type", "dims", "offset", "bytes");
+    println!(
+        "\n## tensors\n{:40} {:6} {:>20} {:>12} {:>12}",
+        "name", "type", "dims", "offset", "bytes"
+    );
     for t in &h.tensors {
-        println!("{:40} {:6} {:>20} {:>12} {:>12}", t.name, t.ggml_type.name(), format!("{:?}", t.dims), t.start, t.n_bytes);
+        println!(
+            "{:40} {:6} {:>20} {:>12} {:>12}",
+            t.name,
+            t.ggml_type.name(),
+            format!("{:?}", t.dims),
+            t.start,
+            t.n_bytes
+        );
     }
     Ok(())
 }

@@ -24,24 +24,24 @@ pub struct WeightRef {
 /// The weights of one transformer block. Shapes as `[rows, cols]` (rows = outputs).
 #[derive(Debug, Clone)]
 pub struct LayerWeights {
-    pub attn_norm: WeightRef,         // F32 [1, d_model]
-    pub wq: WeightRef,                // [n_heads*head_dim, d_model]
-    pub wk: WeightRef,                // [kv_dim, d_model]
-    pub wv: WeightRef,                // [kv_dim, d_model]
-    pub bq: Option<WeightRef>,        // F32 [1, n_heads*head_dim]
-    pub bk: Option<WeightRef>,        // F32 [1, kv_dim]
-    pub bv: Option<WeightRef>,        // F32 [1, kv_dim]
-    pub wo: WeightRef,                // [d_model, n_heads*head_dim]
-    pub ffn_norm: WeightRef,          // F32 [1, d_model]
-    pub w_gate: WeightRef,            // [n_ff, d_model]
-    pub w_up: WeightRef,              // [n_ff, d_model]
-    pub w_down: WeightRef,            // [d_model, n_ff]
+    pub attn_norm: WeightRef,  // F32 [1, d_model]
+    pub wq: WeightRef,         // [n_heads*head_dim, d_model]
+    pub wk: WeightRef,         // [kv_dim, d_model]
+    pub wv: WeightRef,         // [kv_dim, d_model]
+    pub bq: Option<WeightRef>, // F32 [1, n_heads*head_dim]
+    pub bk: Option<WeightRef>, // F32 [1, kv_dim]
+    pub bv: Option<WeightRef>, // F32 [1, kv_dim]
+    pub wo: WeightRef,         // [d_model, n_heads*head_dim]
+    pub ffn_norm: WeightRef,   // F32 [1, d_model]
+    pub w_gate: WeightRef,     // [n_ff, d_model]
+    pub w_up: WeightRef,       // [n_ff, d_model]
+    pub w_down: WeightRef,     // [d_model, n_ff]
 }
 
 pub struct Model {
     pub file: GgufFile,
     pub config: ModelConfig,
-    pub token_embd: WeightRef, // [vocab, d_model]
+    pub token_embd: WeightRef,  // [vocab, d_model]
     pub output_norm: WeightRef, // F32 [1, d_model]
     /// `output.weight`, or the token embedding when tied. [vocab, d_model]
     pub output: WeightRef,
@@ -58,9 +58,19 @@ impl Model {
         let config = ModelConfig::from_gguf(&file.header)?;
         let c = &config;
         let get = |name: String, shape: [usize; 2]| weight_ref(&file, name, shape);
-        let (d, q_dim, kv, ff, vocab) = (c.d_model, c.n_heads * c.head_dim, c.kv_dim(), c.n_ff, c.vocab_size);
+        let (d, q_dim, kv, ff, vocab) = (
+            c.d_model,
+            c.n_heads * c.head_dim,
+            c.kv_dim(),
+            c.n_ff,
+            c.vocab_size,
+        );
         let token_embd = get(GlobalTensor::TokenEmbd.name(), [vocab, d])?;
-        let output = if c.tied_output { token_embd.clone() } else { get(GlobalTensor::Output.name(), [vocab, d])? };
+        let output = if c.tied_output {
+            token_embd.clone()
+        } else {
+            get(GlobalTensor::Output.name(), [vocab, d])?
+        };
         let output_norm = f32_vec(get(GlobalTensor::OutputNorm.name(), [1, d])?)?;
         let mut layers = Vec::with_capacity(c.n_layers);
         for l in 0..c.n_layers {
@@ -87,13 +97,25 @@ impl Model {
                 w_down: t(LayerTensor::FfnDown, [d, ff])?,
             });
         }
-        Ok(Self { file, config, token_embd, output_norm, output, layers })
+        Ok(Self {
+            file,
+            config,
+            token_embd,
+            output_norm,
+            output,
+            layers,
+        })
     }
 
     /// Borrow a weight's bytes from the mapping (range and size were checked at load).
     pub fn weight(&self, w: &WeightRef) -> Weight<'_> {
         let data = &self.file_bytes()[w.start..w.start + w.n_bytes];
-        Weight { qtype: w.qtype, rows: w.rows, cols: w.cols, data }
+        Weight {
+            qtype: w.qtype,
+            rows: w.rows,
+            cols: w.cols,
+            data,
+        }
     }
 
     /// An F32 vector weight (norm gains, biases) as a slice.
@@ -110,7 +132,10 @@ impl Model {
     pub fn dense_bytes_per_token(&self) -> usize {
         let c = &self.config;
         let per_layer: usize = self.layers.first().map_or(0, |l| {
-            [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down].iter().map(|w| w.n_bytes).sum()
+            [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
+                .iter()
+                .map(|w| w.n_bytes)
+                .sum()
         });
         per_layer * c.n_layers + self.output.n_bytes + self.token_embd.qtype.row_bytes(c.d_model)
     }
@@ -127,29 +152,57 @@ fn quant_type(t: &TensorInfo) -> Result<QuantType> {
         GgmlType::Q5_0 => QuantType::Q5_0,
         GgmlType::Q4K => QuantType::Q4K,
         GgmlType::Q6K => QuantType::Q6K,
-        other => return Err(Error::UnsupportedType { tensor: t.name.clone(), qtype: other.name().into() }),
+        other => {
+            return Err(Error::UnsupportedType {
+                tensor: t.name.clone(),
+                qtype: other.name().into(),
+            })
+        }
     };
     Ok(q)
 }
 
 /// Look up a tensor and check its shape `[rows, cols]` (a 1-D tensor is `[1, n]`).
 fn weight_ref(file: &GgufFile, name: String, [rows, cols]: [usize; 2]) -> Result<WeightRef> {
-    let t = file.tensor(&name).ok_or_else(|| Error::MissingTensor(name.clone()))?;
-    let expected: Vec<u64> = if rows == 1 { vec![cols as u64] } else { vec![cols as u64, rows as u64] };
+    let t = file
+        .tensor(&name)
+        .ok_or_else(|| Error::MissingTensor(name.clone()))?;
+    let expected: Vec<u64> = if rows == 1 {
+        vec![cols as u64]
+    } else {
+        vec![cols as u64, rows as u64]
+    };
     if t.dims != expected {
-        return Err(Error::ShapeMismatch { tensor: name, expected, got: t.dims.clone() });
+        return Err(Error::ShapeMismatch {
+            tensor: name,
+            expected,
+            got: t.dims.clone(),
+        });
     }
     let qtype = quant_type(t)?;
     // The format layer computed n_bytes from its own block table; the backend's must agree.
     if qtype.row_bytes(cols) * rows != t.n_bytes {
-        return Err(Error::BadTensor { tensor: name, reason: "byte size disagrees with its type".into() });
+        return Err(Error::BadTensor {
+            tensor: name,
+            reason: "byte size disagrees with its type".into(),
+        });
     }
-    Ok(WeightRef { name, qtype, rows, cols, start: t.start, n_bytes: t.n_bytes })
+    Ok(WeightRef {
+        name,
+        qtype,
+        rows,
+        cols,
+        start: t.start,
+        n_bytes: t.n_bytes,
+    })
 }
 
 fn f32_vec(w: WeightRef) -> Result<WeightRef> {
     if w.qtype != QuantType::F32 || w.start % 4 != 0 {
-        return Err(Error::BadTensor { tensor: w.name, reason: format!("expected an aligned F32 vector, got {}", w.qtype.name()) });
+        return Err(Error::BadTensor {
+            tensor: w.name,
+            reason: format!("expected an aligned F32 vector, got {}", w.qtype.name()),
+        });
     }
     Ok(w)
 }

@@ -24,14 +24,22 @@ pub fn perplexity(
     mut on_chunk: impl FnMut(usize, usize, f64),
 ) -> Result<PerplexityResult> {
     if ctx < 4 {
-        return Err(Error::Invalid(format!("--ctx {ctx} is too small (at least 4)")));
+        return Err(Error::Invalid(format!(
+            "--ctx {ctx} is too small (at least 4)"
+        )));
     }
     if ctx > engine.n_ctx {
-        return Err(Error::ContextOverflow { n_tokens: ctx, n_ctx: engine.n_ctx });
+        return Err(Error::ContextOverflow {
+            n_tokens: ctx,
+            n_ctx: engine.n_ctx,
+        });
     }
     let n_chunks = tokens.len() / ctx;
     if n_chunks == 0 {
-        return Err(Error::Invalid(format!("the text has {} tokens, fewer than one chunk of {ctx}", tokens.len())));
+        return Err(Error::Invalid(format!(
+            "the text has {} tokens, fewer than one chunk of {ctx}",
+            tokens.len()
+        )));
     }
     let exec = engine.executor();
     let vocab = engine.model.config.vocab_size;
@@ -41,7 +49,8 @@ pub fn perplexity(
     for i in 0..n_chunks {
         let chunk = &tokens[i * ctx..(i + 1) * ctx];
         cache.clear();
-        let logits = engine.install(|| exec.forward(chunk, &mut cache, plan, Logits::Range(first, ctx - 1)))?;
+        let logits = engine
+            .install(|| exec.forward(chunk, &mut cache, plan, Logits::Range(first, ctx - 1)))?;
         for (j, row) in logits.chunks_exact(vocab).enumerate() {
             let target = chunk[first + j + 1] as usize;
             nll_sum += nll(row, target);
@@ -50,12 +59,22 @@ pub fn perplexity(
         on_chunk(i + 1, n_chunks, (nll_sum / n_scored as f64).exp());
     }
     let mean_nll = nll_sum / n_scored as f64;
-    Ok(PerplexityResult { ppl: mean_nll.exp(), n_chunks, n_scored, mean_nll })
+    Ok(PerplexityResult {
+        ppl: mean_nll.exp(),
+        n_chunks,
+        n_scored,
+        mean_nll,
+    })
 }
 
 /// `-log softmax(logits)[target]`, in f64.
 pub fn nll(logits: &[f32], target: usize) -> f64 {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let lse = logits.iter().map(|&l| (l as f64 - max).exp()).sum::<f64>().ln() + max;
+    let lse = logits
+        .iter()
+        .map(|&l| (l as f64 - max).exp())
+        .sum::<f64>()
+        .ln()
+        + max;
     lse - logits[target] as f64
 }

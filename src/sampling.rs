@@ -26,13 +26,24 @@ pub struct SamplerConfig {
 
 impl Default for SamplerConfig {
     fn default() -> Self {
-        Self { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.05, repeat_penalty: 1.0, repeat_last_n: 64, seed: 0 }
+        Self {
+            temperature: 0.8,
+            top_k: 40,
+            top_p: 0.95,
+            min_p: 0.05,
+            repeat_penalty: 1.0,
+            repeat_last_n: 64,
+            seed: 0,
+        }
     }
 }
 
 impl SamplerConfig {
     pub fn greedy() -> Self {
-        Self { temperature: 0.0, ..Self::default() }
+        Self {
+            temperature: 0.0,
+            ..Self::default()
+        }
     }
     pub fn validate(&self) -> Result<(), String> {
         let ok = self.temperature >= 0.0
@@ -70,22 +81,37 @@ impl Sampler {
             seen.dedup();
             for &t in &seen {
                 if let Some(l) = logits.get_mut(t as usize) {
-                    *l = if *l > 0.0 { *l / c.repeat_penalty } else { *l * c.repeat_penalty };
+                    *l = if *l > 0.0 {
+                        *l / c.repeat_penalty
+                    } else {
+                        *l * c.repeat_penalty
+                    };
                 }
             }
         }
         if c.temperature <= 0.0 {
             return argmax(logits);
         }
-        let mut cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
-        let k = if c.top_k == 0 { cand.len() } else { c.top_k.min(cand.len()) };
+        let mut cand: Vec<(u32, f32)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (i as u32, l))
+            .collect();
+        let k = if c.top_k == 0 {
+            cand.len()
+        } else {
+            c.top_k.min(cand.len())
+        };
         if k < cand.len() {
             cand.select_nth_unstable_by(k - 1, |a, b| b.1.total_cmp(&a.1));
             cand.truncate(k);
         }
         cand.sort_by(|a, b| b.1.total_cmp(&a.1));
         let max = cand[0].1;
-        let mut probs: Vec<f32> = cand.iter().map(|&(_, l)| ((l - max) / c.temperature).exp()).collect();
+        let mut probs: Vec<f32> = cand
+            .iter()
+            .map(|&(_, l)| ((l - max) / c.temperature).exp())
+            .collect();
         let sum: f32 = probs.iter().sum();
         probs.iter_mut().for_each(|p| *p /= sum);
         let mut keep = probs.len();
@@ -134,37 +160,69 @@ mod tests {
         let mut l = logits();
         let best = argmax(&l);
         assert_eq!(l[best as usize], 9.9);
-        assert_eq!(Sampler::new(SamplerConfig::greedy()).sample(&mut l, &[]), best);
+        assert_eq!(
+            Sampler::new(SamplerConfig::greedy()).sample(&mut l, &[]),
+            best
+        );
     }
 
     #[test]
     fn same_seed_same_draws_and_filters_hold() {
-        let cfg = SamplerConfig { temperature: 1.5, top_k: 5, top_p: 1.0, min_p: 0.0, seed: 7, ..Default::default() };
+        let cfg = SamplerConfig {
+            temperature: 1.5,
+            top_k: 5,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: 7,
+            ..Default::default()
+        };
         let draw = |cfg: &SamplerConfig| {
             let mut s = Sampler::new(cfg.clone());
-            (0..50).map(|_| s.sample(&mut logits(), &[])).collect::<Vec<_>>()
+            (0..50)
+                .map(|_| s.sample(&mut logits(), &[]))
+                .collect::<Vec<_>>()
         };
         let a = draw(&cfg);
         assert_eq!(a, draw(&cfg));
         let l = logits();
         let mut sorted = l.clone();
         sorted.sort_by(|a, b| b.total_cmp(a));
-        assert!(a.iter().all(|&t| l[t as usize] >= sorted[4]), "top-k 5 violated");
-        assert!(a.iter().collect::<std::collections::HashSet<_>>().len() > 1, "sampling never varied");
-        let other = draw(&SamplerConfig { seed: 8, ..cfg.clone() });
+        assert!(
+            a.iter().all(|&t| l[t as usize] >= sorted[4]),
+            "top-k 5 violated"
+        );
+        assert!(
+            a.iter().collect::<std::collections::HashSet<_>>().len() > 1,
+            "sampling never varied"
+        );
+        let other = draw(&SamplerConfig {
+            seed: 8,
+            ..cfg.clone()
+        });
         assert_ne!(a, other);
         // top-p so small that only the best token survives
-        let only_best = draw(&SamplerConfig { top_p: 0.01, top_k: 0, ..cfg.clone() });
+        let only_best = draw(&SamplerConfig {
+            top_p: 0.01,
+            top_k: 0,
+            ..cfg.clone()
+        });
         assert!(only_best.iter().all(|&t| t == argmax(&l)));
         // min-p 1.0 keeps only the best
-        let only_best = draw(&SamplerConfig { min_p: 1.0, top_k: 0, ..cfg });
+        let only_best = draw(&SamplerConfig {
+            min_p: 1.0,
+            top_k: 0,
+            ..cfg
+        });
         assert!(only_best.iter().all(|&t| t == argmax(&l)));
     }
 
     #[test]
     fn repetition_penalty_demotes_seen_tokens() {
         let mut l = vec![2.0, 1.9, -1.0];
-        let mut s = Sampler::new(SamplerConfig { repeat_penalty: 1.5, ..SamplerConfig::greedy() });
+        let mut s = Sampler::new(SamplerConfig {
+            repeat_penalty: 1.5,
+            ..SamplerConfig::greedy()
+        });
         assert_eq!(s.sample(&mut l, &[0, 2]), 1);
         assert_eq!(l, vec![2.0 / 1.5, 1.9, -1.5]);
     }

@@ -17,16 +17,27 @@ pub struct LayerPlan {
 impl LayerPlan {
     pub fn new(cfg: &ModelConfig, mlp: IndexSet, heads: IndexSet) -> Result<Self> {
         if mlp.universe() != cfg.n_ff {
-            return Err(Error::BadPlan(format!("MLP set over {} neurons, model has {}", mlp.universe(), cfg.n_ff)));
+            return Err(Error::BadPlan(format!(
+                "MLP set over {} neurons, model has {}",
+                mlp.universe(),
+                cfg.n_ff
+            )));
         }
         if heads.universe() != cfg.n_heads {
-            return Err(Error::BadPlan(format!("head set over {} heads, model has {}", heads.universe(), cfg.n_heads)));
+            return Err(Error::BadPlan(format!(
+                "head set over {} heads, model has {}",
+                heads.universe(),
+                cfg.n_heads
+            )));
         }
         let hd = cfg.head_dim;
         let q_rows = if heads.is_full() {
             IndexSet::full(cfg.n_heads * hd)
         } else {
-            let rows = heads.iter().flat_map(|h| (h * hd..(h + 1) * hd).map(|r| r as u32)).collect();
+            let rows = heads
+                .iter()
+                .flat_map(|h| (h * hd..(h + 1) * hd).map(|r| r as u32))
+                .collect();
             IndexSet::new(cfg.n_heads * hd, rows).map_err(|e| Error::BadPlan(e.to_string()))?
         };
         Ok(Self { mlp, heads, q_rows })
@@ -54,18 +65,26 @@ pub struct SparsePlan {
 
 impl SparsePlan {
     pub fn dense(cfg: &ModelConfig) -> Self {
-        Self { layers: vec![LayerPlan::dense(cfg); cfg.n_layers] }
+        Self {
+            layers: vec![LayerPlan::dense(cfg); cfg.n_layers],
+        }
     }
 
     pub fn new(cfg: &ModelConfig, layers: Vec<LayerPlan>) -> Result<Self> {
         if layers.len() != cfg.n_layers {
-            return Err(Error::BadPlan(format!("{} layer plans for {} layers", layers.len(), cfg.n_layers)));
+            return Err(Error::BadPlan(format!(
+                "{} layer plans for {} layers",
+                layers.len(),
+                cfg.n_layers
+            )));
         }
         Ok(Self { layers })
     }
 
     pub fn is_dense(&self) -> bool {
-        self.layers.iter().all(|l| l.mlp.is_full() && l.heads.is_full())
+        self.layers
+            .iter()
+            .all(|l| l.mlp.is_full() && l.heads.is_full())
     }
 
     /// Mean fraction of MLP neurons kept over layers.

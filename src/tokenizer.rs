@@ -39,7 +39,9 @@ impl Tokenizer {
     pub fn from_gguf(h: &GgufHeader) -> Result<Self> {
         let model = meta_str(h, TOK_MODEL)?;
         if model != "gpt2" {
-            return Err(Error::Tokenizer(format!("tokenizer model `{model}` is not supported (only byte-level BPE, `gpt2`)")));
+            return Err(Error::Tokenizer(format!(
+                "tokenizer model `{model}` is not supported (only byte-level BPE, `gpt2`)"
+            )));
         }
         let pre = h.get(TOK_PRE).and_then(|v| v.as_str()).unwrap_or("default");
         let tokens: Vec<String> = string_array(h, TOK_TOKENS)?;
@@ -48,7 +50,11 @@ impl Tokenizer {
             None => vec![1; tokens.len()],
         };
         if types.len() != tokens.len() {
-            return Err(Error::Tokenizer(format!("{} token types for {} tokens", types.len(), tokens.len())));
+            return Err(Error::Tokenizer(format!(
+                "{} token types for {} tokens",
+                types.len(),
+                tokens.len()
+            )));
         }
         let merges: Vec<(String, String)> = string_array(h, TOK_MERGES)?
             .into_iter()
@@ -58,7 +64,11 @@ impl Tokenizer {
                     .ok_or_else(|| Error::Tokenizer(format!("malformed merge `{m}`")))
             })
             .collect::<Result<_>>()?;
-        let vocab: tokenizers::models::bpe::Vocab = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+        let vocab: tokenizers::models::bpe::Vocab = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.clone(), i as u32))
+            .collect();
         let bpe = BPE::builder()
             .vocab_and_merges(vocab, merges)
             .build()
@@ -66,15 +76,25 @@ impl Tokenizer {
         let mut inner = tokenizers::Tokenizer::new(bpe);
         let byte_level = |use_regex| ByteLevel::new(false, true, use_regex);
         let pre_tok: PreTokenizerWrapper = match pre {
-            "smollm" => Sequence::new(vec![Digits::new(true).into(), byte_level(true).into()]).into(),
+            "smollm" => {
+                Sequence::new(vec![Digits::new(true).into(), byte_level(true).into()]).into()
+            }
             "qwen2" => {
                 inner.with_normalizer(Some(NFC));
-                let split = Split::new(SplitPattern::Regex(QWEN2_PATTERN.into()), SplitDelimiterBehavior::Isolated, false)
-                    .map_err(|e| Error::Tokenizer(format!("qwen2 pattern: {e}")))?;
+                let split = Split::new(
+                    SplitPattern::Regex(QWEN2_PATTERN.into()),
+                    SplitDelimiterBehavior::Isolated,
+                    false,
+                )
+                .map_err(|e| Error::Tokenizer(format!("qwen2 pattern: {e}")))?;
                 Sequence::new(vec![split.into(), byte_level(false).into()]).into()
             }
             "default" | "gpt2" | "gpt-2" => byte_level(true).into(),
-            other => return Err(Error::Tokenizer(format!("pre-tokenizer `{other}` is not supported (smollm, qwen2, gpt2)"))),
+            other => {
+                return Err(Error::Tokenizer(format!(
+                    "pre-tokenizer `{other}` is not supported (smollm, qwen2, gpt2)"
+                )))
+            }
         };
         inner.with_pre_tokenizer(Some(pre_tok));
         inner.with_decoder(Some(ByteLevel::default()));
@@ -86,7 +106,12 @@ impl Tokenizer {
             .collect();
         inner.add_special_tokens(&special);
 
-        let id = |key: &str| h.get(key).and_then(|v| v.as_u64()).filter(|&i| (i as usize) < tokens.len()).map(|i| i as u32);
+        let id = |key: &str| {
+            h.get(key)
+                .and_then(|v| v.as_u64())
+                .filter(|&i| (i as usize) < tokens.len())
+                .map(|i| i as u32)
+        };
         let (bos, eos) = (id(TOK_BOS), id(TOK_EOS));
         let mut end_of_generation: Vec<u32> = [eos, id(TOK_EOT)].into_iter().flatten().collect();
         for t in END_OF_TURN {
@@ -96,20 +121,35 @@ impl Tokenizer {
         }
         end_of_generation.sort_unstable();
         end_of_generation.dedup();
-        let chat_template = h.get(CHAT_TEMPLATE).and_then(|v| v.as_str()).map(String::from);
-        Ok(Self { inner, end_of_generation, bos, eos, tokens, chat_template })
+        let chat_template = h
+            .get(CHAT_TEMPLATE)
+            .and_then(|v| v.as_str())
+            .map(String::from);
+        Ok(Self {
+            inner,
+            end_of_generation,
+            bos,
+            eos,
+            tokens,
+            chat_template,
+        })
     }
 
     /// Token ids of `text`; special tokens written in the text (`<|im_start|>`) are recognised; no
     /// BOS is added (neither model of this project wants one).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self.inner.encode(text, false).map_err(|e| Error::Tokenizer(e.to_string()))?;
+        let enc = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| Error::Tokenizer(e.to_string()))?;
         Ok(enc.get_ids().to_vec())
     }
 
     /// Text of `ids`, special tokens skipped.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.inner.decode(ids, true).map_err(|e| Error::Tokenizer(e.to_string()))
+        self.inner
+            .decode(ids, true)
+            .map_err(|e| Error::Tokenizer(e.to_string()))
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -127,15 +167,28 @@ impl Tokenizer {
     /// Render the model's chat template for `messages` (role, content), ending with the assistant's
     /// turn opened (`add_generation_prompt`).
     pub fn apply_chat_template(&self, messages: &[(String, String)]) -> Result<String> {
-        let tpl = self.chat_template.as_deref().ok_or_else(|| Error::Template("the model has no chat template".into()))?;
+        let tpl = self
+            .chat_template
+            .as_deref()
+            .ok_or_else(|| Error::Template("the model has no chat template".into()))?;
         let mut env = minijinja::Environment::new();
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
-        });
-        env.add_template("chat", tpl).map_err(|e| Error::Template(e.to_string()))?;
-        let msgs: Vec<_> = messages.iter().map(|(r, c)| minijinja::context! { role => r, content => c }).collect();
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
+        env.add_template("chat", tpl)
+            .map_err(|e| Error::Template(e.to_string()))?;
+        let msgs: Vec<_> = messages
+            .iter()
+            .map(|(r, c)| minijinja::context! { role => r, content => c })
+            .collect();
         let tok = |i: Option<u32>| i.and_then(|i| self.token_text(i)).unwrap_or("").to_string();
         let ctx = minijinja::context! {
             messages => msgs,
@@ -143,7 +196,9 @@ impl Tokenizer {
             bos_token => tok(self.bos),
             eos_token => tok(self.eos),
         };
-        env.get_template("chat").and_then(|t| t.render(ctx)).map_err(|e| Error::Template(e.to_string()))
+        env.get_template("chat")
+            .and_then(|t| t.render(ctx))
+            .map_err(|e| Error::Template(e.to_string()))
     }
 }
 
@@ -151,11 +206,21 @@ fn meta_str<'a>(h: &'a GgufHeader, key: &str) -> Result<&'a str> {
     h.get(key)
         .ok_or_else(|| Error::MissingKey(key.into()))?
         .as_str()
-        .ok_or_else(|| Error::BadKey { key: key.into(), reason: "not a string".into() })
+        .ok_or_else(|| Error::BadKey {
+            key: key.into(),
+            reason: "not a string".into(),
+        })
 }
 
 fn string_array(h: &GgufHeader, key: &str) -> Result<Vec<String>> {
     let a = h.get(key).ok_or_else(|| Error::MissingKey(key.into()))?;
-    let bad = || Error::BadKey { key: key.into(), reason: "expected an array of strings".into() };
-    a.as_array().ok_or_else(bad)?.iter().map(|v| v.as_str().map(String::from).ok_or_else(bad)).collect()
+    let bad = || Error::BadKey {
+        key: key.into(),
+        reason: "expected an array of strings".into(),
+    };
+    a.as_array()
+        .ok_or_else(bad)?
+        .iter()
+        .map(|v| v.as_str().map(String::from).ok_or_else(bad))
+        .collect()
 }

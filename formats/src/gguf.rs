@@ -207,7 +207,11 @@ impl MetaValue {
     pub fn summary(&self, max: usize) -> String {
         match self {
             MetaValue::String(s) if s.chars().count() > max => {
-                format!("{:?}... ({} chars)", s.chars().take(max).collect::<String>(), s.chars().count())
+                format!(
+                    "{:?}... ({} chars)",
+                    s.chars().take(max).collect::<String>(),
+                    s.chars().count()
+                )
             }
             MetaValue::String(s) => format!("{s:?}"),
             MetaValue::Array(a) if a.len() > 8 => format!("[{} items]", a.len()),
@@ -215,7 +219,11 @@ impl MetaValue {
                 let items: Vec<String> = a.iter().map(|v| v.summary(max)).collect();
                 format!("[{}]", items.join(", "))
             }
-            v => format!("{v:?}").split(['(', ')']).nth(1).unwrap_or_default().to_string(),
+            v => format!("{v:?}")
+                .split(['(', ')'])
+                .nth(1)
+                .unwrap_or_default()
+                .to_string(),
         }
     }
 }
@@ -276,7 +284,10 @@ pub struct GgufFile {
 impl GgufFile {
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref().to_path_buf();
-        let io = |source| FormatError::Io { path: path.clone(), source };
+        let io = |source| FormatError::Io {
+            path: path.clone(),
+            source,
+        };
         let file = std::fs::File::open(&path).map_err(io)?;
         let len = file.metadata().map_err(io)?.len();
         if len == 0 {
@@ -320,14 +331,22 @@ impl<'a> Cursor<'a> {
     }
     fn take(&mut self, n: u64, what: &str) -> Result<&'a [u8]> {
         if n > self.left() {
-            return Err(FormatError::Truncated { what: what.into(), offset: self.pos, need: n, have: self.left() });
+            return Err(FormatError::Truncated {
+                what: what.into(),
+                offset: self.pos,
+                need: n,
+                have: self.left(),
+            });
         }
         let s = &self.buf[self.pos..self.pos + n as usize];
         self.pos += n as usize;
         Ok(s)
     }
     fn array<const N: usize>(&mut self, what: &str) -> Result<[u8; N]> {
-        Ok(self.take(N as u64, what)?.try_into().expect("take returned N bytes"))
+        Ok(self
+            .take(N as u64, what)?
+            .try_into()
+            .expect("take returned N bytes"))
     }
     fn u32(&mut self, what: &str) -> Result<u32> {
         Ok(u32::from_le_bytes(self.array(what)?))
@@ -339,8 +358,14 @@ impl<'a> Cursor<'a> {
     fn count(&mut self, what: &str, min_item_bytes: u64) -> Result<u64> {
         let offset = self.pos;
         let n = self.u64(what)?;
-        if n.checked_mul(min_item_bytes).is_none_or(|b| b > self.left()) {
-            return Err(FormatError::Implausible { what: what.into(), value: n, offset });
+        if n.checked_mul(min_item_bytes)
+            .is_none_or(|b| b > self.left())
+        {
+            return Err(FormatError::Implausible {
+                what: what.into(),
+                value: n,
+                offset,
+            });
         }
         Ok(n)
     }
@@ -358,8 +383,8 @@ fn min_value_bytes(type_id: u32) -> u64 {
         0 | 1 | 7 => 1,
         2 | 3 => 2,
         4..=6 => 4,
-        8 => 8,      // string: u64 length
-        9 => 12,     // array: u32 type + u64 count
+        8 => 8,  // string: u64 length
+        9 => 12, // array: u32 type + u64 count
         10..=12 => 8,
         _ => 1,
     }
@@ -379,11 +404,18 @@ fn read_value(c: &mut Cursor, type_id: u32, depth: u32) -> Result<MetaValue> {
         9 => {
             let offset = c.pos;
             if depth >= MAX_NESTING {
-                return Err(FormatError::Implausible { what: "array nesting depth".into(), value: depth as u64, offset });
+                return Err(FormatError::Implausible {
+                    what: "array nesting depth".into(),
+                    value: depth as u64,
+                    offset,
+                });
             }
             let elem = c.u32("array element type")?;
             if elem > 12 {
-                return Err(FormatError::UnknownValueType { type_id: elem, offset });
+                return Err(FormatError::UnknownValueType {
+                    type_id: elem,
+                    offset,
+                });
             }
             let n = c.count("array length", min_value_bytes(elem))?;
             let mut items = Vec::with_capacity(n as usize);
@@ -395,7 +427,12 @@ fn read_value(c: &mut Cursor, type_id: u32, depth: u32) -> Result<MetaValue> {
         10 => MetaValue::U64(c.u64("u64")?),
         11 => MetaValue::I64(i64::from_le_bytes(c.array("i64")?)),
         12 => MetaValue::F64(f64::from_le_bytes(c.array("f64")?)),
-        t => return Err(FormatError::UnknownValueType { type_id: t, offset: c.pos.saturating_sub(4) }),
+        t => {
+            return Err(FormatError::UnknownValueType {
+                type_id: t,
+                offset: c.pos.saturating_sub(4),
+            })
+        }
     };
     Ok(v)
 }
@@ -453,8 +490,10 @@ pub fn parse(buf: &[u8]) -> Result<GgufHeader> {
             dims.push(c.u64("tensor dimension")?);
         }
         let type_id = c.u32("tensor type")?;
-        let ggml_type = GgmlType::from_id(type_id)
-            .ok_or_else(|| FormatError::UnknownGgmlType { tensor: name.clone(), type_id })?;
+        let ggml_type = GgmlType::from_id(type_id).ok_or_else(|| FormatError::UnknownGgmlType {
+            tensor: name.clone(),
+            type_id,
+        })?;
         let offset = c.u64("tensor offset")?;
         raw.push((name, dims, ggml_type, offset));
     }
@@ -466,7 +505,11 @@ pub fn parse(buf: &[u8]) -> Result<GgufHeader> {
     for (name, dims, ggml_type, offset) in raw {
         let n_bytes = tensor_bytes(&name, &dims, ggml_type)?;
         if offset % alignment != 0 {
-            return Err(FormatError::Misaligned { tensor: name, offset, alignment });
+            return Err(FormatError::Misaligned {
+                tensor: name,
+                offset,
+                alignment,
+            });
         }
         let start = data_start.checked_add(offset);
         let end = start.and_then(|s| s.checked_add(n_bytes));
@@ -475,7 +518,13 @@ pub fn parse(buf: &[u8]) -> Result<GgufHeader> {
                 if tensor_index.insert(name.clone(), tensors.len()).is_some() {
                     return Err(FormatError::DuplicateTensor(name));
                 }
-                tensors.push(TensorInfo { name, dims, ggml_type, start: s as usize, n_bytes: n_bytes as usize });
+                tensors.push(TensorInfo {
+                    name,
+                    dims,
+                    ggml_type,
+                    start: s as usize,
+                    n_bytes: n_bytes as usize,
+                });
             }
             _ => {
                 return Err(FormatError::TensorOutOfBounds {
@@ -487,18 +536,33 @@ pub fn parse(buf: &[u8]) -> Result<GgufHeader> {
             }
         }
     }
-    Ok(GgufHeader { version, metadata, tensors, alignment, data_start: data_start as usize, meta_index, tensor_index })
+    Ok(GgufHeader {
+        version,
+        metadata,
+        tensors,
+        alignment,
+        data_start: data_start as usize,
+        meta_index,
+        tensor_index,
+    })
 }
 
 /// Bytes a tensor of this shape and type occupies; rows must hold whole blocks.
 fn tensor_bytes(name: &str, dims: &[u64], t: GgmlType) -> Result<u64> {
-    let bad = |reason: String| FormatError::BadShape { tensor: name.into(), dims: dims.to_vec(), reason };
+    let bad = |reason: String| FormatError::BadShape {
+        tensor: name.into(),
+        dims: dims.to_vec(),
+        reason,
+    };
     let (block, block_bytes) = t.block_layout();
     if dims.iter().any(|&d| d == 0) {
         return Err(bad("zero-sized dimension".into()));
     }
     if dims[0] % block != 0 {
-        return Err(bad(format!("row length {} is not a multiple of the {t} block size {block}", dims[0])));
+        return Err(bad(format!(
+            "row length {} is not a multiple of the {t} block size {block}",
+            dims[0]
+        )));
     }
     let rows = dims[1..].iter().try_fold(1u64, |a, &d| a.checked_mul(d));
     rows.and_then(|r| r.checked_mul(dims[0] / block))
@@ -508,7 +572,10 @@ fn tensor_bytes(name: &str, dims: &[u64], t: GgmlType) -> Result<u64> {
 
 /// Write a GGUF v3 image (used by tests to craft files, and by tools). Tensors are given as
 /// (name, dims, type, bytes); values as (key, value). Data is laid out with the default alignment.
-pub fn write(metadata: &[(&str, MetaValue)], tensors: &[(&str, &[u64], GgmlType, &[u8])]) -> Vec<u8> {
+pub fn write(
+    metadata: &[(&str, MetaValue)],
+    tensors: &[(&str, &[u64], GgmlType, &[u8])],
+) -> Vec<u8> {
     fn put_str(out: &mut Vec<u8>, s: &str) {
         out.extend((s.len() as u64).to_le_bytes());
         out.extend(s.as_bytes());
@@ -553,7 +620,9 @@ pub fn write(metadata: &[(&str, MetaValue)], tensors: &[(&str, &[u64], GgmlType,
             F64(x) => out.extend(x.to_le_bytes()),
         }
     }
-    let type_ids: HashMap<GgmlType, u32> = (0..64).filter_map(|i| GgmlType::from_id(i).map(|t| (t, i))).collect();
+    let type_ids: HashMap<GgmlType, u32> = (0..64)
+        .filter_map(|i| GgmlType::from_id(i).map(|t| (t, i)))
+        .collect();
     let mut out = Vec::new();
     out.extend(MAGIC);
     out.extend(3u32.to_le_bytes());
@@ -574,7 +643,10 @@ pub fn write(metadata: &[(&str, MetaValue)], tensors: &[(&str, &[u64], GgmlType,
         offset += (data.len() as u64).div_ceil(DEFAULT_ALIGNMENT) * DEFAULT_ALIGNMENT;
     }
     for (_, _, _, data) in tensors {
-        out.resize(out.len().div_ceil(DEFAULT_ALIGNMENT as usize) * DEFAULT_ALIGNMENT as usize, 0);
+        out.resize(
+            out.len().div_ceil(DEFAULT_ALIGNMENT as usize) * DEFAULT_ALIGNMENT as usize,
+            0,
+        );
         out.extend(*data);
     }
     out
@@ -590,7 +662,13 @@ mod tests {
             &[
                 ("general.architecture", MetaValue::String("llama".into())),
                 ("n", MetaValue::U32(7)),
-                ("nested", MetaValue::Array(vec![MetaValue::Array(vec![MetaValue::I8(-1)]), MetaValue::Array(vec![])])),
+                (
+                    "nested",
+                    MetaValue::Array(vec![
+                        MetaValue::Array(vec![MetaValue::I8(-1)]),
+                        MetaValue::Array(vec![]),
+                    ]),
+                ),
                 ("pi", MetaValue::F64(3.5)),
             ],
             &[("w", &[32, 2], GgmlType::F32, &data)],
@@ -627,7 +705,10 @@ mod tests {
         assert!(matches!(parse(&buf), Err(FormatError::BadMagic { .. })));
         let mut buf = sample();
         buf[4] = 1;
-        assert!(matches!(parse(&buf), Err(FormatError::UnsupportedVersion(1))));
+        assert!(matches!(
+            parse(&buf),
+            Err(FormatError::UnsupportedVersion(1))
+        ));
         let mut buf = sample();
         buf[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
         assert!(matches!(parse(&buf), Err(FormatError::Implausible { .. })));

@@ -29,7 +29,10 @@ pub struct SafetensorsFile {
 impl SafetensorsFile {
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref().to_path_buf();
-        let io = |source| FormatError::Io { path: path.clone(), source };
+        let io = |source| FormatError::Io {
+            path: path.clone(),
+            source,
+        };
         let file = std::fs::File::open(&path).map_err(io)?;
         if file.metadata().map_err(io)?.len() == 0 {
             return Err(FormatError::Empty { path });
@@ -37,7 +40,12 @@ impl SafetensorsFile {
         // SAFETY: read-only private mapping; the file is assumed not to change while mapped.
         let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
         let (tensors, metadata) = parse(&mmap)?;
-        Ok(Self { path, tensors, metadata, mmap })
+        Ok(Self {
+            path,
+            tensors,
+            metadata,
+            mmap,
+        })
     }
 
     pub fn data(&self, t: &StTensor) -> &[u8] {
@@ -49,17 +57,25 @@ type Table = (HashMap<String, StTensor>, HashMap<String, String>);
 
 /// Parse and validate a safetensors image into a tensor table with absolute offsets.
 pub fn parse(buf: &[u8]) -> Result<Table> {
-    let st = safetensors::SafeTensors::deserialize(buf).map_err(|e| FormatError::Safetensors(e.to_string()))?;
-    let (header_len, meta) =
-        safetensors::SafeTensors::read_metadata(buf).map_err(|e| FormatError::Safetensors(e.to_string()))?;
+    let st = safetensors::SafeTensors::deserialize(buf)
+        .map_err(|e| FormatError::Safetensors(e.to_string()))?;
+    let (header_len, meta) = safetensors::SafeTensors::read_metadata(buf)
+        .map_err(|e| FormatError::Safetensors(e.to_string()))?;
     let data_start = 8 + header_len;
     let mut tensors = HashMap::new();
     for (name, view) in st.tensors() {
-        let info = meta.info(&name).ok_or_else(|| FormatError::Safetensors(format!("no info for `{name}`")))?;
+        let info = meta
+            .info(&name)
+            .ok_or_else(|| FormatError::Safetensors(format!("no info for `{name}`")))?;
         let (b, e) = info.data_offsets;
         tensors.insert(
             name,
-            StTensor { dtype: view.dtype(), shape: view.shape().to_vec(), start: data_start + b, n_bytes: e - b },
+            StTensor {
+                dtype: view.dtype(),
+                shape: view.shape().to_vec(),
+                start: data_start + b,
+                n_bytes: e - b,
+            },
         );
     }
     let metadata = meta.metadata().clone().unwrap_or_default();

@@ -13,7 +13,12 @@ pub struct Weight<'a> {
 }
 
 impl<'a> Weight<'a> {
-    pub fn new(qtype: QuantType, rows: usize, cols: usize, data: &'a [u8]) -> Result<Self, BackendError> {
+    pub fn new(
+        qtype: QuantType,
+        rows: usize,
+        cols: usize,
+        data: &'a [u8],
+    ) -> Result<Self, BackendError> {
         if cols % qtype.block_len() != 0 {
             return Err(BackendError::Shape(format!(
                 "{qtype:?}: row length {cols} is not a multiple of the block size {}",
@@ -27,7 +32,12 @@ impl<'a> Weight<'a> {
                 data.len()
             )));
         }
-        Ok(Self { qtype, rows, cols, data })
+        Ok(Self {
+            qtype,
+            rows,
+            cols,
+            data,
+        })
     }
     pub fn row(&self, r: usize) -> &'a [u8] {
         let rb = self.qtype.row_bytes(self.cols);
@@ -83,7 +93,15 @@ pub trait Backend: Send + Sync {
 
     /// Rotate each head of `x` (`n_tokens * n_heads * head_dim`), token `t` at position `pos0 + t`.
     #[allow(clippy::too_many_arguments)]
-    fn rope(&self, x: &mut [f32], n_heads: usize, head_dim: usize, pos0: usize, theta: f32, style: RopeStyle);
+    fn rope(
+        &self,
+        x: &mut [f32],
+        n_heads: usize,
+        head_dim: usize,
+        pos0: usize,
+        theta: f32,
+        style: RopeStyle,
+    );
 
     /// SwiGLU: `gate[i] = silu(gate[i]) * up[i]`.
     fn silu_mul(&self, gate: &mut [f32], up: &[f32]);
@@ -91,5 +109,13 @@ pub trait Backend: Send + Sync {
     /// Causal grouped-query attention for the selected query heads. `q`/`out`:
     /// `n_tokens * n_heads * head_dim`; `k_cache`/`v_cache`: `(pos0 + n_tokens) * n_kv_heads * head_dim`
     /// at least. Query head `h` reads kv head `h / (n_heads / n_kv_heads)`.
-    fn attention(&self, q: &[f32], k_cache: &[f32], v_cache: &[f32], heads: &IndexSet, shape: AttnShape, out: &mut [f32]);
+    fn attention(
+        &self,
+        q: &[f32],
+        k_cache: &[f32],
+        v_cache: &[f32],
+        heads: &IndexSet,
+        shape: AttnShape,
+        out: &mut [f32],
+    );
 }

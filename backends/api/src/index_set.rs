@@ -17,25 +17,37 @@ pub enum IndexSetError {
 
 impl IndexSet {
     pub fn full(universe: usize) -> Self {
-        Self { universe, indices: None }
+        Self {
+            universe,
+            indices: None,
+        }
     }
 
     /// A subset; `indices` must be strictly increasing and below `universe`.
     pub fn new(universe: usize, indices: Vec<u32>) -> Result<Self, IndexSetError> {
         for w in indices.windows(2) {
             if w[0] >= w[1] {
-                return Err(IndexSetError::NotSorted { prev: w[0], next: w[1] });
+                return Err(IndexSetError::NotSorted {
+                    prev: w[0],
+                    next: w[1],
+                });
             }
         }
         if let Some(&last) = indices.last() {
             if last as usize >= universe {
-                return Err(IndexSetError::OutOfRange { index: last, universe });
+                return Err(IndexSetError::OutOfRange {
+                    index: last,
+                    universe,
+                });
             }
         }
         if indices.len() == universe {
             return Ok(Self::full(universe));
         }
-        Ok(Self { universe, indices: Some(indices) })
+        Ok(Self {
+            universe,
+            indices: Some(indices),
+        })
     }
 
     /// A subset from any order, with duplicates removed.
@@ -86,8 +98,17 @@ mod tests {
     #[test]
     fn validation() {
         assert!(IndexSet::new(4, vec![0, 2]).is_ok());
-        assert_eq!(IndexSet::new(4, vec![2, 2]), Err(IndexSetError::NotSorted { prev: 2, next: 2 }));
-        assert_eq!(IndexSet::new(4, vec![1, 4]), Err(IndexSetError::OutOfRange { index: 4, universe: 4 }));
+        assert_eq!(
+            IndexSet::new(4, vec![2, 2]),
+            Err(IndexSetError::NotSorted { prev: 2, next: 2 })
+        );
+        assert_eq!(
+            IndexSet::new(4, vec![1, 4]),
+            Err(IndexSetError::OutOfRange {
+                index: 4,
+                universe: 4
+            })
+        );
         assert!(IndexSet::new(3, vec![0, 1, 2]).unwrap().is_full());
         let s = IndexSet::from_unsorted(10, vec![7, 1, 7, 3]).unwrap();
         assert_eq!(s.iter().collect::<Vec<_>>(), vec![1, 3, 7]);

@@ -24,8 +24,9 @@ pub fn attention(q: &[f32], k: &[f32], v: &[f32], heads: &IndexSet, s: AttnShape
         let g = h / group;
         let n_keys = s.pos0 + t + 1;
         let qh = &q[th * hd..(th + 1) * hd];
-        let mut scores: Vec<f32> =
-            (0..n_keys).map(|j| dot_f32(qh, &k[j * kv_stride + g * hd..][..hd]) * scale).collect();
+        let mut scores: Vec<f32> = (0..n_keys)
+            .map(|j| dot_f32(qh, &k[j * kv_stride + g * hd..][..hd]) * scale)
+            .collect();
         let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let mut sum = 0f32;
         for sc in scores.iter_mut() {

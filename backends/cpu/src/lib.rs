@@ -29,13 +29,29 @@ impl Backend for CpuBackend {
     fn rmsnorm(&self, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
         ops::rmsnorm(x, weight, eps, out)
     }
-    fn rope(&self, x: &mut [f32], n_heads: usize, head_dim: usize, pos0: usize, theta: f32, style: RopeStyle) {
+    fn rope(
+        &self,
+        x: &mut [f32],
+        n_heads: usize,
+        head_dim: usize,
+        pos0: usize,
+        theta: f32,
+        style: RopeStyle,
+    ) {
         ops::rope(x, n_heads, head_dim, pos0, theta, style)
     }
     fn silu_mul(&self, gate: &mut [f32], up: &[f32]) {
         ops::silu_mul(gate, up)
     }
-    fn attention(&self, q: &[f32], k: &[f32], v: &[f32], heads: &IndexSet, shape: AttnShape, out: &mut [f32]) {
+    fn attention(
+        &self,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        heads: &IndexSet,
+        shape: AttnShape,
+        out: &mut [f32],
+    ) {
         attention::attention(q, k, v, heads, shape, out)
     }
 }

@@ -26,11 +26,13 @@ pub fn matmul(w: &Weight, rows: &IndexSet, x: &[f32], y: &mut [f32]) {
     }
     for (xt, yt) in x.chunks_exact(w.cols).zip(y.chunks_exact_mut(w.rows)) {
         if rows.is_full() {
-            yt.par_chunks_mut(ROWS_PER_TASK).enumerate().for_each(|(c, ys)| {
-                for (j, yv) in ys.iter_mut().enumerate() {
-                    *yv = dot_row(w.qtype, w.row(c * ROWS_PER_TASK + j), xt);
-                }
-            });
+            yt.par_chunks_mut(ROWS_PER_TASK)
+                .enumerate()
+                .for_each(|(c, ys)| {
+                    for (j, yv) in ys.iter_mut().enumerate() {
+                        *yv = dot_row(w.qtype, w.row(c * ROWS_PER_TASK + j), xt);
+                    }
+                });
         } else {
             let vals: Vec<f32> = (0..rows.len())
                 .into_par_iter()
@@ -51,7 +53,9 @@ fn matmul_gemm(w: &Weight, x: &[f32], y: &mut [f32], n_tok: usize) {
     for r0 in (0..w.rows).step_by(TILE_ROWS) {
         let nr = TILE_ROWS.min(w.rows - r0);
         let tile = &mut tile[..nr * k];
-        tile.par_chunks_mut(k).enumerate().for_each(|(j, out)| dequantize_row(w.qtype, w.row(r0 + j), out));
+        tile.par_chunks_mut(k)
+            .enumerate()
+            .for_each(|(j, out)| dequantize_row(w.qtype, w.row(r0 + j), out));
         // SAFETY: all pointers come from live slices with the stated extents:
         // dst is y viewed as n_tok x w.rows (row stride w.rows), starting at column r0, nr columns;
         // lhs is x (n_tok x k, row stride k); rhs(kk, j) = tile[j * k + kk] (k x nr).

@@ -16,12 +16,24 @@ pub fn rmsnorm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
 
 /// Rotary embedding: for pair `i < head_dim/2` of a head at position `p`, angle
 /// `p * theta^(-2i/head_dim)`; the pair is `(x[2i], x[2i+1])` (Interleaved) or `(x[i], x[i+d/2])` (Neox).
-pub fn rope(x: &mut [f32], n_heads: usize, head_dim: usize, pos0: usize, theta: f32, style: RopeStyle) {
+pub fn rope(
+    x: &mut [f32],
+    n_heads: usize,
+    head_dim: usize,
+    pos0: usize,
+    theta: f32,
+    style: RopeStyle,
+) {
     let half = head_dim / 2;
-    let inv_freq: Vec<f64> = (0..half).map(|i| (theta as f64).powf(-2.0 * i as f64 / head_dim as f64)).collect();
+    let inv_freq: Vec<f64> = (0..half)
+        .map(|i| (theta as f64).powf(-2.0 * i as f64 / head_dim as f64))
+        .collect();
     for (t, xt) in x.chunks_exact_mut(n_heads * head_dim).enumerate() {
         let p = (pos0 + t) as f64;
-        let cs: Vec<(f32, f32)> = inv_freq.iter().map(|f| ((p * f).cos() as f32, (p * f).sin() as f32)).collect();
+        let cs: Vec<(f32, f32)> = inv_freq
+            .iter()
+            .map(|f| ((p * f).cos() as f32, (p * f).sin() as f32))
+            .collect();
         for head in xt.chunks_exact_mut(head_dim) {
             for (i, &(c, s)) in cs.iter().enumerate() {
                 let (a, b) = match style {

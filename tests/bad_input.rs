@@ -1,0 +1,177 @@
+//! Bad input gets a clear message and a non-zero exit, never a panic: crafted model files, missing
+//! files, prompts longer than the context. Checked through the `dejavu` binary.
+mod common;
+use common::*;
+use dejavu_formats::gguf::MetaValue;
+use std::process::Command;
+
+/// Run `dejavu args...`; assert a non-zero exit with an `error:` line containing `needle`.
+fn fails_with(args: &[&str], needle: &str) {
+    let out = Command::new(env!("CARGO_BIN_EXE_dejavu"))
+        .args(args)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{args:?} succeeded");
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{args:?}: exit {:?}, stderr: {stderr}",
+        out.status
+    );
+    assert!(!stderr.contains("panicked"), "{args:?} panicked: {stderr}");
+    assert!(
+        stderr.contains("error:") && stderr.contains(needle),
+        "{args:?}: expected `{needle}` in: {stderr}"
+    );
+}
+
+fn generate_on(bytes: &[u8], needle: &str) {
+    let f = temp_file(bytes);
+    fails_with(
+        &[
+            "generate",
+            "--model",
+            f.path().to_str().unwrap(),
+            "--prompt",
+            "hi",
+            "-n",
+            "2",
+        ],
+        needle,
+    );
+}
+
+#[test]
+fn file_level_errors() {
+    generate_on(b"", "empty");
+    generate_on(b"GGML\x03\0\0\0\0\0\0\0", "not a GGUF file");
+    let good = tiny_llama_gguf(|_, _| {});
+    let mut v = good.clone();
+    v[4] = 9;
+    generate_on(&v, "unsupported GGUF version 9");
+    generate_on(&good[..40], "truncated");
+    generate_on(&good[..good.len() - 100], "past the end of the file");
+    fails_with(
+        &[
+            "generate",
+            "--model",
+            "/nonexistent/model.gguf",
+            "--prompt",
+            "hi",
+        ],
+        "not found",
+    );
+    fails_with(&["inspect", "/nonexistent/model.gguf"], "cannot open");
+    fails_with(
+        &[
+            "perplexity",
+            "--model",
+            "/nonexistent/model.gguf",
+            "--file",
+            "/etc/hostname",
+        ],
+        "not found",
+    );
+}
+
+#[test]
+fn model_level_errors() {
+    let set = |key: &'static str, val: MetaValue| {
+        tiny_llama_gguf(move |meta, _| {
+            meta.iter_mut()
+                .filter(|(k, _)| k == key)
+                .for_each(|(_, v)| *v = val.clone())
+        })
+    };
+    generate_on(
+        &set("general.architecture", MetaValue::String("mamba".into())),
+        "unsupported architecture `mamba`",
+    );
+    generate_on(
+        &set("llama.attention.head_count_kv", MetaValue::U32(3)),
+        "kv heads",
+    );
+    generate_on(
+        &set("tokenizer.ggml.pre", MetaValue::String("mystery".into())),
+        "pre-tokenizer `mystery`",
+    );
+    generate_on(
+        &tiny_llama_gguf(|meta, _| meta.retain(|(k, _)| k != "llama.block_count")),
+        "llama.block_count` is missing",
+    );
+    generate_on(
+        &tiny_llama_gguf(|_, t| t.retain(|(n, ..)| n != "blk.1.ffn_up.weight")),
+        "tensor `blk.1.ffn_up.weight` is missing",
+    );
+    let wrong_shape = tiny_llama_gguf(|_, t| {
+        let w = t
+            .iter_mut()
+            .find(|(n, ..)| n == "blk.0.attn_q.weight")
+            .unwrap();
+        w.1 = vec![32, 128];
+    });
+    generate_on(&wrong_shape, "blk.0.attn_q.weight` has shape [32, 128]");
+    let unsupported = tiny_llama_gguf(|_, t| {
+        let w = t
+            .iter_mut()
+            .find(|(n, ..)| n == "blk.0.ffn_down.weight")
+            .unwrap();
+        w.2 = dejavu_formats::GgmlType::Q5_1; // same 32-element blocks, 24 bytes: resize the data
+        w.3 = vec![0; w.3.len() / 34 * 24];
+    });
+    generate_on(&unsupported, "unsupported weight type Q5_1");
+}
+
+#[test]
+fn prompt_longer_than_context() {
+    let f = temp_file(&tiny_llama_gguf(|_, _| {}));
+    let path = f.path().to_str().unwrap();
+    let long = "x".repeat(TINY.ctx + 10);
+    fails_with(
+        &["generate", "--model", path, "--prompt", &long],
+        "does not fit the context window",
+    );
+    fails_with(
+        &[
+            "generate", "--model", path, "--prompt", "hello", "--ctx", "4",
+        ],
+        "does not fit the context window",
+    );
+    fails_with(
+        &[
+            "generate", "--model", path, "--prompt", "hi", "--ctx", "100000",
+        ],
+        "exceeds the model's",
+    );
+    fails_with(
+        &["generate", "--model", path, "--prompt", ""],
+        "prompt is empty",
+    );
+    fails_with(
+        &[
+            "generate", "--model", path, "--prompt", "hi", "--top-p", "2",
+        ],
+        "invalid sampling",
+    );
+    // And the tiny model does generate within its window.
+    let out = Command::new(env!("CARGO_BIN_EXE_dejavu"))
+        .args([
+            "generate",
+            "--model",
+            path,
+            "--prompt",
+            "hello",
+            "-n",
+            "5",
+            "--temperature",
+            "0",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -1,0 +1,209 @@
+//! Shared helpers of the integration tests: the reference files in ../shared/reference, the real
+//! models (fetched into the cache on first use), and a tiny synthetic model for fast tests.
+#![allow(dead_code)]
+use dejavu::engine::{Engine, EngineOptions};
+use dejavu_formats::gguf::{self, GgmlType, MetaValue};
+use rand::{Rng, SeedableRng};
+use serde::Deserialize;
+use std::path::PathBuf;
+
+pub const SMOLLM2: &str = "smollm2-135m-instruct";
+pub const QWEN: &str = "qwen2.5-coder-0.5b-instruct";
+
+pub fn shared_dir() -> PathBuf {
+    let here = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let dir = here.join("..").join("shared");
+    assert!(
+        dir.join("reference").is_dir(),
+        "../shared/reference not found beside the checkout at {}",
+        dir.display()
+    );
+    dir
+}
+
+#[derive(Deserialize)]
+pub struct Reference {
+    pub perplexity: RefPerplexity,
+    pub greedy: RefGreedy,
+}
+#[derive(Deserialize)]
+pub struct RefPerplexity {
+    pub ctx: usize,
+    pub chunks: usize,
+    pub reference_f32_weights: f64,
+    pub reference_native_quant: f64,
+}
+#[derive(Deserialize)]
+pub struct RefGreedy {
+    pub cases: Vec<RefCase>,
+}
+#[derive(Deserialize)]
+pub struct RefCase {
+    pub prompt: String,
+    pub prompt_ids: Vec<u32>,
+    pub greedy_ids: Vec<u32>,
+    pub steps: Vec<RefStep>,
+}
+#[derive(Deserialize)]
+pub struct RefStep {
+    pub top5: Vec<(u32, f32)>,
+}
+
+pub fn reference(model: &str) -> Reference {
+    let path = shared_dir().join("reference").join(format!("{model}.json"));
+    serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
+}
+
+pub fn public_eval() -> String {
+    std::fs::read_to_string(shared_dir().join("reference").join("public-eval.txt")).unwrap()
+}
+
+pub fn model_path(name: &str) -> PathBuf {
+    dejavu::fetch::fetch(name).unwrap_or_else(|e| panic!("model {name} unavailable: {e}"))
+}
+
+pub fn engine(name: &str) -> Engine {
+    Engine::load(model_path(name), &EngineOptions::default()).unwrap()
+}
+
+/// Shape of the tiny synthetic llama model.
+pub struct Tiny {
+    pub d: usize,
+    pub ff: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub layers: usize,
+    pub ctx: usize,
+}
+
+pub const TINY: Tiny = Tiny {
+    d: 64,
+    ff: 96,
+    heads: 4,
+    kv_heads: 2,
+    layers: 2,
+    ctx: 64,
+};
+
+/// A tiny llama GGUF with random Q8_0/F32 weights and a 256-token byte vocabulary. `edit` may
+/// change metadata and tensors before writing (to craft bad files).
+pub fn tiny_llama_gguf(
+    edit: impl FnOnce(&mut Vec<(String, MetaValue)>, &mut Vec<(String, Vec<u64>, GgmlType, Vec<u8>)>),
+) -> Vec<u8> {
+    let t = TINY;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(99);
+    let vocab = 256;
+    // GPT-2 byte-to-unicode alphabet: printable bytes map to themselves, others to U+0100 + n.
+    let mut tokens = Vec::new();
+    let mut n = 0;
+    for b in 0u32..256 {
+        let printable =
+            (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+        let c = if printable {
+            char::from_u32(b).unwrap()
+        } else {
+            n += 1;
+            char::from_u32(255 + n).unwrap()
+        };
+        tokens.push(MetaValue::String(c.to_string()));
+    }
+    let mut meta: Vec<(String, MetaValue)> = vec![
+        (
+            "general.architecture".into(),
+            MetaValue::String("llama".into()),
+        ),
+        ("llama.block_count".into(), MetaValue::U32(t.layers as u32)),
+        ("llama.embedding_length".into(), MetaValue::U32(t.d as u32)),
+        (
+            "llama.feed_forward_length".into(),
+            MetaValue::U32(t.ff as u32),
+        ),
+        (
+            "llama.attention.head_count".into(),
+            MetaValue::U32(t.heads as u32),
+        ),
+        (
+            "llama.attention.head_count_kv".into(),
+            MetaValue::U32(t.kv_heads as u32),
+        ),
+        ("llama.context_length".into(), MetaValue::U32(t.ctx as u32)),
+        ("llama.rope.freq_base".into(), MetaValue::F32(10000.0)),
+        (
+            "llama.attention.layer_norm_rms_epsilon".into(),
+            MetaValue::F32(1e-5),
+        ),
+        (
+            "tokenizer.ggml.model".into(),
+            MetaValue::String("gpt2".into()),
+        ),
+        (
+            "tokenizer.ggml.pre".into(),
+            MetaValue::String("smollm".into()),
+        ),
+        ("tokenizer.ggml.tokens".into(), MetaValue::Array(tokens)),
+        ("tokenizer.ggml.merges".into(), MetaValue::Array(vec![])),
+    ];
+    let mut tensors = Vec::new();
+    let mut q8 = |name: String, rows: usize, cols: usize, rng: &mut rand_chacha::ChaCha8Rng| {
+        let mut bytes = Vec::new();
+        for _ in 0..rows * cols / 32 {
+            bytes.extend(half::f16::from_f32(0.02).to_le_bytes());
+            bytes.extend((0..32).map(|_| rng.gen_range(-127i8..=127) as u8));
+        }
+        tensors.push((name, vec![cols as u64, rows as u64], GgmlType::Q8_0, bytes));
+    };
+    let hd = t.d / t.heads;
+    q8("token_embd.weight".into(), vocab, t.d, &mut rng);
+    for l in 0..t.layers {
+        q8(format!("blk.{l}.attn_q.weight"), t.d, t.d, &mut rng);
+        q8(
+            format!("blk.{l}.attn_k.weight"),
+            t.kv_heads * hd,
+            t.d,
+            &mut rng,
+        );
+        q8(
+            format!("blk.{l}.attn_v.weight"),
+            t.kv_heads * hd,
+            t.d,
+            &mut rng,
+        );
+        q8(format!("blk.{l}.attn_output.weight"), t.d, t.d, &mut rng);
+        q8(format!("blk.{l}.ffn_gate.weight"), t.ff, t.d, &mut rng);
+        q8(format!("blk.{l}.ffn_up.weight"), t.ff, t.d, &mut rng);
+        q8(format!("blk.{l}.ffn_down.weight"), t.d, t.ff, &mut rng);
+    }
+    let norm = |name: String| {
+        (
+            name,
+            vec![t.d as u64],
+            GgmlType::F32,
+            [1.0f32; 64][..t.d]
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect::<Vec<u8>>(),
+        )
+    };
+    tensors.push(norm("output_norm.weight".into()));
+    for l in 0..t.layers {
+        tensors.push(norm(format!("blk.{l}.attn_norm.weight")));
+        tensors.push(norm(format!("blk.{l}.ffn_norm.weight")));
+    }
+    edit(&mut meta, &mut tensors);
+    let meta_refs: Vec<(&str, MetaValue)> =
+        meta.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+    let tensor_refs: Vec<(&str, &[u64], GgmlType, &[u8])> = tensors
+        .iter()
+        .map(|(n, d, t, b)| (n.as_str(), d.as_slice(), *t, b.as_slice()))
+        .collect();
+    gguf::write(&meta_refs, &tensor_refs)
+}
+
+/// Write bytes to a fresh temporary file and return it (kept alive by the handle).
+pub fn temp_file(bytes: &[u8]) -> tempfile::NamedTempFile {
+    use std::io::Write;
+    let mut f = tempfile::NamedTempFile::new().unwrap();
+    f.write_all(bytes).unwrap();
+    f.flush().unwrap();
+    f
+}
