@@ -259,8 +259,10 @@ fn cmd_chat(a: ChatArgs) -> Result<()> {
             },
         )?;
         writeln!(stdout)?;
+        // What the cache holds now: the prompt and every reply token that was fed back.
         cached = ids;
         cached.extend(&reply);
+        cached.truncate(cache.len());
         messages.push(("assistant".into(), engine.tokenizer.decode(&reply)?));
     }
 }

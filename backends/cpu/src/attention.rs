@@ -42,3 +42,80 @@ pub fn attention(q: &[f32], k: &[f32], v: &[f32], heads: &IndexSet, s: AttnShape
         }
     });
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// Straightforward f64 attention, every head, for checking.
+    fn naive(q: &[f32], k: &[f32], v: &[f32], s: AttnShape) -> Vec<f64> {
+        let hd = s.head_dim;
+        let kvs = s.n_kv_heads * hd;
+        let mut out = vec![0f64; q.len()];
+        for t in 0..s.n_tokens {
+            for h in 0..s.n_heads {
+                let g = h / (s.n_heads / s.n_kv_heads);
+                let qh = &q[(t * s.n_heads + h) * hd..][..hd];
+                let n = s.pos0 + t + 1;
+                let sc: Vec<f64> = (0..n)
+                    .map(|j| {
+                        (0..hd)
+                            .map(|i| qh[i] as f64 * k[j * kvs + g * hd + i] as f64)
+                            .sum::<f64>()
+                            / (hd as f64).sqrt()
+                    })
+                    .collect();
+                let m = sc.iter().cloned().fold(f64::MIN, f64::max);
+                let z: f64 = sc.iter().map(|x| (x - m).exp()).sum();
+                for j in 0..n {
+                    let a = (sc[j] - m).exp() / z;
+                    for i in 0..hd {
+                        out[(t * s.n_heads + h) * hd + i] += a * v[j * kvs + g * hd + i] as f64;
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn matches_naive_with_gqa_offsets_and_head_subsets() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+        for (n_heads, n_kv_heads, head_dim, pos0, n_tokens) in [
+            (4, 2, 8, 0, 5),
+            (6, 3, 16, 7, 1),
+            (2, 2, 4, 0, 1),
+            (9, 3, 64, 30, 3),
+        ] {
+            let s = AttnShape {
+                n_heads,
+                n_kv_heads,
+                head_dim,
+                pos0,
+                n_tokens,
+            };
+            let len = (pos0 + n_tokens) * n_kv_heads * head_dim;
+            let mut r = |n| {
+                (0..n)
+                    .map(|_| rng.gen_range(-1.0f32..1.0))
+                    .collect::<Vec<_>>()
+            };
+            let (q, k, v) = (r(n_tokens * n_heads * head_dim), r(len), r(len));
+            let want = naive(&q, &k, &v, s);
+            let heads = IndexSet::new(n_heads, (0..n_heads as u32).step_by(2).collect()).unwrap();
+            for set in [IndexSet::full(n_heads), heads] {
+                let mut out = vec![f32::NAN; q.len()];
+                attention(&q, &k, &v, &set, s, &mut out);
+                for (i, (&o, &w)) in out.iter().zip(&want).enumerate() {
+                    let h = (i / head_dim) % n_heads;
+                    let w = if set.contains(h) { w } else { 0.0 };
+                    assert!(
+                        (o as f64 - w).abs() < 1e-5,
+                        "shape {s:?} elem {i}: {o} vs {w}"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -54,3 +54,59 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
         *g = *g / (1.0 + (-*g).exp()) * u;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rmsnorm_formula() {
+        let x = [3.0f32, 4.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0];
+        let w = [1.0f32, 2.0, 1.0, 1.0];
+        let mut out = [0f32; 8];
+        rmsnorm(&x, &w, 0.0, &mut out);
+        // token 0: rms = sqrt(25/4) = 2.5
+        assert_eq!(&out[..4], &[1.2, 3.2, 0.0, 0.0]);
+        assert_eq!(&out[4..], &[1.0, 2.0, 1.0, 1.0]);
+    }
+
+    #[test]
+    fn rope_pairs_and_angles() {
+        // head_dim 4, theta 100: pair 0 angle p, pair 1 angle p / 10.
+        let p = 3usize;
+        let x0 = [1.0f32, 2.0, 3.0, 4.0];
+        let rot = |a: f32, b: f32, ang: f64| {
+            let (c, s) = (ang.cos() as f32, ang.sin() as f32);
+            (a * c - b * s, a * s + b * c)
+        };
+        let mut x = x0;
+        rope(&mut x, 1, 4, p, 100.0, RopeStyle::Interleaved);
+        let (a, b) = rot(1.0, 2.0, 3.0);
+        let (c, d) = rot(3.0, 4.0, 0.3);
+        for (got, want) in x.iter().zip([a, b, c, d]) {
+            assert!((got - want).abs() < 1e-6);
+        }
+        let mut x = x0;
+        rope(&mut x, 1, 4, p, 100.0, RopeStyle::Neox);
+        let (a, c) = rot(1.0, 3.0, 3.0);
+        let (b, d) = rot(2.0, 4.0, 0.3);
+        for (got, want) in x.iter().zip([a, b, c, d]) {
+            assert!((got - want).abs() < 1e-6);
+        }
+        // Position 0 is the identity; a batch rotates token t at pos0 + t.
+        let mut x = [x0, x0].concat();
+        rope(&mut x, 1, 4, 0, 100.0, RopeStyle::Neox);
+        assert_eq!(&x[..4], &x0);
+        let mut one = x0;
+        rope(&mut one, 1, 4, 1, 100.0, RopeStyle::Neox);
+        assert_eq!(&x[4..], &one);
+    }
+
+    #[test]
+    fn silu_mul_formula() {
+        let mut g = [0.0f32, 1.0, -2.0];
+        silu_mul(&mut g, &[5.0, 2.0, 1.0]);
+        let silu = |x: f32| x / (1.0 + (-x).exp());
+        assert_eq!(g, [0.0, silu(1.0) * 2.0, silu(-2.0)]);
+    }
+}

@@ -1,0 +1,122 @@
+//! The `dejavu` command line on the default model: the exact forms other tools rely on.
+mod common;
+use common::*;
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+fn dejavu(args: &[&str]) -> (String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_dejavu"))
+        .args(args)
+        .output()
+        .unwrap();
+    let (so, se) = (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    );
+    assert!(out.status.success(), "{args:?} failed: {se}");
+    (so, se)
+}
+
+#[test]
+fn greedy_generate_streams_the_reference_continuation() {
+    let model = model_path(SMOLLM2);
+    let r = reference(SMOLLM2);
+    let case = &r.greedy.cases[0];
+    let (out, err) = dejavu(&[
+        "generate",
+        "-m",
+        model.to_str().unwrap(),
+        "--prompt",
+        &case.prompt,
+        "--max-tokens",
+        "12",
+        "--temperature",
+        "0",
+    ]);
+    // No prompt echo: stdout is the continuation, which decodes the reference's greedy ids.
+    let eng = engine(SMOLLM2);
+    let want = eng.tokenizer.decode(&case.greedy_ids[..12]).unwrap();
+    assert_eq!(out.trim_end_matches('\n'), want);
+    assert!(
+        err.contains("prompt:") && err.contains("decode:") && err.contains("tok/s"),
+        "timing on stderr: {err}"
+    );
+}
+
+#[test]
+fn same_seed_same_text() {
+    let model = model_path(SMOLLM2);
+    let m = model.to_str().unwrap();
+    let run = |seed: &str| {
+        dejavu(&[
+            "generate",
+            "-m",
+            m,
+            "--prompt",
+            "Once upon a time",
+            "-n",
+            "24",
+            "--temperature",
+            "1.0",
+            "--seed",
+            seed,
+            "--threads",
+            "1",
+        ])
+        .0
+    };
+    let a = run("7");
+    assert_eq!(a, run("7"));
+    assert_ne!(a, run("8"));
+}
+
+#[test]
+fn chat_and_inspect_and_perplexity_forms() {
+    let model = model_path(SMOLLM2);
+    let m = model.to_str().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_dejavu"))
+        .args(["chat", "-m", m, "-n", "16", "--temperature", "0"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"What is the capital of France?\nAnd of Italy?\n")
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    let reply = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        reply.lines().filter(|l| !l.trim().is_empty()).count() >= 2,
+        "two replies: {reply}"
+    );
+    assert!(reply.contains("Paris"), "{reply}");
+
+    let (out, _) = dejavu(&["inspect", m]);
+    assert!(out.contains("general.architecture") && out.contains("\"llama\""));
+    assert!(out.contains("blk.29.ffn_down.weight") && out.contains("Q4_1"));
+
+    let text = public_eval();
+    let f = temp_file(&text.as_bytes()[..3000]);
+    let (out, err) = dejavu(&[
+        "perplexity",
+        "-m",
+        m,
+        "--file",
+        f.path().to_str().unwrap(),
+        "--ctx",
+        "128",
+    ]);
+    let last = out.lines().last().unwrap();
+    let ppl: f64 = last
+        .strip_prefix("ppl: ")
+        .expect("last line is `ppl: <value>`")
+        .parse()
+        .unwrap();
+    assert!(ppl > 1.0 && ppl < 100.0, "{ppl}");
+    assert!(err.contains("chunks"));
+}
