@@ -175,3 +175,32 @@ fn prompt_longer_than_context() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[test]
+fn fetch_errors_are_clear() {
+    fails_with(&["fetch", "no-such-model"], "unknown model `no-such-model`");
+    let home = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_dejavu"))
+        .args(["fetch", "smollm2-135m-instruct"])
+        .env("PYTHON", "/nonexistent/python3")
+        .env("DEJAVU_HOME", home.path())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        stderr.contains("install Python 3 with pip") && !stderr.contains("panicked"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn unknown_quant_type_in_a_model_file() {
+    let mut bytes = tiny_llama_gguf(|_, _| {});
+    // Rewrite the type id (8 = Q8_0) of the first tensor entry, token_embd.weight, to 99.
+    let name = b"token_embd.weight";
+    let at = bytes.windows(name.len()).position(|w| w == name).unwrap() + name.len() + 4 + 2 * 8;
+    assert_eq!(bytes[at..at + 4], 8u32.to_le_bytes());
+    bytes[at..at + 4].copy_from_slice(&99u32.to_le_bytes());
+    generate_on(&bytes, "unknown ggml type id 99");
+}
