@@ -4,6 +4,8 @@
 //! not model quality. Run: `cargo bench --bench kernels`.
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use dejavu_backend_api::{IndexSet, QuantType, Weight};
+use dejavu_backend_cpu::isa::Isa;
+use dejavu_backend_cpu::kernels::table::Kernels;
 use dejavu_backend_cpu::matmul::matmul;
 use half::f16;
 
@@ -36,9 +38,13 @@ fn synthetic(qtype: QuantType, rows: usize, cols: usize) -> Vec<u8> {
 }
 
 fn matvec(c: &mut Criterion) {
-    // SmolLM2's ffn_up (1536 x 576) and Qwen2.5's (4864 x 896).
-    for (rows, cols) in [(1536, 576), (4864, 896)] {
-        let mut g = c.benchmark_group(format!("matvec_{rows}x{cols}"));
+    // SmolLM2's ffn_up (1536 x 576) and Qwen2.5's (4864 x 896), on every ISA tier this CPU has.
+    for (isa, (rows, cols)) in Isa::supported()
+        .into_iter()
+        .flat_map(|i| [(1536, 576), (4864, 896)].map(|s| (i, s)))
+    {
+        let k = Kernels::for_isa(isa).unwrap();
+        let mut g = c.benchmark_group(format!("matvec_{rows}x{cols}_{isa}"));
         for qtype in QuantType::ALL {
             let data = synthetic(qtype, rows, cols);
             let w = Weight::new(qtype, rows, cols, &data).unwrap();
@@ -47,7 +53,7 @@ fn matvec(c: &mut Criterion) {
             let all = IndexSet::full(rows);
             g.throughput(Throughput::Bytes(data.len() as u64));
             g.bench_function(BenchmarkId::from_parameter(qtype.name()), |b| {
-                b.iter(|| matmul(&w, &all, &x, &mut y))
+                b.iter(|| matmul(&k, &w, &all, &x, &mut y))
             });
         }
         g.finish();
@@ -60,10 +66,11 @@ fn prefill(c: &mut Criterion) {
     let w = Weight::new(QuantType::Q4_1, rows, cols, &data).unwrap();
     let x: Vec<f32> = (0..n_tok * cols).map(|i| (i as f32 * 0.37).sin()).collect();
     let mut y = vec![0f32; n_tok * rows];
+    let k = Kernels::for_isa(Isa::detect()).unwrap();
     let mut g = c.benchmark_group("matmul_q4_1_1536x576");
     g.throughput(Throughput::Elements((2 * rows * cols * n_tok) as u64));
     g.bench_function(BenchmarkId::new("tokens", n_tok), |b| {
-        b.iter(|| matmul(&w, &IndexSet::full(rows), &x, &mut y))
+        b.iter(|| matmul(&k, &w, &IndexSet::full(rows), &x, &mut y))
     });
     g.finish();
 }

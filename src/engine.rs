@@ -57,7 +57,7 @@ impl Engine {
             .num_threads(threads)
             .build()
             .map_err(|e| Error::Invalid(format!("thread pool: {e}")))?;
-        let backend = CpuBackend;
+        let backend = CpuBackend::new()?;
         Executor::new(&model, &backend)?;
         Ok(Self {
             model,

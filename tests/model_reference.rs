@@ -1,25 +1,40 @@
 //! The engine on the real models against ../shared/reference (an independent mature engine, f32
 //! weights): tokenizer ids, teacher-forced logits, incremental decoding, perplexity.
 //!
-//! Logit tolerance, derived: we compute with the same f32-dequantized weights and f32 arithmetic
-//! as the reference, so the only differences are summation order and transcendental rounding.
-//! Each dot product of length n <= 4864 carries a relative error up to ~n * 2^-24 ~ 3e-4 of its
-//! absolute sum in the worst case, typically sqrt(n) * 2^-24 ~ 4e-6; through 24-30 residual layers
-//! and the 0.5-1.0 KB output dot this stays well under 0.1 logit units on logits of magnitude
-//! 10-35. We assert |ours - ref| <= 0.05 + 0.002 * |ref| (measured worst case is printed by the test).
+//! Logit tolerances, derived:
+//! - Batch (prefill) path: f32 activations on f32-dequantized weights, as the reference, so only
+//!   summation order and transcendental rounding differ. A dot of length n <= 4864 carries a
+//!   relative error of typically sqrt(n) * 2^-24 ~ 4e-6 of its absolute sum; through 24-30 residual
+//!   layers this stays well under 0.1 on logits of magnitude 10-35. We assert
+//!   |ours - ref| <= 0.05 + 0.002 |ref| (measured worst: 0.013 SmolLM2, 0.019 Qwen).
+//! - Decode path: activations are quantized to 8 bits per block of 32 (as llama.cpp does), each
+//!   value moving by up to max|block| / 254; with the outlier channels of these models that is a
+//!   ~1% perturbation per matmul, compounded over the layers. Logits are compared relative to the
+//!   reference top-1 logit (softmax ignores a common shift): within 1.0 (measured worst: 0.70
+//!   SmolLM2, 0.29 Qwen), absolute within 1.5, and the top-1 rule must still hold. The quality
+//!   cost is small: the decode path's perplexity on public-eval.txt (one token at a time, 11
+//!   chunks) measured 13.3353 for SmolLM2 against 13.3105 (f32) and 13.3712 (native) references.
 mod common;
 use common::*;
 use dejavu::executor::Logits;
 use dejavu::sampling::argmax;
 use dejavu::sparsity::SparsePlan;
 
-fn check_model(name: &str) {
+/// How the teacher-forced sequence is fed: one batch (prefill kernels, f32 activations) or one
+/// token at a time (decode kernels, 8-bit quantized activations for quantized weights).
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Feed {
+    Batch,
+    TokenByToken,
+}
+
+fn check_model(name: &str, feed: Feed, abs_tol: f32, rel_tol: f32, shift_tol: f32) {
     let eng = engine(name);
     let r = reference(name);
     let exec = eng.executor();
     let plan = SparsePlan::dense(&eng.model.config);
     let vocab = eng.model.config.vocab_size;
-    let mut worst = 0f32;
+    let (mut worst, mut worst_rel) = (0f32, 0f32);
     let (mut checked_top1, mut skipped_top1) = (0, 0);
     for case in &r.greedy.cases {
         assert_eq!(
@@ -33,9 +48,20 @@ fn check_model(name: &str) {
         seq.extend(&case.greedy_ids[..case.steps.len() - 1]);
         let p = case.prompt_ids.len();
         let mut cache = eng.new_cache();
-        let logits = eng
-            .install(|| exec.forward(&seq, &mut cache, &plan, Logits::Range(p - 1, seq.len())))
-            .unwrap();
+        let logits: Vec<f32> = match feed {
+            Feed::Batch => eng
+                .install(|| exec.forward(&seq, &mut cache, &plan, Logits::Range(p - 1, seq.len())))
+                .unwrap(),
+            Feed::TokenByToken => {
+                eng.install(|| exec.forward(&seq[..p - 1], &mut cache, &plan, Logits::Last))
+                    .unwrap();
+                let mut step = |t: u32| {
+                    eng.install(|| exec.forward(&[t], &mut cache, &plan, Logits::Last))
+                        .unwrap()
+                };
+                seq[p - 1..].iter().flat_map(|&t| step(t)).collect()
+            }
+        };
         for (i, step) in case.steps.iter().enumerate() {
             let row = &logits[i * vocab..(i + 1) * vocab];
             let margin = step.top5[0].1 - step.top5[1].1;
@@ -43,45 +69,55 @@ fn check_model(name: &str) {
                 assert_eq!(
                     argmax(row),
                     step.top5[0].0,
-                    "{name} {:?} step {i}: top-1 differs",
+                    "{name} {feed:?} {:?} step {i}: top-1 differs",
                     case.prompt
                 );
                 checked_top1 += 1;
             } else {
                 skipped_top1 += 1;
             }
+            // Logits are compared relative to the reference's top-1 token, since softmax ignores
+            // a common shift of all logits.
+            let (top_id, top_want) = step.top5[0];
+            let top_got = row[top_id as usize];
             for &(id, want) in &step.top5 {
                 let got = row[id as usize];
                 let err = (got - want).abs();
+                let rel_err = ((got - top_got) - (want - top_want)).abs();
                 worst = worst.max(err);
+                worst_rel = worst_rel.max(rel_err);
                 assert!(
-                    err <= 0.05 + 0.002 * want.abs(),
-                    "{name} {:?} step {i} token {id}: {got} vs {want}",
+                    err <= abs_tol + rel_tol * want.abs() && rel_err <= shift_tol,
+                    "{name} {feed:?} {:?} step {i} token {id}: {got} vs {want} (relative to top-1: {rel_err})",
                     case.prompt
                 );
             }
         }
     }
-    eprintln!("{name}: worst top-5 logit error {worst:.5}; top-1 checked at {checked_top1} steps, {skipped_top1} under margin");
+    eprintln!("{name} {feed:?}: worst top-5 logit error {worst:.5}, relative to top-1 {worst_rel:.5}; top-1 checked at {checked_top1} steps, {skipped_top1} under margin");
 }
 
 #[test]
 fn smollm2_matches_reference() {
-    check_model(SMOLLM2);
+    check_model(SMOLLM2, Feed::Batch, 0.05, 0.002, 0.05);
+    check_model(SMOLLM2, Feed::TokenByToken, 1.5, 0.0, 1.0);
 }
 
 #[test]
 fn qwen_matches_reference() {
-    check_model(QWEN);
+    check_model(QWEN, Feed::Batch, 0.05, 0.002, 0.05);
+    check_model(QWEN, Feed::TokenByToken, 1.5, 0.0, 1.0);
 }
 
-/// Token-by-token decoding through the KV cache gives the logits of the batched forward pass
-/// (different kernels: per-row dots vs dequantized gemm; tolerance for summation order).
+/// Token-by-token decoding through the KV cache gives the logits of the batched forward pass.
+/// Both run on the f32 reference backend, so only summation order differs (per-row dots vs
+/// dequantized gemm); the integer decode kernels are checked against the reference above.
 #[test]
 fn incremental_decode_matches_batch() {
+    let backend = dejavu_backend_cpu::CpuBackend::f32_reference();
     for name in [SMOLLM2, QWEN] {
         let eng = engine(name);
-        let exec = eng.executor();
+        let exec = dejavu::executor::Executor::new(&eng.model, &backend).unwrap();
         let plan = SparsePlan::dense(&eng.model.config);
         let vocab = eng.model.config.vocab_size;
         let case = &reference(name).greedy.cases[1];

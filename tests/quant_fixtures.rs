@@ -5,8 +5,13 @@
 //! Tolerances: dequantization is the same f32 arithmetic (`d * q (+ m)`), so it must agree to 1 ulp
 //! of the value (we allow 1e-6 relative to the block's largest magnitude). Dot products of 512
 //! terms are accumulated in f32 in a different order than the float64 reference: the error bound
-//! is ~n * eps * sum|w_i x_i| = 512 * 6e-8 * sum|w x|; we allow 3e-5 * sum|w x|.
+//! is ~n * eps * sum|w_i x_i| = 512 * 6e-8 * sum|w x|; we allow 3e-5 * sum|w x|. The decode path
+//! quantizes activations to 8 bits (Q8A) for quantized weights: each activation moves by at most
+//! max|x_block| / 254, so there we allow sum_blocks(sum|w| * max|x_block|) / 254 on top.
+use dejavu_backend_api::quant::QK;
 use dejavu_backend_api::{IndexSet, QuantType, Weight};
+use dejavu_backend_cpu::isa::Isa;
+use dejavu_backend_cpu::kernels::table::Kernels;
 use dejavu_backend_cpu::{dequant, matmul, vec_dot};
 use dejavu_formats::GgufFile;
 
@@ -59,30 +64,43 @@ fn dequantize_and_dot_match_ggml_reference() {
                 dots[r]
             );
         }
-        // The matmul paths (per-row dots for one token, dequantized tiles + gemm for a batch) agree
-        // with the reference too: a batch of GEMM_MIN_TOKENS copies of x.
+        // The matmul paths, under every ISA tier this CPU has: per-row dots for one token
+        // (quantized activations for quantized types), dequantized tiles + gemm for a batch.
         let n = matmul::GEMM_MIN_TOKENS;
         let xs: Vec<f32> = x.iter().cycle().take(n * cols).copied().collect();
-        let mut y = vec![0f32; n * w.rows];
-        matmul::matmul(&w, &IndexSet::full(w.rows), &xs, &mut y);
-        let mut y1 = vec![0f32; w.rows];
-        matmul::matmul(&w, &IndexSet::full(w.rows), &x, &mut y1);
-        for r in 0..w.rows {
-            let mag: f32 = deq[r * cols..(r + 1) * cols]
-                .iter()
-                .zip(&x)
-                .map(|(w, x)| (w * x).abs())
-                .sum();
-            for t in 0..n {
+        let float = matches!(qtype, QuantType::F32 | QuantType::F16 | QuantType::BF16);
+        for isa in Isa::supported() {
+            let k = Kernels::for_isa(isa).unwrap();
+            let mut y = vec![0f32; n * w.rows];
+            matmul::matmul(&k, &w, &IndexSet::full(w.rows), &xs, &mut y);
+            let mut y1 = vec![0f32; w.rows];
+            matmul::matmul(&k, &w, &IndexSet::full(w.rows), &x, &mut y1);
+            for r in 0..w.rows {
+                let wr = &deq[r * cols..(r + 1) * cols];
+                let mag: f32 = wr.iter().zip(&x).map(|(w, x)| (w * x).abs()).sum();
+                let q8: f32 = wr
+                    .chunks(QK)
+                    .zip(x.chunks(QK))
+                    .map(|(w, xb)| {
+                        w.iter().map(|v| v.abs()).sum::<f32>()
+                            * xb.iter().fold(0f32, |m, v| m.max(v.abs()))
+                            / 254.0
+                    })
+                    .sum();
+                for t in 0..n {
+                    assert!(
+                        (y[t * w.rows + r] - dots[r]).abs() <= 3e-5 * mag,
+                        "{name} {isa} gemm row {r}"
+                    );
+                }
+                let tol = 3e-5 * mag + if float { 0.0 } else { q8 };
                 assert!(
-                    (y[t * w.rows + r] - dots[r]).abs() <= 3e-5 * mag,
-                    "{name} gemm row {r}"
+                    (y1[r] - dots[r]).abs() <= tol,
+                    "{name} {isa} matvec row {r}: {} vs {}",
+                    y1[r],
+                    dots[r]
                 );
             }
-            assert!(
-                (y1[r] - dots[r]).abs() <= 3e-5 * mag,
-                "{name} matvec row {r}"
-            );
         }
     }
 }
@@ -93,10 +111,13 @@ fn subset_matmul_is_masked_dense() {
     let x = f32s(&f, "x");
     let t = f.tensor("Q4_K.q").unwrap();
     let w = Weight::new(QuantType::Q4K, t.n_rows(), t.row_len(), f.data(t)).unwrap();
-    let mut dense = vec![0f32; w.rows];
-    matmul::matmul(&w, &IndexSet::full(w.rows), &x, &mut dense);
-    let rows = IndexSet::new(w.rows, vec![0, 2]).unwrap();
-    let mut sparse = vec![f32::NAN; w.rows];
-    matmul::matmul(&w, &rows, &x, &mut sparse);
-    assert_eq!(sparse, vec![dense[0], 0.0, dense[2]]);
+    for isa in Isa::supported() {
+        let k = Kernels::for_isa(isa).unwrap();
+        let mut dense = vec![0f32; w.rows];
+        matmul::matmul(&k, &w, &IndexSet::full(w.rows), &x, &mut dense);
+        let rows = IndexSet::new(w.rows, vec![0, 2]).unwrap();
+        let mut sparse = vec![f32::NAN; w.rows];
+        matmul::matmul(&k, &w, &rows, &x, &mut sparse);
+        assert_eq!(sparse, vec![dense[0], 0.0, dense[2]], "{isa}");
+    }
 }

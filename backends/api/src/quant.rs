@@ -156,3 +156,16 @@ pub fn q4k_scale_min(j: usize, s: &[u8; 12]) -> (u8, u8) {
         )
     }
 }
+
+/// Activations quantized for integer dot products: 32 values `x[i] ~= d * qs[i]` with
+/// `d = max|x| / 127`, plus `sum = sum(qs)` (lets offset formats such as Q4_0 and Q4_1 fold their
+/// offset into one multiply). One format serves every weight type; K-quants use 8 per super-block.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Pod, Zeroable)]
+pub struct BlockQ8A {
+    pub d: f32,
+    pub sum: i32,
+    pub qs: [i8; QK],
+}
+
+const _: () = assert!(size_of::<BlockQ8A>() == 40);

@@ -1,27 +1,69 @@
-//! The CPU backend. Kernels live one operation per file, each with its scalar reference
-//! (`dequant`, `vec_dot`, `matmul`, `ops`, `attention`); per-ISA tiers dispatched at run time
-//! plug in beside the references.
+//! The CPU backend. Kernels live one operation per file, each with its scalar reference: the
+//! f32 references (`dequant`, `vec_dot`, `ops`, `attention`) and the per-ISA integer kernels
+//! (`kernels/`, chosen at run time by `isa`); `matmul` drives them.
 pub mod attention;
 pub mod dequant;
+pub mod isa;
+pub mod kernels;
 pub mod matmul;
 pub mod ops;
 pub mod vec_dot;
 
-use dejavu_backend_api::{AttnShape, Backend, IndexSet, QuantType, RopeStyle, Weight};
+use dejavu_backend_api::{
+    AttnShape, Backend, BackendError, IndexSet, QuantType, RopeStyle, Weight,
+};
+use isa::Isa;
+use kernels::table::Kernels;
 
-/// CPU backend; threads come from the rayon pool the caller installs.
-#[derive(Debug, Default, Clone)]
-pub struct CpuBackend;
+/// CPU backend: the kernel table of one ISA tier; threads come from the rayon pool the caller
+/// installs.
+pub struct CpuBackend {
+    kernels: &'static Kernels,
+}
+
+impl CpuBackend {
+    /// The backend on the process's tier: `DEJAVU_ISA` if set, else the best this CPU has.
+    pub fn new() -> Result<Self, BackendError> {
+        let kernels = kernels::table::kernels().map_err(|e| BackendError::Unsupported {
+            backend: "cpu".into(),
+            what: e.to_string(),
+        })?;
+        Ok(Self { kernels })
+    }
+
+    /// The backend on a given tier (tests compare tiers); an error if this CPU lacks it.
+    pub fn with_isa(isa: Isa) -> Result<Self, BackendError> {
+        let k = Kernels::for_isa(isa).ok_or_else(|| BackendError::Unsupported {
+            backend: "cpu".into(),
+            what: format!("ISA tier {isa} on this CPU"),
+        })?;
+        Ok(Self {
+            kernels: Box::leak(Box::new(k)),
+        })
+    }
+
+    /// The f32 reference backend: every matmul on f32 activations and dequantized weights, in
+    /// decode as in prefill (see `Kernels::f32_reference`). For tests and accuracy studies.
+    pub fn f32_reference() -> Self {
+        Self {
+            kernels: Box::leak(Box::new(Kernels::f32_reference())),
+        }
+    }
+
+    pub fn isa(&self) -> Isa {
+        self.kernels.isa
+    }
+}
 
 impl Backend for CpuBackend {
     fn name(&self) -> String {
-        "cpu (scalar reference)".into()
+        format!("cpu ({})", self.kernels.isa)
     }
     fn supports(&self, _qtype: QuantType) -> bool {
         true
     }
     fn matmul(&self, w: &Weight, rows: &IndexSet, x: &[f32], y: &mut [f32]) {
-        matmul::matmul(w, rows, x, y)
+        matmul::matmul(self.kernels, w, rows, x, y)
     }
     fn dequantize_row(&self, w: &Weight, r: usize, out: &mut [f32]) {
         dequant::dequantize_row(w.qtype, w.row(r), out)

@@ -1,22 +1,32 @@
 //! `y[t][r] = dot(W[r], x[t])` over a subset of rows (see `Backend::matmul`).
 //!
-//! Two paths with one meaning:
-//! - few tokens (decode) or a row subset: one `dot_row` per (token, row), rayon over rows;
-//! - many tokens with every row (prefill): dequantize tiles of rows to f32 and multiply them with
-//!   the `gemm` crate. Both compute in f32 on the dequantized weights, so they agree to rounding.
+//! Two paths:
+//! - few tokens (decode) or a row subset: each token's activations are quantized once to Q8A
+//!   (for quantized weights) and every selected row is dotted with the tier's integer kernel,
+//!   rayon over row blocks;
+//! - many tokens with every row (prefill): tiles of rows are dequantized to f32 and multiplied
+//!   with the `gemm` crate (f32 activations).
 use crate::dequant::dequantize_row;
-use crate::vec_dot::dot_row;
+use crate::kernels::table::{Kernels, RowDot};
+use dejavu_backend_api::quant::{BlockQ8A, QK};
 use dejavu_backend_api::{IndexSet, Weight};
 use rayon::prelude::*;
+use std::cell::RefCell;
 
 /// From this many tokens on, a dense matmul goes through dequantized tiles and `gemm`.
 pub const GEMM_MIN_TOKENS: usize = 4;
 /// Rows per dequantized tile (tile size = TILE_ROWS * cols * 4 bytes).
 const TILE_ROWS: usize = 512;
 /// Rows per rayon task on the dot path.
-const ROWS_PER_TASK: usize = 16;
+const ROWS_PER_TASK: usize = 32;
 
-pub fn matmul(w: &Weight, rows: &IndexSet, x: &[f32], y: &mut [f32]) {
+thread_local! {
+    /// Quantized activations of the calling thread, reused across calls (no per-call allocation
+    /// once grown to the widest input).
+    static ACT: RefCell<Vec<BlockQ8A>> = const { RefCell::new(Vec::new()) };
+}
+
+pub fn matmul(k: &Kernels, w: &Weight, rows: &IndexSet, x: &[f32], y: &mut [f32]) {
     let n_tok = x.len() / w.cols;
     debug_assert_eq!(x.len(), n_tok * w.cols);
     debug_assert_eq!(y.len(), n_tok * w.rows);
@@ -25,25 +35,60 @@ pub fn matmul(w: &Weight, rows: &IndexSet, x: &[f32], y: &mut [f32]) {
         return matmul_gemm(w, x, y, n_tok);
     }
     for (xt, yt) in x.chunks_exact(w.cols).zip(y.chunks_exact_mut(w.rows)) {
-        if rows.is_full() {
-            yt.par_chunks_mut(ROWS_PER_TASK)
-                .enumerate()
-                .for_each(|(c, ys)| {
-                    for (j, yv) in ys.iter_mut().enumerate() {
-                        *yv = dot_row(w.qtype, w.row(c * ROWS_PER_TASK + j), xt);
-                    }
-                });
-        } else {
-            let vals: Vec<f32> = (0..rows.len())
-                .into_par_iter()
-                .with_min_len(ROWS_PER_TASK)
-                .map(|i| dot_row(w.qtype, w.row(rows.get(i)), xt))
-                .collect();
-            yt.fill(0.0);
-            for (i, v) in vals.into_iter().enumerate() {
-                yt[rows.get(i)] = v;
-            }
+        match k.dot(w.qtype) {
+            RowDot::F32(dot) => rows_dot(w, rows, yt, |r| dot(r, xt)),
+            RowDot::Q8A(dot) => ACT.with_borrow_mut(|act| {
+                act.resize(
+                    w.cols / QK,
+                    BlockQ8A {
+                        d: 0.0,
+                        sum: 0,
+                        qs: [0; QK],
+                    },
+                );
+                (k.quantize)(xt, act);
+                let act = &act[..];
+                rows_dot(w, rows, yt, |r| dot(r, act))
+            }),
         }
+    }
+}
+
+/// `y[r] = dot(row r)` for selected rows, 0 elsewhere; rayon over blocks of rows.
+fn rows_dot(w: &Weight, rows: &IndexSet, y: &mut [f32], dot: impl Fn(&[u8]) -> f32 + Sync) {
+    if rows.is_full() {
+        y.par_chunks_mut(ROWS_PER_TASK)
+            .enumerate()
+            .for_each(|(c, ys)| {
+                for (j, yv) in ys.iter_mut().enumerate() {
+                    *yv = dot(w.row(c * ROWS_PER_TASK + j));
+                }
+            });
+        return;
+    }
+    y.fill(0.0);
+    let y = SyncPtr(y.as_mut_ptr());
+    (0..rows.len())
+        .into_par_iter()
+        .with_min_len(ROWS_PER_TASK)
+        .for_each(|i| {
+            let r = rows.get(i);
+            // SAFETY: IndexSet entries are unique and < w.rows == y.len(), so each task writes a
+            // distinct element of `y`, which outlives this parallel loop.
+            unsafe { *y.get().add(r) = dot(w.row(r)) };
+        });
+}
+
+/// A raw pointer that may cross threads; users guarantee disjoint writes.
+#[derive(Clone, Copy)]
+struct SyncPtr(*mut f32);
+// SAFETY: only used for disjoint element writes (see `rows_dot`).
+unsafe impl Send for SyncPtr {}
+// SAFETY: as above.
+unsafe impl Sync for SyncPtr {}
+impl SyncPtr {
+    fn get(self) -> *mut f32 {
+        self.0
     }
 }
 

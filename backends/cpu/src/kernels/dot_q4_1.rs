@@ -1,0 +1,90 @@
+//! Q4_1 row . Q8A activations.
+//!
+//! Reference, per block b: `x = d_w * q + m` with q in 0..16, so
+//! `dot_b = d_w * d_a * sum(q * qa) + m * d_a * sum(qa)`.
+use crate::isa::Isa;
+use dejavu_backend_api::quant::{BlockQ4_1, BlockQ8A, QK};
+
+pub fn select(isa: Isa) -> super::table::DotQ8AFn {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 => avx2,
+        Isa::Portable => portable,
+        _ => scalar,
+    }
+}
+
+fn blocks(row: &[u8]) -> &[BlockQ4_1] {
+    bytemuck::cast_slice(row)
+}
+
+/// Nibble q of element i (low nibbles are elements 0..16, high nibbles 16..32).
+fn unpack(b: &BlockQ4_1) -> [i8; QK] {
+    std::array::from_fn(|i| {
+        if i < 16 {
+            (b.qs[i] & 0xF) as i8
+        } else {
+            (b.qs[i - 16] >> 4) as i8
+        }
+    })
+}
+
+pub fn scalar(row: &[u8], act: &[BlockQ8A]) -> f32 {
+    let mut acc = 0f32;
+    for (b, a) in blocks(row).iter().zip(act) {
+        let q = unpack(b);
+        let s: i32 = q
+            .iter()
+            .zip(&a.qs)
+            .map(|(&w, &x)| w as i32 * x as i32)
+            .sum();
+        acc += b.d.to_f32() * a.d * s as f32 + b.m.to_f32() * a.d * a.sum as f32;
+    }
+    acc
+}
+
+pub fn portable(row: &[u8], act: &[BlockQ8A]) -> f32 {
+    let mut acc = 0f32;
+    for (b, a) in blocks(row).iter().zip(act) {
+        let s = super::dot_q8_0::dot32_wide(&unpack(b), &a.qs);
+        acc += b.d.to_f32() * a.d * s as f32 + b.m.to_f32() * a.d * a.sum as f32;
+    }
+    acc
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avx2(row: &[u8], act: &[BlockQ8A]) -> f32 {
+    // SAFETY: handed out by `select` only for tiers whose features this CPU has.
+    unsafe { avx2_impl(blocks(row), act) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn avx2_impl(w: &[BlockQ4_1], act: &[BlockQ8A]) -> f32 {
+    use super::x86::*;
+    use std::arch::x86_64::*;
+    let mut acc = _mm256_setzero_ps();
+    let mut offs = 0f32;
+    for (b, a) in w.iter().zip(act) {
+        let q = unpack_nibbles(b.qs.as_ptr());
+        let p = _mm256_cvtepi32_ps(dot_u8i8(q, load_i8x32(&a.qs)));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(b.d.to_f32() * a.d), p, acc);
+        offs += b.m.to_f32() * a.d * a.sum as f32;
+    }
+    hsum_ps(acc) + offs
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::kernels::testutil::*;
+    use dejavu_backend_api::QuantType;
+
+    #[test]
+    fn tiers_match_reference() {
+        check_dot_tiers(QuantType::Q4_1);
+    }
+    #[test]
+    fn reference_is_close_to_f32() {
+        check_q8a_against_f32(QuantType::Q4_1);
+    }
+}

@@ -1,0 +1,102 @@
+//! Q4_K row . Q8A activations (8 activation blocks per 256-element super-block).
+//!
+//! Reference, per sub-block j (32 elements, activation block j): `x = d * sc_j * q - dmin * m_j`,
+//! so `dot_j = d * sc_j * d_a * sum(q * qa) - dmin * m_j * d_a * sum(qa)`. Group g of 64 elements
+//! reads bytes `qs[32g..32g+32]`: low nibbles are sub-block 2g, high nibbles sub-block 2g+1.
+use crate::isa::Isa;
+use dejavu_backend_api::quant::{q4k_scale_min, BlockQ4K, BlockQ8A, QK};
+
+pub fn select(isa: Isa) -> super::table::DotQ8AFn {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 => avx2,
+        Isa::Portable => portable,
+        _ => scalar,
+    }
+}
+
+fn blocks(row: &[u8]) -> &[BlockQ4K] {
+    bytemuck::cast_slice(row)
+}
+
+/// The 32 values of sub-block j.
+fn unpack(b: &BlockQ4K, j: usize) -> [i8; QK] {
+    let q = &b.qs[32 * (j / 2)..32 * (j / 2) + 32];
+    std::array::from_fn(|l| {
+        if j % 2 == 0 {
+            (q[l] & 0xF) as i8
+        } else {
+            (q[l] >> 4) as i8
+        }
+    })
+}
+
+fn generic(row: &[u8], act: &[BlockQ8A], dot32: impl Fn(&[i8; QK], &[i8; QK]) -> i32) -> f32 {
+    let mut acc = 0f32;
+    for (b, a8) in blocks(row).iter().zip(act.chunks_exact(8)) {
+        let (d, dmin) = (b.d.to_f32(), b.dmin.to_f32());
+        for (j, a) in a8.iter().enumerate() {
+            let (sc, m) = q4k_scale_min(j, &b.scales);
+            let s = dot32(&unpack(b, j), &a.qs);
+            acc += d * sc as f32 * a.d * s as f32 - dmin * m as f32 * a.d * a.sum as f32;
+        }
+    }
+    acc
+}
+
+pub fn scalar(row: &[u8], act: &[BlockQ8A]) -> f32 {
+    generic(row, act, |w, x| {
+        w.iter().zip(x).map(|(&w, &x)| w as i32 * x as i32).sum()
+    })
+}
+
+pub fn portable(row: &[u8], act: &[BlockQ8A]) -> f32 {
+    generic(row, act, super::dot_q8_0::dot32_wide)
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avx2(row: &[u8], act: &[BlockQ8A]) -> f32 {
+    // SAFETY: handed out by `select` only for tiers whose features this CPU has.
+    unsafe { avx2_impl(blocks(row), act) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn avx2_impl(w: &[BlockQ4K], act: &[BlockQ8A]) -> f32 {
+    use super::x86::*;
+    use std::arch::x86_64::*;
+    let mut acc = _mm256_setzero_ps();
+    let mut mins = 0f32;
+    let mask = _mm256_set1_epi8(0x0F);
+    for (b, a8) in w.iter().zip(act.chunks_exact(8)) {
+        let (d, dmin) = (b.d.to_f32(), b.dmin.to_f32());
+        for g in 0..4 {
+            let raw = _mm256_loadu_si256(b.qs.as_ptr().add(32 * g) as *const __m256i);
+            let lo = _mm256_and_si256(raw, mask);
+            let hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+            for (j, q) in [(2 * g, lo), (2 * g + 1, hi)] {
+                let a = &a8[j];
+                let (sc, m) = q4k_scale_min(j, &b.scales);
+                let p = _mm256_cvtepi32_ps(dot_u8i8(q, load_i8x32(&a.qs)));
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(d * sc as f32 * a.d), p, acc);
+                mins += dmin * m as f32 * a.d * a.sum as f32;
+            }
+        }
+    }
+    hsum_ps(acc) - mins
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::kernels::testutil::*;
+    use dejavu_backend_api::QuantType;
+
+    #[test]
+    fn tiers_match_reference() {
+        check_dot_tiers(QuantType::Q4K);
+    }
+    #[test]
+    fn reference_is_close_to_f32() {
+        check_q8a_against_f32(QuantType::Q4K);
+    }
+}

@@ -1,0 +1,101 @@
+//! Q5_0 row . Q8A activations.
+//!
+//! Reference, per block: 5-bit q = nibble | (bit j of qh) << 4, `x = d_w * (q - 16)`, so
+//! `dot_b = d_w * d_a * (sum(q * qa) - 16 * sum(qa))`.
+use crate::isa::Isa;
+use dejavu_backend_api::quant::{BlockQ5_0, BlockQ8A, QK};
+
+pub fn select(isa: Isa) -> super::table::DotQ8AFn {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 => avx2,
+        Isa::Portable => portable,
+        _ => scalar,
+    }
+}
+
+fn blocks(row: &[u8]) -> &[BlockQ5_0] {
+    bytemuck::cast_slice(row)
+}
+
+fn unpack(b: &BlockQ5_0) -> [i8; QK] {
+    let qh = u32::from_le_bytes(b.qh);
+    std::array::from_fn(|i| {
+        let nib = if i < 16 {
+            b.qs[i] & 0xF
+        } else {
+            b.qs[i - 16] >> 4
+        };
+        (nib | ((((qh >> i) & 1) as u8) << 4)) as i8
+    })
+}
+
+pub fn scalar(row: &[u8], act: &[BlockQ8A]) -> f32 {
+    let mut acc = 0f32;
+    for (b, a) in blocks(row).iter().zip(act) {
+        let q = unpack(b);
+        let s: i32 = q
+            .iter()
+            .zip(&a.qs)
+            .map(|(&w, &x)| w as i32 * x as i32)
+            .sum();
+        acc += b.d.to_f32() * a.d * (s - 16 * a.sum) as f32;
+    }
+    acc
+}
+
+pub fn portable(row: &[u8], act: &[BlockQ8A]) -> f32 {
+    let mut acc = 0f32;
+    for (b, a) in blocks(row).iter().zip(act) {
+        let s = super::dot_q8_0::dot32_wide(&unpack(b), &a.qs);
+        acc += b.d.to_f32() * a.d * (s - 16 * a.sum) as f32;
+    }
+    acc
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avx2(row: &[u8], act: &[BlockQ8A]) -> f32 {
+    // SAFETY: handed out by `select` only for tiers whose features this CPU has.
+    unsafe { avx2_impl(blocks(row), act) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn avx2_impl(w: &[BlockQ5_0], act: &[BlockQ8A]) -> f32 {
+    use super::x86::*;
+    use std::arch::x86_64::*;
+    let mut acc = _mm256_setzero_ps();
+    let sixteen = _mm256_set1_epi32(16);
+    for (b, a) in w.iter().zip(act) {
+        let hi = _mm256_and_si256(
+            bytes_from_bits_32(u32::from_le_bytes(b.qh)),
+            _mm256_set1_epi8(0x10),
+        );
+        let q = _mm256_or_si256(unpack_nibbles(b.qs.as_ptr()), hi);
+        let qa = load_i8x32(&a.qs);
+        let p = dot_u8i8(q, qa);
+        let sa = dot_u8i8(_mm256_set1_epi8(1), qa);
+        let p = _mm256_sub_epi32(p, _mm256_mullo_epi32(sa, sixteen));
+        acc = _mm256_fmadd_ps(
+            _mm256_set1_ps(b.d.to_f32() * a.d),
+            _mm256_cvtepi32_ps(p),
+            acc,
+        );
+    }
+    hsum_ps(acc)
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::kernels::testutil::*;
+    use dejavu_backend_api::QuantType;
+
+    #[test]
+    fn tiers_match_reference() {
+        check_dot_tiers(QuantType::Q5_0);
+    }
+    #[test]
+    fn reference_is_close_to_f32() {
+        check_q8a_against_f32(QuantType::Q5_0);
+    }
+}

@@ -1,0 +1,129 @@
+//! Q6_K row . Q8A activations (8 activation blocks per 256-element super-block).
+//!
+//! Reference: half n (128 elements, activation blocks 4n..4n+4) reads `ql[64n..]`, `qh[32n..]`.
+//! Element l of activation block k (l < 32) has 6-bit q from the low (k = 0, 1) or high (k = 2, 3)
+//! nibble of `ql[l + 32 * (k % 2)]` and bits `2k..2k+2` of `qh[l]`; its scale is
+//! `scales[8n + 2k + l / 16]`. `x = d * scale * (q - 32)`, so per 16 values
+//! `dot = d * scale * d_a * (sum(q * qa) - 32 * sum(qa))`.
+use crate::isa::Isa;
+use dejavu_backend_api::quant::{BlockQ6K, BlockQ8A, QK};
+
+pub fn select(isa: Isa) -> super::table::DotQ8AFn {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 => avx2,
+        Isa::Portable => portable,
+        _ => scalar,
+    }
+}
+
+fn blocks(row: &[u8]) -> &[BlockQ6K] {
+    bytemuck::cast_slice(row)
+}
+
+/// The 32 values (q - 32) of activation block k of half n.
+fn unpack(b: &BlockQ6K, n: usize, k: usize) -> [i8; QK] {
+    let ql = &b.ql[64 * n + 32 * (k % 2)..][..32];
+    let qh = &b.qh[32 * n..][..32];
+    std::array::from_fn(|l| {
+        let low = if k < 2 { ql[l] & 0xF } else { ql[l] >> 4 };
+        (low | (((qh[l] >> (2 * k)) & 3) << 4)) as i8 - 32
+    })
+}
+
+fn generic(row: &[u8], act: &[BlockQ8A], dot16: impl Fn(&[i8], &[i8]) -> i32) -> f32 {
+    let mut acc = 0f32;
+    for (b, a8) in blocks(row).iter().zip(act.chunks_exact(8)) {
+        let d = b.d.to_f32();
+        for n in 0..2 {
+            for k in 0..4 {
+                let a = &a8[4 * n + k];
+                let q = unpack(b, n, k);
+                for h in 0..2 {
+                    let s = dot16(&q[16 * h..16 * h + 16], &a.qs[16 * h..16 * h + 16]);
+                    acc += d * b.scales[8 * n + 2 * k + h] as f32 * a.d * s as f32;
+                }
+            }
+        }
+    }
+    acc
+}
+
+pub fn scalar(row: &[u8], act: &[BlockQ8A]) -> f32 {
+    generic(row, act, |w, x| {
+        w.iter().zip(x).map(|(&w, &x)| w as i32 * x as i32).sum()
+    })
+}
+
+pub fn portable(row: &[u8], act: &[BlockQ8A]) -> f32 {
+    use wide::{i16x16, i8x16};
+    let wide16 =
+        |x: &[i8]| i16x16::from_i8x16(i8x16::from(<[i8; 16]>::try_from(x).unwrap_or([0; 16])));
+    generic(row, act, |w, x| wide16(w).dot(wide16(x)).reduce_add())
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avx2(row: &[u8], act: &[BlockQ8A]) -> f32 {
+    // SAFETY: handed out by `select` only for tiers whose features this CPU has.
+    unsafe { avx2_impl(blocks(row), act) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn avx2_impl(w: &[BlockQ6K], act: &[BlockQ8A]) -> f32 {
+    use super::x86::*;
+    use std::arch::x86_64::*;
+    let mut acc = _mm256_setzero_ps();
+    let m4 = _mm256_set1_epi8(0x0F);
+    let m2 = _mm256_set1_epi8(3);
+    let c32 = _mm256_set1_epi8(32);
+    for (b, a8) in w.iter().zip(act.chunks_exact(8)) {
+        let d = b.d.to_f32();
+        for n in 0..2 {
+            let ql0 = _mm256_loadu_si256(b.ql.as_ptr().add(64 * n) as *const __m256i);
+            let ql1 = _mm256_loadu_si256(b.ql.as_ptr().add(64 * n + 32) as *const __m256i);
+            let qh = _mm256_loadu_si256(b.qh.as_ptr().add(32 * n) as *const __m256i);
+            let lows = [
+                _mm256_and_si256(ql0, m4),
+                _mm256_and_si256(ql1, m4),
+                _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+            ];
+            let highs = [
+                _mm256_and_si256(qh, m2),
+                _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2),
+                _mm256_and_si256(_mm256_srli_epi16(qh, 4), m2),
+                _mm256_and_si256(_mm256_srli_epi16(qh, 6), m2),
+            ];
+            for k in 0..4 {
+                let a = &a8[4 * n + k];
+                let q = _mm256_or_si256(lows[k], _mm256_slli_epi16(highs[k], 4));
+                let qa = load_i8x32(&a.qs);
+                // i16 pair sums of (q - 32) * qa, then scaled per 16-element half and summed to i32.
+                let p =
+                    _mm256_sub_epi16(_mm256_maddubs_epi16(q, qa), _mm256_maddubs_epi16(c32, qa));
+                let s0 = b.scales[8 * n + 2 * k] as i16;
+                let s1 = b.scales[8 * n + 2 * k + 1] as i16;
+                let sc = _mm256_set_m128i(_mm_set1_epi16(s1), _mm_set1_epi16(s0));
+                let p = _mm256_madd_epi16(p, sc);
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), _mm256_cvtepi32_ps(p), acc);
+            }
+        }
+    }
+    hsum_ps(acc)
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::kernels::testutil::*;
+    use dejavu_backend_api::QuantType;
+
+    #[test]
+    fn tiers_match_reference() {
+        check_dot_tiers(QuantType::Q6K);
+    }
+    #[test]
+    fn reference_is_close_to_f32() {
+        check_q8a_against_f32(QuantType::Q6K);
+    }
+}

@@ -1,0 +1,85 @@
+//! Q8_0 row . Q8A activations.
+//!
+//! Reference, per block: `dot_b = d_w * d_a * sum(qw * qa)`.
+use crate::isa::Isa;
+use dejavu_backend_api::quant::{BlockQ8A, BlockQ8_0, QK};
+
+pub fn select(isa: Isa) -> super::table::DotQ8AFn {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 => avx2,
+        Isa::Portable => portable,
+        _ => scalar,
+    }
+}
+
+fn blocks(row: &[u8]) -> &[BlockQ8_0] {
+    bytemuck::cast_slice(row)
+}
+
+pub fn scalar(row: &[u8], act: &[BlockQ8A]) -> f32 {
+    let mut acc = 0f32;
+    for (b, a) in blocks(row).iter().zip(act) {
+        let s: i32 =
+            b.qs.iter()
+                .zip(&a.qs)
+                .map(|(&w, &x)| w as i32 * x as i32)
+                .sum();
+        acc += b.d.to_f32() * a.d * s as f32;
+    }
+    acc
+}
+
+/// `sum(a[i] * b[i])` over 32 i8 with `wide` (i16 products, pairwise i32 sums).
+#[inline]
+pub fn dot32_wide(a: &[i8; QK], b: &[i8; QK]) -> i32 {
+    use wide::{i16x16, i8x16};
+    let half = |x: &[i8; QK], h: usize| {
+        i16x16::from_i8x16(i8x16::from(
+            <[i8; 16]>::try_from(&x[16 * h..16 * h + 16]).unwrap_or([0; 16]),
+        ))
+    };
+    (half(a, 0).dot(half(b, 0)) + half(a, 1).dot(half(b, 1))).reduce_add()
+}
+
+pub fn portable(row: &[u8], act: &[BlockQ8A]) -> f32 {
+    let mut acc = 0f32;
+    for (b, a) in blocks(row).iter().zip(act) {
+        acc += b.d.to_f32() * a.d * dot32_wide(&b.qs, &a.qs) as f32;
+    }
+    acc
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avx2(row: &[u8], act: &[BlockQ8A]) -> f32 {
+    // SAFETY: handed out by `select` only for tiers whose features this CPU has.
+    unsafe { avx2_impl(blocks(row), act) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn avx2_impl(w: &[BlockQ8_0], act: &[BlockQ8A]) -> f32 {
+    use super::x86::*;
+    use std::arch::x86_64::*;
+    let mut acc = _mm256_setzero_ps();
+    for (b, a) in w.iter().zip(act) {
+        let p = _mm256_cvtepi32_ps(dot_i8i8(load_i8x32(&b.qs), load_i8x32(&a.qs)));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(b.d.to_f32() * a.d), p, acc);
+    }
+    hsum_ps(acc)
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::kernels::testutil::*;
+    use dejavu_backend_api::QuantType;
+
+    #[test]
+    fn tiers_match_reference() {
+        check_dot_tiers(QuantType::Q8_0);
+    }
+    #[test]
+    fn reference_is_close_to_f32() {
+        check_q8a_against_f32(QuantType::Q8_0);
+    }
+}

@@ -1,0 +1,87 @@
+//! The kernel table: one function per (operation, weight type) for one ISA tier, built once.
+use super::{dot_float, dot_q4_0, dot_q4_1, dot_q4k, dot_q5_0, dot_q6k, dot_q8_0, quantize_act};
+use crate::isa::{self, Isa, IsaError};
+use dejavu_backend_api::quant::{BlockQ8A, QuantType};
+use std::sync::OnceLock;
+
+/// Dot of a quantized weight row with activations quantized to [`BlockQ8A`].
+pub type DotQ8AFn = fn(&[u8], &[BlockQ8A]) -> f32;
+/// Dot of a float weight row (F32/F16/BF16) with f32 activations.
+pub type DotF32Fn = fn(&[u8], &[f32]) -> f32;
+
+/// How a weight type wants its activations.
+#[derive(Clone, Copy)]
+pub enum RowDot {
+    Q8A(DotQ8AFn),
+    F32(DotF32Fn),
+}
+
+pub struct Kernels {
+    pub isa: Isa,
+    pub quantize: quantize_act::QuantizeFn,
+    dots: [RowDot; QuantType::ALL.len()],
+}
+
+impl Kernels {
+    /// The table of one tier; `None` if this CPU cannot run it.
+    pub fn for_isa(isa: Isa) -> Option<Self> {
+        if !isa.is_supported() {
+            return None;
+        }
+        let dots = QuantType::ALL.map(|q| match q {
+            QuantType::F32 => RowDot::F32(dot_float::select_f32(isa)),
+            QuantType::F16 => RowDot::F32(dot_float::select_f16(isa)),
+            QuantType::BF16 => RowDot::F32(dot_float::select_bf16(isa)),
+            QuantType::Q8_0 => RowDot::Q8A(dot_q8_0::select(isa)),
+            QuantType::Q4_0 => RowDot::Q8A(dot_q4_0::select(isa)),
+            QuantType::Q4_1 => RowDot::Q8A(dot_q4_1::select(isa)),
+            QuantType::Q5_0 => RowDot::Q8A(dot_q5_0::select(isa)),
+            QuantType::Q4K => RowDot::Q8A(dot_q4k::select(isa)),
+            QuantType::Q6K => RowDot::Q8A(dot_q6k::select(isa)),
+        });
+        Some(Self {
+            isa,
+            quantize: quantize_act::select(isa),
+            dots,
+        })
+    }
+
+    /// The f32 reference: scalar tier, and every weight type dotted in f32 against unquantized
+    /// activations (dequantize, multiply, add). Slow; it is what the integer kernels approximate.
+    pub fn f32_reference() -> Self {
+        use crate::vec_dot::dot_row;
+        let dots = QuantType::ALL.map(|q| {
+            RowDot::F32(match q {
+                QuantType::F32 => |r, x| dot_row(QuantType::F32, r, x),
+                QuantType::F16 => |r, x| dot_row(QuantType::F16, r, x),
+                QuantType::BF16 => |r, x| dot_row(QuantType::BF16, r, x),
+                QuantType::Q8_0 => |r, x| dot_row(QuantType::Q8_0, r, x),
+                QuantType::Q4_0 => |r, x| dot_row(QuantType::Q4_0, r, x),
+                QuantType::Q4_1 => |r, x| dot_row(QuantType::Q4_1, r, x),
+                QuantType::Q5_0 => |r, x| dot_row(QuantType::Q5_0, r, x),
+                QuantType::Q4K => |r, x| dot_row(QuantType::Q4K, r, x),
+                QuantType::Q6K => |r, x| dot_row(QuantType::Q6K, r, x),
+            })
+        });
+        Self {
+            isa: Isa::Scalar,
+            quantize: quantize_act::scalar,
+            dots,
+        }
+    }
+
+    pub fn dot(&self, q: QuantType) -> RowDot {
+        let i = QuantType::ALL.iter().position(|&t| t == q).unwrap_or(0);
+        self.dots[i]
+    }
+}
+
+/// The table of the process's selected tier (see [`isa::selected`]).
+pub fn kernels() -> Result<&'static Kernels, IsaError> {
+    static K: OnceLock<Result<Kernels, IsaError>> = OnceLock::new();
+    K.get_or_init(|| {
+        isa::selected().map(|i| Kernels::for_isa(i).expect("selected tiers are supported"))
+    })
+    .as_ref()
+    .map_err(Clone::clone)
+}

@@ -1,0 +1,138 @@
+//! Random inputs for kernel tests: f32 vectors and valid quantized rows (finite, well-scaled block
+//! scales; every other byte random), and the tier-vs-reference check every dot kernel uses.
+use super::table::{Kernels, RowDot};
+use crate::isa::Isa;
+use dejavu_backend_api::quant::{BlockQ8A, QuantType, QK};
+use half::{bf16, f16};
+use rand::{Rng, SeedableRng};
+
+pub fn rng(seed: u64) -> rand_chacha::ChaCha8Rng {
+    rand_chacha::ChaCha8Rng::seed_from_u64(seed)
+}
+
+pub fn random_f32(n: usize, seed: u64) -> Vec<f32> {
+    let mut r = rng(seed);
+    (0..n).map(|_| r.gen_range(-2.0f32..2.0)).collect()
+}
+
+/// A random row of `n` elements of `qtype` with sane scales.
+pub fn random_row(qtype: QuantType, n: usize, seed: u64) -> Vec<u8> {
+    let mut r = rng(seed ^ 0x5eed);
+    let mut bytes: Vec<u8> = (0..qtype.row_bytes(n)).map(|_| r.gen()).collect();
+    let scale =
+        |r: &mut rand_chacha::ChaCha8Rng| f16::from_f32(r.gen_range(-0.05f32..0.05)).to_le_bytes();
+    let bb = qtype.block_bytes();
+    match qtype {
+        QuantType::F32 => {
+            for c in bytes.chunks_exact_mut(4) {
+                c.copy_from_slice(&r.gen_range(-1.0f32..1.0).to_le_bytes());
+            }
+        }
+        QuantType::F16 => bytes.chunks_exact_mut(2).for_each(|c| {
+            c.copy_from_slice(&f16::from_f32(r.gen_range(-1.0f32..1.0)).to_le_bytes())
+        }),
+        QuantType::BF16 => bytes.chunks_exact_mut(2).for_each(|c| {
+            c.copy_from_slice(&bf16::from_f32(r.gen_range(-1.0f32..1.0)).to_le_bytes())
+        }),
+        QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q5_0 => bytes
+            .chunks_exact_mut(bb)
+            .for_each(|b| b[0..2].copy_from_slice(&scale(&mut r))),
+        QuantType::Q4_1 | QuantType::Q4K => bytes.chunks_exact_mut(bb).for_each(|b| {
+            b[0..2].copy_from_slice(&scale(&mut r));
+            b[2..4].copy_from_slice(&scale(&mut r));
+        }),
+        QuantType::Q6K => bytes
+            .chunks_exact_mut(bb)
+            .for_each(|b| b[208..210].copy_from_slice(&scale(&mut r))),
+    }
+    bytes
+}
+
+/// Every supported tier's dot for `qtype` equals the scalar tier's on random rows of ragged
+/// lengths (in blocks: 1, 7, 31, 33, and more for the 32-wide types). Integer block sums are exact
+/// in every tier; only the order of f32 scale products differs, so we allow 1e-5 relative to
+/// `sum |block contribution|` plus 1e-6.
+pub fn check_dot_tiers(qtype: QuantType) {
+    let reference = Kernels::for_isa(Isa::Scalar).unwrap();
+    let bl = qtype.block_len();
+    // Lengths in elements: ragged for float rows (SIMD body plus tails), whole blocks otherwise.
+    let lens: Vec<usize> = match bl {
+        1 => vec![1, 7, 31, 33, 257, 4097],
+        QK => [1, 7, 31, 33, 257].map(|nb| nb * QK).to_vec(),
+        _ => [1, 7, 31, 33].map(|nb| nb * bl).to_vec(),
+    };
+    for isa in Isa::supported() {
+        let k = Kernels::for_isa(isa).unwrap();
+        for &n in &lens {
+            let row = random_row(qtype, n, n as u64);
+            let x = random_f32(n, 7 + n as u64);
+            let (want, got, mag) = match (reference.dot(qtype), k.dot(qtype)) {
+                (RowDot::Q8A(r), RowDot::Q8A(f)) => {
+                    let mut act = vec![
+                        BlockQ8A {
+                            d: 0.0,
+                            sum: 0,
+                            qs: [0; QK]
+                        };
+                        n / QK
+                    ];
+                    (reference.quantize)(&x, &mut act);
+                    let mut deq = vec![0f32; n];
+                    crate::dequant::dequantize_row(qtype, &row, &mut deq);
+                    let mag: f32 = deq.iter().zip(&x).map(|(w, x)| (w * x).abs()).sum();
+                    (r(&row, &act), f(&row, &act), mag)
+                }
+                (RowDot::F32(r), RowDot::F32(f)) => (
+                    r(&row, &x),
+                    f(&row, &x),
+                    x.iter().map(|v| v.abs()).sum::<f32>(),
+                ),
+                _ => panic!("{isa}: {qtype:?} changed activation format between tiers"),
+            };
+            assert!(
+                (got - want).abs() <= 1e-5 * mag + 1e-6,
+                "{isa} {qtype:?} n={n}: {got} vs scalar {want}"
+            );
+        }
+    }
+}
+
+/// The scalar quantized-activation dot stays close to the exact f32 dot: the activation rounding
+/// error is at most d/2 = max|x|/254 per element, so |error| <= sum_i |w_i| * max|x_block| / 254.
+pub fn check_q8a_against_f32(qtype: QuantType) {
+    let k = Kernels::for_isa(Isa::Scalar).unwrap();
+    let RowDot::Q8A(f) = k.dot(qtype) else {
+        panic!("{qtype:?} is not a Q8A type")
+    };
+    for nb in [1usize, 8, 32] {
+        let n = nb * qtype.block_len().max(QK);
+        let row = random_row(qtype, n, 3 * n as u64);
+        let x = random_f32(n, n as u64);
+        let mut act = vec![
+            BlockQ8A {
+                d: 0.0,
+                sum: 0,
+                qs: [0; QK]
+            };
+            n / QK
+        ];
+        (k.quantize)(&x, &mut act);
+        let mut deq = vec![0f32; n];
+        crate::dequant::dequantize_row(qtype, &row, &mut deq);
+        let exact: f64 = deq.iter().zip(&x).map(|(w, x)| *w as f64 * *x as f64).sum();
+        let bound: f64 = deq
+            .chunks(QK)
+            .zip(x.chunks(QK))
+            .map(|(w, xs)| {
+                w.iter().map(|v| v.abs() as f64).sum::<f64>()
+                    * xs.iter().fold(0f64, |m, v| m.max(v.abs() as f64))
+                    / 254.0
+            })
+            .sum();
+        let got = f(&row, &act) as f64;
+        assert!(
+            (got - exact).abs() <= bound * 1.001 + 1e-4,
+            "{qtype:?} n={n}: {got} vs exact {exact} (bound {bound})"
+        );
+    }
+}

@@ -1,0 +1,58 @@
+//! AVX2 helpers shared by the x86 kernels (after ggml's `ggml-cpu/arch/x86` helpers).
+#![allow(clippy::missing_safety_doc)]
+use std::arch::x86_64::*;
+
+/// Horizontal sum of 8 floats.
+#[inline]
+#[target_feature(enable = "avx2")]
+pub unsafe fn hsum_ps(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+/// Sum of adjacent products of unsigned bytes `u` and signed bytes `s`, as 8 i32 lanes
+/// (lane k covers bytes 4k..4k+4). Caller keeps `2 * u * s` within i16 per pair.
+#[inline]
+#[target_feature(enable = "avx2")]
+pub unsafe fn dot_u8i8(u: __m256i, s: __m256i) -> __m256i {
+    _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
+}
+
+/// Signed x signed bytes via the sign trick: |a| * (b * sign(a)).
+#[inline]
+#[target_feature(enable = "avx2")]
+pub unsafe fn dot_i8i8(a: __m256i, b: __m256i) -> __m256i {
+    dot_u8i8(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a))
+}
+
+/// 16 packed nibble bytes -> 32 bytes: low nibbles first (elements 0..16), then high nibbles.
+#[inline]
+#[target_feature(enable = "avx2")]
+pub unsafe fn unpack_nibbles(p: *const u8) -> __m256i {
+    let tmp = _mm_loadu_si128(p as *const __m128i);
+    let both = _mm256_set_m128i(_mm_srli_epi16(tmp, 4), tmp);
+    _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
+}
+
+/// Expand 32 bits into 32 bytes: 0xFF where the bit is set.
+#[inline]
+#[target_feature(enable = "avx2")]
+pub unsafe fn bytes_from_bits_32(bits: u32) -> __m256i {
+    let shuf = _mm256_set_epi64x(
+        0x0303030303030303,
+        0x0202020202020202,
+        0x0101010101010101,
+        0,
+    );
+    let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(bits as i32), shuf);
+    let mask = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);
+    _mm256_cmpeq_epi8(_mm256_or_si256(bytes, mask), _mm256_set1_epi64x(-1))
+}
+
+#[inline]
+#[target_feature(enable = "avx2")]
+pub unsafe fn load_i8x32(p: &[i8; 32]) -> __m256i {
+    _mm256_loadu_si256(p.as_ptr() as *const __m256i)
+}
