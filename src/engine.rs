@@ -88,6 +88,11 @@ impl Engine {
         self.pool.install(f)
     }
 
+    /// The CPU kernel tier in use (`scalar`, `portable`, `avx2`, `avx512`).
+    pub fn isa(&self) -> &'static str {
+        self.backend.isa().name()
+    }
+
     pub fn threads(&self) -> usize {
         self.pool.current_num_threads()
     }

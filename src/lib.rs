@@ -5,6 +5,7 @@
 //! under a [`sparsity::SparsePlan`] (dense = full sets); [`generate`], [`perplexity`] and
 //! [`sampling`] drive it; [`tokenizer`] builds the GGUF's own BPE tokenizer and chat template.
 
+pub mod bench;
 pub mod config;
 pub mod engine;
 mod error;

@@ -17,6 +17,9 @@ use std::io::{BufRead, Write};
     about = "CPU-first LLM inference with contextual sparsity (Deja Vu)"
 )]
 struct Cli {
+    /// Log choices made at start-up (kernel ISA tier, threads, context) to stderr.
+    #[arg(long, short, global = true)]
+    verbose: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -29,6 +32,8 @@ enum Command {
     Chat(ChatArgs),
     /// Perplexity of a text file, computed as llama.cpp's llama-perplexity does.
     Perplexity(PerplexityArgs),
+    /// Prefill and decode speed, llama-bench style (markdown to stdout; JSON/CSV on request).
+    Bench(BenchArgs),
     /// Print a GGUF file's metadata and tensor table.
     Inspect {
         /// The GGUF file.
@@ -135,6 +140,31 @@ struct ChatArgs {
 }
 
 #[derive(Args)]
+struct BenchArgs {
+    /// GGUF file or known model name (default: smollm2-135m-instruct).
+    #[arg(long, short)]
+    model: Option<String>,
+    /// Thread counts to test, comma-separated.
+    #[arg(long, short, value_delimiter = ',', default_value = "1,2")]
+    threads: Vec<usize>,
+    /// Prompt length of the prefill test pp<P> (0 = skip).
+    #[arg(short = 'p', long = "n-prompt", default_value_t = 128)]
+    n_prompt: usize,
+    /// Tokens of the decode test tg<N> (0 = skip).
+    #[arg(short = 'n', long = "n-gen", default_value_t = 64)]
+    n_gen: usize,
+    /// Timed repetitions per test (after one warm-up).
+    #[arg(long, short, default_value_t = 5)]
+    repetitions: usize,
+    /// Also write the results as a JSON array to this file.
+    #[arg(long)]
+    json: Option<std::path::PathBuf>,
+    /// Also write the results as CSV to this file.
+    #[arg(long)]
+    csv: Option<std::path::PathBuf>,
+}
+
+#[derive(Args)]
 struct PerplexityArgs {
     #[command(flatten)]
     model: ModelArgs,
@@ -147,14 +177,19 @@ struct PerplexityArgs {
 }
 
 fn main() {
-    if let Err(e) = run(Cli::parse()) {
+    let cli = Cli::parse();
+    VERBOSE.store(cli.verbose, std::sync::atomic::Ordering::Relaxed);
+    if let Err(e) = run(cli) {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }
 }
 
+static VERBOSE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
+        Command::Bench(a) => cmd_bench(a),
         Command::Generate(a) => cmd_generate(a),
         Command::Chat(a) => cmd_chat(a),
         Command::Perplexity(a) => cmd_perplexity(a),
@@ -171,6 +206,107 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
     }
+}
+
+fn load_engine(path: &std::path::Path, opts: EngineOptions) -> Result<Engine> {
+    let engine =
+        Engine::load(path, &opts).with_context(|| format!("loading {}", path.display()))?;
+    if VERBOSE.load(std::sync::atomic::Ordering::Relaxed) {
+        let c = &engine.model.config;
+        eprintln!(
+            "model: {} ({}, {} layers, d_model {}, n_ff {}, {} heads / {} kv heads, vocab {})",
+            path.display(),
+            c.arch.name(),
+            c.n_layers,
+            c.d_model,
+            c.n_ff,
+            c.n_heads,
+            c.n_kv_heads,
+            c.vocab_size
+        );
+        eprintln!(
+            "kernels: {} (DEJAVU_ISA overrides) | threads: {} | context: {}",
+            engine.isa(),
+            engine.threads(),
+            engine.n_ctx
+        );
+    }
+    Ok(engine)
+}
+
+fn cmd_bench(a: BenchArgs) -> Result<()> {
+    use dejavu::bench::{self, BenchResult};
+    if a.repetitions == 0 || a.threads.is_empty() || (a.n_prompt == 0 && a.n_gen == 0) {
+        bail!(
+            "nothing to run: need --repetitions >= 1, at least one thread count, and -p or -n > 0"
+        );
+    }
+    let path = fetch::resolve_model(a.model.as_deref())?;
+    let model_name = path
+        .file_name()
+        .map_or("model".into(), |f| f.to_string_lossy().into_owned());
+    let tests: Vec<(bool, usize)> = [(true, a.n_prompt), (false, a.n_gen)]
+        .into_iter()
+        .filter(|t| t.1 > 0)
+        .collect();
+    let bar = indicatif::ProgressBar::new((a.threads.len() * tests.len() * a.repetitions) as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} runs {msg}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let mut results = Vec::new();
+    for &threads in &a.threads {
+        let ctx = a.n_prompt.max(a.n_gen + 1).max(16);
+        let engine = load_engine(
+            &path,
+            EngineOptions {
+                threads: Some(threads),
+                n_ctx: Some(ctx),
+            },
+        )?;
+        let bytes = engine.model.dense_bytes_per_token();
+        for &(prefill, n) in &tests {
+            let test = if prefill {
+                format!("pp{n}")
+            } else {
+                format!("tg{n}")
+            };
+            bar.set_message(format!("{test} at {threads} threads"));
+            let samples = bench::run_test(&engine, prefill, n, a.repetitions, || bar.inc(1))?;
+            let (med, sd) = bench::median_sd(&samples);
+            let gbs = if prefill {
+                bytes as f64 * med / n as f64 / 1e9
+            } else {
+                bytes as f64 * med / 1e9
+            };
+            results.push(BenchResult {
+                model: model_name.clone(),
+                commit: bench::COMMIT.into(),
+                cpu: bench::cpu_model(),
+                isa: engine.isa().into(),
+                threads,
+                sparsity: "dense".into(),
+                test,
+                n_tokens: n,
+                tok_per_s_median: med,
+                tok_per_s_stddev: sd,
+                weight_gb_per_s: gbs,
+                weight_bytes_per_token: bytes,
+                samples,
+            });
+        }
+    }
+    bar.finish_and_clear();
+    print!("{}", bench::markdown(&results));
+    if let Some(p) = &a.json {
+        std::fs::write(p, serde_json::to_string_pretty(&results)?)
+            .with_context(|| format!("writing {}", p.display()))?;
+    }
+    if let Some(p) = &a.csv {
+        std::fs::write(p, bench::csv(&results))
+            .with_context(|| format!("writing {}", p.display()))?;
+    }
+    Ok(())
 }
 
 fn cmd_generate(a: GenerateArgs) -> Result<()> {

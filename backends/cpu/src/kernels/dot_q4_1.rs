@@ -68,8 +68,8 @@ unsafe fn avx2_impl(w: &[BlockQ4_1], act: &[BlockQ8A]) -> f32 {
     for (b, a) in w.iter().zip(act) {
         let q = unpack_nibbles(b.qs.as_ptr());
         let p = _mm256_cvtepi32_ps(dot_u8i8(q, load_i8x32(&a.qs)));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(b.d.to_f32() * a.d), p, acc);
-        offs += b.m.to_f32() * a.d * a.sum as f32;
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(b.d) * a.d), p, acc);
+        offs += f16(b.m) * a.d * a.sum as f32;
     }
     hsum_ps(acc) + offs
 }

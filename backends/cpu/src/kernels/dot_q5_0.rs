@@ -76,11 +76,7 @@ unsafe fn avx2_impl(w: &[BlockQ5_0], act: &[BlockQ8A]) -> f32 {
         let p = dot_u8i8(q, qa);
         let sa = dot_u8i8(_mm256_set1_epi8(1), qa);
         let p = _mm256_sub_epi32(p, _mm256_mullo_epi32(sa, sixteen));
-        acc = _mm256_fmadd_ps(
-            _mm256_set1_ps(b.d.to_f32() * a.d),
-            _mm256_cvtepi32_ps(p),
-            acc,
-        );
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(b.d) * a.d), _mm256_cvtepi32_ps(p), acc);
     }
     hsum_ps(acc)
 }

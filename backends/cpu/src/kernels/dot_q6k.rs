@@ -78,7 +78,7 @@ unsafe fn avx2_impl(w: &[BlockQ6K], act: &[BlockQ8A]) -> f32 {
     let m2 = _mm256_set1_epi8(3);
     let c32 = _mm256_set1_epi8(32);
     for (b, a8) in w.iter().zip(act.chunks_exact(8)) {
-        let d = b.d.to_f32();
+        let d = f16(b.d);
         for n in 0..2 {
             let ql0 = _mm256_loadu_si256(b.ql.as_ptr().add(64 * n) as *const __m256i);
             let ql1 = _mm256_loadu_si256(b.ql.as_ptr().add(64 * n + 32) as *const __m256i);

@@ -64,7 +64,7 @@ unsafe fn avx2_impl(w: &[BlockQ8_0], act: &[BlockQ8A]) -> f32 {
     let mut acc = _mm256_setzero_ps();
     for (b, a) in w.iter().zip(act) {
         let p = _mm256_cvtepi32_ps(dot_i8i8(load_i8x32(&b.qs), load_i8x32(&a.qs)));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(b.d.to_f32() * a.d), p, acc);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(b.d) * a.d), p, acc);
     }
     hsum_ps(acc)
 }

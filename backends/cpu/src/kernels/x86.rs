@@ -56,3 +56,10 @@ pub unsafe fn bytes_from_bits_32(bits: u32) -> __m256i {
 pub unsafe fn load_i8x32(p: &[i8; 32]) -> __m256i {
     _mm256_loadu_si256(p.as_ptr() as *const __m256i)
 }
+
+/// f16 -> f32 with the F16C instruction (the `half` crate's conversion checks the CPU per call).
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+pub unsafe fn f16(h: half::f16) -> f32 {
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h.to_bits() as i32)))
+}
