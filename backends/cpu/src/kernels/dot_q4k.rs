@@ -9,7 +9,9 @@ use dejavu_backend_api::quant::{q4k_scale_min, BlockQ4K, BlockQ8A, QK};
 pub fn select(isa: Isa) -> super::table::DotQ8AFn {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512 => avx2,
+        Isa::Avx512 => avx512,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => avx2,
         Isa::Portable => portable,
         _ => scalar,
     }
@@ -61,8 +63,27 @@ fn avx2(row: &[u8], act: &[BlockQ8A]) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
+fn avx512(row: &[u8], act: &[BlockQ8A]) -> f32 {
+    // SAFETY: handed out by `select` only for tiers whose features this CPU has.
+    unsafe { avx512_impl(blocks(row), act) }
+}
+
+#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn avx2_impl(w: &[BlockQ4K], act: &[BlockQ8A]) -> f32 {
+    x86_body::<false>(w, act)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn avx512_impl(w: &[BlockQ4K], act: &[BlockQ8A]) -> f32 {
+    x86_body::<true>(w, act)
+}
+
+/// The x86 kernel, compiled into each tier's feature set; `VNNI` picks the byte-dot instruction.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn x86_body<const VNNI: bool>(w: &[BlockQ4K], act: &[BlockQ8A]) -> f32 {
     use super::x86::*;
     use std::arch::x86_64::*;
     let mut acc = _mm256_setzero_ps();
@@ -77,7 +98,7 @@ unsafe fn avx2_impl(w: &[BlockQ4K], act: &[BlockQ8A]) -> f32 {
             for (j, q) in [(2 * g, lo), (2 * g + 1, hi)] {
                 let a = &a8[j];
                 let (sc, m) = q4k_scale_min(j, &b.scales);
-                let p = _mm256_cvtepi32_ps(dot_u8i8(q, load_i8x32(&a.qs)));
+                let p = _mm256_cvtepi32_ps(dot_u8i8_v::<VNNI>(q, load_i8x32(&a.qs)));
                 acc = _mm256_fmadd_ps(_mm256_set1_ps(d * sc as f32 * a.d), p, acc);
                 mins += dmin * m as f32 * a.d * a.sum as f32;
             }

@@ -8,7 +8,9 @@ use dejavu_backend_api::quant::{BlockQ5_0, BlockQ8A, QK};
 pub fn select(isa: Isa) -> super::table::DotQ8AFn {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512 => avx2,
+        Isa::Avx512 => avx512,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => avx2,
         Isa::Portable => portable,
         _ => scalar,
     }
@@ -60,8 +62,27 @@ fn avx2(row: &[u8], act: &[BlockQ8A]) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
+fn avx512(row: &[u8], act: &[BlockQ8A]) -> f32 {
+    // SAFETY: handed out by `select` only for tiers whose features this CPU has.
+    unsafe { avx512_impl(blocks(row), act) }
+}
+
+#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn avx2_impl(w: &[BlockQ5_0], act: &[BlockQ8A]) -> f32 {
+    x86_body::<false>(w, act)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn avx512_impl(w: &[BlockQ5_0], act: &[BlockQ8A]) -> f32 {
+    x86_body::<true>(w, act)
+}
+
+/// The x86 kernel, compiled into each tier's feature set; `VNNI` picks the byte-dot instruction.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn x86_body<const VNNI: bool>(w: &[BlockQ5_0], act: &[BlockQ8A]) -> f32 {
     use super::x86::*;
     use std::arch::x86_64::*;
     let mut acc = _mm256_setzero_ps();
@@ -73,8 +94,8 @@ unsafe fn avx2_impl(w: &[BlockQ5_0], act: &[BlockQ8A]) -> f32 {
         );
         let q = _mm256_or_si256(unpack_nibbles(b.qs.as_ptr()), hi);
         let qa = load_i8x32(&a.qs);
-        let p = dot_u8i8(q, qa);
-        let sa = dot_u8i8(_mm256_set1_epi8(1), qa);
+        let p = dot_u8i8_v::<VNNI>(q, qa);
+        let sa = dot_u8i8_v::<VNNI>(_mm256_set1_epi8(1), qa);
         let p = _mm256_sub_epi32(p, _mm256_mullo_epi32(sa, sixteen));
         acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(b.d) * a.d), _mm256_cvtepi32_ps(p), acc);
     }

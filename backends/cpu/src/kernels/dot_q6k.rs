@@ -11,7 +11,9 @@ use dejavu_backend_api::quant::{BlockQ6K, BlockQ8A, QK};
 pub fn select(isa: Isa) -> super::table::DotQ8AFn {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512 => avx2,
+        Isa::Avx512 => avx512,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => avx2,
         Isa::Portable => portable,
         _ => scalar,
     }
@@ -69,8 +71,27 @@ fn avx2(row: &[u8], act: &[BlockQ8A]) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
+fn avx512(row: &[u8], act: &[BlockQ8A]) -> f32 {
+    // SAFETY: handed out by `select` only for tiers whose features this CPU has.
+    unsafe { avx512_impl(blocks(row), act) }
+}
+
+#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn avx2_impl(w: &[BlockQ6K], act: &[BlockQ8A]) -> f32 {
+    x86_body::<false>(w, act)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn avx512_impl(w: &[BlockQ6K], act: &[BlockQ8A]) -> f32 {
+    x86_body::<true>(w, act)
+}
+
+/// The x86 kernel, compiled into each tier's feature set; `VNNI` picks the byte-dot instruction.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn x86_body<const VNNI: bool>(w: &[BlockQ6K], act: &[BlockQ8A]) -> f32 {
     use super::x86::*;
     use std::arch::x86_64::*;
     let mut acc = _mm256_setzero_ps();

@@ -54,6 +54,10 @@ pub fn random_row(qtype: QuantType, n: usize, seed: u64) -> Vec<u8> {
 /// `sum |block contribution|` plus 1e-6.
 pub fn check_dot_tiers(qtype: QuantType) {
     let reference = Kernels::for_isa(Isa::Scalar).unwrap();
+    eprintln!(
+        "{qtype:?}: checking tiers {:?} against scalar",
+        Isa::supported()
+    );
     let bl = qtype.block_len();
     // Lengths in elements: ragged for float rows (SIMD body plus tails), whole blocks otherwise.
     let lens: Vec<usize> = match bl {
