@@ -7,6 +7,7 @@ use dejavu_backend_api::{IndexSet, QuantType, Weight};
 use dejavu_backend_cpu::isa::Isa;
 use dejavu_backend_cpu::kernels::table::Kernels;
 use dejavu_backend_cpu::matmul::matmul;
+use dejavu_backend_cpu::pool::SpinPool;
 use half::f16;
 
 /// Bytes of a valid `rows x cols` tensor: every block scale set to a small finite f16.
@@ -38,14 +39,19 @@ fn synthetic(qtype: QuantType, rows: usize, cols: usize) -> Vec<u8> {
 }
 
 fn matvec(c: &mut Criterion) {
-    // SmolLM2's ffn_up (1536 x 576) and Qwen2.5's (4864 x 896), on every ISA tier this CPU has.
+    let pool = SpinPool::new(std::thread::available_parallelism().map_or(1, |n| n.get()));
+    // SmolLM2's ffn_up (1536 x 576) and Qwen2.5's ffn_down (896 x 4864), on every ISA tier this CPU
+    // has; types whose block does not divide the row are skipped.
     for (isa, (rows, cols)) in Isa::supported()
         .into_iter()
-        .flat_map(|i| [(1536, 576), (4864, 896)].map(|s| (i, s)))
+        .flat_map(|i| [(1536, 576), (896, 4864)].map(|s| (i, s)))
     {
         let k = Kernels::for_isa(isa).unwrap();
         let mut g = c.benchmark_group(format!("matvec_{rows}x{cols}_{isa}"));
-        for qtype in QuantType::ALL {
+        for qtype in QuantType::ALL
+            .into_iter()
+            .filter(|q| cols % q.block_len() == 0)
+        {
             let data = synthetic(qtype, rows, cols);
             let w = Weight::new(qtype, rows, cols, &data).unwrap();
             let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.37).sin()).collect();
@@ -53,7 +59,7 @@ fn matvec(c: &mut Criterion) {
             let all = IndexSet::full(rows);
             g.throughput(Throughput::Bytes(data.len() as u64));
             g.bench_function(BenchmarkId::from_parameter(qtype.name()), |b| {
-                b.iter(|| matmul(&k, &w, &all, &x, &mut y))
+                b.iter(|| matmul(&k, &pool, &w, &all, &x, &mut y))
             });
         }
         g.finish();
@@ -61,6 +67,7 @@ fn matvec(c: &mut Criterion) {
 }
 
 fn prefill(c: &mut Criterion) {
+    let pool = SpinPool::new(1);
     let (rows, cols, n_tok) = (1536, 576, 128);
     let data = synthetic(QuantType::Q4_1, rows, cols);
     let w = Weight::new(QuantType::Q4_1, rows, cols, &data).unwrap();
@@ -70,7 +77,7 @@ fn prefill(c: &mut Criterion) {
     let mut g = c.benchmark_group("matmul_q4_1_1536x576");
     g.throughput(Throughput::Elements((2 * rows * cols * n_tok) as u64));
     g.bench_function(BenchmarkId::new("tokens", n_tok), |b| {
-        b.iter(|| matmul(&k, &w, &IndexSet::full(rows), &x, &mut y))
+        b.iter(|| matmul(&k, &pool, &w, &IndexSet::full(rows), &x, &mut y))
     });
     g.finish();
 }

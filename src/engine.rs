@@ -23,7 +23,7 @@ pub struct Engine {
     pub tokenizer: Tokenizer,
     pub n_ctx: usize,
     backend: CpuBackend,
-    pool: rayon::ThreadPool,
+    threads: usize,
 }
 
 impl Engine {
@@ -53,18 +53,14 @@ impl Engine {
             Some(n) => n,
             None => std::thread::available_parallelism().map_or(1, |n| n.get()),
         };
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build()
-            .map_err(|e| Error::Invalid(format!("thread pool: {e}")))?;
-        let backend = CpuBackend::new()?;
+        let backend = CpuBackend::new(threads)?;
         Executor::new(&model, &backend)?;
         Ok(Self {
             model,
             tokenizer,
             n_ctx,
             backend,
-            pool,
+            threads,
         })
     }
 
@@ -83,9 +79,10 @@ impl Engine {
         KvCache::new(&self.model, self.n_ctx)
     }
 
-    /// Run `f` on this engine's thread pool.
+    /// Run `f`, a forward pass or several. The backend owns its threads (a spinning pool sized by
+    /// `EngineOptions::threads`), so this is a plain call; it marks where engine work starts.
     pub fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
-        self.pool.install(f)
+        f()
     }
 
     /// The CPU kernel tier in use (`scalar`, `portable`, `avx2`, `avx512`).
@@ -94,6 +91,6 @@ impl Engine {
     }
 
     pub fn threads(&self) -> usize {
-        self.pool.current_num_threads()
+        self.threads
     }
 }

@@ -114,7 +114,7 @@ fn qwen_matches_reference() {
 /// dequantized gemm); the integer decode kernels are checked against the reference above.
 #[test]
 fn incremental_decode_matches_batch() {
-    let backend = dejavu_backend_cpu::CpuBackend::f32_reference();
+    let backend = dejavu_backend_cpu::CpuBackend::f32_reference(2);
     for name in [SMOLLM2, QWEN] {
         let eng = engine(name);
         let exec = dejavu::executor::Executor::new(&eng.model, &backend).unwrap();

@@ -12,6 +12,7 @@ use dejavu_backend_api::quant::QK;
 use dejavu_backend_api::{IndexSet, QuantType, Weight};
 use dejavu_backend_cpu::isa::Isa;
 use dejavu_backend_cpu::kernels::table::Kernels;
+use dejavu_backend_cpu::pool::SpinPool;
 use dejavu_backend_cpu::{dequant, matmul, vec_dot};
 use dejavu_formats::GgufFile;
 
@@ -36,6 +37,7 @@ fn f32s(f: &GgufFile, name: &str) -> Vec<f32> {
 #[test]
 fn dequantize_and_dot_match_ggml_reference() {
     let f = fixture();
+    let pool = SpinPool::new(2);
     let x = f32s(&f, "x");
     let cols = x.len();
     for qtype in QuantType::ALL {
@@ -72,9 +74,9 @@ fn dequantize_and_dot_match_ggml_reference() {
         for isa in Isa::supported() {
             let k = Kernels::for_isa(isa).unwrap();
             let mut y = vec![0f32; n * w.rows];
-            matmul::matmul(&k, &w, &IndexSet::full(w.rows), &xs, &mut y);
+            matmul::matmul(&k, &pool, &w, &IndexSet::full(w.rows), &xs, &mut y);
             let mut y1 = vec![0f32; w.rows];
-            matmul::matmul(&k, &w, &IndexSet::full(w.rows), &x, &mut y1);
+            matmul::matmul(&k, &pool, &w, &IndexSet::full(w.rows), &x, &mut y1);
             for r in 0..w.rows {
                 let wr = &deq[r * cols..(r + 1) * cols];
                 let mag: f32 = wr.iter().zip(&x).map(|(w, x)| (w * x).abs()).sum();
@@ -108,16 +110,17 @@ fn dequantize_and_dot_match_ggml_reference() {
 #[test]
 fn subset_matmul_is_masked_dense() {
     let f = fixture();
+    let pool = SpinPool::new(2);
     let x = f32s(&f, "x");
     let t = f.tensor("Q4_K.q").unwrap();
     let w = Weight::new(QuantType::Q4K, t.n_rows(), t.row_len(), f.data(t)).unwrap();
     for isa in Isa::supported() {
         let k = Kernels::for_isa(isa).unwrap();
         let mut dense = vec![0f32; w.rows];
-        matmul::matmul(&k, &w, &IndexSet::full(w.rows), &x, &mut dense);
+        matmul::matmul(&k, &pool, &w, &IndexSet::full(w.rows), &x, &mut dense);
         let rows = IndexSet::new(w.rows, vec![0, 2]).unwrap();
         let mut sparse = vec![f32::NAN; w.rows];
-        matmul::matmul(&k, &w, &rows, &x, &mut sparse);
+        matmul::matmul(&k, &pool, &w, &rows, &x, &mut sparse);
         assert_eq!(sparse, vec![dense[0], 0.0, dense[2]], "{isa}");
     }
 }

@@ -28,7 +28,7 @@ fn tiny_engine(bytes: &[u8]) -> (tempfile::NamedTempFile, Engine) {
 /// the integer kernels quantize activations per block of 32, so zeroed heads would change the
 /// rounding of their neighbours and exact masked-dense equality would not hold there.
 fn decode_logits(e: &Engine, plans: &SparsePlan) -> Vec<f32> {
-    let backend = dejavu_backend_cpu::CpuBackend::f32_reference();
+    let backend = dejavu_backend_cpu::CpuBackend::f32_reference(2);
     let exec = dejavu::executor::Executor::new(&e.model, &backend).unwrap();
     let mut cache = e.new_cache();
     TOKENS

@@ -3,12 +3,22 @@
 //! Reference formula, per token t (position p = pos0 + t) and selected head h with kv head
 //! g = h / (n_heads / n_kv_heads):
 //!   s_j = q_h . k_{j,g} / sqrt(head_dim)  for j <= p;   a = softmax(s);   out_h = sum_j a_j v_{j,g}
-//! Unselected heads are written as 0. Rayon over tokens (prefill) and heads.
+//! Unselected heads are written as 0. One pool task per (token, head).
+use crate::matmul::SyncPtr;
+use crate::pool::SpinPool;
 use crate::vec_dot::dot_f32;
 use dejavu_backend_api::{AttnShape, IndexSet};
-use rayon::prelude::*;
 
-pub fn attention(q: &[f32], k: &[f32], v: &[f32], heads: &IndexSet, s: AttnShape, out: &mut [f32]) {
+#[allow(clippy::too_many_arguments)]
+pub fn attention(
+    pool: &SpinPool,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    heads: &IndexSet,
+    s: AttnShape,
+    out: &mut [f32],
+) {
     let hd = s.head_dim;
     let group = s.n_heads / s.n_kv_heads;
     let kv_stride = s.n_kv_heads * hd;
@@ -16,11 +26,15 @@ pub fn attention(q: &[f32], k: &[f32], v: &[f32], heads: &IndexSet, s: AttnShape
     debug_assert_eq!(q.len(), s.n_tokens * s.n_heads * hd);
     debug_assert!(k.len() >= (s.pos0 + s.n_tokens) * kv_stride && v.len() == k.len());
     out.fill(0.0);
-    out.par_chunks_mut(hd).enumerate().for_each(|(th, o)| {
+    let op = SyncPtr::new(out.as_mut_ptr());
+    pool.run(s.n_tokens * s.n_heads, &|th| {
         let (t, h) = (th / s.n_heads, th % s.n_heads);
         if !heads.contains(h) {
             return;
         }
+        // SAFETY: task `th` alone writes `out[th * hd..(th + 1) * hd]`, inside `out`, which
+        // outlives `pool.run`.
+        let o = unsafe { std::slice::from_raw_parts_mut(op.get().add(th * hd), hd) };
         let g = h / group;
         let n_keys = s.pos0 + t + 1;
         let qh = &q[th * hd..(th + 1) * hd];
@@ -106,7 +120,15 @@ mod tests {
             let heads = IndexSet::new(n_heads, (0..n_heads as u32).step_by(2).collect()).unwrap();
             for set in [IndexSet::full(n_heads), heads] {
                 let mut out = vec![f32::NAN; q.len()];
-                attention(&q, &k, &v, &set, s, &mut out);
+                attention(
+                    &crate::pool::SpinPool::new(2),
+                    &q,
+                    &k,
+                    &v,
+                    &set,
+                    s,
+                    &mut out,
+                );
                 for (i, (&o, &w)) in out.iter().zip(&want).enumerate() {
                     let h = (i / head_dim) % n_heads;
                     let w = if set.contains(h) { w } else { 0.0 };

@@ -7,6 +7,7 @@ pub mod isa;
 pub mod kernels;
 pub mod matmul;
 pub mod ops;
+pub mod pool;
 pub mod vec_dot;
 
 use dejavu_backend_api::{
@@ -15,38 +16,44 @@ use dejavu_backend_api::{
 use isa::Isa;
 use kernels::table::Kernels;
 
-/// CPU backend: the kernel table of one ISA tier; threads come from the rayon pool the caller
-/// installs.
+/// CPU backend: the kernel table of one ISA tier and a pool of `threads` threads for the decode
+/// and prefill paths and attention.
 pub struct CpuBackend {
-    kernels: &'static Kernels,
+    kernels: Kernels,
+    pool: pool::SpinPool,
 }
 
 impl CpuBackend {
     /// The backend on the process's tier: `DEJAVU_ISA` if set, else the best this CPU has.
-    pub fn new() -> Result<Self, BackendError> {
+    pub fn new(threads: usize) -> Result<Self, BackendError> {
         let kernels = kernels::table::kernels().map_err(|e| BackendError::Unsupported {
             backend: "cpu".into(),
             what: e.to_string(),
         })?;
-        Ok(Self { kernels })
+        Ok(Self {
+            kernels: *kernels,
+            pool: pool::SpinPool::new(threads),
+        })
     }
 
     /// The backend on a given tier (tests compare tiers); an error if this CPU lacks it.
-    pub fn with_isa(isa: Isa) -> Result<Self, BackendError> {
-        let k = Kernels::for_isa(isa).ok_or_else(|| BackendError::Unsupported {
+    pub fn with_isa(isa: Isa, threads: usize) -> Result<Self, BackendError> {
+        let kernels = Kernels::for_isa(isa).ok_or_else(|| BackendError::Unsupported {
             backend: "cpu".into(),
             what: format!("ISA tier {isa} on this CPU"),
         })?;
         Ok(Self {
-            kernels: Box::leak(Box::new(k)),
+            kernels,
+            pool: pool::SpinPool::new(threads),
         })
     }
 
     /// The f32 reference backend: every matmul on f32 activations and dequantized weights, in
     /// decode as in prefill (see `Kernels::f32_reference`). For tests and accuracy studies.
-    pub fn f32_reference() -> Self {
+    pub fn f32_reference(threads: usize) -> Self {
         Self {
-            kernels: Box::leak(Box::new(Kernels::f32_reference())),
+            kernels: Kernels::f32_reference(),
+            pool: pool::SpinPool::new(threads),
         }
     }
 
@@ -63,7 +70,7 @@ impl Backend for CpuBackend {
         true
     }
     fn matmul(&self, w: &Weight, rows: &IndexSet, x: &[f32], y: &mut [f32]) {
-        matmul::matmul(self.kernels, w, rows, x, y)
+        matmul::matmul(&self.kernels, &self.pool, w, rows, x, y)
     }
     fn dequantize_row(&self, w: &Weight, r: usize, out: &mut [f32]) {
         dequant::dequantize_row(w.qtype, w.row(r), out)
@@ -94,6 +101,6 @@ impl Backend for CpuBackend {
         shape: AttnShape,
         out: &mut [f32],
     ) {
-        attention::attention(q, k, v, heads, shape, out)
+        attention::attention(&self.pool, q, k, v, heads, shape, out)
     }
 }

@@ -83,20 +83,41 @@ unsafe fn avx512_impl(w: &[BlockQ4_0], act: &[BlockQ8A]) -> f32 {
 unsafe fn x86_body<const VNNI: bool>(w: &[BlockQ4_0], act: &[BlockQ8A]) -> f32 {
     use super::x86::*;
     use std::arch::x86_64::*;
-    let mut acc = _mm256_setzero_ps();
-    let eight = _mm256_set1_epi32(8);
-    for (b, a) in w.iter().zip(act) {
-        let q = unpack_nibbles(b.qs.as_ptr());
-        // Lane-wise sum(q*qa) - 8 * sum(qa): subtract 8 * (lane sums of qa) in the i32 lanes.
-        let qa = load_i8x32(&a.qs);
-        let p = dot_u8i8_v::<VNNI>(q, qa);
-        let sa = dot_u8i8_v::<VNNI>(_mm256_set1_epi8(1), qa);
-        let p = _mm256_sub_epi32(p, _mm256_mullo_epi32(sa, eight));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(b.d) * a.d), _mm256_cvtepi32_ps(p), acc);
+    // Two independent accumulator sets (even and odd blocks) in registers, so consecutive blocks
+    // do not wait on each other's multiply-add.
+    let z = _mm256_setzero_ps();
+    let (mut acc0, mut acc1, mut off0, mut off1) = (z, z, z, z);
+    let n = w.len().min(act.len());
+    let mut i = 0;
+    while i + 1 < n {
+        prefetch_ahead(&w[i]);
+        x86_step::<VNNI>(&w[i], &act[i], &mut acc0, &mut off0);
+        x86_step::<VNNI>(&w[i + 1], &act[i + 1], &mut acc1, &mut off1);
+        i += 2;
     }
-    hsum_ps(acc)
+    if i < n {
+        x86_step::<VNNI>(&w[i], &act[i], &mut acc0, &mut off0);
+    }
+    hsum_ps(_mm256_add_ps(acc0, acc1)) - lane0(_mm256_add_ps(off0, off1))
 }
 
+/// One block: `acc += d_w d_a (q . qa)` lane-wise; `off += d_w d_a 8 sum(qa)` (all lanes equal).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn x86_step<const VNNI: bool>(
+    b: &BlockQ4_0,
+    a: &BlockQ8A,
+    acc: &mut std::arch::x86_64::__m256,
+    off: &mut std::arch::x86_64::__m256,
+) {
+    use super::x86::*;
+    use std::arch::x86_64::*;
+    let dd = _mm256_mul_ps(bcast_f16(b.d), _mm256_set1_ps(a.d));
+    let q = unpack_nibbles(b.qs.as_ptr());
+    let p = _mm256_cvtepi32_ps(dot_u8i8_v::<VNNI>(q, load_i8x32(&a.qs)));
+    *acc = _mm256_fmadd_ps(dd, p, *acc);
+    *off = _mm256_fmadd_ps(dd, bcast_i32_ps(8 * a.sum), *off);
+}
 #[cfg(test)]
 mod tests {
     use crate::kernels::testutil::*;

@@ -90,6 +90,7 @@ unsafe fn x86_body<const VNNI: bool>(w: &[BlockQ4K], act: &[BlockQ8A]) -> f32 {
     let mut mins = 0f32;
     let mask = _mm256_set1_epi8(0x0F);
     for (b, a8) in w.iter().zip(act.chunks_exact(8)) {
+        prefetch_ahead(b);
         let (d, dmin) = (f16(b.d), f16(b.dmin));
         for g in 0..4 {
             let raw = _mm256_loadu_si256(b.qs.as_ptr().add(32 * g) as *const __m256i);

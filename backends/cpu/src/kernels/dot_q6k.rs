@@ -99,6 +99,7 @@ unsafe fn x86_body<const VNNI: bool>(w: &[BlockQ6K], act: &[BlockQ8A]) -> f32 {
     let m2 = _mm256_set1_epi8(3);
     let c32 = _mm256_set1_epi8(32);
     for (b, a8) in w.iter().zip(act.chunks_exact(8)) {
+        prefetch_ahead(b);
         let d = f16(b.d);
         for n in 0..2 {
             let ql0 = _mm256_loadu_si256(b.ql.as_ptr().add(64 * n) as *const __m256i);

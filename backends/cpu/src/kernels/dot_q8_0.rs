@@ -82,14 +82,39 @@ unsafe fn avx512_impl(w: &[BlockQ8_0], act: &[BlockQ8A]) -> f32 {
 unsafe fn x86_body<const VNNI: bool>(w: &[BlockQ8_0], act: &[BlockQ8A]) -> f32 {
     use super::x86::*;
     use std::arch::x86_64::*;
-    let mut acc = _mm256_setzero_ps();
-    for (b, a) in w.iter().zip(act) {
-        let p = _mm256_cvtepi32_ps(dot_i8i8_v::<VNNI>(load_i8x32(&b.qs), load_i8x32(&a.qs)));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(b.d) * a.d), p, acc);
+    // Two independent accumulator sets (even and odd blocks) in registers, so consecutive blocks
+    // do not wait on each other's multiply-add.
+    let z = _mm256_setzero_ps();
+    let (mut acc0, mut acc1, mut off0, mut off1) = (z, z, z, z);
+    let n = w.len().min(act.len());
+    let mut i = 0;
+    while i + 1 < n {
+        prefetch_ahead(&w[i]);
+        x86_step::<VNNI>(&w[i], &act[i], &mut acc0, &mut off0);
+        x86_step::<VNNI>(&w[i + 1], &act[i + 1], &mut acc1, &mut off1);
+        i += 2;
     }
-    hsum_ps(acc)
+    if i < n {
+        x86_step::<VNNI>(&w[i], &act[i], &mut acc0, &mut off0);
+    }
+    hsum_ps(_mm256_add_ps(acc0, acc1)) + lane0(_mm256_add_ps(off0, off1))
 }
 
+/// One block: `acc += d_w d_a (qw . qa)` lane-wise (no offset term).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn x86_step<const VNNI: bool>(
+    b: &BlockQ8_0,
+    a: &BlockQ8A,
+    acc: &mut std::arch::x86_64::__m256,
+    _off: &mut std::arch::x86_64::__m256,
+) {
+    use super::x86::*;
+    use std::arch::x86_64::*;
+    let dd = _mm256_mul_ps(bcast_f16(b.d), _mm256_set1_ps(a.d));
+    let p = _mm256_cvtepi32_ps(dot_i8i8_v::<VNNI>(load_i8x32(&b.qs), load_i8x32(&a.qs)));
+    *acc = _mm256_fmadd_ps(dd, p, *acc);
+}
 #[cfg(test)]
 mod tests {
     use crate::kernels::testutil::*;

@@ -16,6 +16,7 @@ pub enum RowDot {
     F32(DotF32Fn),
 }
 
+#[derive(Clone, Copy)]
 pub struct Kernels {
     pub isa: Isa,
     pub quantize: quantize_act::QuantizeFn,
