@@ -7,18 +7,19 @@
 //!   relative error of typically sqrt(n) * 2^-24 ~ 4e-6 of its absolute sum; through 24-30 residual
 //!   layers this stays well under 0.1 on logits of magnitude 10-35. We assert
 //!   |ours - ref| <= 0.05 + 0.002 |ref| (measured worst: 0.013 SmolLM2, 0.019 Qwen).
-//! - Decode path: activations are quantized to 8 bits per block of 32 (as llama.cpp does), each
-//!   value moving by up to max|block| / 254; with the outlier channels of these models that is a
-//!   ~1% perturbation per matmul, compounded over the layers. Logits are compared relative to the
-//!   reference top-1 logit (softmax ignores a common shift): within 1.0 (measured worst: 0.70
-//!   SmolLM2, 0.29 Qwen), absolute within 1.5, and the top-1 rule must still hold. The quality
-//!   cost is small: the decode path's perplexity on public-eval.txt (one token at a time, 11
-//!   chunks) measured 13.3353 for SmolLM2 against 13.3105 (f32) and 13.3712 (native) references.
+//! - Decode path, under every ISA tier this CPU has: activations are quantized to 8 bits per
+//!   block of 32 (as llama.cpp does), each value moving by up to max|block| / 254; with the
+//!   outlier channels of these models that is a ~1% perturbation per matmul, compounded over the
+//!   layers. Logits are compared relative to the reference top-1 logit (softmax ignores a common
+//!   shift): within 1.0 (measured worst over the tiers: 0.55 SmolLM2, 0.19 Qwen), absolute within
+//!   1.5 (measured 0.92, 0.17), and the top-1 rule must still hold.
 mod common;
 use common::*;
-use dejavu::executor::Logits;
+use dejavu::executor::{Executor, Logits};
 use dejavu::sampling::argmax;
 use dejavu::sparsity::SparsePlan;
+use dejavu_backend_cpu::isa::Isa;
+use dejavu_backend_cpu::CpuBackend;
 
 /// How the teacher-forced sequence is fed: one batch (prefill kernels, f32 activations) or one
 /// token at a time (decode kernels, 8-bit quantized activations for quantized weights).
@@ -28,10 +29,11 @@ enum Feed {
     TokenByToken,
 }
 
-fn check_model(name: &str, feed: Feed, abs_tol: f32, rel_tol: f32, shift_tol: f32) {
+fn check_model(name: &str, isa: Isa, feed: Feed, abs_tol: f32, rel_tol: f32, shift_tol: f32) {
     let eng = engine(name);
     let r = reference(name);
-    let exec = eng.executor();
+    let backend = CpuBackend::with_isa(isa, 2).unwrap();
+    let exec = Executor::new(&eng.model, &backend).unwrap();
     let plan = SparsePlan::dense(&eng.model.config);
     let vocab = eng.model.config.vocab_size;
     let (mut worst, mut worst_rel) = (0f32, 0f32);
@@ -94,19 +96,23 @@ fn check_model(name: &str, feed: Feed, abs_tol: f32, rel_tol: f32, shift_tol: f3
             }
         }
     }
-    eprintln!("{name} {feed:?}: worst top-5 logit error {worst:.5}, relative to top-1 {worst_rel:.5}; top-1 checked at {checked_top1} steps, {skipped_top1} under margin");
+    eprintln!("{name} {isa} {feed:?}: worst top-5 logit error {worst:.5}, relative to top-1 {worst_rel:.5}; top-1 checked at {checked_top1} steps, {skipped_top1} under margin");
 }
 
 #[test]
 fn smollm2_matches_reference() {
-    check_model(SMOLLM2, Feed::Batch, 0.05, 0.002, 0.05);
-    check_model(SMOLLM2, Feed::TokenByToken, 1.5, 0.0, 1.0);
+    check_model(SMOLLM2, Isa::detect(), Feed::Batch, 0.05, 0.002, 0.05);
+    for isa in Isa::supported() {
+        check_model(SMOLLM2, isa, Feed::TokenByToken, 1.5, 0.0, 1.0);
+    }
 }
 
 #[test]
 fn qwen_matches_reference() {
-    check_model(QWEN, Feed::Batch, 0.05, 0.002, 0.05);
-    check_model(QWEN, Feed::TokenByToken, 1.5, 0.0, 1.0);
+    check_model(QWEN, Isa::detect(), Feed::Batch, 0.05, 0.002, 0.05);
+    for isa in Isa::supported() {
+        check_model(QWEN, isa, Feed::TokenByToken, 1.5, 0.0, 1.0);
+    }
 }
 
 /// Token-by-token decoding through the KV cache gives the logits of the batched forward pass.
@@ -114,10 +120,10 @@ fn qwen_matches_reference() {
 /// dequantized gemm); the integer decode kernels are checked against the reference above.
 #[test]
 fn incremental_decode_matches_batch() {
-    let backend = dejavu_backend_cpu::CpuBackend::f32_reference(2);
+    let backend = CpuBackend::f32_reference(2);
     for name in [SMOLLM2, QWEN] {
         let eng = engine(name);
-        let exec = dejavu::executor::Executor::new(&eng.model, &backend).unwrap();
+        let exec = Executor::new(&eng.model, &backend).unwrap();
         let plan = SparsePlan::dense(&eng.model.config);
         let vocab = eng.model.config.vocab_size;
         let case = &reference(name).greedy.cases[1];

@@ -39,6 +39,7 @@ impl<'a> Weight<'a> {
             data,
         })
     }
+    #[inline]
     pub fn row(&self, r: usize) -> &'a [u8] {
         let rb = self.qtype.row_bytes(self.cols);
         &self.data[r * rb..(r + 1) * rb]

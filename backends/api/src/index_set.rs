@@ -60,6 +60,7 @@ impl IndexSet {
     pub fn universe(&self) -> usize {
         self.universe
     }
+    #[inline]
     pub fn len(&self) -> usize {
         self.indices.as_ref().map_or(self.universe, Vec::len)
     }
@@ -77,12 +78,14 @@ impl IndexSet {
             self.len() as f64 / self.universe as f64
         }
     }
+    #[inline]
     pub fn get(&self, i: usize) -> usize {
         self.indices.as_ref().map_or(i, |v| v[i] as usize)
     }
     pub fn iter(&self) -> impl Iterator<Item = usize> + '_ {
         (0..self.len()).map(move |i| self.get(i))
     }
+    #[inline]
     pub fn contains(&self, x: usize) -> bool {
         match &self.indices {
             None => x < self.universe,

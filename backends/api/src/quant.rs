@@ -53,6 +53,7 @@ impl QuantType {
         }
     }
     /// Bytes of a row of `n` elements (`n` a multiple of `block_len`).
+    #[inline]
     pub const fn row_bytes(self, n: usize) -> usize {
         n / self.block_len() * self.block_bytes()
     }
@@ -158,13 +159,14 @@ pub fn q4k_scale_min(j: usize, s: &[u8; 12]) -> (u8, u8) {
 }
 
 /// Activations quantized for integer dot products: 32 values `x[i] ~= d * qs[i]` with
-/// `d = max|x| / 127`, plus `sum = sum(qs)` (lets offset formats such as Q4_0 and Q4_1 fold their
-/// offset into one multiply). One format serves every weight type; K-quants use 8 per super-block.
+/// `d = max|x| / 127`, plus `s = d * sum(qs)` (lets offset formats such as Q4_0 and Q4_1 fold
+/// their offset into one multiply; `d` and `s` are adjacent so kernels load both at once). One
+/// format serves every weight type; K-quants use 8 per super-block.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Pod, Zeroable)]
 pub struct BlockQ8A {
     pub d: f32,
-    pub sum: i32,
+    pub s: f32,
     pub qs: [i8; QK],
 }
 

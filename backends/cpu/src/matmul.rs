@@ -42,7 +42,7 @@ pub fn matmul(k: &Kernels, pool: &SpinPool, w: &Weight, rows: &IndexSet, x: &[f3
                     w.cols / QK,
                     BlockQ8A {
                         d: 0.0,
-                        sum: 0,
+                        s: 0.0,
                         qs: [0; QK],
                     },
                 );

@@ -1,7 +1,7 @@
 //! Q4_0 row . Q8A activations.
 //!
 //! Reference, per block: `x = d_w * (q - 8)`, q in 0..16, so
-//! `dot_b = d_w * d_a * (sum(q * qa) - 8 * sum(qa))`.
+//! `dot_b = d_w * (d_a * sum(q * qa) - 8 * s_a)` with `s_a = d_a * sum(qa)`.
 use crate::isa::Isa;
 use dejavu_backend_api::quant::{BlockQ4_0, BlockQ8A, QK};
 
@@ -39,7 +39,7 @@ pub fn scalar(row: &[u8], act: &[BlockQ8A]) -> f32 {
             .zip(&a.qs)
             .map(|(&w, &x)| w as i32 * x as i32)
             .sum();
-        acc += b.d.to_f32() * a.d * (s - 8 * a.sum) as f32;
+        acc += b.d.to_f32() * (a.d * s as f32 - 8.0 * a.s);
     }
     acc
 }
@@ -48,7 +48,7 @@ pub fn portable(row: &[u8], act: &[BlockQ8A]) -> f32 {
     let mut acc = 0f32;
     for (b, a) in blocks(row).iter().zip(act) {
         let s = super::dot_q8_0::dot32_wide(&unpack(b), &a.qs);
-        acc += b.d.to_f32() * a.d * (s - 8 * a.sum) as f32;
+        acc += b.d.to_f32() * (a.d * s as f32 - 8.0 * a.s);
     }
     acc
 }
@@ -85,8 +85,8 @@ unsafe fn x86_body<const VNNI: bool>(w: &[BlockQ4_0], act: &[BlockQ8A]) -> f32 {
     use std::arch::x86_64::*;
     // Two independent accumulator sets (even and odd blocks) in registers, so consecutive blocks
     // do not wait on each other's multiply-add.
-    let z = _mm256_setzero_ps();
-    let (mut acc0, mut acc1, mut off0, mut off1) = (z, z, z, z);
+    let (z, z4) = (_mm256_setzero_ps(), _mm_setzero_ps());
+    let (mut acc0, mut acc1, mut off0, mut off1) = (z, z, z4, z4);
     let n = w.len().min(act.len());
     let mut i = 0;
     while i + 1 < n {
@@ -98,7 +98,7 @@ unsafe fn x86_body<const VNNI: bool>(w: &[BlockQ4_0], act: &[BlockQ8A]) -> f32 {
     if i < n {
         x86_step::<VNNI>(&w[i], &act[i], &mut acc0, &mut off0);
     }
-    hsum_ps(_mm256_add_ps(acc0, acc1)) - lane0(_mm256_add_ps(off0, off1))
+    hsum_ps(_mm256_add_ps(acc0, acc1)) - 8.0 * lane1(_mm_add_ps(off0, off1))
 }
 
 /// One block: `acc += d_w d_a (q . qa)` lane-wise; `off += d_w d_a 8 sum(qa)` (all lanes equal).
@@ -108,16 +108,21 @@ unsafe fn x86_step<const VNNI: bool>(
     b: &BlockQ4_0,
     a: &BlockQ8A,
     acc: &mut std::arch::x86_64::__m256,
-    off: &mut std::arch::x86_64::__m256,
+    off: &mut std::arch::x86_64::__m128,
 ) {
     use super::x86::*;
     use std::arch::x86_64::*;
-    let dd = _mm256_mul_ps(bcast_f16(b.d), _mm256_set1_ps(a.d));
+    // [d_w, d_w] * [d_a, s_a]: lane 0 scales the integer dot, lane 1 (x 8) is the offset term.
+    let sc = _mm_mul_ps(
+        f16_dup_at(b as *const BlockQ4_0 as *const u8),
+        act_scales(a),
+    );
     let q = unpack_nibbles(b.qs.as_ptr());
     let p = _mm256_cvtepi32_ps(dot_u8i8_v::<VNNI>(q, load_i8x32(&a.qs)));
-    *acc = _mm256_fmadd_ps(dd, p, *acc);
-    *off = _mm256_fmadd_ps(dd, bcast_i32_ps(8 * a.sum), *off);
+    *acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(sc), p, *acc);
+    *off = _mm_add_ps(*off, sc);
 }
+
 #[cfg(test)]
 mod tests {
     use crate::kernels::testutil::*;

@@ -1,7 +1,7 @@
 //! Q4_K row . Q8A activations (8 activation blocks per 256-element super-block).
 //!
 //! Reference, per sub-block j (32 elements, activation block j): `x = d * sc_j * q - dmin * m_j`,
-//! so `dot_j = d * sc_j * d_a * sum(q * qa) - dmin * m_j * d_a * sum(qa)`. Group g of 64 elements
+//! so `dot_j = d * sc_j * d_a * sum(q * qa) - dmin * m_j * s_a` with `s_a = d_a * sum(qa)`. Group g of 64 elements
 //! reads bytes `qs[32g..32g+32]`: low nibbles are sub-block 2g, high nibbles sub-block 2g+1.
 use crate::isa::Isa;
 use dejavu_backend_api::quant::{q4k_scale_min, BlockQ4K, BlockQ8A, QK};
@@ -40,7 +40,7 @@ fn generic(row: &[u8], act: &[BlockQ8A], dot32: impl Fn(&[i8; QK], &[i8; QK]) ->
         for (j, a) in a8.iter().enumerate() {
             let (sc, m) = q4k_scale_min(j, &b.scales);
             let s = dot32(&unpack(b, j), &a.qs);
-            acc += d * sc as f32 * a.d * s as f32 - dmin * m as f32 * a.d * a.sum as f32;
+            acc += d * sc as f32 * a.d * s as f32 - dmin * m as f32 * a.s;
         }
     }
     acc
@@ -101,7 +101,7 @@ unsafe fn x86_body<const VNNI: bool>(w: &[BlockQ4K], act: &[BlockQ8A]) -> f32 {
                 let (sc, m) = q4k_scale_min(j, &b.scales);
                 let p = _mm256_cvtepi32_ps(dot_u8i8_v::<VNNI>(q, load_i8x32(&a.qs)));
                 acc = _mm256_fmadd_ps(_mm256_set1_ps(d * sc as f32 * a.d), p, acc);
-                mins += dmin * m as f32 * a.d * a.sum as f32;
+                mins += dmin * m as f32 * a.s;
             }
         }
     }

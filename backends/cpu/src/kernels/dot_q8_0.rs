@@ -84,8 +84,8 @@ unsafe fn x86_body<const VNNI: bool>(w: &[BlockQ8_0], act: &[BlockQ8A]) -> f32 {
     use std::arch::x86_64::*;
     // Two independent accumulator sets (even and odd blocks) in registers, so consecutive blocks
     // do not wait on each other's multiply-add.
-    let z = _mm256_setzero_ps();
-    let (mut acc0, mut acc1, mut off0, mut off1) = (z, z, z, z);
+    let (z, z4) = (_mm256_setzero_ps(), _mm_setzero_ps());
+    let (mut acc0, mut acc1, mut off0, mut off1) = (z, z, z4, z4);
     let n = w.len().min(act.len());
     let mut i = 0;
     while i + 1 < n {
@@ -97,7 +97,7 @@ unsafe fn x86_body<const VNNI: bool>(w: &[BlockQ8_0], act: &[BlockQ8A]) -> f32 {
     if i < n {
         x86_step::<VNNI>(&w[i], &act[i], &mut acc0, &mut off0);
     }
-    hsum_ps(_mm256_add_ps(acc0, acc1)) + lane0(_mm256_add_ps(off0, off1))
+    hsum_ps(_mm256_add_ps(acc0, acc1)) + lane1(_mm_add_ps(off0, off1))
 }
 
 /// One block: `acc += d_w d_a (qw . qa)` lane-wise (no offset term).
@@ -107,14 +107,18 @@ unsafe fn x86_step<const VNNI: bool>(
     b: &BlockQ8_0,
     a: &BlockQ8A,
     acc: &mut std::arch::x86_64::__m256,
-    _off: &mut std::arch::x86_64::__m256,
+    _off: &mut std::arch::x86_64::__m128,
 ) {
     use super::x86::*;
     use std::arch::x86_64::*;
-    let dd = _mm256_mul_ps(bcast_f16(b.d), _mm256_set1_ps(a.d));
+    let sc = _mm_mul_ps(
+        f16_dup_at(b as *const BlockQ8_0 as *const u8),
+        act_scales(a),
+    );
     let p = _mm256_cvtepi32_ps(dot_i8i8_v::<VNNI>(load_i8x32(&b.qs), load_i8x32(&a.qs)));
-    *acc = _mm256_fmadd_ps(dd, p, *acc);
+    *acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(sc), p, *acc);
 }
+
 #[cfg(test)]
 mod tests {
     use crate::kernels::testutil::*;

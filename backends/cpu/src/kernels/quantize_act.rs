@@ -2,7 +2,7 @@
 //! be dotted with integer arithmetic.
 //!
 //! Reference: per block of 32, `d = max|x| / 127`, `qs[i] = round(x[i] / d)` (ties away from 0),
-//! `sum = sum(qs)`; an all-zero block has `d = 0`, `qs = 0`.
+//! `s = d * sum(qs)`; an all-zero block has `d = 0`, `qs = 0`.
 use crate::isa::Isa;
 use dejavu_backend_api::quant::{BlockQ8A, QK};
 
@@ -29,7 +29,7 @@ pub fn scalar(x: &[f32], out: &mut [BlockQ8A]) {
             sum += *q as i32;
         }
         b.d = d;
-        b.sum = sum;
+        b.s = d * sum as f32;
     }
 }
 
@@ -53,7 +53,7 @@ pub fn portable(x: &[f32], out: &mut [BlockQ8A]) {
             }
         }
         b.d = d;
-        b.sum = sum;
+        b.s = d * sum as f32;
     }
 }
 
@@ -105,7 +105,7 @@ unsafe fn avx2_impl(x: &[f32], out: &mut [BlockQ8A]) {
         let s4 = _mm_hadd_epi32(s4, s4);
         let s4 = _mm_hadd_epi32(s4, s4);
         b.d = d;
-        b.sum = _mm_cvtsi128_si32(s4);
+        b.s = d * _mm_cvtsi128_si32(s4) as f32;
     }
 }
 
@@ -126,7 +126,7 @@ mod tests {
                 let mut want = vec![
                     BlockQ8A {
                         d: 0.0,
-                        sum: 0,
+                        s: 0.0,
                         qs: [0; QK]
                     };
                     n_blocks
@@ -144,11 +144,8 @@ mod tests {
                             .unwrap();
                     // Reciprocal-multiply may land a hair on the other side of a .5 tie.
                     assert!(diff <= 1, "{isa} block {i}: qs differ by {diff}");
-                    assert_eq!(
-                        a.sum,
-                        a.qs.iter().map(|&q| q as i32).sum::<i32>(),
-                        "{isa} block {i}: sum"
-                    );
+                    let want_s = a.d * a.qs.iter().map(|&q| q as i32).sum::<i32>() as f32;
+                    assert_eq!(a.s, want_s, "{isa} block {i}: s = d * sum(qs)");
                 }
             }
         }

@@ -75,7 +75,7 @@ pub fn check_dot_tiers(qtype: QuantType) {
                     let mut act = vec![
                         BlockQ8A {
                             d: 0.0,
-                            sum: 0,
+                            s: 0.0,
                             qs: [0; QK]
                         };
                         n / QK
@@ -115,7 +115,7 @@ pub fn check_q8a_against_f32(qtype: QuantType) {
         let mut act = vec![
             BlockQ8A {
                 d: 0.0,
-                sum: 0,
+                s: 0.0,
                 qs: [0; QK]
             };
             n / QK

@@ -75,31 +75,37 @@ pub unsafe fn dot_i8i8_v<const VNNI: bool>(a: __m256i, b: __m256i) -> __m256i {
     dot_u8i8_v::<VNNI>(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a))
 }
 
-/// An f16 scale converted and broadcast to 8 lanes (`vpbroadcastw` + `vcvtph2ps`: no scalar
-/// round trip, no false dependency on an old register).
-#[inline(always)]
-pub unsafe fn bcast_f16(h: half::f16) -> __m256 {
-    _mm256_cvtph_ps(_mm_set1_epi16(h.to_bits() as i16))
-}
-
-/// An i32 broadcast to 8 lanes as f32.
-#[inline(always)]
-pub unsafe fn bcast_i32_ps(v: i32) -> __m256 {
-    _mm256_cvtepi32_ps(_mm256_set1_epi32(v))
-}
-
-/// Lane 0 of a vector (all lanes are equal where used).
-#[inline(always)]
-pub unsafe fn lane0(v: __m256) -> f32 {
-    _mm256_cvtss_f32(v)
-}
-
 /// How far ahead of the block being read the x86 kernels prefetch weight bytes. Decode streams
 /// each matrix once, and the hardware prefetcher alone leaves the loop waiting on DRAM.
-pub const PREFETCH_BYTES: usize = 1024;
+pub const PREFETCH_BYTES: usize = 4096;
 
 /// Prefetch the cache line `PREFETCH_BYTES` past `p` (a hint: never faults, even past the end).
 #[inline(always)]
 pub unsafe fn prefetch_ahead<T>(p: *const T) {
     _mm_prefetch::<_MM_HINT_T0>((p as *const i8).wrapping_add(PREFETCH_BYTES));
+}
+
+/// `[d_a, s_a, 0, 0]` of an activation block, in one 8-byte load (`d` and `s` are adjacent).
+#[inline(always)]
+pub unsafe fn act_scales(a: &dejavu_backend_api::quant::BlockQ8A) -> __m128 {
+    _mm_castpd_ps(_mm_load_sd(&a.d as *const f32 as *const f64))
+}
+
+/// Four f16 values starting at `p` (unaligned) as f32 lanes; reads 8 bytes.
+#[inline(always)]
+pub unsafe fn f16x2_at(p: *const u8) -> __m128 {
+    _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(p as *const i32)))
+}
+
+/// Lane 1 of a 4-lane vector.
+#[inline(always)]
+pub unsafe fn lane1(v: __m128) -> f32 {
+    _mm_cvtss_f32(_mm_movehdup_ps(v))
+}
+
+/// An f16 scale at `p` (the first field of a block) as `[d, d, _, _]`: one 4-byte load, one
+/// conversion, one duplicate (reads 2 bytes past the scale, inside the block).
+#[inline(always)]
+pub unsafe fn f16_dup_at(p: *const u8) -> __m128 {
+    _mm_moveldup_ps(f16x2_at(p))
 }
