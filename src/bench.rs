@@ -4,6 +4,7 @@
 //! - `tg<N>`: text generation, N tokens decoded one at a time from an empty cache (one warm-up
 //!   token first, outside the timing); tokens/s = N / time; GB/s = dense weight bytes read per
 //!   decoded token x tokens/s.
+//!
 //! Each test runs `repetitions` times after one warm-up run; we report the median and the sample
 //! standard deviation. Token ids are a fixed pseudo-random sequence (as llama-bench does), so
 //! speed does not depend on a text.

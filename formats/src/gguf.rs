@@ -555,10 +555,10 @@ fn tensor_bytes(name: &str, dims: &[u64], t: GgmlType) -> Result<u64> {
         reason,
     };
     let (block, block_bytes) = t.block_layout();
-    if dims.iter().any(|&d| d == 0) {
+    if dims.contains(&0) {
         return Err(bad("zero-sized dimension".into()));
     }
-    if dims[0] % block != 0 {
+    if !dims[0].is_multiple_of(block) {
         return Err(bad(format!(
             "row length {} is not a multiple of the {t} block size {block}",
             dims[0]

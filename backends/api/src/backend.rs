@@ -19,7 +19,7 @@ impl<'a> Weight<'a> {
         cols: usize,
         data: &'a [u8],
     ) -> Result<Self, BackendError> {
-        if cols % qtype.block_len() != 0 {
+        if !cols.is_multiple_of(qtype.block_len()) {
             return Err(BackendError::Shape(format!(
                 "{qtype:?}: row length {cols} is not a multiple of the block size {}",
                 qtype.block_len()

@@ -6,7 +6,6 @@
 //!   blocks of rows spread over the [`SpinPool`];
 //! - many tokens with every row (prefill): tiles of rows are dequantized to f32 and multiplied
 //!   with the `gemm` crate (f32 activations), each thread of the pool taking a range of rows.
-use crate::dequant::dequantize_row;
 use crate::kernels::table::{Kernels, RowDot};
 use crate::pool::SpinPool;
 use dejavu_backend_api::quant::{BlockQ8A, QK};
@@ -32,7 +31,7 @@ pub fn matmul(k: &Kernels, pool: &SpinPool, w: &Weight, rows: &IndexSet, x: &[f3
     debug_assert_eq!(y.len(), n_tok * w.rows);
     debug_assert_eq!(rows.universe(), w.rows);
     if rows.is_full() && n_tok >= GEMM_MIN_TOKENS {
-        return matmul_gemm(pool, w, x, y, n_tok);
+        return matmul_gemm(k, pool, w, x, y, n_tok);
     }
     for (xt, yt) in x.chunks_exact(w.cols).zip(y.chunks_exact_mut(w.rows)) {
         match k.dot(w.qtype) {
@@ -93,7 +92,14 @@ impl SyncPtr {
     }
 }
 
-fn matmul_gemm(pool: &SpinPool, w: &Weight, x: &[f32], y: &mut [f32], n_tok: usize) {
+fn matmul_gemm(
+    kern: &Kernels,
+    pool: &SpinPool,
+    w: &Weight,
+    x: &[f32],
+    y: &mut [f32],
+    n_tok: usize,
+) {
     let k = w.cols;
     let mut tile = vec![0f32; TILE_ROWS.min(w.rows) * k];
     let threads = pool.threads();
@@ -104,7 +110,7 @@ fn matmul_gemm(pool: &SpinPool, w: &Weight, x: &[f32], y: &mut [f32], n_tok: usi
         pool.run(nr, &|j| {
             // SAFETY: task j alone writes row j of the tile (`k` floats inside `tile`).
             let out = unsafe { std::slice::from_raw_parts_mut(tp.get().add(j * k), k) };
-            dequantize_row(w.qtype, w.row(r0 + j), out);
+            (kern.dequantize)(w.qtype, w.row(r0 + j), out);
         });
         // Each thread multiplies a disjoint range of the tile's rows (= output columns).
         let per = nr.div_ceil(threads);

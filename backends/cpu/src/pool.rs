@@ -126,7 +126,7 @@ fn worker(s: &Shared) {
                 break e;
             }
             spins += 1;
-            if spins % 1024 == 0 && t0.elapsed() > SPIN {
+            if spins.is_multiple_of(1024) && t0.elapsed() > SPIN {
                 // Sleep until the next job (re-check under the lock so no wake-up is missed).
                 let mut g = s.wake_lock.lock().unwrap_or_else(|e| e.into_inner());
                 s.sleepers.fetch_add(1, Ordering::SeqCst);

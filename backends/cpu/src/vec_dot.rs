@@ -8,14 +8,11 @@ use dejavu_backend_api::quant::{QuantType, QK_K};
 
 pub fn dot_row(qtype: QuantType, row: &[u8], x: &[f32]) -> f32 {
     debug_assert_eq!(row.len(), qtype.row_bytes(x.len()));
-    match qtype {
-        QuantType::F32 => {
-            let w: &[f32] = bytemuck::try_cast_slice(row).unwrap_or(&[]);
-            if w.len() == x.len() {
-                return dot_f32(w, x);
-            }
+    if qtype == QuantType::F32 {
+        let w: &[f32] = bytemuck::try_cast_slice(row).unwrap_or(&[]);
+        if w.len() == x.len() {
+            return dot_f32(w, x);
         }
-        _ => {}
     }
     let (bb, bl) = (qtype.block_bytes(), qtype.block_len());
     // Group scalar types into chunks of 256 to amortise the per-block dispatch.

@@ -25,7 +25,7 @@ fn blocks(row: &[u8]) -> &[BlockQ4K] {
 fn unpack(b: &BlockQ4K, j: usize) -> [i8; QK] {
     let q = &b.qs[32 * (j / 2)..32 * (j / 2) + 32];
     std::array::from_fn(|l| {
-        if j % 2 == 0 {
+        if j.is_multiple_of(2) {
             (q[l] & 0xF) as i8
         } else {
             (q[l] >> 4) as i8

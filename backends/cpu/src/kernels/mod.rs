@@ -1,6 +1,7 @@
 //! Per-ISA kernels: one operation per file, each with its scalar reference, its SIMD tiers and a
 //! test comparing every tier this CPU supports with the reference. [`table`] picks one function
 //! per (operation, weight type) for the selected [`crate::isa::Isa`].
+pub mod dequantize;
 pub mod dot_float;
 pub mod dot_q4_0;
 pub mod dot_q4_1;

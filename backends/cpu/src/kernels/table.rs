@@ -1,5 +1,7 @@
 //! The kernel table: one function per (operation, weight type) for one ISA tier, built once.
-use super::{dot_float, dot_q4_0, dot_q4_1, dot_q4k, dot_q5_0, dot_q6k, dot_q8_0, quantize_act};
+use super::{
+    dequantize, dot_float, dot_q4_0, dot_q4_1, dot_q4k, dot_q5_0, dot_q6k, dot_q8_0, quantize_act,
+};
 use crate::isa::{self, Isa, IsaError};
 use dejavu_backend_api::quant::{BlockQ8A, QuantType};
 use std::sync::OnceLock;
@@ -20,6 +22,8 @@ pub enum RowDot {
 pub struct Kernels {
     pub isa: Isa,
     pub quantize: quantize_act::QuantizeFn,
+    /// Row dequantization for the prefill tiles.
+    pub dequantize: dequantize::DequantFn,
     dots: [RowDot; QuantType::ALL.len()],
 }
 
@@ -43,6 +47,7 @@ impl Kernels {
         Some(Self {
             isa,
             quantize: quantize_act::select(isa),
+            dequantize: dequantize::select(isa),
             dots,
         })
     }
@@ -67,6 +72,7 @@ impl Kernels {
         Self {
             isa: Isa::Scalar,
             quantize: quantize_act::scalar,
+            dequantize: crate::dequant::dequantize_row,
             dots,
         }
     }
