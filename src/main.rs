@@ -5,7 +5,7 @@ use clap::{Args, Parser, Subcommand};
 use dejavu::engine::{Engine, EngineOptions};
 use dejavu::fetch;
 use dejavu::generate::generate;
-use dejavu::perplexity::perplexity;
+use dejavu::perplexity::{perplexity, Feed};
 use dejavu::sampling::{Sampler, SamplerConfig};
 use dejavu::sparsity::SparsePlan;
 use std::io::{BufRead, Write};
@@ -174,6 +174,10 @@ struct PerplexityArgs {
     /// Tokens per chunk.
     #[arg(long, default_value_t = 512)]
     ctx: usize,
+    /// Score each position one token at a time through the KV cache (the decode kernels, with
+    /// 8-bit activations) instead of one batch per chunk (the prefill kernels).
+    #[arg(long)]
+    token_by_token: bool,
 }
 
 fn main() {
@@ -423,7 +427,12 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
         .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
     let t0 = std::time::Instant::now();
-    let r = perplexity(&engine, &tokens, a.ctx, &plan, |i, _, ppl| {
+    let feed = if a.token_by_token {
+        Feed::TokenByToken
+    } else {
+        Feed::Batch
+    };
+    let r = perplexity(&engine, &tokens, a.ctx, &plan, feed, |i, _, ppl| {
         bar.set_position(i as u64);
         bar.set_message(format!("ppl {ppl:.4}"));
     })?;

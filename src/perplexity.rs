@@ -16,11 +16,22 @@ pub struct PerplexityResult {
 }
 
 /// `on_chunk(i, n_chunks, running_ppl)` is called after each chunk.
+/// How each chunk is evaluated. Both score the same positions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Feed {
+    /// The whole chunk as one batch (the prefill kernels), as llama-perplexity does.
+    Batch,
+    /// The unscored first half as one batch, then every scored position one token at a time
+    /// through the KV cache: the decode kernels, i.e. the quality of generated text.
+    TokenByToken,
+}
+
 pub fn perplexity(
     engine: &Engine,
     tokens: &[u32],
     ctx: usize,
     plan: &SparsePlan,
+    feed: Feed,
     mut on_chunk: impl FnMut(usize, usize, f64),
 ) -> Result<PerplexityResult> {
     if ctx < 4 {
@@ -49,8 +60,20 @@ pub fn perplexity(
     for i in 0..n_chunks {
         let chunk = &tokens[i * ctx..(i + 1) * ctx];
         cache.clear();
-        let logits = engine
-            .install(|| exec.forward(chunk, &mut cache, plan, Logits::Range(first, ctx - 1)))?;
+        let logits = match feed {
+            Feed::Batch => engine
+                .install(|| exec.forward(chunk, &mut cache, plan, Logits::Range(first, ctx - 1)))?,
+            Feed::TokenByToken => {
+                engine.install(|| exec.forward(&chunk[..first], &mut cache, plan, Logits::Last))?;
+                let mut rows = Vec::with_capacity((ctx - 1 - first) * vocab);
+                for &t in &chunk[first..ctx - 1] {
+                    rows.extend(
+                        engine.install(|| exec.forward(&[t], &mut cache, plan, Logits::Last))?,
+                    );
+                }
+                rows
+            }
+        };
         for (j, row) in logits.chunks_exact(vocab).enumerate() {
             let target = chunk[first + j + 1] as usize;
             nll_sum += nll(row, target);

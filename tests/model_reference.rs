@@ -153,12 +153,48 @@ fn incremental_decode_matches_batch() {
     }
 }
 
+/// The decode kernels (8-bit activations) score the text within 1% of the mature engine's
+/// native-quantization figure; SmolLM2 only, to keep the suite short (Qwen's decode path is
+/// checked token by token above).
+#[test]
+fn smollm2_decode_path_perplexity_within_1_percent_of_native() {
+    let eng = engine(SMOLLM2);
+    let r = reference(SMOLLM2).perplexity;
+    let tokens = eng.tokenizer.encode(&public_eval()).unwrap();
+    let plan = SparsePlan::dense(&eng.model.config);
+    let feed = dejavu::perplexity::Feed::TokenByToken;
+    let res =
+        dejavu::perplexity::perplexity(&eng, &tokens, r.ctx, &plan, feed, |_, _, _| {}).unwrap();
+    assert_eq!(res.n_scored, r.chunks * (r.ctx / 2 - 1));
+    let rel = (res.ppl / r.reference_native_quant - 1.0).abs();
+    eprintln!(
+        "decode path: ppl {:.4}, reference native {:.4} ({:+.3}%)",
+        res.ppl,
+        r.reference_native_quant,
+        100.0 * rel
+    );
+    assert!(
+        rel < 0.01,
+        "decode-path ppl {} vs native reference {}",
+        res.ppl,
+        r.reference_native_quant
+    );
+}
+
 fn check_perplexity(name: &str) {
     let eng = engine(name);
     let r = reference(name).perplexity;
     let tokens = eng.tokenizer.encode(&public_eval()).unwrap();
     let plan = SparsePlan::dense(&eng.model.config);
-    let res = dejavu::perplexity::perplexity(&eng, &tokens, r.ctx, &plan, |_, _, _| {}).unwrap();
+    let res = dejavu::perplexity::perplexity(
+        &eng,
+        &tokens,
+        r.ctx,
+        &plan,
+        dejavu::perplexity::Feed::Batch,
+        |_, _, _| {},
+    )
+    .unwrap();
     assert_eq!(res.n_chunks, r.chunks);
     assert_eq!(res.n_scored, r.chunks * (r.ctx / 2 - 1));
     let rel = (res.ppl / r.reference_f32_weights - 1.0).abs();
