@@ -79,12 +79,6 @@ impl Engine {
         KvCache::new(&self.model, self.n_ctx)
     }
 
-    /// Run `f`, a forward pass or several. The backend owns its threads (a spinning pool sized by
-    /// `EngineOptions::threads`), so this is a plain call; it marks where engine work starts.
-    pub fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
-        f()
-    }
-
     /// The CPU kernel tier in use (`scalar`, `portable`, `avx2`, `avx512`).
     pub fn isa(&self) -> &'static str {
         self.backend.isa().name()

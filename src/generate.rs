@@ -57,7 +57,7 @@ pub fn generate(
     };
     let mut history: Vec<u32> = new_tokens.to_vec();
     let t0 = Instant::now();
-    let mut logits = engine.install(|| exec.forward(new_tokens, cache, plan, Logits::Last))?;
+    let mut logits = exec.forward(new_tokens, cache, plan, Logits::Last)?;
     stats.prompt_secs = t0.elapsed().as_secs_f64();
 
     let mut out = Vec::new();
@@ -76,7 +76,7 @@ pub fn generate(
         if out.len() == max_tokens || cache.len() + 1 >= cache.n_ctx() {
             break;
         }
-        logits = engine.install(|| exec.forward(&[next], cache, plan, Logits::Last))?;
+        logits = exec.forward(&[next], cache, plan, Logits::Last)?;
     }
     stats.decode_secs = t1.elapsed().as_secs_f64();
     stats.generated_tokens = out.len();

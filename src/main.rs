@@ -334,10 +334,7 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
         a.max_tokens,
         &mut sampler,
         &plan,
-        |s| {
-            let _ = stdout.write_all(s.as_bytes());
-            let _ = stdout.flush();
-        },
+        stream_to(&mut stdout),
     )?;
     writeln!(stdout)?;
     eprintln!(
@@ -349,6 +346,15 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
         engine.threads()
     );
     Ok(())
+}
+
+/// A `generate` callback that prints each piece of text as it arrives. Write errors (a closed
+/// pipe) are ignored here; the final `writeln!` reports them.
+fn stream_to<'a>(out: &'a mut std::io::StdoutLock<'static>) -> impl FnMut(&str) + 'a {
+    |s| {
+        let _ = out.write_all(s.as_bytes());
+        let _ = out.flush();
+    }
 }
 
 fn cmd_chat(a: ChatArgs) -> Result<()> {
@@ -393,10 +399,7 @@ fn cmd_chat(a: ChatArgs) -> Result<()> {
             a.max_tokens,
             &mut sampler,
             &plan,
-            |s| {
-                let _ = stdout.write_all(s.as_bytes());
-                let _ = stdout.flush();
-            },
+            stream_to(&mut stdout),
         )?;
         writeln!(stdout)?;
         // What the cache holds now: the prompt and every reply token that was fed back.

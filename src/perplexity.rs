@@ -61,15 +61,12 @@ pub fn perplexity(
         let chunk = &tokens[i * ctx..(i + 1) * ctx];
         cache.clear();
         let logits = match feed {
-            Feed::Batch => engine
-                .install(|| exec.forward(chunk, &mut cache, plan, Logits::Range(first, ctx - 1)))?,
+            Feed::Batch => exec.forward(chunk, &mut cache, plan, Logits::Range(first, ctx - 1))?,
             Feed::TokenByToken => {
-                engine.install(|| exec.forward(&chunk[..first], &mut cache, plan, Logits::Last))?;
+                exec.forward(&chunk[..first], &mut cache, plan, Logits::Last)?;
                 let mut rows = Vec::with_capacity((ctx - 1 - first) * vocab);
                 for &t in &chunk[first..ctx - 1] {
-                    rows.extend(
-                        engine.install(|| exec.forward(&[t], &mut cache, plan, Logits::Last))?,
-                    );
+                    rows.extend(exec.forward(&[t], &mut cache, plan, Logits::Last)?);
                 }
                 rows
             }

@@ -51,16 +51,14 @@ fn check_model(name: &str, isa: Isa, feed: Feed, abs_tol: f32, rel_tol: f32, shi
         let p = case.prompt_ids.len();
         let mut cache = eng.new_cache();
         let logits: Vec<f32> = match feed {
-            Feed::Batch => eng
-                .install(|| exec.forward(&seq, &mut cache, &plan, Logits::Range(p - 1, seq.len())))
+            Feed::Batch => exec
+                .forward(&seq, &mut cache, &plan, Logits::Range(p - 1, seq.len()))
                 .unwrap(),
             Feed::TokenByToken => {
-                eng.install(|| exec.forward(&seq[..p - 1], &mut cache, &plan, Logits::Last))
+                exec.forward(&seq[..p - 1], &mut cache, &plan, Logits::Last)
                     .unwrap();
-                let mut step = |t: u32| {
-                    eng.install(|| exec.forward(&[t], &mut cache, &plan, Logits::Last))
-                        .unwrap()
-                };
+                let mut step =
+                    |t: u32| exec.forward(&[t], &mut cache, &plan, Logits::Last).unwrap();
                 seq[p - 1..].iter().flat_map(|&t| step(t)).collect()
             }
         };
@@ -130,14 +128,12 @@ fn incremental_decode_matches_batch() {
         let mut seq = case.prompt_ids.clone();
         seq.extend(&case.greedy_ids[..8]);
         let mut cache = eng.new_cache();
-        let batch = eng
-            .install(|| exec.forward(&seq, &mut cache, &plan, Logits::Range(0, seq.len())))
+        let batch = exec
+            .forward(&seq, &mut cache, &plan, Logits::Range(0, seq.len()))
             .unwrap();
         let mut cache = eng.new_cache();
         for (i, &t) in seq.iter().enumerate() {
-            let step = eng
-                .install(|| exec.forward(&[t], &mut cache, &plan, Logits::Last))
-                .unwrap();
+            let step = exec.forward(&[t], &mut cache, &plan, Logits::Last).unwrap();
             let want = &batch[i * vocab..(i + 1) * vocab];
             let worst = step
                 .iter()
