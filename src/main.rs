@@ -59,11 +59,13 @@ struct ModelArgs {
 impl ModelArgs {
     fn load(&self, n_ctx: Option<usize>) -> Result<Engine> {
         let path = fetch::resolve_model(self.model.as_deref())?;
-        let opts = EngineOptions {
-            threads: self.threads,
-            n_ctx,
-        };
-        Engine::load(&path, &opts).with_context(|| format!("loading {}", path.display()))
+        load_engine(
+            &path,
+            EngineOptions {
+                threads: self.threads,
+                n_ctx,
+            },
+        )
     }
 }
 

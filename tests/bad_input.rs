@@ -154,10 +154,11 @@ fn prompt_longer_than_context() {
         ],
         "invalid sampling",
     );
-    // And the tiny model does generate within its window.
+    // And the tiny model does generate within its window; --verbose names the kernel tier.
     let out = Command::new(env!("CARGO_BIN_EXE_dejavu"))
         .args([
             "generate",
+            "-v",
             "--model",
             path,
             "--prompt",
@@ -169,11 +170,18 @@ fn prompt_longer_than_context() {
         ])
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("kernels: "), "{stderr}");
+    // A forced tier that is unknown is a clear error.
+    let out = Command::new(env!("CARGO_BIN_EXE_dejavu"))
+        .args(["generate", "--model", path, "--prompt", "hello", "-n", "2"])
+        .env("DEJAVU_ISA", "mmx")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr.contains("DEJAVU_ISA=mmx: unknown tier"), "{stderr}");
 }
 
 #[test]
