@@ -70,63 +70,42 @@ fn avx512(row: &[u8], act: &[BlockQ8A]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn avx2_impl(w: &[BlockQ5_0], act: &[BlockQ8A]) -> f32 {
-    x86_body::<false>(w, act)
+    super::x86::pair_loop::<BlockQ5_0, false>(w, act)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn avx512_impl(w: &[BlockQ5_0], act: &[BlockQ8A]) -> f32 {
-    x86_body::<true>(w, act)
+    super::x86::pair_loop::<BlockQ5_0, true>(w, act)
 }
 
-/// The x86 kernel, compiled into each tier's feature set; `VNNI` picks the byte-dot instruction.
+/// One block: `acc += d_w d_a (q5 . qa)` lane-wise; lane 1 of `off` += `d_w s_a` (scaled by -16).
 #[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn x86_body<const VNNI: bool>(w: &[BlockQ5_0], act: &[BlockQ8A]) -> f32 {
-    use super::x86::*;
-    use std::arch::x86_64::*;
-    // Two independent accumulator sets (even and odd blocks) in registers, so consecutive blocks
-    // do not wait on each other's multiply-add.
-    let (z, z4) = (_mm256_setzero_ps(), _mm_setzero_ps());
-    let (mut acc0, mut acc1, mut off0, mut off1) = (z, z, z4, z4);
-    let n = w.len().min(act.len());
-    let mut i = 0;
-    while i + 1 < n {
-        prefetch_ahead(&w[i]);
-        x86_step::<VNNI>(&w[i], &act[i], &mut acc0, &mut off0);
-        x86_step::<VNNI>(&w[i + 1], &act[i + 1], &mut acc1, &mut off1);
-        i += 2;
+impl super::x86::Step32 for BlockQ5_0 {
+    const OFF_SCALE: f32 = -16.0;
+    #[inline(always)]
+    unsafe fn step<const VNNI: bool>(
+        &self,
+        a: &BlockQ8A,
+        acc: &mut std::arch::x86_64::__m256,
+        off: &mut std::arch::x86_64::__m128,
+    ) {
+        use super::x86::*;
+        use std::arch::x86_64::*;
+        // [d_w, d_w] * [d_a, s_a]: lane 0 scales the integer dot, lane 1 (x 16) is the offset term.
+        let sc = _mm_mul_ps(
+            f16_dup_at(self as *const BlockQ5_0 as *const u8),
+            act_scales(a),
+        );
+        let hi = _mm256_and_si256(
+            bytes_from_bits_32(u32::from_le_bytes(self.qh)),
+            _mm256_set1_epi8(0x10),
+        );
+        let q = _mm256_or_si256(unpack_nibbles(self.qs.as_ptr()), hi);
+        let p = _mm256_cvtepi32_ps(dot_u8i8_v::<VNNI>(q, load_i8x32(&a.qs)));
+        *acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(sc), p, *acc);
+        *off = _mm_add_ps(*off, sc);
     }
-    if i < n {
-        x86_step::<VNNI>(&w[i], &act[i], &mut acc0, &mut off0);
-    }
-    hsum_ps(_mm256_add_ps(acc0, acc1)) - 16.0 * lane1(_mm_add_ps(off0, off1))
-}
-
-/// One block: `acc += d_w d_a (q5 . qa)` lane-wise; `off += d_w d_a 16 sum(qa)` (all lanes equal).
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn x86_step<const VNNI: bool>(
-    b: &BlockQ5_0,
-    a: &BlockQ8A,
-    acc: &mut std::arch::x86_64::__m256,
-    off: &mut std::arch::x86_64::__m128,
-) {
-    use super::x86::*;
-    use std::arch::x86_64::*;
-    // [d_w, d_w] * [d_a, s_a]: lane 0 scales the integer dot, lane 1 (x 16) is the offset term.
-    let sc = _mm_mul_ps(
-        f16_dup_at(b as *const BlockQ5_0 as *const u8),
-        act_scales(a),
-    );
-    let hi = _mm256_and_si256(
-        bytes_from_bits_32(u32::from_le_bytes(b.qh)),
-        _mm256_set1_epi8(0x10),
-    );
-    let q = _mm256_or_si256(unpack_nibbles(b.qs.as_ptr()), hi);
-    let p = _mm256_cvtepi32_ps(dot_u8i8_v::<VNNI>(q, load_i8x32(&a.qs)));
-    *acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(sc), p, *acc);
-    *off = _mm_add_ps(*off, sc);
 }
 
 #[cfg(test)]

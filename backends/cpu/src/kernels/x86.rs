@@ -109,3 +109,46 @@ pub unsafe fn lane1(v: __m128) -> f32 {
 pub unsafe fn f16_dup_at(p: *const u8) -> __m128 {
     _mm_moveldup_ps(f16x2_at(p))
 }
+
+/// One 32-element weight block's contribution to a dot with a [`BlockQ8A`], as each 32-wide
+/// kernel file defines it: add the lane-wise scaled integer dot to `acc` and the block's offset
+/// term to lane 1 of `off`; the total offset is multiplied by `OFF_SCALE`.
+pub trait Step32 {
+    const OFF_SCALE: f32;
+    unsafe fn step<const VNNI: bool>(
+        &self,
+        a: &dejavu_backend_api::quant::BlockQ8A,
+        acc: &mut __m256,
+        off: &mut __m128,
+    );
+}
+
+/// The loop shared by the 32-wide kernels: blocks in pairs onto two accumulator sets (even and
+/// odd blocks, kept in registers, so consecutive blocks do not wait on each other's
+/// multiply-add), with a weight prefetch per pair. Inlined into each tier's `#[target_feature]`
+/// function, so the intrinsics of `step` compile for that tier.
+#[inline(always)]
+pub unsafe fn pair_loop<B: Step32, const VNNI: bool>(
+    w: &[B],
+    act: &[dejavu_backend_api::quant::BlockQ8A],
+) -> f32 {
+    let (z, z4) = (_mm256_setzero_ps(), _mm_setzero_ps());
+    let (mut acc0, mut acc1, mut off0, mut off1) = (z, z, z4, z4);
+    let n = w.len().min(act.len());
+    let mut i = 0;
+    while i + 1 < n {
+        prefetch_ahead(&w[i]);
+        w[i].step::<VNNI>(&act[i], &mut acc0, &mut off0);
+        w[i + 1].step::<VNNI>(&act[i + 1], &mut acc1, &mut off1);
+        i += 2;
+    }
+    if i < n {
+        w[i].step::<VNNI>(&act[i], &mut acc0, &mut off0);
+    }
+    let total = hsum_ps(_mm256_add_ps(acc0, acc1));
+    if B::OFF_SCALE == 0.0 {
+        total
+    } else {
+        total + B::OFF_SCALE * lane1(_mm_add_ps(off0, off1))
+    }
+}
