@@ -32,6 +32,18 @@ pub struct BenchResult {
     pub weight_gb_per_s: f64,
     pub weight_bytes_per_token: usize,
     pub samples: Vec<f64>,
+    /// Decode tests: resident memory at the end of the last repetition.
+    pub memory: Option<Memory>,
+}
+
+/// Resident memory during decode, split as the CPU-speed issue states its target:
+/// mapped weights + KV cache + other state (`other = rss - weights - kv`).
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Memory {
+    pub rss_mib: f64,
+    pub weights_mib: f64,
+    pub kv_cache_mib: f64,
+    pub other_mib: f64,
 }
 
 /// The commit this binary was built from.
@@ -63,15 +75,16 @@ fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
         .collect()
 }
 
-/// Time one test (`prefill` P tokens, or decode N tokens) `reps` times after a warm-up.
-/// `on_rep` is called after each timed repetition.
+/// Time one test (`prefill` P tokens, or decode N tokens) `reps` times after a warm-up; for
+/// decode also the resident memory after the last token. `on_rep` is called after each timed
+/// repetition.
 pub fn run_test(
     engine: &Engine,
     prefill: bool,
     n: usize,
     reps: usize,
     mut on_rep: impl FnMut(),
-) -> Result<Vec<f64>> {
+) -> Result<(Vec<f64>, Option<Memory>)> {
     let exec = engine.executor();
     let plan = SparsePlan::dense(&engine.model.config);
     let vocab = engine.model.config.vocab_size;
@@ -97,7 +110,20 @@ pub fn run_test(
             on_rep();
         }
     }
-    Ok(samples)
+    let memory = (!prefill)
+        .then(|| crate::memstat::resident(engine.model.file.bytes()))
+        .flatten()
+        .map(|r| {
+            let mib = |b: u64| b as f64 / (1 << 20) as f64;
+            let kv = cache.bytes_in_use() as u64;
+            Memory {
+                rss_mib: mib(r.total),
+                weights_mib: mib(r.region),
+                kv_cache_mib: mib(kv),
+                other_mib: mib(r.total.saturating_sub(r.region + kv)),
+            }
+        });
+    Ok((samples, memory))
 }
 
 /// Median and sample standard deviation.
@@ -126,12 +152,18 @@ pub fn markdown(results: &[BenchResult]) -> String {
             r.model, r.commit, r.cpu
         );
     }
-    s +=
-        "| isa | threads | sparsity | test | t/s (median ± sd) | weight GB/s | weight MB/token |\n";
-    s += "|---|---:|---|---|---:|---:|---:|\n";
+    s += "| isa | threads | sparsity | test | t/s (median ± sd) | weight GB/s | weight MB/token \
+          | RSS MiB = weights + KV + other |\n";
+    s += "|---|---:|---|---|---:|---:|---:|---|\n";
     for r in results {
+        let mem = r.memory.map_or(String::from("-"), |m| {
+            format!(
+                "{:.1} = {:.1} + {:.1} + {:.1}",
+                m.rss_mib, m.weights_mib, m.kv_cache_mib, m.other_mib
+            )
+        });
         s += &format!(
-            "| {} | {} | {} | {} | {:.1} ± {:.1} | {:.1} | {:.1} |\n",
+            "| {} | {} | {} | {} | {:.1} ± {:.1} | {:.1} | {:.1} | {} |\n",
             r.isa,
             r.threads,
             r.sparsity,
@@ -139,7 +171,8 @@ pub fn markdown(results: &[BenchResult]) -> String {
             r.tok_per_s_median,
             r.tok_per_s_stddev,
             r.weight_gb_per_s,
-            r.weight_bytes_per_token as f64 / 1e6
+            r.weight_bytes_per_token as f64 / 1e6,
+            mem
         );
     }
     s

@@ -18,6 +18,21 @@ pub struct EngineOptions {
     pub n_ctx: Option<usize>,
 }
 
+/// Hand freed heap pages back to the OS (glibc keeps them otherwise; elsewhere a no-op).
+fn release_free_heap() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        extern "C" {
+            fn malloc_trim(pad: usize) -> i32;
+        }
+        // SAFETY: glibc's malloc_trim only releases free memory of the allocator's arenas; it may
+        // be called at any time from any thread.
+        unsafe {
+            malloc_trim(0);
+        }
+    }
+}
+
 pub struct Engine {
     pub model: Model,
     pub tokenizer: Tokenizer,
@@ -28,8 +43,12 @@ pub struct Engine {
 
 impl Engine {
     pub fn load(path: impl AsRef<Path>, opts: &EngineOptions) -> Result<Self> {
-        let model = Model::load(path)?;
+        let mut model = Model::load(path)?;
         let tokenizer = Tokenizer::from_gguf(&model.file.header)?;
+        // The tokenizer has its own vocabulary now: free the header's copy (and the builder's
+        // transient allocations) so they do not stay resident during generation.
+        model.file.header.drop_metadata(crate::names::VOCAB_KEYS);
+        release_free_heap();
         if tokenizer.vocab_size() != model.config.vocab_size {
             return Err(Error::Tokenizer(format!(
                 "{} tokens in the vocabulary but the model has {} embedding rows",

@@ -11,14 +11,41 @@
 use crate::model::{Model, WeightRef};
 use crate::sparsity::SparsePlan;
 use crate::{Error, Result};
-use dejavu_backend_api::{AttnShape, Backend, IndexSet};
+use dejavu_backend_api::{AttnShape, Backend, IndexSet, MatmulJob};
 
-/// Keys and values of every layer for positions `0..len`, f32, `[n_ctx][n_kv_heads * head_dim]`.
+/// Keys and values of every layer for positions `0..len`, f32, `[n_ctx][n_kv_heads * head_dim]`,
+/// plus the activation buffers of the sequence's forward passes (grown to the largest batch seen,
+/// then reused: decoding allocates nothing per token).
 pub struct KvCache {
     k: Vec<Vec<f32>>,
     v: Vec<Vec<f32>>,
     len: usize,
     n_ctx: usize,
+    scratch: Scratch,
+}
+
+/// Activations of one forward pass (see `Executor::forward` for the names).
+#[derive(Default)]
+struct Scratch {
+    x: Vec<f32>,
+    h: Vec<f32>,
+    q: Vec<f32>,
+    att: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    o: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    logits: Vec<f32>,
+}
+
+/// The first `n` elements of `v`, growing it if needed (contents unspecified: every user
+/// overwrites them).
+fn buf(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    if v.len() < n {
+        v.resize(n, 0.0);
+    }
+    &mut v[..n]
 }
 
 impl KvCache {
@@ -30,6 +57,7 @@ impl KvCache {
             v: vec![vec![0.0; size]; c.n_layers],
             len: 0,
             n_ctx,
+            scratch: Scratch::default(),
         }
     }
     pub fn len(&self) -> usize {
@@ -40,6 +68,16 @@ impl KvCache {
     }
     pub fn n_ctx(&self) -> usize {
         self.n_ctx
+    }
+    /// Bytes of keys and values held for the positions in use.
+    pub fn bytes_in_use(&self) -> usize {
+        let per_pos: usize = self
+            .k
+            .iter()
+            .chain(&self.v)
+            .map(|l| l.len() / self.n_ctx)
+            .sum();
+        self.len * per_pos * size_of::<f32>()
     }
     pub fn clear(&mut self) {
         self.len = 0;
@@ -83,15 +121,26 @@ impl<'m> Executor<'m> {
         self.backend.matmul(&self.model.weight(w), rows, x, y)
     }
 
+    fn job<'a>(&self, w: &WeightRef, rows: &'a IndexSet, y: &'a mut [f32]) -> MatmulJob<'a>
+    where
+        'm: 'a,
+    {
+        MatmulJob {
+            w: self.model.weight(w),
+            rows,
+            y,
+        }
+    }
+
     /// Run `tokens` at positions `cache.len()..`, append their keys/values to the cache and return
-    /// the logits asked for (`[n][vocab]`, n = 1 for `Last`).
-    pub fn forward(
+    /// the logits asked for (`[n][vocab]`, n = 1 for `Last`), valid until the cache's next use.
+    pub fn forward<'c>(
         &self,
         tokens: &[u32],
-        cache: &mut KvCache,
+        cache: &'c mut KvCache,
         plan: &SparsePlan,
         want: Logits,
-    ) -> Result<Vec<f32>> {
+    ) -> Result<&'c mut [f32]> {
         let m = self.model;
         let c = &m.config;
         let b = self.backend;
@@ -115,7 +164,17 @@ impl<'m> Executor<'m> {
         }
         let (d, qd, kvd, ff) = (c.d_model, c.n_heads * c.head_dim, c.kv_dim(), c.n_ff);
 
-        let mut x = vec![0f32; n * d];
+        let (first, last) = match want {
+            Logits::Last => (n - 1, n),
+            Logits::Range(s, e) if s < e && e <= n => (s, e),
+            Logits::Range(s, e) => {
+                return Err(Error::Invalid(format!(
+                    "logit range {s}..{e} outside batch of {n}"
+                )))
+            }
+        };
+        let sc = &mut cache.scratch;
+        let x = buf(&mut sc.x, n * d);
         let embd = m.weight(&m.token_embd);
         for (&t, xt) in tokens.iter().zip(x.chunks_exact_mut(d)) {
             if t as usize >= c.vocab_size {
@@ -127,42 +186,40 @@ impl<'m> Executor<'m> {
             b.dequantize_row(&embd, t as usize, xt);
         }
 
-        let mut h = vec![0f32; n * d];
-        let (mut q, mut att) = (vec![0f32; n * qd], vec![0f32; n * qd]);
-        let (mut k, mut v) = (vec![0f32; n * kvd], vec![0f32; n * kvd]);
-        let mut o = vec![0f32; n * d];
-        let (mut gate, mut up) = (vec![0f32; n * ff], vec![0f32; n * ff]);
+        let h = buf(&mut sc.h, n * d);
+        let (q, att) = (buf(&mut sc.q, n * qd), buf(&mut sc.att, n * qd));
+        let (k, v) = (buf(&mut sc.k, n * kvd), buf(&mut sc.v, n * kvd));
+        let o = buf(&mut sc.o, n * d);
+        let (gate, up) = (buf(&mut sc.gate, n * ff), buf(&mut sc.up, n * ff));
         let full_kv = IndexSet::full(kvd);
         let full_d = IndexSet::full(d);
 
         for (l, (lw, lp)) in m.layers.iter().zip(&plan.layers).enumerate() {
-            b.rmsnorm(&x, m.vector(&lw.attn_norm), c.rms_eps, &mut h);
-            self.matmul(&lw.wq, lp.q_rows(), &h, &mut q);
-            self.matmul(&lw.wk, &full_kv, &h, &mut k);
-            self.matmul(&lw.wv, &full_kv, &h, &mut v);
-            if let (Some(bq), Some(bk), Some(bv)) = (&lw.bq, &lw.bk, &lw.bv) {
-                add_bias(&mut q, m.vector(bq), Some(lp.q_rows()));
-                add_bias(&mut k, m.vector(bk), None);
-                add_bias(&mut v, m.vector(bv), None);
-            }
-            b.rope(
-                &mut q,
-                c.n_heads,
-                c.head_dim,
-                pos0,
-                c.rope_theta,
-                c.rope_style,
+            b.rmsnorm(x, m.vector(&lw.attn_norm), c.rms_eps, h);
+            b.matmul_shared_input(
+                h,
+                &mut [
+                    self.job(&lw.wq, lp.q_rows(), q),
+                    self.job(&lw.wk, &full_kv, k),
+                    self.job(&lw.wv, &full_kv, v),
+                ],
             );
+            if let (Some(bq), Some(bk), Some(bv)) = (&lw.bq, &lw.bk, &lw.bv) {
+                add_bias(q, m.vector(bq), Some(lp.q_rows()));
+                add_bias(k, m.vector(bk), None);
+                add_bias(v, m.vector(bv), None);
+            }
+            b.rope(q, c.n_heads, c.head_dim, pos0, c.rope_theta, c.rope_style);
             b.rope(
-                &mut k,
+                k,
                 c.n_kv_heads,
                 c.head_dim,
                 pos0,
                 c.rope_theta,
                 c.rope_style,
             );
-            cache.k[l][pos0 * kvd..(pos0 + n) * kvd].copy_from_slice(&k);
-            cache.v[l][pos0 * kvd..(pos0 + n) * kvd].copy_from_slice(&v);
+            cache.k[l][pos0 * kvd..(pos0 + n) * kvd].copy_from_slice(k);
+            cache.v[l][pos0 * kvd..(pos0 + n) * kvd].copy_from_slice(v);
             let shape = AttnShape {
                 n_heads: c.n_heads,
                 n_kv_heads: c.n_kv_heads,
@@ -172,39 +229,39 @@ impl<'m> Executor<'m> {
             };
             let end = (pos0 + n) * kvd;
             b.attention(
-                &q,
+                q,
                 &cache.k[l][..end],
                 &cache.v[l][..end],
                 &lp.heads,
                 shape,
-                &mut att,
+                att,
             );
-            self.matmul(&lw.wo, &full_d, &att, &mut o);
-            add(&mut x, &o);
+            self.matmul(&lw.wo, &full_d, att, o);
+            add(x, o);
 
-            b.rmsnorm(&x, m.vector(&lw.ffn_norm), c.rms_eps, &mut h);
-            self.matmul(&lw.w_gate, &lp.mlp, &h, &mut gate);
-            self.matmul(&lw.w_up, &lp.mlp, &h, &mut up);
-            b.silu_mul(&mut gate, &up);
-            self.matmul(&lw.w_down, &full_d, &gate, &mut o);
-            add(&mut x, &o);
+            b.rmsnorm(x, m.vector(&lw.ffn_norm), c.rms_eps, h);
+            b.matmul_shared_input(
+                h,
+                &mut [
+                    self.job(&lw.w_gate, &lp.mlp, gate),
+                    self.job(&lw.w_up, &lp.mlp, up),
+                ],
+            );
+            b.silu_mul(gate, up);
+            self.matmul(&lw.w_down, &full_d, gate, o);
+            add(x, o);
         }
         cache.len = pos0 + n;
 
-        let (start, end) = match want {
-            Logits::Last => (n - 1, n),
-            Logits::Range(s, e) if s < e && e <= n => (s, e),
-            Logits::Range(s, e) => {
-                return Err(Error::Invalid(format!(
-                    "logit range {s}..{e} outside batch of {n}"
-                )))
-            }
-        };
-        let xs = &x[start * d..end * d];
-        let mut hn = vec![0f32; xs.len()];
-        b.rmsnorm(xs, m.vector(&m.output_norm), c.rms_eps, &mut hn);
-        let mut logits = vec![0f32; (end - start) * c.vocab_size];
-        self.matmul(&m.output, &IndexSet::full(c.vocab_size), &hn, &mut logits);
+        let hn = &mut h[..(last - first) * d];
+        b.rmsnorm(
+            &x[first * d..last * d],
+            m.vector(&m.output_norm),
+            c.rms_eps,
+            hn,
+        );
+        let logits = buf(&mut sc.logits, (last - first) * c.vocab_size);
+        self.matmul(&m.output, &IndexSet::full(c.vocab_size), hn, logits);
         Ok(logits)
     }
 }

@@ -64,7 +64,7 @@ pub fn generate(
     let mut stream = TextStream::default();
     let t1 = Instant::now();
     while out.len() < max_tokens {
-        let next = sampler.sample(&mut logits, &history);
+        let next = sampler.sample(logits, &history);
         if eog.contains(&next) {
             break;
         }

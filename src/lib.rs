@@ -12,6 +12,7 @@ mod error;
 pub mod executor;
 pub mod fetch;
 pub mod generate;
+pub mod memstat;
 pub mod model;
 pub mod names;
 pub mod perplexity;

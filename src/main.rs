@@ -278,7 +278,8 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
                 format!("tg{n}")
             };
             bar.set_message(format!("{test} at {threads} threads"));
-            let samples = bench::run_test(&engine, prefill, n, a.repetitions, || bar.inc(1))?;
+            let (samples, memory) =
+                bench::run_test(&engine, prefill, n, a.repetitions, || bar.inc(1))?;
             let (med, sd) = bench::median_sd(&samples);
             let gbs = if prefill {
                 bytes as f64 * med / n as f64 / 1e9
@@ -299,6 +300,7 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
                 weight_gb_per_s: gbs,
                 weight_bytes_per_token: bytes,
                 samples,
+                memory,
             });
         }
     }

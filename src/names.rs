@@ -39,6 +39,8 @@ pub const TOK_PRE: &str = "tokenizer.ggml.pre";
 pub const TOK_TOKENS: &str = "tokenizer.ggml.tokens";
 pub const TOK_TYPES: &str = "tokenizer.ggml.token_type";
 pub const TOK_MERGES: &str = "tokenizer.ggml.merges";
+/// The vocabulary arrays, which only the tokenizer reads (it keeps its own copy).
+pub const VOCAB_KEYS: &[&str] = &[TOK_TOKENS, TOK_TYPES, TOK_MERGES];
 pub const TOK_BOS: &str = "tokenizer.ggml.bos_token_id";
 pub const TOK_EOS: &str = "tokenizer.ggml.eos_token_id";
 pub const TOK_EOT: &str = "tokenizer.ggml.eot_token_id";

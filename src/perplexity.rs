@@ -56,19 +56,20 @@ pub fn perplexity(
     let vocab = engine.model.config.vocab_size;
     let first = ctx / 2;
     let mut cache = engine.new_cache();
+    let mut rows = Vec::new();
     let (mut nll_sum, mut n_scored) = (0f64, 0usize);
     for i in 0..n_chunks {
         let chunk = &tokens[i * ctx..(i + 1) * ctx];
         cache.clear();
-        let logits = match feed {
+        let logits: &[f32] = match feed {
             Feed::Batch => exec.forward(chunk, &mut cache, plan, Logits::Range(first, ctx - 1))?,
             Feed::TokenByToken => {
                 exec.forward(&chunk[..first], &mut cache, plan, Logits::Last)?;
-                let mut rows = Vec::with_capacity((ctx - 1 - first) * vocab);
+                rows.clear();
                 for &t in &chunk[first..ctx - 1] {
-                    rows.extend(exec.forward(&[t], &mut cache, plan, Logits::Last)?);
+                    rows.extend_from_slice(exec.forward(&[t], &mut cache, plan, Logits::Last)?);
                 }
-                rows
+                &rows
             }
         };
         for (j, row) in logits.chunks_exact(vocab).enumerate() {

@@ -53,12 +53,16 @@ fn check_model(name: &str, isa: Isa, feed: Feed, abs_tol: f32, rel_tol: f32, shi
         let logits: Vec<f32> = match feed {
             Feed::Batch => exec
                 .forward(&seq, &mut cache, &plan, Logits::Range(p - 1, seq.len()))
-                .unwrap(),
+                .unwrap()
+                .to_vec(),
             Feed::TokenByToken => {
                 exec.forward(&seq[..p - 1], &mut cache, &plan, Logits::Last)
                     .unwrap();
-                let mut step =
-                    |t: u32| exec.forward(&[t], &mut cache, &plan, Logits::Last).unwrap();
+                let mut step = |t: u32| {
+                    exec.forward(&[t], &mut cache, &plan, Logits::Last)
+                        .unwrap()
+                        .to_vec()
+                };
                 seq[p - 1..].iter().flat_map(|&t| step(t)).collect()
             }
         };
@@ -130,7 +134,8 @@ fn incremental_decode_matches_batch() {
         let mut cache = eng.new_cache();
         let batch = exec
             .forward(&seq, &mut cache, &plan, Logits::Range(0, seq.len()))
-            .unwrap();
+            .unwrap()
+            .to_vec();
         let mut cache = eng.new_cache();
         for (i, &t) in seq.iter().enumerate() {
             let step = exec.forward(&[t], &mut cache, &plan, Logits::Last).unwrap();

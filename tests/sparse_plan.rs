@@ -33,7 +33,11 @@ fn decode_logits(e: &Engine, plans: &SparsePlan) -> Vec<f32> {
     let mut cache = e.new_cache();
     TOKENS
         .iter()
-        .flat_map(|&t| exec.forward(&[t], &mut cache, plans, Logits::Last).unwrap())
+        .flat_map(|&t| {
+            exec.forward(&[t], &mut cache, plans, Logits::Last)
+                .unwrap()
+                .to_vec()
+        })
         .collect()
 }
 
@@ -80,6 +84,7 @@ fn full_plan_from_explicit_indices_equals_dense_on_real_model() {
         let mut cache = eng.new_cache();
         exec.forward(&ids, &mut cache, plan, Logits::Range(0, ids.len()))
             .unwrap()
+            .to_vec()
     };
     assert_eq!(run(&explicit), run(&SparsePlan::dense(c)));
 }

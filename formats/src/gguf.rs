@@ -272,6 +272,14 @@ impl GgufHeader {
     pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
         self.tensor_index.get(name).map(|&i| &self.tensors[i])
     }
+    /// Forget metadata entries (e.g. the vocabulary arrays, tens of MB for a 150k-token vocabulary,
+    /// once a tokenizer owns its copy); `get` returns `None` for them afterwards.
+    pub fn drop_metadata(&mut self, keys: &[&str]) {
+        self.metadata.retain(|(k, _)| !keys.contains(&k.as_str()));
+        self.meta_index = (self.metadata.iter().enumerate())
+            .map(|(i, (k, _))| (k.clone(), i))
+            .collect();
+    }
 }
 
 /// A GGUF file mapped into memory; tensor data is borrowed from the mapping.

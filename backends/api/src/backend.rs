@@ -46,6 +46,13 @@ impl<'a> Weight<'a> {
     }
 }
 
+/// One product of [`Backend::matmul_shared_input`]: `y = x W^T` over `rows`, 0 elsewhere.
+pub struct MatmulJob<'a> {
+    pub w: Weight<'a>,
+    pub rows: &'a IndexSet,
+    pub y: &'a mut [f32],
+}
+
 /// How RoPE pairs the dimensions of a head: `Interleaved` rotates `(x[2i], x[2i+1])` (ggml's
 /// "normal" mode, llama GGUFs), `Neox` rotates `(x[i], x[i + d/2])` (qwen2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,6 +92,15 @@ pub trait Backend: Send + Sync {
     /// `y[t][r] = dot(W[r], x[t])` for `r` in `rows`, 0 for other rows.
     /// `x`: `n_tokens * w.cols`, `y`: `n_tokens * w.rows`.
     fn matmul(&self, w: &Weight, rows: &IndexSet, x: &[f32], y: &mut [f32]);
+
+    /// Several products of the same input, as if `matmul(job.w, job.rows, x, job.y)` ran for each
+    /// job (Q, K and V of a layer; gate and up). Every job's `w.cols` equals `x`'s width. Backends
+    /// may prepare the input once and run all rows in one parallel dispatch.
+    fn matmul_shared_input(&self, x: &[f32], jobs: &mut [MatmulJob<'_>]) {
+        for j in jobs {
+            self.matmul(&j.w, j.rows, x, j.y);
+        }
+    }
 
     /// Dequantize row `r` of `w` into `out` (`w.cols` long): embedding lookup.
     fn dequantize_row(&self, w: &Weight, r: usize, out: &mut [f32]);

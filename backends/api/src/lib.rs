@@ -7,6 +7,6 @@ mod backend;
 mod index_set;
 pub mod quant;
 
-pub use backend::{AttnShape, Backend, BackendError, RopeStyle, Weight};
+pub use backend::{AttnShape, Backend, BackendError, MatmulJob, RopeStyle, Weight};
 pub use index_set::{IndexSet, IndexSetError};
 pub use quant::QuantType;

@@ -11,7 +11,7 @@ pub mod pool;
 pub mod vec_dot;
 
 use dejavu_backend_api::{
-    AttnShape, Backend, BackendError, IndexSet, QuantType, RopeStyle, Weight,
+    AttnShape, Backend, BackendError, IndexSet, MatmulJob, QuantType, RopeStyle, Weight,
 };
 use isa::Isa;
 use kernels::table::Kernels;
@@ -71,6 +71,9 @@ impl Backend for CpuBackend {
     }
     fn matmul(&self, w: &Weight, rows: &IndexSet, x: &[f32], y: &mut [f32]) {
         matmul::matmul(&self.kernels, &self.pool, w, rows, x, y)
+    }
+    fn matmul_shared_input(&self, x: &[f32], jobs: &mut [MatmulJob<'_>]) {
+        matmul::matmul_shared(&self.kernels, &self.pool, x, jobs)
     }
     fn dequantize_row(&self, w: &Weight, r: usize, out: &mut [f32]) {
         dequant::dequantize_row(w.qtype, w.row(r), out)

@@ -69,8 +69,8 @@ mod x86 {
                 _mm256_fmadd_ps(load8(i), _mm256_loadu_ps(x.as_ptr().add(8 * i)), acc[i % 2]);
         }
         let mut s = super::super::x86::hsum_ps(_mm256_add_ps(acc[0], acc[1]));
-        for i in 8 * n8..n {
-            s += tail(i) * x[i];
+        for (i, &xi) in x.iter().enumerate().take(n).skip(8 * n8) {
+            s += tail(i) * xi;
         }
         s
     }

@@ -80,32 +80,52 @@ unsafe fn avx512_impl(w: &[BlockQ4K], act: &[BlockQ8A]) -> f32 {
     x86_body::<true>(w, act)
 }
 
+/// The 8 scales and 8 mins of a super-block, unpacked from 12 bytes, as the bytes of two u64
+/// (byte j = sub-block j; same values as [`q4k_scale_min`]).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+#[inline(always)]
+fn scales_mins(s: &[u8; 12]) -> (u64, u64) {
+    let u = |i: usize| u32::from_le_bytes([s[i], s[i + 1], s[i + 2], s[i + 3]]);
+    let (u0, u1, u2) = (u(0), u(4), u(8));
+    const LOW6: u32 = 0x3f3f3f3f;
+    const LOW4: u32 = 0x0f0f0f0f;
+    const TOP2: u32 = 0x03030303;
+    // j < 4: low 6 bits of bytes 0..4 (scales) and 4..8 (mins); j >= 4: a nibble of bytes 8..12
+    // plus the top 2 bits of bytes 0..4 (scales) or 4..8 (mins).
+    let sc = (u0 & LOW6) as u64 | (((u2 & LOW4) | (((u0 >> 6) & TOP2) << 4)) as u64) << 32;
+    let mn = (u1 & LOW6) as u64 | ((((u2 >> 4) & LOW4) | (((u1 >> 6) & TOP2) << 4)) as u64) << 32;
+    (sc, mn)
+}
+
 /// The x86 kernel, compiled into each tier's feature set; `VNNI` picks the byte-dot instruction.
+/// Per super-block: 8 integer sub-block dots reduced together, then one vector of float factors
+/// `d * sc_j * d_a(j)` and one of min terms `dmin * m_j * s_a(j)`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn x86_body<const VNNI: bool>(w: &[BlockQ4K], act: &[BlockQ8A]) -> f32 {
     use super::x86::*;
     use std::arch::x86_64::*;
-    let mut acc = _mm256_setzero_ps();
-    let mut mins = 0f32;
+    let (mut acc, mut acc_min) = (_mm256_setzero_ps(), _mm256_setzero_ps());
     let mask = _mm256_set1_epi8(0x0F);
+    let bytes_f32 = |v: u64| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64)));
     for (b, a8) in w.iter().zip(act.chunks_exact(8)) {
-        prefetch_ahead(b);
-        let (d, dmin) = (f16(b.d), f16(b.dmin));
+        prefetch_block_ahead(b);
+        let mut p = [_mm256_setzero_si256(); 8];
         for g in 0..4 {
             let raw = _mm256_loadu_si256(b.qs.as_ptr().add(32 * g) as *const __m256i);
             let lo = _mm256_and_si256(raw, mask);
             let hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-            for (j, q) in [(2 * g, lo), (2 * g + 1, hi)] {
-                let a = &a8[j];
-                let (sc, m) = q4k_scale_min(j, &b.scales);
-                let p = _mm256_cvtepi32_ps(dot_u8i8_v::<VNNI>(q, load_i8x32(&a.qs)));
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(d * sc as f32 * a.d), p, acc);
-                mins += dmin * m as f32 * a.s;
-            }
+            p[2 * g] = dot_u8i8_v::<VNNI>(lo, load_i8x32(&a8[2 * g].qs));
+            p[2 * g + 1] = dot_u8i8_v::<VNNI>(hi, load_i8x32(&a8[2 * g + 1].qs));
         }
+        let (sc, mn) = scales_mins(&b.scales);
+        let (ad, asum) = act_d_s_x8(a8);
+        let fac = _mm256_mul_ps(_mm256_mul_ps(bytes_f32(sc), _mm256_set1_ps(f16(b.d))), ad);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum8_epi32(&p)), fac, acc);
+        let mins = _mm256_mul_ps(bytes_f32(mn), _mm256_set1_ps(f16(b.dmin)));
+        acc_min = _mm256_fmadd_ps(mins, asum, acc_min);
     }
-    hsum_ps(acc) - mins
+    hsum_ps(_mm256_sub_ps(acc, acc_min))
 }
 
 #[cfg(test)]
@@ -120,5 +140,26 @@ mod tests {
     #[test]
     fn reference_is_close_to_f32() {
         check_q8a_against_f32(QuantType::Q4K);
+    }
+}
+
+#[cfg(test)]
+mod scale_tests {
+    use super::*;
+
+    #[test]
+    fn scales_mins_match_the_reference_unpacking() {
+        let mut r = crate::kernels::testutil::rng(3);
+        for _ in 0..1000 {
+            let s: [u8; 12] = rand::Rng::gen(&mut r);
+            let (sc, mn) = scales_mins(&s);
+            for j in 0..8 {
+                let (want_sc, want_m) = q4k_scale_min(j, &s);
+                assert_eq!(
+                    ((sc >> (8 * j)) as u8, (mn >> (8 * j)) as u8),
+                    (want_sc, want_m)
+                );
+            }
+        }
     }
 }

@@ -88,7 +88,9 @@ unsafe fn avx512_impl(w: &[BlockQ6K], act: &[BlockQ8A]) -> f32 {
     x86_body::<true>(w, act)
 }
 
-/// The x86 kernel, compiled into each tier's feature set; `VNNI` picks the byte-dot instruction.
+/// The x86 kernel, compiled into each tier's feature set. Per super-block: the 8 activation
+/// blocks' integer dots (each already weighted by its two 16-element scales) reduced together,
+/// then one multiply by `d * d_a(k)`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn x86_body<const VNNI: bool>(w: &[BlockQ6K], act: &[BlockQ8A]) -> f32 {
@@ -98,9 +100,16 @@ unsafe fn x86_body<const VNNI: bool>(w: &[BlockQ6K], act: &[BlockQ8A]) -> f32 {
     let m4 = _mm256_set1_epi8(0x0F);
     let m2 = _mm256_set1_epi8(3);
     let c32 = _mm256_set1_epi8(32);
+    // Picks i16 lane 0 of each 128-bit half's pair into the low half and lane 1 into the high one.
+    let pick = _mm256_setr_epi8(
+        0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3,
+        2, 3,
+    );
     for (b, a8) in w.iter().zip(act.chunks_exact(8)) {
-        prefetch_ahead(b);
-        let d = f16(b.d);
+        prefetch_block_ahead(b);
+        // All 16 scales as i16; pair k (scales 2k, 2k+1) is i32 lane k.
+        let scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(b.scales.as_ptr() as *const __m128i));
+        let mut p = [_mm256_setzero_si256(); 8];
         for n in 0..2 {
             let ql0 = _mm256_loadu_si256(b.ql.as_ptr().add(64 * n) as *const __m256i);
             let ql1 = _mm256_loadu_si256(b.ql.as_ptr().add(64 * n + 32) as *const __m256i);
@@ -112,25 +121,28 @@ unsafe fn x86_body<const VNNI: bool>(w: &[BlockQ6K], act: &[BlockQ8A]) -> f32 {
                 _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
             ];
             let highs = [
-                _mm256_and_si256(qh, m2),
-                _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2),
-                _mm256_and_si256(_mm256_srli_epi16(qh, 4), m2),
-                _mm256_and_si256(_mm256_srli_epi16(qh, 6), m2),
+                _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4),
+                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4),
+                _mm256_and_si256(qh, _mm256_set1_epi8(0x30)),
+                _mm256_and_si256(_mm256_srli_epi16(qh, 2), _mm256_set1_epi8(0x30)),
             ];
             for k in 0..4 {
-                let a = &a8[4 * n + k];
-                let q = _mm256_or_si256(lows[k], _mm256_slli_epi16(highs[k], 4));
-                let qa = load_i8x32(&a.qs);
-                // i16 pair sums of (q - 32) * qa, then scaled per 16-element half and summed to i32.
-                let p =
+                let kk = 4 * n + k;
+                let q = _mm256_or_si256(lows[k], highs[k]);
+                let qa = load_i8x32(&a8[kk].qs);
+                // i16 pair sums of (q - 32) * qa, then weighted by the two scales and summed to i32.
+                let d16 =
                     _mm256_sub_epi16(_mm256_maddubs_epi16(q, qa), _mm256_maddubs_epi16(c32, qa));
-                let s0 = b.scales[8 * n + 2 * k] as i16;
-                let s1 = b.scales[8 * n + 2 * k + 1] as i16;
-                let sc = _mm256_set_m128i(_mm_set1_epi16(s1), _mm_set1_epi16(s0));
-                let p = _mm256_madd_epi16(p, sc);
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), _mm256_cvtepi32_ps(p), acc);
+                let sc = _mm256_shuffle_epi8(
+                    _mm256_permutevar8x32_epi32(scales, _mm256_set1_epi32(kk as i32)),
+                    pick,
+                );
+                p[kk] = _mm256_madd_epi16(d16, sc);
             }
         }
+        let (ad, _) = act_d_s_x8(a8);
+        let fac = _mm256_mul_ps(ad, _mm256_set1_ps(f16(b.d)));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum8_epi32(&p)), fac, acc);
     }
     hsum_ps(acc)
 }

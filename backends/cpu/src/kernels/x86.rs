@@ -75,6 +75,35 @@ pub unsafe fn dot_i8i8_v<const VNNI: bool>(a: __m256i, b: __m256i) -> __m256i {
     dot_u8i8_v::<VNNI>(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a))
 }
 
+/// Lane j of the result is the sum of the 8 i32 lanes of `p[j]`: one reduction for the 8
+/// sub-block dots of a 256-element super-block, so the float scaling happens once per super-block.
+#[inline(always)]
+pub unsafe fn hsum8_epi32(p: &[__m256i; 8]) -> __m256i {
+    // hadd works per 128-bit lane: after two rounds, `ab` holds [p0..p3 low-lane sums | p0..p3
+    // high-lane sums] and `cd` the same for p4..p7.
+    let ab = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+    let cd = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+    _mm256_add_epi32(
+        _mm256_permute2x128_si256(ab, cd, 0x20),
+        _mm256_permute2x128_si256(ab, cd, 0x31),
+    )
+}
+
+/// `[a[0].d, ..., a[7].d]` and `[a[0].s, ..., a[7].s]` of 8 consecutive activation blocks
+/// (eight 8-byte loads and shuffles: cheaper than two gathers on the CPUs measured).
+#[inline(always)]
+pub unsafe fn act_d_s_x8(a: &[dejavu_backend_api::quant::BlockQ8A]) -> (__m256, __m256) {
+    let a = &a[..8];
+    let pair = |j: usize| _mm_movelh_ps(act_scales(&a[j]), act_scales(&a[j + 1]));
+    // lo = [d0 s0 d1 s1 | d4 s4 d5 s5], hi = [d2 s2 d3 s3 | d6 s6 d7 s7]
+    let lo = _mm256_set_m128(pair(4), pair(0));
+    let hi = _mm256_set_m128(pair(6), pair(2));
+    (
+        _mm256_shuffle_ps::<0b10_00_10_00>(lo, hi),
+        _mm256_shuffle_ps::<0b11_01_11_01>(lo, hi),
+    )
+}
+
 /// How far ahead of the block being read the x86 kernels prefetch weight bytes. Decode streams
 /// each matrix once, and the hardware prefetcher alone leaves the loop waiting on DRAM.
 pub const PREFETCH_BYTES: usize = 4096;
@@ -83,6 +112,18 @@ pub const PREFETCH_BYTES: usize = 4096;
 #[inline(always)]
 pub unsafe fn prefetch_ahead<T>(p: *const T) {
     _mm_prefetch::<_MM_HINT_T0>((p as *const i8).wrapping_add(PREFETCH_BYTES));
+}
+
+/// Prefetch every cache line of a `T` (a block wider than a line, such as a K-quant
+/// super-block) `PREFETCH_BYTES` ahead: one hint per block would leave most lines to the
+/// hardware prefetcher.
+#[inline(always)]
+pub unsafe fn prefetch_block_ahead<T>(p: *const T) {
+    let mut off = 0;
+    while off < size_of::<T>() {
+        prefetch_ahead((p as *const u8).wrapping_add(off));
+        off += 64;
+    }
 }
 
 /// `[d_a, s_a, 0, 0]` of an activation block, in one 8-byte load (`d` and `s` are adjacent).

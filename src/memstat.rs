@@ -1,0 +1,84 @@
+//! Resident memory of this process, from Linux's `/proc/self/smaps`: the whole process, and the
+//! part that is pages of one mapped region (the model file). `None` where that file is missing.
+//!
+//! `dejavu bench` reports decode memory as mapped weights + KV cache + everything else, the split
+//! the CPU-speed issue sets its memory target in.
+
+/// Resident bytes of the process and of the mappings overlapping `region`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Resident {
+    pub total: u64,
+    pub region: u64,
+}
+
+pub fn resident(region: &[u8]) -> Option<Resident> {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+    Some(parse_smaps(
+        &smaps,
+        region.as_ptr() as u64,
+        region.len() as u64,
+    ))
+}
+
+/// Sum the `Rss:` lines of every mapping, and of those overlapping `[start, start + len)`.
+fn parse_smaps(smaps: &str, start: u64, len: u64) -> Resident {
+    let (mut total, mut in_region) = (0, 0);
+    let mut overlaps = false;
+    for line in smaps.lines() {
+        let mut words = line.split_whitespace();
+        let Some(first) = words.next() else { continue };
+        if let Some((lo, hi)) = first.split_once('-') {
+            if let (Ok(lo), Ok(hi)) = (u64::from_str_radix(lo, 16), u64::from_str_radix(hi, 16)) {
+                overlaps = lo < start + len && start < hi;
+                continue;
+            }
+        }
+        if first == "Rss:" {
+            let kib: u64 = words.next().and_then(|v| v.parse().ok()).unwrap_or(0);
+            total += kib * 1024;
+            if overlaps {
+                in_region += kib * 1024;
+            }
+        }
+    }
+    Resident {
+        total,
+        region: in_region,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sums_rss_of_all_and_of_the_overlapping_mappings() {
+        let smaps = "\
+1000-3000 r--p 00000000 08:01 12 /models/m.gguf
+Size:                  8 kB
+Rss:                   4 kB
+Pss:                   4 kB
+5000-6000 rw-p 00000000 00:00 0
+Rss:                   2 kB
+ffff-10000 r-xp 00000000 08:01 13 /bin/dejavu
+Rss:                   1 kB
+";
+        let r = parse_smaps(smaps, 0x1000, 0x2000);
+        assert_eq!(
+            r,
+            Resident {
+                total: 7 * 1024,
+                region: 4 * 1024
+            }
+        );
+        assert_eq!(parse_smaps(smaps, 0x4000, 0x100).region, 0);
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn this_process_has_resident_memory() {
+        let data = vec![1u8; 1 << 20];
+        let r = resident(&data).expect("/proc/self/smaps on Linux");
+        assert!(r.total >= r.region && r.region >= 1 << 20, "{r:?}");
+    }
+}
