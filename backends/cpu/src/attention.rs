@@ -3,14 +3,23 @@
 //! Reference formula, per token t (position p = pos0 + t) and selected head h with kv head
 //! g = h / (n_heads / n_kv_heads):
 //!   s_j = q_h . k_{j,g} / sqrt(head_dim)  for j <= p;   a = softmax(s);   out_h = sum_j a_j v_{j,g}
-//! Unselected heads are written as 0. One pool task per (token, head).
+//! Unselected heads are written as 0. One pool task per (token, head); the scores against all keys
+//! and the weighted sum of all values are one call each to the tier's f32 kernels
+//! (`Kernels::dot_rows`, `Kernels::axpy_rows`), the scores in a per-thread buffer grown once.
+use crate::kernels::table::Kernels;
 use crate::matmul::SyncPtr;
 use crate::pool::SpinPool;
-use crate::vec_dot::dot_f32;
 use dejavu_backend_api::{AttnShape, IndexSet};
+use std::cell::RefCell;
+
+thread_local! {
+    /// Per thread: the scores of the current head (grown to the longest context seen).
+    static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
 
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
+    kern: &Kernels,
     pool: &SpinPool,
     q: &[f32],
     k: &[f32],
@@ -38,28 +47,27 @@ pub fn attention(
         let g = h / group;
         let n_keys = s.pos0 + t + 1;
         let qh = &q[th * hd..(th + 1) * hd];
-        let mut scores: Vec<f32> = (0..n_keys)
-            .map(|j| dot_f32(qh, &k[j * kv_stride + g * hd..][..hd]) * scale)
-            .collect();
-        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0f32;
-        for sc in scores.iter_mut() {
-            *sc = (*sc - max).exp();
-            sum += *sc;
-        }
-        for (j, &a) in scores.iter().enumerate() {
-            let vj = &v[j * kv_stride + g * hd..][..hd];
-            let a = a / sum;
-            for (o, &vv) in o.iter_mut().zip(vj) {
-                *o += a * vv;
+        SCORES.with_borrow_mut(|scores| {
+            scores.resize(n_keys, 0.0);
+            let scores = &mut scores[..n_keys];
+            // Keys j of kv head g are rows of `k[g * hd..]` at stride `kv_stride`; values alike.
+            (kern.dot_rows)(qh, &k[g * hd..], kv_stride, scores);
+            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max) * scale;
+            let mut sum = 0f32;
+            for sc in scores.iter_mut() {
+                *sc = (*sc * scale - max).exp();
+                sum += *sc;
             }
-        }
+            scores.iter_mut().for_each(|sc| *sc /= sum);
+            (kern.axpy_rows)(scores, &v[g * hd..], kv_stride, o);
+        });
     });
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::isa::Isa;
     use rand::{Rng, SeedableRng};
 
     /// Straightforward f64 attention, every head, for checking.
@@ -118,9 +126,15 @@ mod tests {
             let (q, k, v) = (r(n_tokens * n_heads * head_dim), r(len), r(len));
             let want = naive(&q, &k, &v, s);
             let heads = IndexSet::new(n_heads, (0..n_heads as u32).step_by(2).collect()).unwrap();
-            for set in [IndexSet::full(n_heads), heads] {
+            for (kern, set) in Isa::supported()
+                .into_iter()
+                .filter_map(Kernels::for_isa)
+                .flat_map(|k| [(k, IndexSet::full(n_heads)), (k, heads.clone())])
+            {
+                let kern = &kern;
                 let mut out = vec![f32::NAN; q.len()];
                 attention(
+                    kern,
                     &crate::pool::SpinPool::new(2),
                     &q,
                     &k,

@@ -104,6 +104,6 @@ impl Backend for CpuBackend {
         shape: AttnShape,
         out: &mut [f32],
     ) {
-        attention::attention(&self.pool, q, k, v, heads, shape, out)
+        attention::attention(&self.kernels, &self.pool, q, k, v, heads, shape, out)
     }
 }

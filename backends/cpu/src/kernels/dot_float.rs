@@ -53,76 +53,117 @@ pub fn portable(row: &[u8], x: &[f32], width: usize, load: impl Fn(&[u8]) -> f32
 mod x86 {
     use std::arch::x86_64::*;
 
-    /// Shared loop: `load8(i)` yields 8 weights as f32 from element `8i`; tail done by `tail`.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot(
-        n: usize,
-        x: &[f32],
-        load8: impl Fn(usize) -> __m256,
-        tail: impl Fn(usize) -> f32,
-    ) -> f32 {
-        let mut acc = [_mm256_setzero_ps(); 2];
-        let n8 = n / 8;
-        for i in 0..n8 {
-            acc[i % 2] =
-                _mm256_fmadd_ps(load8(i), _mm256_loadu_ps(x.as_ptr().add(8 * i)), acc[i % 2]);
+    /// How one float type turns bytes into f32 lanes; inlined into each `#[target_feature]`
+    /// entry point below, so the loads compile with AVX2/F16C (a closure passed in from a plain
+    /// function would not be inlined across the feature boundary).
+    pub trait Load8 {
+        const WIDTH: usize;
+        /// 8 elements starting at `p`.
+        unsafe fn load8(p: *const u8) -> __m256;
+        /// One element from its bytes.
+        fn one(b: &[u8]) -> f32;
+    }
+
+    pub struct F32;
+    pub struct F16;
+    pub struct BF16;
+
+    impl Load8 for F32 {
+        const WIDTH: usize = 4;
+        #[inline(always)]
+        unsafe fn load8(p: *const u8) -> __m256 {
+            _mm256_loadu_ps(p as *const f32)
         }
-        let mut s = super::super::x86::hsum_ps(_mm256_add_ps(acc[0], acc[1]));
-        for (i, &xi) in x.iter().enumerate().take(n).skip(8 * n8) {
-            s += tail(i) * xi;
+        fn one(b: &[u8]) -> f32 {
+            f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+        }
+    }
+
+    impl Load8 for F16 {
+        const WIDTH: usize = 2;
+        #[inline(always)]
+        unsafe fn load8(p: *const u8) -> __m256 {
+            _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+        }
+        fn one(b: &[u8]) -> f32 {
+            half::f16::from_le_bytes([b[0], b[1]]).to_f32()
+        }
+    }
+
+    impl Load8 for BF16 {
+        const WIDTH: usize = 2;
+        /// bf16 -> f32 is a 16-bit left shift.
+        #[inline(always)]
+        unsafe fn load8(p: *const u8) -> __m256 {
+            let h = _mm_loadu_si128(p as *const __m128i);
+            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+        }
+        fn one(b: &[u8]) -> f32 {
+            half::bf16::from_le_bytes([b[0], b[1]]).to_f32()
+        }
+    }
+
+    /// `sum_i row[i] * x[i]`, 8 lanes at a time on 4 accumulators, tail in scalar. Caller: `row`
+    /// holds `x.len()` elements of `L` and the CPU has AVX2, FMA and F16C.
+    #[inline(always)]
+    pub unsafe fn dot<L: Load8>(row: &[u8], x: &[f32]) -> f32 {
+        debug_assert!(row.len() >= x.len() * L::WIDTH);
+        let (n, p) = (x.len(), row.as_ptr());
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        while i + 32 <= n {
+            for (u, a) in acc.iter_mut().enumerate() {
+                let e = i + 8 * u;
+                let w = L::load8(p.add(e * L::WIDTH));
+                *a = _mm256_fmadd_ps(w, _mm256_loadu_ps(x.as_ptr().add(e)), *a);
+            }
+            i += 32;
+        }
+        while i + 8 <= n {
+            let w = L::load8(p.add(i * L::WIDTH));
+            acc[0] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x.as_ptr().add(i)), acc[0]);
+            i += 8;
+        }
+        let sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+        let mut s = super::super::x86::hsum_ps(sum);
+        for (j, &xj) in x.iter().enumerate().skip(i) {
+            s += L::one(&row[j * L::WIDTH..]) * xj;
         }
         s
     }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn f32_impl(row: &[u8], x: &[f32]) -> f32 {
+        dot::<F32>(row, x)
+    }
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn f16_impl(row: &[u8], x: &[f32]) -> f32 {
+        dot::<F16>(row, x)
+    }
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn bf16_impl(row: &[u8], x: &[f32]) -> f32 {
+        dot::<BF16>(row, x)
+    }
 }
 
+// SAFETY (all three): handed out only for tiers with AVX2/FMA/F16C; `row` holds `x.len()`
+// elements of the type (checked by the caller's `Weight`).
 #[cfg(target_arch = "x86_64")]
 fn avx2_f32(row: &[u8], x: &[f32]) -> f32 {
-    use std::arch::x86_64::*;
-    let p = row.as_ptr();
-    // SAFETY: handed out only for tiers with AVX2/FMA/F16C; reads stay within `row` (4 bytes per
-    // element, `x.len()` elements, checked by the caller's Weight).
-    unsafe {
-        x86::dot(
-            x.len(),
-            x,
-            |i| _mm256_loadu_ps(p.add(32 * i) as *const f32),
-            |i| f32::from_le_bytes([row[4 * i], row[4 * i + 1], row[4 * i + 2], row[4 * i + 3]]),
-        )
-    }
+    // SAFETY: see above.
+    unsafe { x86::f32_impl(row, x) }
 }
 
 #[cfg(target_arch = "x86_64")]
 fn avx2_f16(row: &[u8], x: &[f32]) -> f32 {
-    use std::arch::x86_64::*;
-    let p = row.as_ptr();
-    // SAFETY: as `avx2_f32`, 2 bytes per element.
-    unsafe {
-        x86::dot(
-            x.len(),
-            x,
-            |i| _mm256_cvtph_ps(_mm_loadu_si128(p.add(16 * i) as *const __m128i)),
-            |i| half::f16::from_le_bytes([row[2 * i], row[2 * i + 1]]).to_f32(),
-        )
-    }
+    // SAFETY: see above.
+    unsafe { x86::f16_impl(row, x) }
 }
 
 #[cfg(target_arch = "x86_64")]
 fn avx2_bf16(row: &[u8], x: &[f32]) -> f32 {
-    use std::arch::x86_64::*;
-    let p = row.as_ptr();
-    // SAFETY: as `avx2_f32`, 2 bytes per element. bf16 -> f32 is a 16-bit left shift.
-    unsafe {
-        x86::dot(
-            x.len(),
-            x,
-            |i| {
-                let h = _mm_loadu_si128(p.add(16 * i) as *const __m128i);
-                _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
-            },
-            |i| half::bf16::from_le_bytes([row[2 * i], row[2 * i + 1]]).to_f32(),
-        )
-    }
+    // SAFETY: see above.
+    unsafe { x86::bf16_impl(row, x) }
 }
 
 #[cfg(test)]

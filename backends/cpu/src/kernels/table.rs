@@ -1,6 +1,7 @@
 //! The kernel table: one function per (operation, weight type) for one ISA tier, built once.
 use super::{
-    dequantize, dot_float, dot_q4_0, dot_q4_1, dot_q4k, dot_q5_0, dot_q6k, dot_q8_0, quantize_act,
+    axpy, dequantize, dot_float, dot_q4_0, dot_q4_1, dot_q4k, dot_q5_0, dot_q6k, dot_q8_0,
+    dot_rows, quantize_act,
 };
 use crate::isa::{self, Isa, IsaError};
 use dejavu_backend_api::quant::{BlockQ8A, QuantType};
@@ -24,6 +25,9 @@ pub struct Kernels {
     pub quantize: quantize_act::QuantizeFn,
     /// Row dequantization for the prefill tiles.
     pub dequantize: dequantize::DequantFn,
+    /// f32 vector against rows (attention's scores) and weighted sum of rows (its value sum).
+    pub dot_rows: dot_rows::DotRowsFn,
+    pub axpy_rows: axpy::AxpyRowsFn,
     dots: [RowDot; QuantType::ALL.len()],
 }
 
@@ -48,6 +52,8 @@ impl Kernels {
             isa,
             quantize: quantize_act::select(isa),
             dequantize: dequantize::select(isa),
+            dot_rows: dot_rows::select(isa),
+            axpy_rows: axpy::select(isa),
             dots,
         })
     }
@@ -73,6 +79,8 @@ impl Kernels {
             isa: Isa::Scalar,
             quantize: quantize_act::scalar,
             dequantize: crate::dequant::dequantize_row,
+            dot_rows: dot_rows::scalar,
+            axpy_rows: axpy::scalar,
             dots,
         }
     }
