@@ -16,10 +16,9 @@
 //!   SmolLM2 error relative to top-1 from 0.45 / 0.58 / 0.68 (scalar / portable / AVX2) to
 //!   0.49 / 1.13 / 0.57 (Qwen now: 0.31 / 0.19 / 0.19), so one tier's worst step is not a
 //!   stable figure. Logits are compared relative to the reference top-1 logit (softmax ignores
-//!   a common shift) within 1.5 and
-//!   absolutely within 1.5, and the top-1 rule must still hold; a wrong kernel (a dropped block,
-//!   a wrong scale) moves logits by whole units at every step, and the perplexity tests below
-//!   bound the average.
+//!   a common shift) within 1.5 and absolutely within 1.5, and the top-1 rule must still hold;
+//!   a wrong kernel (a dropped block, a wrong scale) moves logits by whole units at every step,
+//!   and the perplexity tests below bound the average.
 mod common;
 use common::*;
 use dejavu::executor::{Executor, Logits};
