@@ -108,7 +108,7 @@ unsafe fn avx2_impl(a: &[f32], x: &[f32], stride: usize, y: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use crate::isa::Isa;
-    use crate::kernels::testutil::random_f32;
+    use crate::kernels::testutil::{random_f32, ROW_CASES};
 
     /// Every tier within 1e-5 of the scalar reference relative to `sum_j |a_j x_j[i]| + |y[i]|`,
     /// on ragged widths, row counts and strides.
@@ -116,15 +116,7 @@ mod tests {
     fn tiers_match_reference() {
         for isa in Isa::supported() {
             let f = super::select(isa);
-            for (n, rows, pad) in [
-                (0, 3, 0),
-                (1, 1, 0),
-                (7, 5, 3),
-                (8, 2, 0),
-                (33, 9, 5),
-                (64, 40, 128),
-                (100, 3, 1),
-            ] {
+            for (n, rows, pad) in ROW_CASES {
                 let stride = n + pad;
                 let x = random_f32(rows * stride, n as u64);
                 let a = random_f32(rows, 7 + rows as u64);

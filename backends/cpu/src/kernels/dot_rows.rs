@@ -95,7 +95,7 @@ unsafe fn avx2_impl(x: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use crate::isa::Isa;
-    use crate::kernels::testutil::random_f32;
+    use crate::kernels::testutil::{random_f32, ROW_CASES};
 
     /// Every tier within 1e-5 of the scalar reference relative to `sum |x_i r_i|`, on ragged
     /// widths, row counts and strides.
@@ -103,15 +103,7 @@ mod tests {
     fn tiers_match_reference() {
         for isa in Isa::supported() {
             let f = super::select(isa);
-            for (n, rows, pad) in [
-                (0, 2, 0),
-                (1, 1, 0),
-                (7, 5, 3),
-                (16, 2, 0),
-                (33, 9, 5),
-                (64, 40, 128),
-                (100, 3, 1),
-            ] {
+            for (n, rows, pad) in ROW_CASES {
                 let stride = n + pad;
                 let r = random_f32(rows * stride, n as u64);
                 let x = random_f32(n, 9 + n as u64);

@@ -10,6 +10,20 @@ pub fn rng(seed: u64) -> rand_chacha::ChaCha8Rng {
     rand_chacha::ChaCha8Rng::seed_from_u64(seed)
 }
 
+/// `(width, rows, stride padding)` cases for the kernels over strided f32 rows (`dot_rows`,
+/// `axpy_rows`): empty and one-element rows, widths around the 8- and 16-lane steps, and row
+/// counts and strides that are not multiples of anything.
+pub const ROW_CASES: [(usize, usize, usize); 8] = [
+    (0, 3, 0),
+    (1, 1, 0),
+    (7, 5, 3),
+    (8, 2, 0),
+    (16, 2, 0),
+    (33, 9, 5),
+    (64, 40, 128),
+    (100, 3, 1),
+];
+
 pub fn random_f32(n: usize, seed: u64) -> Vec<f32> {
     let mut r = rng(seed);
     (0..n).map(|_| r.gen_range(-2.0f32..2.0)).collect()
