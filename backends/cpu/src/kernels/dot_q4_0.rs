@@ -77,28 +77,22 @@ unsafe fn avx512_impl(w: &[BlockQ4_0], act: &[BlockQ8A]) -> f32 {
     super::x86::pair_loop::<BlockQ4_0, true>(w, act)
 }
 
-/// One block: `acc += d_w d_a (q . qa)` lane-wise; lane 1 of `off` += `d_w s_a` (scaled by -8).
+/// For `x86::pair_loop`: unsigned nibbles q, value `d_w d_a (q . qa) - 8 d_w s_a`.
 #[cfg(target_arch = "x86_64")]
 impl super::x86::Step32 for BlockQ4_0 {
     const OFF_SCALE: f32 = -8.0;
+    /// `[d, d]`: the offset factor is the scale itself (x -8).
     #[inline(always)]
-    unsafe fn step<const VNNI: bool>(
+    unsafe fn scales(&self) -> std::arch::x86_64::__m128 {
+        super::x86::f16_dup_at(self as *const Self as *const u8)
+    }
+    #[inline(always)]
+    unsafe fn idot<const VNNI: bool>(
         &self,
-        a: &BlockQ8A,
-        acc: &mut std::arch::x86_64::__m256,
-        off: &mut std::arch::x86_64::__m128,
-    ) {
+        qa: std::arch::x86_64::__m256i,
+    ) -> std::arch::x86_64::__m256i {
         use super::x86::*;
-        use std::arch::x86_64::*;
-        // [d_w, d_w] * [d_a, s_a]: lane 0 scales the integer dot, lane 1 (x 8) is the offset term.
-        let sc = _mm_mul_ps(
-            f16_dup_at(self as *const BlockQ4_0 as *const u8),
-            act_scales(a),
-        );
-        let q = unpack_nibbles(self.qs.as_ptr());
-        let p = _mm256_cvtepi32_ps(dot_u8i8_v::<VNNI>(q, load_i8x32(&a.qs)));
-        *acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(sc), p, *acc);
-        *off = _mm_add_ps(*off, sc);
+        dot_u8i8_v::<VNNI>(unpack_nibbles(self.qs.as_ptr()), qa)
     }
 }
 

@@ -78,29 +78,22 @@ unsafe fn avx512_impl(w: &[BlockQ4_1], act: &[BlockQ8A]) -> f32 {
     super::x86::pair_loop::<BlockQ4_1, true>(w, act)
 }
 
-/// One block: `acc += d_w d_a (q . qa)` lane-wise; lane 1 of `off` += `m s_a`.
+/// For `x86::pair_loop`: unsigned nibbles q, value `d_w d_a (q . qa) + m s_a`.
 #[cfg(target_arch = "x86_64")]
 impl super::x86::Step32 for BlockQ4_1 {
     const OFF_SCALE: f32 = 1.0;
+    /// `[d, m]`, adjacent in the block.
     #[inline(always)]
-    unsafe fn step<const VNNI: bool>(
+    unsafe fn scales(&self) -> std::arch::x86_64::__m128 {
+        super::x86::f16x2_at(self as *const Self as *const u8)
+    }
+    #[inline(always)]
+    unsafe fn idot<const VNNI: bool>(
         &self,
-        a: &BlockQ8A,
-        acc: &mut std::arch::x86_64::__m256,
-        off: &mut std::arch::x86_64::__m128,
-    ) {
+        qa: std::arch::x86_64::__m256i,
+    ) -> std::arch::x86_64::__m256i {
         use super::x86::*;
-        use std::arch::x86_64::*;
-        // [d_w, m_w] * [d_a, s_a] = [d_w d_a, m_w s_a]: lane 0 scales the integer dot, lane 1 is the
-        // offset term, accumulated in `off`.
-        let sc = _mm_mul_ps(
-            f16x2_at(self as *const BlockQ4_1 as *const u8),
-            act_scales(a),
-        );
-        let q = unpack_nibbles(self.qs.as_ptr());
-        let p = _mm256_cvtepi32_ps(dot_u8i8_v::<VNNI>(q, load_i8x32(&a.qs)));
-        *acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(sc), p, *acc);
-        *off = _mm_add_ps(*off, sc);
+        dot_u8i8_v::<VNNI>(unpack_nibbles(self.qs.as_ptr()), qa)
     }
 }
 

@@ -76,25 +76,21 @@ unsafe fn avx512_impl(w: &[BlockQ8_0], act: &[BlockQ8A]) -> f32 {
     super::x86::pair_loop::<BlockQ8_0, true>(w, act)
 }
 
-/// One block: `acc += d_w d_a (qw . qa)` lane-wise (no offset term).
+/// For `x86::pair_loop`: signed quants, value `d_w d_a (qw . qa)` (no offset term).
 #[cfg(target_arch = "x86_64")]
 impl super::x86::Step32 for BlockQ8_0 {
     const OFF_SCALE: f32 = 0.0;
     #[inline(always)]
-    unsafe fn step<const VNNI: bool>(
+    unsafe fn scales(&self) -> std::arch::x86_64::__m128 {
+        super::x86::f16_dup_at(self as *const Self as *const u8)
+    }
+    #[inline(always)]
+    unsafe fn idot<const VNNI: bool>(
         &self,
-        a: &BlockQ8A,
-        acc: &mut std::arch::x86_64::__m256,
-        _off: &mut std::arch::x86_64::__m128,
-    ) {
+        qa: std::arch::x86_64::__m256i,
+    ) -> std::arch::x86_64::__m256i {
         use super::x86::*;
-        use std::arch::x86_64::*;
-        let sc = _mm_mul_ps(
-            f16_dup_at(self as *const BlockQ8_0 as *const u8),
-            act_scales(a),
-        );
-        let p = _mm256_cvtepi32_ps(dot_i8i8_v::<VNNI>(load_i8x32(&self.qs), load_i8x32(&a.qs)));
-        *acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(sc), p, *acc);
+        dot_i8i8_v::<VNNI>(load_i8x32(&self.qs), qa)
     }
 }
 

@@ -151,23 +151,39 @@ pub unsafe fn f16_dup_at(p: *const u8) -> __m128 {
     _mm_moveldup_ps(f16x2_at(p))
 }
 
-/// One 32-element weight block's contribution to a dot with a [`BlockQ8A`], as each 32-wide
-/// kernel file defines it: add the lane-wise scaled integer dot to `acc` and the block's offset
-/// term to lane 1 of `off`; the total offset is multiplied by `OFF_SCALE`.
+/// A 32-element weight block as each 32-wide kernel file defines it: its scales and the integer
+/// part of its dot with an activation block; [`pair_loop`] does the float work shared by all.
+/// The block's value is `d_w * (integer dot) * d_a + OFF_SCALE * o_w * s_a`.
 pub trait Step32 {
+    /// Multiplies the offset term (0: no offset term).
     const OFF_SCALE: f32;
-    unsafe fn step<const VNNI: bool>(
-        &self,
-        a: &dejavu_backend_api::quant::BlockQ8A,
-        acc: &mut __m256,
-        off: &mut __m128,
-    );
+    /// `[d_w, o_w, _, _]`: the block scale, and the factor of the offset term (the min for Q4_1,
+    /// `d_w` for the symmetric formats).
+    unsafe fn scales(&self) -> __m128;
+    /// The block's quants dotted with the activation quants `qa`, as 8 i32 lanes.
+    unsafe fn idot<const VNNI: bool>(&self, qa: __m256i) -> __m256i;
+}
+
+/// One block: `acc += d_w d_a (q . qa)` lane-wise; lane 1 of `off` += `o_w s_a`.
+#[inline(always)]
+unsafe fn step<B: Step32, const VNNI: bool>(
+    b: &B,
+    a: &dejavu_backend_api::quant::BlockQ8A,
+    acc: &mut __m256,
+    off: &mut __m128,
+) {
+    let sc = _mm_mul_ps(b.scales(), act_scales(a));
+    let p = _mm256_cvtepi32_ps(b.idot::<VNNI>(load_i8x32(&a.qs)));
+    *acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(sc), p, *acc);
+    if B::OFF_SCALE != 0.0 {
+        *off = _mm_add_ps(*off, sc);
+    }
 }
 
 /// The loop shared by the 32-wide kernels: blocks in pairs onto two accumulator sets (even and
 /// odd blocks, kept in registers, so consecutive blocks do not wait on each other's
 /// multiply-add), with a weight prefetch per pair. Inlined into each tier's `#[target_feature]`
-/// function, so the intrinsics of `step` compile for that tier.
+/// function, so the intrinsics of each block's methods compile for that tier.
 #[inline(always)]
 pub unsafe fn pair_loop<B: Step32, const VNNI: bool>(
     w: &[B],
@@ -179,12 +195,12 @@ pub unsafe fn pair_loop<B: Step32, const VNNI: bool>(
     let mut i = 0;
     while i + 1 < n {
         prefetch_ahead(&w[i]);
-        w[i].step::<VNNI>(&act[i], &mut acc0, &mut off0);
-        w[i + 1].step::<VNNI>(&act[i + 1], &mut acc1, &mut off1);
+        step::<B, VNNI>(&w[i], &act[i], &mut acc0, &mut off0);
+        step::<B, VNNI>(&w[i + 1], &act[i + 1], &mut acc1, &mut off1);
         i += 2;
     }
     if i < n {
-        w[i].step::<VNNI>(&act[i], &mut acc0, &mut off0);
+        step::<B, VNNI>(&w[i], &act[i], &mut acc0, &mut off0);
     }
     let total = hsum_ps(_mm256_add_ps(acc0, acc1));
     if B::OFF_SCALE == 0.0 {
