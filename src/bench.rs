@@ -2,15 +2,19 @@
 //!
 //! - `pp<P>`: prompt processing, P tokens in one batch from an empty cache; tokens/s = P / time.
 //! - `tg<N>`: text generation, N tokens decoded one at a time from an empty cache (one warm-up
-//!   token first, outside the timing); tokens/s = N / time; GB/s = dense weight bytes read per
+//!   token first, outside the timing); tokens/s = N / time; GB/s = weight bytes read per
 //!   decoded token x tokens/s.
+//!
+//! Under a sparsity policy (`--sparsity dense,recommended,...`, run side by side in one process)
+//! every test also reports the speedup over the dense run of the same test and thread count,
+//! the weight bytes actually read per token (predictors and previews included), the fraction of
+//! MLP neurons computed and the output rows computed exactly. Selection cost is inside the timing.
 //!
 //! Each test runs `repetitions` times after one warm-up run; we report the median and the sample
 //! standard deviation. Token ids are a fixed pseudo-random sequence (as llama-bench does), so
 //! speed does not depend on a text.
 use crate::engine::Engine;
-use crate::executor::Logits;
-use crate::sparsity::SparsePlan;
+use crate::executor::{KvCache, Logits, Plan, StepStats};
 use crate::Result;
 use serde::Serialize;
 use std::time::Instant;
@@ -30,7 +34,14 @@ pub struct BenchResult {
     /// Weight bytes read per second (decode: dense bytes per token x tok/s; prefill: the weights
     /// are read once per batch).
     pub weight_gb_per_s: f64,
-    pub weight_bytes_per_token: usize,
+    /// Mean weight bytes read per token (decode) or per batch (prefill).
+    pub weight_bytes_per_token: f64,
+    /// Median t/s over the dense run's median t/s (same test and threads); `None` without one.
+    pub speedup_vs_dense: Option<f64>,
+    /// Mean fraction of MLP neurons computed.
+    pub mlp_density: f64,
+    /// Mean output rows computed exactly per step.
+    pub exact_logits: f64,
     pub samples: Vec<f64>,
     /// Decode tests: resident memory at the end of the last repetition.
     pub memory: Option<Memory>,
@@ -75,55 +86,87 @@ fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
         .collect()
 }
 
-/// Time one test (`prefill` P tokens, or decode N tokens) `reps` times after a warm-up; for
-/// decode also the resident memory after the last token. `on_rep` is called after each timed
-/// repetition.
-pub fn run_test(
+/// Time one repetition of a test (`prefill`: n tokens in one batch; else a warm-up token, then
+/// n tokens decoded one at a time) with the token sequence of `seed`, from an empty cache.
+/// Returns seconds; adds each timed step's [`StepStats`] to `steps`.
+pub fn time_once(
     engine: &Engine,
+    cache: &mut KvCache,
+    plan: Plan,
     prefill: bool,
     n: usize,
-    reps: usize,
-    mut on_rep: impl FnMut(),
-) -> Result<(Vec<f64>, Option<Memory>)> {
+    seed: u64,
+    steps: &mut StepTotals,
+) -> Result<f64> {
     let exec = engine.executor();
-    let plan = SparsePlan::dense(&engine.model.config);
-    let vocab = engine.model.config.vocab_size;
-    let mut cache = engine.new_cache();
-    let mut samples = Vec::with_capacity(reps);
-    for rep in 0..=reps {
-        let toks = tokens(n + 1, vocab, rep as u64);
-        cache.clear();
-        let secs = if prefill {
-            let t0 = Instant::now();
-            exec.forward(&toks[..n], &mut cache, &plan, Logits::Last)?;
-            t0.elapsed().as_secs_f64()
-        } else {
-            exec.forward(&toks[..1], &mut cache, &plan, Logits::Last)?;
-            let t0 = Instant::now();
-            for &t in &toks[1..] {
-                exec.forward(&[t], &mut cache, &plan, Logits::Last)?;
-            }
-            t0.elapsed().as_secs_f64()
-        };
-        if rep > 0 {
-            samples.push(n as f64 / secs);
-            on_rep();
-        }
+    let toks = tokens(n + 1, engine.model.config.vocab_size, seed);
+    cache.clear();
+    if prefill {
+        let t0 = Instant::now();
+        exec.run(&toks[..n], cache, plan, Logits::Last)?;
+        let secs = t0.elapsed().as_secs_f64();
+        steps.add(cache.last_step());
+        return Ok(secs);
     }
-    let memory = (!prefill)
-        .then(|| crate::memstat::resident(engine.model.file.bytes()))
-        .flatten()
-        .map(|r| {
-            let mib = |b: u64| b as f64 / (1 << 20) as f64;
-            let kv = cache.bytes_in_use() as u64;
-            Memory {
-                rss_mib: mib(r.total),
-                weights_mib: mib(r.region),
-                kv_cache_mib: mib(kv),
-                other_mib: mib(r.total.saturating_sub(r.region + kv)),
-            }
-        });
-    Ok((samples, memory))
+    exec.run(&toks[..1], cache, plan, Logits::Last)?;
+    let mut secs = 0.0;
+    for &t in &toks[1..] {
+        let t0 = Instant::now();
+        exec.run(&[t], cache, plan, Logits::Last)?;
+        secs += t0.elapsed().as_secs_f64();
+        steps.add(cache.last_step());
+    }
+    Ok(secs)
+}
+
+/// Resident memory now, split as weights + the cache's KV + other state.
+pub fn memory(engine: &Engine, cache: &KvCache) -> Option<Memory> {
+    let r = crate::memstat::resident(engine.model.file.bytes())?;
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    let kv = cache.bytes_in_use() as u64;
+    Some(Memory {
+        rss_mib: mib(r.total),
+        weights_mib: mib(r.region),
+        kv_cache_mib: mib(kv),
+        other_mib: mib(r.total.saturating_sub(r.region + kv)),
+    })
+}
+
+/// Sums of [`StepStats`] over forward steps (for means per step).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StepTotals {
+    pub n: usize,
+    pub weight_bytes: f64,
+    pub mlp_kept: f64,
+    pub mlp_total: f64,
+    pub exact_logits: f64,
+}
+
+impl StepTotals {
+    pub fn add(&mut self, s: StepStats) {
+        self.n += 1;
+        self.weight_bytes += s.weight_bytes as f64;
+        self.mlp_kept += s.mlp_kept as f64;
+        self.mlp_total += s.mlp_total as f64;
+        self.exact_logits += s.exact_logits as f64;
+    }
+    pub fn add_all(&mut self, o: &StepTotals) {
+        self.n += o.n;
+        self.weight_bytes += o.weight_bytes;
+        self.mlp_kept += o.mlp_kept;
+        self.mlp_total += o.mlp_total;
+        self.exact_logits += o.exact_logits;
+    }
+    pub fn mean_bytes(&self) -> f64 {
+        self.weight_bytes / self.n.max(1) as f64
+    }
+    /// Mean fraction of MLP neurons computed.
+    pub fn mlp_density(&self) -> f64 {
+        self.mlp_kept / self.mlp_total.max(1.0)
+    }
+    pub fn mean_exact_logits(&self) -> f64 {
+        self.exact_logits / self.n.max(1) as f64
+    }
 }
 
 /// Median and sample standard deviation.
@@ -152,9 +195,9 @@ pub fn markdown(results: &[BenchResult]) -> String {
             r.model, r.commit, r.cpu
         );
     }
-    s += "| isa | threads | sparsity | test | t/s (median ± sd) | weight GB/s | weight MB/token \
-          | RSS MiB = weights + KV + other |\n";
-    s += "|---|---:|---|---|---:|---:|---:|---|\n";
+    s += "| isa | threads | sparsity | test | t/s (median ± sd) | speedup | weight GB/s \
+          | weight MB/token | MLP density | exact logits | RSS MiB = weights + KV + other |\n";
+    s += "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|\n";
     for r in results {
         let mem = r.memory.map_or(String::from("-"), |m| {
             format!(
@@ -162,16 +205,22 @@ pub fn markdown(results: &[BenchResult]) -> String {
                 m.rss_mib, m.weights_mib, m.kv_cache_mib, m.other_mib
             )
         });
+        let speedup = r
+            .speedup_vs_dense
+            .map_or(String::from("-"), |x| format!("{x:.2}x"));
         s += &format!(
-            "| {} | {} | {} | {} | {:.1} ± {:.1} | {:.1} | {:.1} | {} |\n",
+            "| {} | {} | {} | {} | {:.1} ± {:.1} | {} | {:.1} | {:.1} | {:.2} | {:.0} | {} |\n",
             r.isa,
             r.threads,
             r.sparsity,
             r.test,
             r.tok_per_s_median,
             r.tok_per_s_stddev,
+            speedup,
             r.weight_gb_per_s,
-            r.weight_bytes_per_token as f64 / 1e6,
+            r.weight_bytes_per_token / 1e6,
+            r.mlp_density,
+            r.exact_logits,
             mem
         );
     }
@@ -179,10 +228,10 @@ pub fn markdown(results: &[BenchResult]) -> String {
 }
 
 pub fn csv(results: &[BenchResult]) -> String {
-    let mut s = String::from("model,commit,cpu,isa,threads,sparsity,test,n_tokens,tok_per_s_median,tok_per_s_stddev,weight_gb_per_s\n");
+    let mut s = String::from("model,commit,cpu,isa,threads,sparsity,test,n_tokens,tok_per_s_median,tok_per_s_stddev,weight_gb_per_s,weight_bytes_per_token,speedup_vs_dense,mlp_density,exact_logits\n");
     for r in results {
         s += &format!(
-            "{},{},\"{}\",{},{},{},{},{},{:.3},{:.3},{:.3}\n",
+            "{},{},\"{}\",{},{},\"{}\",{},{},{:.3},{:.3},{:.3},{:.0},{},{:.4},{:.1}\n",
             r.model,
             r.commit,
             r.cpu,
@@ -193,7 +242,12 @@ pub fn csv(results: &[BenchResult]) -> String {
             r.n_tokens,
             r.tok_per_s_median,
             r.tok_per_s_stddev,
-            r.weight_gb_per_s
+            r.weight_gb_per_s,
+            r.weight_bytes_per_token,
+            r.speedup_vs_dense
+                .map_or(String::new(), |x| format!("{x:.4}")),
+            r.mlp_density,
+            r.exact_logits
         );
     }
     s

@@ -1,6 +1,9 @@
 //! An [`Engine`]: a loaded model, its tokenizer, a backend and the thread pool it runs on.
 use crate::executor::{Executor, KvCache};
+use crate::layout::SparseLayout;
 use crate::model::Model;
+use crate::policy::Policy;
+use crate::predictors::Predictors;
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 use dejavu_backend_api::Backend;
@@ -39,6 +42,8 @@ pub struct Engine {
     pub n_ctx: usize,
     backend: CpuBackend,
     threads: usize,
+    /// The neuron-major layout, loaded or built on first use by a sparse policy.
+    layout: std::sync::OnceLock<SparseLayout>,
 }
 
 impl Engine {
@@ -80,6 +85,7 @@ impl Engine {
             n_ctx,
             backend,
             threads,
+            layout: std::sync::OnceLock::new(),
         })
     }
 
@@ -87,7 +93,38 @@ impl Engine {
         Executor {
             model: &self.model,
             backend: &self.backend,
+            layout: self.layout.get(),
         }
+    }
+
+    /// The sparse layout (see [`crate::layout`]): loaded from the cache next to the model, or
+    /// converted and cached on first use.
+    pub fn sparse_layout(&self) -> Result<&SparseLayout> {
+        if let Some(l) = self.layout.get() {
+            return Ok(l);
+        }
+        let l = SparseLayout::load_or_build(&self.model, &self.backend)?;
+        Ok(self.layout.get_or_init(|| l))
+    }
+
+    /// Load predictors: `path` if given, else the calibration output next to the model if there
+    /// is one (`Ok(None)` when there is none).
+    pub fn predictors(&self, path: Option<&Path>) -> Result<Option<Predictors>> {
+        let default = Predictors::default_path(&self.model.file.path);
+        match path {
+            Some(p) => Predictors::load(p, &self.model).map(Some),
+            None if default.exists() => Predictors::load(&default, &self.model).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Parse a `--sparsity` spec and prepare what it needs (the sparse layout for MLP rules).
+    pub fn policy(&self, spec: &str, predictors: Option<&Predictors>) -> Result<Policy> {
+        let p = Policy::parse(spec, &self.model.config, predictors)?;
+        if p.sparse_mlp() {
+            self.sparse_layout()?;
+        }
+        Ok(p)
     }
 
     pub fn backend(&self) -> &dyn Backend {

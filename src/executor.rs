@@ -8,10 +8,21 @@
 //! h = rmsnorm(x) ; x += (silu(h Wg^T) * (h Wu^T)) Wd^T      (gate/up: selected neurons only)
 //! ```
 //! Unselected heads and neurons contribute exactly zero, so a plan with full sets is the dense model.
+//!
+//! The plan is either given ([`Plan::Fixed`]: explicit sets, for tests and research) or built per
+//! decode step by a [`Policy`] from the activations themselves ([`Plan::Policy`]): gate-first
+//! computes the gate projection, keeps the top neurons and computes up and down over those; the
+//! contextual output head previews the logits at low rank and computes exact logits only for the
+//! top candidates (the others keep their preview value). A sparse MLP set reads the neuron-major
+//! down projection of the [`SparseLayout`] when the executor has one (without it, the dense down
+//! projection over zeroed activations: the same result, no bytes saved).
+use crate::layout::SparseLayout;
+use crate::mlp_predictor::MlpPredictor;
 use crate::model::{Model, WeightRef};
-use crate::sparsity::SparsePlan;
+use crate::policy::Policy;
+use crate::sparsity::{top_k, MlpRule, SparsePlan};
 use crate::{Error, Result};
-use dejavu_backend_api::{AttnShape, Backend, IndexSet, MatmulJob};
+use dejavu_backend_api::{AttnShape, Backend, IndexSet, MatmulJob, Weight};
 
 /// Keys and values of every layer for positions `0..len`, f32, `[n_ctx][n_kv_heads * head_dim]`,
 /// plus the activation buffers of the sequence's forward passes (grown to the largest batch seen,
@@ -22,6 +33,22 @@ pub struct KvCache {
     len: usize,
     n_ctx: usize,
     scratch: Scratch,
+    last: StepStats,
+    /// When set, every forward step appends each layer's normed MLP input (`[n][d_model]`) to
+    /// `capture[layer]` (calibration trains the MLP predictors on them).
+    pub capture: Option<Vec<Vec<f32>>>,
+}
+
+/// What the last forward step read and kept.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepStats {
+    /// Bytes of weights read (once per step, whatever the batch size).
+    pub weight_bytes: usize,
+    /// MLP neurons computed, summed over layers, and the dense count.
+    pub mlp_kept: usize,
+    pub mlp_total: usize,
+    /// Output rows computed exactly (the vocabulary size when dense).
+    pub exact_logits: usize,
 }
 
 /// Activations of one forward pass (see `Executor::forward` for the names).
@@ -37,6 +64,11 @@ struct Scratch {
     gate: Vec<f32>,
     up: Vec<f32>,
     logits: Vec<f32>,
+    /// Selection scores and index scratch of the contextual rules; the output preview.
+    score: Vec<f32>,
+    idx: Vec<u32>,
+    z: Vec<f32>,
+    preview: Vec<f32>,
 }
 
 /// The first `n` elements of `v`, growing it if needed (contents unspecified: every user
@@ -58,6 +90,8 @@ impl KvCache {
             len: 0,
             n_ctx,
             scratch: Scratch::default(),
+            last: StepStats::default(),
+            capture: None,
         }
     }
     pub fn len(&self) -> usize {
@@ -79,6 +113,10 @@ impl KvCache {
             .sum();
         self.len * per_pos * size_of::<f32>()
     }
+    /// What the last forward step read and kept.
+    pub fn last_step(&self) -> StepStats {
+        self.last
+    }
     pub fn clear(&mut self) {
         self.len = 0;
     }
@@ -95,11 +133,25 @@ pub enum Logits {
     Last,
     /// Tokens `start..end` of the batch (perplexity scores a window).
     Range(usize, usize),
+    /// No logits: the final normed hidden states of tokens `start..end` (`[n][d_model]`), the
+    /// output head's input (calibration collects them).
+    Hidden(usize, usize),
+}
+
+/// Where a step's sparse plan comes from.
+#[derive(Clone, Copy)]
+pub enum Plan<'a> {
+    /// Explicit sets for every layer, applied to every token of the batch.
+    Fixed(&'a SparsePlan),
+    /// Built from the activations of each single-token step (batches run dense).
+    Policy(&'a Policy),
 }
 
 pub struct Executor<'m> {
     pub model: &'m Model,
     pub backend: &'m dyn Backend,
+    /// The neuron-major down projections used by sparse MLP sets (see the module docs).
+    pub layout: Option<&'m SparseLayout>,
 }
 
 impl<'m> Executor<'m> {
@@ -114,11 +166,18 @@ impl<'m> Executor<'m> {
                 qtype: format!("{} on {}", w.qtype.name(), backend.name()),
             });
         }
-        Ok(Self { model, backend })
+        Ok(Self {
+            model,
+            backend,
+            layout: None,
+        })
     }
 
-    fn matmul(&self, w: &WeightRef, rows: &IndexSet, x: &[f32], y: &mut [f32]) {
-        self.backend.matmul(&self.model.weight(w), rows, x, y)
+    /// `y = x W^T` over `rows`; returns the bytes of weights read.
+    fn matmul(&self, w: &WeightRef, rows: &IndexSet, x: &[f32], y: &mut [f32]) -> usize {
+        let w = self.model.weight(w);
+        self.backend.matmul(&w, rows, x, y);
+        read_bytes(&w, rows)
     }
 
     fn job<'a>(&self, w: &WeightRef, rows: &'a IndexSet, y: &'a mut [f32]) -> MatmulJob<'a>
@@ -132,13 +191,25 @@ impl<'m> Executor<'m> {
         }
     }
 
-    /// Run `tokens` at positions `cache.len()..`, append their keys/values to the cache and return
-    /// the logits asked for (`[n][vocab]`, n = 1 for `Last`), valid until the cache's next use.
+    /// [`Self::run`] under a fixed plan.
     pub fn forward<'c>(
         &self,
         tokens: &[u32],
         cache: &'c mut KvCache,
         plan: &SparsePlan,
+        want: Logits,
+    ) -> Result<&'c mut [f32]> {
+        self.run(tokens, cache, Plan::Fixed(plan), want)
+    }
+
+    /// Run `tokens` at positions `cache.len()..`, append their keys/values to the cache and return
+    /// the logits asked for (`[n][vocab]`, n = 1 for `Last`; hidden states for `Hidden`), valid
+    /// until the cache's next use. `cache.last_step()` then tells what the step read.
+    pub fn run<'c>(
+        &self,
+        tokens: &[u32],
+        cache: &'c mut KvCache,
+        plan: Plan,
         want: Logits,
     ) -> Result<&'c mut [f32]> {
         let m = self.model;
@@ -155,19 +226,27 @@ impl<'m> Executor<'m> {
                 n_ctx: cache.n_ctx,
             });
         }
-        if plan.layers.len() != c.n_layers {
+        let n_plans = match plan {
+            Plan::Fixed(p) => p.layers.len(),
+            Plan::Policy(p) => p.mlp.len(),
+        };
+        if n_plans != c.n_layers {
             return Err(Error::BadPlan(format!(
-                "{} layer plans for {} layers",
-                plan.layers.len(),
+                "{n_plans} layer plans for {} layers",
                 c.n_layers
             )));
         }
+        // Contextual rules act on single-token steps only.
+        let policy = match plan {
+            Plan::Policy(p) if n == 1 => Some(p),
+            _ => None,
+        };
         let (d, qd, kvd, ff) = (c.d_model, c.n_heads * c.head_dim, c.kv_dim(), c.n_ff);
 
         let (first, last) = match want {
             Logits::Last => (n - 1, n),
-            Logits::Range(s, e) if s < e && e <= n => (s, e),
-            Logits::Range(s, e) => {
+            Logits::Range(s, e) | Logits::Hidden(s, e) if s < e && e <= n => (s, e),
+            Logits::Range(s, e) | Logits::Hidden(s, e) => {
                 return Err(Error::Invalid(format!(
                     "logit range {s}..{e} outside batch of {n}"
                 )))
@@ -191,19 +270,26 @@ impl<'m> Executor<'m> {
         let (k, v) = (buf(&mut sc.k, n * kvd), buf(&mut sc.v, n * kvd));
         let o = buf(&mut sc.o, n * d);
         let (gate, up) = (buf(&mut sc.gate, n * ff), buf(&mut sc.up, n * ff));
+        let score = buf(&mut sc.score, ff);
         let full_kv = IndexSet::full(kvd);
         let full_d = IndexSet::full(d);
+        let full_ff = IndexSet::full(ff);
+        let dense_layer = crate::sparsity::LayerPlan::dense(c);
+        let mut st = StepStats::default();
 
-        for (l, (lw, lp)) in m.layers.iter().zip(&plan.layers).enumerate() {
+        for (l, lw) in m.layers.iter().enumerate() {
+            let lp = match plan {
+                Plan::Fixed(p) => &p.layers[l],
+                Plan::Policy(_) => &dense_layer,
+            };
             b.rmsnorm(x, m.vector(&lw.attn_norm), c.rms_eps, h);
-            b.matmul_shared_input(
-                h,
-                &mut [
-                    self.job(&lw.wq, lp.q_rows(), q),
-                    self.job(&lw.wk, &full_kv, k),
-                    self.job(&lw.wv, &full_kv, v),
-                ],
-            );
+            let mut jobs = [
+                self.job(&lw.wq, lp.q_rows(), q),
+                self.job(&lw.wk, &full_kv, k),
+                self.job(&lw.wv, &full_kv, v),
+            ];
+            st.weight_bytes += jobs.iter().map(|j| read_bytes(&j.w, j.rows)).sum::<usize>();
+            b.matmul_shared_input(h, &mut jobs);
             if let (Some(bq), Some(bk), Some(bv)) = (&lw.bq, &lw.bk, &lw.bv) {
                 add_bias(q, m.vector(bq), Some(lp.q_rows()));
                 add_bias(k, m.vector(bk), None);
@@ -236,34 +322,177 @@ impl<'m> Executor<'m> {
                 shape,
                 att,
             );
-            self.matmul(&lw.wo, &full_d, att, o);
+            st.weight_bytes += self.matmul(&lw.wo, &full_d, att, o);
             add(x, o);
 
             b.rmsnorm(x, m.vector(&lw.ffn_norm), c.rms_eps, h);
-            b.matmul_shared_input(
+            if let Some(cap) = &mut cache.capture {
+                cap.resize(c.n_layers, Vec::new());
+                cap[l].extend_from_slice(h);
+            }
+            let rule = policy.map_or(MlpRule::Dense, |p| p.mlp[l]);
+            let pred = policy.and_then(|p| p.mlp_predictors.get(l));
+            let fixed = if policy.is_some() { &full_ff } else { &lp.mlp };
+            let (set, act) = self.mlp_select(
+                l,
+                rule,
+                fixed,
+                pred,
                 h,
-                &mut [
-                    self.job(&lw.w_gate, &lp.mlp, gate),
-                    self.job(&lw.w_up, &lp.mlp, up),
-                ],
+                gate,
+                up,
+                score,
+                &mut sc.idx,
+                &mut st,
             );
-            b.silu_mul(gate, up);
-            self.matmul(&lw.w_down, &full_d, gate, o);
+            let set = set.as_ref().unwrap_or(fixed);
+            st.mlp_kept += set.len();
+            st.mlp_total += ff;
+            match self.layout {
+                Some(lay) if !set.is_full() => {
+                    let w = lay.down_t(l);
+                    b.axpy_rows(&w, set, act, o);
+                    st.weight_bytes += read_bytes(&w, set);
+                }
+                _ => st.weight_bytes += self.matmul(&lw.w_down, &full_d, act, o),
+            }
             add(x, o);
         }
         cache.len = pos0 + n;
 
-        let hn = &mut h[..(last - first) * d];
+        let nl = last - first;
+        let hn = &mut h[..nl * d];
         b.rmsnorm(
             &x[first * d..last * d],
             m.vector(&m.output_norm),
             c.rms_eps,
             hn,
         );
-        let logits = buf(&mut sc.logits, (last - first) * c.vocab_size);
-        self.matmul(&m.output, &IndexSet::full(c.vocab_size), hn, logits);
+        if let Logits::Hidden(..) = want {
+            cache.last = st;
+            return Ok(hn);
+        }
+        let vocab = c.vocab_size;
+        let logits = buf(&mut sc.logits, nl * vocab);
+        let out_rule = policy.and_then(|p| p.output.as_ref());
+        match out_rule {
+            Some(rule) if nl == 1 => {
+                let pv = &rule.preview;
+                let z = buf(&mut sc.z, pv.rank);
+                b.matmul(&pv.proj(), &IndexSet::full(pv.rank), hn, z);
+                let preview = buf(&mut sc.preview, vocab);
+                b.matmul(&pv.table(), &IndexSet::full(vocab), z, preview);
+                let cand = top_k(preview, rule.candidates, &mut sc.idx);
+                st.weight_bytes += pv.bytes() + self.matmul(&m.output, &cand, hn, logits);
+                st.exact_logits = cand.len();
+                // Exact logits for the candidates, the preview's for every other token.
+                for i in cand.iter() {
+                    preview[i] = logits[i];
+                }
+                logits.copy_from_slice(preview);
+            }
+            _ => {
+                st.weight_bytes += self.matmul(&m.output, &IndexSet::full(vocab), hn, logits);
+                st.exact_logits = vocab;
+            }
+        }
+        st.weight_bytes += embd.qtype.row_bytes(d);
+        cache.last = st;
         Ok(logits)
     }
+
+    /// Gate and up projections of layer `l` under `rule` (`fixed`: the given set when the rule is
+    /// dense); returns the chosen set (`None`: `fixed`) and the activations `silu(gate) * up`, zero
+    /// outside the set, for the down projection.
+    #[allow(clippy::too_many_arguments)]
+    fn mlp_select<'a>(
+        &self,
+        l: usize,
+        rule: MlpRule,
+        fixed: &IndexSet,
+        pred: Option<&MlpPredictor>,
+        h: &[f32],
+        gate: &'a mut [f32],
+        up: &'a mut [f32],
+        score: &mut [f32],
+        idx: &mut Vec<u32>,
+        st: &mut StepStats,
+    ) -> (Option<IndexSet>, &'a mut [f32]) {
+        let (lw, b, ff) = (&self.model.layers[l], self.backend, self.model.config.n_ff);
+        let full = IndexSet::full(ff);
+        let k = rule.kept(ff);
+        // Gate and up over `set` in one dispatch, then silu(gate) * up.
+        let both = |set: &IndexSet, gate: &mut [f32], up: &mut [f32], st: &mut StepStats| {
+            let mut jobs = [self.job(&lw.w_gate, set, gate), self.job(&lw.w_up, set, up)];
+            st.weight_bytes += jobs.iter().map(|j| read_bytes(&j.w, j.rows)).sum::<usize>();
+            b.matmul_shared_input(h, &mut jobs);
+            b.silu_mul(gate, up);
+        };
+        match (rule, pred) {
+            (MlpRule::LowRank { .. }, Some(p)) => {
+                // z = W1 h in `score`, neuron scores = W2 z in `up` (overwritten just after).
+                let z = &mut score[..p.rank];
+                b.matmul(&p.w1(), &IndexSet::full(p.rank), h, z);
+                b.matmul(&p.w2(), &full, z, up);
+                st.weight_bytes += p.bytes();
+                let set = top_k(up, k, idx);
+                both(&set, gate, up, st);
+                (Some(set), gate)
+            }
+            (MlpRule::Dense | MlpRule::LowRank { .. }, _) => {
+                both(fixed, gate, up, st);
+                (None, gate)
+            }
+            (MlpRule::GateFirst { .. }, _) => {
+                st.weight_bytes += self.matmul(&lw.w_gate, &full, h, gate);
+                score
+                    .iter_mut()
+                    .zip(gate.iter())
+                    .for_each(|(s, &g)| *s = silu(g).abs());
+                let set = top_k(score, k, idx);
+                st.weight_bytes += self.matmul(&lw.w_up, &set, h, up);
+                b.silu_mul(gate, up);
+                (Some(set), gate)
+            }
+            (MlpRule::UpFirst { .. }, _) => {
+                st.weight_bytes += self.matmul(&lw.w_up, &full, h, up);
+                score
+                    .iter_mut()
+                    .zip(up.iter())
+                    .for_each(|(s, &u)| *s = u.abs());
+                let set = top_k(score, k, idx);
+                st.weight_bytes += self.matmul(&lw.w_gate, &set, h, gate);
+                b.silu_mul(gate, up);
+                (Some(set), gate)
+            }
+            (MlpRule::Oracle { .. }, _) => {
+                let mut jobs = [
+                    self.job(&lw.w_gate, &full, gate),
+                    self.job(&lw.w_up, &full, up),
+                ];
+                st.weight_bytes += jobs.iter().map(|j| read_bytes(&j.w, j.rows)).sum::<usize>();
+                b.matmul_shared_input(h, &mut jobs);
+                b.silu_mul(gate, up);
+                score
+                    .iter_mut()
+                    .zip(gate.iter())
+                    .for_each(|(s, &a)| *s = a.abs());
+                let set = top_k(score, k, idx);
+                up.fill(0.0);
+                set.iter().for_each(|i| up[i] = gate[i]);
+                (Some(set), up)
+            }
+        }
+    }
+}
+
+/// Bytes of `w` a product over `rows` reads.
+fn read_bytes(w: &Weight, rows: &IndexSet) -> usize {
+    w.qtype.row_bytes(w.cols) * rows.len()
+}
+
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
 }
 
 fn add(x: &mut [f32], y: &[f32]) {

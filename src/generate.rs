@@ -1,9 +1,8 @@
 //! Autoregressive generation: prefill the prompt as one batch, then decode token by token,
 //! streaming text as it becomes valid UTF-8.
 use crate::engine::Engine;
-use crate::executor::{KvCache, Logits};
+use crate::executor::{KvCache, Logits, Plan};
 use crate::sampling::Sampler;
-use crate::sparsity::SparsePlan;
 use crate::{Error, Result};
 use std::time::Instant;
 
@@ -34,7 +33,7 @@ pub fn generate(
     new_tokens: &[u32],
     max_tokens: usize,
     sampler: &mut Sampler,
-    plan: &SparsePlan,
+    plan: Plan,
     mut on_text: impl FnMut(&str),
 ) -> Result<(Vec<u32>, GenerateStats)> {
     if new_tokens.is_empty() {
@@ -57,7 +56,7 @@ pub fn generate(
     };
     let mut history: Vec<u32> = new_tokens.to_vec();
     let t0 = Instant::now();
-    let mut logits = exec.forward(new_tokens, cache, plan, Logits::Last)?;
+    let mut logits = exec.run(new_tokens, cache, plan, Logits::Last)?;
     stats.prompt_secs = t0.elapsed().as_secs_f64();
 
     let mut out = Vec::new();
@@ -76,7 +75,7 @@ pub fn generate(
         if out.len() == max_tokens || cache.len() + 1 >= cache.n_ctx() {
             break;
         }
-        logits = exec.forward(&[next], cache, plan, Logits::Last)?;
+        logits = exec.run(&[next], cache, plan, Logits::Last)?;
     }
     stats.decode_secs = t1.elapsed().as_secs_f64();
     stats.generated_tokens = out.len();

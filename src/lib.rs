@@ -6,16 +6,23 @@
 //! [`sampling`] drive it; [`tokenizer`] builds the GGUF's own BPE tokenizer and chat template.
 
 pub mod bench;
+pub mod calibrate;
 pub mod config;
 pub mod engine;
 mod error;
 pub mod executor;
 pub mod fetch;
 pub mod generate;
+pub mod layout;
 pub mod memstat;
+pub mod mlp_predictor;
 pub mod model;
 pub mod names;
 pub mod perplexity;
+pub mod policy;
+pub mod predictors;
+pub mod progress;
+pub mod report;
 pub mod sampling;
 pub mod sparsity;
 pub mod tokenizer;

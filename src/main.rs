@@ -3,6 +3,7 @@
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use dejavu::engine::{Engine, EngineOptions};
+use dejavu::executor::Plan;
 use dejavu::fetch;
 use dejavu::generate::generate;
 use dejavu::perplexity::{perplexity, Feed};
@@ -34,6 +35,10 @@ enum Command {
     Perplexity(PerplexityArgs),
     /// Prefill and decode speed, llama-bench style (markdown to stdout; JSON/CSV on request).
     Bench(BenchArgs),
+    /// Fit the sparsity predictors on text and store them with a recommended setting.
+    Calibrate(CalibrateArgs),
+    /// The quality/speed frontier of sparsity policies on a text: markdown, JSON and a PNG plot.
+    Report(ReportArgs),
     /// Print a GGUF file's metadata and tensor table.
     Inspect {
         /// The GGUF file.
@@ -67,6 +72,38 @@ impl ModelArgs {
             },
         )
     }
+}
+
+#[derive(Args)]
+struct SparsityArgs {
+    /// Sparsity policy: `dense`, `recommended` (set by `dejavu calibrate`), or parts joined by
+    /// `+`: `gate-first:KEEP[:EDGE]`, `up-first:KEEP[:EDGE]`, `oracle:KEEP[:EDGE]` (MLP neurons,
+    /// KEEP in (0,1], EDGE first/last layers dense), `head:RANK:CANDIDATES` (output head).
+    #[arg(long, default_value = "dense")]
+    sparsity: String,
+    /// Predictors file (default: the `dejavu calibrate` output next to the model, if present).
+    #[arg(long)]
+    predictors: Option<std::path::PathBuf>,
+}
+
+impl SparsityArgs {
+    fn policy(&self, engine: &Engine) -> Result<dejavu::policy::Policy> {
+        policy_for(engine, &self.sparsity, self.predictors.as_deref())
+    }
+}
+
+fn policy_for(
+    engine: &Engine,
+    spec: &str,
+    predictors: Option<&std::path::Path>,
+) -> Result<dejavu::policy::Policy> {
+    let needs = spec.contains("recommended") || spec.contains("head");
+    let preds = if needs || predictors.is_some() {
+        engine.predictors(predictors)?
+    } else {
+        None
+    };
+    Ok(engine.policy(spec, preds.as_ref())?)
 }
 
 #[derive(Args)]
@@ -125,6 +162,8 @@ struct GenerateArgs {
     ctx: Option<usize>,
     #[command(flatten)]
     sampling: SamplingArgs,
+    #[command(flatten)]
+    sparsity: SparsityArgs,
 }
 
 #[derive(Args)]
@@ -139,6 +178,8 @@ struct ChatArgs {
     max_tokens: usize,
     #[command(flatten)]
     sampling: SamplingArgs,
+    #[command(flatten)]
+    sparsity: SparsityArgs,
 }
 
 #[derive(Args)]
@@ -158,12 +199,89 @@ struct BenchArgs {
     /// Timed repetitions per test (after one warm-up).
     #[arg(long, short, default_value_t = 5)]
     repetitions: usize,
+    /// Sparsity policies to compare, comma-separated (see `generate --help`); repetitions
+    /// alternate between them so they see the same machine conditions.
+    #[arg(long, value_delimiter = ',', default_value = "dense")]
+    sparsity: Vec<String>,
+    /// Predictors file (default: the `dejavu calibrate` output next to the model, if present).
+    #[arg(long)]
+    predictors: Option<std::path::PathBuf>,
     /// Also write the results as a JSON array to this file.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
     /// Also write the results as CSV to this file.
     #[arg(long)]
     csv: Option<std::path::PathBuf>,
+}
+
+#[derive(Args)]
+struct CalibrateArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Calibration text files (documents separated by lines holding only ASCII RS, 0x1e).
+    /// Default: source code, package documentation and library reference text installed on this
+    /// machine (tools/calibration_text.py), plus text sampled from the model.
+    #[arg(long, num_args = 1..)]
+    data: Vec<std::path::PathBuf>,
+    /// Where to write the predictors (default: next to the model, where `--sparsity
+    /// recommended` looks).
+    #[arg(long)]
+    out: Option<std::path::PathBuf>,
+    /// Tokens of text to sample from the model with varied prompts and add to the data.
+    #[arg(long, default_value_t = 8192)]
+    sample_tokens: usize,
+    /// Characters of the default corpus.
+    #[arg(long, default_value_t = 120_000)]
+    corpus_chars: usize,
+    /// Rank of the output preview (a multiple of 32).
+    #[arg(long, default_value_t = 128)]
+    rank: usize,
+    /// Tokens held out to choose the recommended setting.
+    #[arg(long, default_value_t = 2048)]
+    validation_tokens: usize,
+    /// Largest perplexity increase the recommended setting may cost on the held-out tokens.
+    #[arg(long, default_value_t = 0.05)]
+    max_ppl_increase: f64,
+    /// Tokens per chunk.
+    #[arg(long, default_value_t = 512)]
+    ctx: usize,
+    /// Fit the predictors only; no search for a recommended setting.
+    #[arg(long)]
+    no_search: bool,
+    /// Tokens of MLP inputs the Deja Vu MLP predictors train on (0: do not train them).
+    #[arg(long, default_value_t = 3072)]
+    mlp_tokens: usize,
+    /// Rank of the MLP predictors (a multiple of 32).
+    #[arg(long, default_value_t = 64)]
+    mlp_rank: usize,
+    /// Seed of the sampling and of the document order.
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+}
+
+#[derive(Args)]
+struct ReportArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The text to score (token by token, dense and every policy side by side).
+    #[arg(long, short)]
+    file: std::path::PathBuf,
+    /// Tokens per chunk.
+    #[arg(long, default_value_t = 512)]
+    ctx: usize,
+    /// Score at most this many chunks.
+    #[arg(long, default_value_t = 4)]
+    chunks: usize,
+    /// Policies, comma-separated (default: an oracle sweep, the cheap selectors, output heads,
+    /// combinations, and `recommended` when the model is calibrated).
+    #[arg(long, value_delimiter = ',')]
+    sparsity: Vec<String>,
+    /// Predictors file (default: the `dejavu calibrate` output next to the model).
+    #[arg(long)]
+    predictors: Option<std::path::PathBuf>,
+    /// Directory for `<model>.frontier.{md,json,png}`.
+    #[arg(long, default_value = "docs")]
+    out: std::path::PathBuf,
 }
 
 #[derive(Args)]
@@ -177,9 +295,15 @@ struct PerplexityArgs {
     #[arg(long, default_value_t = 512)]
     ctx: usize,
     /// Score each position one token at a time through the KV cache (the decode kernels, with
-    /// 8-bit activations) instead of one batch per chunk (the prefill kernels).
+    /// 8-bit activations) instead of one batch per chunk (the prefill kernels). Implied by a
+    /// sparse policy, which is then compared with dense decoding (KL divergence, top-1 agreement).
     #[arg(long)]
     token_by_token: bool,
+    /// Score at most this many chunks (default: all).
+    #[arg(long)]
+    chunks: Option<usize>,
+    #[command(flatten)]
+    sparsity: SparsityArgs,
 }
 
 fn main() {
@@ -200,6 +324,8 @@ fn run(cli: Cli) -> Result<()> {
         Command::Chat(a) => cmd_chat(a),
         Command::Perplexity(a) => cmd_perplexity(a),
         Command::Inspect { path } => cmd_inspect(&path),
+        Command::Calibrate(a) => cmd_calibrate(a),
+        Command::Report(a) => cmd_report(a),
         Command::Fetch { name } => {
             let names: Vec<&str> = match name.as_deref() {
                 None => vec![fetch::DEFAULT_MODEL],
@@ -255,7 +381,9 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
         .into_iter()
         .filter(|t| t.1 > 0)
         .collect();
-    let bar = indicatif::ProgressBar::new((a.threads.len() * tests.len() * a.repetitions) as u64);
+    let bar = indicatif::ProgressBar::new(
+        (a.threads.len() * tests.len() * a.repetitions * a.sparsity.len()) as u64,
+    );
     bar.set_style(
         indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} runs {msg}")
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
@@ -270,7 +398,12 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
                 n_ctx: Some(ctx),
             },
         )?;
-        let bytes = engine.model.dense_bytes_per_token();
+        let policies = a
+            .sparsity
+            .iter()
+            .map(|spec| policy_for(&engine, spec, a.predictors.as_deref()))
+            .collect::<Result<Vec<_>>>()?;
+        let mut cache = engine.new_cache();
         for &(prefill, n) in &tests {
             let test = if prefill {
                 format!("pp{n}")
@@ -278,30 +411,60 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
                 format!("tg{n}")
             };
             bar.set_message(format!("{test} at {threads} threads"));
-            let (samples, memory) =
-                bench::run_test(&engine, prefill, n, a.repetitions, || bar.inc(1))?;
-            let (med, sd) = bench::median_sd(&samples);
-            let gbs = if prefill {
-                bytes as f64 * med / n as f64 / 1e9
-            } else {
-                bytes as f64 * med / 1e9
-            };
-            results.push(BenchResult {
-                model: model_name.clone(),
-                commit: bench::COMMIT.into(),
-                cpu: bench::cpu_model(),
-                isa: engine.isa().into(),
-                threads,
-                sparsity: "dense".into(),
-                test,
-                n_tokens: n,
-                tok_per_s_median: med,
-                tok_per_s_stddev: sd,
-                weight_gb_per_s: gbs,
-                weight_bytes_per_token: bytes,
-                samples,
-                memory,
-            });
+            let mut samples = vec![Vec::new(); policies.len()];
+            let mut steps = vec![bench::StepTotals::default(); policies.len()];
+            let mut memory = vec![None; policies.len()];
+            // Repetition 0 warms up; policies alternate within each repetition.
+            for rep in 0..=a.repetitions {
+                for (i, pol) in policies.iter().enumerate() {
+                    let mut st = bench::StepTotals::default();
+                    let plan = dejavu::executor::Plan::Policy(pol);
+                    let secs = bench::time_once(
+                        &engine, &mut cache, plan, prefill, n, rep as u64, &mut st,
+                    )?;
+                    if rep > 0 {
+                        samples[i].push(n as f64 / secs);
+                        steps[i].add_all(&st);
+                        bar.inc(1);
+                    }
+                    if !prefill && rep == a.repetitions {
+                        memory[i] = bench::memory(&engine, &cache);
+                    }
+                }
+            }
+            let medians: Vec<f64> = samples.iter().map(|s| bench::median_sd(s).0).collect();
+            let dense = policies
+                .iter()
+                .position(|p| p.is_dense())
+                .map(|i| medians[i]);
+            for (i, pol) in policies.iter().enumerate() {
+                let (med, sd) = bench::median_sd(&samples[i]);
+                let bytes = steps[i].mean_bytes();
+                let gbs = if prefill {
+                    bytes * med / n as f64 / 1e9
+                } else {
+                    bytes * med / 1e9
+                };
+                results.push(BenchResult {
+                    model: model_name.clone(),
+                    commit: bench::COMMIT.into(),
+                    cpu: bench::cpu_model(),
+                    isa: engine.isa().into(),
+                    threads,
+                    sparsity: pol.name.clone(),
+                    test: test.clone(),
+                    n_tokens: n,
+                    tok_per_s_median: med,
+                    tok_per_s_stddev: sd,
+                    weight_gb_per_s: gbs,
+                    weight_bytes_per_token: bytes,
+                    speedup_vs_dense: dense.map(|d| med / d),
+                    mlp_density: steps[i].mlp_density(),
+                    exact_logits: steps[i].mean_exact_logits(),
+                    samples: samples[i].clone(),
+                    memory: memory[i],
+                });
+            }
         }
     }
     bar.finish_and_clear();
@@ -328,7 +491,7 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
         a.prompt.clone()
     };
     let ids = engine.tokenizer.encode(&text)?;
-    let plan = SparsePlan::dense(&engine.model.config);
+    let policy = a.sparsity.policy(&engine)?;
     let mut cache = engine.new_cache();
     let mut stdout = std::io::stdout().lock();
     let (_, stats) = generate(
@@ -337,10 +500,20 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
         &ids,
         a.max_tokens,
         &mut sampler,
-        &plan,
+        Plan::Policy(&policy),
         stream_to(&mut stdout),
     )?;
     writeln!(stdout)?;
+    if !policy.is_dense() {
+        let s = cache.last_step();
+        eprintln!(
+            "sparsity: {} | last step: {:.1} MB of weights, MLP density {:.2}, {} exact logits",
+            policy.name,
+            s.weight_bytes as f64 / 1e6,
+            s.mlp_kept as f64 / s.mlp_total.max(1) as f64,
+            s.exact_logits
+        );
+    }
     eprintln!(
         "prompt: {} tokens, {:.1} tok/s | decode: {} tokens, {:.1} tok/s | {} threads",
         stats.prompt_tokens,
@@ -367,7 +540,7 @@ fn cmd_chat(a: ChatArgs) -> Result<()> {
         bail!("this model has no chat template; use `generate` instead");
     }
     let mut sampler = a.sampling.sampler()?;
-    let plan = SparsePlan::dense(&engine.model.config);
+    let policy = a.sparsity.policy(&engine)?;
     let mut cache = engine.new_cache();
     let mut cached: Vec<u32> = Vec::new();
     let mut messages: Vec<(String, String)> = a
@@ -402,7 +575,7 @@ fn cmd_chat(a: ChatArgs) -> Result<()> {
             &ids[common..],
             a.max_tokens,
             &mut sampler,
-            &plan,
+            Plan::Policy(&policy),
             stream_to(&mut stdout),
         )?;
         writeln!(stdout)?;
@@ -418,22 +591,51 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
     let text = std::fs::read_to_string(&a.file)
         .with_context(|| format!("reading {}", a.file.display()))?;
     let engine = a.model.load(Some(a.ctx))?;
-    let tokens = engine.tokenizer.encode(&text)?;
-    let plan = SparsePlan::dense(&engine.model.config);
-    eprintln!(
-        "{} tokens, {} chunks of {}",
-        tokens.len(),
-        tokens.len() / a.ctx,
-        a.ctx
-    );
-    let bar = indicatif::ProgressBar::new((tokens.len() / a.ctx) as u64);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "{bar:40} {pos}/{len} chunks, {elapsed} elapsed, eta {eta} {msg}",
-        )
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
+    let mut tokens = engine.tokenizer.encode(&text)?;
+    if let Some(c) = a.chunks {
+        tokens.truncate(c.saturating_mul(a.ctx));
+    }
+    let policy = a.sparsity.policy(&engine)?;
+    let n_chunks = tokens.len() / a.ctx;
+    eprintln!("{} tokens, {n_chunks} chunks of {}", tokens.len(), a.ctx);
+    let bar = dejavu::progress::bar(n_chunks as u64, "chunks");
     let t0 = std::time::Instant::now();
+    if !policy.is_dense() {
+        let r = dejavu::perplexity::compare(&engine, &tokens, a.ctx, &policy, |i, _, d, s| {
+            bar.set_position(i as u64);
+            bar.set_message(format!("ppl dense {d:.4} sparse {s:.4}"));
+        })?;
+        bar.finish_and_clear();
+        eprintln!(
+            "{} chunks, {} scored tokens, {:.1} s",
+            r.dense.n_chunks,
+            r.dense.n_scored,
+            t0.elapsed().as_secs_f64()
+        );
+        println!("sparsity: {}", policy.name);
+        println!("ppl dense (decode path): {:.4}", r.dense.ppl);
+        println!(
+            "ppl sparse: {:.4} ({:+.2}%)",
+            r.sparse.ppl,
+            (r.sparse.ppl / r.dense.ppl - 1.0) * 100.0
+        );
+        println!("kl(dense || sparse): {:.5} nats/token", r.kl);
+        println!("top-1 agreement: {:.2}%", r.top1_agreement * 100.0);
+        println!(
+            "decode speedup over dense (scored steps, interleaved): {:.2}x",
+            r.speedup()
+        );
+        println!(
+            "weights read: {:.2} MB/token ({:.1}% of dense {:.2}) | MLP density {:.3} | exact logits {:.0}",
+            r.steps.mean_bytes() / 1e6,
+            r.steps.mean_bytes() / engine.model.dense_bytes_per_token() as f64 * 100.0,
+            engine.model.dense_bytes_per_token() as f64 / 1e6,
+            r.steps.mlp_density(),
+            r.steps.mean_exact_logits()
+        );
+        return Ok(());
+    }
+    let plan = SparsePlan::dense(&engine.model.config);
     let feed = if a.token_by_token {
         Feed::TokenByToken
     } else {
@@ -453,6 +655,136 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
     );
     println!("ppl: {:.4}", r.ppl);
     Ok(())
+}
+
+fn cmd_calibrate(a: CalibrateArgs) -> Result<()> {
+    use dejavu::calibrate::{self, CalibrateOptions};
+    let engine = a.model.load(None)?;
+    let mut docs = Vec::new();
+    let mut sources = Vec::new();
+    for f in &a.data {
+        let text =
+            std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
+        docs.extend(calibrate::split_documents(&text));
+        sources.push(f.display().to_string());
+    }
+    if a.data.is_empty() {
+        let corpus = calibrate::default_corpus(a.corpus_chars)?;
+        eprintln!("default corpus: {} documents", corpus.len());
+        docs.extend(corpus);
+        sources.push("tools/calibration_text.py".into());
+    }
+    if a.sample_tokens > 0 {
+        docs.extend(calibrate::sample_texts(&engine, a.sample_tokens, a.seed)?);
+        sources.push(format!("{} tokens sampled from the model", a.sample_tokens));
+    }
+    let tokens = calibrate::tokens_of(&engine, docs, a.seed)?;
+    let opts = CalibrateOptions {
+        ctx: a.ctx,
+        rank: a.rank,
+        validation_tokens: a.validation_tokens,
+        max_ppl_increase: a.max_ppl_increase,
+        no_search: a.no_search,
+        mlp_tokens: a.mlp_tokens,
+        mlp: dejavu::mlp_predictor::TrainOptions {
+            rank: a.mlp_rank,
+            ..Default::default()
+        },
+    };
+    let (preds, _) = calibrate::calibrate(&engine, &tokens, &sources.join("; "), &opts, |l| {
+        eprintln!("{l}")
+    })?;
+    let out = a
+        .out
+        .clone()
+        .unwrap_or_else(|| dejavu::predictors::Predictors::default_path(&engine.model.file.path));
+    preds.save(&out, &engine.model)?;
+    println!("{}", out.display());
+    if let Some(r) = preds.recommended() {
+        println!("recommended: {r}");
+    }
+    Ok(())
+}
+
+fn cmd_report(a: ReportArgs) -> Result<()> {
+    let text = std::fs::read_to_string(&a.file)
+        .with_context(|| format!("reading {}", a.file.display()))?;
+    let engine = a.model.load(Some(a.ctx))?;
+    let mut tokens = engine.tokenizer.encode(&text)?;
+    tokens.truncate(a.chunks.saturating_mul(a.ctx));
+    let preds = engine.predictors(a.predictors.as_deref())?;
+    let mut specs = a.sparsity.clone();
+    if specs.is_empty() {
+        specs = [
+            "oracle:0.8",
+            "oracle:0.6",
+            "oracle:0.5",
+            "oracle:0.4",
+            "gate-first:0.8",
+            "gate-first:0.7",
+            "gate-first:0.6",
+            "gate-first:0.5",
+            "up-first:0.8",
+            "up-first:0.7",
+            "up-first:0.6",
+        ]
+        .map(String::from)
+        .to_vec();
+        // Output heads the stored preview supports (rank up to its own).
+        let rank = preds
+            .as_ref()
+            .and_then(|p| p.output.as_ref())
+            .map_or(0, |o| o.rank);
+        let vocab = engine.model.config.vocab_size;
+        for (r, c) in [(64, 4096), (128, 4096), (128, 16384)] {
+            let (r, c) = (r.min(rank), c.min(vocab / 4));
+            if r > 0 && !specs.contains(&format!("head:{r}:{c}")) {
+                specs.push(format!("head:{r}:{c}"));
+            }
+        }
+        if rank > 0 {
+            let (r, c) = (128.min(rank), 4096.min(vocab / 4));
+            specs.push(format!("gate-first:0.8+head:{r}:{c}"));
+            specs.push(format!("oracle:0.5+head:{r}:{c}"));
+        }
+        if preds.as_ref().is_some_and(|p| p.recommended().is_some()) {
+            specs.push("recommended".into());
+        }
+    }
+    let rows = dejavu::report::frontier(&engine, &tokens, a.ctx, &specs, preds.as_ref())?;
+    let name = engine
+        .model
+        .file
+        .path
+        .file_stem()
+        .map_or("model".into(), |s| s.to_string_lossy().into_owned());
+    std::fs::create_dir_all(&a.out)?;
+    let md = format!(
+        "{} | {} | {} chunks of {} tokens of {} | {} threads, {} kernels | commit {}\n\n{}",
+        name,
+        bench_cpu(),
+        tokens.len() / a.ctx,
+        a.ctx,
+        a.file.display(),
+        engine.threads(),
+        engine.isa(),
+        dejavu::bench::COMMIT,
+        dejavu::report::markdown(&rows)
+    );
+    let file = |ext: &str| a.out.join(format!("{name}.frontier.{ext}"));
+    std::fs::write(file("md"), &md)?;
+    std::fs::write(file("json"), serde_json::to_string_pretty(&rows)?)?;
+    print!("{md}");
+    let base = file("*");
+    match dejavu::report::plot(&rows, &name, &file("png")) {
+        Ok(()) => eprintln!("wrote {} (md, json, png)", base.display()),
+        Err(e) => eprintln!("wrote {} (md, json); no plot: {e}", base.display()),
+    }
+    Ok(())
+}
+
+fn bench_cpu() -> String {
+    dejavu::bench::cpu_model()
 }
 
 fn cmd_inspect(path: &std::path::Path) -> Result<()> {

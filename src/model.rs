@@ -21,6 +21,48 @@ pub struct WeightRef {
     n_bytes: usize,
 }
 
+impl WeightRef {
+    /// The weight inside `file_bytes`, the whole file it was checked against.
+    pub fn view<'a>(&self, file_bytes: &'a [u8]) -> Weight<'a> {
+        Weight {
+            qtype: self.qtype,
+            rows: self.rows,
+            cols: self.cols,
+            data: &file_bytes[self.start..self.start + self.n_bytes],
+        }
+    }
+
+    /// A 2-D tensor of a parsed header, which must be of type `want`.
+    pub fn from_info(t: &TensorInfo, want: QuantType) -> Result<Self> {
+        let qtype = quant_type(t)?;
+        if qtype != want || t.dims.len() != 2 {
+            return Err(Error::BadTensor {
+                tensor: t.name.clone(),
+                reason: format!("expected a 2-D {} tensor", want.name()),
+            });
+        }
+        let (cols, rows) = (t.dims[0] as usize, t.dims[1] as usize);
+        if qtype.row_bytes(cols) * rows != t.n_bytes {
+            return Err(Error::BadTensor {
+                tensor: t.name.clone(),
+                reason: "byte size disagrees with its type".into(),
+            });
+        }
+        Ok(Self {
+            name: t.name.clone(),
+            qtype,
+            rows,
+            cols,
+            start: t.start,
+            n_bytes: t.n_bytes,
+        })
+    }
+
+    pub fn n_bytes(&self) -> usize {
+        self.n_bytes
+    }
+}
+
 /// The weights of one transformer block. Shapes as `[rows, cols]` (rows = outputs).
 #[derive(Debug, Clone)]
 pub struct LayerWeights {
@@ -109,13 +151,7 @@ impl Model {
 
     /// Borrow a weight's bytes from the mapping (range and size were checked at load).
     pub fn weight(&self, w: &WeightRef) -> Weight<'_> {
-        let data = &self.file_bytes()[w.start..w.start + w.n_bytes];
-        Weight {
-            qtype: w.qtype,
-            rows: w.rows,
-            cols: w.cols,
-            data,
-        }
+        w.view(self.file_bytes())
     }
 
     /// An F32 vector weight (norm gains, biases) as a slice.
@@ -163,7 +199,11 @@ fn quant_type(t: &TensorInfo) -> Result<QuantType> {
 }
 
 /// Look up a tensor and check its shape `[rows, cols]` (a 1-D tensor is `[1, n]`).
-fn weight_ref(file: &GgufFile, name: String, [rows, cols]: [usize; 2]) -> Result<WeightRef> {
+pub(crate) fn weight_ref(
+    file: &GgufFile,
+    name: String,
+    [rows, cols]: [usize; 2],
+) -> Result<WeightRef> {
     let t = file
         .tensor(&name)
         .ok_or_else(|| Error::MissingTensor(name.clone()))?;

@@ -34,24 +34,8 @@ pub fn perplexity(
     feed: Feed,
     mut on_chunk: impl FnMut(usize, usize, f64),
 ) -> Result<PerplexityResult> {
-    if ctx < 4 {
-        return Err(Error::Invalid(format!(
-            "--ctx {ctx} is too small (at least 4)"
-        )));
-    }
-    if ctx > engine.n_ctx {
-        return Err(Error::ContextOverflow {
-            n_tokens: ctx,
-            n_ctx: engine.n_ctx,
-        });
-    }
+    check_ctx(engine, tokens, ctx)?;
     let n_chunks = tokens.len() / ctx;
-    if n_chunks == 0 {
-        return Err(Error::Invalid(format!(
-            "the text has {} tokens, fewer than one chunk of {ctx}",
-            tokens.len()
-        )));
-    }
     let exec = engine.executor();
     let vocab = engine.model.config.vocab_size;
     let first = ctx / 2;
@@ -88,8 +72,149 @@ pub fn perplexity(
     })
 }
 
+fn check_ctx(engine: &Engine, tokens: &[u32], ctx: usize) -> Result<()> {
+    if ctx < 4 {
+        return Err(Error::Invalid(format!(
+            "--ctx {ctx} is too small (at least 4)"
+        )));
+    }
+    if ctx > engine.n_ctx {
+        return Err(Error::ContextOverflow {
+            n_tokens: ctx,
+            n_ctx: engine.n_ctx,
+        });
+    }
+    if tokens.len() < ctx {
+        return Err(Error::Invalid(format!(
+            "the text has {} tokens, fewer than one chunk of {ctx}",
+            tokens.len()
+        )));
+    }
+    Ok(())
+}
+
 /// `-log softmax(logits)[target]`, in f64.
 pub fn nll(logits: &[f32], target: usize) -> f64 {
+    -log_softmax(logits).nth(target).unwrap_or(f64::NEG_INFINITY)
+}
+
+/// A sparse policy against dense decoding on the same scored positions (both token by token).
+#[derive(Debug, Clone)]
+pub struct Comparison {
+    pub dense: PerplexityResult,
+    pub sparse: PerplexityResult,
+    /// Mean KL(dense || sparse) of the next-token distributions, in nats.
+    pub kl: f64,
+    /// Fraction of positions where both put the same token first.
+    pub top1_agreement: f64,
+    /// What the sparse steps read and kept.
+    pub steps: crate::bench::StepTotals,
+    /// Wall time of the scored decode steps, dense and sparse (interleaved token by token, so
+    /// both see the same machine conditions).
+    pub dense_secs: f64,
+    pub sparse_secs: f64,
+}
+
+impl Comparison {
+    /// Decode speedup of the policy over dense, measured on the scored steps.
+    pub fn speedup(&self) -> f64 {
+        self.dense_secs / self.sparse_secs.max(1e-12)
+    }
+}
+
+/// Score `tokens` as [`perplexity`] with [`Feed::TokenByToken`], once dense and once under
+/// `policy`, side by side. `on_chunk(i, n_chunks, dense_ppl, sparse_ppl)` after each chunk.
+pub fn compare(
+    engine: &Engine,
+    tokens: &[u32],
+    ctx: usize,
+    policy: &crate::policy::Policy,
+    mut on_chunk: impl FnMut(usize, usize, f64, f64),
+) -> Result<Comparison> {
+    let mut r = compare_many(engine, tokens, ctx, &[policy], |i, n, d, s| {
+        on_chunk(i, n, d, s[0])
+    })?;
+    Ok(r.remove(0))
+}
+
+/// [`compare`] for several policies in one pass: every scored token is decoded once dense and
+/// once under each policy (each with its own cache), interleaved, so the timings of all policies
+/// see the same machine conditions. `on_chunk(i, n_chunks, dense_ppl, sparse_ppls)`.
+pub fn compare_many(
+    engine: &Engine,
+    tokens: &[u32],
+    ctx: usize,
+    policies: &[&crate::policy::Policy],
+    mut on_chunk: impl FnMut(usize, usize, f64, &[f64]),
+) -> Result<Vec<Comparison>> {
+    use crate::executor::Plan;
+    check_ctx(engine, tokens, ctx)?;
+    let n_chunks = tokens.len() / ctx;
+    let exec = engine.executor();
+    let vocab = engine.model.config.vocab_size;
+    let dense_plan = SparsePlan::dense(&engine.model.config);
+    let first = ctx / 2;
+    let np = policies.len();
+    let mut cd = engine.new_cache();
+    let mut caches: Vec<_> = (0..np).map(|_| engine.new_cache()).collect();
+    let (mut nd, mut n, mut dense_secs) = (0f64, 0usize, 0f64);
+    let mut acc = vec![(0f64, 0f64, 0usize, 0f64); np]; // nll, kl, agree, secs
+    let mut steps = vec![crate::bench::StepTotals::default(); np];
+    let mut ld = vec![0f32; vocab];
+    for i in 0..n_chunks {
+        let chunk = &tokens[i * ctx..(i + 1) * ctx];
+        for c in std::iter::once(&mut cd).chain(caches.iter_mut()) {
+            c.clear();
+            exec.forward(&chunk[..first], c, &dense_plan, Logits::Last)?;
+        }
+        for (j, &t) in chunk[first..ctx - 1].iter().enumerate() {
+            let target = chunk[first + j + 1] as usize;
+            let t0 = std::time::Instant::now();
+            ld.copy_from_slice(exec.forward(&[t], &mut cd, &dense_plan, Logits::Last)?);
+            dense_secs += t0.elapsed().as_secs_f64();
+            nd += nll(&ld, target);
+            let top = argmax(&ld);
+            for k in 0..np {
+                let t1 = std::time::Instant::now();
+                let ls = exec.run(
+                    &[t],
+                    &mut caches[k],
+                    Plan::Policy(policies[k]),
+                    Logits::Last,
+                )?;
+                acc[k].3 += t1.elapsed().as_secs_f64();
+                acc[k].0 += nll(ls, target);
+                acc[k].1 += kl_div(&ld, ls);
+                acc[k].2 += (argmax(ls) == top) as usize;
+                steps[k].add(caches[k].last_step());
+            }
+            n += 1;
+        }
+        let ppls: Vec<f64> = acc.iter().map(|a| (a.0 / n as f64).exp()).collect();
+        on_chunk(i + 1, n_chunks, (nd / n as f64).exp(), &ppls);
+    }
+    let result = |sum: f64| PerplexityResult {
+        ppl: (sum / n as f64).exp(),
+        n_chunks,
+        n_scored: n,
+        mean_nll: sum / n as f64,
+    };
+    Ok(acc
+        .iter()
+        .zip(steps)
+        .map(|(a, steps)| Comparison {
+            dense: result(nd),
+            sparse: result(a.0),
+            kl: a.1 / n as f64,
+            top1_agreement: a.2 as f64 / n as f64,
+            steps,
+            dense_secs,
+            sparse_secs: a.3,
+        })
+        .collect())
+}
+
+fn log_softmax(logits: &[f32]) -> impl Iterator<Item = f64> + '_ {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
     let lse = logits
         .iter()
@@ -97,5 +222,24 @@ pub fn nll(logits: &[f32], target: usize) -> f64 {
         .sum::<f64>()
         .ln()
         + max;
-    lse - logits[target] as f64
+    logits.iter().map(move |&l| l as f64 - lse)
+}
+
+/// KL(p || q) of the softmax distributions of two logit vectors, in nats.
+pub fn kl_div(p: &[f32], q: &[f32]) -> f64 {
+    log_softmax(p)
+        .zip(log_softmax(q))
+        .map(|(lp, lq)| lp.exp() * (lp - lq))
+        .sum::<f64>()
+        .max(0.0)
+}
+
+pub fn argmax(x: &[f32]) -> usize {
+    x.iter()
+        .enumerate()
+        .fold(
+            (0, f32::NEG_INFINITY),
+            |b, (i, &v)| if v > b.1 { (i, v) } else { b },
+        )
+        .0
 }

@@ -102,6 +102,11 @@ pub trait Backend: Send + Sync {
         }
     }
 
+    /// Weighted sum of selected rows: `y[t] = sum over r in rows of a[t][r] * W[r]`, for weights
+    /// stored neuron-major (the sparse path's transposed down projection: row r is neuron r's
+    /// output column). `a`: `n_tokens * w.rows`; `y`: `n_tokens * w.cols`, overwritten.
+    fn axpy_rows(&self, w: &Weight, rows: &IndexSet, a: &[f32], y: &mut [f32]);
+
     /// Dequantize row `r` of `w` into `out` (`w.cols` long): embedding lookup.
     fn dequantize_row(&self, w: &Weight, r: usize, out: &mut [f32]);
 

@@ -6,6 +6,7 @@
 mod backend;
 mod index_set;
 pub mod quant;
+pub mod quantize;
 
 pub use backend::{AttnShape, Backend, BackendError, MatmulJob, RopeStyle, Weight};
 pub use index_set::{IndexSet, IndexSetError};

@@ -2,12 +2,14 @@
 //! f32 references (`dequant`, `vec_dot`, `ops`, `attention`) and the per-ISA integer kernels
 //! (`kernels/`, chosen at run time by `isa`); `matmul` drives them.
 pub mod attention;
+pub mod axpy_matmul;
 pub mod dequant;
 pub mod isa;
 pub mod kernels;
 pub mod matmul;
 pub mod ops;
 pub mod pool;
+pub mod prefetch;
 pub mod vec_dot;
 
 use dejavu_backend_api::{
@@ -74,6 +76,9 @@ impl Backend for CpuBackend {
     }
     fn matmul_shared_input(&self, x: &[f32], jobs: &mut [MatmulJob<'_>]) {
         matmul::matmul_shared(&self.kernels, &self.pool, x, jobs)
+    }
+    fn axpy_rows(&self, w: &Weight, rows: &IndexSet, a: &[f32], y: &mut [f32]) {
+        axpy_matmul::axpy_matmul(&self.kernels, &self.pool, w, rows, a, y)
     }
     fn dequantize_row(&self, w: &Weight, r: usize, out: &mut [f32]) {
         dequant::dequantize_row(w.qtype, w.row(r), out)

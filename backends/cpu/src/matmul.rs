@@ -8,6 +8,7 @@
 //!   it in cache-sized tiles, dequantized to f32 and multiplied with the `gemm` crate.
 use crate::kernels::table::{Kernels, RowDot};
 use crate::pool::SpinPool;
+use crate::prefetch;
 use dejavu_backend_api::quant::{BlockQ8A, QK};
 use dejavu_backend_api::{IndexSet, MatmulJob, Weight};
 use std::cell::RefCell;
@@ -74,7 +75,7 @@ fn dot_path(
     }
     let needs_q8a = jobs
         .iter()
-        .any(|j| matches!(k.dot(j.w.qtype), RowDot::Q8A(_)));
+        .any(|j| matches!(k.dot(j.w.qtype, false), RowDot::Q8A(_)));
     ACT.with_borrow_mut(|act| {
         act.resize(
             if needs_q8a { cols / QK } else { 0 },
@@ -91,7 +92,7 @@ fn dot_path(
             }
             let parts: [Option<Part>; MAX_JOBS] = std::array::from_fn(|i| {
                 jobs.get_mut(i).map(|j| Part {
-                    dot: k.dot(j.w.qtype),
+                    dot: k.dot(j.w.qtype, !j.rows.is_full()),
                     w: j.w,
                     rows: j.rows,
                     y: SyncPtr::new(j.y[t * j.w.rows..].as_mut_ptr()),
@@ -125,11 +126,24 @@ fn rows_dot(pool: &SpinPool, parts: &[Option<Part>], xt: &[f32], act: &[BlockQ8A
             let n = p.rows.len();
             let (a, b) = (lo.max(base) - base, hi.min(base + n).saturating_sub(base));
             base += n;
+            // Row length computed once: short rows (the output preview's) make the per-row
+            // work count.
+            let rb = p.w.qtype.row_bytes(p.w.cols);
+            let row = |r: usize| &p.w.data[r * rb..(r + 1) * rb];
+            // Sparse sets prefetch the rows they select (their kernels do not prefetch).
+            let ahead = if p.rows.is_full() {
+                usize::MAX
+            } else {
+                prefetch::rows_ahead(rb)
+            };
             for i in a..b {
+                if i.saturating_add(ahead) < b {
+                    prefetch::prefetch(row(p.rows.get(i + ahead)));
+                }
                 let r = p.rows.get(i);
                 let v = match p.dot {
-                    RowDot::F32(dot) => dot(p.w.row(r), xt),
-                    RowDot::Q8A(dot) => dot(p.w.row(r), act),
+                    RowDot::F32(dot) => dot(row(r), xt),
+                    RowDot::Q8A(dot) => dot(row(r), act),
                 };
                 // SAFETY: IndexSet entries are unique and < w.rows, the length of this token's
                 // output, and the thread ranges are disjoint, so each element has one writer; the

@@ -6,13 +6,19 @@
 use crate::isa::Isa;
 use dejavu_backend_api::quant::{q4k_scale_min, BlockQ4K, BlockQ8A, QK};
 
-pub fn select(isa: Isa) -> super::table::DotQ8AFn {
-    match isa {
+/// The tier's kernel; `prefetch`: it prefetches the weight bytes ahead of the row it reads
+/// (dense products; sparse row loops prefetch the selected rows themselves).
+pub fn select(isa: Isa, prefetch: bool) -> super::table::DotQ8AFn {
+    match (isa, prefetch) {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => avx512,
+        (Isa::Avx512, true) => avx512::<true>,
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => avx2,
-        Isa::Portable => portable,
+        (Isa::Avx512, false) => avx512::<false>,
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx2, true) => avx2::<true>,
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx2, false) => avx2::<false>,
+        (Isa::Portable, _) => portable,
         _ => scalar,
     }
 }
@@ -57,27 +63,27 @@ pub fn portable(row: &[u8], act: &[BlockQ8A]) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
-fn avx2(row: &[u8], act: &[BlockQ8A]) -> f32 {
+fn avx2<const PF: bool>(row: &[u8], act: &[BlockQ8A]) -> f32 {
     // SAFETY: handed out by `select` only for tiers whose features this CPU has.
-    unsafe { avx2_impl(blocks(row), act) }
+    unsafe { avx2_impl::<PF>(blocks(row), act) }
 }
 
 #[cfg(target_arch = "x86_64")]
-fn avx512(row: &[u8], act: &[BlockQ8A]) -> f32 {
+fn avx512<const PF: bool>(row: &[u8], act: &[BlockQ8A]) -> f32 {
     // SAFETY: handed out by `select` only for tiers whose features this CPU has.
-    unsafe { avx512_impl(blocks(row), act) }
+    unsafe { avx512_impl::<PF>(blocks(row), act) }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn avx2_impl(w: &[BlockQ4K], act: &[BlockQ8A]) -> f32 {
-    x86_body::<false>(w, act)
+unsafe fn avx2_impl<const PF: bool>(w: &[BlockQ4K], act: &[BlockQ8A]) -> f32 {
+    x86_body::<false, PF>(w, act)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn avx512_impl(w: &[BlockQ4K], act: &[BlockQ8A]) -> f32 {
-    x86_body::<true>(w, act)
+unsafe fn avx512_impl<const PF: bool>(w: &[BlockQ4K], act: &[BlockQ8A]) -> f32 {
+    x86_body::<true, PF>(w, act)
 }
 
 /// The 8 scales and 8 mins of a super-block, unpacked from 12 bytes, as the bytes of two u64
@@ -102,14 +108,16 @@ fn scales_mins(s: &[u8; 12]) -> (u64, u64) {
 /// `d * sc_j * d_a(j)` and one of min terms `dmin * m_j * s_a(j)`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn x86_body<const VNNI: bool>(w: &[BlockQ4K], act: &[BlockQ8A]) -> f32 {
+unsafe fn x86_body<const VNNI: bool, const PF: bool>(w: &[BlockQ4K], act: &[BlockQ8A]) -> f32 {
     use super::x86::*;
     use std::arch::x86_64::*;
     let (mut acc, mut acc_min) = (_mm256_setzero_ps(), _mm256_setzero_ps());
     let mask = _mm256_set1_epi8(0x0F);
     let bytes_f32 = |v: u64| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64)));
     for (b, a8) in w.iter().zip(act.chunks_exact(8)) {
-        prefetch_block_ahead(b);
+        if PF {
+            prefetch_block_ahead(b);
+        }
         let mut p = [_mm256_setzero_si256(); 8];
         for g in 0..4 {
             let raw = _mm256_loadu_si256(b.qs.as_ptr().add(32 * g) as *const __m256i);

@@ -8,13 +8,19 @@
 use crate::isa::Isa;
 use dejavu_backend_api::quant::{BlockQ6K, BlockQ8A, QK};
 
-pub fn select(isa: Isa) -> super::table::DotQ8AFn {
-    match isa {
+/// The tier's kernel; `prefetch`: it prefetches the weight bytes ahead of the row it reads
+/// (dense products; sparse row loops prefetch the selected rows themselves).
+pub fn select(isa: Isa, prefetch: bool) -> super::table::DotQ8AFn {
+    match (isa, prefetch) {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => avx512,
+        (Isa::Avx512, true) => avx512::<true>,
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => avx2,
-        Isa::Portable => portable,
+        (Isa::Avx512, false) => avx512::<false>,
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx2, true) => avx2::<true>,
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx2, false) => avx2::<false>,
+        (Isa::Portable, _) => portable,
         _ => scalar,
     }
 }
@@ -65,27 +71,27 @@ pub fn portable(row: &[u8], act: &[BlockQ8A]) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
-fn avx2(row: &[u8], act: &[BlockQ8A]) -> f32 {
+fn avx2<const PF: bool>(row: &[u8], act: &[BlockQ8A]) -> f32 {
     // SAFETY: handed out by `select` only for tiers whose features this CPU has.
-    unsafe { avx2_impl(blocks(row), act) }
+    unsafe { avx2_impl::<PF>(blocks(row), act) }
 }
 
 #[cfg(target_arch = "x86_64")]
-fn avx512(row: &[u8], act: &[BlockQ8A]) -> f32 {
+fn avx512<const PF: bool>(row: &[u8], act: &[BlockQ8A]) -> f32 {
     // SAFETY: handed out by `select` only for tiers whose features this CPU has.
-    unsafe { avx512_impl(blocks(row), act) }
+    unsafe { avx512_impl::<PF>(blocks(row), act) }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn avx2_impl(w: &[BlockQ6K], act: &[BlockQ8A]) -> f32 {
-    x86_body::<false>(w, act)
+unsafe fn avx2_impl<const PF: bool>(w: &[BlockQ6K], act: &[BlockQ8A]) -> f32 {
+    x86_body::<false, PF>(w, act)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn avx512_impl(w: &[BlockQ6K], act: &[BlockQ8A]) -> f32 {
-    x86_body::<true>(w, act)
+unsafe fn avx512_impl<const PF: bool>(w: &[BlockQ6K], act: &[BlockQ8A]) -> f32 {
+    x86_body::<true, PF>(w, act)
 }
 
 /// The x86 kernel, compiled into each tier's feature set. Per super-block: the 8 activation
@@ -93,7 +99,7 @@ unsafe fn avx512_impl(w: &[BlockQ6K], act: &[BlockQ8A]) -> f32 {
 /// then one multiply by `d * d_a(k)`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn x86_body<const VNNI: bool>(w: &[BlockQ6K], act: &[BlockQ8A]) -> f32 {
+unsafe fn x86_body<const VNNI: bool, const PF: bool>(w: &[BlockQ6K], act: &[BlockQ8A]) -> f32 {
     use super::x86::*;
     use std::arch::x86_64::*;
     let mut acc = _mm256_setzero_ps();
@@ -106,7 +112,9 @@ unsafe fn x86_body<const VNNI: bool>(w: &[BlockQ6K], act: &[BlockQ8A]) -> f32 {
         2, 3,
     );
     for (b, a8) in w.iter().zip(act.chunks_exact(8)) {
-        prefetch_block_ahead(b);
+        if PF {
+            prefetch_block_ahead(b);
+        }
         // All 16 scales as i16; pair k (scales 2k, 2k+1) is i32 lane k.
         let scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(b.scales.as_ptr() as *const __m128i));
         let mut p = [_mm256_setzero_si256(); 8];

@@ -4,13 +4,19 @@
 use crate::isa::Isa;
 use dejavu_backend_api::quant::{BlockQ8A, BlockQ8_0, QK};
 
-pub fn select(isa: Isa) -> super::table::DotQ8AFn {
-    match isa {
+/// The tier's kernel; `prefetch`: it prefetches the weight bytes ahead of the row it reads
+/// (dense products; sparse row loops prefetch the selected rows themselves).
+pub fn select(isa: Isa, prefetch: bool) -> super::table::DotQ8AFn {
+    match (isa, prefetch) {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => avx512,
+        (Isa::Avx512, true) => avx512::<true>,
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => avx2,
-        Isa::Portable => portable,
+        (Isa::Avx512, false) => avx512::<false>,
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx2, true) => avx2::<true>,
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx2, false) => avx2::<false>,
+        (Isa::Portable, _) => portable,
         _ => scalar,
     }
 }
@@ -53,27 +59,27 @@ pub fn portable(row: &[u8], act: &[BlockQ8A]) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
-fn avx2(row: &[u8], act: &[BlockQ8A]) -> f32 {
+fn avx2<const PF: bool>(row: &[u8], act: &[BlockQ8A]) -> f32 {
     // SAFETY: handed out by `select` only for tiers whose features this CPU has.
-    unsafe { avx2_impl(blocks(row), act) }
+    unsafe { avx2_impl::<PF>(blocks(row), act) }
 }
 
 #[cfg(target_arch = "x86_64")]
-fn avx512(row: &[u8], act: &[BlockQ8A]) -> f32 {
+fn avx512<const PF: bool>(row: &[u8], act: &[BlockQ8A]) -> f32 {
     // SAFETY: handed out by `select` only for tiers whose features this CPU has.
-    unsafe { avx512_impl(blocks(row), act) }
+    unsafe { avx512_impl::<PF>(blocks(row), act) }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn avx2_impl(w: &[BlockQ8_0], act: &[BlockQ8A]) -> f32 {
-    super::x86::pair_loop::<BlockQ8_0, false>(w, act)
+unsafe fn avx2_impl<const PF: bool>(w: &[BlockQ8_0], act: &[BlockQ8A]) -> f32 {
+    super::x86::pair_loop::<BlockQ8_0, false, PF>(w, act)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn avx512_impl(w: &[BlockQ8_0], act: &[BlockQ8A]) -> f32 {
-    super::x86::pair_loop::<BlockQ8_0, true>(w, act)
+unsafe fn avx512_impl<const PF: bool>(w: &[BlockQ8_0], act: &[BlockQ8A]) -> f32 {
+    super::x86::pair_loop::<BlockQ8_0, true, PF>(w, act)
 }
 
 /// For `x86::pair_loop`: signed quants, value `d_w d_a (qw . qa)` (no offset term).

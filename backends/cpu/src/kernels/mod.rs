@@ -2,6 +2,7 @@
 //! test comparing every tier this CPU supports with the reference. [`table`] picks one function
 //! per (operation, weight type) for the selected [`crate::isa::Isa`].
 pub mod axpy;
+pub mod axpy_q;
 pub mod dequantize;
 pub mod dot_float;
 pub mod dot_q4_0;

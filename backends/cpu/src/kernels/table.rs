@@ -1,6 +1,6 @@
 //! The kernel table: one function per (operation, weight type) for one ISA tier, built once.
 use super::{
-    axpy, dequantize, dot_float, dot_q4_0, dot_q4_1, dot_q4k, dot_q5_0, dot_q6k, dot_q8_0,
+    axpy, axpy_q, dequantize, dot_float, dot_q4_0, dot_q4_1, dot_q4k, dot_q5_0, dot_q6k, dot_q8_0,
     dot_rows, quantize_act,
 };
 use crate::isa::{self, Isa, IsaError};
@@ -28,7 +28,12 @@ pub struct Kernels {
     /// f32 vector against rows (attention's scores) and weighted sum of rows (its value sum).
     pub dot_rows: dot_rows::DotRowsFn,
     pub axpy_rows: axpy::AxpyRowsFn,
+    /// Weighted sum of a few quantized rows (the sparse down projection).
+    pub axpy_q: axpy_q::AxpyQFn,
+    /// Row dots per weight type: `dots` prefetch ahead of the row they read (dense products),
+    /// `sparse_dots` do not (the sparse row loop prefetches the rows it selected).
     dots: [RowDot; QuantType::ALL.len()],
+    sparse_dots: [RowDot; QuantType::ALL.len()],
 }
 
 impl Kernels {
@@ -37,24 +42,28 @@ impl Kernels {
         if !isa.is_supported() {
             return None;
         }
-        let dots = QuantType::ALL.map(|q| match q {
-            QuantType::F32 => RowDot::F32(dot_float::select_f32(isa)),
-            QuantType::F16 => RowDot::F32(dot_float::select_f16(isa)),
-            QuantType::BF16 => RowDot::F32(dot_float::select_bf16(isa)),
-            QuantType::Q8_0 => RowDot::Q8A(dot_q8_0::select(isa)),
-            QuantType::Q4_0 => RowDot::Q8A(dot_q4_0::select(isa)),
-            QuantType::Q4_1 => RowDot::Q8A(dot_q4_1::select(isa)),
-            QuantType::Q5_0 => RowDot::Q8A(dot_q5_0::select(isa)),
-            QuantType::Q4K => RowDot::Q8A(dot_q4k::select(isa)),
-            QuantType::Q6K => RowDot::Q8A(dot_q6k::select(isa)),
-        });
+        let dots_with = |pf: bool| {
+            QuantType::ALL.map(|q| match q {
+                QuantType::F32 => RowDot::F32(dot_float::select_f32(isa)),
+                QuantType::F16 => RowDot::F32(dot_float::select_f16(isa)),
+                QuantType::BF16 => RowDot::F32(dot_float::select_bf16(isa)),
+                QuantType::Q8_0 => RowDot::Q8A(dot_q8_0::select(isa, pf)),
+                QuantType::Q4_0 => RowDot::Q8A(dot_q4_0::select(isa, pf)),
+                QuantType::Q4_1 => RowDot::Q8A(dot_q4_1::select(isa, pf)),
+                QuantType::Q5_0 => RowDot::Q8A(dot_q5_0::select(isa, pf)),
+                QuantType::Q4K => RowDot::Q8A(dot_q4k::select(isa, pf)),
+                QuantType::Q6K => RowDot::Q8A(dot_q6k::select(isa, pf)),
+            })
+        };
         Some(Self {
             isa,
             quantize: quantize_act::select(isa),
             dequantize: dequantize::select(isa),
             dot_rows: dot_rows::select(isa),
             axpy_rows: axpy::select(isa),
-            dots,
+            axpy_q: axpy_q::select(isa),
+            dots: dots_with(true),
+            sparse_dots: dots_with(false),
         })
     }
 
@@ -81,13 +90,21 @@ impl Kernels {
             dequantize: crate::dequant::dequantize_row,
             dot_rows: dot_rows::scalar,
             axpy_rows: axpy::scalar,
+            axpy_q: axpy_q::scalar,
             dots,
+            sparse_dots: dots,
         }
     }
 
-    pub fn dot(&self, q: QuantType) -> RowDot {
+    /// The row dot for weights of type `q`, for a dense product (`sparse == false`: it
+    /// prefetches ahead) or a subset of rows (the caller prefetches).
+    pub fn dot(&self, q: QuantType, sparse: bool) -> RowDot {
         let i = QuantType::ALL.iter().position(|&t| t == q).unwrap_or(0);
-        self.dots[i]
+        if sparse {
+            self.sparse_dots[i]
+        } else {
+            self.dots[i]
+        }
     }
 }
 

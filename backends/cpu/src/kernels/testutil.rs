@@ -79,12 +79,15 @@ pub fn check_dot_tiers(qtype: QuantType) {
         QK => [1, 7, 31, 33, 257].map(|nb| nb * QK).to_vec(),
         _ => [1, 7, 31, 33].map(|nb| nb * bl).to_vec(),
     };
-    for isa in Isa::supported() {
+    for (isa, sparse) in Isa::supported()
+        .into_iter()
+        .flat_map(|i| [(i, false), (i, true)])
+    {
         let k = Kernels::for_isa(isa).unwrap();
         for &n in &lens {
             let row = random_row(qtype, n, n as u64);
             let x = random_f32(n, 7 + n as u64);
-            let (want, got, mag) = match (reference.dot(qtype), k.dot(qtype)) {
+            let (want, got, mag) = match (reference.dot(qtype, false), k.dot(qtype, sparse)) {
                 (RowDot::Q8A(r), RowDot::Q8A(f)) => {
                     let mut act = vec![
                         BlockQ8A {
@@ -109,7 +112,7 @@ pub fn check_dot_tiers(qtype: QuantType) {
             };
             assert!(
                 (got - want).abs() <= 1e-5 * mag + 1e-6,
-                "{isa} {qtype:?} n={n}: {got} vs scalar {want}"
+                "{isa} (sparse variant: {sparse}) {qtype:?} n={n}: {got} vs scalar {want}"
             );
         }
     }
@@ -119,7 +122,7 @@ pub fn check_dot_tiers(qtype: QuantType) {
 /// error is at most d/2 = max|x|/254 per element, so |error| <= sum_i |w_i| * max|x_block| / 254.
 pub fn check_q8a_against_f32(qtype: QuantType) {
     let k = Kernels::for_isa(Isa::Scalar).unwrap();
-    let RowDot::Q8A(f) = k.dot(qtype) else {
+    let RowDot::Q8A(f) = k.dot(qtype, false) else {
         panic!("{qtype:?} is not a Q8A type")
     };
     for nb in [1usize, 8, 32] {

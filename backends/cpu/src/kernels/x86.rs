@@ -182,10 +182,10 @@ unsafe fn step<B: Step32, const VNNI: bool>(
 
 /// The loop shared by the 32-wide kernels: blocks in pairs onto two accumulator sets (even and
 /// odd blocks, kept in registers, so consecutive blocks do not wait on each other's
-/// multiply-add), with a weight prefetch per pair. Inlined into each tier's `#[target_feature]`
+/// multiply-add), with a weight prefetch per pair if `PF`. Inlined into each tier's `#[target_feature]`
 /// function, so the intrinsics of each block's methods compile for that tier.
 #[inline(always)]
-pub unsafe fn pair_loop<B: Step32, const VNNI: bool>(
+pub unsafe fn pair_loop<B: Step32, const VNNI: bool, const PF: bool>(
     w: &[B],
     act: &[dejavu_backend_api::quant::BlockQ8A],
 ) -> f32 {
@@ -194,7 +194,9 @@ pub unsafe fn pair_loop<B: Step32, const VNNI: bool>(
     let n = w.len().min(act.len());
     let mut i = 0;
     while i + 1 < n {
-        prefetch_ahead(&w[i]);
+        if PF {
+            prefetch_ahead(&w[i]);
+        }
         step::<B, VNNI>(&w[i], &act[i], &mut acc0, &mut off0);
         step::<B, VNNI>(&w[i + 1], &act[i + 1], &mut acc1, &mut off1);
         i += 2;

@@ -1,0 +1,156 @@
+//! `y[t] = sum over r in rows of a[t][r] * W[r]` for a neuron-major weight (see
+//! `Backend::axpy_rows`): the sparse MLP's down projection reads only the rows of the neurons it
+//! kept, each a contiguous run of bytes.
+//!
+//! Each pool thread takes one contiguous range of the selected rows, prefetches the rows it will
+//! read next and adds them, a few at a time, into its own partial sum with the tier's `axpy_q`
+//! (dequantization fused into the multiply-add); the caller adds the partials. [`reference`] is the scalar definition the test compares against.
+use crate::dequant::dequantize_row;
+use crate::kernels::table::Kernels;
+use crate::matmul::SyncPtr;
+use crate::pool::SpinPool;
+use crate::prefetch;
+use dejavu_backend_api::{IndexSet, Weight};
+use std::cell::RefCell;
+
+/// Rows summed per kernel call.
+const CHUNK: usize = crate::kernels::axpy_q::MAX_ROWS;
+/// Fewer selected rows than this per thread are not worth a second thread.
+const MIN_ROWS_PER_THREAD: usize = 32;
+
+thread_local! {
+    /// Per-thread partial sums of the calling thread's dispatch.
+    static PARTS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The definition, in scalar f32: dequantize each selected row and accumulate in order.
+pub fn reference(w: &Weight, rows: &IndexSet, a: &[f32], y: &mut [f32]) {
+    let mut row = vec![0f32; w.cols];
+    for (at, yt) in a.chunks_exact(w.rows).zip(y.chunks_exact_mut(w.cols)) {
+        yt.fill(0.0);
+        for r in rows.iter() {
+            dequantize_row(w.qtype, w.row(r), &mut row);
+            yt.iter_mut().zip(&row).for_each(|(y, x)| *y += at[r] * x);
+        }
+    }
+}
+
+pub fn axpy_matmul(
+    k: &Kernels,
+    pool: &SpinPool,
+    w: &Weight,
+    rows: &IndexSet,
+    a: &[f32],
+    y: &mut [f32],
+) {
+    let cols = w.cols;
+    debug_assert_eq!(rows.universe(), w.rows);
+    debug_assert_eq!(a.len() / w.rows, y.len() / cols);
+    let threads = pool
+        .threads()
+        .min(rows.len().div_ceil(MIN_ROWS_PER_THREAD))
+        .max(1);
+    let per = rows.len().div_ceil(threads);
+    PARTS.with_borrow_mut(|parts| {
+        parts.resize(threads * cols, 0.0);
+        for (at, yt) in a.chunks_exact(w.rows).zip(y.chunks_exact_mut(cols)) {
+            let pp = SyncPtr::new(parts.as_mut_ptr());
+            pool.run(threads, &|task| {
+                // SAFETY: task `task` alone writes partial `task` (cols floats inside `parts`,
+                // which holds threads * cols and outlives `pool.run`).
+                let part =
+                    unsafe { std::slice::from_raw_parts_mut(pp.get().add(task * cols), cols) };
+                part.fill(0.0);
+                let (lo, hi) = (task * per, ((task + 1) * per).min(rows.len()));
+                let ahead = prefetch::rows_ahead(w.qtype.row_bytes(cols));
+                for i in lo..(lo + ahead).min(hi) {
+                    prefetch::prefetch(w.row(rows.get(i)));
+                }
+                let mut coef = [0f32; CHUNK];
+                let mut refs: [&[u8]; CHUNK] = [&[]; CHUNK];
+                for start in (lo..hi).step_by(CHUNK) {
+                    let m = CHUNK.min(hi - start);
+                    for i in (start + ahead).min(hi)..(start + ahead + m).min(hi) {
+                        prefetch::prefetch(w.row(rows.get(i)));
+                    }
+                    for i in 0..m {
+                        let r = rows.get(start + i);
+                        coef[i] = at[r];
+                        refs[i] = w.row(r);
+                    }
+                    (k.axpy_q)(w.qtype, &refs[..m], &coef[..m], part);
+                }
+            });
+            let (first, rest) = parts.split_at(cols);
+            yt.copy_from_slice(first);
+            for p in rest.chunks_exact(cols) {
+                yt.iter_mut().zip(p).for_each(|(y, v)| *y += v);
+            }
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::isa::Isa;
+    use crate::kernels::testutil::{random_f32, random_row};
+    use dejavu_backend_api::QuantType;
+
+    /// Every tier and thread count within 1e-5 (relative to the sum of |terms|) of the reference,
+    /// plus the integer kernels' rounding bound (`axpy_q::rounding_bound`), for every weight type,
+    /// ragged row counts and subsets (empty, one row, random, full).
+    #[test]
+    fn tiers_match_reference() {
+        for isa in Isa::supported() {
+            let k = Kernels::for_isa(isa).unwrap();
+            for threads in [1, 2, 3] {
+                let pool = SpinPool::new(threads);
+                for q in QuantType::ALL {
+                    let cols = if q.block_len() == 256 { 512 } else { 96 };
+                    let n = 203;
+                    let data: Vec<u8> = (0..n)
+                        .flat_map(|r| random_row(q, cols, r as u64 * 31 + 7))
+                        .collect();
+                    let w = Weight::new(q, n, cols, &data).unwrap();
+                    let a = random_f32(2 * n, 5);
+                    let subsets = [
+                        IndexSet::new(n, vec![]).unwrap(),
+                        IndexSet::new(n, vec![17]).unwrap(),
+                        IndexSet::new(n, (0..n as u32).filter(|i| i % 3 != 1).collect()).unwrap(),
+                        IndexSet::full(n),
+                    ];
+                    for rows in &subsets {
+                        let mut want = vec![0f32; 2 * cols];
+                        let mut got = vec![1f32; 2 * cols];
+                        reference(&w, rows, &a, &mut want);
+                        axpy_matmul(&k, &pool, &w, rows, &a, &mut got);
+                        let mut row = vec![0f32; cols];
+                        let mut mag = vec![0f32; 2 * cols];
+                        for r in rows.iter() {
+                            dequantize_row(q, w.row(r), &mut row);
+                            for t in 0..2 {
+                                for c in 0..cols {
+                                    mag[t * cols + c] += (a[t * n + r] * row[c]).abs();
+                                }
+                            }
+                        }
+                        let sel: Vec<&[u8]> = rows.iter().map(|r| w.row(r)).collect();
+                        for i in 0..2 * cols {
+                            let at: Vec<f32> = rows.iter().map(|r| a[(i / cols) * n + r]).collect();
+                            let step =
+                                crate::kernels::axpy_q::rounding_bound(isa, q, &sel, &at, i % cols);
+                            assert!(
+                                (got[i] - want[i]).abs() <= 1e-5 * mag[i] + 1e-6 + step,
+                                "{isa} {q:?} threads {threads} rows {} i {i}: {} vs {}",
+                                rows.len(),
+                                got[i],
+                                want[i]
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,503 @@
+//! `dejavu calibrate`: fit the predictors on text with the engine itself (no PyTorch), then search
+//! for the recommended setting.
+//!
+//! 1. The calibration tokens are split: the last `validation_tokens` are held out.
+//! 2. Statistics: the second moment Sigma of the final normed hidden states (the output head's
+//!    input) over the training part, from dense batched forward passes.
+//! 3. The output preview (see [`crate::predictors`]): with Sigma = L L (L its symmetric square
+//!    root, small eigenvalues floored), the top `rank` eigenvectors V of `L E^T E L` (the right
+//!    singular vectors of E L) give `proj = V^T L^-1` and `table = E L V`.
+//! 4. The search: candidate policies (output head alone, then MLP rules with the chosen head) are
+//!    scored on the held-out tokens against dense decoding, token by token with dense and sparse
+//!    steps interleaved (so both see the same machine conditions); the recommended setting is
+//!    the fastest (measured decode speedup) whose perplexity stays within `max_ppl_increase` of
+//!    dense.
+use crate::engine::Engine;
+use crate::executor::Logits;
+use crate::mlp_predictor::{MlpPredictor, TrainOptions};
+use crate::perplexity::{compare_many, Comparison};
+use crate::policy::Policy;
+use crate::predictors::{OutputPreview, Predictors};
+use crate::sparsity::SparsePlan;
+use crate::{Error, Result};
+use nalgebra::{DMatrix, SymmetricEigen};
+use std::collections::HashMap;
+
+#[derive(Debug, Clone)]
+pub struct CalibrateOptions {
+    /// Tokens per forward pass when collecting statistics, and per validation chunk.
+    pub ctx: usize,
+    /// Rank of the stored output preview (a multiple of 32; smaller ranks are its prefixes).
+    pub rank: usize,
+    /// Held-out tokens for the search (whole chunks of `ctx`).
+    pub validation_tokens: usize,
+    /// Largest perplexity increase over dense the recommended setting may cost (0.05 = 5%).
+    pub max_ppl_increase: f64,
+    /// Skip the search (predictors only).
+    pub no_search: bool,
+    /// Tokens of MLP inputs to train the Deja Vu MLP predictors on (0: none).
+    pub mlp_tokens: usize,
+    /// Their settings.
+    pub mlp: TrainOptions,
+}
+
+impl Default for CalibrateOptions {
+    fn default() -> Self {
+        Self {
+            ctx: 512,
+            rank: 128,
+            validation_tokens: 2048,
+            max_ppl_increase: 0.05,
+            no_search: false,
+            mlp_tokens: 3072,
+            mlp: TrainOptions::default(),
+        }
+    }
+}
+
+/// One evaluated candidate of the search.
+#[derive(Debug, Clone)]
+pub struct Candidate {
+    pub spec: String,
+    pub result: Comparison,
+}
+
+impl Candidate {
+    pub fn ppl_ratio(&self) -> f64 {
+        self.result.sparse.ppl / self.result.dense.ppl
+    }
+}
+
+/// Calibrate on `tokens`; `log` receives one line per step.
+pub fn calibrate(
+    engine: &Engine,
+    tokens: &[u32],
+    sources: &str,
+    opts: &CalibrateOptions,
+    mut log: impl FnMut(&str),
+) -> Result<(Predictors, Vec<Candidate>)> {
+    let c = &engine.model.config;
+    let ctx = opts.ctx.min(engine.n_ctx);
+    let n_val = if opts.no_search {
+        0
+    } else {
+        (opts.validation_tokens / ctx).max(1) * ctx
+    };
+    if tokens.len() < n_val + ctx {
+        return Err(Error::Invalid(format!(
+            "calibration text has {} tokens; need at least {} ({} held out + one chunk of {ctx})",
+            tokens.len(),
+            n_val + ctx,
+            n_val
+        )));
+    }
+    let (train, val) = tokens.split_at(tokens.len() - n_val);
+    log(&format!(
+        "{} tokens: {} for statistics, {} held out for the search",
+        tokens.len(),
+        train.len(),
+        val.len()
+    ));
+    let sigma = hidden_moment(engine, train, ctx)?;
+    let rank = opts.rank.min(c.d_model / 32 * 32);
+    let preview = output_preview(engine, &sigma, rank)?;
+    log(&format!(
+        "output preview: rank {rank}, {:.1} MB ({:.1}% of the output head)",
+        preview.bytes() as f64 / 1e6,
+        preview.bytes() as f64 / engine.model.output.n_bytes() as f64 * 100.0
+    ));
+    let mut metadata = HashMap::from([
+        ("calibration_tokens".to_string(), train.len().to_string()),
+        ("validation_tokens".to_string(), val.len().to_string()),
+        ("sources".to_string(), sources.to_string()),
+    ]);
+    let mut mlp = Vec::new();
+    if opts.mlp_tokens > 0 {
+        let (preds, recall) = train_mlp(
+            engine,
+            &train[..opts.mlp_tokens.min(train.len())],
+            ctx,
+            &opts.mlp,
+        )?;
+        let mean = recall.iter().sum::<f64>() / recall.len().max(1) as f64;
+        log(&format!(
+            "MLP predictors: rank {}, {:.1} MB; held-out recall of the top {:.0}%: mean {mean:.3}, per layer {}",
+            opts.mlp.rank,
+            preds.iter().map(|p| p.bytes()).sum::<usize>() as f64 / 1e6,
+            opts.mlp.label_keep * 100.0,
+            recall.iter().map(|r| format!("{r:.2}")).collect::<Vec<_>>().join(" ")
+        ));
+        metadata.insert(
+            "mlp_recall".into(),
+            recall
+                .iter()
+                .map(|r| format!("{r:.4}"))
+                .collect::<Vec<_>>()
+                .join(","),
+        );
+        mlp = preds;
+    }
+    let mut preds = Predictors {
+        path: None,
+        metadata: metadata.clone(),
+        output: Some(preview),
+        mlp,
+    };
+    let mut tried = Vec::new();
+    if !opts.no_search {
+        let rec = search(engine, &preds, val, ctx, opts, &mut tried, &mut log)?;
+        metadata.insert("recommended".into(), rec);
+        metadata.insert(
+            "max_ppl_increase".into(),
+            format!("{}", opts.max_ppl_increase),
+        );
+        preds.metadata = metadata;
+    }
+    Ok((preds, tried))
+}
+
+/// Train one [`MlpPredictor`] per layer on the MLP inputs of `tokens` (dense forward passes in
+/// chunks of `ctx`); returns them with their held-out recalls.
+pub fn train_mlp(
+    engine: &Engine,
+    tokens: &[u32],
+    ctx: usize,
+    o: &TrainOptions,
+) -> Result<(Vec<MlpPredictor>, Vec<f64>)> {
+    let m = &engine.model;
+    let c = &m.config;
+    let (d, ff) = (c.d_model, c.n_ff);
+    let exec = engine.executor();
+    let plan = SparsePlan::dense(c);
+    let mut cache = engine.new_cache();
+    cache.capture = Some(Vec::new());
+    for chunk in tokens.chunks(ctx).filter(|ch| ch.len() >= 2) {
+        cache.clear();
+        let n = chunk.len();
+        exec.forward(chunk, &mut cache, &plan, Logits::Hidden(n - 1, n))?;
+    }
+    let captured = cache.capture.take().unwrap_or_default();
+    let b = engine.backend();
+    let full = dejavu_backend_api::IndexSet::full(ff);
+    let bar = crate::progress::bar(c.n_layers as u64, "MLP predictors");
+    let mut out = Vec::new();
+    let mut recall = Vec::new();
+    for (l, x) in captured.iter().enumerate() {
+        let n = x.len() / d;
+        let (mut g, mut u) = (vec![0f32; n * ff], vec![0f32; n * ff]);
+        b.matmul(&m.weight(&m.layers[l].w_gate), &full, x, &mut g);
+        b.matmul(&m.weight(&m.layers[l].w_up), &full, x, &mut u);
+        let act: Vec<f32> = g
+            .iter()
+            .zip(&u)
+            .map(|(&g, &u)| (g / (1.0 + (-g).exp()) * u).abs())
+            .collect();
+        let (p, r) = MlpPredictor::train(x, &act, d, ff, o)?;
+        out.push(p);
+        recall.push(r);
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    Ok((out, recall))
+}
+
+/// Sigma = mean over tokens of h h^T, h the final normed hidden state (f64, d x d).
+fn hidden_moment(engine: &Engine, tokens: &[u32], ctx: usize) -> Result<DMatrix<f64>> {
+    let d = engine.model.config.d_model;
+    let exec = engine.executor();
+    let plan = SparsePlan::dense(&engine.model.config);
+    let mut cache = engine.new_cache();
+    let mut sigma = DMatrix::<f64>::zeros(d, d);
+    let chunks: Vec<&[u32]> = tokens.chunks(ctx).filter(|c| c.len() >= 2).collect();
+    let bar = crate::progress::bar(chunks.len() as u64, "hidden-state statistics");
+    let mut n = 0usize;
+    for chunk in &chunks {
+        cache.clear();
+        let h = exec.forward(chunk, &mut cache, &plan, Logits::Hidden(0, chunk.len()))?;
+        let hm = DMatrix::<f32>::from_row_slice(chunk.len(), d, h);
+        let m = hm.transpose() * &hm;
+        sigma += m.map(|v| v as f64);
+        n += chunk.len();
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    Ok(sigma / n.max(1) as f64)
+}
+
+/// The activation-weighted rank-`rank` preview of the output matrix (see the module docs).
+pub fn output_preview(engine: &Engine, sigma: &DMatrix<f64>, rank: usize) -> Result<OutputPreview> {
+    let m = &engine.model;
+    let (d, vocab) = (m.config.d_model, m.config.vocab_size);
+    let e = m.weight(&m.output);
+    let b = engine.backend();
+    const ROWS: usize = 4096;
+    let bar = crate::progress::bar(2 * vocab.div_ceil(ROWS) as u64, "output preview");
+    // Rows r0..r1 of E, dequantized.
+    let rows = |r0: usize, r1: usize| {
+        let mut buf = vec![0f32; (r1 - r0) * d];
+        for (i, out) in buf.chunks_exact_mut(d).enumerate() {
+            b.dequantize_row(&e, r0 + i, out);
+        }
+        DMatrix::<f32>::from_row_slice(r1 - r0, d, &buf)
+    };
+    let mut g = DMatrix::<f64>::zeros(d, d);
+    for r0 in (0..vocab).step_by(ROWS) {
+        let chunk = rows(r0, (r0 + ROWS).min(vocab));
+        g += (chunk.transpose() * &chunk).map(|v| v as f64);
+        bar.inc(1);
+    }
+    let eig = SymmetricEigen::new(sigma.clone());
+    let floor = eig.eigenvalues.max() * 1e-6;
+    let q = &eig.eigenvectors;
+    let sqrt = |p: f64| {
+        let diag = eig.eigenvalues.map(|l| l.max(floor).powf(p));
+        q * DMatrix::from_diagonal(&diag) * q.transpose()
+    };
+    let (l, l_inv) = (sqrt(0.5), sqrt(-0.5));
+    let inner = SymmetricEigen::new(&l * &g * &l);
+    let mut order: Vec<usize> = (0..d).collect();
+    order.sort_by(|&i, &j| inner.eigenvalues[j].total_cmp(&inner.eigenvalues[i]));
+    let v = DMatrix::from_fn(d, rank, |r, k| inner.eigenvectors[(r, order[k])]);
+    let proj = (v.transpose() * &l_inv).map(|x| x as f32);
+    let w = (&l * &v).map(|x| x as f32);
+    let mut table = Vec::with_capacity(vocab * rank);
+    for r0 in (0..vocab).step_by(ROWS) {
+        let t = rows(r0, (r0 + ROWS).min(vocab)) * &w;
+        for i in 0..t.nrows() {
+            table.extend(t.row(i).iter());
+        }
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    // Row-major r x d.
+    let proj_rows: Vec<f32> = (0..rank)
+        .flat_map(|k| proj.row(k).iter().copied().collect::<Vec<_>>())
+        .collect();
+    OutputPreview::new(rank, d, proj_rows, &table)
+}
+
+/// Head candidates, then MLP rules with the chosen head; returns the recommended spec.
+fn search(
+    engine: &Engine,
+    preds: &Predictors,
+    val: &[u32],
+    ctx: usize,
+    opts: &CalibrateOptions,
+    tried: &mut Vec<Candidate>,
+    log: &mut dyn FnMut(&str),
+) -> Result<String> {
+    let c = &engine.model.config;
+    let vocab = c.vocab_size;
+    let rank = preds.output.as_ref().map_or(0, |o| o.rank);
+    let heads: Vec<String> = [
+        (64, 2048),
+        (64, 4096),
+        (64, 8192),
+        (128, 4096),
+        (128, 8192),
+        (128, 16384),
+    ]
+    .iter()
+    .filter(|&&(r, cand)| r <= rank && cand < vocab / 2)
+    .map(|(r, cand)| format!("head:{r}:{cand}"))
+    .collect();
+    let mut mlps: Vec<String> = [
+        "gate-first:0.8",
+        "gate-first:0.7",
+        "gate-first:0.6",
+        "gate-first:0.5",
+        "up-first:0.8",
+        "up-first:0.7",
+    ]
+    .map(String::from)
+    .to_vec();
+    if preds.mlp.len() == c.n_layers {
+        mlps.extend(["dejavu:0.8", "dejavu:0.7"].map(String::from));
+    }
+    let budget = 1.0 + opts.max_ppl_increase;
+    // Evaluate a stage's candidates in one pass (one dense decode per token for all of them).
+    let eval = |specs: &[String],
+                tried: &mut Vec<Candidate>,
+                log: &mut dyn FnMut(&str)|
+     -> Result<Vec<Candidate>> {
+        let pols = specs
+            .iter()
+            .map(|s| engine.policy(s, Some(preds)))
+            .collect::<Result<Vec<Policy>>>()?;
+        let refs: Vec<&Policy> = pols.iter().collect();
+        let bar = crate::progress::bar((val.len() / ctx) as u64, "search");
+        let rs = compare_many(engine, val, ctx, &refs, |i, _, _, _| {
+            bar.set_position(i as u64)
+        })?;
+        bar.finish_and_clear();
+        let mut out = Vec::new();
+        for (spec, r) in specs.iter().zip(rs) {
+            let cand = Candidate {
+                spec: spec.clone(),
+                result: r,
+            };
+            log(&format!(
+                "  {spec:28} ppl {:+6.2}%  kl {:.4}  top-1 {:5.1}%  {:6.2} MB/token  speedup {:.2}x",
+                (cand.ppl_ratio() - 1.0) * 100.0,
+                cand.result.kl,
+                cand.result.top1_agreement * 100.0,
+                cand.result.steps.mean_bytes() / 1e6,
+                cand.result.speedup()
+            ));
+            tried.push(cand.clone());
+            out.push(cand);
+        }
+        Ok(out)
+    };
+    let fits = |x: &Candidate| x.ppl_ratio() <= budget;
+    // Lower is better: measured time per dense time.
+    let cost = |x: &Candidate| 1.0 / x.result.speedup();
+    // Stage 1: the output head alone, within half the budget (the MLP rules need the rest).
+    log("search, stage 1: output head");
+    let head = eval(&heads, tried, log)?
+        .into_iter()
+        .filter(|x| x.ppl_ratio() <= 1.0 + opts.max_ppl_increase / 2.0)
+        .min_by(|a, b| cost(a).total_cmp(&cost(b)));
+    let mut best = head.clone().filter(fits);
+    let head = head.map(|h| h.spec);
+    // Stage 2: MLP rules (with the head, if one fit).
+    log("search, stage 2: MLP neurons");
+    let specs: Vec<String> = mlps
+        .iter()
+        .map(|m| head.as_ref().map_or(m.clone(), |h| format!("{m}+{h}")))
+        .collect();
+    for x in eval(&specs, tried, log)? {
+        if fits(&x) && best.as_ref().map_or(true, |b| cost(&x) < cost(b)) {
+            best = Some(x);
+        }
+    }
+    let rec = best.map_or("dense".to_string(), |b| b.spec);
+    log(&format!("recommended: {rec}"));
+    Ok(rec)
+}
+
+/// Prompts for text sampled from the model itself: varied genres, registers and tasks, so the
+/// statistics cover what users will feed the engine.
+pub const SAMPLE_PROMPTS: [&str; 24] = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how vaccines train the immune system, for a high-school student.",
+    "Write a Python function that parses a CSV file and returns the average of each column.",
+    "Describe the causes and consequences of the fall of the Western Roman Empire.",
+    "Write a polite email asking a landlord to repair a broken heater.",
+    "What are the differences between TCP and UDP? Give examples of when to use each.",
+    "Write a recipe for a vegetarian lasagna with step-by-step instructions.",
+    "Explain the idea of recursion and show an example in JavaScript.",
+    "Write a dialogue between two friends planning a hiking trip in the mountains.",
+    "Summarize the plot of a mystery novel set in a small coastal town.",
+    "How does a car engine work? Explain the four-stroke cycle.",
+    "Write a SQL query that finds the top five customers by total order value, and explain it.",
+    "Give advice to someone preparing for their first job interview.",
+    "Explain photosynthesis and why it matters for life on Earth.",
+    "Write a poem about autumn in a city.",
+    "Solve step by step: a train travels 240 km in 3 hours; how long does it take to travel 400 km at the same speed?",
+    "Write a Rust function that reverses the words in a sentence, with tests.",
+    "Describe the water cycle in simple terms.",
+    "What should a beginner know about personal budgeting and saving money?",
+    "Write a product description for a lightweight waterproof backpack.",
+    "Explain what a hash table is and how collisions are handled.",
+    "Tell the history of the printing press and its effect on Europe.",
+    "Write a bash script that backs up a directory into a dated tar archive.",
+    "Compare the climates of deserts and rainforests.",
+];
+
+/// About `n_tokens` tokens of text generated by the model from [`SAMPLE_PROMPTS`] (temperature
+/// 0.8, at most 256 tokens per answer, the chat template when the model has one).
+pub fn sample_texts(engine: &Engine, n_tokens: usize, seed: u64) -> Result<Vec<String>> {
+    use crate::executor::Plan;
+    use crate::sampling::{Sampler, SamplerConfig};
+    let policy = Policy::dense(&engine.model.config);
+    let bar = crate::progress::bar(n_tokens as u64, "sampling text from the model");
+    let mut out = Vec::new();
+    let mut total = 0;
+    let mut cache = engine.new_cache();
+    for (i, prompt) in SAMPLE_PROMPTS.iter().cycle().enumerate() {
+        if total >= n_tokens {
+            break;
+        }
+        let text = if engine.tokenizer.has_chat_template() {
+            engine
+                .tokenizer
+                .apply_chat_template(&[("user".into(), prompt.to_string())])?
+        } else {
+            prompt.to_string()
+        };
+        let ids = engine.tokenizer.encode(&text)?;
+        let mut sampler = Sampler::new(SamplerConfig {
+            temperature: 0.8,
+            top_k: 40,
+            top_p: 0.95,
+            min_p: 0.05,
+            repeat_penalty: 1.1,
+            repeat_last_n: 64,
+            seed: seed.wrapping_add(i as u64),
+        });
+        cache.clear();
+        let budget = 256.min(n_tokens - total).min(engine.n_ctx - ids.len() - 1);
+        let (reply, _) = crate::generate::generate(
+            engine,
+            &mut cache,
+            &ids,
+            budget,
+            &mut sampler,
+            Plan::Policy(&policy),
+            |_| {},
+        )?;
+        total += reply.len().max(1);
+        bar.set_position(total as u64);
+        out.push(format!("{prompt}\n{}", engine.tokenizer.decode(&reply)?));
+    }
+    bar.finish_and_clear();
+    Ok(out)
+}
+
+const CORPUS_SCRIPT: &str = include_str!("../tools/calibration_text.py");
+
+/// The default corpus (source code, package documentation, library reference text installed on
+/// this machine; see `tools/calibration_text.py`), as documents.
+pub fn default_corpus(max_chars: usize) -> Result<Vec<String>> {
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    let out = std::process::Command::new(&python)
+        .args(["-c", CORPUS_SCRIPT, &max_chars.to_string()])
+        .stdin(std::process::Stdio::null())
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .map_err(|e| {
+            Error::Invalid(format!(
+                "cannot run `{python}` to build the calibration corpus ({e}): pass --data FILE"
+            ))
+        })?;
+    if !out.status.success() {
+        return Err(Error::Invalid(
+            "the calibration corpus script failed (see above): pass --data FILE".into(),
+        ));
+    }
+    Ok(split_documents(&String::from_utf8_lossy(&out.stdout)))
+}
+
+/// Documents of a text: separated by lines holding only ASCII RS (0x1e); a text without them is
+/// one document.
+pub fn split_documents(text: &str) -> Vec<String> {
+    text.split("\n\u{1e}\n")
+        .map(str::trim)
+        .filter(|d| !d.is_empty())
+        .map(String::from)
+        .collect()
+}
+
+/// Tokenize documents in a seeded shuffled order and concatenate them (so the held-out tail mixes
+/// every kind of text).
+pub fn tokens_of(engine: &Engine, mut docs: Vec<String>, seed: u64) -> Result<Vec<u32>> {
+    use rand::seq::SliceRandom;
+    use rand::SeedableRng;
+    docs.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(seed));
+    let mut tokens = Vec::new();
+    for d in &docs {
+        tokens.extend(engine.tokenizer.encode(&format!("{d}\n\n"))?);
+    }
+    Ok(tokens)
+}

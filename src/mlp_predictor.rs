@@ -1,0 +1,198 @@
+//! Deja Vu's MLP predictor: per layer, a low-rank linear map `scores = W2 (W1 h)` (d -> r ->
+//! n_ff) from the MLP's normed input to one score per neuron; the executor keeps the top-k and
+//! computes gate, up and down only for those. Trained here, in Rust, on labels suited to SwiGLU
+//! (no neuron is ever exactly zero): neuron i of a token is positive when `|silu(g_i) * u_i|` is
+//! among the token's top `label_keep` fraction. Loss: binary cross-entropy; optimiser: Adam.
+//! Stored as Q8_0 (`W1`: r rows of d; `W2`: n_ff rows of r), so a prediction reads
+//! `(r d + n_ff r) * 34/32` bytes.
+use crate::{Error, Result};
+use dejavu_backend_api::quant::QK;
+use dejavu_backend_api::{quantize, QuantType, Weight};
+use nalgebra::DMatrix;
+use rand::{Rng, SeedableRng};
+
+#[derive(Clone)]
+pub struct MlpPredictor {
+    pub rank: usize,
+    pub d: usize,
+    pub n_ff: usize,
+    pub(crate) w1: Vec<u8>,
+    pub(crate) w2: Vec<u8>,
+}
+
+/// Training settings.
+#[derive(Debug, Clone)]
+pub struct TrainOptions {
+    pub rank: usize,
+    pub epochs: usize,
+    pub batch: usize,
+    pub lr: f32,
+    /// Fraction of neurons labelled positive per token.
+    pub label_keep: f32,
+    pub seed: u64,
+}
+
+impl Default for TrainOptions {
+    fn default() -> Self {
+        Self {
+            rank: 64,
+            epochs: 8,
+            batch: 256,
+            lr: 3e-3,
+            label_keep: 0.3,
+            seed: 11,
+        }
+    }
+}
+
+impl MlpPredictor {
+    /// From raw Q8_0 bytes (a predictors file); checks the sizes.
+    pub fn from_parts(
+        rank: usize,
+        d: usize,
+        n_ff: usize,
+        w1: Vec<u8>,
+        w2: Vec<u8>,
+    ) -> Result<Self> {
+        let q = QuantType::Q8_0;
+        if rank % QK != 0
+            || d % QK != 0
+            || w1.len() != rank * q.row_bytes(d)
+            || w2.len() != n_ff * q.row_bytes(rank)
+        {
+            return Err(Error::Invalid(format!(
+                "MLP predictor: sizes do not match rank {rank}, d {d}, n_ff {n_ff}"
+            )));
+        }
+        Ok(Self {
+            rank,
+            d,
+            n_ff,
+            w1,
+            w2,
+        })
+    }
+
+    pub fn w1(&self) -> Weight<'_> {
+        Weight {
+            qtype: QuantType::Q8_0,
+            rows: self.rank,
+            cols: self.d,
+            data: &self.w1,
+        }
+    }
+    pub fn w2(&self) -> Weight<'_> {
+        Weight {
+            qtype: QuantType::Q8_0,
+            rows: self.n_ff,
+            cols: self.rank,
+            data: &self.w2,
+        }
+    }
+    pub fn bytes(&self) -> usize {
+        self.w1.len() + self.w2.len()
+    }
+
+    /// Train on `x` (`n x d`, the layer's MLP inputs) against `act` (`n x n_ff`, the true
+    /// `|silu(g) * u|`). Returns the predictor and its recall of the true top `label_keep` at the
+    /// same budget, on the last eighth of the rows (held out from training).
+    pub fn train(
+        x: &[f32],
+        act: &[f32],
+        d: usize,
+        n_ff: usize,
+        o: &TrainOptions,
+    ) -> Result<(Self, f64)> {
+        let n = x.len() / d;
+        if n < 16 || act.len() != n * n_ff || o.rank % QK != 0 || o.rank == 0 {
+            return Err(Error::Invalid(format!(
+                "MLP predictor training: {n} rows, rank {}",
+                o.rank
+            )));
+        }
+        let k = ((o.label_keep * n_ff as f32).round() as usize).clamp(1, n_ff);
+        let labels = top_labels(act, n_ff, k);
+        let n_train = n - n / 8;
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(o.seed);
+        let r = o.rank;
+        let mut w1 =
+            DMatrix::<f32>::from_fn(r, d, |_, _| rng.gen_range(-1.0f32..1.0) / (d as f32).sqrt());
+        let mut w2 = DMatrix::<f32>::from_fn(n_ff, r, |_, _| {
+            rng.gen_range(-1.0f32..1.0) / (r as f32).sqrt()
+        });
+        let (mut m1, mut v1) = (DMatrix::zeros(r, d), DMatrix::zeros(r, d));
+        let (mut m2, mut v2) = (DMatrix::zeros(n_ff, r), DMatrix::zeros(n_ff, r));
+        let (b1, b2, eps) = (0.9f32, 0.999f32, 1e-8f32);
+        // Positives are a fraction of the labels: weight them up to balance the loss.
+        let pos_w = (1.0 - o.label_keep) / o.label_keep;
+        let mut order: Vec<usize> = (0..n_train).collect();
+        let mut t = 0i32;
+        for _ in 0..o.epochs {
+            use rand::seq::SliceRandom;
+            order.shuffle(&mut rng);
+            for batch in order.chunks(o.batch) {
+                let b = batch.len();
+                let xb = DMatrix::from_fn(b, d, |i, j| x[batch[i] * d + j]);
+                let z = &xb * w1.transpose(); // b x r
+                let logits = &z * w2.transpose(); // b x n_ff
+                                                  // dL/dlogit for weighted BCE: w * (sigmoid - y).
+                let g = DMatrix::from_fn(b, n_ff, |i, j| {
+                    let y = labels[batch[i] * n_ff + j];
+                    let p = 1.0 / (1.0 + (-logits[(i, j)]).exp());
+                    let w = if y > 0.5 { pos_w } else { 1.0 };
+                    w * (p - y) / b as f32
+                });
+                let gw2 = g.transpose() * &z; // n_ff x r
+                let gz = &g * &w2; // b x r
+                let gw1 = gz.transpose() * &xb; // r x d
+                t += 1;
+                let (c1, c2) = (1.0 - b1.powi(t), 1.0 - b2.powi(t));
+                for (w, gw, m, v) in [
+                    (&mut w1, &gw1, &mut m1, &mut v1),
+                    (&mut w2, &gw2, &mut m2, &mut v2),
+                ] {
+                    m.zip_apply(gw, |m, g| *m = b1 * *m + (1.0 - b1) * g);
+                    v.zip_apply(gw, |v, g| *v = b2 * *v + (1.0 - b2) * g * g);
+                    let step = m.zip_map(v, |m: f32, v: f32| {
+                        o.lr * (m / c1) / ((v / c2).sqrt() + eps)
+                    });
+                    *w -= step;
+                }
+            }
+        }
+        // Held-out recall at the label budget.
+        let (mut hit, mut total) = (0usize, 0usize);
+        let mut idx = Vec::new();
+        for i in n_train..n {
+            let xi = DMatrix::from_row_slice(1, d, &x[i * d..(i + 1) * d]);
+            let s = (xi * w1.transpose()) * w2.transpose();
+            let pred = crate::sparsity::top_k(s.as_slice(), k, &mut idx);
+            hit += pred.iter().filter(|&j| labels[i * n_ff + j] > 0.5).count();
+            total += k;
+        }
+        let recall = hit as f64 / total.max(1) as f64;
+        let q = |m: &DMatrix<f32>| {
+            let mut out = Vec::new();
+            for row in 0..m.nrows() {
+                let v: Vec<f32> = m.row(row).iter().copied().collect();
+                quantize::quantize_row(QuantType::Q8_0, &v, &mut out)
+                    .expect("rows of whole blocks");
+            }
+            out
+        };
+        let p = Self::from_parts(r, d, n_ff, q(&w1), q(&w2))?;
+        Ok((p, recall))
+    }
+}
+
+/// 1.0 for each row's `k` largest entries of `act`, else 0.0.
+fn top_labels(act: &[f32], n_ff: usize, k: usize) -> Vec<f32> {
+    let mut out = vec![0f32; act.len()];
+    let mut idx = Vec::new();
+    for (a, o) in act.chunks_exact(n_ff).zip(out.chunks_exact_mut(n_ff)) {
+        for j in crate::sparsity::top_k(a, k, &mut idx).iter() {
+            o[j] = 1.0;
+        }
+    }
+    out
+}

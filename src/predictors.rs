@@ -1,0 +1,337 @@
+//! Trained predictors and the file that holds them.
+//!
+//! [`OutputPreview`]: the contextual output head. A rank-r preview of the output matrix E
+//! (vocab x d) picks the candidate tokens whose logits are then computed exactly. The preview is
+//! the activation-weighted low-rank approximation: with Sigma = L L^T the second moment of the
+//! final hidden states h on calibration text, it minimises E||(E - E_r) h||^2, i.e.
+//! `E_r = [E L]_r L^-1`, stored as `table = E L V_r` (vocab x r, Q8_0) and `proj = V_r^T L^-1`
+//! (r x d, f32), where V_r are the top right singular vectors of E L. Preview logits are
+//! `table * (proj * h)`. Components are ordered, so the first r' of them are the rank-r' preview.
+//!
+//! [`MlpPredictor`] (see [`crate::mlp_predictor`]): Deja Vu's per-layer low-rank neuron scorers.
+//!
+//! The file: safetensors, metadata `format = dejavu-predictors`, `version`, the model file it was
+//! calibrated for (`model`, `model_size`), the `recommended` policy and a calibration summary.
+use crate::mlp_predictor::MlpPredictor;
+use crate::{Error, Result};
+use dejavu_backend_api::quant::{BlockQ8_0, QK};
+use dejavu_backend_api::{quantize, QuantType, Weight};
+use half::f16;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+pub const FORMAT: &str = "dejavu-predictors";
+pub const VERSION: u32 = 1;
+
+pub struct OutputPreview {
+    pub rank: usize,
+    d: usize,
+    vocab: usize,
+    proj: Vec<f32>,
+    table: Vec<u8>,
+}
+
+impl OutputPreview {
+    /// From f32 factors: `proj` r x d, `table` vocab x r (quantized to Q8_0 here).
+    pub fn new(rank: usize, d: usize, proj: Vec<f32>, table_f32: &[f32]) -> Result<Self> {
+        if rank == 0 || rank % QK != 0 || proj.len() != rank * d {
+            return Err(Error::Invalid(format!(
+                "output preview: rank {rank} must be a positive multiple of {QK} with a {rank}x{d} projection"
+            )));
+        }
+        let vocab = table_f32.len() / rank;
+        let mut table = Vec::with_capacity(QuantType::Q8_0.row_bytes(rank) * vocab);
+        quantize::quantize_row(QuantType::Q8_0, table_f32, &mut table)
+            .ok_or_else(|| Error::Invalid("output preview table".into()))?;
+        Ok(Self {
+            rank,
+            d,
+            vocab,
+            proj,
+            table,
+        })
+    }
+
+    pub fn proj(&self) -> Weight<'_> {
+        Weight {
+            qtype: QuantType::F32,
+            rows: self.rank,
+            cols: self.d,
+            data: bytemuck::cast_slice(&self.proj),
+        }
+    }
+
+    pub fn table(&self) -> Weight<'_> {
+        Weight {
+            qtype: QuantType::Q8_0,
+            rows: self.vocab,
+            cols: self.rank,
+            data: &self.table,
+        }
+    }
+
+    /// Bytes one preview reads.
+    pub fn bytes(&self) -> usize {
+        self.proj.len() * 4 + self.table.len()
+    }
+
+    /// The rank-`r` preview (its first `r` components), `r` a multiple of 32 up to `self.rank`.
+    pub fn truncated(&self, r: usize) -> Result<Self> {
+        if r == self.rank {
+            return Ok(self.clone_inner());
+        }
+        if r == 0 || r % QK != 0 || r > self.rank {
+            return Err(Error::Invalid(format!(
+                "output preview rank {r}: must be a multiple of {QK} up to {}",
+                self.rank
+            )));
+        }
+        let (src_row, dst_row) = (
+            QuantType::Q8_0.row_bytes(self.rank),
+            QuantType::Q8_0.row_bytes(r),
+        );
+        let table = self
+            .table
+            .chunks_exact(src_row)
+            .flat_map(|row| &row[..dst_row])
+            .copied()
+            .collect();
+        Ok(Self {
+            rank: r,
+            d: self.d,
+            vocab: self.vocab,
+            proj: self.proj[..r * self.d].to_vec(),
+            table,
+        })
+    }
+
+    fn clone_inner(&self) -> Self {
+        Self {
+            rank: self.rank,
+            d: self.d,
+            vocab: self.vocab,
+            proj: self.proj.clone(),
+            table: self.table.clone(),
+        }
+    }
+}
+
+/// Everything a predictors file holds.
+pub struct Predictors {
+    pub path: Option<PathBuf>,
+    pub metadata: HashMap<String, String>,
+    pub output: Option<OutputPreview>,
+    /// Deja Vu MLP predictors, one per layer (empty when not trained).
+    pub mlp: Vec<MlpPredictor>,
+}
+
+/// A Q8_0 matrix stored as two tensors: `NAME.qs` (I8, rows x cols) and `NAME.d` (F16, rows x
+/// cols/32), the block layout safetensors has no dtype for. Returns the Q8_0 bytes.
+fn read_q8(
+    f: &dejavu_formats::safetensors::SafetensorsFile,
+    name: &str,
+    rows: usize,
+    cols: usize,
+) -> std::result::Result<Vec<u8>, String> {
+    use dejavu_formats::safetensors::Dtype;
+    let (qs, d) = match (
+        f.tensors.get(&format!("{name}.qs")),
+        f.tensors.get(&format!("{name}.d")),
+    ) {
+        (Some(qs), Some(d)) => (qs, d),
+        _ => return Err(format!("`{name}` is missing")),
+    };
+    if qs.dtype != Dtype::I8
+        || qs.shape != [rows, cols]
+        || d.dtype != Dtype::F16
+        || d.shape != [rows, cols / QK]
+        || cols % QK != 0
+    {
+        return Err(format!("`{name}` has the wrong types or shapes"));
+    }
+    let mut out = Vec::with_capacity(rows * QuantType::Q8_0.row_bytes(cols));
+    for (q, s) in f.data(qs).chunks_exact(QK).zip(f.data(d).chunks_exact(2)) {
+        let mut b = BlockQ8_0 {
+            d: f16::from_le_bytes([s[0], s[1]]),
+            qs: [0; QK],
+        };
+        b.qs.iter_mut().zip(q).for_each(|(o, &v)| *o = v as i8);
+        out.extend(bytemuck::bytes_of(&b));
+    }
+    Ok(out)
+}
+
+type Owned = Vec<(String, safetensors::tensor::Dtype, Vec<usize>, Vec<u8>)>;
+
+/// The inverse of [`read_q8`].
+fn push_q8(owned: &mut Owned, name: &str, q8: &[u8], rows: usize, cols: usize) {
+    use safetensors::tensor::Dtype;
+    let blocks: Vec<BlockQ8_0> = q8
+        .chunks_exact(size_of::<BlockQ8_0>())
+        .map(bytemuck::pod_read_unaligned)
+        .collect();
+    owned.push((
+        format!("{name}.qs"),
+        Dtype::I8,
+        vec![rows, cols],
+        blocks.iter().flat_map(|b| b.qs.map(|v| v as u8)).collect(),
+    ));
+    owned.push((
+        format!("{name}.d"),
+        Dtype::F16,
+        vec![rows, cols / QK],
+        blocks.iter().flat_map(|b| b.d.to_le_bytes()).collect(),
+    ));
+}
+
+impl Predictors {
+    /// The policy calibration recommends (`None` if the file has none).
+    pub fn recommended(&self) -> Option<&str> {
+        self.metadata.get("recommended").map(String::as_str)
+    }
+
+    /// Where `dejavu calibrate` writes, and `--sparsity recommended` looks, for a model file.
+    pub fn default_path(model_path: &Path) -> PathBuf {
+        let mut name = model_path.file_name().unwrap_or_default().to_os_string();
+        name.push(format!(".predictors.v{VERSION}.safetensors"));
+        model_path.with_file_name(name)
+    }
+
+    /// Load and check against the model it is used with (`d_model`, vocabulary, file size).
+    pub fn load(path: &Path, model: &crate::model::Model) -> Result<Self> {
+        if !path.exists() {
+            return Err(Error::MissingFile(path.to_path_buf()));
+        }
+        let f = dejavu_formats::safetensors::SafetensorsFile::open(path)?;
+        let bad = |why: String| Error::BadTensor {
+            tensor: path.display().to_string(),
+            reason: why,
+        };
+        let meta = |k: &str| f.metadata.get(k).map(String::as_str);
+        if meta("format") != Some(FORMAT) {
+            return Err(bad(format!("not a {FORMAT} file")));
+        }
+        if meta("version") != Some(&VERSION.to_string()) {
+            return Err(bad(format!(
+                "version {:?}, this build reads version {VERSION}",
+                meta("version")
+            )));
+        }
+        let size = model.file.file_size().to_string();
+        if meta("model_size") != Some(size.as_str()) {
+            return Err(bad(format!(
+                "calibrated for another model file ({:?}, {:?} bytes); this one has {size} bytes",
+                meta("model"),
+                meta("model_size")
+            )));
+        }
+        let c = &model.config;
+        use dejavu_formats::safetensors::Dtype;
+        let output = match f.tensors.get("output.preview.proj") {
+            Some(p) => {
+                let rank = p.shape.first().copied().unwrap_or(0);
+                if p.dtype != Dtype::F32
+                    || p.shape != [rank, c.d_model]
+                    || rank % QK != 0
+                    || rank == 0
+                {
+                    return Err(bad(
+                        "output preview projection has the wrong type or shape".into()
+                    ));
+                }
+                let proj: Vec<f32> = f
+                    .data(p)
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect();
+                let table = read_q8(&f, "output.preview", c.vocab_size, rank).map_err(bad)?;
+                Some(OutputPreview {
+                    rank,
+                    d: c.d_model,
+                    vocab: c.vocab_size,
+                    proj,
+                    table,
+                })
+            }
+            None => None,
+        };
+        let mut mlp = Vec::new();
+        if let Some(rank) = f.metadata.get("mlp_rank") {
+            let rank: usize = rank.parse().map_err(|_| bad("bad mlp_rank".into()))?;
+            for l in 0..c.n_layers {
+                let w1 =
+                    read_q8(&f, &format!("blk.{l}.mlp_pred.w1"), rank, c.d_model).map_err(bad)?;
+                let w2 = read_q8(&f, &format!("blk.{l}.mlp_pred.w2"), c.n_ff, rank).map_err(bad)?;
+                mlp.push(MlpPredictor::from_parts(rank, c.d_model, c.n_ff, w1, w2)?);
+            }
+        }
+        Ok(Self {
+            path: Some(path.to_path_buf()),
+            metadata: f.metadata.clone(),
+            output,
+            mlp,
+        })
+    }
+
+    /// Serialize to `path` (written to a temporary name, then renamed).
+    pub fn save(&self, path: &Path, model: &crate::model::Model) -> Result<()> {
+        use safetensors::tensor::{Dtype, TensorView};
+        let mut meta = self.metadata.clone();
+        meta.insert("format".into(), FORMAT.into());
+        meta.insert("version".into(), VERSION.to_string());
+        meta.insert(
+            "model".into(),
+            model
+                .file
+                .path
+                .file_name()
+                .unwrap_or_default()
+                .to_string_lossy()
+                .into_owned(),
+        );
+        meta.insert("model_size".into(), model.file.file_size().to_string());
+        let mut owned: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+        if let Some(o) = &self.output {
+            owned.push((
+                "output.preview.proj".into(),
+                Dtype::F32,
+                vec![o.rank, o.d],
+                bytemuck::cast_slice(&o.proj).to_vec(),
+            ));
+            push_q8(&mut owned, "output.preview", &o.table, o.vocab, o.rank);
+        }
+        if let Some(first) = self.mlp.first() {
+            meta.insert("mlp_rank".into(), first.rank.to_string());
+            for (l, p) in self.mlp.iter().enumerate() {
+                push_q8(
+                    &mut owned,
+                    &format!("blk.{l}.mlp_pred.w1"),
+                    &p.w1,
+                    p.rank,
+                    p.d,
+                );
+                push_q8(
+                    &mut owned,
+                    &format!("blk.{l}.mlp_pred.w2"),
+                    &p.w2,
+                    p.n_ff,
+                    p.rank,
+                );
+            }
+        }
+        let views: Vec<(String, TensorView)> = owned
+            .iter()
+            .map(|(n, dt, shape, data)| {
+                TensorView::new(*dt, shape.clone(), data)
+                    .map(|v| (n.clone(), v))
+                    .map_err(|e| Error::Invalid(format!("predictor tensor {n}: {e}")))
+            })
+            .collect::<Result<_>>()?;
+        let bytes = safetensors::serialize(views, &Some(meta))
+            .map_err(|e| Error::Invalid(format!("serializing predictors: {e}")))?;
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, bytes)?;
+        std::fs::rename(&tmp, path)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,215 @@
+//! `dejavu report`: the quality/speed frontier of a set of policies on one text, as a markdown
+//! table, JSON and a PNG plot.
+//!
+//! Every policy is compared with dense decoding in one pass ([`compare_many`]): perplexity ratio,
+//! KL divergence, top-1 agreement, weight bytes read per token, MLP density, and the decode
+//! speedup measured on the same scored steps, dense and sparse interleaved token by token.
+use crate::engine::Engine;
+use crate::perplexity::{compare_many, Comparison};
+use crate::policy::Policy;
+use crate::predictors::Predictors;
+use crate::{Error, Result};
+use serde::Serialize;
+use std::path::Path;
+
+#[derive(Debug, Clone, Serialize)]
+pub struct FrontierRow {
+    pub policy: String,
+    /// `oracle`, `gate-first`, `up-first`, `head`, or `mixed` (several parts).
+    pub family: String,
+    pub ppl_dense: f64,
+    pub ppl: f64,
+    pub ppl_ratio: f64,
+    pub kl: f64,
+    pub top1_agreement: f64,
+    pub mb_per_token: f64,
+    /// Dense bytes over this policy's bytes: the speedup if time followed bytes.
+    pub byte_speedup: f64,
+    /// Measured decode speedup over dense.
+    pub speedup: f64,
+    pub mlp_density: f64,
+    pub exact_logits: f64,
+}
+
+fn family(spec: &str) -> String {
+    if spec.contains('+') {
+        return "mixed".into();
+    }
+    spec.split(':').next().unwrap_or(spec).to_string()
+}
+
+/// Evaluate `specs` on `tokens` (chunks of `ctx`) against dense.
+pub fn frontier(
+    engine: &Engine,
+    tokens: &[u32],
+    ctx: usize,
+    specs: &[String],
+    predictors: Option<&Predictors>,
+) -> Result<Vec<FrontierRow>> {
+    let pols = specs
+        .iter()
+        .map(|s| engine.policy(s, predictors))
+        .collect::<Result<Vec<Policy>>>()?;
+    let refs: Vec<&Policy> = pols.iter().collect();
+    let bar = crate::progress::bar((tokens.len() / ctx) as u64, "chunks");
+    let rs = compare_many(engine, tokens, ctx, &refs, |i, _, _, _| {
+        bar.set_position(i as u64)
+    })?;
+    bar.finish_and_clear();
+    let dense_bytes = engine.model.dense_bytes_per_token() as f64;
+    Ok(pols
+        .iter()
+        .zip(rs)
+        .map(|(p, r): (&Policy, Comparison)| FrontierRow {
+            policy: p.name.clone(),
+            family: family(&p.name),
+            ppl_dense: r.dense.ppl,
+            ppl: r.sparse.ppl,
+            ppl_ratio: r.sparse.ppl / r.dense.ppl,
+            kl: r.kl,
+            top1_agreement: r.top1_agreement,
+            mb_per_token: r.steps.mean_bytes() / 1e6,
+            byte_speedup: dense_bytes / r.steps.mean_bytes().max(1.0),
+            speedup: r.speedup(),
+            mlp_density: r.steps.mlp_density(),
+            exact_logits: r.steps.mean_exact_logits(),
+        })
+        .collect())
+}
+
+pub fn markdown(rows: &[FrontierRow]) -> String {
+    let mut s = String::from(
+        "| policy | PPL | PPL ratio | KL (nats) | top-1 agree | MB/token | bytes speedup | measured speedup | MLP density | exact logits |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for r in rows {
+        s += &format!(
+            "| {} | {:.3} | {:.4} | {:.4} | {:.1}% | {:.1} | {:.2}x | {:.2}x | {:.2} | {:.0} |\n",
+            r.policy,
+            r.ppl,
+            r.ppl_ratio,
+            r.kl,
+            r.top1_agreement * 100.0,
+            r.mb_per_token,
+            r.byte_speedup,
+            r.speedup,
+            r.mlp_density,
+            r.exact_logits
+        );
+    }
+    s
+}
+
+/// A sans-serif TrueType font from the usual system locations (plotters draws text with it).
+fn system_font() -> Option<&'static [u8]> {
+    const PATHS: [&str; 5] = [
+        "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+        "/usr/share/fonts/dejavu/DejaVuSans.ttf",
+        "/usr/share/fonts/TTF/DejaVuSans.ttf",
+        "/usr/share/fonts/truetype/liberation/LiberationSans-Regular.ttf",
+        "/usr/share/fonts/liberation-sans/LiberationSans-Regular.ttf",
+    ];
+    PATHS
+        .iter()
+        .find_map(|p| std::fs::read(p).ok())
+        .map(|b| &*Box::leak(b.into_boxed_slice()))
+}
+
+/// Three panels against speedup: PPL ratio (measured speedup), KL (measured speedup), PPL ratio
+/// (speedup if time followed the bytes read). One colour per family; oracle points joined.
+pub fn plot(rows: &[FrontierRow], title: &str, path: &Path) -> Result<()> {
+    use plotters::prelude::*;
+    let font = system_font().ok_or_else(|| {
+        Error::Invalid("no TrueType font found for the plot (install fonts-dejavu-core)".into())
+    })?;
+    plotters::style::register_font("sans-serif", FontStyle::Normal, font)
+        .map_err(|_| Error::Invalid("unreadable font".into()))?;
+    let err = |e: &dyn std::fmt::Display| Error::Invalid(format!("plot: {e}"));
+    let root = BitMapBackend::new(path, (1500, 520)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let root = root
+        .titled(title, ("sans-serif", 22))
+        .map_err(|e| err(&e))?;
+    let panels = root.split_evenly((1, 3));
+    let colour = |f: &str| match f {
+        "oracle" => RGBColor(120, 120, 120),
+        "gate-first" => RGBColor(31, 119, 180),
+        "up-first" => RGBColor(44, 160, 44),
+        "head" => RGBColor(214, 39, 40),
+        _ => RGBColor(148, 103, 189),
+    };
+    type Pick = fn(&FrontierRow) -> (f64, f64);
+    let specs: [(&str, &str, &str, Pick); 3] = [
+        (
+            "PPL ratio vs measured speedup",
+            "measured decode speedup",
+            "PPL / dense PPL",
+            |r| (r.speedup, r.ppl_ratio),
+        ),
+        (
+            "KL vs measured speedup",
+            "measured decode speedup",
+            "KL(dense || sparse), nats",
+            |r| (r.speedup, r.kl),
+        ),
+        (
+            "PPL ratio vs bytes",
+            "dense bytes / bytes read",
+            "PPL / dense PPL",
+            |r| (r.byte_speedup, r.ppl_ratio),
+        ),
+    ];
+    for (area, (caption, xl, yl, pick)) in panels.iter().zip(specs) {
+        let pts: Vec<(f64, f64)> = rows.iter().map(pick).collect();
+        let (x0, x1) = pts
+            .iter()
+            .fold((1f64, 1f64), |(a, b), p| (a.min(p.0), b.max(p.0)));
+        let (y0, y1) = pts
+            .iter()
+            .fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.1), b.max(p.1)));
+        let (ypad, xpad) = ((y1 - y0).max(1e-3) * 0.08, (x1 - x0).max(0.05) * 0.08);
+        let mut chart = ChartBuilder::on(area)
+            .caption(caption, ("sans-serif", 16))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(60)
+            .build_cartesian_2d((x0 - xpad)..(x1 + xpad), (y0 - ypad)..(y1 + ypad))
+            .map_err(|e| err(&e))?;
+        chart
+            .configure_mesh()
+            .x_desc(xl)
+            .y_desc(yl)
+            .label_style(("sans-serif", 12))
+            .draw()
+            .map_err(|e| err(&e))?;
+        let mut fams: Vec<String> = rows.iter().map(|r| r.family.clone()).collect();
+        fams.dedup();
+        fams.sort();
+        fams.dedup();
+        for f in &fams {
+            let c = colour(f);
+            let mut fp: Vec<(f64, f64)> =
+                rows.iter().filter(|r| &r.family == f).map(pick).collect();
+            fp.sort_by(|a, b| a.0.total_cmp(&b.0));
+            if f == "oracle" {
+                chart
+                    .draw_series(LineSeries::new(fp.clone(), c.stroke_width(1)))
+                    .map_err(|e| err(&e))?;
+            }
+            chart
+                .draw_series(fp.iter().map(|&p| Circle::new(p, 4, c.filled())))
+                .map_err(|e| err(&e))?
+                .label(f.as_str())
+                .legend(move |(x, y)| Circle::new((x + 6, y), 4, c.filled()));
+        }
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .label_font(("sans-serif", 12))
+            .draw()
+            .map_err(|e| err(&e))?;
+    }
+    root.present().map_err(|e| err(&e))?;
+    Ok(())
+}

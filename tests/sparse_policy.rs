@@ -1,0 +1,446 @@
+//! Sparsity policies, the neuron-major layout and the output preview on the tiny crafted model:
+//! a dense policy is the dense model bit for bit; sparse MLP sets through the neuron-major layout
+//! equal the masked dense model; the output preview at full rank reproduces the dense logits;
+//! predictors survive a save and load; bad specs are rejected.
+mod common;
+use common::*;
+use dejavu::calibrate::{calibrate, CalibrateOptions};
+use dejavu::engine::{Engine, EngineOptions};
+use dejavu::executor::{Executor, Logits, Plan};
+use dejavu::policy::Policy;
+use dejavu::predictors::Predictors;
+use dejavu::sparsity::{LayerPlan, SparsePlan};
+use dejavu_backend_api::IndexSet;
+use dejavu_formats::gguf::GgmlType;
+use rand::{seq::index::sample, SeedableRng};
+
+const TOKENS: [u32; 8] = [72, 101, 108, 108, 111, 33, 10, 84];
+
+/// The tiny model with its down projections stored as F32 (the values of the Q8_0 original), so
+/// the neuron-major layout is an exact transposition.
+fn tiny_f32_down() -> Vec<u8> {
+    tiny_llama_gguf(|_, tensors| {
+        for (name, _, ty, bytes) in tensors.iter_mut() {
+            if name.ends_with("ffn_down.weight") {
+                let vals: Vec<u8> = bytes
+                    .chunks_exact(34)
+                    .flat_map(|b| {
+                        let d = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+                        b[2..].iter().map(move |&q| d * q as i8 as f32)
+                    })
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect();
+                *bytes = vals;
+                *ty = GgmlType::F32;
+            }
+        }
+    })
+}
+
+/// A model file in its own temporary directory (the layout cache is written beside it).
+fn tiny(bytes: &[u8]) -> (tempfile::TempDir, Engine) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny.gguf");
+    std::fs::write(&path, bytes).unwrap();
+    let e = Engine::load(
+        &path,
+        &EngineOptions {
+            threads: Some(2),
+            n_ctx: None,
+        },
+    )
+    .unwrap();
+    (dir, e)
+}
+
+fn decode(exec: &Executor, e: &Engine, plan: Plan) -> Vec<f32> {
+    let mut cache = e.new_cache();
+    TOKENS
+        .iter()
+        .flat_map(|&t| {
+            exec.run(&[t], &mut cache, plan, Logits::Last)
+                .unwrap()
+                .to_vec()
+        })
+        .collect()
+}
+
+#[test]
+fn dense_policy_is_the_dense_plan_bitwise() {
+    let (_d, e) = tiny(&tiny_llama_gguf(|_, _| {}));
+    let c = &e.model.config;
+    let exec = e.executor();
+    let pol = e.policy("dense", None).unwrap();
+    assert!(pol.is_dense());
+    for spec in ["gate-first:1.0", "oracle:1", "up-first:1.0"] {
+        assert!(e.policy(spec, None).unwrap().is_dense(), "{spec}");
+    }
+    assert_eq!(
+        decode(&exec, &e, Plan::Policy(&pol)),
+        decode(&exec, &e, Plan::Fixed(&SparsePlan::dense(c)))
+    );
+}
+
+#[test]
+fn neuron_major_layout_equals_masked_dense() {
+    let (dir, e) = tiny(&tiny_f32_down());
+    let c = e.model.config.clone();
+    let layout = e.sparse_layout().unwrap();
+    let cached = layout.path.clone().expect("layout cached beside the model");
+    assert!(cached.starts_with(dir.path()) && cached.exists());
+    let backend = dejavu_backend_cpu::CpuBackend::f32_reference(2);
+    let mut exec = Executor::new(&e.model, &backend).unwrap();
+    let without = Executor::new(&e.model, &backend).unwrap();
+    exec.layout = Some(layout);
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+    for keep in [1, c.n_ff / 3, c.n_ff - 1] {
+        let layers = (0..c.n_layers)
+            .map(|_| {
+                let idx = sample(&mut rng, c.n_ff, keep)
+                    .into_iter()
+                    .map(|i| i as u32)
+                    .collect();
+                LayerPlan::new(
+                    &c,
+                    IndexSet::from_unsorted(c.n_ff, idx).unwrap(),
+                    IndexSet::full(c.n_heads),
+                )
+                .unwrap()
+            })
+            .collect();
+        let plan = SparsePlan::new(&c, layers).unwrap();
+        // Without a layout, a sparse set runs the dense down projection over zeroed activations:
+        // the masked dense model. With it, the rows of the transposed matrix: the same sums in
+        // another order (and split over two threads), so equal up to f32 rounding.
+        let via_layout = decode(&exec, &e, Plan::Fixed(&plan));
+        let masked = decode(&without, &e, Plan::Fixed(&plan));
+        let scale = masked.iter().fold(0f32, |m, v| m.max(v.abs()));
+        for (a, b) in via_layout.iter().zip(&masked) {
+            assert!((a - b).abs() <= 1e-5 * scale, "keep {keep}: {a} vs {b}");
+        }
+    }
+    // A second engine finds the cached layout instead of converting again.
+    let (_d2, e2) = (
+        dir,
+        Engine::load(e.model.file.path.clone(), &EngineOptions::default()).unwrap(),
+    );
+    assert_eq!(e2.sparse_layout().unwrap().path.as_ref(), Some(&cached));
+}
+
+#[test]
+fn mlp_rules_keep_what_they_say() {
+    let (_d, e) = tiny(&tiny_llama_gguf(|_, _| {}));
+    let c = &e.model.config;
+    let exec = e.executor();
+    let dense = decode(&exec, &e, Plan::Fixed(&SparsePlan::dense(c)));
+    for spec in [
+        "gate-first:0.5",
+        "up-first:0.5",
+        "oracle:0.5",
+        "gate-first:0.5:1",
+    ] {
+        let pol = e.policy(spec, None).unwrap();
+        let exec = e.executor();
+        let mut cache = e.new_cache();
+        exec.run(&TOKENS[..3], &mut cache, Plan::Policy(&pol), Logits::Last)
+            .unwrap();
+        let batch = cache.last_step();
+        assert_eq!(batch.mlp_kept, batch.mlp_total, "{spec}: batches run dense");
+        let logits = exec
+            .run(&[TOKENS[3]], &mut cache, Plan::Policy(&pol), Logits::Last)
+            .unwrap();
+        assert!(logits.iter().all(|v| v.is_finite()));
+        let s = cache.last_step();
+        let sparse_layers = if spec.ends_with(":1") {
+            c.n_layers - 2
+        } else {
+            c.n_layers
+        };
+        assert_eq!(
+            s.mlp_kept,
+            sparse_layers * c.n_ff / 2 + (c.n_layers - sparse_layers) * c.n_ff,
+            "{spec}"
+        );
+        assert!(
+            s.weight_bytes < batch.weight_bytes || spec.ends_with(":1"),
+            "{spec}"
+        );
+        // The tiny model has 2 layers: EDGE 1 keeps both dense.
+        let same = decode(&exec, &e, Plan::Policy(&pol)) == dense;
+        assert_eq!(same, sparse_layers == 0, "{spec}");
+    }
+}
+
+fn calibrated(e: &Engine) -> Predictors {
+    let text =
+        "The quick brown fox jumps over the lazy dog. fn main() { println!(\"hi\"); } ".repeat(6);
+    let tokens = e.tokenizer.encode(&text).unwrap();
+    let opts = CalibrateOptions {
+        ctx: 32,
+        rank: 64,
+        no_search: true,
+        ..Default::default()
+    };
+    calibrate(e, &tokens, "test text", &opts, |_| {}).unwrap().0
+}
+
+#[test]
+fn full_rank_output_preview_reproduces_dense_logits() {
+    let (dir, e) = tiny(&tiny_llama_gguf(|_, _| {}));
+    let c = &e.model.config;
+    let preds = calibrated(&e);
+    let out = dir.path().join("p.safetensors");
+    preds.save(&out, &e.model).unwrap();
+    let loaded = e.predictors(Some(&out)).unwrap().unwrap();
+    assert_eq!(loaded.output.as_ref().unwrap().rank, 64);
+    let exec = e.executor();
+    let dense = decode(&exec, &e, Plan::Fixed(&SparsePlan::dense(c)));
+    // Rank 64 = d_model: the preview is E itself up to its 8-bit table, so every logit is close
+    // and the exact candidates are exact.
+    let pol = e.policy("head:64:16", Some(&loaded)).unwrap();
+    let got = decode(&exec, &e, Plan::Policy(&pol));
+    let scale = dense.iter().fold(0f32, |m, v| m.max(v.abs()));
+    for (a, b) in got.iter().zip(&dense) {
+        assert!((a - b).abs() <= 0.03 * scale, "{a} vs {b}");
+    }
+    for (g, d) in got.chunks(c.vocab_size).zip(dense.chunks(c.vocab_size)) {
+        let am = |x: &[f32]| dejavu::perplexity::argmax(x);
+        assert_eq!(am(g), am(d));
+        assert_eq!(
+            g[am(d)],
+            d[am(d)],
+            "the top token's logit is computed exactly"
+        );
+    }
+    // A lower rank is a prefix of the stored one; ranks not in it are refused.
+    assert!(e.policy("head:32:16", Some(&loaded)).is_ok());
+    assert!(e.policy("head:96:16", Some(&loaded)).is_err());
+    assert!(e.policy("head:40:16", Some(&loaded)).is_err());
+}
+
+#[test]
+fn predictors_are_tied_to_their_model() {
+    let (dir, e) = tiny(&tiny_llama_gguf(|_, _| {}));
+    let out = dir.path().join("p.safetensors");
+    calibrated(&e).save(&out, &e.model).unwrap();
+    // Another model file (different size) rejects them.
+    let (_d2, other) = tiny(&tiny_f32_down());
+    let err = other
+        .predictors(Some(&out))
+        .err()
+        .expect("rejected")
+        .to_string();
+    assert!(err.contains("another model"), "{err}");
+    // A file that is not a predictors file.
+    std::fs::write(dir.path().join("junk.safetensors"), b"not safetensors").unwrap();
+    assert!(e
+        .predictors(Some(&dir.path().join("junk.safetensors")))
+        .is_err());
+}
+
+#[test]
+fn bad_specs_are_rejected() {
+    let (_d, e) = tiny(&tiny_llama_gguf(|_, _| {}));
+    let c = &e.model.config;
+    for spec in [
+        "sparse",
+        "gate-first",
+        "gate-first:0",
+        "gate-first:1.5",
+        "gate-first:x",
+        "gate-first:0.5:2",
+        "gate-first:0.5+up-first:0.5",
+        "head:64:16",
+        "recommended",
+    ] {
+        let err = Policy::parse(spec, c, None).err();
+        assert!(err.is_some(), "{spec} accepted");
+        assert!(err.unwrap().to_string().contains("--sparsity"), "{spec}");
+    }
+}
+
+fn run_cli(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_dejavu"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+/// `calibrate` writes predictors next to the model with a recommended setting, which
+/// `generate`, `perplexity` and `bench` then use; bad specs exit 1 with a message.
+#[test]
+fn cli_calibrate_then_use() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("tiny.gguf");
+    std::fs::write(&model, tiny_llama_gguf(|_, _| {})).unwrap();
+    let m = model.to_str().unwrap();
+    let data = dir.path().join("text.txt");
+    let text =
+        "Sparse models skip work. The cat sat on the mat. let x = vec![1, 2, 3];\n".repeat(40);
+    std::fs::write(&data, &text).unwrap();
+    let out = run_cli(&[
+        "calibrate",
+        "-m",
+        m,
+        "--data",
+        data.to_str().unwrap(),
+        "--sample-tokens",
+        "0",
+        "--rank",
+        "32",
+        "--ctx",
+        "32",
+        "--validation-tokens",
+        "64",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let preds = Predictors::default_path(&model);
+    assert!(
+        preds.exists() && stdout.contains("recommended:"),
+        "{stdout}"
+    );
+
+    let out = run_cli(&[
+        "generate",
+        "-m",
+        m,
+        "--prompt",
+        "The cat",
+        "-n",
+        "4",
+        "--temperature",
+        "0",
+        "--sparsity",
+        "recommended",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = run_cli(&[
+        "perplexity",
+        "-m",
+        m,
+        "--file",
+        data.to_str().unwrap(),
+        "--ctx",
+        "32",
+        "--chunks",
+        "2",
+        "--sparsity",
+        "gate-first:0.5+head:32:8",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for key in [
+        "ppl dense",
+        "ppl sparse",
+        "kl(dense || sparse)",
+        "top-1 agreement",
+        "MLP density 0.500",
+    ] {
+        assert!(stdout.contains(key), "{key} missing: {stdout}");
+    }
+    let out = run_cli(&[
+        "bench",
+        "-m",
+        m,
+        "-t",
+        "1",
+        "-p",
+        "0",
+        "-n",
+        "4",
+        "-r",
+        "1",
+        "--sparsity",
+        "dense,gate-first:0.5,head:32:8",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("| gate-first:0.5 |") && stdout.contains("| head:32:8 |"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("| 1.00x |"),
+        "dense speedup column: {stdout}"
+    );
+
+    let docs = dir.path().join("docs");
+    let out = run_cli(&[
+        "report",
+        "-m",
+        m,
+        "--file",
+        data.to_str().unwrap(),
+        "--ctx",
+        "32",
+        "--chunks",
+        "2",
+        "--out",
+        docs.to_str().unwrap(),
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("| oracle:0.5 |") && stdout.contains("| recommended ("),
+        "{stdout}"
+    );
+    for ext in ["md", "json"] {
+        assert!(docs.join(format!("tiny.frontier.{ext}")).exists(), "{ext}");
+    }
+
+    for (spec, needle) in [("gate-first:2", "KEEP"), ("nonsense", "unknown part")] {
+        let out = run_cli(&[
+            "generate",
+            "-m",
+            m,
+            "--prompt",
+            "x",
+            "-n",
+            "1",
+            "--sparsity",
+            spec,
+        ]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{spec}: {err}");
+        assert!(
+            err.contains("error:") && err.contains(needle) && !err.contains("panicked"),
+            "{err}"
+        );
+    }
+    std::fs::remove_file(&preds).unwrap();
+    let out = run_cli(&[
+        "generate",
+        "-m",
+        m,
+        "--prompt",
+        "x",
+        "-n",
+        "1",
+        "--sparsity",
+        "recommended",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(err.contains("dejavu calibrate"), "{err}");
+}
