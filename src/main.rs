@@ -282,6 +282,9 @@ struct ReportArgs {
     /// Directory for `<model>.frontier.{md,json,png}`.
     #[arg(long, default_value = "docs")]
     out: std::path::PathBuf,
+    /// Only redraw the plot from the JSON a previous run wrote in `--out`.
+    #[arg(long)]
+    replot: bool,
 }
 
 #[derive(Args)]
@@ -710,9 +713,28 @@ fn cmd_report(a: ReportArgs) -> Result<()> {
     let text = std::fs::read_to_string(&a.file)
         .with_context(|| format!("reading {}", a.file.display()))?;
     let engine = a.model.load(Some(a.ctx))?;
+    let name = engine
+        .model
+        .file
+        .path
+        .file_stem()
+        .map_or("model".into(), |s| s.to_string_lossy().into_owned());
+    let file = |ext: &str| a.out.join(format!("{name}.frontier.{ext}"));
+    let preds = engine.predictors(a.predictors.as_deref())?;
+    let recall: Option<Vec<f64>> = preds
+        .as_ref()
+        .and_then(|p| p.metadata.get("mlp_recall"))
+        .map(|r| r.split(',').filter_map(|v| v.parse().ok()).collect());
+    if a.replot {
+        let json = std::fs::read_to_string(file("json"))
+            .with_context(|| format!("reading {}", file("json").display()))?;
+        let rows: Vec<dejavu::report::FrontierRow> = serde_json::from_str(&json)?;
+        dejavu::report::plot(&rows, recall.as_deref(), &name, &file("png"))?;
+        eprintln!("wrote {}", file("png").display());
+        return Ok(());
+    }
     let mut tokens = engine.tokenizer.encode(&text)?;
     tokens.truncate(a.chunks.saturating_mul(a.ctx));
-    let preds = engine.predictors(a.predictors.as_deref())?;
     let mut specs = a.sparsity.clone();
     if specs.is_empty() {
         specs = [
@@ -730,6 +752,9 @@ fn cmd_report(a: ReportArgs) -> Result<()> {
         ]
         .map(String::from)
         .to_vec();
+        if preds.as_ref().is_some_and(|p| !p.mlp.is_empty()) {
+            specs.extend(["dejavu:0.8", "dejavu:0.7", "dejavu:0.5"].map(String::from));
+        }
         // Output heads the stored preview supports (rank up to its own).
         let rank = preds
             .as_ref()
@@ -752,12 +777,6 @@ fn cmd_report(a: ReportArgs) -> Result<()> {
         }
     }
     let rows = dejavu::report::frontier(&engine, &tokens, a.ctx, &specs, preds.as_ref())?;
-    let name = engine
-        .model
-        .file
-        .path
-        .file_stem()
-        .map_or("model".into(), |s| s.to_string_lossy().into_owned());
     std::fs::create_dir_all(&a.out)?;
     let md = format!(
         "{} | {} | {} chunks of {} tokens of {} | {} threads, {} kernels | commit {}\n\n{}",
@@ -771,12 +790,11 @@ fn cmd_report(a: ReportArgs) -> Result<()> {
         dejavu::bench::COMMIT,
         dejavu::report::markdown(&rows)
     );
-    let file = |ext: &str| a.out.join(format!("{name}.frontier.{ext}"));
     std::fs::write(file("md"), &md)?;
     std::fs::write(file("json"), serde_json::to_string_pretty(&rows)?)?;
     print!("{md}");
     let base = file("*");
-    match dejavu::report::plot(&rows, &name, &file("png")) {
+    match dejavu::report::plot(&rows, recall.as_deref(), &name, &file("png")) {
         Ok(()) => eprintln!("wrote {} (md, json, png)", base.display()),
         Err(e) => eprintln!("wrote {} (md, json); no plot: {e}", base.display()),
     }

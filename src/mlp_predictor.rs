@@ -196,3 +196,41 @@ fn top_labels(act: &[f32], n_ff: usize, k: usize) -> Vec<f32> {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Neurons whose activation is a linear function of the input are predictable: a rank-32
+    /// predictor reaches a held-out recall far above chance (0.3 = the label fraction).
+    #[test]
+    fn learns_a_linear_activation_pattern() {
+        let (d, ff, n) = (32, 64, 2048);
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+        let w: Vec<f32> = (0..ff * d).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+        let x: Vec<f32> = (0..n * d).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+        let act: Vec<f32> = (0..n)
+            .flat_map(|i| {
+                let (x, w) = (&x, &w);
+                (0..ff).map(move |j| {
+                    (0..d)
+                        .map(|k| x[i * d + k] * w[j * d + k])
+                        .sum::<f32>()
+                        .max(0.0)
+                })
+            })
+            .collect();
+        let o = TrainOptions {
+            rank: 32,
+            epochs: 20,
+            ..Default::default()
+        };
+        let (p, recall) = MlpPredictor::train(&x, &act, d, ff, &o).unwrap();
+        assert!(recall > 0.8, "recall {recall}");
+        assert_eq!(
+            p.bytes(),
+            QuantType::Q8_0.row_bytes(d) * 32 + QuantType::Q8_0.row_bytes(32) * ff
+        );
+        assert!(MlpPredictor::train(&x[..d * 4], &act[..ff * 4], d, ff, &o).is_err());
+    }
+}

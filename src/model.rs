@@ -167,13 +167,13 @@ impl Model {
     /// Bytes of weights one dense decode step reads (every matrix once, plus one embedding row).
     pub fn dense_bytes_per_token(&self) -> usize {
         let c = &self.config;
-        let per_layer: usize = self.layers.first().map_or(0, |l| {
-            [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
-                .iter()
-                .map(|w| w.n_bytes)
-                .sum()
-        });
-        per_layer * c.n_layers + self.output.n_bytes + self.token_embd.qtype.row_bytes(c.d_model)
+        let layers: usize = self
+            .layers
+            .iter()
+            .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down])
+            .map(|w| w.n_bytes)
+            .sum();
+        layers + self.output.n_bytes + self.token_embd.qtype.row_bytes(c.d_model)
     }
 }
 

@@ -12,7 +12,7 @@ use crate::{Error, Result};
 use serde::Serialize;
 use std::path::Path;
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct FrontierRow {
     pub policy: String,
     /// `oracle`, `gate-first`, `up-first`, `head`, or `mixed` (several parts).
@@ -32,6 +32,9 @@ pub struct FrontierRow {
 }
 
 fn family(spec: &str) -> String {
+    if spec.starts_with("recommended") {
+        return "recommended".into();
+    }
     if spec.contains('+') {
         return "mixed".into();
     }
@@ -116,8 +119,9 @@ fn system_font() -> Option<&'static [u8]> {
 }
 
 /// Three panels against speedup: PPL ratio (measured speedup), KL (measured speedup), PPL ratio
-/// (speedup if time followed the bytes read). One colour per family; oracle points joined.
-pub fn plot(rows: &[FrontierRow], title: &str, path: &Path) -> Result<()> {
+/// (speedup if time followed the bytes read), one colour per family, oracle points joined; and,
+/// when `recall` is given (the MLP predictors' held-out recall per layer), a fourth panel of it.
+pub fn plot(rows: &[FrontierRow], recall: Option<&[f64]>, title: &str, path: &Path) -> Result<()> {
     use plotters::prelude::*;
     let font = system_font().ok_or_else(|| {
         Error::Invalid("no TrueType font found for the plot (install fonts-dejavu-core)".into())
@@ -125,17 +129,20 @@ pub fn plot(rows: &[FrontierRow], title: &str, path: &Path) -> Result<()> {
     plotters::style::register_font("sans-serif", FontStyle::Normal, font)
         .map_err(|_| Error::Invalid("unreadable font".into()))?;
     let err = |e: &dyn std::fmt::Display| Error::Invalid(format!("plot: {e}"));
-    let root = BitMapBackend::new(path, (1500, 520)).into_drawing_area();
+    let n_panels: usize = if recall.is_some() { 4 } else { 3 };
+    let root = BitMapBackend::new(path, (500 * n_panels as u32, 520)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;
     let root = root
         .titled(title, ("sans-serif", 22))
         .map_err(|e| err(&e))?;
-    let panels = root.split_evenly((1, 3));
+    let panels = root.split_evenly((1, n_panels));
     let colour = |f: &str| match f {
         "oracle" => RGBColor(120, 120, 120),
         "gate-first" => RGBColor(31, 119, 180),
         "up-first" => RGBColor(44, 160, 44),
         "head" => RGBColor(214, 39, 40),
+        "dejavu" => RGBColor(140, 86, 75),
+        "recommended" => RGBColor(0, 0, 0),
         _ => RGBColor(148, 103, 189),
     };
     type Pick = fn(&FrontierRow) -> (f64, f64);
@@ -159,7 +166,13 @@ pub fn plot(rows: &[FrontierRow], title: &str, path: &Path) -> Result<()> {
             |r| (r.byte_speedup, r.ppl_ratio),
         ),
     ];
-    for (area, (caption, xl, yl, pick)) in panels.iter().zip(specs) {
+    for (i, (area, (caption, xl, yl, pick))) in panels.iter().zip(specs).enumerate() {
+        // Quality axes stop at +60% PPL / 0.6 nats: points beyond sit on the top edge.
+        let cap = if i == 1 { 0.6 } else { 1.6 };
+        let pick = move |r: &FrontierRow| {
+            let (x, y) = pick(r);
+            (x, y.min(cap))
+        };
         let pts: Vec<(f64, f64)> = rows.iter().map(pick).collect();
         let (x0, x1) = pts
             .iter()
@@ -182,14 +195,17 @@ pub fn plot(rows: &[FrontierRow], title: &str, path: &Path) -> Result<()> {
             .label_style(("sans-serif", 12))
             .draw()
             .map_err(|e| err(&e))?;
-        let mut fams: Vec<String> = rows.iter().map(|r| r.family.clone()).collect();
+        let mut fams: Vec<String> = rows.iter().map(|r| family(&r.policy)).collect();
         fams.dedup();
         fams.sort();
         fams.dedup();
         for f in &fams {
             let c = colour(f);
-            let mut fp: Vec<(f64, f64)> =
-                rows.iter().filter(|r| &r.family == f).map(pick).collect();
+            let mut fp: Vec<(f64, f64)> = rows
+                .iter()
+                .filter(|r| &family(&r.policy) == f)
+                .map(pick)
+                .collect();
             fp.sort_by(|a, b| a.0.total_cmp(&b.0));
             if f == "oracle" {
                 chart
@@ -202,6 +218,49 @@ pub fn plot(rows: &[FrontierRow], title: &str, path: &Path) -> Result<()> {
                 .label(f.as_str())
                 .legend(move |(x, y)| Circle::new((x + 6, y), 4, c.filled()));
         }
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .label_font(("sans-serif", 12))
+            .draw()
+            .map_err(|e| err(&e))?;
+    }
+    if let (Some(rec), Some(area)) = (recall, panels.get(3)) {
+        let mut chart = ChartBuilder::on(area)
+            .caption("MLP predictor recall per layer", ("sans-serif", 16))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(60)
+            .build_cartesian_2d(0f64..rec.len() as f64, 0f64..1f64)
+            .map_err(|e| err(&e))?;
+        chart
+            .configure_mesh()
+            .x_desc("layer")
+            .y_desc("recall of the true top 30% (held out)")
+            .label_style(("sans-serif", 12))
+            .draw()
+            .map_err(|e| err(&e))?;
+        let c = RGBColor(255, 127, 14);
+        let pts: Vec<(f64, f64)> = rec
+            .iter()
+            .enumerate()
+            .map(|(l, &r)| (l as f64 + 0.5, r))
+            .collect();
+        chart
+            .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))
+            .map_err(|e| err(&e))?;
+        chart
+            .draw_series(pts.iter().map(|&p| Circle::new(p, 3, c.filled())))
+            .map_err(|e| err(&e))?;
+        chart
+            .draw_series(LineSeries::new(
+                vec![(0.0, 0.3), (rec.len() as f64, 0.3)],
+                BLACK.mix(0.4),
+            ))
+            .map_err(|e| err(&e))?
+            .label("chance (0.3)")
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 12, y)], BLACK.mix(0.4)));
         chart
             .configure_series_labels()
             .background_style(WHITE.mix(0.8))

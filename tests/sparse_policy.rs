@@ -444,3 +444,33 @@ fn cli_calibrate_then_use() {
     assert_eq!(out.status.code(), Some(1));
     assert!(err.contains("dejavu calibrate"), "{err}");
 }
+
+/// Calibration trains one MLP predictor per layer; they survive a save and load and drive the
+/// `dejavu` rule, which keeps exactly its budget of neurons.
+#[test]
+fn dejavu_predictors_round_trip() {
+    let (dir, e) = tiny(&tiny_llama_gguf(|_, _| {}));
+    let c = &e.model.config;
+    let preds = calibrated(&e);
+    assert_eq!(preds.mlp.len(), c.n_layers);
+    assert!(preds.metadata.contains_key("mlp_recall"));
+    let out = dir.path().join("p.safetensors");
+    preds.save(&out, &e.model).unwrap();
+    let loaded = e.predictors(Some(&out)).unwrap().unwrap();
+    assert_eq!(loaded.mlp.len(), c.n_layers);
+    for (a, b) in preds.mlp.iter().zip(&loaded.mlp) {
+        assert_eq!((a.w1().data, a.w2().data), (b.w1().data, b.w2().data));
+    }
+    let pol = e.policy("dejavu:0.5", Some(&loaded)).unwrap();
+    let exec = e.executor();
+    let mut cache = e.new_cache();
+    exec.run(&TOKENS[..2], &mut cache, Plan::Policy(&pol), Logits::Last)
+        .unwrap();
+    exec.run(&TOKENS[2..3], &mut cache, Plan::Policy(&pol), Logits::Last)
+        .unwrap();
+    assert_eq!(cache.last_step().mlp_kept, c.n_layers * c.n_ff / 2);
+    // Without MLP predictors the rule is refused.
+    let mut no_mlp = loaded;
+    no_mlp.mlp.clear();
+    assert!(e.policy("dejavu:0.5", Some(&no_mlp)).is_err());
+}
