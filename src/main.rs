@@ -11,6 +11,8 @@ use dejavu::sampling::{Sampler, SamplerConfig};
 use dejavu::sparsity::SparsePlan;
 use std::io::{BufRead, Write};
 
+mod cmd_sparsity;
+
 #[derive(Parser)]
 #[command(
     name = "dejavu",
@@ -36,9 +38,9 @@ enum Command {
     /// Prefill and decode speed, llama-bench style (markdown to stdout; JSON/CSV on request).
     Bench(BenchArgs),
     /// Fit the sparsity predictors on text and store them with a recommended setting.
-    Calibrate(CalibrateArgs),
+    Calibrate(cmd_sparsity::CalibrateArgs),
     /// The quality/speed frontier of sparsity policies on a text: markdown, JSON and a PNG plot.
-    Report(ReportArgs),
+    Report(cmd_sparsity::ReportArgs),
     /// Print a GGUF file's metadata and tensor table.
     Inspect {
         /// The GGUF file.
@@ -215,79 +217,6 @@ struct BenchArgs {
 }
 
 #[derive(Args)]
-struct CalibrateArgs {
-    #[command(flatten)]
-    model: ModelArgs,
-    /// Calibration text files (documents separated by lines holding only ASCII RS, 0x1e).
-    /// Default: source code, package documentation and library reference text installed on this
-    /// machine (tools/calibration_text.py), plus text sampled from the model.
-    #[arg(long, num_args = 1..)]
-    data: Vec<std::path::PathBuf>,
-    /// Where to write the predictors (default: next to the model, where `--sparsity
-    /// recommended` looks).
-    #[arg(long)]
-    out: Option<std::path::PathBuf>,
-    /// Tokens of text to sample from the model with varied prompts and add to the data.
-    #[arg(long, default_value_t = 8192)]
-    sample_tokens: usize,
-    /// Characters of the default corpus.
-    #[arg(long, default_value_t = 120_000)]
-    corpus_chars: usize,
-    /// Rank of the output preview (a multiple of 32).
-    #[arg(long, default_value_t = 128)]
-    rank: usize,
-    /// Tokens held out to choose the recommended setting.
-    #[arg(long, default_value_t = 2048)]
-    validation_tokens: usize,
-    /// Largest perplexity increase the recommended setting may cost on the held-out tokens.
-    #[arg(long, default_value_t = 0.05)]
-    max_ppl_increase: f64,
-    /// Tokens per chunk.
-    #[arg(long, default_value_t = 512)]
-    ctx: usize,
-    /// Fit the predictors only; no search for a recommended setting.
-    #[arg(long)]
-    no_search: bool,
-    /// Tokens of MLP inputs the Deja Vu MLP predictors train on (0: do not train them).
-    #[arg(long, default_value_t = 3072)]
-    mlp_tokens: usize,
-    /// Rank of the MLP predictors (a multiple of 32).
-    #[arg(long, default_value_t = 64)]
-    mlp_rank: usize,
-    /// Seed of the sampling and of the document order.
-    #[arg(long, default_value_t = 7)]
-    seed: u64,
-}
-
-#[derive(Args)]
-struct ReportArgs {
-    #[command(flatten)]
-    model: ModelArgs,
-    /// The text to score (token by token, dense and every policy side by side).
-    #[arg(long, short)]
-    file: std::path::PathBuf,
-    /// Tokens per chunk.
-    #[arg(long, default_value_t = 512)]
-    ctx: usize,
-    /// Score at most this many chunks.
-    #[arg(long, default_value_t = 4)]
-    chunks: usize,
-    /// Policies, comma-separated (default: an oracle sweep, the cheap selectors, output heads,
-    /// combinations, and `recommended` when the model is calibrated).
-    #[arg(long, value_delimiter = ',')]
-    sparsity: Vec<String>,
-    /// Predictors file (default: the `dejavu calibrate` output next to the model).
-    #[arg(long)]
-    predictors: Option<std::path::PathBuf>,
-    /// Directory for `<model>.frontier.{md,json,png}`.
-    #[arg(long, default_value = "docs")]
-    out: std::path::PathBuf,
-    /// Only redraw the plot from the JSON a previous run wrote in `--out`.
-    #[arg(long)]
-    replot: bool,
-}
-
-#[derive(Args)]
 struct PerplexityArgs {
     #[command(flatten)]
     model: ModelArgs,
@@ -327,8 +256,8 @@ fn run(cli: Cli) -> Result<()> {
         Command::Chat(a) => cmd_chat(a),
         Command::Perplexity(a) => cmd_perplexity(a),
         Command::Inspect { path } => cmd_inspect(&path),
-        Command::Calibrate(a) => cmd_calibrate(a),
-        Command::Report(a) => cmd_report(a),
+        Command::Calibrate(a) => cmd_sparsity::cmd_calibrate(a),
+        Command::Report(a) => cmd_sparsity::cmd_report(a),
         Command::Fetch { name } => {
             let names: Vec<&str> = match name.as_deref() {
                 None => vec![fetch::DEFAULT_MODEL],
@@ -658,151 +587,6 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
     );
     println!("ppl: {:.4}", r.ppl);
     Ok(())
-}
-
-fn cmd_calibrate(a: CalibrateArgs) -> Result<()> {
-    use dejavu::calibrate::{self, CalibrateOptions};
-    let engine = a.model.load(None)?;
-    let mut docs = Vec::new();
-    let mut sources = Vec::new();
-    for f in &a.data {
-        let text =
-            std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
-        docs.extend(calibrate::split_documents(&text));
-        sources.push(f.display().to_string());
-    }
-    if a.data.is_empty() {
-        let corpus = calibrate::default_corpus(a.corpus_chars)?;
-        eprintln!("default corpus: {} documents", corpus.len());
-        docs.extend(corpus);
-        sources.push("tools/calibration_text.py".into());
-    }
-    if a.sample_tokens > 0 {
-        docs.extend(calibrate::sample_texts(&engine, a.sample_tokens, a.seed)?);
-        sources.push(format!("{} tokens sampled from the model", a.sample_tokens));
-    }
-    let tokens = calibrate::tokens_of(&engine, docs, a.seed)?;
-    let opts = CalibrateOptions {
-        ctx: a.ctx,
-        rank: a.rank,
-        validation_tokens: a.validation_tokens,
-        max_ppl_increase: a.max_ppl_increase,
-        no_search: a.no_search,
-        mlp_tokens: a.mlp_tokens,
-        mlp: dejavu::mlp_predictor::TrainOptions {
-            rank: a.mlp_rank,
-            ..Default::default()
-        },
-    };
-    let (preds, _) = calibrate::calibrate(&engine, &tokens, &sources.join("; "), &opts, |l| {
-        eprintln!("{l}")
-    })?;
-    let out = a
-        .out
-        .clone()
-        .unwrap_or_else(|| dejavu::predictors::Predictors::default_path(&engine.model.file.path));
-    preds.save(&out, &engine.model)?;
-    println!("{}", out.display());
-    if let Some(r) = preds.recommended() {
-        println!("recommended: {r}");
-    }
-    Ok(())
-}
-
-fn cmd_report(a: ReportArgs) -> Result<()> {
-    let text = std::fs::read_to_string(&a.file)
-        .with_context(|| format!("reading {}", a.file.display()))?;
-    let engine = a.model.load(Some(a.ctx))?;
-    let name = engine
-        .model
-        .file
-        .path
-        .file_stem()
-        .map_or("model".into(), |s| s.to_string_lossy().into_owned());
-    let file = |ext: &str| a.out.join(format!("{name}.frontier.{ext}"));
-    let preds = engine.predictors(a.predictors.as_deref())?;
-    let recall: Option<Vec<f64>> = preds
-        .as_ref()
-        .and_then(|p| p.metadata.get("mlp_recall"))
-        .map(|r| r.split(',').filter_map(|v| v.parse().ok()).collect());
-    if a.replot {
-        let json = std::fs::read_to_string(file("json"))
-            .with_context(|| format!("reading {}", file("json").display()))?;
-        let rows: Vec<dejavu::report::FrontierRow> = serde_json::from_str(&json)?;
-        dejavu::report::plot(&rows, recall.as_deref(), &name, &file("png"))?;
-        eprintln!("wrote {}", file("png").display());
-        return Ok(());
-    }
-    let mut tokens = engine.tokenizer.encode(&text)?;
-    tokens.truncate(a.chunks.saturating_mul(a.ctx));
-    let mut specs = a.sparsity.clone();
-    if specs.is_empty() {
-        specs = [
-            "oracle:0.8",
-            "oracle:0.6",
-            "oracle:0.5",
-            "oracle:0.4",
-            "gate-first:0.8",
-            "gate-first:0.7",
-            "gate-first:0.6",
-            "gate-first:0.5",
-            "up-first:0.8",
-            "up-first:0.7",
-            "up-first:0.6",
-        ]
-        .map(String::from)
-        .to_vec();
-        if preds.as_ref().is_some_and(|p| !p.mlp.is_empty()) {
-            specs.extend(["dejavu:0.8", "dejavu:0.7", "dejavu:0.5"].map(String::from));
-        }
-        // Output heads the stored preview supports (rank up to its own).
-        let rank = preds
-            .as_ref()
-            .and_then(|p| p.output.as_ref())
-            .map_or(0, |o| o.rank);
-        let vocab = engine.model.config.vocab_size;
-        for (r, c) in [(64, 4096), (128, 4096), (128, 16384)] {
-            let (r, c) = (r.min(rank), c.min(vocab / 4));
-            if r > 0 && !specs.contains(&format!("head:{r}:{c}")) {
-                specs.push(format!("head:{r}:{c}"));
-            }
-        }
-        if rank > 0 {
-            let (r, c) = (128.min(rank), 4096.min(vocab / 4));
-            specs.push(format!("gate-first:0.8+head:{r}:{c}"));
-            specs.push(format!("oracle:0.5+head:{r}:{c}"));
-        }
-        if preds.as_ref().is_some_and(|p| p.recommended().is_some()) {
-            specs.push("recommended".into());
-        }
-    }
-    let rows = dejavu::report::frontier(&engine, &tokens, a.ctx, &specs, preds.as_ref())?;
-    std::fs::create_dir_all(&a.out)?;
-    let md = format!(
-        "{} | {} | {} chunks of {} tokens of {} | {} threads, {} kernels | commit {}\n\n{}",
-        name,
-        bench_cpu(),
-        tokens.len() / a.ctx,
-        a.ctx,
-        a.file.display(),
-        engine.threads(),
-        engine.isa(),
-        dejavu::bench::COMMIT,
-        dejavu::report::markdown(&rows)
-    );
-    std::fs::write(file("md"), &md)?;
-    std::fs::write(file("json"), serde_json::to_string_pretty(&rows)?)?;
-    print!("{md}");
-    let base = file("*");
-    match dejavu::report::plot(&rows, recall.as_deref(), &name, &file("png")) {
-        Ok(()) => eprintln!("wrote {} (md, json, png)", base.display()),
-        Err(e) => eprintln!("wrote {} (md, json); no plot: {e}", base.display()),
-    }
-    Ok(())
-}
-
-fn bench_cpu() -> String {
-    dejavu::bench::cpu_model()
 }
 
 fn cmd_inspect(path: &std::path::Path) -> Result<()> {
