@@ -220,6 +220,7 @@ pub fn plot(rows: &[FrontierRow], recall: Option<&[f64]>, title: &str, path: &Pa
         }
         chart
             .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
             .background_style(WHITE.mix(0.8))
             .border_style(BLACK)
             .label_font(("sans-serif", 12))
@@ -263,6 +264,7 @@ pub fn plot(rows: &[FrontierRow], recall: Option<&[f64]>, title: &str, path: &Pa
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 12, y)], BLACK.mix(0.4)));
         chart
             .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
             .background_style(WHITE.mix(0.8))
             .border_style(BLACK)
             .label_font(("sans-serif", 12))
