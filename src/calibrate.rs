@@ -140,8 +140,8 @@ pub fn calibrate(
     let mut preds = Predictors {
         path: None,
         metadata: metadata.clone(),
-        output: Some(preview),
-        mlp,
+        output: Some(std::sync::Arc::new(preview)),
+        mlp: mlp.into(),
     };
     let mut tried = Vec::new();
     if !opts.no_search {

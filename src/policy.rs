@@ -16,9 +16,11 @@ use crate::mlp_predictor::MlpPredictor;
 use crate::predictors::{OutputPreview, Predictors};
 use crate::sparsity::MlpRule;
 use crate::{Error, Result};
+use std::sync::Arc;
 
 pub struct OutputRule {
-    pub preview: OutputPreview,
+    /// Shared with the predictors it came from when the rank is the stored one.
+    pub preview: Arc<OutputPreview>,
     pub candidates: usize,
 }
 
@@ -28,7 +30,7 @@ pub struct Policy {
     pub mlp: Vec<MlpRule>,
     pub output: Option<OutputRule>,
     /// One per layer for `dejavu` rules (empty otherwise).
-    pub mlp_predictors: Vec<MlpPredictor>,
+    pub mlp_predictors: Arc<[MlpPredictor]>,
 }
 
 impl Policy {
@@ -37,7 +39,7 @@ impl Policy {
             name: "dense".into(),
             mlp: vec![MlpRule::Dense; cfg.n_layers],
             output: None,
-            mlp_predictors: Vec::new(),
+            mlp_predictors: Arc::new([]),
         }
     }
 

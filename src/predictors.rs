@@ -19,6 +19,7 @@ use dejavu_backend_api::{quantize, QuantType, Weight};
 use half::f16;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 pub const FORMAT: &str = "dejavu-predictors";
 pub const VERSION: u32 = 1;
@@ -76,9 +77,9 @@ impl OutputPreview {
     }
 
     /// The rank-`r` preview (its first `r` components), `r` a multiple of 32 up to `self.rank`.
-    pub fn truncated(&self, r: usize) -> Result<Self> {
+    pub fn truncated(self: &Arc<Self>, r: usize) -> Result<Arc<Self>> {
         if r == self.rank {
-            return Ok(self.clone_inner());
+            return Ok(self.clone());
         }
         if r == 0 || r % QK != 0 || r > self.rank {
             return Err(Error::Invalid(format!(
@@ -96,23 +97,13 @@ impl OutputPreview {
             .flat_map(|row| &row[..dst_row])
             .copied()
             .collect();
-        Ok(Self {
+        Ok(Arc::new(Self {
             rank: r,
             d: self.d,
             vocab: self.vocab,
             proj: self.proj[..r * self.d].to_vec(),
             table,
-        })
-    }
-
-    fn clone_inner(&self) -> Self {
-        Self {
-            rank: self.rank,
-            d: self.d,
-            vocab: self.vocab,
-            proj: self.proj.clone(),
-            table: self.table.clone(),
-        }
+        }))
     }
 }
 
@@ -120,9 +111,9 @@ impl OutputPreview {
 pub struct Predictors {
     pub path: Option<PathBuf>,
     pub metadata: HashMap<String, String>,
-    pub output: Option<OutputPreview>,
+    pub output: Option<Arc<OutputPreview>>,
     /// Deja Vu MLP predictors, one per layer (empty when not trained).
-    pub mlp: Vec<MlpPredictor>,
+    pub mlp: Arc<[MlpPredictor]>,
 }
 
 /// A Q8_0 matrix stored as two tensors: `NAME.qs` (I8, rows x cols) and `NAME.d` (F16, rows x
@@ -245,13 +236,13 @@ impl Predictors {
                     .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
                     .collect();
                 let table = read_q8(&f, "output.preview", c.vocab_size, rank).map_err(bad)?;
-                Some(OutputPreview {
+                Some(Arc::new(OutputPreview {
                     rank,
                     d: c.d_model,
                     vocab: c.vocab_size,
                     proj,
                     table,
-                })
+                }))
             }
             None => None,
         };
@@ -269,7 +260,7 @@ impl Predictors {
             path: Some(path.to_path_buf()),
             metadata: f.metadata.clone(),
             output,
-            mlp,
+            mlp: mlp.into(),
         })
     }
 

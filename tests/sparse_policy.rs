@@ -458,7 +458,7 @@ fn dejavu_predictors_round_trip() {
     preds.save(&out, &e.model).unwrap();
     let loaded = e.predictors(Some(&out)).unwrap().unwrap();
     assert_eq!(loaded.mlp.len(), c.n_layers);
-    for (a, b) in preds.mlp.iter().zip(&loaded.mlp) {
+    for (a, b) in preds.mlp.iter().zip(loaded.mlp.iter()) {
         assert_eq!((a.w1().data, a.w2().data), (b.w1().data, b.w2().data));
     }
     let pol = e.policy("dejavu:0.5", Some(&loaded)).unwrap();
@@ -471,6 +471,6 @@ fn dejavu_predictors_round_trip() {
     assert_eq!(cache.last_step().mlp_kept, c.n_layers * c.n_ff / 2);
     // Without MLP predictors the rule is refused.
     let mut no_mlp = loaded;
-    no_mlp.mlp.clear();
+    no_mlp.mlp = Vec::new().into();
     assert!(e.policy("dejavu:0.5", Some(&no_mlp)).is_err());
 }
