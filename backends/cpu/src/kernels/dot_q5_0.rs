@@ -5,22 +5,7 @@
 use crate::isa::Isa;
 use dejavu_backend_api::quant::{BlockQ5_0, BlockQ8A, QK};
 
-/// The tier's kernel; `prefetch`: it prefetches the weight bytes ahead of the row it reads
-/// (dense products; sparse row loops prefetch the selected rows themselves).
-pub fn select(isa: Isa, prefetch: bool) -> super::table::DotQ8AFn {
-    match (isa, prefetch) {
-        #[cfg(target_arch = "x86_64")]
-        (Isa::Avx512, true) => avx512::<true>,
-        #[cfg(target_arch = "x86_64")]
-        (Isa::Avx512, false) => avx512::<false>,
-        #[cfg(target_arch = "x86_64")]
-        (Isa::Avx2, true) => avx2::<true>,
-        #[cfg(target_arch = "x86_64")]
-        (Isa::Avx2, false) => avx2::<false>,
-        (Isa::Portable, _) => portable,
-        _ => scalar,
-    }
-}
+select_q8a_kernel!();
 
 fn blocks(row: &[u8]) -> &[BlockQ5_0] {
     bytemuck::cast_slice(row)

@@ -1,6 +1,29 @@
 //! Per-ISA kernels: one operation per file, each with its scalar reference, its SIMD tiers and a
 //! test comparing every tier this CPU supports with the reference. [`table`] picks one function
 //! per (operation, weight type) for the selected [`crate::isa::Isa`].
+/// The `select(isa, prefetch)` of a quantized dot kernel file: the file's `avx512::<PF>` and
+/// `avx2::<PF>` (x86-64; `PF`: the kernel prefetches the weight bytes ahead of the row it reads,
+/// for dense products; sparse row loops prefetch the selected rows themselves), `portable` and
+/// `scalar` functions, chosen by tier.
+macro_rules! select_q8a_kernel {
+    () => {
+        pub fn select(isa: Isa, prefetch: bool) -> super::table::DotQ8AFn {
+            match (isa, prefetch) {
+                #[cfg(target_arch = "x86_64")]
+                (Isa::Avx512, true) => avx512::<true>,
+                #[cfg(target_arch = "x86_64")]
+                (Isa::Avx512, false) => avx512::<false>,
+                #[cfg(target_arch = "x86_64")]
+                (Isa::Avx2, true) => avx2::<true>,
+                #[cfg(target_arch = "x86_64")]
+                (Isa::Avx2, false) => avx2::<false>,
+                (Isa::Portable, _) => portable,
+                _ => scalar,
+            }
+        }
+    };
+}
+
 pub mod axpy;
 pub mod axpy_q;
 pub mod dequantize;
