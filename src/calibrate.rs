@@ -15,7 +15,7 @@
 use crate::engine::Engine;
 use crate::executor::Logits;
 use crate::mlp_predictor::{MlpPredictor, TrainOptions};
-use crate::perplexity::{compare_many, Comparison};
+use crate::perplexity::{compare_specs, Comparison};
 use crate::policy::Policy;
 use crate::predictors::{OutputPreview, Predictors};
 use crate::sparsity::SparsePlan;
@@ -320,18 +320,9 @@ fn search(
                 tried: &mut Vec<Candidate>,
                 log: &mut dyn FnMut(&str)|
      -> Result<Vec<Candidate>> {
-        let pols = specs
-            .iter()
-            .map(|s| engine.policy(s, Some(preds)))
-            .collect::<Result<Vec<Policy>>>()?;
-        let refs: Vec<&Policy> = pols.iter().collect();
-        let bar = crate::progress::bar((val.len() / ctx) as u64, "search");
-        let rs = compare_many(engine, val, ctx, &refs, |i, _, _, _| {
-            bar.set_position(i as u64)
-        })?;
-        bar.finish_and_clear();
+        let rs = compare_specs(engine, val, ctx, specs, Some(preds), "search")?;
         let mut out = Vec::new();
-        for (spec, r) in specs.iter().zip(rs) {
+        for (spec, (_, r)) in specs.iter().zip(rs) {
             let cand = Candidate {
                 spec: spec.clone(),
                 result: r,

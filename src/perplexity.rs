@@ -214,6 +214,29 @@ pub fn compare_many(
         .collect())
 }
 
+/// [`compare_many`] for policy specs (`--sparsity` strings), with a progress bar labelled
+/// `what`; returns each parsed policy with its comparison.
+pub fn compare_specs(
+    engine: &Engine,
+    tokens: &[u32],
+    ctx: usize,
+    specs: &[String],
+    predictors: Option<&crate::predictors::Predictors>,
+    what: &str,
+) -> Result<Vec<(crate::policy::Policy, Comparison)>> {
+    let pols = specs
+        .iter()
+        .map(|s| engine.policy(s, predictors))
+        .collect::<Result<Vec<_>>>()?;
+    let refs: Vec<&crate::policy::Policy> = pols.iter().collect();
+    let bar = crate::progress::bar((tokens.len() / ctx) as u64, what);
+    let rs = compare_many(engine, tokens, ctx, &refs, |i, _, _, _| {
+        bar.set_position(i as u64)
+    })?;
+    bar.finish_and_clear();
+    Ok(pols.into_iter().zip(rs).collect())
+}
+
 fn log_softmax(logits: &[f32]) -> impl Iterator<Item = f64> + '_ {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
     let lse = logits

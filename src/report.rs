@@ -5,7 +5,7 @@
 //! KL divergence, top-1 agreement, weight bytes read per token, MLP density, and the decode
 //! speedup measured on the same scored steps, dense and sparse interleaved token by token.
 use crate::engine::Engine;
-use crate::perplexity::{compare_many, Comparison};
+use crate::perplexity::{compare_specs, Comparison};
 use crate::policy::Policy;
 use crate::predictors::Predictors;
 use crate::{Error, Result};
@@ -49,21 +49,11 @@ pub fn frontier(
     specs: &[String],
     predictors: Option<&Predictors>,
 ) -> Result<Vec<FrontierRow>> {
-    let pols = specs
-        .iter()
-        .map(|s| engine.policy(s, predictors))
-        .collect::<Result<Vec<Policy>>>()?;
-    let refs: Vec<&Policy> = pols.iter().collect();
-    let bar = crate::progress::bar((tokens.len() / ctx) as u64, "chunks");
-    let rs = compare_many(engine, tokens, ctx, &refs, |i, _, _, _| {
-        bar.set_position(i as u64)
-    })?;
-    bar.finish_and_clear();
+    let evaluated = compare_specs(engine, tokens, ctx, specs, predictors, "chunks")?;
     let dense_bytes = engine.model.dense_bytes_per_token() as f64;
-    Ok(pols
-        .iter()
-        .zip(rs)
-        .map(|(p, r): (&Policy, Comparison)| FrontierRow {
+    Ok(evaluated
+        .into_iter()
+        .map(|(p, r): (Policy, Comparison)| FrontierRow {
             policy: p.name.clone(),
             family: family(&p.name),
             ppl_dense: r.dense.ppl,

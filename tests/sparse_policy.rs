@@ -266,6 +266,17 @@ fn run_cli(args: &[&str]) -> std::process::Output {
         .unwrap()
 }
 
+/// Run `dejavu args...`, assert it succeeded, return its stdout.
+fn cli_ok(args: &[&str]) -> String {
+    let out = run_cli(args);
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 /// `calibrate` writes predictors next to the model with a recommended setting, which
 /// `generate`, `perplexity` and `bench` then use; bad specs exit 1 with a message.
 #[test]
@@ -278,7 +289,7 @@ fn cli_calibrate_then_use() {
     let text =
         "Sparse models skip work. The cat sat on the mat. let x = vec![1, 2, 3];\n".repeat(40);
     std::fs::write(&data, &text).unwrap();
-    let out = run_cli(&[
+    let stdout = cli_ok(&[
         "calibrate",
         "-m",
         m,
@@ -293,19 +304,13 @@ fn cli_calibrate_then_use() {
         "--validation-tokens",
         "64",
     ]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     let preds = Predictors::default_path(&model);
     assert!(
         preds.exists() && stdout.contains("recommended:"),
         "{stdout}"
     );
 
-    let out = run_cli(&[
+    cli_ok(&[
         "generate",
         "-m",
         m,
@@ -318,12 +323,7 @@ fn cli_calibrate_then_use() {
         "--sparsity",
         "recommended",
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let out = run_cli(&[
+    let stdout = cli_ok(&[
         "perplexity",
         "-m",
         m,
@@ -336,12 +336,6 @@ fn cli_calibrate_then_use() {
         "--sparsity",
         "gate-first:0.5+head:32:8",
     ]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     for key in [
         "ppl dense",
         "ppl sparse",
@@ -351,7 +345,7 @@ fn cli_calibrate_then_use() {
     ] {
         assert!(stdout.contains(key), "{key} missing: {stdout}");
     }
-    let out = run_cli(&[
+    let stdout = cli_ok(&[
         "bench",
         "-m",
         m,
@@ -366,12 +360,6 @@ fn cli_calibrate_then_use() {
         "--sparsity",
         "dense,gate-first:0.5,head:32:8",
     ]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     assert!(
         stdout.contains("| gate-first:0.5 |") && stdout.contains("| head:32:8 |"),
         "{stdout}"
@@ -382,7 +370,7 @@ fn cli_calibrate_then_use() {
     );
 
     let docs = dir.path().join("docs");
-    let out = run_cli(&[
+    let stdout = cli_ok(&[
         "report",
         "-m",
         m,
@@ -395,12 +383,6 @@ fn cli_calibrate_then_use() {
         "--out",
         docs.to_str().unwrap(),
     ]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     assert!(
         stdout.contains("| oracle:0.5 |") && stdout.contains("| recommended ("),
         "{stdout}"
