@@ -40,8 +40,14 @@ pub struct BenchResult {
     pub speedup_vs_dense: Option<f64>,
     /// Mean fraction of MLP neurons computed.
     pub mlp_density: f64,
+    /// Mean fraction of query heads computed.
+    pub head_density: f64,
     /// Mean output rows computed exactly per step.
     pub exact_logits: f64,
+    /// Learned predictors: their time per token (ms) and the fraction of it hidden from the main
+    /// thread by lookahead (`None`: no learned predictors).
+    pub predict_ms: Option<f64>,
+    pub predict_hidden: Option<f64>,
     pub samples: Vec<f64>,
     /// Decode tests: resident memory at the end of the last repetition.
     pub memory: Option<Memory>,
@@ -139,23 +145,37 @@ pub struct StepTotals {
     pub weight_bytes: f64,
     pub mlp_kept: f64,
     pub mlp_total: f64,
+    pub heads_kept: f64,
+    pub heads_total: f64,
     pub exact_logits: f64,
+    pub predict_ns: f64,
+    pub predict_wait_ns: f64,
 }
 
 impl StepTotals {
     pub fn add(&mut self, s: StepStats) {
-        self.n += 1;
-        self.weight_bytes += s.weight_bytes as f64;
-        self.mlp_kept += s.mlp_kept as f64;
-        self.mlp_total += s.mlp_total as f64;
-        self.exact_logits += s.exact_logits as f64;
+        self.add_all(&StepTotals {
+            n: 1,
+            weight_bytes: s.weight_bytes as f64,
+            mlp_kept: s.mlp_kept as f64,
+            mlp_total: s.mlp_total as f64,
+            heads_kept: s.heads_kept as f64,
+            heads_total: s.heads_total as f64,
+            exact_logits: s.exact_logits as f64,
+            predict_ns: s.predict_ns as f64,
+            predict_wait_ns: s.predict_wait_ns as f64,
+        });
     }
     pub fn add_all(&mut self, o: &StepTotals) {
         self.n += o.n;
         self.weight_bytes += o.weight_bytes;
         self.mlp_kept += o.mlp_kept;
         self.mlp_total += o.mlp_total;
+        self.heads_kept += o.heads_kept;
+        self.heads_total += o.heads_total;
         self.exact_logits += o.exact_logits;
+        self.predict_ns += o.predict_ns;
+        self.predict_wait_ns += o.predict_wait_ns;
     }
     pub fn mean_bytes(&self) -> f64 {
         self.weight_bytes / self.n.max(1) as f64
@@ -164,8 +184,20 @@ impl StepTotals {
     pub fn mlp_density(&self) -> f64 {
         self.mlp_kept / self.mlp_total.max(1.0)
     }
+    /// Mean fraction of query heads computed.
+    pub fn head_density(&self) -> f64 {
+        self.heads_kept / self.heads_total.max(1.0)
+    }
     pub fn mean_exact_logits(&self) -> f64 {
         self.exact_logits / self.n.max(1) as f64
+    }
+    /// Learned predictors' time per step in ms (`None`: none ran).
+    pub fn predict_ms(&self) -> Option<f64> {
+        (self.predict_ns > 0.0).then(|| self.predict_ns / self.n.max(1) as f64 / 1e6)
+    }
+    /// Fraction of the predictors' time the main thread did not spend on them (lookahead).
+    pub fn predict_hidden(&self) -> Option<f64> {
+        (self.predict_ns > 0.0).then(|| 1.0 - self.predict_wait_ns / self.predict_ns)
     }
 }
 
@@ -196,8 +228,9 @@ pub fn markdown(results: &[BenchResult]) -> String {
         );
     }
     s += "| isa | threads | sparsity | test | t/s (median ± sd) | speedup | weight GB/s \
-          | weight MB/token | MLP density | exact logits | RSS MiB = weights + KV + other |\n";
-    s += "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|\n";
+          | weight MB/token | MLP density | head density | exact logits \
+          | predictors ms/token (hidden) | RSS MiB = weights + KV + other |\n";
+    s += "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|\n";
     for r in results {
         let mem = r.memory.map_or(String::from("-"), |m| {
             format!(
@@ -208,8 +241,12 @@ pub fn markdown(results: &[BenchResult]) -> String {
         let speedup = r
             .speedup_vs_dense
             .map_or(String::from("-"), |x| format!("{x:.2}x"));
+        let pred = match (r.predict_ms, r.predict_hidden) {
+            (Some(ms), Some(h)) => format!("{ms:.3} ({:.0}%)", h * 100.0),
+            _ => "-".into(),
+        };
         s += &format!(
-            "| {} | {} | {} | {} | {:.1} ± {:.1} | {} | {:.1} | {:.1} | {:.2} | {:.0} | {} |\n",
+            "| {} | {} | {} | {} | {:.1} ± {:.1} | {} | {:.1} | {:.1} | {:.2} | {:.2} | {:.0} | {} | {} |\n",
             r.isa,
             r.threads,
             r.sparsity,
@@ -220,7 +257,9 @@ pub fn markdown(results: &[BenchResult]) -> String {
             r.weight_gb_per_s,
             r.weight_bytes_per_token / 1e6,
             r.mlp_density,
+            r.head_density,
             r.exact_logits,
+            pred,
             mem
         );
     }
@@ -228,10 +267,10 @@ pub fn markdown(results: &[BenchResult]) -> String {
 }
 
 pub fn csv(results: &[BenchResult]) -> String {
-    let mut s = String::from("model,commit,cpu,isa,threads,sparsity,test,n_tokens,tok_per_s_median,tok_per_s_stddev,weight_gb_per_s,weight_bytes_per_token,speedup_vs_dense,mlp_density,exact_logits\n");
+    let mut s = String::from("model,commit,cpu,isa,threads,sparsity,test,n_tokens,tok_per_s_median,tok_per_s_stddev,weight_gb_per_s,weight_bytes_per_token,speedup_vs_dense,mlp_density,head_density,exact_logits,predict_ms,predict_hidden\n");
     for r in results {
         s += &format!(
-            "{},{},\"{}\",{},{},\"{}\",{},{},{:.3},{:.3},{:.3},{:.0},{},{:.4},{:.1}\n",
+            "{},{},\"{}\",{},{},\"{}\",{},{},{:.3},{:.3},{:.3},{:.0},{},{:.4},{:.4},{:.1},{},{}\n",
             r.model,
             r.commit,
             r.cpu,
@@ -247,7 +286,11 @@ pub fn csv(results: &[BenchResult]) -> String {
             r.speedup_vs_dense
                 .map_or(String::new(), |x| format!("{x:.4}")),
             r.mlp_density,
-            r.exact_logits
+            r.head_density,
+            r.exact_logits,
+            r.predict_ms.map_or(String::new(), |x| format!("{x:.4}")),
+            r.predict_hidden
+                .map_or(String::new(), |x| format!("{x:.4}")),
         );
     }
     s

@@ -7,16 +7,17 @@
 //! 3. The output preview (see [`crate::predictors`]): with Sigma = L L (L its symmetric square
 //!    root, small eigenvalues floored), the top `rank` eigenvectors V of `L E^T E L` (the right
 //!    singular vectors of E L) give `proj = V^T L^-1` and `table = E L V`.
-//! 4. The search: candidate policies (output head alone, then MLP rules with the chosen head) are
+//! 4. The search: candidate policies (output head alone, then MLP rules with the chosen head, then
+//!    query-head rules on top of the best so far) are
 //!    scored on the held-out tokens against dense decoding, token by token with dense and sparse
 //!    steps interleaved (so both see the same machine conditions); the recommended setting is
 //!    the fastest (measured decode speedup) whose perplexity stays within `max_ppl_increase` of
 //!    dense.
 use crate::engine::Engine;
 use crate::executor::Logits;
-use crate::mlp_predictor::{MlpPredictor, TrainOptions};
 use crate::perplexity::{compare_specs, Comparison};
 use crate::policy::Policy;
+use crate::predictor::{HeadPredictor, MlpPredictor, TrainOptions};
 use crate::predictors::{OutputPreview, Predictors};
 use crate::sparsity::SparsePlan;
 use crate::{Error, Result};
@@ -35,10 +36,11 @@ pub struct CalibrateOptions {
     pub max_ppl_increase: f64,
     /// Skip the search (predictors only).
     pub no_search: bool,
-    /// Tokens of MLP inputs to train the Deja Vu MLP predictors on (0: none).
+    /// Tokens to train the Deja Vu MLP and head predictors on (0: none).
     pub mlp_tokens: usize,
     /// Their settings.
     pub mlp: TrainOptions,
+    pub heads: TrainOptions,
 }
 
 impl Default for CalibrateOptions {
@@ -51,6 +53,12 @@ impl Default for CalibrateOptions {
             no_search: false,
             mlp_tokens: 3072,
             mlp: TrainOptions::default(),
+            heads: TrainOptions {
+                rank: 32,
+                label_keep: 0.5,
+                epochs: 16,
+                ..TrainOptions::default()
+            },
         }
     }
 }
@@ -111,37 +119,38 @@ pub fn calibrate(
         ("validation_tokens".to_string(), val.len().to_string()),
         ("sources".to_string(), sources.to_string()),
     ]);
-    let mut mlp = Vec::new();
+    let (mut mlp, mut heads) = (Vec::new(), Vec::new());
     if opts.mlp_tokens > 0 {
-        let (preds, recall) = train_mlp(
+        let t = train_predictors(
             engine,
             &train[..opts.mlp_tokens.min(train.len())],
             ctx,
             &opts.mlp,
+            &opts.heads,
         )?;
-        let mean = recall.iter().sum::<f64>() / recall.len().max(1) as f64;
-        log(&format!(
-            "MLP predictors: rank {}, {:.1} MB; held-out recall of the top {:.0}%: mean {mean:.3}, per layer {}",
-            opts.mlp.rank,
-            preds.iter().map(|p| p.bytes()).sum::<usize>() as f64 / 1e6,
-            opts.mlp.label_keep * 100.0,
-            recall.iter().map(|r| format!("{r:.2}")).collect::<Vec<_>>().join(" ")
-        ));
-        metadata.insert(
-            "mlp_recall".into(),
-            recall
-                .iter()
-                .map(|r| format!("{r:.4}"))
-                .collect::<Vec<_>>()
-                .join(","),
-        );
-        mlp = preds;
+        for (what, o, recall, key) in [
+            ("MLP", &opts.mlp, &t.mlp_recall, "mlp_recall"),
+            ("head", &opts.heads, &t.head_recall, "head_recall"),
+        ] {
+            let mean = recall.iter().sum::<f64>() / recall.len().max(1) as f64;
+            let per_layer: Vec<String> = recall.iter().map(|r| format!("{r:.2}")).collect();
+            log(&format!(
+                "{what} predictors: rank {}; held-out recall of the top {:.0}%: mean {mean:.3}, per layer {}",
+                o.rank,
+                o.label_keep * 100.0,
+                per_layer.join(" ")
+            ));
+            let stored: Vec<String> = recall.iter().map(|r| format!("{r:.4}")).collect();
+            metadata.insert(key.into(), stored.join(","));
+        }
+        (mlp, heads) = (t.mlp, t.heads);
     }
     let mut preds = Predictors {
         path: None,
         metadata: metadata.clone(),
         output: Some(std::sync::Arc::new(preview)),
         mlp: mlp.into(),
+        heads: heads.into(),
     };
     let mut tried = Vec::new();
     if !opts.no_search {
@@ -156,49 +165,69 @@ pub fn calibrate(
     Ok((preds, tried))
 }
 
-/// Train one [`MlpPredictor`] per layer on the MLP inputs of `tokens` (dense forward passes in
-/// chunks of `ctx`); returns them with their held-out recalls.
-pub fn train_mlp(
+/// Trained predictors with their held-out recalls, per layer.
+pub struct Trained {
+    pub mlp: Vec<MlpPredictor>,
+    pub mlp_recall: Vec<f64>,
+    pub heads: Vec<HeadPredictor>,
+    pub head_recall: Vec<f64>,
+}
+
+/// Train one [`MlpPredictor`] and one [`HeadPredictor`] per layer on `tokens` (dense forward
+/// passes in chunks of `ctx`, capturing each layer's inputs). Inputs are the lookahead ones:
+/// MLP predictor `l` reads layer `l`'s attention input; head predictor `l` reads layer `l - 1`'s
+/// (layer 0: its own) and is labelled by the norms of layer `l`'s head outputs.
+pub fn train_predictors(
     engine: &Engine,
     tokens: &[u32],
     ctx: usize,
-    o: &TrainOptions,
-) -> Result<(Vec<MlpPredictor>, Vec<f64>)> {
+    mlp_opts: &TrainOptions,
+    head_opts: &TrainOptions,
+) -> Result<Trained> {
     let m = &engine.model;
     let c = &m.config;
     let (d, ff) = (c.d_model, c.n_ff);
     let exec = engine.executor();
     let plan = SparsePlan::dense(c);
     let mut cache = engine.new_cache();
-    cache.capture = Some(Vec::new());
+    cache.capture = Some(Default::default());
     for chunk in tokens.chunks(ctx).filter(|ch| ch.len() >= 2) {
         cache.clear();
         let n = chunk.len();
         exec.forward(chunk, &mut cache, &plan, Logits::Hidden(n - 1, n))?;
     }
-    let captured = cache.capture.take().unwrap_or_default();
+    let cap = cache.capture.take().unwrap_or_default();
     let b = engine.backend();
     let full = dejavu_backend_api::IndexSet::full(ff);
-    let bar = crate::progress::bar(c.n_layers as u64, "MLP predictors");
-    let mut out = Vec::new();
-    let mut recall = Vec::new();
-    for (l, x) in captured.iter().enumerate() {
-        let n = x.len() / d;
+    let bar = crate::progress::bar(c.n_layers as u64, "MLP and head predictors");
+    let mut t = Trained {
+        mlp: Vec::new(),
+        mlp_recall: Vec::new(),
+        heads: Vec::new(),
+        head_recall: Vec::new(),
+    };
+    for l in 0..c.n_layers {
+        let (x, h) = (&cap.attn_in[l], &cap.mlp_in[l]);
+        let n = h.len() / d;
         let (mut g, mut u) = (vec![0f32; n * ff], vec![0f32; n * ff]);
-        b.matmul(&m.weight(&m.layers[l].w_gate), &full, x, &mut g);
-        b.matmul(&m.weight(&m.layers[l].w_up), &full, x, &mut u);
+        b.matmul(&m.weight(&m.layers[l].w_gate), &full, h, &mut g);
+        b.matmul(&m.weight(&m.layers[l].w_up), &full, h, &mut u);
         let act: Vec<f32> = g
             .iter()
             .zip(&u)
             .map(|(&g, &u)| (g / (1.0 + (-g).exp()) * u).abs())
             .collect();
-        let (p, r) = MlpPredictor::train(x, &act, d, ff, o)?;
-        out.push(p);
-        recall.push(r);
+        let (p, r) = MlpPredictor::train(x, &act, d, ff, mlp_opts)?;
+        t.mlp.push(p);
+        t.mlp_recall.push(r);
+        let prev = &cap.attn_in[l.saturating_sub(1)];
+        let (p, r) = HeadPredictor::train(prev, &cap.head_norm[l], d, c.n_heads, head_opts)?;
+        t.heads.push(p);
+        t.head_recall.push(r);
         bar.inc(1);
     }
     bar.finish_and_clear();
-    Ok((out, recall))
+    Ok(t)
 }
 
 /// Sigma = mean over tokens of h h^T, h the final normed hidden state (f64, d x d).
@@ -312,7 +341,9 @@ fn search(
     .map(String::from)
     .to_vec();
     if preds.mlp.len() == c.n_layers {
-        mlps.extend(["dejavu:0.8", "dejavu:0.7"].map(String::from));
+        mlps.extend(
+            ["dejavu:0.8+lookahead", "dejavu:0.8", "dejavu:0.7+lookahead"].map(String::from),
+        );
     }
     let budget = 1.0 + opts.max_ppl_increase;
     // Evaluate a stage's candidates in one pass (one dense decode per token for all of them).
@@ -356,6 +387,28 @@ fn search(
     let specs: Vec<String> = mlps
         .iter()
         .map(|m| head.as_ref().map_or(m.clone(), |h| format!("{m}+{h}")))
+        .collect();
+    for x in eval(&specs, tried, log)? {
+        if fits(&x) && best.as_ref().map_or(true, |b| cost(&x) < cost(b)) {
+            best = Some(x);
+        }
+    }
+    // Stage 3: query heads on top of the best so far.
+    log("search, stage 3: attention heads");
+    let base = best.as_ref().map(|b| b.spec.clone());
+    let mut attn = vec!["attn-norm:0.8".to_string(), "attn-norm:0.7".to_string()];
+    if preds.heads.len() == c.n_layers {
+        attn.push("dejavu-attn:0.8".into());
+    }
+    let specs: Vec<String> = attn
+        .iter()
+        .map(|a| {
+            let mut spec = base.as_ref().map_or(a.clone(), |b| format!("{b}+{a}"));
+            if a.starts_with("dejavu") && !spec.contains("lookahead") {
+                spec.push_str("+lookahead");
+            }
+            spec
+        })
         .collect();
     for x in eval(&specs, tried, log)? {
         if fits(&x) && best.as_ref().map_or(true, |b| cost(&x) < cost(b)) {

@@ -38,7 +38,7 @@ pub struct CalibrateArgs {
     /// Fit the predictors only; no search for a recommended setting.
     #[arg(long)]
     pub no_search: bool,
-    /// Tokens of MLP inputs the Deja Vu MLP predictors train on (0: do not train them).
+    /// Tokens the Deja Vu MLP and head predictors train on (0: do not train them).
     #[arg(long, default_value_t = 3072)]
     pub mlp_tokens: usize,
     /// Rank of the MLP predictors (a multiple of 32).
@@ -106,10 +106,11 @@ pub fn cmd_calibrate(a: CalibrateArgs) -> Result<()> {
         max_ppl_increase: a.max_ppl_increase,
         no_search: a.no_search,
         mlp_tokens: a.mlp_tokens,
-        mlp: dejavu::mlp_predictor::TrainOptions {
+        mlp: dejavu::predictor::TrainOptions {
             rank: a.mlp_rank,
             ..Default::default()
         },
+        ..CalibrateOptions::default()
     };
     let (preds, _) = calibrate::calibrate(&engine, &tokens, &sources.join("; "), &opts, |l| {
         eprintln!("{l}")
@@ -138,15 +139,24 @@ pub fn cmd_report(a: ReportArgs) -> Result<()> {
         .map_or("model".into(), |s| s.to_string_lossy().into_owned());
     let file = |ext: &str| a.out.join(format!("{name}.frontier.{ext}"));
     let preds = engine.predictors(a.predictors.as_deref())?;
-    let recall: Option<Vec<f64>> = preds
-        .as_ref()
-        .and_then(|p| p.metadata.get("mlp_recall"))
-        .map(|r| r.split(',').filter_map(|v| v.parse().ok()).collect());
+    // Held-out recall per layer of each kind of learned predictor, with its chance level.
+    let recall: Vec<dejavu::report::Recall> =
+        [("MLP", "mlp_recall", 0.3), ("heads", "head_recall", 0.5)]
+            .into_iter()
+            .filter_map(|(what, key, chance)| {
+                let r = preds.as_ref()?.metadata.get(key)?;
+                Some(dejavu::report::Recall {
+                    what: what.into(),
+                    per_layer: r.split(',').filter_map(|v| v.parse().ok()).collect(),
+                    chance,
+                })
+            })
+            .collect();
     if a.replot {
         let json = std::fs::read_to_string(file("json"))
             .with_context(|| format!("reading {}", file("json").display()))?;
         let rows: Vec<dejavu::report::FrontierRow> = serde_json::from_str(&json)?;
-        dejavu::report::plot(&rows, recall.as_deref(), &name, &file("png"))?;
+        dejavu::report::plot(&rows, &recall, &name, &file("png"))?;
         eprintln!("wrote {}", file("png").display());
         return Ok(());
     }
@@ -170,7 +180,19 @@ pub fn cmd_report(a: ReportArgs) -> Result<()> {
         .map(String::from)
         .to_vec();
         if preds.as_ref().is_some_and(|p| !p.mlp.is_empty()) {
-            specs.extend(["dejavu:0.8", "dejavu:0.7", "dejavu:0.5"].map(String::from));
+            specs.extend(
+                [
+                    "dejavu:0.8",
+                    "dejavu:0.8+lookahead",
+                    "dejavu:0.7",
+                    "dejavu:0.5",
+                ]
+                .map(String::from),
+            );
+        }
+        specs.extend(["attn-norm:0.8", "attn-norm:0.6"].map(String::from));
+        if preds.as_ref().is_some_and(|p| !p.heads.is_empty()) {
+            specs.extend(["dejavu-attn:0.8", "dejavu-attn:0.8+lookahead"].map(String::from));
         }
         // Output heads the stored preview supports (rank up to its own).
         let rank = preds
@@ -211,7 +233,7 @@ pub fn cmd_report(a: ReportArgs) -> Result<()> {
     std::fs::write(file("json"), serde_json::to_string_pretty(&rows)?)?;
     print!("{md}");
     let base = file("*");
-    match dejavu::report::plot(&rows, recall.as_deref(), &name, &file("png")) {
+    match dejavu::report::plot(&rows, &recall, &name, &file("png")) {
         Ok(()) => eprintln!("wrote {} (md, json, png)", base.display()),
         Err(e) => eprintln!("wrote {} (md, json); no plot: {e}", base.display()),
     }

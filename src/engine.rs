@@ -41,6 +41,8 @@ pub struct Engine {
     pub tokenizer: Tokenizer,
     pub n_ctx: usize,
     backend: CpuBackend,
+    /// One thread of its own for the lookahead predictors (see `crate::lookahead`).
+    spare: CpuBackend,
     threads: usize,
     /// The neuron-major layout, loaded or built on first use by a sparse policy.
     layout: std::sync::OnceLock<SparseLayout>,
@@ -79,11 +81,13 @@ impl Engine {
         };
         let backend = CpuBackend::new(threads)?;
         Executor::new(&model, &backend)?;
+        let spare = CpuBackend::new(1)?;
         Ok(Self {
             model,
             tokenizer,
             n_ctx,
             backend,
+            spare,
             threads,
             layout: std::sync::OnceLock::new(),
         })
@@ -94,6 +98,7 @@ impl Engine {
             model: &self.model,
             backend: &self.backend,
             layout: self.layout.get(),
+            spare: Some(&self.spare),
         }
     }
 
@@ -121,7 +126,7 @@ impl Engine {
     /// Parse a `--sparsity` spec and prepare what it needs (the sparse layout for MLP rules).
     pub fn policy(&self, spec: &str, predictors: Option<&Predictors>) -> Result<Policy> {
         let p = Policy::parse(spec, &self.model.config, predictors)?;
-        if p.sparse_mlp() {
+        if p.sparse_mlp() || p.sparse_heads() {
             self.sparse_layout()?;
         }
         Ok(p)

@@ -15,12 +15,13 @@
 //! contextual output head previews the logits at low rank and computes exact logits only for the
 //! top candidates (the others keep their preview value). A sparse MLP set reads the neuron-major
 //! down projection of the [`SparseLayout`] when the executor has one (without it, the dense down
-//! projection over zeroed activations: the same result, no bytes saved).
+//! projection over zeroed activations: the same result, no bytes saved). Likewise a sparse head
+//! set reads the head-major W_o. Learned predictors run through [`crate::lookahead`].
 use crate::layout::SparseLayout;
-use crate::mlp_predictor::MlpPredictor;
+use crate::lookahead::Predictions;
 use crate::model::{Model, WeightRef};
 use crate::policy::Policy;
-use crate::sparsity::{top_k, MlpRule, SparsePlan};
+use crate::sparsity::{head_rows, top_k, HeadRule, MlpRule, SparsePlan};
 use crate::{Error, Result};
 use dejavu_backend_api::{AttnShape, Backend, IndexSet, MatmulJob, Weight};
 
@@ -34,9 +35,19 @@ pub struct KvCache {
     n_ctx: usize,
     scratch: Scratch,
     last: StepStats,
-    /// When set, every forward step appends each layer's normed MLP input (`[n][d_model]`) to
-    /// `capture[layer]` (calibration trains the MLP predictors on them).
-    pub capture: Option<Vec<Vec<f32>>>,
+    /// When set, every forward step appends what calibration trains the predictors on.
+    pub capture: Option<Capture>,
+}
+
+/// Per layer, appended by every forward step of a capturing cache.
+#[derive(Default)]
+pub struct Capture {
+    /// Normed attention inputs, `[n][d_model]`.
+    pub attn_in: Vec<Vec<f32>>,
+    /// Norms of each query head's attention output, `[n][n_heads]`.
+    pub head_norm: Vec<Vec<f32>>,
+    /// Normed MLP inputs, `[n][d_model]`.
+    pub mlp_in: Vec<Vec<f32>>,
 }
 
 /// What the last forward step read and kept.
@@ -47,8 +58,15 @@ pub struct StepStats {
     /// MLP neurons computed, summed over layers, and the dense count.
     pub mlp_kept: usize,
     pub mlp_total: usize,
+    /// Query heads computed, summed over layers, and the dense count.
+    pub heads_kept: usize,
+    pub heads_total: usize,
     /// Output rows computed exactly (the vocabulary size when dense).
     pub exact_logits: usize,
+    /// Time the learned predictors took, and the time the main thread spent on them (all of it
+    /// inline; with lookahead, only the time it waited), in nanoseconds.
+    pub predict_ns: u64,
+    pub predict_wait_ns: u64,
 }
 
 /// Activations of one forward pass (see `Executor::forward` for the names).
@@ -147,11 +165,14 @@ pub enum Plan<'a> {
     Policy(&'a Policy),
 }
 
+#[derive(Clone, Copy)]
 pub struct Executor<'m> {
     pub model: &'m Model,
     pub backend: &'m dyn Backend,
     /// The neuron-major down projections used by sparse MLP sets (see the module docs).
     pub layout: Option<&'m SparseLayout>,
+    /// A one-thread backend for the lookahead thread (`None`: predictors run inline).
+    pub spare: Option<&'m dyn Backend>,
 }
 
 impl<'m> Executor<'m> {
@@ -170,6 +191,7 @@ impl<'m> Executor<'m> {
             model,
             backend,
             layout: None,
+            spare: None,
         })
     }
 
@@ -276,88 +298,120 @@ impl<'m> Executor<'m> {
         let full_ff = IndexSet::full(ff);
         let dense_layer = crate::sparsity::LayerPlan::dense(c);
         let mut st = StepStats::default();
-
-        for (l, lw) in m.layers.iter().enumerate() {
-            let lp = match plan {
-                Plan::Fixed(p) => &p.layers[l],
-                Plan::Policy(_) => &dense_layer,
-            };
-            b.rmsnorm(x, m.vector(&lw.attn_norm), c.rms_eps, h);
-            let mut jobs = [
-                self.job(&lw.wq, lp.q_rows(), q),
-                self.job(&lw.wk, &full_kv, k),
-                self.job(&lw.wv, &full_kv, v),
-            ];
-            st.weight_bytes += jobs.iter().map(|j| read_bytes(&j.w, j.rows)).sum::<usize>();
-            b.matmul_shared_input(h, &mut jobs);
-            if let (Some(bq), Some(bk), Some(bv)) = (&lw.bq, &lw.bk, &lw.bv) {
-                add_bias(q, m.vector(bq), Some(lp.q_rows()));
-                add_bias(k, m.vector(bk), None);
-                add_bias(v, m.vector(bv), None);
+        let hd = c.head_dim;
+        let (k_cache, v_cache, capture) = (&mut cache.k, &mut cache.v, &mut cache.capture);
+        let idx = &mut sc.idx;
+        if let Some(cap) = capture.as_mut() {
+            for v in [&mut cap.attn_in, &mut cap.head_norm, &mut cap.mlp_in] {
+                v.resize(c.n_layers, Vec::new());
             }
-            b.rope(q, c.n_heads, c.head_dim, pos0, c.rope_theta, c.rope_style);
-            b.rope(
-                k,
-                c.n_kv_heads,
-                c.head_dim,
-                pos0,
-                c.rope_theta,
-                c.rope_style,
-            );
-            cache.k[l][pos0 * kvd..(pos0 + n) * kvd].copy_from_slice(k);
-            cache.v[l][pos0 * kvd..(pos0 + n) * kvd].copy_from_slice(v);
-            let shape = AttnShape {
-                n_heads: c.n_heads,
-                n_kv_heads: c.n_kv_heads,
-                head_dim: c.head_dim,
-                pos0,
-                n_tokens: n,
-            };
-            let end = (pos0 + n) * kvd;
-            b.attention(
-                q,
-                &cache.k[l][..end],
-                &cache.v[l][..end],
-                &lp.heads,
-                shape,
-                att,
-            );
-            st.weight_bytes += self.matmul(&lw.wo, &full_d, att, o);
-            add(x, o);
-
-            b.rmsnorm(x, m.vector(&lw.ffn_norm), c.rms_eps, h);
-            if let Some(cap) = &mut cache.capture {
-                cap.resize(c.n_layers, Vec::new());
-                cap[l].extend_from_slice(h);
-            }
-            let rule = policy.map_or(MlpRule::Dense, |p| p.mlp[l]);
-            let pred = policy.and_then(|p| p.mlp_predictors.get(l));
-            let fixed = if policy.is_some() { &full_ff } else { &lp.mlp };
-            let (set, act) = self.mlp_select(
-                l,
-                rule,
-                fixed,
-                pred,
-                h,
-                gate,
-                up,
-                score,
-                &mut sc.idx,
-                &mut st,
-            );
-            let set = set.as_ref().unwrap_or(fixed);
-            st.mlp_kept += set.len();
-            st.mlp_total += ff;
-            match self.layout {
-                Some(lay) if !set.is_full() => {
-                    let w = lay.down_t(l);
-                    b.axpy_rows(&w, set, act, o);
-                    st.weight_bytes += read_bytes(&w, set);
-                }
-                _ => st.weight_bytes += self.matmul(&lw.w_down, &full_d, act, o),
-            }
-            add(x, o);
         }
+
+        std::thread::scope(|s| -> Result<()> {
+            let mut pred = Predictions::new(s, policy, b, self.spare, c.n_layers);
+            for (l, lw) in m.layers.iter().enumerate() {
+                let lp = match plan {
+                    Plan::Fixed(p) => &p.layers[l],
+                    Plan::Policy(_) => &dense_layer,
+                };
+                b.rmsnorm(x, m.vector(&lw.attn_norm), c.rms_eps, h);
+                if let Some(cap) = capture.as_mut() {
+                    cap.attn_in[l].extend_from_slice(h);
+                }
+                pred.submit(l, h);
+                let head_rule = policy.map_or(HeadRule::Dense, |p| p.heads[l]);
+                let predicted = match head_rule {
+                    HeadRule::LowRank { .. } => pred.heads(l)?,
+                    _ => None,
+                };
+                let q_set = predicted.as_ref().map(|hs| head_rows(hs, hd));
+                let heads = predicted.as_ref().unwrap_or(&lp.heads);
+                let q_rows = q_set.as_ref().unwrap_or(lp.q_rows());
+                let mut jobs = [
+                    self.job(&lw.wq, q_rows, q),
+                    self.job(&lw.wk, &full_kv, k),
+                    self.job(&lw.wv, &full_kv, v),
+                ];
+                st.weight_bytes += jobs.iter().map(|j| read_bytes(&j.w, j.rows)).sum::<usize>();
+                b.matmul_shared_input(h, &mut jobs);
+                if let (Some(bq), Some(bk), Some(bv)) = (&lw.bq, &lw.bk, &lw.bv) {
+                    add_bias(q, m.vector(bq), Some(q_rows));
+                    add_bias(k, m.vector(bk), None);
+                    add_bias(v, m.vector(bv), None);
+                }
+                b.rope(q, c.n_heads, hd, pos0, c.rope_theta, c.rope_style);
+                b.rope(k, c.n_kv_heads, hd, pos0, c.rope_theta, c.rope_style);
+                k_cache[l][pos0 * kvd..(pos0 + n) * kvd].copy_from_slice(k);
+                v_cache[l][pos0 * kvd..(pos0 + n) * kvd].copy_from_slice(v);
+                let shape = AttnShape {
+                    n_heads: c.n_heads,
+                    n_kv_heads: c.n_kv_heads,
+                    head_dim: hd,
+                    pos0,
+                    n_tokens: n,
+                };
+                let end = (pos0 + n) * kvd;
+                b.attention(q, &k_cache[l][..end], &v_cache[l][..end], heads, shape, att);
+                if let Some(cap) = capture.as_mut() {
+                    cap.head_norm[l].extend(att.chunks_exact(hd).map(norm));
+                }
+                // attn-norm: every head's attention is known; keep the top heads by output norm.
+                let normed = match head_rule {
+                    HeadRule::Norm { .. } => {
+                        let norms: Vec<f32> = att.chunks_exact(hd).map(norm).collect();
+                        let set = top_k(&norms, head_rule.kept(c.n_heads), idx);
+                        for (hh, a) in att.chunks_exact_mut(hd).enumerate() {
+                            if !set.contains(hh) {
+                                a.fill(0.0);
+                            }
+                        }
+                        Some(set)
+                    }
+                    _ => None,
+                };
+                let heads = normed.as_ref().unwrap_or(heads);
+                st.heads_kept += heads.len();
+                st.heads_total += c.n_heads;
+                match self.layout {
+                    Some(lay) if !heads.is_full() => {
+                        let (w, rows) = (lay.wo_t(l), head_rows(heads, hd));
+                        b.axpy_rows(&w, &rows, att, o);
+                        st.weight_bytes += read_bytes(&w, &rows);
+                    }
+                    _ => st.weight_bytes += self.matmul(&lw.wo, &full_d, att, o),
+                }
+                add(x, o);
+
+                b.rmsnorm(x, m.vector(&lw.ffn_norm), c.rms_eps, h);
+                if let Some(cap) = capture.as_mut() {
+                    cap.mlp_in[l].extend_from_slice(h);
+                }
+                let rule = policy.map_or(MlpRule::Dense, |p| p.mlp[l]);
+                let predicted = match rule {
+                    MlpRule::LowRank { .. } => pred.mlp(l)?,
+                    _ => None,
+                };
+                let fixed = if policy.is_some() { &full_ff } else { &lp.mlp };
+                let (set, act) =
+                    self.mlp_select(l, rule, fixed, predicted, h, gate, up, score, idx, &mut st);
+                let set = set.as_ref().unwrap_or(fixed);
+                st.mlp_kept += set.len();
+                st.mlp_total += ff;
+                match self.layout {
+                    Some(lay) if !set.is_full() => {
+                        let w = lay.down_t(l);
+                        b.axpy_rows(&w, set, act, o);
+                        st.weight_bytes += read_bytes(&w, set);
+                    }
+                    _ => st.weight_bytes += self.matmul(&lw.w_down, &full_d, act, o),
+                }
+                add(x, o);
+            }
+            st.weight_bytes += pred.bytes;
+            st.predict_ns = pred.busy.as_nanos() as u64;
+            st.predict_wait_ns = pred.wait.as_nanos() as u64;
+            Ok(())
+        })?;
         cache.len = pos0 + n;
 
         let nl = last - first;
@@ -402,7 +456,7 @@ impl<'m> Executor<'m> {
     }
 
     /// Gate and up projections of layer `l` under `rule` (`fixed`: the given set when the rule is
-    /// dense); returns the chosen set (`None`: `fixed`) and the activations `silu(gate) * up`, zero
+    /// dense; `predicted`: the learned predictor's set for `LowRank`); returns the chosen set (`None`: `fixed`) and the activations `silu(gate) * up`, zero
     /// outside the set, for the down projection.
     #[allow(clippy::too_many_arguments)]
     fn mlp_select<'a>(
@@ -410,7 +464,7 @@ impl<'m> Executor<'m> {
         l: usize,
         rule: MlpRule,
         fixed: &IndexSet,
-        pred: Option<&MlpPredictor>,
+        predicted: Option<IndexSet>,
         h: &[f32],
         gate: &'a mut [f32],
         up: &'a mut [f32],
@@ -428,14 +482,8 @@ impl<'m> Executor<'m> {
             b.matmul_shared_input(h, &mut jobs);
             b.silu_mul(gate, up);
         };
-        match (rule, pred) {
-            (MlpRule::LowRank { .. }, Some(p)) => {
-                // z = W1 h in `score`, neuron scores = W2 z in `up` (overwritten just after).
-                let z = &mut score[..p.rank];
-                b.matmul(&p.w1(), &IndexSet::full(p.rank), h, z);
-                b.matmul(&p.w2(), &full, z, up);
-                st.weight_bytes += p.bytes();
-                let set = top_k(up, k, idx);
+        match (rule, predicted) {
+            (MlpRule::LowRank { .. }, Some(set)) => {
                 both(&set, gate, up, st);
                 (Some(set), gate)
             }
@@ -489,6 +537,10 @@ impl<'m> Executor<'m> {
 /// Bytes of `w` a product over `rows` reads.
 fn read_bytes(w: &Weight, rows: &IndexSet) -> usize {
     w.qtype.row_bytes(w.cols) * rows.len()
+}
+
+fn norm(x: &[f32]) -> f32 {
+    x.iter().map(|v| v * v).sum::<f32>().sqrt()
 }
 
 fn silu(x: f32) -> f32 {

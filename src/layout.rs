@@ -1,16 +1,19 @@
-//! The sparse-friendly weight layout: each layer's down projection stored neuron-major.
+//! The sparse-friendly weight layout: each layer's down projection stored neuron-major, and its
+//! attention output projection W_o stored head-major.
 //!
 //! GGUF stores `ffn_down` as `[d_model rows][n_ff cols]`, quantized in blocks along the neuron
 //! axis, so skipping a neuron skips no bytes. The conversion here ("down-t") dequantizes each
 //! layer's down projection, transposes it to `[n_ff rows][d_model cols]` and quantizes every
 //! neuron's row again (error-minimising scales, `dejavu_backend_api::quantize`): a skipped neuron
-//! is then a skipped contiguous row. Float weights are transposed exactly.
+//! is then a skipped contiguous row. Float weights are transposed exactly. W_o
+//! (`[d_model][n_heads x head_dim]`) is transposed the same way ("wo-t"), so a skipped query head
+//! skips `head_dim` contiguous rows.
 //!
 //! Target types (chosen to keep bytes per weight close to the source; the requantization error is
 //! measured in docs/sparsity.md): 4-bit sources (Q4_0, Q4_1, Q4_K) and Q5_0 become Q5_0 (5.5
 //! bits, 0.69 bytes per weight); Q6_K and Q8_0 become Q8_0.
 //!
-//! The result is cached next to the model as `<model file>.down-t-<TYPE>.v1.gguf` (built once, checked
+//! The result is cached next to the model as `<model file>.sparse-<TYPE>.v2.gguf` (built once, checked
 //! against the source file's size and the shapes on every load, rebuilt when stale); where that
 //! directory is not writable, it is built in memory for the process.
 use crate::model::{weight_ref, Model, WeightRef};
@@ -21,7 +24,8 @@ use dejavu_formats::GgufFile;
 use std::path::PathBuf;
 
 /// Bump when the conversion changes: older cache files are rebuilt.
-pub const LAYOUT_VERSION: u32 = 1;
+/// 2: W_o added.
+pub const LAYOUT_VERSION: u32 = 2;
 const KEY_VERSION: &str = "dejavu.layout.version";
 const KEY_SOURCE_SIZE: &str = "dejavu.layout.source_size";
 
@@ -56,8 +60,28 @@ fn ggml_type(q: QuantType) -> GgmlType {
     }
 }
 
-fn tensor_name(l: usize) -> String {
-    format!("blk.{l}.ffn_down_t.weight")
+/// The transposed matrices of one layer: the down projection, then W_o.
+#[derive(Clone, Copy, PartialEq)]
+enum Part {
+    Down,
+    Wo,
+}
+const PARTS: [Part; 2] = [Part::Down, Part::Wo];
+
+fn tensor_name(l: usize, part: Part) -> String {
+    match part {
+        Part::Down => format!("blk.{l}.ffn_down_t.weight"),
+        Part::Wo => format!("blk.{l}.attn_output_t.weight"),
+    }
+}
+
+/// The source weight of `part` in layer `l`, and its transposed shape `[rows, cols]`.
+fn source(model: &Model, l: usize, part: Part) -> (&WeightRef, [usize; 2]) {
+    let c = &model.config;
+    match part {
+        Part::Down => (&model.layers[l].w_down, [c.n_ff, c.d_model]),
+        Part::Wo => (&model.layers[l].wo, [c.n_heads * c.head_dim, c.d_model]),
+    }
 }
 
 /// Where the converted layout of `model` is cached (one file per target type of its first layer).
@@ -70,7 +94,7 @@ pub fn cache_path(model: &Model) -> PathBuf {
             .map_or(QuantType::F32, |l| l.w_down.qtype),
     );
     let mut name = p.file_name().unwrap_or_default().to_os_string();
-    name.push(format!(".down-t-{}.v{LAYOUT_VERSION}.gguf", qt.name()));
+    name.push(format!(".sparse-{}.v{LAYOUT_VERSION}.gguf", qt.name()));
     p.with_file_name(name)
 }
 
@@ -89,10 +113,12 @@ impl Storage {
     }
 }
 
-/// The neuron-major down projections of every layer (`[n_ff][d_model]`).
+/// The neuron-major down projections (`[n_ff][d_model]`) and head-major W_o (`[n_heads *
+/// head_dim][d_model]`) of every layer.
 pub struct SparseLayout {
     storage: Storage,
-    down_t: Vec<WeightRef>,
+    /// Per layer, one per [`PARTS`].
+    tensors: Vec<[WeightRef; 2]>,
     /// Where it was loaded from or written to (`None`: in memory only).
     pub path: Option<PathBuf>,
 }
@@ -100,17 +126,23 @@ pub struct SparseLayout {
 impl SparseLayout {
     /// Layer `l`'s neuron-major down projection.
     pub fn down_t(&self, l: usize) -> Weight<'_> {
-        self.down_t[l].view(&self.storage.0)
+        self.tensors[l][0].view(&self.storage.0)
+    }
+
+    /// Layer `l`'s head-major W_o: row `h * head_dim + i` is the output column of query head `h`'s
+    /// dimension `i`.
+    pub fn wo_t(&self, l: usize) -> Weight<'_> {
+        self.tensors[l][1].view(&self.storage.0)
     }
 
     /// Load the cached layout of `model`, or build (and cache) it.
     pub fn load_or_build(model: &Model, backend: &dyn Backend) -> Result<Self> {
         let path = cache_path(model);
         if let Ok(f) = GgufFile::open(&path) {
-            if let Ok(down_t) = check(model, &f) {
+            if let Ok(tensors) = check(model, &f) {
                 return Ok(Self {
                     storage: Storage::copy_of(f.bytes())?,
-                    down_t,
+                    tensors,
                     path: Some(path),
                 });
             }
@@ -120,38 +152,40 @@ impl SparseLayout {
         let written = std::fs::write(&tmp, &bytes).and_then(|_| std::fs::rename(&tmp, &path));
         if written.is_ok() {
             if let Ok(f) = GgufFile::open(&path) {
-                let down_t = check(model, &f)?;
+                let tensors = check(model, &f)?;
                 return Ok(Self {
                     storage: Storage::copy_of(f.bytes())?,
-                    down_t,
+                    tensors,
                     path: Some(path),
                 });
             }
         }
         let _ = std::fs::remove_file(&tmp);
         let header = gguf::parse(&bytes)?;
-        let down_t = (0..model.config.n_layers)
+        let tensors = (0..model.config.n_layers)
             .map(|l| {
-                let t = header
-                    .tensor(&tensor_name(l))
-                    .ok_or_else(|| Error::MissingTensor(tensor_name(l)))?;
-                WeightRef::from_info(t, expected_type(model, l))
+                let get = |part| {
+                    let name = tensor_name(l, part);
+                    let t = header.tensor(&name).ok_or(Error::MissingTensor(name))?;
+                    WeightRef::from_info(t, expected_type(model, l, part))
+                };
+                Ok([get(Part::Down)?, get(Part::Wo)?])
             })
             .collect::<Result<_>>()?;
         Ok(Self {
             storage: Storage::copy_of(&bytes)?,
-            down_t,
+            tensors,
             path: None,
         })
     }
 }
 
-fn expected_type(model: &Model, l: usize) -> QuantType {
-    down_t_type(model.layers[l].w_down.qtype)
+fn expected_type(model: &Model, l: usize, part: Part) -> QuantType {
+    down_t_type(source(model, l, part).0.qtype)
 }
 
 /// The cached file's tensors, if it matches this model (version, source size, shapes, types).
-fn check(model: &Model, f: &GgufFile) -> Result<Vec<WeightRef>> {
+fn check(model: &Model, f: &GgufFile) -> Result<Vec<[WeightRef; 2]>> {
     let stale = |why: &str| Error::BadTensor {
         tensor: f.path.display().to_string(),
         reason: format!("stale sparse layout: {why}"),
@@ -162,14 +196,16 @@ fn check(model: &Model, f: &GgufFile) -> Result<Vec<WeightRef>> {
     if f.get(KEY_SOURCE_SIZE).and_then(MetaValue::as_u64) != Some(model.file.file_size() as u64) {
         return Err(stale("source size"));
     }
-    let c = &model.config;
-    (0..c.n_layers)
+    (0..model.config.n_layers)
         .map(|l| {
-            let w = weight_ref(f, tensor_name(l), [c.n_ff, c.d_model])?;
-            if w.qtype != expected_type(model, l) {
-                return Err(stale("type"));
-            }
-            Ok(w)
+            let get = |part| {
+                let w = weight_ref(f, tensor_name(l, part), source(model, l, part).1)?;
+                if w.qtype != expected_type(model, l, part) {
+                    return Err(stale("type"));
+                }
+                Ok(w)
+            };
+            Ok([get(Part::Down)?, get(Part::Wo)?])
         })
         .collect()
 }
@@ -177,23 +213,23 @@ fn check(model: &Model, f: &GgufFile) -> Result<Vec<WeightRef>> {
 /// Convert every layer (in parallel over layers) and serialize as GGUF.
 fn build(model: &Model, backend: &dyn Backend) -> Result<Vec<u8>> {
     let c = &model.config;
-    let (d, ff) = (c.d_model, c.n_ff);
-    let bar = crate::progress::bar(c.n_layers as u64, "neuron-major down projection");
+    let bar = crate::progress::bar(c.n_layers as u64, "sparse layout (down projection, W_o)");
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let layers: Vec<usize> = (0..c.n_layers).collect();
-    let mut converted: Vec<(usize, Vec<u8>)> = std::thread::scope(|s| {
+    let mut converted: Vec<(usize, Part, Vec<u8>)> = std::thread::scope(|s| {
         let handles: Vec<_> = layers
             .chunks(c.n_layers.div_ceil(threads))
             .map(|ls| {
                 let bar = &bar;
                 s.spawn(move || {
-                    ls.iter()
-                        .map(|&l| {
-                            let out = transpose_layer(model, backend, l, d, ff);
-                            bar.inc(1);
-                            (l, out)
-                        })
-                        .collect::<Vec<_>>()
+                    let mut out = Vec::new();
+                    for &l in ls {
+                        for part in PARTS {
+                            out.push((l, part, transpose(model, backend, l, part)));
+                        }
+                        bar.inc(1);
+                    }
+                    out
                 })
             })
             .collect();
@@ -203,19 +239,30 @@ fn build(model: &Model, backend: &dyn Backend) -> Result<Vec<u8>> {
             .collect()
     });
     bar.finish_and_clear();
-    converted.sort_by_key(|(l, _)| *l);
-    if converted.len() != c.n_layers {
+    converted.sort_by_key(|(l, p, _)| (*l, *p == Part::Wo));
+    if converted.len() != c.n_layers * PARTS.len() {
         return Err(Error::Invalid("sparse layout conversion failed".into()));
     }
-    let names: Vec<String> = (0..c.n_layers).map(tensor_name).collect();
-    let dims = [d as u64, ff as u64];
+    let names: Vec<String> = converted
+        .iter()
+        .map(|(l, p, _)| tensor_name(*l, *p))
+        .collect();
+    // GGUF dims are innermost first: [cols, rows].
+    let dims: Vec<[u64; 2]> = converted
+        .iter()
+        .map(|(l, p, _)| {
+            let [rows, cols] = source(model, *l, *p).1;
+            [cols as u64, rows as u64]
+        })
+        .collect();
     let tensors: Vec<(&str, &[u64], GgmlType, &[u8])> = converted
         .iter()
-        .map(|(l, bytes)| {
+        .enumerate()
+        .map(|(i, (l, p, bytes))| {
             (
-                names[*l].as_str(),
-                &dims[..],
-                ggml_type(expected_type(model, *l)),
+                names[i].as_str(),
+                &dims[i][..],
+                ggml_type(expected_type(model, *l, *p)),
                 bytes.as_slice(),
             )
         })
@@ -232,19 +279,21 @@ fn build(model: &Model, backend: &dyn Backend) -> Result<Vec<u8>> {
     ))
 }
 
-/// Layer `l`'s down projection, dequantized, transposed and quantized row by row.
-fn transpose_layer(model: &Model, backend: &dyn Backend, l: usize, d: usize, ff: usize) -> Vec<u8> {
-    let w = model.weight(&model.layers[l].w_down);
-    let mut dense = vec![0f32; d * ff];
-    for (r, out) in dense.chunks_exact_mut(ff).enumerate() {
+/// Layer `l`'s `part`, dequantized, transposed and quantized row by row.
+fn transpose(model: &Model, backend: &dyn Backend, l: usize, part: Part) -> Vec<u8> {
+    let (src, [rows, cols]) = source(model, l, part);
+    let w = model.weight(src);
+    // The source is `cols` rows of `rows` elements.
+    let mut dense = vec![0f32; rows * cols];
+    for (r, out) in dense.chunks_exact_mut(rows).enumerate() {
         backend.dequantize_row(&w, r, out);
     }
     let qt = down_t_type(w.qtype);
-    let mut bytes = Vec::with_capacity(ff * qt.row_bytes(d));
-    let mut row = vec![0f32; d];
-    for j in 0..ff {
+    let mut bytes = Vec::with_capacity(rows * qt.row_bytes(cols));
+    let mut row = vec![0f32; cols];
+    for j in 0..rows {
         for (i, v) in row.iter_mut().enumerate() {
-            *v = dense[i * ff + j];
+            *v = dense[i * rows + j];
         }
         quantize::quantize_row(qt, &row, &mut bytes).expect("down_t_type returns writable types");
     }

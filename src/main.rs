@@ -392,7 +392,10 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
                     weight_bytes_per_token: bytes,
                     speedup_vs_dense: dense.map(|d| med / d),
                     mlp_density: steps[i].mlp_density(),
+                    head_density: steps[i].head_density(),
                     exact_logits: steps[i].mean_exact_logits(),
+                    predict_ms: steps[i].predict_ms(),
+                    predict_hidden: steps[i].predict_hidden(),
                     samples: samples[i].clone(),
                     memory: memory[i],
                 });
@@ -439,10 +442,11 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
     if !policy.is_dense() {
         let s = cache.last_step();
         eprintln!(
-            "sparsity: {} | last step: {:.1} MB of weights, MLP density {:.2}, {} exact logits",
+            "sparsity: {} | last step: {:.1} MB of weights, MLP density {:.2}, head density {:.2}, {} exact logits",
             policy.name,
             s.weight_bytes as f64 / 1e6,
             s.mlp_kept as f64 / s.mlp_total.max(1) as f64,
+            s.heads_kept as f64 / s.heads_total.max(1) as f64,
             s.exact_logits
         );
     }
@@ -558,13 +562,20 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
             r.speedup()
         );
         println!(
-            "weights read: {:.2} MB/token ({:.1}% of dense {:.2}) | MLP density {:.3} | exact logits {:.0}",
+            "weights read: {:.2} MB/token ({:.1}% of dense {:.2}) | MLP density {:.3} | head density {:.3} | exact logits {:.0}",
             r.steps.mean_bytes() / 1e6,
             r.steps.mean_bytes() / engine.model.dense_bytes_per_token() as f64 * 100.0,
             engine.model.dense_bytes_per_token() as f64 / 1e6,
             r.steps.mlp_density(),
+            r.steps.head_density(),
             r.steps.mean_exact_logits()
         );
+        if let (Some(ms), Some(h)) = (r.steps.predict_ms(), r.steps.predict_hidden()) {
+            println!(
+                "learned predictors: {ms:.3} ms/token, {:.0}% hidden by lookahead",
+                h * 100.0
+            );
+        }
         return Ok(());
     }
     let plan = SparsePlan::dense(&engine.model.config);

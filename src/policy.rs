@@ -7,14 +7,18 @@
 //! - `oracle:KEEP[:EDGE]`, `gate-first:KEEP[:EDGE]`, `up-first:KEEP[:EDGE]`, `dejavu:KEEP[:EDGE]`
 //!   (the trained low-rank predictors; needs a predictors file): MLP selection keeping the
 //!   fraction KEEP of each layer's neurons; the first and last EDGE layers stay dense;
+//! - `attn-norm:KEEP[:EDGE]`, `dejavu-attn:KEEP[:EDGE]` (needs a predictors file): query-head
+//!   selection keeping the fraction KEEP of each layer's heads (see [`HeadRule`]);
 //! - `head:RANK:CANDIDATES`: the contextual output head (needs a predictors file): a rank-RANK
-//!   preview of the output matrix picks CANDIDATES tokens whose logits are computed exactly.
+//!   preview of the output matrix picks CANDIDATES tokens whose logits are computed exactly;
+//! - `lookahead`: run the `dejavu` predictors on a spare thread, overlapped with the layer's
+//!   attention (needs a `dejavu` rule; same plans, so the same output, as without it).
 //!
 //! Contextual rules apply to single-token steps (decoding); batches (prompt processing) are dense.
 use crate::config::ModelConfig;
-use crate::mlp_predictor::MlpPredictor;
+use crate::predictor::{HeadPredictor, MlpPredictor};
 use crate::predictors::{OutputPreview, Predictors};
-use crate::sparsity::MlpRule;
+use crate::sparsity::{HeadRule, MlpRule};
 use crate::{Error, Result};
 use std::sync::Arc;
 
@@ -31,6 +35,11 @@ pub struct Policy {
     pub output: Option<OutputRule>,
     /// One per layer for `dejavu` rules (empty otherwise).
     pub mlp_predictors: Arc<[MlpPredictor]>,
+    pub heads: Vec<HeadRule>,
+    /// One per layer for `dejavu-attn` rules (empty otherwise).
+    pub head_predictors: Arc<[HeadPredictor]>,
+    /// Run the low-rank predictors on a spare thread (`crate::lookahead`).
+    pub lookahead: bool,
 }
 
 impl Policy {
@@ -40,11 +49,30 @@ impl Policy {
             mlp: vec![MlpRule::Dense; cfg.n_layers],
             output: None,
             mlp_predictors: Arc::new([]),
+            heads: vec![HeadRule::Dense; cfg.n_layers],
+            head_predictors: Arc::new([]),
+            lookahead: false,
         }
     }
 
     pub fn is_dense(&self) -> bool {
-        self.output.is_none() && self.mlp.iter().all(|r| *r == MlpRule::Dense)
+        self.output.is_none() && !self.sparse_mlp() && !self.sparse_heads()
+    }
+
+    /// Whether any layer skips query heads (and so reads the head-major W_o).
+    pub fn sparse_heads(&self) -> bool {
+        self.heads.iter().any(|r| *r != HeadRule::Dense)
+    }
+
+    /// Whether the policy runs learned predictors (what `lookahead` overlaps).
+    pub fn uses_predictors(&self) -> bool {
+        self.mlp
+            .iter()
+            .any(|r| matches!(r, MlpRule::LowRank { .. }))
+            || self
+                .heads
+                .iter()
+                .any(|r| matches!(r, HeadRule::LowRank { .. }))
     }
 
     /// Whether any layer skips MLP neurons (and so reads the neuron-major down projection).
@@ -72,7 +100,7 @@ impl Policy {
         if spec == "dense" {
             return Ok(pol);
         }
-        let mut mlp_set = false;
+        let (mut mlp_set, mut heads_set) = (false, false);
         for part in spec.split('+') {
             let mut it = part.split(':');
             let kind = it.next().unwrap_or_default();
@@ -83,25 +111,39 @@ impl Policy {
                     .parse::<f64>()
                     .map_err(|_| bad(format!("`{kind}`: {what} must be a number")))
             };
+            // KEEP[:EDGE] of a selection rule: the fraction kept, and whether each layer is inner
+            // (the first and last EDGE layers stay dense).
+            let keep_edge = |set: &mut bool| -> Result<(f32, Vec<bool>)> {
+                if *set || args.is_empty() || args.len() > 2 {
+                    return Err(bad(format!(
+                        "one rule of this kind, as `{kind}:KEEP[:EDGE]`"
+                    )));
+                }
+                *set = true;
+                let keep = num(0, "KEEP")? as f32;
+                if !(keep > 0.0 && keep <= 1.0) {
+                    return Err(bad(format!("KEEP {keep} must be in (0, 1]")));
+                }
+                let edge = if args.len() == 2 {
+                    num(1, "EDGE")?
+                } else {
+                    0.0
+                };
+                if edge < 0.0 || edge.fract() != 0.0 || 2.0 * edge > cfg.n_layers as f64 {
+                    return Err(bad(format!(
+                        "EDGE must be a whole number of layers, at most {}",
+                        cfg.n_layers / 2
+                    )));
+                }
+                let edge = edge as usize;
+                let inner = (0..cfg.n_layers)
+                    .map(|l| keep < 1.0 && l >= edge && l < cfg.n_layers - edge)
+                    .collect();
+                Ok((keep, inner))
+            };
             match kind {
                 "oracle" | "gate-first" | "up-first" | "dejavu" => {
-                    if mlp_set || args.is_empty() || args.len() > 2 {
-                        return Err(bad(format!(
-                            "one MLP rule, as `{kind}:KEEP[:EDGE]`"
-                        )));
-                    }
-                    mlp_set = true;
-                    let keep = num(0, "KEEP")? as f32;
-                    if !(keep > 0.0 && keep <= 1.0) {
-                        return Err(bad(format!("KEEP {keep} must be in (0, 1]")));
-                    }
-                    let edge = if args.len() == 2 { num(1, "EDGE")? } else { 0.0 };
-                    if edge < 0.0 || edge.fract() != 0.0 || 2.0 * edge > cfg.n_layers as f64 {
-                        return Err(bad(format!(
-                            "EDGE must be a whole number of layers, at most {}",
-                            cfg.n_layers / 2
-                        )));
-                    }
+                    let (keep, inner) = keep_edge(&mut mlp_set)?;
                     let rule = match kind {
                         "oracle" => MlpRule::Oracle { keep },
                         "gate-first" => MlpRule::GateFirst { keep },
@@ -114,12 +156,26 @@ impl Policy {
                         }
                         _ => MlpRule::UpFirst { keep },
                     };
-                    let edge = edge as usize;
-                    for (l, r) in pol.mlp.iter_mut().enumerate() {
-                        let inner = l >= edge && l < cfg.n_layers - edge;
-                        *r = if inner && keep < 1.0 { rule } else { MlpRule::Dense };
+                    for (r, inner) in pol.mlp.iter_mut().zip(inner) {
+                        *r = if inner { rule } else { MlpRule::Dense };
                     }
                 }
+                "attn-norm" | "dejavu-attn" => {
+                    let (keep, inner) = keep_edge(&mut heads_set)?;
+                    let rule = if kind == "attn-norm" {
+                        HeadRule::Norm { keep }
+                    } else {
+                        let p = predictors.filter(|p| p.heads.len() == cfg.n_layers).ok_or_else(|| {
+                            bad("`dejavu-attn` needs a predictors file with head predictors (dejavu calibrate)".into())
+                        })?;
+                        pol.head_predictors = p.heads.clone();
+                        HeadRule::LowRank { keep }
+                    };
+                    for (r, inner) in pol.heads.iter_mut().zip(inner) {
+                        *r = if inner { rule } else { HeadRule::Dense };
+                    }
+                }
+                "lookahead" if args.is_empty() => pol.lookahead = true,
                 "head" => {
                     if pol.output.is_some() || args.len() != 2 {
                         return Err(bad("one output rule, as `head:RANK:CANDIDATES`".into()));
@@ -138,10 +194,15 @@ impl Policy {
                 }
                 _ => {
                     return Err(bad(format!(
-                        "unknown part `{kind}` (dense, recommended, oracle, gate-first, up-first, dejavu, head)"
+                        "unknown part `{kind}` (dense, recommended, oracle, gate-first, up-first, dejavu, attn-norm, dejavu-attn, head, lookahead)"
                     )))
                 }
             }
+        }
+        if pol.lookahead && !pol.uses_predictors() {
+            return Err(bad(
+                "`lookahead` needs a `dejavu` or `dejavu-attn` rule".into()
+            ));
         }
         Ok(pol)
     }

@@ -8,11 +8,12 @@
 //! (r x d, f32), where V_r are the top right singular vectors of E L. Preview logits are
 //! `table * (proj * h)`. Components are ordered, so the first r' of them are the rank-r' preview.
 //!
-//! [`MlpPredictor`] (see [`crate::mlp_predictor`]): Deja Vu's per-layer low-rank neuron scorers.
+//! [`MlpPredictor`] and [`HeadPredictor`] (see [`crate::predictor`]): Deja Vu's per-layer low-rank
+//! scorers of MLP neurons and of the next layer's query heads.
 //!
 //! The file: safetensors, metadata `format = dejavu-predictors`, `version`, the model file it was
 //! calibrated for (`model`, `model_size`), the `recommended` policy and a calibration summary.
-use crate::mlp_predictor::MlpPredictor;
+use crate::predictor::{HeadPredictor, LowRankPredictor, MlpPredictor};
 use crate::{Error, Result};
 use dejavu_backend_api::quant::{BlockQ8_0, QK};
 use dejavu_backend_api::{quantize, QuantType, Weight};
@@ -22,7 +23,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 pub const FORMAT: &str = "dejavu-predictors";
-pub const VERSION: u32 = 1;
+/// 2: predictors read the layer's attention input (lookahead) and head predictors were added.
+pub const VERSION: u32 = 2;
 
 pub struct OutputPreview {
     pub rank: usize,
@@ -114,6 +116,8 @@ pub struct Predictors {
     pub output: Option<Arc<OutputPreview>>,
     /// Deja Vu MLP predictors, one per layer (empty when not trained).
     pub mlp: Arc<[MlpPredictor]>,
+    /// One per layer (empty when not trained): layer l's scores the heads of layer l + 1.
+    pub heads: Arc<[HeadPredictor]>,
 }
 
 /// A Q8_0 matrix stored as two tensors: `NAME.qs` (I8, rows x cols) and `NAME.d` (F16, rows x
@@ -246,21 +250,30 @@ impl Predictors {
             }
             None => None,
         };
-        let mut mlp = Vec::new();
-        if let Some(rank) = f.metadata.get("mlp_rank") {
-            let rank: usize = rank.parse().map_err(|_| bad("bad mlp_rank".into()))?;
-            for l in 0..c.n_layers {
-                let w1 =
-                    read_q8(&f, &format!("blk.{l}.mlp_pred.w1"), rank, c.d_model).map_err(bad)?;
-                let w2 = read_q8(&f, &format!("blk.{l}.mlp_pred.w2"), c.n_ff, rank).map_err(bad)?;
-                mlp.push(MlpPredictor::from_parts(rank, c.d_model, c.n_ff, w1, w2)?);
-            }
-        }
+        // Low-rank predictors `blk.{l}.{name}.w1/w2` of `n_out` units, rank in metadata `{name}_rank`.
+        let low_rank = |name: &str, n_out: usize| -> Result<Vec<LowRankPredictor>> {
+            let Some(rank) = f.metadata.get(&format!("{name}_rank")) else {
+                return Ok(Vec::new());
+            };
+            let rank: usize = rank.parse().map_err(|_| bad(format!("bad {name}_rank")))?;
+            (0..c.n_layers)
+                .map(|l| {
+                    let w = |m: &str, rows, cols| {
+                        read_q8(&f, &format!("blk.{l}.{name}.{m}"), rows, cols).map_err(bad)
+                    };
+                    let (w1, w2) = (w("w1", rank, c.d_model)?, w("w2", n_out, rank)?);
+                    LowRankPredictor::from_parts(rank, c.d_model, n_out, w1, w2)
+                })
+                .collect()
+        };
+        let mlp = low_rank("mlp_pred", c.n_ff)?;
+        let heads = low_rank("head_pred", c.n_heads)?;
         Ok(Self {
             path: Some(path.to_path_buf()),
             metadata: f.metadata.clone(),
             output,
             mlp: mlp.into(),
+            heads: heads.into(),
         })
     }
 
@@ -291,23 +304,14 @@ impl Predictors {
             ));
             push_q8(&mut owned, "output.preview", &o.table, o.vocab, o.rank);
         }
-        if let Some(first) = self.mlp.first() {
-            meta.insert("mlp_rank".into(), first.rank.to_string());
-            for (l, p) in self.mlp.iter().enumerate() {
-                push_q8(
-                    &mut owned,
-                    &format!("blk.{l}.mlp_pred.w1"),
-                    &p.w1,
-                    p.rank,
-                    p.d,
-                );
-                push_q8(
-                    &mut owned,
-                    &format!("blk.{l}.mlp_pred.w2"),
-                    &p.w2,
-                    p.n_ff,
-                    p.rank,
-                );
+        for (name, preds) in [("mlp_pred", &self.mlp), ("head_pred", &self.heads)] {
+            if let Some(first) = preds.first() {
+                meta.insert(format!("{name}_rank"), first.rank.to_string());
+            }
+            for (l, p) in preds.iter().enumerate() {
+                let pre = format!("blk.{l}.{name}");
+                push_q8(&mut owned, &format!("{pre}.w1"), &p.w1, p.rank, p.d);
+                push_q8(&mut owned, &format!("{pre}.w2"), &p.w2, p.n_out, p.rank);
             }
         }
         let views: Vec<(String, TensorView)> = owned

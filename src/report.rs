@@ -28,7 +28,21 @@ pub struct FrontierRow {
     /// Measured decode speedup over dense.
     pub speedup: f64,
     pub mlp_density: f64,
+    #[serde(default = "one")]
+    pub head_density: f64,
     pub exact_logits: f64,
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+/// Held-out recall per layer of one kind of learned predictor.
+pub struct Recall {
+    pub what: String,
+    pub per_layer: Vec<f64>,
+    /// The recall of a random choice at the same budget.
+    pub chance: f64,
 }
 
 fn family(spec: &str) -> String {
@@ -65,6 +79,7 @@ pub fn frontier(
             byte_speedup: dense_bytes / r.steps.mean_bytes().max(1.0),
             speedup: r.speedup(),
             mlp_density: r.steps.mlp_density(),
+            head_density: r.steps.head_density(),
             exact_logits: r.steps.mean_exact_logits(),
         })
         .collect())
@@ -72,12 +87,12 @@ pub fn frontier(
 
 pub fn markdown(rows: &[FrontierRow]) -> String {
     let mut s = String::from(
-        "| policy | PPL | PPL ratio | KL (nats) | top-1 agree | MB/token | bytes speedup | measured speedup | MLP density | exact logits |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "| policy | PPL | PPL ratio | KL (nats) | top-1 agree | MB/token | bytes speedup | measured speedup | MLP density | head density | exact logits |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for r in rows {
         s += &format!(
-            "| {} | {:.3} | {:.4} | {:.4} | {:.1}% | {:.1} | {:.2}x | {:.2}x | {:.2} | {:.0} |\n",
+            "| {} | {:.3} | {:.4} | {:.4} | {:.1}% | {:.1} | {:.2}x | {:.2}x | {:.2} | {:.2} | {:.0} |\n",
             r.policy,
             r.ppl,
             r.ppl_ratio,
@@ -87,6 +102,7 @@ pub fn markdown(rows: &[FrontierRow]) -> String {
             r.byte_speedup,
             r.speedup,
             r.mlp_density,
+            r.head_density,
             r.exact_logits
         );
     }
@@ -110,8 +126,8 @@ fn system_font() -> Option<&'static [u8]> {
 
 /// Three panels against speedup: PPL ratio (measured speedup), KL (measured speedup), PPL ratio
 /// (speedup if time followed the bytes read), one colour per family, oracle points joined; and,
-/// when `recall` is given (the MLP predictors' held-out recall per layer), a fourth panel of it.
-pub fn plot(rows: &[FrontierRow], recall: Option<&[f64]>, title: &str, path: &Path) -> Result<()> {
+/// when `recall` is not empty (learned predictors' held-out recall per layer), a fourth panel.
+pub fn plot(rows: &[FrontierRow], recall: &[Recall], title: &str, path: &Path) -> Result<()> {
     use plotters::prelude::*;
     let font = system_font().ok_or_else(|| {
         Error::Invalid("no TrueType font found for the plot (install fonts-dejavu-core)".into())
@@ -119,7 +135,7 @@ pub fn plot(rows: &[FrontierRow], recall: Option<&[f64]>, title: &str, path: &Pa
     plotters::style::register_font("sans-serif", FontStyle::Normal, font)
         .map_err(|_| Error::Invalid("unreadable font".into()))?;
     let err = |e: &dyn std::fmt::Display| Error::Invalid(format!("plot: {e}"));
-    let n_panels: usize = if recall.is_some() { 4 } else { 3 };
+    let n_panels: usize = if recall.is_empty() { 3 } else { 4 };
     let root = BitMapBackend::new(path, (500 * n_panels as u32, 520)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;
     let root = root
@@ -132,6 +148,8 @@ pub fn plot(rows: &[FrontierRow], recall: Option<&[f64]>, title: &str, path: &Pa
         "up-first" => RGBColor(44, 160, 44),
         "head" => RGBColor(214, 39, 40),
         "dejavu" => RGBColor(140, 86, 75),
+        "attn-norm" => RGBColor(23, 190, 207),
+        "dejavu-attn" => RGBColor(188, 189, 34),
         "recommended" => RGBColor(0, 0, 0),
         _ => RGBColor(148, 103, 189),
     };
@@ -217,44 +235,48 @@ pub fn plot(rows: &[FrontierRow], recall: Option<&[f64]>, title: &str, path: &Pa
             .draw()
             .map_err(|e| err(&e))?;
     }
-    if let (Some(rec), Some(area)) = (recall, panels.get(3)) {
+    if let (false, Some(area)) = (recall.is_empty(), panels.get(3)) {
+        let n_layers = recall.iter().map(|r| r.per_layer.len()).max().unwrap_or(1);
         let mut chart = ChartBuilder::on(area)
-            .caption("MLP predictor recall per layer", ("sans-serif", 16))
+            .caption("learned predictors: recall per layer", ("sans-serif", 16))
             .margin(12)
             .x_label_area_size(40)
             .y_label_area_size(60)
-            .build_cartesian_2d(0f64..rec.len() as f64, 0f64..1f64)
+            .build_cartesian_2d(0f64..n_layers as f64, 0f64..1f64)
             .map_err(|e| err(&e))?;
         chart
             .configure_mesh()
             .x_desc("layer")
-            .y_desc("recall of the true top 30% (held out)")
+            .y_desc("held-out recall of the true top units")
             .label_style(("sans-serif", 12))
             .draw()
             .map_err(|e| err(&e))?;
-        let c = RGBColor(255, 127, 14);
-        let pts: Vec<(f64, f64)> = rec
-            .iter()
-            .enumerate()
-            .map(|(l, &r)| (l as f64 + 0.5, r))
-            .collect();
-        chart
-            .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))
-            .map_err(|e| err(&e))?;
-        chart
-            .draw_series(pts.iter().map(|&p| Circle::new(p, 3, c.filled())))
-            .map_err(|e| err(&e))?;
-        chart
-            .draw_series(LineSeries::new(
-                vec![(0.0, 0.3), (rec.len() as f64, 0.3)],
-                BLACK.mix(0.4),
-            ))
-            .map_err(|e| err(&e))?
-            .label("chance (0.3)")
-            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 12, y)], BLACK.mix(0.4)));
+        let colours = [RGBColor(255, 127, 14), RGBColor(23, 190, 207)];
+        for (rec, c) in recall.iter().zip(colours) {
+            let pts: Vec<(f64, f64)> = rec
+                .per_layer
+                .iter()
+                .enumerate()
+                .map(|(l, &r)| (l as f64 + 0.5, r))
+                .collect();
+            chart
+                .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))
+                .map_err(|e| err(&e))?
+                .label(format!("{} (chance {})", rec.what, rec.chance))
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 12, y)], c));
+            chart
+                .draw_series(pts.iter().map(|&p| Circle::new(p, 3, c.filled())))
+                .map_err(|e| err(&e))?;
+            chart
+                .draw_series(LineSeries::new(
+                    vec![(0.0, rec.chance), (n_layers as f64, rec.chance)],
+                    c.mix(0.5),
+                ))
+                .map_err(|e| err(&e))?;
+        }
         chart
             .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
+            .position(SeriesLabelPosition::LowerRight)
             .background_style(WHITE.mix(0.8))
             .border_style(BLACK)
             .label_font(("sans-serif", 12))

@@ -30,16 +30,7 @@ impl LayerPlan {
                 cfg.n_heads
             )));
         }
-        let hd = cfg.head_dim;
-        let q_rows = if heads.is_full() {
-            IndexSet::full(cfg.n_heads * hd)
-        } else {
-            let rows = heads
-                .iter()
-                .flat_map(|h| (h * hd..(h + 1) * hd).map(|r| r as u32))
-                .collect();
-            IndexSet::new(cfg.n_heads * hd, rows).map_err(|e| Error::BadPlan(e.to_string()))?
-        };
+        let q_rows = head_rows(&heads, cfg.head_dim);
         Ok(Self { mlp, heads, q_rows })
     }
 
@@ -112,8 +103,8 @@ pub enum MlpRule {
     UpFirst {
         keep: f32,
     },
-    /// Deja Vu: the layer's low-rank [`crate::mlp_predictor::MlpPredictor`] scores the neurons
-    /// from the MLP input; gate, up and down over the top-k only.
+    /// Deja Vu: the layer's low-rank [`crate::predictor::MlpPredictor`] scores the neurons
+    /// from the layer's attention input; gate, up and down over the top-k only.
     LowRank {
         keep: f32,
     },
@@ -130,6 +121,52 @@ impl MlpRule {
             | MlpRule::LowRank { keep } => ((keep as f64 * n as f64).round() as usize).clamp(1, n),
         }
     }
+}
+
+/// How one layer's query heads are chosen at a decode step (`keep`: fraction of `n_heads`).
+/// Keys and values are always computed for every KV head (grouped-query attention shares them
+/// between query heads, and later tokens may select any head), so the cache stays complete and
+/// no lazy recomputation is needed; a skipped head skips its rows of W_q, its attention and its
+/// columns of W_o (rows of the head-major W_o of the sparse layout).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum HeadRule {
+    Dense,
+    /// Every head's attention is computed (W_q in full), then the top-k heads by the norm of
+    /// their attention output go through W_o: saves W_o bytes only, exact where it matters.
+    Norm {
+        keep: f32,
+    },
+    /// Deja Vu: the previous layer's [`crate::predictor::HeadPredictor`] scores the heads from
+    /// the previous layer's attention input (layer 0: its own); W_q, attention and W_o over
+    /// the top-k only.
+    LowRank {
+        keep: f32,
+    },
+}
+
+impl HeadRule {
+    /// Heads kept out of `n`, at least 1.
+    pub fn kept(&self, n: usize) -> usize {
+        match *self {
+            HeadRule::Dense => n,
+            HeadRule::Norm { keep } | HeadRule::LowRank { keep } => {
+                ((keep as f64 * n as f64).round() as usize).clamp(1, n)
+            }
+        }
+    }
+}
+
+/// `heads` (a set over `n_heads`) expanded to the rows `h * head_dim .. (h + 1) * head_dim`.
+pub fn head_rows(heads: &IndexSet, head_dim: usize) -> IndexSet {
+    let n = heads.universe() * head_dim;
+    if heads.is_full() {
+        return IndexSet::full(n);
+    }
+    let rows = heads
+        .iter()
+        .flat_map(|h| (h * head_dim..(h + 1) * head_dim).map(|r| r as u32))
+        .collect();
+    IndexSet::new(n, rows).expect("rows of distinct heads are distinct and below n")
 }
 
 /// The `k` indices of largest `score` as a set (ties in any order); `idx` is scratch space.
@@ -246,5 +283,9 @@ mod tests {
         assert_eq!(MlpRule::GateFirst { keep: 0.5 }.kept(10), 5);
         assert_eq!(MlpRule::Oracle { keep: 0.01 }.kept(10), 1);
         assert_eq!(MlpRule::Dense.kept(7), 7);
+        assert_eq!(HeadRule::Norm { keep: 0.8 }.kept(9), 7);
+        assert_eq!(HeadRule::LowRank { keep: 0.01 }.kept(9), 1);
+        let rows = head_rows(&IndexSet::new(3, vec![0, 2]).unwrap(), 2);
+        assert_eq!(rows.iter().collect::<Vec<_>>(), [0, 1, 4, 5]);
     }
 }

@@ -1,7 +1,8 @@
-//! Sparsity policies, the neuron-major layout and the output preview on the tiny crafted model:
-//! a dense policy is the dense model bit for bit; sparse MLP sets through the neuron-major layout
-//! equal the masked dense model; the output preview at full rank reproduces the dense logits;
-//! predictors survive a save and load; bad specs are rejected.
+//! Sparsity policies, the sparse layout and the output preview on the tiny crafted model:
+//! a dense policy is the dense model bit for bit; sparse MLP and head sets through the sparse
+//! layout equal the masked dense model; the output preview at full rank reproduces the dense
+//! logits; predictors survive a save and load; lookahead changes timing, not output; bad specs
+//! are rejected.
 mod common;
 use common::*;
 use dejavu::calibrate::{calibrate, CalibrateOptions};
@@ -16,12 +17,12 @@ use rand::{seq::index::sample, SeedableRng};
 
 const TOKENS: [u32; 8] = [72, 101, 108, 108, 111, 33, 10, 84];
 
-/// The tiny model with its down projections stored as F32 (the values of the Q8_0 original), so
-/// the neuron-major layout is an exact transposition.
+/// The tiny model with its down and attention output projections stored as F32 (the values of
+/// the Q8_0 original), so the sparse layout is an exact transposition.
 fn tiny_f32_down() -> Vec<u8> {
     tiny_llama_gguf(|_, tensors| {
         for (name, _, ty, bytes) in tensors.iter_mut() {
-            if name.ends_with("ffn_down.weight") {
+            if name.ends_with("ffn_down.weight") || name.ends_with("attn_output.weight") {
                 let vals: Vec<u8> = bytes
                     .chunks_exact(34)
                     .flat_map(|b| {
@@ -82,7 +83,7 @@ fn dense_policy_is_the_dense_plan_bitwise() {
 }
 
 #[test]
-fn neuron_major_layout_equals_masked_dense() {
+fn sparse_layout_equals_masked_dense() {
     let (dir, e) = tiny(&tiny_f32_down());
     let c = e.model.config.clone();
     let layout = e.sparse_layout().unwrap();
@@ -93,25 +94,24 @@ fn neuron_major_layout_equals_masked_dense() {
     let without = Executor::new(&e.model, &backend).unwrap();
     exec.layout = Some(layout);
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
-    for keep in [1, c.n_ff / 3, c.n_ff - 1] {
+    let mut subset = |n: usize, keep: usize| {
+        let idx = sample(&mut rng, n, keep)
+            .into_iter()
+            .map(|i| i as u32)
+            .collect();
+        IndexSet::from_unsorted(n, idx).unwrap()
+    };
+    for (keep, heads) in [(1, 1), (c.n_ff / 3, c.n_heads / 2), (c.n_ff - 1, c.n_heads)] {
         let layers = (0..c.n_layers)
             .map(|_| {
-                let idx = sample(&mut rng, c.n_ff, keep)
-                    .into_iter()
-                    .map(|i| i as u32)
-                    .collect();
-                LayerPlan::new(
-                    &c,
-                    IndexSet::from_unsorted(c.n_ff, idx).unwrap(),
-                    IndexSet::full(c.n_heads),
-                )
-                .unwrap()
+                let (mlp, heads) = (subset(c.n_ff, keep), subset(c.n_heads, heads));
+                LayerPlan::new(&c, mlp, heads).unwrap()
             })
             .collect();
         let plan = SparsePlan::new(&c, layers).unwrap();
-        // Without a layout, a sparse set runs the dense down projection over zeroed activations:
-        // the masked dense model. With it, the rows of the transposed matrix: the same sums in
-        // another order (and split over two threads), so equal up to f32 rounding.
+        // Without a layout, a sparse set runs the dense down projection (and W_o) over zeroed
+        // activations: the masked dense model. With it, the rows of the transposed matrices: the
+        // same sums in another order (and split over two threads), so equal up to f32 rounding.
         let via_layout = decode(&exec, &e, Plan::Fixed(&plan));
         let masked = decode(&without, &e, Plan::Fixed(&plan));
         let scale = masked.iter().fold(0f32, |m, v| m.max(v.abs()));
@@ -138,6 +138,7 @@ fn mlp_rules_keep_what_they_say() {
         "up-first:0.5",
         "oracle:0.5",
         "gate-first:0.5:1",
+        "gate-first:0.5+attn-norm:0.5",
     ] {
         let pol = e.policy(spec, None).unwrap();
         let exec = e.executor();
@@ -161,6 +162,12 @@ fn mlp_rules_keep_what_they_say() {
             sparse_layers * c.n_ff / 2 + (c.n_layers - sparse_layers) * c.n_ff,
             "{spec}"
         );
+        let heads = if spec.contains("attn-norm:0.5") {
+            c.n_heads / 2
+        } else {
+            c.n_heads
+        };
+        assert_eq!(s.heads_kept, c.n_layers * heads, "{spec}");
         assert!(
             s.weight_bytes < batch.weight_bytes || spec.ends_with(":1"),
             "{spec}"
@@ -250,6 +257,11 @@ fn bad_specs_are_rejected() {
         "gate-first:x",
         "gate-first:0.5:2",
         "gate-first:0.5+up-first:0.5",
+        "attn-norm:0.5+attn-norm:0.7",
+        "attn-norm:2",
+        "dejavu-attn:0.5",
+        "lookahead",
+        "lookahead:1+dejavu:0.5",
         "head:64:16",
         "recommended",
     ] {
@@ -427,15 +439,18 @@ fn cli_calibrate_then_use() {
     assert!(err.contains("dejavu calibrate"), "{err}");
 }
 
-/// Calibration trains one MLP predictor per layer; they survive a save and load and drive the
-/// `dejavu` rule, which keeps exactly its budget of neurons.
+/// Calibration trains one MLP and one head predictor per layer; they survive a save and load and
+/// drive the `dejavu` and `dejavu-attn` rules, which keep exactly their budgets; lookahead (on
+/// the spare thread, or inline without one) gives the same logits and sets as without it.
 #[test]
 fn dejavu_predictors_round_trip() {
     let (dir, e) = tiny(&tiny_llama_gguf(|_, _| {}));
     let c = &e.model.config;
     let preds = calibrated(&e);
     assert_eq!(preds.mlp.len(), c.n_layers);
+    assert_eq!(preds.heads.len(), c.n_layers);
     assert!(preds.metadata.contains_key("mlp_recall"));
+    assert!(preds.metadata.contains_key("head_recall"));
     let out = dir.path().join("p.safetensors");
     preds.save(&out, &e.model).unwrap();
     let loaded = e.predictors(Some(&out)).unwrap().unwrap();
@@ -443,16 +458,47 @@ fn dejavu_predictors_round_trip() {
     for (a, b) in preds.mlp.iter().zip(loaded.mlp.iter()) {
         assert_eq!((a.w1().data, a.w2().data), (b.w1().data, b.w2().data));
     }
-    let pol = e.policy("dejavu:0.5", Some(&loaded)).unwrap();
+    for (a, b) in preds.heads.iter().zip(loaded.heads.iter()) {
+        assert_eq!((a.w1().data, a.w2().data), (b.w1().data, b.w2().data));
+    }
+    let spec = "dejavu:0.5+dejavu-attn:0.5";
+    let pol = e.policy(spec, Some(&loaded)).unwrap();
+    let ahead = e
+        .policy(&format!("{spec}+lookahead"), Some(&loaded))
+        .unwrap();
+    assert!(pol.uses_predictors() && ahead.lookahead);
     let exec = e.executor();
-    let mut cache = e.new_cache();
-    exec.run(&TOKENS[..2], &mut cache, Plan::Policy(&pol), Logits::Last)
-        .unwrap();
-    exec.run(&TOKENS[2..3], &mut cache, Plan::Policy(&pol), Logits::Last)
-        .unwrap();
-    assert_eq!(cache.last_step().mlp_kept, c.n_layers * c.n_ff / 2);
-    // Without MLP predictors the rule is refused.
-    let mut no_mlp = loaded;
-    no_mlp.mlp = Vec::new().into();
-    assert!(e.policy("dejavu:0.5", Some(&no_mlp)).is_err());
+    let mut inline = exec;
+    inline.spare = None;
+    // Prompt, then single-token steps; logits and kept counts of every step.
+    let steps = |exec: &Executor, pol: &Policy| {
+        let mut cache = e.new_cache();
+        let mut out = Vec::new();
+        exec.run(&TOKENS[..2], &mut cache, Plan::Policy(pol), Logits::Last)
+            .unwrap();
+        for &t in &TOKENS[2..] {
+            let l = exec.run(&[t], &mut cache, Plan::Policy(pol), Logits::Last);
+            out.push(l.unwrap().to_vec());
+            let s = cache.last_step();
+            assert_eq!(s.mlp_kept, c.n_layers * c.n_ff / 2);
+            assert_eq!(s.heads_kept, c.n_layers * c.n_heads / 2);
+            assert!(s.predict_ns > 0);
+            out.push(vec![s.weight_bytes as f32]);
+        }
+        out
+    };
+    let base = steps(&exec, &pol);
+    assert_eq!(steps(&exec, &ahead), base, "lookahead on the spare thread");
+    assert_eq!(
+        steps(&inline, &ahead),
+        base,
+        "lookahead without a spare thread"
+    );
+    // Without the predictors the rules are refused; lookahead needs a learned rule.
+    let mut none = loaded;
+    none.mlp = Vec::new().into();
+    none.heads = Vec::new().into();
+    assert!(e.policy("dejavu:0.5", Some(&none)).is_err());
+    assert!(e.policy("dejavu-attn:0.5", Some(&none)).is_err());
+    assert!(e.policy("gate-first:0.5+lookahead", Some(&none)).is_err());
 }

@@ -1,21 +1,27 @@
-//! Deja Vu's MLP predictor: per layer, a low-rank linear map `scores = W2 (W1 h)` (d -> r ->
-//! n_ff) from the MLP's normed input to one score per neuron; the executor keeps the top-k and
-//! computes gate, up and down only for those. Trained here, in Rust, on labels suited to SwiGLU
-//! (no neuron is ever exactly zero): neuron i of a token is positive when `|silu(g_i) * u_i|` is
-//! among the token's top `label_keep` fraction. Loss: binary cross-entropy; optimiser: Adam.
-//! Stored as Q8_0 (`W1`: r rows of d; `W2`: n_ff rows of r), so a prediction reads
-//! `(r d + n_ff r) * 34/32` bytes.
+//! Deja Vu's predictors: a low-rank linear map `scores = W2 (W1 h)` (d -> r -> n_out) from a
+//! layer's normed attention input to one score per unit; the executor keeps the top-k units.
+//! - [`MlpPredictor`] (n_out = n_ff): the MLP neurons of the same layer. Labels suited to SwiGLU
+//!   (no neuron is ever exactly zero): neuron i of a token is positive when `|silu(g_i) * u_i|` is
+//!   among the token's top `label_keep` fraction.
+//! - [`HeadPredictor`] (n_out = n_heads): the query heads of the *next* layer, labelled by the
+//!   norm of each head's attention output.
+//!
+//! Both read the attention input of the layer they run at, so they can run as soon as a layer
+//! starts, on a spare thread, while the layer computes (the paper's asynchronous *lookahead*;
+//! see `crate::lookahead`). Trained here, in Rust: binary cross-entropy, positives weighted up to
+//! balance them, Adam. Stored as Q8_0 (`W1`: r rows of d; `W2`: n_out rows of r), so a
+//! prediction reads `(r d + n_out r) * 34/32` bytes.
 use crate::{Error, Result};
 use dejavu_backend_api::quant::QK;
-use dejavu_backend_api::{quantize, QuantType, Weight};
+use dejavu_backend_api::{quantize, Backend, IndexSet, QuantType, Weight};
 use nalgebra::DMatrix;
 use rand::{Rng, SeedableRng};
 
 #[derive(Clone)]
-pub struct MlpPredictor {
+pub struct LowRankPredictor {
     pub rank: usize,
     pub d: usize,
-    pub n_ff: usize,
+    pub n_out: usize,
     pub(crate) w1: Vec<u8>,
     pub(crate) w2: Vec<u8>,
 }
@@ -45,12 +51,17 @@ impl Default for TrainOptions {
     }
 }
 
-impl MlpPredictor {
+/// Scores MLP neurons (one per layer).
+pub type MlpPredictor = LowRankPredictor;
+/// Scores the query heads of the next layer (one per layer; the last layer's is unused).
+pub type HeadPredictor = LowRankPredictor;
+
+impl LowRankPredictor {
     /// From raw Q8_0 bytes (a predictors file); checks the sizes.
     pub fn from_parts(
         rank: usize,
         d: usize,
-        n_ff: usize,
+        n_out: usize,
         w1: Vec<u8>,
         w2: Vec<u8>,
     ) -> Result<Self> {
@@ -58,16 +69,16 @@ impl MlpPredictor {
         if rank % QK != 0
             || d % QK != 0
             || w1.len() != rank * q.row_bytes(d)
-            || w2.len() != n_ff * q.row_bytes(rank)
+            || w2.len() != n_out * q.row_bytes(rank)
         {
             return Err(Error::Invalid(format!(
-                "MLP predictor: sizes do not match rank {rank}, d {d}, n_ff {n_ff}"
+                "predictor: sizes do not match rank {rank}, d {d}, n_out {n_out}"
             )));
         }
         Ok(Self {
             rank,
             d,
-            n_ff,
+            n_out,
             w1,
             w2,
         })
@@ -84,7 +95,7 @@ impl MlpPredictor {
     pub fn w2(&self) -> Weight<'_> {
         Weight {
             qtype: QuantType::Q8_0,
-            rows: self.n_ff,
+            rows: self.n_out,
             cols: self.rank,
             data: &self.w2,
         }
@@ -93,35 +104,51 @@ impl MlpPredictor {
         self.w1.len() + self.w2.len()
     }
 
-    /// Train on `x` (`n x d`, the layer's MLP inputs) against `act` (`n x n_ff`, the true
-    /// `|silu(g) * u|`). Returns the predictor and its recall of the true top `label_keep` at the
-    /// same budget, on the last eighth of the rows (held out from training).
+    /// `out = W2 (W1 h)` for one token (`z`: scratch of `rank`; `out`: `n_out`).
+    pub fn scores(&self, b: &dyn Backend, h: &[f32], z: &mut [f32], out: &mut [f32]) {
+        b.matmul(
+            &self.w1(),
+            &IndexSet::full(self.rank),
+            h,
+            &mut z[..self.rank],
+        );
+        b.matmul(
+            &self.w2(),
+            &IndexSet::full(self.n_out),
+            &z[..self.rank],
+            out,
+        );
+    }
+
+    /// Train on `x` (`n x d`, the inputs) against `act` (`n x n_out`, the true importance of each
+    /// unit, e.g. `|silu(g) * u|`). Returns the predictor and its recall of the true top
+    /// `label_keep` at the same budget, on the last eighth of the rows (held out from training).
     pub fn train(
         x: &[f32],
         act: &[f32],
         d: usize,
-        n_ff: usize,
+        n_out: usize,
         o: &TrainOptions,
     ) -> Result<(Self, f64)> {
         let n = x.len() / d;
-        if n < 16 || act.len() != n * n_ff || o.rank % QK != 0 || o.rank == 0 {
+        if n < 16 || act.len() != n * n_out || o.rank % QK != 0 || o.rank == 0 {
             return Err(Error::Invalid(format!(
-                "MLP predictor training: {n} rows, rank {}",
+                "predictor training: {n} rows, rank {}",
                 o.rank
             )));
         }
-        let k = ((o.label_keep * n_ff as f32).round() as usize).clamp(1, n_ff);
-        let labels = top_labels(act, n_ff, k);
+        let k = ((o.label_keep * n_out as f32).round() as usize).clamp(1, n_out);
+        let labels = top_labels(act, n_out, k);
         let n_train = n - n / 8;
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(o.seed);
         let r = o.rank;
         let mut w1 =
             DMatrix::<f32>::from_fn(r, d, |_, _| rng.gen_range(-1.0f32..1.0) / (d as f32).sqrt());
-        let mut w2 = DMatrix::<f32>::from_fn(n_ff, r, |_, _| {
+        let mut w2 = DMatrix::<f32>::from_fn(n_out, r, |_, _| {
             rng.gen_range(-1.0f32..1.0) / (r as f32).sqrt()
         });
         let (mut m1, mut v1) = (DMatrix::zeros(r, d), DMatrix::zeros(r, d));
-        let (mut m2, mut v2) = (DMatrix::zeros(n_ff, r), DMatrix::zeros(n_ff, r));
+        let (mut m2, mut v2) = (DMatrix::zeros(n_out, r), DMatrix::zeros(n_out, r));
         let (b1, b2, eps) = (0.9f32, 0.999f32, 1e-8f32);
         // Positives are a fraction of the labels: weight them up to balance the loss.
         let pos_w = (1.0 - o.label_keep) / o.label_keep;
@@ -134,15 +161,15 @@ impl MlpPredictor {
                 let b = batch.len();
                 let xb = DMatrix::from_fn(b, d, |i, j| x[batch[i] * d + j]);
                 let z = &xb * w1.transpose(); // b x r
-                let logits = &z * w2.transpose(); // b x n_ff
+                let logits = &z * w2.transpose(); // b x n_out
                                                   // dL/dlogit for weighted BCE: w * (sigmoid - y).
-                let g = DMatrix::from_fn(b, n_ff, |i, j| {
-                    let y = labels[batch[i] * n_ff + j];
+                let g = DMatrix::from_fn(b, n_out, |i, j| {
+                    let y = labels[batch[i] * n_out + j];
                     let p = 1.0 / (1.0 + (-logits[(i, j)]).exp());
                     let w = if y > 0.5 { pos_w } else { 1.0 };
                     w * (p - y) / b as f32
                 });
-                let gw2 = g.transpose() * &z; // n_ff x r
+                let gw2 = g.transpose() * &z; // n_out x r
                 let gz = &g * &w2; // b x r
                 let gw1 = gz.transpose() * &xb; // r x d
                 t += 1;
@@ -167,7 +194,7 @@ impl MlpPredictor {
             let xi = DMatrix::from_row_slice(1, d, &x[i * d..(i + 1) * d]);
             let s = (xi * w1.transpose()) * w2.transpose();
             let pred = crate::sparsity::top_k(s.as_slice(), k, &mut idx);
-            hit += pred.iter().filter(|&j| labels[i * n_ff + j] > 0.5).count();
+            hit += pred.iter().filter(|&j| labels[i * n_out + j] > 0.5).count();
             total += k;
         }
         let recall = hit as f64 / total.max(1) as f64;
@@ -180,16 +207,16 @@ impl MlpPredictor {
             }
             out
         };
-        let p = Self::from_parts(r, d, n_ff, q(&w1), q(&w2))?;
+        let p = Self::from_parts(r, d, n_out, q(&w1), q(&w2))?;
         Ok((p, recall))
     }
 }
 
 /// 1.0 for each row's `k` largest entries of `act`, else 0.0.
-fn top_labels(act: &[f32], n_ff: usize, k: usize) -> Vec<f32> {
+fn top_labels(act: &[f32], n_out: usize, k: usize) -> Vec<f32> {
     let mut out = vec![0f32; act.len()];
     let mut idx = Vec::new();
-    for (a, o) in act.chunks_exact(n_ff).zip(out.chunks_exact_mut(n_ff)) {
+    for (a, o) in act.chunks_exact(n_out).zip(out.chunks_exact_mut(n_out)) {
         for j in crate::sparsity::top_k(a, k, &mut idx).iter() {
             o[j] = 1.0;
         }
