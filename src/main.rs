@@ -99,7 +99,10 @@ fn policy_for(
     spec: &str,
     predictors: Option<&std::path::Path>,
 ) -> Result<dejavu::policy::Policy> {
-    let needs = spec.contains("recommended") || spec.contains("head");
+    // Parts that read the predictors file: recommended, head:, dejavu:, dejavu-attn:.
+    let needs = ["recommended", "head", "dejavu"]
+        .iter()
+        .any(|p| spec.contains(p));
     let preds = if needs || predictors.is_some() {
         engine.predictors(predictors)?
     } else {
