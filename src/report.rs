@@ -15,7 +15,8 @@ use std::path::Path;
 #[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct FrontierRow {
     pub policy: String,
-    /// `oracle`, `gate-first`, `up-first`, `head`, or `mixed` (several parts).
+    /// The rule (`oracle`, `gate-first`, `up-first`, `dejavu`, `attn-norm`, `dejavu-attn`, `head`),
+    /// `mixed` (several parts) or `recommended`.
     pub family: String,
     pub ppl_dense: f64,
     pub ppl: f64,
@@ -49,10 +50,12 @@ fn family(spec: &str) -> String {
     if spec.starts_with("recommended") {
         return "recommended".into();
     }
+    // Lookahead changes timing, not the selection: same family as without it.
+    let spec = spec.replace("+lookahead", "");
     if spec.contains('+') {
         return "mixed".into();
     }
-    spec.split(':').next().unwrap_or(spec).to_string()
+    spec.split(':').next().unwrap_or(&spec).to_string()
 }
 
 /// Evaluate `specs` on `tokens` (chunks of `ctx`) against dense.
