@@ -358,8 +358,12 @@ impl<'m> Executor<'m> {
                 // attn-norm: every head's attention is known; keep the top heads by output norm.
                 let normed = match head_rule {
                     HeadRule::Norm { .. } => {
-                        let norms: Vec<f32> = att.chunks_exact(hd).map(norm).collect();
-                        let set = top_k(&norms, head_rule.kept(c.n_heads), idx);
+                        let norms = &mut score[..c.n_heads];
+                        norms
+                            .iter_mut()
+                            .zip(att.chunks_exact(hd))
+                            .for_each(|(s, a)| *s = norm(a));
+                        let set = top_k(norms, head_rule.kept(c.n_heads), idx);
                         for (hh, a) in att.chunks_exact_mut(hd).enumerate() {
                             if !set.contains(hh) {
                                 a.fill(0.0);

@@ -137,10 +137,16 @@ impl<'a> Predictions<'a> {
                 scratch: Scratch::default(),
             },
         };
+        // Nothing to track (and nothing allocated on the dense path) without predictors.
+        let n = if matches!(mode, Mode::Off) {
+            0
+        } else {
+            n_layers
+        };
         Self {
             mode,
-            results: (0..n_layers).map(|_| None).collect(),
-            submitted: vec![false; n_layers],
+            results: (0..n).map(|_| None).collect(),
+            submitted: vec![false; n],
             busy: Duration::ZERO,
             wait: Duration::ZERO,
             bytes: 0,
@@ -176,6 +182,9 @@ impl<'a> Predictions<'a> {
 
     /// Job `l`'s result, waiting for the worker if needed (`None`: the job was not run).
     fn take(&mut self, l: usize) -> Result<Option<&mut Prediction>> {
+        if matches!(self.mode, Mode::Off) {
+            return Ok(None);
+        }
         if self.submitted[l] && self.results[l].is_none() {
             let t0 = Instant::now();
             while let Mode::Spare { results, .. } = &self.mode {
