@@ -1,31 +1,23 @@
 //! dejavu: a CPU-first LLM inference engine built for contextual sparsity (Deja Vu, Liu et al. 2023).
 //!
-//! Flow: [`model::Model`] maps a GGUF file and validates it into a typed [`config::ModelConfig`] and
-//! weight views; [`executor::Executor`] runs the layer loop on a [`dejavu_backend_api::Backend`]
-//! under a [`sparsity::SparsePlan`] (dense = full sets); [`generate`], [`perplexity`] and
-//! [`sampling`] drive it; [`tokenizer`] builds the GGUF's own BPE tokenizer and chat template.
+//! The tree follows the flow of a decode step:
+//! - [`engine`]: a model file or Hugging Face directory mapped and validated into a typed
+//!   [`engine::config::ModelConfig`] and weight views ([`engine::weights`]), one file per
+//!   architecture family ([`engine::arch`]), the KV cache, and the layer executor that runs a
+//!   [`sparsity::SparsePlan`] on a [`dejavu_backend_api::Backend`] (dense = full sets);
+//! - [`sparsity`]: the plan, the policies that build it per token, Deja Vu's predictors and their
+//!   file, the sparse weight layout, lookahead and calibration;
+//! - [`eval`]: perplexity, bench, the frontier report;
+//! - [`text`]: tokenizer and chat template, sampling, generation.
+//!
+//! The command line is the thin binary in `src/bin/dejavu/`.
 
-pub mod bench;
-pub mod calibrate;
-pub mod config;
 pub mod engine;
 mod error;
-pub mod executor;
+pub mod eval;
 pub mod fetch;
-pub mod generate;
-pub mod layout;
-pub mod lookahead;
-pub mod memstat;
-pub mod model;
-pub mod names;
-pub mod perplexity;
-pub mod policy;
-pub mod predictor;
-pub mod predictors;
 pub mod progress;
-pub mod report;
-pub mod sampling;
 pub mod sparsity;
-pub mod tokenizer;
+pub mod text;
 
 pub use error::{Error, Result};

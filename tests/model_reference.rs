@@ -21,9 +21,9 @@
 //!   and the perplexity tests below bound the average.
 mod common;
 use common::*;
-use dejavu::executor::{Executor, Logits};
-use dejavu::sampling::argmax;
+use dejavu::engine::executor::{Executor, Logits};
 use dejavu::sparsity::SparsePlan;
+use dejavu::text::sampling::argmax;
 use dejavu_backend_cpu::isa::Isa;
 use dejavu_backend_cpu::CpuBackend;
 
@@ -169,9 +169,9 @@ fn smollm2_decode_path_perplexity_within_1_percent_of_native() {
     let r = reference(SMOLLM2).perplexity;
     let tokens = eng.tokenizer.encode(&public_eval()).unwrap();
     let plan = SparsePlan::dense(&eng.model.config);
-    let feed = dejavu::perplexity::Feed::TokenByToken;
-    let res =
-        dejavu::perplexity::perplexity(&eng, &tokens, r.ctx, &plan, feed, |_, _, _| {}).unwrap();
+    let feed = dejavu::eval::perplexity::Feed::TokenByToken;
+    let res = dejavu::eval::perplexity::perplexity(&eng, &tokens, r.ctx, &plan, feed, |_, _, _| {})
+        .unwrap();
     assert_eq!(res.n_scored, r.chunks * (r.ctx / 2 - 1));
     let rel = (res.ppl / r.reference_native_quant - 1.0).abs();
     eprintln!(
@@ -193,12 +193,12 @@ fn check_perplexity(name: &str) {
     let r = reference(name).perplexity;
     let tokens = eng.tokenizer.encode(&public_eval()).unwrap();
     let plan = SparsePlan::dense(&eng.model.config);
-    let res = dejavu::perplexity::perplexity(
+    let res = dejavu::eval::perplexity::perplexity(
         &eng,
         &tokens,
         r.ctx,
         &plan,
-        dejavu::perplexity::Feed::Batch,
+        dejavu::eval::perplexity::Feed::Batch,
         |_, _, _| {},
     )
     .unwrap();

@@ -2,8 +2,8 @@
 //! model whose skipped neurons and heads are masked out in the weights themselves.
 mod common;
 use common::*;
+use dejavu::engine::executor::Logits;
 use dejavu::engine::{Engine, EngineOptions};
-use dejavu::executor::Logits;
 use dejavu::sparsity::{LayerPlan, SparsePlan};
 use dejavu_backend_api::IndexSet;
 use dejavu_formats::gguf::GgmlType;
@@ -29,7 +29,7 @@ fn tiny_engine(bytes: &[u8]) -> (tempfile::NamedTempFile, Engine) {
 /// rounding of their neighbours and exact masked-dense equality would not hold there.
 fn decode_logits(e: &Engine, plans: &SparsePlan) -> Vec<f32> {
     let backend = dejavu_backend_cpu::CpuBackend::f32_reference(2);
-    let exec = dejavu::executor::Executor::new(&e.model, &backend).unwrap();
+    let exec = dejavu::engine::executor::Executor::new(&e.model, &backend).unwrap();
     let mut cache = e.new_cache();
     TOKENS
         .iter()

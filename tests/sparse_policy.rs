@@ -5,11 +5,11 @@
 //! are rejected.
 mod common;
 use common::*;
-use dejavu::calibrate::{calibrate, CalibrateOptions};
+use dejavu::engine::executor::{Executor, Logits, Plan};
 use dejavu::engine::{Engine, EngineOptions};
-use dejavu::executor::{Executor, Logits, Plan};
-use dejavu::policy::Policy;
-use dejavu::predictors::Predictors;
+use dejavu::sparsity::calibrate::{calibrate, CalibrateOptions};
+use dejavu::sparsity::policy::Policy;
+use dejavu::sparsity::predictors_file::Predictors;
 use dejavu::sparsity::{LayerPlan, SparsePlan};
 use dejavu_backend_api::IndexSet;
 use dejavu_formats::gguf::GgmlType;
@@ -211,7 +211,7 @@ fn full_rank_output_preview_reproduces_dense_logits() {
         assert!((a - b).abs() <= 0.03 * scale, "{a} vs {b}");
     }
     for (g, d) in got.chunks(c.vocab_size).zip(dense.chunks(c.vocab_size)) {
-        let am = |x: &[f32]| dejavu::perplexity::argmax(x);
+        let am = |x: &[f32]| dejavu::eval::perplexity::argmax(x);
         assert_eq!(am(g), am(d));
         assert_eq!(
             g[am(d)],

@@ -8,12 +8,12 @@
 //! (r x d, f32), where V_r are the top right singular vectors of E L. Preview logits are
 //! `table * (proj * h)`. Components are ordered, so the first r' of them are the rank-r' preview.
 //!
-//! [`MlpPredictor`] and [`HeadPredictor`] (see [`crate::predictor`]): Deja Vu's per-layer low-rank
+//! [`MlpPredictor`] and [`HeadPredictor`] (see [`crate::sparsity::predictor`]): Deja Vu's per-layer low-rank
 //! scorers of MLP neurons and of the next layer's query heads.
 //!
 //! The file: safetensors, metadata `format = dejavu-predictors`, `version`, the model file it was
 //! calibrated for (`model`, `model_size`), the `recommended` policy and a calibration summary.
-use crate::predictor::{HeadPredictor, LowRankPredictor, MlpPredictor};
+use crate::sparsity::predictor::{HeadPredictor, LowRankPredictor, MlpPredictor};
 use crate::{Error, Result};
 use dejavu_backend_api::quant::{BlockQ8_0, QK};
 use dejavu_backend_api::{quantize, QuantType, Weight};
@@ -193,7 +193,7 @@ impl Predictors {
     }
 
     /// Load and check against the model it is used with (`d_model`, vocabulary, file size).
-    pub fn load(path: &Path, model: &crate::model::Model) -> Result<Self> {
+    pub fn load(path: &Path, model: &crate::engine::weights::Model) -> Result<Self> {
         if !path.exists() {
             return Err(Error::MissingFile(path.to_path_buf()));
         }
@@ -278,7 +278,7 @@ impl Predictors {
     }
 
     /// Serialize to `path` (written to a temporary name, then renamed).
-    pub fn save(&self, path: &Path, model: &crate::model::Model) -> Result<()> {
+    pub fn save(&self, path: &Path, model: &crate::engine::weights::Model) -> Result<()> {
         use safetensors::tensor::{Dtype, TensorView};
         let mut meta = self.metadata.clone();
         meta.insert("format".into(), FORMAT.into());

@@ -3,8 +3,8 @@
 //! Weights are never copied: [`WeightRef`] records a tensor's checked type, shape and byte range,
 //! and [`Model::weight`] turns it into a borrowed [`Weight`] on demand. Load checks every tensor the
 //! config needs: present, expected shape, a supported type.
-use crate::config::ModelConfig;
-use crate::names::{GlobalTensor, LayerTensor};
+use crate::engine::config::ModelConfig;
+use crate::engine::names::{GlobalTensor, LayerTensor};
 use crate::{Error, Result};
 use dejavu_backend_api::{QuantType, Weight};
 use dejavu_formats::{GgmlType, GgufFile, TensorInfo};

@@ -16,7 +16,7 @@
 //! The result is cached next to the model as `<model file>.sparse-<TYPE>.v2.gguf` (built once, checked
 //! against the source file's size and the shapes on every load, rebuilt when stale); where that
 //! directory is not writable, it is built in memory for the process.
-use crate::model::{weight_ref, Model, WeightRef};
+use crate::engine::weights::{weight_ref, Model, WeightRef};
 use crate::{Error, Result};
 use dejavu_backend_api::{quantize, Backend, QuantType, Weight};
 use dejavu_formats::gguf::{self, GgmlType, MetaValue};

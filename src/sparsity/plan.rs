@@ -1,7 +1,7 @@
 //! Contextual sparsity as data. A [`SparsePlan`] says, per layer, which MLP neurons and which query
 //! heads to compute; the dense plan is the plan with full sets, so the executor has one path.
 //! Policies that produce plans (predictors, oracle, lookahead) build on these types.
-use crate::config::ModelConfig;
+use crate::engine::config::ModelConfig;
 use crate::{Error, Result};
 use dejavu_backend_api::IndexSet;
 
@@ -103,7 +103,7 @@ pub enum MlpRule {
     UpFirst {
         keep: f32,
     },
-    /// Deja Vu: the layer's low-rank [`crate::predictor::MlpPredictor`] scores the neurons
+    /// Deja Vu: the layer's low-rank [`crate::sparsity::predictor::MlpPredictor`] scores the neurons
     /// from the layer's attention input; gate, up and down over the top-k only.
     LowRank {
         keep: f32,
@@ -136,7 +136,7 @@ pub enum HeadRule {
     Norm {
         keep: f32,
     },
-    /// Deja Vu: the previous layer's [`crate::predictor::HeadPredictor`] scores the heads from
+    /// Deja Vu: the previous layer's [`crate::sparsity::predictor::HeadPredictor`] scores the heads from
     /// the previous layer's attention input (layer 0: its own); W_q, attention and W_o over
     /// the top-k only.
     LowRank {

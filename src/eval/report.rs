@@ -5,9 +5,9 @@
 //! KL divergence, top-1 agreement, weight bytes read per token, MLP density, and the decode
 //! speedup measured on the same scored steps, dense and sparse interleaved token by token.
 use crate::engine::Engine;
-use crate::perplexity::{compare_specs, Comparison};
-use crate::policy::Policy;
-use crate::predictors::Predictors;
+use crate::eval::perplexity::{compare_specs, Comparison};
+use crate::sparsity::policy::Policy;
+use crate::sparsity::predictors_file::Predictors;
 use crate::{Error, Result};
 use serde::Serialize;
 use std::path::Path;

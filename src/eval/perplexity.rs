@@ -2,8 +2,8 @@
 //! split the tokenized text into `floor(n / ctx)` chunks of `ctx` tokens, evaluate each from an
 //! empty cache, and score the second half: logits at positions `ctx/2 .. ctx-1` predict the tokens
 //! at `ctx/2 + 1 .. ctx`. `ppl = exp(mean NLL)`.
+use crate::engine::executor::Logits;
 use crate::engine::Engine;
-use crate::executor::Logits;
 use crate::sparsity::SparsePlan;
 use crate::{Error, Result};
 
@@ -108,7 +108,7 @@ pub struct Comparison {
     /// Fraction of positions where both put the same token first.
     pub top1_agreement: f64,
     /// What the sparse steps read and kept.
-    pub steps: crate::bench::StepTotals,
+    pub steps: crate::eval::bench::StepTotals,
     /// Wall time of the scored decode steps, dense and sparse (interleaved token by token, so
     /// both see the same machine conditions).
     pub dense_secs: f64,
@@ -128,7 +128,7 @@ pub fn compare(
     engine: &Engine,
     tokens: &[u32],
     ctx: usize,
-    policy: &crate::policy::Policy,
+    policy: &crate::sparsity::policy::Policy,
     mut on_chunk: impl FnMut(usize, usize, f64, f64),
 ) -> Result<Comparison> {
     let mut r = compare_many(engine, tokens, ctx, &[policy], |i, n, d, s| {
@@ -144,10 +144,10 @@ pub fn compare_many(
     engine: &Engine,
     tokens: &[u32],
     ctx: usize,
-    policies: &[&crate::policy::Policy],
+    policies: &[&crate::sparsity::policy::Policy],
     mut on_chunk: impl FnMut(usize, usize, f64, &[f64]),
 ) -> Result<Vec<Comparison>> {
-    use crate::executor::Plan;
+    use crate::engine::executor::Plan;
     check_ctx(engine, tokens, ctx)?;
     let n_chunks = tokens.len() / ctx;
     let exec = engine.executor();
@@ -159,7 +159,7 @@ pub fn compare_many(
     let mut caches: Vec<_> = (0..np).map(|_| engine.new_cache()).collect();
     let (mut nd, mut n, mut dense_secs) = (0f64, 0usize, 0f64);
     let mut acc = vec![(0f64, 0f64, 0usize, 0f64); np]; // nll, kl, agree, secs
-    let mut steps = vec![crate::bench::StepTotals::default(); np];
+    let mut steps = vec![crate::eval::bench::StepTotals::default(); np];
     let mut ld = vec![0f32; vocab];
     for i in 0..n_chunks {
         let chunk = &tokens[i * ctx..(i + 1) * ctx];
@@ -221,14 +221,14 @@ pub fn compare_specs(
     tokens: &[u32],
     ctx: usize,
     specs: &[String],
-    predictors: Option<&crate::predictors::Predictors>,
+    predictors: Option<&crate::sparsity::predictors_file::Predictors>,
     what: &str,
-) -> Result<Vec<(crate::policy::Policy, Comparison)>> {
+) -> Result<Vec<(crate::sparsity::policy::Policy, Comparison)>> {
     let pols = specs
         .iter()
         .map(|s| engine.policy(s, predictors))
         .collect::<Result<Vec<_>>>()?;
-    let refs: Vec<&crate::policy::Policy> = pols.iter().collect();
+    let refs: Vec<&crate::sparsity::policy::Policy> = pols.iter().collect();
     let bar = crate::progress::bar((tokens.len() / ctx) as u64, what);
     let rs = compare_many(engine, tokens, ctx, &refs, |i, _, _, _| {
         bar.set_position(i as u64)

@@ -78,7 +78,7 @@ pub struct ReportArgs {
 }
 
 pub fn cmd_calibrate(a: CalibrateArgs) -> Result<()> {
-    use dejavu::calibrate::{self, CalibrateOptions};
+    use dejavu::sparsity::calibrate::{self, CalibrateOptions};
     let engine = a.model.load(None)?;
     let mut docs = Vec::new();
     let mut sources = Vec::new();
@@ -106,7 +106,7 @@ pub fn cmd_calibrate(a: CalibrateArgs) -> Result<()> {
         max_ppl_increase: a.max_ppl_increase,
         no_search: a.no_search,
         mlp_tokens: a.mlp_tokens,
-        mlp: dejavu::predictor::TrainOptions {
+        mlp: dejavu::sparsity::predictor::TrainOptions {
             rank: a.mlp_rank,
             ..Default::default()
         },
@@ -115,10 +115,9 @@ pub fn cmd_calibrate(a: CalibrateArgs) -> Result<()> {
     let (preds, _) = calibrate::calibrate(&engine, &tokens, &sources.join("; "), &opts, |l| {
         eprintln!("{l}")
     })?;
-    let out = a
-        .out
-        .clone()
-        .unwrap_or_else(|| dejavu::predictors::Predictors::default_path(&engine.model.file.path));
+    let out = a.out.clone().unwrap_or_else(|| {
+        dejavu::sparsity::predictors_file::Predictors::default_path(&engine.model.file.path)
+    });
     preds.save(&out, &engine.model)?;
     println!("{}", out.display());
     if let Some(r) = preds.recommended() {
@@ -140,12 +139,12 @@ pub fn cmd_report(a: ReportArgs) -> Result<()> {
     let file = |ext: &str| a.out.join(format!("{name}.frontier.{ext}"));
     let preds = engine.predictors(a.predictors.as_deref())?;
     // Held-out recall per layer of each kind of learned predictor, with its chance level.
-    let recall: Vec<dejavu::report::Recall> =
+    let recall: Vec<dejavu::eval::report::Recall> =
         [("MLP", "mlp_recall", 0.3), ("heads", "head_recall", 0.5)]
             .into_iter()
             .filter_map(|(what, key, chance)| {
                 let r = preds.as_ref()?.metadata.get(key)?;
-                Some(dejavu::report::Recall {
+                Some(dejavu::eval::report::Recall {
                     what: what.into(),
                     per_layer: r.split(',').filter_map(|v| v.parse().ok()).collect(),
                     chance,
@@ -155,8 +154,8 @@ pub fn cmd_report(a: ReportArgs) -> Result<()> {
     if a.replot {
         let json = std::fs::read_to_string(file("json"))
             .with_context(|| format!("reading {}", file("json").display()))?;
-        let rows: Vec<dejavu::report::FrontierRow> = serde_json::from_str(&json)?;
-        dejavu::report::plot(&rows, &recall, &name, &file("png"))?;
+        let rows: Vec<dejavu::eval::report::FrontierRow> = serde_json::from_str(&json)?;
+        dejavu::eval::report::plot(&rows, &recall, &name, &file("png"))?;
         eprintln!("wrote {}", file("png").display());
         return Ok(());
     }
@@ -215,7 +214,7 @@ pub fn cmd_report(a: ReportArgs) -> Result<()> {
             specs.push("recommended".into());
         }
     }
-    let rows = dejavu::report::frontier(&engine, &tokens, a.ctx, &specs, preds.as_ref())?;
+    let rows = dejavu::eval::report::frontier(&engine, &tokens, a.ctx, &specs, preds.as_ref())?;
     std::fs::create_dir_all(&a.out)?;
     let md = format!(
         "{} | {} | {} chunks of {} tokens of {} | {} threads, {} kernels | commit {}\n\n{}",
@@ -226,14 +225,14 @@ pub fn cmd_report(a: ReportArgs) -> Result<()> {
         a.file.display(),
         engine.threads(),
         engine.isa(),
-        dejavu::bench::COMMIT,
-        dejavu::report::markdown(&rows)
+        dejavu::eval::bench::COMMIT,
+        dejavu::eval::report::markdown(&rows)
     );
     std::fs::write(file("md"), &md)?;
     std::fs::write(file("json"), serde_json::to_string_pretty(&rows)?)?;
     print!("{md}");
     let base = file("*");
-    match dejavu::report::plot(&rows, &recall, &name, &file("png")) {
+    match dejavu::eval::report::plot(&rows, &recall, &name, &file("png")) {
         Ok(()) => eprintln!("wrote {} (md, json, png)", base.display()),
         Err(e) => eprintln!("wrote {} (md, json); no plot: {e}", base.display()),
     }
@@ -241,5 +240,5 @@ pub fn cmd_report(a: ReportArgs) -> Result<()> {
 }
 
 fn bench_cpu() -> String {
-    dejavu::bench::cpu_model()
+    dejavu::eval::bench::cpu_model()
 }

@@ -8,7 +8,7 @@
 //!
 //! Both read the attention input of the layer they run at, so they can run as soon as a layer
 //! starts, on a spare thread, while the layer computes (the paper's asynchronous *lookahead*;
-//! see `crate::lookahead`). Trained here, in Rust: binary cross-entropy, positives weighted up to
+//! see `crate::sparsity::lookahead`). Trained here, in Rust: binary cross-entropy, positives weighted up to
 //! balance them, Adam. Stored as Q8_0 (`W1`: r rows of d; `W2`: n_out rows of r), so a
 //! prediction reads `(r d + n_out r) * 34/32` bytes.
 use crate::{Error, Result};

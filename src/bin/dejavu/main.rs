@@ -2,16 +2,16 @@
 //! message and exit non-zero.
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
+use dejavu::engine::executor::Plan;
 use dejavu::engine::{Engine, EngineOptions};
-use dejavu::executor::Plan;
+use dejavu::eval::perplexity::{perplexity, Feed};
 use dejavu::fetch;
-use dejavu::generate::generate;
-use dejavu::perplexity::{perplexity, Feed};
-use dejavu::sampling::{Sampler, SamplerConfig};
 use dejavu::sparsity::SparsePlan;
+use dejavu::text::generate::generate;
+use dejavu::text::sampling::{Sampler, SamplerConfig};
 use std::io::{BufRead, Write};
 
-mod cmd_sparsity;
+mod sparsity_cmd;
 
 #[derive(Parser)]
 #[command(
@@ -38,9 +38,9 @@ enum Command {
     /// Prefill and decode speed, llama-bench style (markdown to stdout; JSON/CSV on request).
     Bench(BenchArgs),
     /// Fit the sparsity predictors on text and store them with a recommended setting.
-    Calibrate(cmd_sparsity::CalibrateArgs),
+    Calibrate(sparsity_cmd::CalibrateArgs),
     /// The quality/speed frontier of sparsity policies on a text: markdown, JSON and a PNG plot.
-    Report(cmd_sparsity::ReportArgs),
+    Report(sparsity_cmd::ReportArgs),
     /// Print a GGUF file's metadata and tensor table.
     Inspect {
         /// The GGUF file.
@@ -89,7 +89,7 @@ struct SparsityArgs {
 }
 
 impl SparsityArgs {
-    fn policy(&self, engine: &Engine) -> Result<dejavu::policy::Policy> {
+    fn policy(&self, engine: &Engine) -> Result<dejavu::sparsity::policy::Policy> {
         policy_for(engine, &self.sparsity, self.predictors.as_deref())
     }
 }
@@ -98,7 +98,7 @@ fn policy_for(
     engine: &Engine,
     spec: &str,
     predictors: Option<&std::path::Path>,
-) -> Result<dejavu::policy::Policy> {
+) -> Result<dejavu::sparsity::policy::Policy> {
     // Parts that read the predictors file: recommended, head:, dejavu:, dejavu-attn:.
     let needs = ["recommended", "head", "dejavu"]
         .iter()
@@ -259,8 +259,8 @@ fn run(cli: Cli) -> Result<()> {
         Command::Chat(a) => cmd_chat(a),
         Command::Perplexity(a) => cmd_perplexity(a),
         Command::Inspect { path } => cmd_inspect(&path),
-        Command::Calibrate(a) => cmd_sparsity::cmd_calibrate(a),
-        Command::Report(a) => cmd_sparsity::cmd_report(a),
+        Command::Calibrate(a) => sparsity_cmd::cmd_calibrate(a),
+        Command::Report(a) => sparsity_cmd::cmd_report(a),
         Command::Fetch { name } => {
             let names: Vec<&str> = match name.as_deref() {
                 None => vec![fetch::DEFAULT_MODEL],
@@ -302,7 +302,7 @@ fn load_engine(path: &std::path::Path, opts: EngineOptions) -> Result<Engine> {
 }
 
 fn cmd_bench(a: BenchArgs) -> Result<()> {
-    use dejavu::bench::{self, BenchResult};
+    use dejavu::eval::bench::{self, BenchResult};
     if a.repetitions == 0 || a.threads.is_empty() || (a.n_prompt == 0 && a.n_gen == 0) {
         bail!(
             "nothing to run: need --repetitions >= 1, at least one thread count, and -p or -n > 0"
@@ -353,7 +353,7 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
             for rep in 0..=a.repetitions {
                 for (i, pol) in policies.iter().enumerate() {
                     let mut st = bench::StepTotals::default();
-                    let plan = dejavu::executor::Plan::Policy(pol);
+                    let plan = dejavu::engine::executor::Plan::Policy(pol);
                     let secs = bench::time_once(
                         &engine, &mut cache, plan, prefill, n, rep as u64, &mut st,
                     )?;
@@ -540,10 +540,11 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
     let bar = dejavu::progress::bar(n_chunks as u64, "chunks");
     let t0 = std::time::Instant::now();
     if !policy.is_dense() {
-        let r = dejavu::perplexity::compare(&engine, &tokens, a.ctx, &policy, |i, _, d, s| {
-            bar.set_position(i as u64);
-            bar.set_message(format!("ppl dense {d:.4} sparse {s:.4}"));
-        })?;
+        let r =
+            dejavu::eval::perplexity::compare(&engine, &tokens, a.ctx, &policy, |i, _, d, s| {
+                bar.set_position(i as u64);
+                bar.set_message(format!("ppl dense {d:.4} sparse {s:.4}"));
+            })?;
         bar.finish_and_clear();
         eprintln!(
             "{} chunks, {} scored tokens, {:.1} s",
@@ -614,7 +615,7 @@ fn cmd_inspect(path: &std::path::Path) -> Result<()> {
         h.tensors.len(),
         h.alignment
     );
-    match dejavu::config::ModelConfig::from_gguf(h) {
+    match dejavu::engine::config::ModelConfig::from_gguf(h) {
         Ok(c) => println!("config: {c:?}"),
         Err(e) => println!("config: not loadable: {e}"),
     }

@@ -1,8 +1,8 @@
 //! Autoregressive generation: prefill the prompt as one batch, then decode token by token,
 //! streaming text as it becomes valid UTF-8.
+use crate::engine::executor::{KvCache, Logits, Plan};
 use crate::engine::Engine;
-use crate::executor::{KvCache, Logits, Plan};
-use crate::sampling::Sampler;
+use crate::text::sampling::Sampler;
 use crate::{Error, Result};
 use std::time::Instant;
 

@@ -14,9 +14,9 @@
 //! main thread spent on them (inline: all of it; lookahead: time blocked waiting for a result),
 //! so `1 - wait / busy` is the fraction of predictor time hidden.
 //!
-//! [`MlpPredictor`]: crate::predictor::MlpPredictor
-//! [`HeadPredictor`]: crate::predictor::HeadPredictor
-use crate::policy::Policy;
+//! [`MlpPredictor`]: crate::sparsity::predictor::MlpPredictor
+//! [`HeadPredictor`]: crate::sparsity::predictor::HeadPredictor
+use crate::sparsity::policy::Policy;
 use crate::sparsity::{top_k, HeadRule, MlpRule};
 use crate::{Error, Result};
 use dejavu_backend_api::{Backend, IndexSet};
@@ -60,13 +60,14 @@ fn wanted(p: &Policy, l: usize) -> bool {
 fn predict(b: &dyn Backend, p: &Policy, l: usize, h: &[f32], s: &mut Scratch) -> Prediction {
     let t0 = Instant::now();
     let mut out = Prediction::default();
-    let mut run = |pred: &crate::predictor::LowRankPredictor, k: usize, s: &mut Scratch| {
-        s.z.resize(pred.rank, 0.0);
-        s.scores.resize(pred.n_out, 0.0);
-        pred.scores(b, h, &mut s.z, &mut s.scores);
-        out.bytes += pred.bytes();
-        top_k(&s.scores, k, &mut s.idx)
-    };
+    let mut run =
+        |pred: &crate::sparsity::predictor::LowRankPredictor, k: usize, s: &mut Scratch| {
+            s.z.resize(pred.rank, 0.0);
+            s.scores.resize(pred.n_out, 0.0);
+            pred.scores(b, h, &mut s.z, &mut s.scores);
+            out.bytes += pred.bytes();
+            top_k(&s.scores, k, &mut s.idx)
+        };
     if let (MlpRule::LowRank { .. }, Some(pred)) = (p.mlp[l], p.mlp_predictors.get(l)) {
         let set = run(pred, p.mlp[l].kept(pred.n_out), s);
         out.mlp = Some(set);

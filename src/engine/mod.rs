@@ -1,10 +1,17 @@
-//! An [`Engine`]: a loaded model, its tokenizer, a backend and the thread pool it runs on.
-use crate::executor::{Executor, KvCache};
-use crate::layout::SparseLayout;
-use crate::model::Model;
-use crate::policy::Policy;
-use crate::predictors::Predictors;
-use crate::tokenizer::Tokenizer;
+//! The engine: an [`Engine`] holds a loaded model, its tokenizer, a backend and the thread pool
+//! it runs on. The submodules are the model itself: its typed [`config`], its [`weights`] (and the
+//! GGUF [`names`]), and the [`executor`] that runs the layer loop.
+pub mod config;
+pub mod executor;
+pub mod names;
+pub mod weights;
+
+use crate::engine::executor::{Executor, KvCache};
+use crate::engine::weights::Model;
+use crate::sparsity::layout::SparseLayout;
+use crate::sparsity::policy::Policy;
+use crate::sparsity::predictors_file::Predictors;
+use crate::text::tokenizer::Tokenizer;
 use crate::{Error, Result};
 use dejavu_backend_api::Backend;
 use dejavu_backend_cpu::CpuBackend;
@@ -41,7 +48,7 @@ pub struct Engine {
     pub tokenizer: Tokenizer,
     pub n_ctx: usize,
     backend: CpuBackend,
-    /// One thread of its own for the lookahead predictors (see `crate::lookahead`).
+    /// One thread of its own for the lookahead predictors (see `crate::sparsity::lookahead`).
     spare: CpuBackend,
     threads: usize,
     /// The neuron-major layout, loaded or built on first use by a sparse policy.
@@ -54,7 +61,10 @@ impl Engine {
         let tokenizer = Tokenizer::from_gguf(&model.file.header)?;
         // The tokenizer has its own vocabulary now: free the header's copy (and the builder's
         // transient allocations) so they do not stay resident during generation.
-        model.file.header.drop_metadata(crate::names::VOCAB_KEYS);
+        model
+            .file
+            .header
+            .drop_metadata(crate::engine::names::VOCAB_KEYS);
         release_free_heap();
         if tokenizer.vocab_size() != model.config.vocab_size {
             return Err(Error::Tokenizer(format!(
@@ -102,7 +112,7 @@ impl Engine {
         }
     }
 
-    /// The sparse layout (see [`crate::layout`]): loaded from the cache next to the model, or
+    /// The sparse layout (see [`crate::sparsity::layout`]): loaded from the cache next to the model, or
     /// converted and cached on first use.
     pub fn sparse_layout(&self) -> Result<&SparseLayout> {
         if let Some(l) = self.layout.get() {

@@ -4,7 +4,7 @@
 //! GGUF stores a byte-level BPE (`tokenizer.ggml.model = gpt2`) as the token strings (already in
 //! GPT-2's byte-to-unicode alphabet), their types, and the merges; `tokenizer.ggml.pre` names the
 //! pre-tokenizer, which we map to the same pipeline the model's original `tokenizer.json` used.
-use crate::names::*;
+use crate::engine::names::*;
 use crate::{Error, Result};
 use dejavu_formats::gguf::GgufHeader;
 use tokenizers::models::bpe::BPE;

@@ -13,8 +13,8 @@
 //! Each test runs `repetitions` times after one warm-up run; we report the median and the sample
 //! standard deviation. Token ids are a fixed pseudo-random sequence (as llama-bench does), so
 //! speed does not depend on a text.
+use crate::engine::executor::{KvCache, Logits, Plan, StepStats};
 use crate::engine::Engine;
-use crate::executor::{KvCache, Logits, Plan, StepStats};
 use crate::Result;
 use serde::Serialize;
 use std::time::Instant;
@@ -127,7 +127,7 @@ pub fn time_once(
 
 /// Resident memory now, split as weights + the cache's KV + other state.
 pub fn memory(engine: &Engine, cache: &KvCache) -> Option<Memory> {
-    let r = crate::memstat::resident(engine.model.file.bytes())?;
+    let r = crate::eval::memstat::resident(engine.model.file.bytes())?;
     let mib = |b: u64| b as f64 / (1 << 20) as f64;
     let kv = cache.bytes_in_use() as u64;
     Some(Memory {

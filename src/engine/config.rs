@@ -2,7 +2,7 @@
 //!
 //! Architecture quirks are fields (`rope_style`, `qkv_bias`, `tied_output`), set from the
 //! architecture table below and from which tensors the file actually has.
-use crate::names::{ArchKey, GlobalTensor, ARCHITECTURE, TOK_TOKENS};
+use crate::engine::names::{ArchKey, GlobalTensor, ARCHITECTURE, TOK_TOKENS};
 use crate::{Error, Result};
 use dejavu_backend_api::RopeStyle;
 use dejavu_formats::gguf::GgufHeader;

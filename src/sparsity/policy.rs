@@ -15,9 +15,9 @@
 //!   attention (needs a `dejavu` rule; same plans, so the same output, as without it).
 //!
 //! Contextual rules apply to single-token steps (decoding); batches (prompt processing) are dense.
-use crate::config::ModelConfig;
-use crate::predictor::{HeadPredictor, MlpPredictor};
-use crate::predictors::{OutputPreview, Predictors};
+use crate::engine::config::ModelConfig;
+use crate::sparsity::predictor::{HeadPredictor, MlpPredictor};
+use crate::sparsity::predictors_file::{OutputPreview, Predictors};
 use crate::sparsity::{HeadRule, MlpRule};
 use crate::{Error, Result};
 use std::sync::Arc;
@@ -38,7 +38,7 @@ pub struct Policy {
     pub heads: Vec<HeadRule>,
     /// One per layer for `dejavu-attn` rules (empty otherwise).
     pub head_predictors: Arc<[HeadPredictor]>,
-    /// Run the low-rank predictors on a spare thread (`crate::lookahead`).
+    /// Run the low-rank predictors on a spare thread (`crate::sparsity::lookahead`).
     pub lookahead: bool,
 }
 

@@ -16,11 +16,11 @@
 //! top candidates (the others keep their preview value). A sparse MLP set reads the neuron-major
 //! down projection of the [`SparseLayout`] when the executor has one (without it, the dense down
 //! projection over zeroed activations: the same result, no bytes saved). Likewise a sparse head
-//! set reads the head-major W_o. Learned predictors run through [`crate::lookahead`].
-use crate::layout::SparseLayout;
-use crate::lookahead::Predictions;
-use crate::model::{Model, WeightRef};
-use crate::policy::Policy;
+//! set reads the head-major W_o. Learned predictors run through [`crate::sparsity::lookahead`].
+use crate::engine::weights::{Model, WeightRef};
+use crate::sparsity::layout::SparseLayout;
+use crate::sparsity::lookahead::Predictions;
+use crate::sparsity::policy::Policy;
 use crate::sparsity::{head_rows, top_k, HeadRule, MlpRule, SparsePlan};
 use crate::{Error, Result};
 use dejavu_backend_api::{AttnShape, Backend, IndexSet, MatmulJob, Weight};

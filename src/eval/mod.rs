@@ -1,0 +1,6 @@
+//! Measuring the engine: perplexity (llama.cpp's method), `dejavu bench` (llama-bench's tests),
+//! the sparsity frontier report, and resident memory.
+pub mod bench;
+pub mod memstat;
+pub mod perplexity;
+pub mod report;

@@ -1,0 +1,15 @@
+//! Contextual sparsity (Deja Vu): the plan as data ([`plan`]), the policies that build it per
+//! decoded token ([`policy`]), the learned predictors ([`predictor`]: `MlpPredictor`,
+//! `HeadPredictor`) and the file that stores them with the output preview
+//! ([`predictors_file`]), the neuron-major weight layout the sparse kernels read ([`layout`]),
+//! predictors run ahead on a spare thread ([`lookahead`]), and `dejavu calibrate`
+//! ([`calibrate`]).
+pub mod calibrate;
+pub mod layout;
+pub mod lookahead;
+pub mod plan;
+pub mod policy;
+pub mod predictor;
+pub mod predictors_file;
+
+pub use plan::*;

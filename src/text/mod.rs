@@ -1,0 +1,4 @@
+//! Text in and out: the model's tokenizer and chat template, sampling, streaming generation.
+pub mod generate;
+pub mod sampling;
+pub mod tokenizer;
