@@ -12,7 +12,7 @@ pub enum Error {
     MissingKey(String),
     #[error("metadata key `{key}` is invalid: {reason}")]
     BadKey { key: String, reason: String },
-    #[error("unsupported architecture `{0}` (supported: llama, qwen2)")]
+    #[error("unsupported architecture `{0}` (supported: GGUF llama, qwen2, opt; Hugging Face OPTForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM)")]
     UnknownArchitecture(String),
     #[error("tensor `{0}` is missing")]
     MissingTensor(String),

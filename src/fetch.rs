@@ -42,8 +42,8 @@ pub fn fetch(name: &str) -> Result<PathBuf> {
     Ok(PathBuf::from(path))
 }
 
-/// The model a command should load: an explicit path (which must exist), a known model name, or the
-/// default model, fetched on first use.
+/// The model a command should load: an explicit path (a GGUF file or a Hugging Face checkpoint
+/// directory, which must exist), a known model name, or the default model, fetched on first use.
 pub fn resolve_model(arg: Option<&str>) -> Result<PathBuf> {
     match arg {
         None => fetch(DEFAULT_MODEL),
@@ -52,7 +52,7 @@ pub fn resolve_model(arg: Option<&str>) -> Result<PathBuf> {
         }
         Some(p) => {
             let path = PathBuf::from(p);
-            if path.is_file() {
+            if path.exists() {
                 Ok(path)
             } else {
                 Err(Error::MissingFile(path))

@@ -122,7 +122,7 @@ fn sparse_layout_equals_masked_dense() {
     // A second engine finds the cached layout instead of converting again.
     let (_d2, e2) = (
         dir,
-        Engine::load(e.model.file.path.clone(), &EngineOptions::default()).unwrap(),
+        Engine::load(e.model.path.clone(), &EngineOptions::default()).unwrap(),
     );
     assert_eq!(e2.sparse_layout().unwrap().path.as_ref(), Some(&cached));
 }
@@ -316,7 +316,7 @@ fn cli_calibrate_then_use() {
         "--validation-tokens",
         "64",
     ]);
-    let preds = Predictors::default_path(&model);
+    let preds = Predictors::default_path(&dejavu::engine::weights::Model::load(&model).unwrap());
     assert!(
         preds.exists() && stdout.contains("recommended:"),
         "{stdout}"

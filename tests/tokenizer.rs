@@ -7,7 +7,7 @@ use dejavu::text::tokenizer::Tokenizer;
 
 fn tokenizer(name: &str) -> Tokenizer {
     let m = Model::load(model_path(name)).unwrap();
-    Tokenizer::from_gguf(&m.file.header).unwrap()
+    Tokenizer::from_gguf(m.gguf_header().unwrap()).unwrap()
 }
 
 #[test]

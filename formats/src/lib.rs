@@ -1,4 +1,5 @@
-//! Zero-copy readers for the weight file formats: GGUF (v2/v3) and safetensors.
+//! Zero-copy readers for the weight file formats: GGUF (v2/v3), safetensors, and Hugging Face
+//! checkpoint directories (sharded safetensors).
 //!
 //! Contract: this crate turns bytes into named, typed, shaped *views* of a memory map. It never
 //! computes on weights and never copies tensor data. Every offset and count read from a file is
@@ -7,6 +8,7 @@
 
 mod error;
 pub mod gguf;
+pub mod hf;
 pub mod safetensors;
 
 pub use error::FormatError;

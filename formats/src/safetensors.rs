@@ -51,6 +51,11 @@ impl SafetensorsFile {
     pub fn data(&self, t: &StTensor) -> &[u8] {
         &self.mmap[t.start..t.start + t.n_bytes]
     }
+
+    /// The whole mapped file.
+    pub fn bytes(&self) -> &[u8] {
+        &self.mmap
+    }
 }
 
 type Table = (HashMap<String, StTensor>, HashMap<String, String>);

@@ -1,23 +1,28 @@
-//! The typed, validated model configuration, parsed once from GGUF metadata.
+//! The typed, validated model configuration, parsed once: from GGUF metadata here, from a Hugging
+//! Face `config.json` in the architecture family's file ([`crate::engine::arch`]).
 //!
-//! Architecture quirks are fields (`rope_style`, `qkv_bias`, `tied_output`), set from the
-//! architecture table below and from which tensors the file actually has.
-use crate::engine::names::{ArchKey, GlobalTensor, ARCHITECTURE, TOK_TOKENS};
+//! Architecture quirks are fields (positions, norm kind and placement, MLP activation, biases,
+//! tied output, embedding projection), so the executor reads the config, never the
+//! architecture's name.
+use crate::engine::names::{ArchKey, GlobalTensor, LayerTensor, ARCHITECTURE, TOK_TOKENS};
 use crate::{Error, Result};
-use dejavu_backend_api::RopeStyle;
+use dejavu_backend_api::{Activation, RopeStyle};
 use dejavu_formats::gguf::GgufHeader;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Architecture {
     Llama,
     Qwen2,
+    Opt,
 }
 
 impl Architecture {
+    /// The GGUF architecture name.
     pub fn from_name(name: &str) -> Result<Self> {
         match name {
             "llama" => Ok(Architecture::Llama),
             "qwen2" => Ok(Architecture::Qwen2),
+            "opt" => Ok(Architecture::Opt),
             other => Err(Error::UnknownArchitecture(other.into())),
         }
     }
@@ -25,18 +30,56 @@ impl Architecture {
         match self {
             Architecture::Llama => "llama",
             Architecture::Qwen2 => "qwen2",
+            Architecture::Opt => "opt",
         }
     }
-    /// How this architecture's GGUF files expect RoPE (ggml: llama "normal", qwen2 "neox").
-    fn rope_style(self) -> RopeStyle {
+}
+
+/// Which normalisation the blocks use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NormKind {
+    /// `x / rms(x) * w` (llama, qwen2).
+    Rms,
+    /// `(x - mean) / std * w + b` (OPT).
+    Layer,
+}
+
+/// The MLP: gated (`down(act(gate x) * up x)`) or plain (`down(act(up x + b)) + b`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MlpKind {
+    /// SiLU-gated (llama, qwen2).
+    SwiGlu,
+    /// ReLU-gated (llama with `hidden_act: relu`: ReluLLaMA, ProSparse).
+    GatedRelu,
+    /// fc1, ReLU, fc2 (OPT).
+    Relu,
+}
+
+impl MlpKind {
+    pub fn gated(self) -> bool {
+        !matches!(self, MlpKind::Relu)
+    }
+    pub fn activation(self) -> Activation {
         match self {
-            Architecture::Llama => RopeStyle::Interleaved,
-            Architecture::Qwen2 => RopeStyle::Neox,
+            MlpKind::SwiGlu => Activation::Silu,
+            MlpKind::GatedRelu | MlpKind::Relu => Activation::Relu,
         }
     }
-    fn qkv_bias(self) -> bool {
-        matches!(self, Architecture::Qwen2)
+    pub fn name(self) -> &'static str {
+        match self {
+            MlpKind::SwiGlu => "silu",
+            MlpKind::GatedRelu | MlpKind::Relu => "relu",
+        }
     }
+}
+
+/// How positions enter the model.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Positions {
+    /// Rotary embeddings on Q and K.
+    Rope { theta: f32, style: RopeStyle },
+    /// A learned table added to the embeddings; position `p` reads row `p + offset` (OPT: 2).
+    Learned { offset: usize },
 }
 
 #[derive(Debug, Clone)]
@@ -51,16 +94,92 @@ pub struct ModelConfig {
     pub vocab_size: usize,
     /// Context length the model was trained for (the engine's default window).
     pub context_length: usize,
-    pub rope_theta: f32,
-    pub rope_style: RopeStyle,
-    pub rms_eps: f32,
-    /// Q, K and V projections carry biases (qwen2).
+    pub positions: Positions,
+    pub norm: NormKind,
+    pub norm_eps: f32,
+    /// Norms carry learned gains (and, for LayerNorm, biases); false for OPT's
+    /// `layer_norm_elementwise_affine: false` (gain 1, bias 0).
+    pub norm_affine: bool,
+    /// Norm at the start of each block (pre-LN) or after each residual add (post-LN, opt-350m).
+    pub pre_norm: bool,
+    /// A norm before the output head.
+    pub final_norm: bool,
+    pub mlp: MlpKind,
+    /// Q, K and V projections carry biases (qwen2, OPT).
     pub qkv_bias: bool,
+    /// The attention output projection carries a bias (OPT).
+    pub out_bias: bool,
+    /// The MLP's projections carry biases (OPT's fc1, fc2).
+    pub mlp_bias: bool,
     /// The output head is the token embedding (no `output.weight`).
     pub tied_output: bool,
+    /// Width of the token embedding; when it differs from `d_model` (OPT's
+    /// `word_embed_proj_dim`), `proj_in` and `proj_out` map between the two.
+    pub d_embed: usize,
 }
 
 impl ModelConfig {
+    pub fn kv_dim(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+
+    pub fn rope(&self) -> Option<(f32, RopeStyle)> {
+        match self.positions {
+            Positions::Rope { theta, style } => Some((theta, style)),
+            Positions::Learned { .. } => None,
+        }
+    }
+
+    /// Check the shape relations every executor relies on.
+    pub fn validate(self) -> Result<Self> {
+        let bad = |reason: String| Error::BadKey {
+            key: format!("{} config", self.arch.name()),
+            reason,
+        };
+        let dims = [
+            self.n_layers,
+            self.d_model,
+            self.n_ff,
+            self.n_heads,
+            self.n_kv_heads,
+            self.vocab_size,
+            self.context_length,
+            self.d_embed,
+        ];
+        if dims.iter().any(|&d| d == 0 || d > 1 << 24) {
+            return Err(bad(format!(
+                "dimensions {dims:?} must be positive and plausible"
+            )));
+        }
+        if !self.d_model.is_multiple_of(self.n_heads) {
+            return Err(bad(format!(
+                "{} heads do not divide d_model {}",
+                self.n_heads, self.d_model
+            )));
+        }
+        if self.n_kv_heads > self.n_heads || !self.n_heads.is_multiple_of(self.n_kv_heads) {
+            return Err(bad(format!(
+                "{} kv heads cannot serve {} query heads",
+                self.n_kv_heads, self.n_heads
+            )));
+        }
+        if self.rope().is_some() && !self.head_dim.is_multiple_of(2) {
+            return Err(bad(format!("head_dim {} is odd", self.head_dim)));
+        }
+        if !(self.norm_eps.is_finite() && self.norm_eps > 0.0) {
+            return Err(bad(format!(
+                "norm epsilon {} is not positive",
+                self.norm_eps
+            )));
+        }
+        if let Positions::Rope { theta, .. } = self.positions {
+            if !(theta.is_finite() && theta > 0.0) {
+                return Err(bad(format!("rope theta {theta} is not positive")));
+            }
+        }
+        Ok(self)
+    }
+
     pub fn from_gguf(h: &GgufHeader) -> Result<Self> {
         let arch_name = h
             .get(ARCHITECTURE)
@@ -68,69 +187,35 @@ impl ModelConfig {
             .as_str()
             .ok_or_else(|| bad(ARCHITECTURE, "not a string"))?;
         let arch = Architecture::from_name(arch_name)?;
-        let a = arch.name();
-        let int = |k: ArchKey| -> Result<usize> {
-            let key = k.key(a);
-            let v = h.get(&key).ok_or_else(|| Error::MissingKey(key.clone()))?;
-            match v.as_u64() {
-                Some(x) if x > 0 && x <= 1 << 24 => Ok(x as usize),
-                _ => Err(bad(
-                    &key,
-                    &format!("expected a positive integer, got {}", v.summary(40)),
-                )),
-            }
+        let m = GgufMeta {
+            h,
+            arch: arch.name(),
         };
-        let float = |k: ArchKey, default: Option<f64>| -> Result<f32> {
-            let key = k.key(a);
-            match (h.get(&key), default) {
-                (Some(v), _) => match v.as_f64() {
-                    Some(x) if x.is_finite() && x > 0.0 => Ok(x as f32),
-                    _ => Err(bad(
-                        &key,
-                        &format!("expected a positive number, got {}", v.summary(40)),
-                    )),
-                },
-                (None, Some(d)) => Ok(d as f32),
-                (None, None) => Err(Error::MissingKey(key)),
-            }
+        let n_heads = m.int(ArchKey::HeadCount)?;
+        let d_model = m.int(ArchKey::EmbeddingLength)?;
+        let n_kv_heads = match m.has(ArchKey::HeadCountKv) {
+            true => m.int(ArchKey::HeadCountKv)?,
+            false => n_heads,
         };
-        let n_layers = int(ArchKey::BlockCount)?;
-        let d_model = int(ArchKey::EmbeddingLength)?;
-        let n_ff = int(ArchKey::FeedForwardLength)?;
-        let n_heads = int(ArchKey::HeadCount)?;
-        let n_kv_heads = int(ArchKey::HeadCountKv)?;
-        let context_length = int(ArchKey::ContextLength)?;
-        if d_model % n_heads != 0 {
-            return Err(bad(
-                &ArchKey::HeadCount.key(a),
-                &format!("{n_heads} does not divide d_model {d_model}"),
-            ));
+        if let Some(t) = h.get(&ArchKey::RopeScalingType.key(arch.name())) {
+            if !matches!(t.as_str(), Some("none") | Some("")) {
+                return Err(bad(
+                    &ArchKey::RopeScalingType.key(arch.name()),
+                    &format!("RoPE scaling {} is not supported", t.summary(20)),
+                ));
+            }
         }
-        if n_kv_heads > n_heads || n_heads % n_kv_heads != 0 {
+        let head_dim = d_model / n_heads.max(1);
+        if m.has(ArchKey::RopeDimensionCount) && m.int(ArchKey::RopeDimensionCount)? != head_dim {
             return Err(bad(
-                &ArchKey::HeadCountKv.key(a),
-                &format!("{n_kv_heads} kv heads cannot serve {n_heads} query heads"),
-            ));
-        }
-        let head_dim = d_model / n_heads;
-        if head_dim % 2 != 0 {
-            return Err(bad(
-                &ArchKey::HeadCount.key(a),
-                &format!("head_dim {head_dim} is odd"),
-            ));
-        }
-        if h.get(&ArchKey::RopeDimensionCount.key(a)).is_some()
-            && int(ArchKey::RopeDimensionCount)? != head_dim
-        {
-            return Err(bad(
-                &ArchKey::RopeDimensionCount.key(a),
+                &ArchKey::RopeDimensionCount.key(arch.name()),
                 "partial rotary embeddings are not supported",
             ));
         }
         // The vocabulary size: explicit key, else the tokenizer's token list, else the embedding rows.
-        let vocab_size = match h.get(&ArchKey::VocabSize.key(a)) {
-            Some(_) => int(ArchKey::VocabSize)?,
-            None => match h.get(TOK_TOKENS).and_then(|v| v.as_array()) {
+        let vocab_size = match m.has(ArchKey::VocabSize) {
+            true => m.int(ArchKey::VocabSize)?,
+            false => match h.get(TOK_TOKENS).and_then(|v| v.as_array()) {
                 Some(t) => t.len(),
                 None => {
                     let e = GlobalTensor::TokenEmbd.name();
@@ -138,30 +223,113 @@ impl ModelConfig {
                 }
             },
         };
-        Ok(Self {
+        let has = |t: GlobalTensor| h.tensor(&t.name()).is_some();
+        let rope = |style| -> Result<Positions> {
+            Ok(Positions::Rope {
+                theta: m.float(ArchKey::RopeFreqBase, Some(10_000.0))?,
+                style,
+            })
+        };
+        let opt = arch == Architecture::Opt;
+        let mlp = match (opt, m.string(ArchKey::FeedForwardActivation)) {
+            (true, None | Some("relu")) => MlpKind::Relu,
+            (false, None | Some("silu")) => MlpKind::SwiGlu,
+            (false, Some("relu")) => MlpKind::GatedRelu,
+            (_, Some(other)) => {
+                return Err(bad(
+                    &ArchKey::FeedForwardActivation.key(arch.name()),
+                    &format!("activation `{other}` is not supported (silu, relu)"),
+                ))
+            }
+        };
+        let biases = !opt || m.flag(ArchKey::UseBias, true);
+        let config = Self {
             arch,
-            n_layers,
+            n_layers: m.int(ArchKey::BlockCount)?,
             d_model,
-            n_ff,
+            n_ff: m.int(ArchKey::FeedForwardLength)?,
             n_heads,
             n_kv_heads,
             head_dim,
             vocab_size,
-            context_length,
-            rope_theta: float(ArchKey::RopeFreqBase, Some(10_000.0))?,
-            rope_style: arch.rope_style(),
-            rms_eps: float(ArchKey::RmsEps, None)?,
-            qkv_bias: arch.qkv_bias(),
-            tied_output: h.tensor(&GlobalTensor::Output.name()).is_none(),
-        })
-    }
-
-    pub fn kv_dim(&self) -> usize {
-        self.n_kv_heads * self.head_dim
+            context_length: m.int(ArchKey::ContextLength)?,
+            positions: match arch {
+                Architecture::Llama => rope(RopeStyle::Interleaved)?,
+                Architecture::Qwen2 => rope(RopeStyle::Neox)?,
+                Architecture::Opt => Positions::Learned { offset: 2 },
+            },
+            norm: if opt { NormKind::Layer } else { NormKind::Rms },
+            norm_eps: match opt {
+                true => m.float(ArchKey::LayerNormEps, Some(1e-5))?,
+                false => m.float(ArchKey::RmsEps, None)?,
+            },
+            norm_affine: h.tensor(&LayerTensor::AttnNorm.name(0)).is_some(),
+            pre_norm: !opt || m.flag(ArchKey::LayerNormBefore, true),
+            final_norm: !opt || has(GlobalTensor::OutputNorm),
+            mlp,
+            qkv_bias: arch == Architecture::Qwen2 || (opt && biases),
+            out_bias: opt && biases,
+            mlp_bias: opt && biases,
+            tied_output: !has(GlobalTensor::Output),
+            d_embed: match opt && m.has(ArchKey::EmbeddingProjection) {
+                true => m.int(ArchKey::EmbeddingProjection)?,
+                false => d_model,
+            },
+        };
+        config.validate()
     }
 }
 
-fn bad(key: &str, reason: &str) -> Error {
+/// Typed reads of `{arch}.*` keys.
+struct GgufMeta<'a> {
+    h: &'a GgufHeader,
+    arch: &'static str,
+}
+
+impl GgufMeta<'_> {
+    fn has(&self, k: ArchKey) -> bool {
+        self.h.get(&k.key(self.arch)).is_some()
+    }
+    fn int(&self, k: ArchKey) -> Result<usize> {
+        let key = k.key(self.arch);
+        let v = self
+            .h
+            .get(&key)
+            .ok_or_else(|| Error::MissingKey(key.clone()))?;
+        match v.as_u64() {
+            Some(x) if x > 0 && x <= 1 << 24 => Ok(x as usize),
+            _ => Err(bad(
+                &key,
+                &format!("expected a positive integer, got {}", v.summary(40)),
+            )),
+        }
+    }
+    fn float(&self, k: ArchKey, default: Option<f64>) -> Result<f32> {
+        let key = k.key(self.arch);
+        match (self.h.get(&key), default) {
+            (Some(v), _) => match v.as_f64() {
+                Some(x) if x.is_finite() && x > 0.0 => Ok(x as f32),
+                _ => Err(bad(
+                    &key,
+                    &format!("expected a positive number, got {}", v.summary(40)),
+                )),
+            },
+            (None, Some(d)) => Ok(d as f32),
+            (None, None) => Err(Error::MissingKey(key)),
+        }
+    }
+    fn flag(&self, k: ArchKey, default: bool) -> bool {
+        self.h
+            .get(&k.key(self.arch))
+            .and_then(|v| v.as_bool())
+            .unwrap_or(default)
+    }
+    fn string(&self, k: ArchKey) -> Option<&str> {
+        self.h.get(&k.key(self.arch)).and_then(|v| v.as_str())
+    }
+}
+
+pub(crate) fn bad(key: &str, reason: &str) -> Error {
     Error::BadKey {
         key: key.into(),
         reason: reason.into(),

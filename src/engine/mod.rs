@@ -1,12 +1,15 @@
 //! The engine: an [`Engine`] holds a loaded model, its tokenizer, a backend and the thread pool
 //! it runs on. The submodules are the model itself: its typed [`config`], its [`weights`] (and the
 //! GGUF [`names`]), and the [`executor`] that runs the layer loop.
+pub mod arch;
 pub mod config;
 pub mod executor;
+pub mod kv_cache;
 pub mod names;
 pub mod weights;
 
-use crate::engine::executor::{Executor, KvCache};
+use crate::engine::executor::Executor;
+use crate::engine::kv_cache::KvCache;
 use crate::engine::weights::Model;
 use crate::sparsity::layout::SparseLayout;
 use crate::sparsity::policy::Policy;
@@ -58,19 +61,20 @@ pub struct Engine {
 impl Engine {
     pub fn load(path: impl AsRef<Path>, opts: &EngineOptions) -> Result<Self> {
         let mut model = Model::load(path)?;
-        let tokenizer = Tokenizer::from_gguf(&model.file.header)?;
+        let tokenizer = Tokenizer::from_model(&model)?;
         // The tokenizer has its own vocabulary now: free the header's copy (and the builder's
         // transient allocations) so they do not stay resident during generation.
-        model
-            .file
-            .header
-            .drop_metadata(crate::engine::names::VOCAB_KEYS);
+        if let weights::Source::Gguf(f) = &mut model.source {
+            f.header.drop_metadata(crate::engine::names::VOCAB_KEYS);
+        }
         release_free_heap();
-        if tokenizer.vocab_size() != model.config.vocab_size {
+        // A GGUF's vocabulary is the embedding's rows; a checkpoint's embedding may be padded
+        // beyond its tokenizer (facebook/opt-*: 50272 rows, 50265 tokens).
+        let (nt, nv) = (tokenizer.vocab_size(), model.config.vocab_size);
+        let gguf = model.gguf_header().is_some();
+        if (gguf && nt != nv) || nt > nv {
             return Err(Error::Tokenizer(format!(
-                "{} tokens in the vocabulary but the model has {} embedding rows",
-                tokenizer.vocab_size(),
-                model.config.vocab_size
+                "{nt} tokens in the vocabulary but the model has {nv} embedding rows"
             )));
         }
         let max_ctx = model.config.context_length;
@@ -125,7 +129,7 @@ impl Engine {
     /// Load predictors: `path` if given, else the calibration output next to the model if there
     /// is one (`Ok(None)` when there is none).
     pub fn predictors(&self, path: Option<&Path>) -> Result<Option<Predictors>> {
-        let default = Predictors::default_path(&self.model.file.path);
+        let default = Predictors::default_path(&self.model);
         match path {
             Some(p) => Predictors::load(p, &self.model).map(Some),
             None if default.exists() => Predictors::load(&default, &self.model).map(Some),

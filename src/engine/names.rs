@@ -1,4 +1,9 @@
-//! Every GGUF metadata key and tensor name the engine reads, in one place.
+//! Every GGUF metadata key and tensor name the engine reads, in one place. These are also the
+//! engine's canonical tensor names: a Hugging Face checkpoint's tensors are renamed to them on
+//! load (see `engine::arch`), and `dejavu quantize` writes them.
+//!
+//! llama.cpp has names for everything of llama and qwen2. For what it has none (OPT, the MLP
+//! activation of ReLU llamas) the keys below follow its pattern; the README lists them.
 
 /// Per-architecture metadata keys: the file stores them as `{arch}.{suffix}`.
 #[derive(Debug, Clone, Copy)]
@@ -13,6 +18,17 @@ pub enum ArchKey {
     RopeDimensionCount,
     RmsEps,
     VocabSize,
+    RopeScalingType,
+    /// LayerNorm epsilon (llama.cpp's key for LayerNorm models).
+    LayerNormEps,
+    /// dejavu: `silu` (default) or `relu`, the MLP's activation.
+    FeedForwardActivation,
+    /// dejavu (OPT): whether the projections carry biases (default true).
+    UseBias,
+    /// dejavu (OPT): pre-LN (true, default) or post-LN (false).
+    LayerNormBefore,
+    /// dejavu (OPT): width of the token embedding when it differs from the hidden size.
+    EmbeddingProjection,
 }
 
 impl ArchKey {
@@ -28,6 +44,12 @@ impl ArchKey {
             ArchKey::RopeDimensionCount => "rope.dimension_count",
             ArchKey::RmsEps => "attention.layer_norm_rms_epsilon",
             ArchKey::VocabSize => "vocab_size",
+            ArchKey::RopeScalingType => "rope.scaling.type",
+            ArchKey::LayerNormEps => "attention.layer_norm_epsilon",
+            ArchKey::FeedForwardActivation => "feed_forward_activation",
+            ArchKey::UseBias => "use_bias",
+            ArchKey::LayerNormBefore => "layer_norm_before",
+            ArchKey::EmbeddingProjection => "embedding_projection_length",
         };
         format!("{arch}.{suffix}")
     }
@@ -44,22 +66,33 @@ pub const VOCAB_KEYS: &[&str] = &[TOK_TOKENS, TOK_TYPES, TOK_MERGES];
 pub const TOK_BOS: &str = "tokenizer.ggml.bos_token_id";
 pub const TOK_EOS: &str = "tokenizer.ggml.eos_token_id";
 pub const TOK_EOT: &str = "tokenizer.ggml.eot_token_id";
+pub const TOK_ADD_BOS: &str = "tokenizer.ggml.add_bos_token";
 pub const CHAT_TEMPLATE: &str = "tokenizer.chat_template";
 
 /// Tensors that appear once per model.
 #[derive(Debug, Clone, Copy)]
 pub enum GlobalTensor {
     TokenEmbd,
+    /// Learned positions (OPT), `[n_positions + offset][d_model]`.
+    PositionEmbd,
     OutputNorm,
+    OutputNormBias,
     Output,
+    /// OPT's `project_in` (`d_embed -> d_model`) and `project_out` (`d_model -> d_embed`).
+    ProjIn,
+    ProjOut,
 }
 
 impl GlobalTensor {
     pub fn name(self) -> String {
         match self {
             GlobalTensor::TokenEmbd => "token_embd.weight",
+            GlobalTensor::PositionEmbd => "position_embd.weight",
             GlobalTensor::OutputNorm => "output_norm.weight",
+            GlobalTensor::OutputNormBias => "output_norm.bias",
             GlobalTensor::Output => "output.weight",
+            GlobalTensor::ProjIn => "proj_in.weight",
+            GlobalTensor::ProjOut => "proj_out.weight",
         }
         .into()
     }
@@ -69,6 +102,7 @@ impl GlobalTensor {
 #[derive(Debug, Clone, Copy)]
 pub enum LayerTensor {
     AttnNorm,
+    AttnNormBias,
     AttnQ,
     AttnK,
     AttnV,
@@ -76,16 +110,21 @@ pub enum LayerTensor {
     AttnKBias,
     AttnVBias,
     AttnOutput,
+    AttnOutputBias,
     FfnNorm,
+    FfnNormBias,
     FfnGate,
     FfnUp,
+    FfnUpBias,
     FfnDown,
+    FfnDownBias,
 }
 
 impl LayerTensor {
     pub fn name(self, layer: usize) -> String {
         let s = match self {
             LayerTensor::AttnNorm => "attn_norm.weight",
+            LayerTensor::AttnNormBias => "attn_norm.bias",
             LayerTensor::AttnQ => "attn_q.weight",
             LayerTensor::AttnK => "attn_k.weight",
             LayerTensor::AttnV => "attn_v.weight",
@@ -93,10 +132,14 @@ impl LayerTensor {
             LayerTensor::AttnKBias => "attn_k.bias",
             LayerTensor::AttnVBias => "attn_v.bias",
             LayerTensor::AttnOutput => "attn_output.weight",
+            LayerTensor::AttnOutputBias => "attn_output.bias",
             LayerTensor::FfnNorm => "ffn_norm.weight",
+            LayerTensor::FfnNormBias => "ffn_norm.bias",
             LayerTensor::FfnGate => "ffn_gate.weight",
             LayerTensor::FfnUp => "ffn_up.weight",
+            LayerTensor::FfnUpBias => "ffn_up.bias",
             LayerTensor::FfnDown => "ffn_down.weight",
+            LayerTensor::FfnDownBias => "ffn_down.bias",
         };
         format!("blk.{layer}.{s}")
     }

@@ -1,22 +1,32 @@
-//! A model: the mapped GGUF file, its [`ModelConfig`], and every weight as a validated view.
+//! A model: its mapped files (one GGUF, or the shards of a Hugging Face checkpoint), its
+//! [`ModelConfig`], and every weight as a validated view.
 //!
-//! Weights are never copied: [`WeightRef`] records a tensor's checked type, shape and byte range,
-//! and [`Model::weight`] turns it into a borrowed [`Weight`] on demand. Load checks every tensor the
-//! config needs: present, expected shape, a supported type.
-use crate::engine::config::ModelConfig;
+//! Both sources become one table of tensors under the canonical (GGUF) names (see
+//! `engine::names`, `engine::arch`), so one loader checks them: present, expected shape, a
+//! supported type. Matrices are never copied: [`WeightRef`] records a tensor's file, checked type,
+//! shape and byte range, and [`Model::weight`] turns it into a borrowed [`Weight`] on demand (f16
+//! and bf16 stay 16-bit). Norm gains and biases, a few vectors of `d_model`, are converted to f32
+//! once at load.
+use crate::engine::arch;
+use crate::engine::config::{ModelConfig, NormKind, Positions};
 use crate::engine::names::{GlobalTensor, LayerTensor};
 use crate::{Error, Result};
 use dejavu_backend_api::{QuantType, Weight};
+use dejavu_formats::gguf::GgufHeader;
+use dejavu_formats::hf::HfCheckpoint;
+use dejavu_formats::safetensors::Dtype;
 use dejavu_formats::{GgmlType, GgufFile, TensorInfo};
-use std::path::Path;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 
-/// A checked tensor of the file: `rows x cols`, row-major, `qtype`.
+/// A checked 2-D tensor: `rows x cols`, row-major, `qtype`, inside mapped file `file`.
 #[derive(Debug, Clone)]
 pub struct WeightRef {
     pub name: String,
     pub qtype: QuantType,
     pub rows: usize,
     pub cols: usize,
+    file: usize,
     start: usize,
     n_bytes: usize,
 }
@@ -24,38 +34,25 @@ pub struct WeightRef {
 impl WeightRef {
     /// The weight inside `file_bytes`, the whole file it was checked against.
     pub fn view<'a>(&self, file_bytes: &'a [u8]) -> Weight<'a> {
-        Weight {
-            qtype: self.qtype,
-            rows: self.rows,
-            cols: self.cols,
-            data: &file_bytes[self.start..self.start + self.n_bytes],
-        }
+        Weight::new(
+            self.qtype,
+            self.rows,
+            self.cols,
+            &file_bytes[self.start..self.start + self.n_bytes],
+        )
+        .expect("WeightRef sizes are checked at load")
     }
 
-    /// A 2-D tensor of a parsed header, which must be of type `want`.
+    /// A 2-D tensor of a parsed GGUF header, which must be of type `want`.
     pub fn from_info(t: &TensorInfo, want: QuantType) -> Result<Self> {
-        let qtype = quant_type(t)?;
-        if qtype != want || t.dims.len() != 2 {
+        let w = weight_ref_of(&Entry::gguf(t, 0), &t.name, None)?;
+        if w.qtype != want || t.dims.len() != 2 {
             return Err(Error::BadTensor {
                 tensor: t.name.clone(),
                 reason: format!("expected a 2-D {} tensor", want.name()),
             });
         }
-        let (cols, rows) = (t.dims[0] as usize, t.dims[1] as usize);
-        if qtype.row_bytes(cols) * rows != t.n_bytes {
-            return Err(Error::BadTensor {
-                tensor: t.name.clone(),
-                reason: "byte size disagrees with its type".into(),
-            });
-        }
-        Ok(Self {
-            name: t.name.clone(),
-            qtype,
-            rows,
-            cols,
-            start: t.start,
-            n_bytes: t.n_bytes,
-        })
+        Ok(w)
     }
 
     pub fn n_bytes(&self) -> usize {
@@ -63,186 +60,480 @@ impl WeightRef {
     }
 }
 
-/// The weights of one transformer block. Shapes as `[rows, cols]` (rows = outputs).
+/// A norm's gain and (LayerNorm) bias, in f32.
+#[derive(Debug, Clone)]
+pub struct NormWeights {
+    pub weight: Vec<f32>,
+    pub bias: Option<Vec<f32>>,
+}
+
+/// The weights of one transformer block. Shapes as `[rows, cols]` (rows = outputs). For a plain
+/// MLP (OPT) `w_up` is fc1 and `w_down` fc2; `w_gate` exists only in gated MLPs.
 #[derive(Debug, Clone)]
 pub struct LayerWeights {
-    pub attn_norm: WeightRef,  // F32 [1, d_model]
-    pub wq: WeightRef,         // [n_heads*head_dim, d_model]
-    pub wk: WeightRef,         // [kv_dim, d_model]
-    pub wv: WeightRef,         // [kv_dim, d_model]
-    pub bq: Option<WeightRef>, // F32 [1, n_heads*head_dim]
-    pub bk: Option<WeightRef>, // F32 [1, kv_dim]
-    pub bv: Option<WeightRef>, // F32 [1, kv_dim]
-    pub wo: WeightRef,         // [d_model, n_heads*head_dim]
-    pub ffn_norm: WeightRef,   // F32 [1, d_model]
-    pub w_gate: WeightRef,     // [n_ff, d_model]
-    pub w_up: WeightRef,       // [n_ff, d_model]
-    pub w_down: WeightRef,     // [d_model, n_ff]
+    pub attn_norm: NormWeights,
+    pub wq: WeightRef, // [n_heads*head_dim, d_model]
+    pub wk: WeightRef, // [kv_dim, d_model]
+    pub wv: WeightRef, // [kv_dim, d_model]
+    pub bq: Option<Vec<f32>>,
+    pub bk: Option<Vec<f32>>,
+    pub bv: Option<Vec<f32>>,
+    pub wo: WeightRef, // [d_model, n_heads*head_dim]
+    pub bo: Option<Vec<f32>>,
+    pub ffn_norm: NormWeights,
+    pub w_gate: Option<WeightRef>, // [n_ff, d_model]
+    pub w_up: WeightRef,           // [n_ff, d_model]
+    pub b_up: Option<Vec<f32>>,
+    pub w_down: WeightRef, // [d_model, n_ff]
+    pub b_down: Option<Vec<f32>>,
+}
+
+/// Where the weights live.
+pub enum Source {
+    Gguf(GgufFile),
+    Hf(HfCheckpoint),
+}
+
+impl Source {
+    fn bytes(&self, file: usize) -> &[u8] {
+        match self {
+            Source::Gguf(f) => f.bytes(),
+            Source::Hf(c) => c.shards[file].bytes(),
+        }
+    }
+    fn files(&self) -> Vec<&[u8]> {
+        match self {
+            Source::Gguf(f) => vec![f.bytes()],
+            Source::Hf(c) => c.shards.iter().map(|s| s.bytes()).collect(),
+        }
+    }
 }
 
 pub struct Model {
-    pub file: GgufFile,
+    /// The GGUF file or the checkpoint directory.
+    pub path: PathBuf,
+    pub source: Source,
     pub config: ModelConfig,
-    pub token_embd: WeightRef,  // [vocab, d_model]
-    pub output_norm: WeightRef, // F32 [1, d_model]
-    /// `output.weight`, or the token embedding when tied. [vocab, d_model]
+    pub token_embd: WeightRef, // [vocab, d_embed]
+    /// Learned positions (OPT): `[n_positions + offset, d_model]`.
+    pub pos_embd: Option<WeightRef>,
+    /// `[d_model, d_embed]` and `[d_embed, d_model]` when `d_embed != d_model`.
+    pub proj_in: Option<WeightRef>,
+    pub proj_out: Option<WeightRef>,
+    pub output_norm: Option<NormWeights>,
+    /// `output.weight`, or the token embedding when tied. `[vocab, d_embed]`
     pub output: WeightRef,
     pub layers: Vec<LayerWeights>,
+    fingerprint: String,
 }
 
 impl Model {
+    /// A GGUF file, or a Hugging Face checkpoint directory.
     pub fn load(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
         if !path.exists() {
             return Err(Error::MissingFile(path.to_path_buf()));
         }
+        if path.is_dir() {
+            if !HfCheckpoint::is_checkpoint(path) {
+                return Err(Error::Invalid(format!(
+                    "{} is a directory without config.json (expected a Hugging Face checkpoint)",
+                    path.display()
+                )));
+            }
+            let ckpt = HfCheckpoint::open(path)?;
+            let (config, map) = arch::from_hf(&ckpt.config)?;
+            let mut table = HashMap::new();
+            for (name, t) in &ckpt.tensors {
+                if let Some(canonical) = map(name) {
+                    let e = Entry::hf(&t.info, t.shard, name);
+                    if table.insert(canonical.clone(), e).is_some() {
+                        return Err(Error::BadTensor {
+                            tensor: canonical,
+                            reason: "two checkpoint tensors map to it".into(),
+                        });
+                    }
+                }
+            }
+            return Self::build(path, Source::Hf(ckpt), config, &table);
+        }
         let file = GgufFile::open(path)?;
         let config = ModelConfig::from_gguf(&file.header)?;
+        let table = file
+            .header
+            .tensors
+            .iter()
+            .map(|t| (t.name.clone(), Entry::gguf(t, 0)))
+            .collect();
+        Self::build(path, Source::Gguf(file), config, &table)
+    }
+
+    fn build(path: &Path, source: Source, config: ModelConfig, table: &Tensors) -> Result<Self> {
         let c = &config;
-        let get = |name: String, shape: [usize; 2]| weight_ref(&file, name, shape);
-        let (d, q_dim, kv, ff, vocab) = (
+        let files = source.files();
+        let t = Table {
+            table,
+            files: &files,
+            c,
+        };
+        let (d, q_dim, kv, ff, vocab, de) = (
             c.d_model,
             c.n_heads * c.head_dim,
             c.kv_dim(),
             c.n_ff,
             c.vocab_size,
+            c.d_embed,
         );
-        let token_embd = get(GlobalTensor::TokenEmbd.name(), [vocab, d])?;
-        let output = if c.tied_output {
-            token_embd.clone()
-        } else {
-            get(GlobalTensor::Output.name(), [vocab, d])?
+        let g = |name: GlobalTensor, shape| t.weight(&name.name(), shape);
+        let token_embd = g(GlobalTensor::TokenEmbd, [vocab, de])?;
+        let output = match c.tied_output {
+            true => token_embd.clone(),
+            false => g(GlobalTensor::Output, [vocab, de])?,
         };
-        let output_norm = f32_vec(get(GlobalTensor::OutputNorm.name(), [1, d])?)?;
+        let pos_embd = match c.positions {
+            Positions::Learned { offset } => Some(g(
+                GlobalTensor::PositionEmbd,
+                [c.context_length + offset, d],
+            )?),
+            Positions::Rope { .. } => None,
+        };
+        let (proj_in, proj_out) = match de != d {
+            true => (
+                Some(g(GlobalTensor::ProjIn, [d, de])?),
+                Some(g(GlobalTensor::ProjOut, [de, d])?),
+            ),
+            false => (None, None),
+        };
+        let output_norm = match c.final_norm {
+            true => Some(t.norm(
+                &GlobalTensor::OutputNorm.name(),
+                &GlobalTensor::OutputNormBias.name(),
+            )?),
+            false => None,
+        };
         let mut layers = Vec::with_capacity(c.n_layers);
         for l in 0..c.n_layers {
-            let t = |name: LayerTensor, shape| get(name.name(l), shape);
-            let bias = |name: LayerTensor, n| -> Result<Option<WeightRef>> {
-                if c.qkv_bias {
-                    Ok(Some(f32_vec(t(name, [1, n])?)?))
-                } else {
-                    Ok(None)
-                }
+            let w = |name: LayerTensor, shape| t.weight(&name.name(l), shape);
+            let bias = |on: bool, name: LayerTensor, n| match on {
+                true => t.vector(&name.name(l), n).map(Some),
+                false => Ok(None),
             };
+            let norm = |w: LayerTensor, b: LayerTensor| t.norm(&w.name(l), &b.name(l));
             layers.push(LayerWeights {
-                attn_norm: f32_vec(t(LayerTensor::AttnNorm, [1, d])?)?,
-                wq: t(LayerTensor::AttnQ, [q_dim, d])?,
-                wk: t(LayerTensor::AttnK, [kv, d])?,
-                wv: t(LayerTensor::AttnV, [kv, d])?,
-                bq: bias(LayerTensor::AttnQBias, q_dim)?,
-                bk: bias(LayerTensor::AttnKBias, kv)?,
-                bv: bias(LayerTensor::AttnVBias, kv)?,
-                wo: t(LayerTensor::AttnOutput, [d, q_dim])?,
-                ffn_norm: f32_vec(t(LayerTensor::FfnNorm, [1, d])?)?,
-                w_gate: t(LayerTensor::FfnGate, [ff, d])?,
-                w_up: t(LayerTensor::FfnUp, [ff, d])?,
-                w_down: t(LayerTensor::FfnDown, [d, ff])?,
+                attn_norm: norm(LayerTensor::AttnNorm, LayerTensor::AttnNormBias)?,
+                wq: w(LayerTensor::AttnQ, [q_dim, d])?,
+                wk: w(LayerTensor::AttnK, [kv, d])?,
+                wv: w(LayerTensor::AttnV, [kv, d])?,
+                bq: bias(c.qkv_bias, LayerTensor::AttnQBias, q_dim)?,
+                bk: bias(c.qkv_bias, LayerTensor::AttnKBias, kv)?,
+                bv: bias(c.qkv_bias, LayerTensor::AttnVBias, kv)?,
+                wo: w(LayerTensor::AttnOutput, [d, q_dim])?,
+                bo: bias(c.out_bias, LayerTensor::AttnOutputBias, d)?,
+                ffn_norm: norm(LayerTensor::FfnNorm, LayerTensor::FfnNormBias)?,
+                w_gate: match c.mlp.gated() {
+                    true => Some(w(LayerTensor::FfnGate, [ff, d])?),
+                    false => None,
+                },
+                w_up: w(LayerTensor::FfnUp, [ff, d])?,
+                b_up: bias(c.mlp_bias, LayerTensor::FfnUpBias, ff)?,
+                w_down: w(LayerTensor::FfnDown, [d, ff])?,
+                b_down: bias(c.mlp_bias, LayerTensor::FfnDownBias, d)?,
             });
         }
+        let fingerprint = fingerprint(&files);
         Ok(Self {
-            file,
+            path: path.to_path_buf(),
+            source,
             config,
             token_embd,
+            pos_embd,
+            proj_in,
+            proj_out,
             output_norm,
             output,
             layers,
+            fingerprint,
         })
     }
 
     /// Borrow a weight's bytes from the mapping (range and size were checked at load).
     pub fn weight(&self, w: &WeightRef) -> Weight<'_> {
-        w.view(self.file_bytes())
+        w.view(self.source.bytes(w.file))
     }
 
-    /// An F32 vector weight (norm gains, biases) as a slice.
-    pub fn vector(&self, w: &WeightRef) -> &[f32] {
-        // Alignment and length were checked by `f32_vec` at load.
-        bytemuck::cast_slice(self.weight(w).data)
+    /// The mapped files (one GGUF, or the checkpoint's shards).
+    pub fn mapped_files(&self) -> Vec<&[u8]> {
+        self.source.files()
     }
 
-    fn file_bytes(&self) -> &[u8] {
-        self.file.bytes()
+    /// The GGUF header, for a GGUF model.
+    pub fn gguf_header(&self) -> Option<&GgufHeader> {
+        match &self.source {
+            Source::Gguf(f) => Some(&f.header),
+            Source::Hf(_) => None,
+        }
     }
 
-    /// Bytes of weights one dense decode step reads (every matrix once, plus one embedding row).
+    /// Every matrix the executor reads (embedding and output included), for capability checks.
+    pub fn matrices(&self) -> Vec<&WeightRef> {
+        let mut v = vec![&self.token_embd, &self.output];
+        v.extend(
+            self.pos_embd
+                .iter()
+                .chain(&self.proj_in)
+                .chain(&self.proj_out),
+        );
+        for l in &self.layers {
+            v.extend([&l.wq, &l.wk, &l.wv, &l.wo, &l.w_up, &l.w_down]);
+            v.extend(&l.w_gate);
+        }
+        v
+    }
+
+    /// Bytes of weights one dense decode step reads (every matrix once, plus one embedding row
+    /// and one position row).
     pub fn dense_bytes_per_token(&self) -> usize {
-        let c = &self.config;
-        let layers: usize = self
-            .layers
-            .iter()
-            .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down])
+        let layers: usize = (self.layers.iter())
+            .flat_map(|l| {
+                [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_up, &l.w_down]
+                    .into_iter()
+                    .chain(&l.w_gate)
+            })
             .map(|w| w.n_bytes)
             .sum();
-        layers + self.output.n_bytes + self.token_embd.qtype.row_bytes(c.d_model)
+        let row = |w: &WeightRef| w.qtype.row_bytes(w.cols);
+        let proj: usize = self
+            .proj_in
+            .iter()
+            .chain(&self.proj_out)
+            .map(|w| w.n_bytes)
+            .sum();
+        layers
+            + proj
+            + self.output.n_bytes
+            + row(&self.token_embd)
+            + self.pos_embd.as_ref().map_or(0, row)
+    }
+
+    /// A content fingerprint of the weights (file sizes, the first MiB of each file and 256
+    /// samples spread over it): what caches derived from the model (the sparse layout, the
+    /// predictors file) are keyed on, so a same-size model with other weights is not mistaken
+    /// for this one.
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
+    }
+
+    /// Where a file derived from the model is cached: beside a GGUF (`model.gguf.<suffix>`), or
+    /// inside a checkpoint directory (`dejavu.<suffix>`).
+    pub fn derived_path(&self, suffix: &str) -> PathBuf {
+        match &self.source {
+            Source::Hf(_) => self.path.join(format!("dejavu.{suffix}")),
+            Source::Gguf(_) => {
+                let mut name = self.path.file_name().unwrap_or_default().to_os_string();
+                name.push(format!(".{suffix}"));
+                self.path.with_file_name(name)
+            }
+        }
     }
 }
 
-fn quant_type(t: &TensorInfo) -> Result<QuantType> {
-    let q = match t.ggml_type {
-        GgmlType::F32 => QuantType::F32,
-        GgmlType::F16 => QuantType::F16,
-        GgmlType::BF16 => QuantType::BF16,
-        GgmlType::Q8_0 => QuantType::Q8_0,
-        GgmlType::Q4_0 => QuantType::Q4_0,
-        GgmlType::Q4_1 => QuantType::Q4_1,
-        GgmlType::Q5_0 => QuantType::Q5_0,
-        GgmlType::Q4K => QuantType::Q4K,
-        GgmlType::Q6K => QuantType::Q6K,
-        other => {
-            return Err(Error::UnsupportedType {
-                tensor: t.name.clone(),
-                qtype: other.name().into(),
-            })
+/// FNV-1a over file sizes, heads and samples (see [`Model::fingerprint`]).
+fn fingerprint(files: &[&[u8]]) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |bytes: &[u8]| {
+        for &b in bytes {
+            h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
         }
     };
-    Ok(q)
+    for f in files {
+        eat(&(f.len() as u64).to_le_bytes());
+        eat(&f[..f.len().min(1 << 20)]);
+        const SAMPLES: usize = 256;
+        for i in 0..SAMPLES {
+            let at = f.len() / SAMPLES * i;
+            eat(&f[at..(at + 1024).min(f.len())]);
+        }
+    }
+    format!("{h:016x}")
 }
 
-/// Look up a tensor and check its shape `[rows, cols]` (a 1-D tensor is `[1, n]`).
-pub(crate) fn weight_ref(
-    file: &GgufFile,
-    name: String,
-    [rows, cols]: [usize; 2],
-) -> Result<WeightRef> {
-    let t = file
-        .tensor(&name)
-        .ok_or_else(|| Error::MissingTensor(name.clone()))?;
-    let expected: Vec<u64> = if rows == 1 {
-        vec![cols as u64]
-    } else {
-        vec![cols as u64, rows as u64]
-    };
-    if t.dims != expected {
-        return Err(Error::ShapeMismatch {
-            tensor: name,
-            expected,
-            got: t.dims.clone(),
-        });
+/// One tensor of a source under its canonical name.
+#[derive(Debug, Clone)]
+struct Entry {
+    file: usize,
+    /// The engine's type, or the name of an unsupported one.
+    qtype: std::result::Result<QuantType, String>,
+    /// ggml order: `dims[0]` is the row length.
+    dims: Vec<u64>,
+    start: usize,
+    n_bytes: usize,
+    /// The name in the source file (for messages).
+    source_name: String,
+}
+
+type Tensors = HashMap<String, Entry>;
+
+impl Entry {
+    fn gguf(t: &TensorInfo, file: usize) -> Self {
+        let qtype = match t.ggml_type {
+            GgmlType::F32 => Ok(QuantType::F32),
+            GgmlType::F16 => Ok(QuantType::F16),
+            GgmlType::BF16 => Ok(QuantType::BF16),
+            GgmlType::Q8_0 => Ok(QuantType::Q8_0),
+            GgmlType::Q4_0 => Ok(QuantType::Q4_0),
+            GgmlType::Q4_1 => Ok(QuantType::Q4_1),
+            GgmlType::Q5_0 => Ok(QuantType::Q5_0),
+            GgmlType::Q4K => Ok(QuantType::Q4K),
+            GgmlType::Q6K => Ok(QuantType::Q6K),
+            other => Err(other.name().to_string()),
+        };
+        Self {
+            file,
+            qtype,
+            dims: t.dims.clone(),
+            start: t.start,
+            n_bytes: t.n_bytes,
+            source_name: t.name.clone(),
+        }
     }
-    let qtype = quant_type(t)?;
-    // The format layer computed n_bytes from its own block table; the backend's must agree.
-    if qtype.row_bytes(cols) * rows != t.n_bytes {
+
+    fn hf(t: &dejavu_formats::safetensors::StTensor, file: usize, name: &str) -> Self {
+        let qtype = match t.dtype {
+            Dtype::F32 => Ok(QuantType::F32),
+            Dtype::F16 => Ok(QuantType::F16),
+            Dtype::BF16 => Ok(QuantType::BF16),
+            other => Err(format!(
+                "{other:?} (f32, f16 and bf16 checkpoints are supported)"
+            )),
+        };
+        Self {
+            file,
+            qtype,
+            dims: t.shape.iter().rev().map(|&d| d as u64).collect(),
+            start: t.start,
+            n_bytes: t.n_bytes,
+            source_name: name.to_string(),
+        }
+    }
+}
+
+/// The canonical table of one source, with the files its entries point into.
+struct Table<'a> {
+    table: &'a Tensors,
+    files: &'a [&'a [u8]],
+    c: &'a ModelConfig,
+}
+
+impl Table<'_> {
+    fn entry(&self, name: &str) -> Result<&Entry> {
+        self.table
+            .get(name)
+            .ok_or_else(|| Error::MissingTensor(name.to_string()))
+    }
+
+    /// A matrix (or `[1, n]` vector) of shape `[rows, cols]`.
+    fn weight(&self, name: &str, shape: [usize; 2]) -> Result<WeightRef> {
+        let e = self.entry(name)?;
+        let w = weight_ref_of(e, name, Some(shape))?;
+        if e.file >= self.files.len() || e.start + e.n_bytes > self.files[e.file].len() {
+            return Err(Error::BadTensor {
+                tensor: name.into(),
+                reason: "data lies outside its file".into(),
+            });
+        }
+        Ok(w)
+    }
+
+    /// A float vector of length `n`, converted to f32.
+    fn vector(&self, name: &str, n: usize) -> Result<Vec<f32>> {
+        let w = self.weight(name, [1, n])?;
+        let bytes = &self.files[w.file][w.start..w.start + w.n_bytes];
+        match w.qtype {
+            QuantType::F32 => Ok(bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect()),
+            QuantType::F16 => Ok(bytes
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect()),
+            QuantType::BF16 => Ok(bytes
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect()),
+            other => Err(Error::BadTensor {
+                tensor: name.into(),
+                reason: format!("expected a float vector, got {}", other.name()),
+            }),
+        }
+    }
+
+    /// A norm's gain (and bias, for LayerNorm); gain 1 and no bias when the model's norms are
+    /// not affine.
+    fn norm(&self, weight: &str, bias: &str) -> Result<NormWeights> {
+        let d = self.c.d_model;
+        if !self.c.norm_affine {
+            return Ok(NormWeights {
+                weight: vec![1.0; d],
+                bias: None,
+            });
+        }
+        Ok(NormWeights {
+            weight: self.vector(weight, d)?,
+            bias: match self.c.norm {
+                NormKind::Layer => Some(self.vector(bias, d)?),
+                NormKind::Rms => None,
+            },
+        })
+    }
+}
+
+/// Check an entry's type and (if given) shape `[rows, cols]` (a 1-D tensor is `[1, n]`).
+fn weight_ref_of(e: &Entry, name: &str, shape: Option<[usize; 2]>) -> Result<WeightRef> {
+    if let Some([rows, cols]) = shape {
+        let expected: Vec<u64> = match rows {
+            1 => vec![cols as u64],
+            _ => vec![cols as u64, rows as u64],
+        };
+        if e.dims != expected {
+            return Err(Error::ShapeMismatch {
+                tensor: e.source_name.clone(),
+                expected,
+                got: e.dims.clone(),
+            });
+        }
+    }
+    let qtype = e.qtype.clone().map_err(|t| Error::UnsupportedType {
+        tensor: e.source_name.clone(),
+        qtype: t,
+    })?;
+    let cols = *e.dims.first().unwrap_or(&0) as usize;
+    let rows = e.dims.get(1..).map_or(1, |d| d.iter().product::<u64>()) as usize;
+    // The format layer computed n_bytes from its own table; the backend's must agree.
+    if cols == 0
+        || !cols.is_multiple_of(qtype.block_len())
+        || qtype.row_bytes(cols) * rows != e.n_bytes
+    {
         return Err(Error::BadTensor {
-            tensor: name,
+            tensor: e.source_name.clone(),
             reason: "byte size disagrees with its type".into(),
         });
     }
     Ok(WeightRef {
-        name,
+        name: name.to_string(),
         qtype,
         rows,
         cols,
-        start: t.start,
-        n_bytes: t.n_bytes,
+        file: e.file,
+        start: e.start,
+        n_bytes: e.n_bytes,
     })
 }
 
-fn f32_vec(w: WeightRef) -> Result<WeightRef> {
-    if w.qtype != QuantType::F32 || w.start % 4 != 0 {
-        return Err(Error::BadTensor {
-            tensor: w.name,
-            reason: format!("expected an aligned F32 vector, got {}", w.qtype.name()),
-        });
-    }
-    Ok(w)
+/// Look up a tensor of a GGUF file and check its shape `[rows, cols]` (the sparse layout's cache).
+pub(crate) fn weight_ref(file: &GgufFile, name: String, shape: [usize; 2]) -> Result<WeightRef> {
+    let t = file
+        .tensor(&name)
+        .ok_or_else(|| Error::MissingTensor(name.clone()))?;
+    weight_ref_of(&Entry::gguf(t, 0), &name, Some(shape))
 }

@@ -13,7 +13,8 @@
 //! Each test runs `repetitions` times after one warm-up run; we report the median and the sample
 //! standard deviation. Token ids are a fixed pseudo-random sequence (as llama-bench does), so
 //! speed does not depend on a text.
-use crate::engine::executor::{KvCache, Logits, Plan, StepStats};
+use crate::engine::executor::{Logits, Plan};
+use crate::engine::kv_cache::{KvCache, StepStats};
 use crate::engine::Engine;
 use crate::Result;
 use serde::Serialize;
@@ -127,7 +128,7 @@ pub fn time_once(
 
 /// Resident memory now, split as weights + the cache's KV + other state.
 pub fn memory(engine: &Engine, cache: &KvCache) -> Option<Memory> {
-    let r = crate::eval::memstat::resident(engine.model.file.bytes())?;
+    let r = crate::eval::memstat::resident(&engine.model.mapped_files())?;
     let mib = |b: u64| b as f64 / (1 << 20) as f64;
     let kv = cache.bytes_in_use() as u64;
     Some(Memory {

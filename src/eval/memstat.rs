@@ -4,20 +4,22 @@
 //! `dejavu bench` reports decode memory as mapped weights + KV cache + everything else, the split
 //! the CPU-speed issue sets its memory target in.
 
-/// Resident bytes of the process and of the mappings overlapping `region`.
+/// Resident bytes of the process and of the mappings overlapping `regions`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Resident {
     pub total: u64,
     pub region: u64,
 }
 
-pub fn resident(region: &[u8]) -> Option<Resident> {
+pub fn resident(regions: &[&[u8]]) -> Option<Resident> {
     let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
-    Some(parse_smaps(
-        &smaps,
-        region.as_ptr() as u64,
-        region.len() as u64,
-    ))
+    let parts: Vec<Resident> = (regions.iter())
+        .map(|r| parse_smaps(&smaps, r.as_ptr() as u64, r.len() as u64))
+        .collect();
+    Some(Resident {
+        total: parts.first().map_or(0, |p| p.total),
+        region: parts.iter().map(|p| p.region).sum(),
+    })
 }
 
 /// Sum the `Rss:` lines of every mapping, and of those overlapping `[start, start + len)`.
@@ -78,7 +80,7 @@ Rss:                   1 kB
     #[test]
     fn this_process_has_resident_memory() {
         let data = vec![1u8; 1 << 20];
-        let r = resident(&data).expect("/proc/self/smaps on Linux");
+        let r = resident(&[&data[..]]).expect("/proc/self/smaps on Linux");
         assert!(r.total >= r.region && r.region >= 1 << 20, "{r:?}");
     }
 }

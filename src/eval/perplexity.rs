@@ -1,7 +1,9 @@
 //! Perplexity exactly as llama.cpp's `llama-perplexity` computes it (see shared/reference):
 //! split the tokenized text into `floor(n / ctx)` chunks of `ctx` tokens, evaluate each from an
 //! empty cache, and score the second half: logits at positions `ctx/2 .. ctx-1` predict the tokens
-//! at `ctx/2 + 1 .. ctx`. `ppl = exp(mean NLL)`.
+//! at `ctx/2 + 1 .. ctx`. `ppl = exp(mean NLL)`. For a model that takes a BOS, the text is
+//! tokenized with it first and each chunk's first token is replaced by it (as llama-perplexity
+//! does; see [`crate::text::tokenizer::Tokenizer::encode_document`]).
 use crate::engine::executor::Logits;
 use crate::engine::Engine;
 use crate::sparsity::SparsePlan;
@@ -42,8 +44,9 @@ pub fn perplexity(
     let mut cache = engine.new_cache();
     let mut rows = Vec::new();
     let (mut nll_sum, mut n_scored) = (0f64, 0usize);
+    let mut chunk_buf = Vec::new();
     for i in 0..n_chunks {
-        let chunk = &tokens[i * ctx..(i + 1) * ctx];
+        let chunk = chunk_of(engine, tokens, i, ctx, &mut chunk_buf);
         cache.clear();
         let logits: &[f32] = match feed {
             Feed::Batch => exec.forward(chunk, &mut cache, plan, Logits::Range(first, ctx - 1))?,
@@ -91,6 +94,26 @@ fn check_ctx(engine: &Engine, tokens: &[u32], ctx: usize) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// Chunk `i` of `tokens`, its first token the BOS when the model takes one.
+fn chunk_of<'a>(
+    engine: &Engine,
+    tokens: &'a [u32],
+    i: usize,
+    ctx: usize,
+    buf: &'a mut Vec<u32>,
+) -> &'a [u32] {
+    let chunk = &tokens[i * ctx..(i + 1) * ctx];
+    match engine.tokenizer.bos_prefix() {
+        Some(bos) => {
+            buf.clear();
+            buf.extend_from_slice(chunk);
+            buf[0] = bos;
+            buf
+        }
+        None => chunk,
+    }
 }
 
 /// `-log softmax(logits)[target]`, in f64.
@@ -161,8 +184,9 @@ pub fn compare_many(
     let mut acc = vec![(0f64, 0f64, 0usize, 0f64); np]; // nll, kl, agree, secs
     let mut steps = vec![crate::eval::bench::StepTotals::default(); np];
     let mut ld = vec![0f32; vocab];
+    let mut chunk_buf = Vec::new();
     for i in 0..n_chunks {
-        let chunk = &tokens[i * ctx..(i + 1) * ctx];
+        let chunk = chunk_of(engine, tokens, i, ctx, &mut chunk_buf);
         for c in std::iter::once(&mut cd).chain(caches.iter_mut()) {
             c.clear();
             exec.forward(&chunk[..first], c, &dense_plan, Logits::Last)?;

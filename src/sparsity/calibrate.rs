@@ -107,7 +107,7 @@ pub fn calibrate(
         val.len()
     ));
     let sigma = hidden_moment(engine, train, ctx)?;
-    let rank = opts.rank.min(c.d_model / 32 * 32);
+    let rank = opts.rank.min(c.d_embed / 32 * 32);
     let preview = output_preview(engine, &sigma, rank)?;
     log(&format!(
         "output preview: rank {rank}, {:.1} MB ({:.1}% of the output head)",
@@ -197,8 +197,6 @@ pub fn train_predictors(
         exec.forward(chunk, &mut cache, &plan, Logits::Hidden(n - 1, n))?;
     }
     let cap = cache.capture.take().unwrap_or_default();
-    let b = engine.backend();
-    let full = dejavu_backend_api::IndexSet::full(ff);
     let bar = crate::progress::bar(c.n_layers as u64, "MLP and head predictors");
     let mut t = Trained {
         mlp: Vec::new(),
@@ -209,14 +207,7 @@ pub fn train_predictors(
     for l in 0..c.n_layers {
         let (x, h) = (&cap.attn_in[l], &cap.mlp_in[l]);
         let n = h.len() / d;
-        let (mut g, mut u) = (vec![0f32; n * ff], vec![0f32; n * ff]);
-        b.matmul(&m.weight(&m.layers[l].w_gate), &full, h, &mut g);
-        b.matmul(&m.weight(&m.layers[l].w_up), &full, h, &mut u);
-        let act: Vec<f32> = g
-            .iter()
-            .zip(&u)
-            .map(|(&g, &u)| (g / (1.0 + (-g).exp()) * u).abs())
-            .collect();
+        let act = mlp_activations(engine, l, h, n);
         let (p, r) = MlpPredictor::train(x, &act, d, ff, mlp_opts)?;
         t.mlp.push(p);
         t.mlp_recall.push(r);
@@ -230,9 +221,38 @@ pub fn train_predictors(
     Ok(t)
 }
 
+/// `|a|` for the MLP activations `a` of layer `l` on its `n` inputs `h` (`[n][n_ff]`): the
+/// magnitudes the predictor's labels rank.
+fn mlp_activations(engine: &Engine, l: usize, h: &[f32], n: usize) -> Vec<f32> {
+    let (m, b) = (&engine.model, engine.backend());
+    let (lw, ff) = (&m.layers[l], m.config.n_ff);
+    let full = dejavu_backend_api::IndexSet::full(ff);
+    let act = m.config.mlp.activation();
+    let mut u = vec![0f32; n * ff];
+    b.matmul(&m.weight(&lw.w_up), &full, h, &mut u);
+    match &lw.w_gate {
+        Some(wg) => {
+            let mut g = vec![0f32; n * ff];
+            b.matmul(&m.weight(wg), &full, h, &mut g);
+            b.glu(act, &mut g, &u);
+            u = g;
+        }
+        None => {
+            if let Some(bias) = &lw.b_up {
+                u.chunks_exact_mut(ff)
+                    .for_each(|r| r.iter_mut().zip(bias).for_each(|(a, b)| *a += b));
+            }
+            b.activate(act, &mut u);
+        }
+    }
+    u.iter_mut().for_each(|v| *v = v.abs());
+    u
+}
+
 /// Sigma = mean over tokens of h h^T, h the final normed hidden state (f64, d x d).
 fn hidden_moment(engine: &Engine, tokens: &[u32], ctx: usize) -> Result<DMatrix<f64>> {
-    let d = engine.model.config.d_model;
+    // The output head's input: d_embed wide (d_model unless OPT projects it).
+    let d = engine.model.config.d_embed;
     let exec = engine.executor();
     let plan = SparsePlan::dense(&engine.model.config);
     let mut cache = engine.new_cache();
@@ -256,7 +276,7 @@ fn hidden_moment(engine: &Engine, tokens: &[u32], ctx: usize) -> Result<DMatrix<
 /// The activation-weighted rank-`rank` preview of the output matrix (see the module docs).
 pub fn output_preview(engine: &Engine, sigma: &DMatrix<f64>, rank: usize) -> Result<OutputPreview> {
     let m = &engine.model;
-    let (d, vocab) = (m.config.d_model, m.config.vocab_size);
+    let (d, vocab) = (m.config.d_embed, m.config.vocab_size);
     let e = m.weight(&m.output);
     let b = engine.backend();
     const ROWS: usize = 4096;

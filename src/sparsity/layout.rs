@@ -14,7 +14,7 @@
 //! bits, 0.69 bytes per weight); Q6_K and Q8_0 become Q8_0.
 //!
 //! The result is cached next to the model as `<model file>.sparse-<TYPE>.v2.gguf` (built once, checked
-//! against the source file's size and the shapes on every load, rebuilt when stale); where that
+//! against the source's content fingerprint and the shapes on every load, rebuilt when stale); where that
 //! directory is not writable, it is built in memory for the process.
 use crate::engine::weights::{weight_ref, Model, WeightRef};
 use crate::{Error, Result};
@@ -27,7 +27,7 @@ use std::path::PathBuf;
 /// 2: W_o added.
 pub const LAYOUT_VERSION: u32 = 2;
 const KEY_VERSION: &str = "dejavu.layout.version";
-const KEY_SOURCE_SIZE: &str = "dejavu.layout.source_size";
+const KEY_SOURCE: &str = "dejavu.layout.source_fingerprint";
 
 /// The type a neuron-major row of a down projection of type `src` is stored in: the rule above,
 /// or the type named by `DEJAVU_DOWN_T` (F32, F16, BF16, Q8_0, Q5_0, Q4_1) for every layer.
@@ -86,16 +86,13 @@ fn source(model: &Model, l: usize, part: Part) -> (&WeightRef, [usize; 2]) {
 
 /// Where the converted layout of `model` is cached (one file per target type of its first layer).
 pub fn cache_path(model: &Model) -> PathBuf {
-    let p = &model.file.path;
     let qt = down_t_type(
         model
             .layers
             .first()
             .map_or(QuantType::F32, |l| l.w_down.qtype),
     );
-    let mut name = p.file_name().unwrap_or_default().to_os_string();
-    name.push(format!(".sparse-{}.v{LAYOUT_VERSION}.gguf", qt.name()));
-    p.with_file_name(name)
+    model.derived_path(&format!("sparse-{}.v{LAYOUT_VERSION}.gguf", qt.name()))
 }
 
 /// The converted file's bytes, copied into anonymous memory advised to use huge pages: the sparse
@@ -193,8 +190,8 @@ fn check(model: &Model, f: &GgufFile) -> Result<Vec<[WeightRef; 2]>> {
     if f.get(KEY_VERSION).and_then(MetaValue::as_u64) != Some(LAYOUT_VERSION as u64) {
         return Err(stale("version"));
     }
-    if f.get(KEY_SOURCE_SIZE).and_then(MetaValue::as_u64) != Some(model.file.file_size() as u64) {
-        return Err(stale("source size"));
+    if f.get(KEY_SOURCE).and_then(MetaValue::as_str) != Some(model.fingerprint()) {
+        return Err(stale("built from other weights"));
     }
     (0..model.config.n_layers)
         .map(|l| {
@@ -271,8 +268,8 @@ fn build(model: &Model, backend: &dyn Backend) -> Result<Vec<u8>> {
         &[
             (KEY_VERSION, MetaValue::U32(LAYOUT_VERSION)),
             (
-                KEY_SOURCE_SIZE,
-                MetaValue::U64(model.file.file_size() as u64),
+                KEY_SOURCE,
+                MetaValue::String(model.fingerprint().to_string()),
             ),
         ],
         &tensors,

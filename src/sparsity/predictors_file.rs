@@ -186,13 +186,11 @@ impl Predictors {
     }
 
     /// Where `dejavu calibrate` writes, and `--sparsity recommended` looks, for a model file.
-    pub fn default_path(model_path: &Path) -> PathBuf {
-        let mut name = model_path.file_name().unwrap_or_default().to_os_string();
-        name.push(format!(".predictors.v{VERSION}.safetensors"));
-        model_path.with_file_name(name)
+    pub fn default_path(model: &crate::engine::weights::Model) -> PathBuf {
+        model.derived_path(&format!("predictors.v{VERSION}.safetensors"))
     }
 
-    /// Load and check against the model it is used with (`d_model`, vocabulary, file size).
+    /// Load and check against the model it is used with (`d_model`, vocabulary, content fingerprint).
     pub fn load(path: &Path, model: &crate::engine::weights::Model) -> Result<Self> {
         if !path.exists() {
             return Err(Error::MissingFile(path.to_path_buf()));
@@ -212,12 +210,12 @@ impl Predictors {
                 meta("version")
             )));
         }
-        let size = model.file.file_size().to_string();
-        if meta("model_size") != Some(size.as_str()) {
+        let fp = model.fingerprint();
+        if meta("model_fingerprint") != Some(fp) {
             return Err(bad(format!(
-                "calibrated for another model file ({:?}, {:?} bytes); this one has {size} bytes",
+                "calibrated for another model ({:?}, fingerprint {:?}); this one's fingerprint is {fp}",
                 meta("model"),
-                meta("model_size")
+                meta("model_fingerprint")
             )));
         }
         let c = &model.config;
@@ -226,7 +224,7 @@ impl Predictors {
             Some(p) => {
                 let rank = p.shape.first().copied().unwrap_or(0);
                 if p.dtype != Dtype::F32
-                    || p.shape != [rank, c.d_model]
+                    || p.shape != [rank, c.d_embed]
                     || rank % QK != 0
                     || rank == 0
                 {
@@ -242,7 +240,7 @@ impl Predictors {
                 let table = read_q8(&f, "output.preview", c.vocab_size, rank).map_err(bad)?;
                 Some(Arc::new(OutputPreview {
                     rank,
-                    d: c.d_model,
+                    d: c.d_embed,
                     vocab: c.vocab_size,
                     proj,
                     table,
@@ -286,14 +284,13 @@ impl Predictors {
         meta.insert(
             "model".into(),
             model
-                .file
                 .path
                 .file_name()
                 .unwrap_or_default()
                 .to_string_lossy()
                 .into_owned(),
         );
-        meta.insert("model_size".into(), model.file.file_size().to_string());
+        meta.insert("model_fingerprint".into(), model.fingerprint().to_string());
         let mut owned: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
         if let Some(o) = &self.output {
             owned.push((

@@ -1,6 +1,7 @@
 //! Autoregressive generation: prefill the prompt as one batch, then decode token by token,
 //! streaming text as it becomes valid UTF-8.
-use crate::engine::executor::{KvCache, Logits, Plan};
+use crate::engine::executor::{Logits, Plan};
+use crate::engine::kv_cache::KvCache;
 use crate::engine::Engine;
 use crate::text::sampling::Sampler;
 use crate::{Error, Result};

@@ -1,18 +1,27 @@
-//! The model's own tokenizer, built from the GGUF vocabulary with the `tokenizers` crate, and its
-//! chat template rendered with `minijinja`.
+//! The model's own tokenizer, built with the `tokenizers` crate, and its chat template rendered
+//! with `minijinja`. Sources:
+//! - a Hugging Face directory's `tokenizer.json` (post-processor included, so a BOS it adds is
+//!   added), or GPT-2 `vocab.json` + `merges.txt` (byte-level BPE, as facebook/opt-* ship, BOS
+//!   per `add_bos_token`); `tokenizer_config.json`, `generation_config.json` and `config.json`
+//!   give BOS/EOS and the chat template;
+//! - a GGUF vocabulary, below.
 //!
 //! GGUF stores a byte-level BPE (`tokenizer.ggml.model = gpt2`) as the token strings (already in
 //! GPT-2's byte-to-unicode alphabet), their types, and the merges; `tokenizer.ggml.pre` names the
 //! pre-tokenizer, which we map to the same pipeline the model's original `tokenizer.json` used.
 use crate::engine::names::*;
+use crate::engine::weights::{Model, Source};
 use crate::{Error, Result};
 use dejavu_formats::gguf::GgufHeader;
+use serde_json::Value;
+use std::path::Path;
 use tokenizers::models::bpe::BPE;
 use tokenizers::normalizers::unicode::NFC;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::processors::template::TemplateProcessing;
 use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
 
 /// Qwen2's split pattern (from its tokenizer.json), case-insensitive contractions spelled out.
@@ -31,11 +40,137 @@ pub struct Tokenizer {
     pub end_of_generation: Vec<u32>,
     pub bos: Option<u32>,
     pub eos: Option<u32>,
+    /// The BOS that [`Self::encode_prompt`] puts first (the model was trained with it).
+    add_bos: Option<u32>,
     tokens: Vec<String>,
     chat_template: Option<String>,
 }
 
 impl Tokenizer {
+    /// The tokenizer of a loaded model (GGUF metadata or the checkpoint directory's files).
+    pub fn from_model(model: &Model) -> Result<Self> {
+        match &model.source {
+            Source::Gguf(f) => Self::from_gguf(&f.header),
+            Source::Hf(c) => Self::from_hf(&c.dir, &c.config),
+        }
+    }
+
+    /// A Hugging Face directory's tokenizer (see the module docs); `config` is `config.json`.
+    pub fn from_hf(dir: &Path, config: &str) -> Result<Self> {
+        let json = |name: &str| -> Result<Value> {
+            match std::fs::read_to_string(dir.join(name)) {
+                Ok(t) => {
+                    serde_json::from_str(&t).map_err(|e| Error::Tokenizer(format!("{name}: {e}")))
+                }
+                Err(_) => Ok(Value::Null),
+            }
+        };
+        let tcfg = json("tokenizer_config.json")?;
+        let gen = json("generation_config.json")?;
+        let model_cfg: Value = serde_json::from_str(config).unwrap_or(Value::Null);
+        let tok_err = |e: Box<dyn std::error::Error + Send + Sync>| Error::Tokenizer(e.to_string());
+        let token_str = |key: &str| -> Option<String> {
+            match tcfg.get(key)? {
+                Value::String(s) => Some(s.clone()),
+                v => v.get("content")?.as_str().map(String::from),
+            }
+        };
+        let mut inner = if dir.join("tokenizer.json").is_file() {
+            tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).map_err(tok_err)?
+        } else if dir.join("vocab.json").is_file() && dir.join("merges.txt").is_file() {
+            let (v, m) = (dir.join("vocab.json"), dir.join("merges.txt"));
+            let bpe = BPE::from_file(&v.to_string_lossy(), &m.to_string_lossy())
+                .build()
+                .map_err(tok_err)?;
+            let mut t = tokenizers::Tokenizer::new(bpe);
+            t.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
+            t.with_decoder(Some(ByteLevel::default()));
+            let special: Vec<AddedToken> = ["bos_token", "eos_token", "unk_token", "pad_token"]
+                .iter()
+                .filter_map(|k| token_str(k))
+                .map(|s| AddedToken::from(s, true))
+                .collect();
+            t.add_special_tokens(&special);
+            t
+        } else {
+            return Err(Error::Tokenizer(format!(
+                "{} has neither tokenizer.json nor vocab.json + merges.txt",
+                dir.display()
+            )));
+        };
+        let id_of = |s: Option<String>| s.and_then(|s| inner.token_to_id(&s));
+        let int = |v: &Value, k: &str| v.get(k).and_then(Value::as_u64).map(|i| i as u32);
+        let bos = id_of(token_str("bos_token"))
+            .or_else(|| int(&gen, "bos_token_id"))
+            .or_else(|| int(&model_cfg, "bos_token_id"));
+        let eos = id_of(token_str("eos_token"))
+            .or_else(|| int(&gen, "eos_token_id"))
+            .or_else(|| int(&model_cfg, "eos_token_id"));
+        // GPT-2 files have no post-processor: `add_bos_token` asks for the BOS.
+        let has_tokenizer_json = dir.join("tokenizer.json").is_file();
+        let wants_bos = tcfg.get("add_bos_token").and_then(Value::as_bool) == Some(true);
+        if !has_tokenizer_json && wants_bos {
+            prepend_bos(&mut inner, bos)?;
+        }
+        let mut eog: Vec<u32> = [eos].into_iter().flatten().collect();
+        for cfg in [&gen, &model_cfg] {
+            match cfg.get("eos_token_id") {
+                Some(Value::Array(a)) => {
+                    eog.extend(a.iter().filter_map(|v| v.as_u64().map(|i| i as u32)))
+                }
+                Some(v) => eog.extend(v.as_u64().map(|i| i as u32)),
+                None => {}
+            }
+        }
+        let chat_template = match tcfg.get("chat_template") {
+            Some(Value::String(t)) => Some(t.clone()),
+            Some(Value::Array(named)) => named
+                .iter()
+                .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+                .or(named.first())
+                .and_then(|t| t.get("template")?.as_str().map(String::from)),
+            _ => std::fs::read_to_string(dir.join("chat_template.jinja")).ok(),
+        };
+        let n = inner.get_vocab_size(true);
+        let tokens = (0..n as u32)
+            .map(|i| inner.id_to_token(i).unwrap_or_default())
+            .collect();
+        Ok(Self::assemble(inner, tokens, bos, eos, eog, chat_template))
+    }
+
+    /// The common tail of every source: end-of-generation ids (declared ones plus the end-of-turn
+    /// tokens of the chat formats we know) and the BOS the post-processor adds.
+    fn assemble(
+        inner: tokenizers::Tokenizer,
+        tokens: Vec<String>,
+        bos: Option<u32>,
+        eos: Option<u32>,
+        mut end_of_generation: Vec<u32>,
+        chat_template: Option<String>,
+    ) -> Self {
+        for t in END_OF_TURN {
+            if let Some(i) = inner.token_to_id(t) {
+                end_of_generation.push(i);
+            }
+        }
+        end_of_generation.retain(|&i| (i as usize) < tokens.len());
+        end_of_generation.sort_unstable();
+        end_of_generation.dedup();
+        let add_bos = match (bos, inner.encode("", true)) {
+            (Some(b), Ok(e)) if e.get_ids().first() == Some(&b) => Some(b),
+            _ => None,
+        };
+        Self {
+            inner,
+            end_of_generation,
+            bos,
+            eos,
+            add_bos,
+            tokens,
+            chat_template,
+        }
+    }
+
     pub fn from_gguf(h: &GgufHeader) -> Result<Self> {
         let model = meta_str(h, TOK_MODEL)?;
         if model != "gpt2" {
@@ -113,36 +248,49 @@ impl Tokenizer {
                 .map(|i| i as u32)
         };
         let (bos, eos) = (id(TOK_BOS), id(TOK_EOS));
-        let mut end_of_generation: Vec<u32> = [eos, id(TOK_EOT)].into_iter().flatten().collect();
-        for t in END_OF_TURN {
-            if let Some(&i) = inner.get_vocab(true).get(t) {
-                end_of_generation.push(i);
-            }
+        // llama.cpp's key; absent means no BOS (neither model of the registry wants one).
+        if h.get(TOK_ADD_BOS).and_then(|v| v.as_bool()) == Some(true) {
+            prepend_bos(&mut inner, bos)?;
         }
-        end_of_generation.sort_unstable();
-        end_of_generation.dedup();
+        let eog: Vec<u32> = [eos, id(TOK_EOT)].into_iter().flatten().collect();
         let chat_template = h
             .get(CHAT_TEMPLATE)
             .and_then(|v| v.as_str())
             .map(String::from);
-        Ok(Self {
-            inner,
-            end_of_generation,
-            bos,
-            eos,
-            tokens,
-            chat_template,
-        })
+        Ok(Self::assemble(inner, tokens, bos, eos, eog, chat_template))
     }
 
-    /// Token ids of `text`; special tokens written in the text (`<|im_start|>`) are recognised; no
-    /// BOS is added (neither model of this project wants one).
+    /// Token ids of `text`, nothing added; special tokens written in the text (`<|im_start|>`)
+    /// are recognised. For rendered chat templates (which place their own BOS) and raw text.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         let enc = self
             .inner
             .encode(text, false)
             .map_err(|e| Error::Tokenizer(e.to_string()))?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    /// Token ids of a prompt as the model expects it: with the special tokens its post-processor
+    /// adds (the BOS of models trained with one), as Hugging Face's `tokenizer(text)`.
+    pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self
+            .inner
+            .encode(text, true)
+            .map_err(|e| Error::Tokenizer(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// A document for perplexity or calibration: the BOS (if the model takes one), then `text`
+    /// with nothing added (llama.cpp's tokenization for llama-perplexity).
+    pub fn encode_document(&self, text: &str) -> Result<Vec<u32>> {
+        let mut ids: Vec<u32> = self.add_bos.into_iter().collect();
+        ids.extend(self.encode(text)?);
+        Ok(ids)
+    }
+
+    /// The BOS that prompts start with, if the model takes one.
+    pub fn bos_prefix(&self) -> Option<u32> {
+        self.add_bos
     }
 
     /// Text of `ids`, special tokens skipped.
@@ -223,4 +371,22 @@ fn string_array(h: &GgufHeader, key: &str) -> Result<Vec<String>> {
         .iter()
         .map(|v| v.as_str().map(String::from).ok_or_else(bad))
         .collect()
+}
+
+/// A post-processor that puts `bos` before every sequence.
+fn prepend_bos(inner: &mut tokenizers::Tokenizer, bos: Option<u32>) -> Result<()> {
+    let id = bos
+        .ok_or_else(|| Error::Tokenizer("add_bos_token is set but there is no BOS token".into()))?;
+    let text = inner
+        .id_to_token(id)
+        .ok_or_else(|| Error::Tokenizer(format!("BOS id {id} is not in the vocabulary")))?;
+    let tp = TemplateProcessing::builder()
+        .try_single(format!("{text} $A"))
+        .and_then(|b| b.try_pair(format!("{text} $A {text} $B")))
+        .map_err(|e| Error::Tokenizer(format!("BOS template: {e}")))?
+        .special_tokens(vec![(text.clone(), id)])
+        .build()
+        .map_err(|e| Error::Tokenizer(format!("BOS template: {e}")))?;
+    inner.with_post_processor(Some(tp));
+    Ok(())
 }

@@ -61,6 +61,23 @@ pub enum RopeStyle {
     Neox,
 }
 
+/// The element-wise nonlinearity of an MLP: `x * sigmoid(x)` (SwiGLU's gate) or `max(x, 0)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    Silu,
+    Relu,
+}
+
+impl Activation {
+    #[inline]
+    pub fn apply(self, x: f32) -> f32 {
+        match self {
+            Activation::Silu => x / (1.0 + (-x).exp()),
+            Activation::Relu => x.max(0.0),
+        }
+    }
+}
+
 /// Geometry of one attention call: `n_tokens` queries at positions `pos0..pos0+n_tokens`, each
 /// attending causally to cache entries `0..=pos`.
 #[derive(Debug, Clone, Copy)]
@@ -125,8 +142,15 @@ pub trait Backend: Send + Sync {
         style: RopeStyle,
     );
 
-    /// SwiGLU: `gate[i] = silu(gate[i]) * up[i]`.
-    fn silu_mul(&self, gate: &mut [f32], up: &[f32]);
+    /// Per token: `out = (x - mean(x)) / sqrt(var(x) + eps) * weight + bias` (LayerNorm; `bias`
+    /// absent is 0). `x`, `out`: `n_tokens * weight.len()`; `bias`, if given, `weight.len()`.
+    fn layernorm(&self, x: &[f32], weight: &[f32], bias: Option<&[f32]>, eps: f32, out: &mut [f32]);
+
+    /// Gated MLP activation (SwiGLU, gated ReLU): `gate[i] = act(gate[i]) * up[i]`.
+    fn glu(&self, act: Activation, gate: &mut [f32], up: &[f32]);
+
+    /// Plain MLP activation (OPT's ReLU): `x[i] = act(x[i])`.
+    fn activate(&self, act: Activation, x: &mut [f32]);
 
     /// Causal grouped-query attention for the selected query heads. `q`/`out`:
     /// `n_tokens * n_heads * head_dim`; `k_cache`/`v_cache`: `(pos0 + n_tokens) * n_kv_heads * head_dim`

@@ -8,6 +8,6 @@ mod index_set;
 pub mod quant;
 pub mod quantize;
 
-pub use backend::{AttnShape, Backend, BackendError, MatmulJob, RopeStyle, Weight};
+pub use backend::{Activation, AttnShape, Backend, BackendError, MatmulJob, RopeStyle, Weight};
 pub use index_set::{IndexSet, IndexSetError};
 pub use quant::QuantType;

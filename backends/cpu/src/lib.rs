@@ -13,7 +13,7 @@ pub mod prefetch;
 pub mod vec_dot;
 
 use dejavu_backend_api::{
-    AttnShape, Backend, BackendError, IndexSet, MatmulJob, QuantType, RopeStyle, Weight,
+    Activation, AttnShape, Backend, BackendError, IndexSet, MatmulJob, QuantType, RopeStyle, Weight,
 };
 use isa::Isa;
 use kernels::table::Kernels;
@@ -97,8 +97,16 @@ impl Backend for CpuBackend {
     ) {
         ops::rope(x, n_heads, head_dim, pos0, theta, style)
     }
-    fn silu_mul(&self, gate: &mut [f32], up: &[f32]) {
-        ops::silu_mul(gate, up)
+    fn layernorm(&self, x: &[f32], w: &[f32], b: Option<&[f32]>, eps: f32, out: &mut [f32]) {
+        check_len("layernorm", x.len(), out.len());
+        ops::layernorm(x, w, b, eps, out)
+    }
+    fn glu(&self, act: Activation, gate: &mut [f32], up: &[f32]) {
+        check_len("glu", gate.len(), up.len());
+        ops::glu(act, gate, up)
+    }
+    fn activate(&self, act: Activation, x: &mut [f32]) {
+        ops::activate(act, x)
     }
     fn attention(
         &self,
@@ -111,4 +119,9 @@ impl Backend for CpuBackend {
     ) {
         attention::attention(&self.kernels, &self.pool, q, k, v, heads, shape, out)
     }
+}
+
+/// The element-wise ops index safely, so a length mismatch would silently truncate: refuse it.
+fn check_len(op: &str, a: usize, b: usize) {
+    assert_eq!(a, b, "{op}: operand lengths differ");
 }

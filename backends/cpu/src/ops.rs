@@ -1,6 +1,6 @@
-//! Element-wise and per-token ops of a transformer layer: RMSNorm, RoPE, SwiGLU. Scalar
-//! references; each states its formula.
-use dejavu_backend_api::RopeStyle;
+//! Element-wise and per-token ops of a transformer layer: RMSNorm, LayerNorm, RoPE, the MLP
+//! activations. Scalar references; each states its formula.
+use dejavu_backend_api::{Activation, RopeStyle};
 
 /// Per token of width `w.len()`: `out = x / sqrt(mean(x^2) + eps) * w` (sum of squares in f64).
 pub fn rmsnorm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
@@ -10,6 +10,21 @@ pub fn rmsnorm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
         let scale = (1.0 / (ss / d as f64 + eps as f64).sqrt()) as f32;
         for ((o, &v), &g) in ot.iter_mut().zip(xt).zip(w) {
             *o = v * scale * g;
+        }
+    }
+}
+
+/// Per token of width `w.len()`: `out = (x - mean) / sqrt(var + eps) * w + b` (biased variance,
+/// as PyTorch's LayerNorm; moments in f64). `b` absent is 0.
+pub fn layernorm(x: &[f32], w: &[f32], b: Option<&[f32]>, eps: f32, out: &mut [f32]) {
+    let d = w.len();
+    for (xt, ot) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+        let mean = xt.iter().map(|&v| v as f64).sum::<f64>() / d as f64;
+        let var = xt.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / d as f64;
+        let inv = 1.0 / (var + eps as f64).sqrt();
+        for (i, (o, &v)) in ot.iter_mut().zip(xt).enumerate() {
+            let n = ((v as f64 - mean) * inv) as f32;
+            *o = n * w[i] + b.map_or(0.0, |b| b[i]);
         }
     }
 }
@@ -48,11 +63,16 @@ pub fn rope(
     }
 }
 
-/// SwiGLU: `gate[i] = gate[i] * sigmoid(gate[i]) * up[i]`.
-pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+/// Gated activation (SwiGLU for `Silu`, gated ReLU for `Relu`): `gate[i] = act(gate[i]) * up[i]`.
+pub fn glu(act: Activation, gate: &mut [f32], up: &[f32]) {
     for (g, &u) in gate.iter_mut().zip(up) {
-        *g = *g / (1.0 + (-*g).exp()) * u;
+        *g = act.apply(*g) * u;
     }
+}
+
+/// `x[i] = act(x[i])`.
+pub fn activate(act: Activation, x: &mut [f32]) {
+    x.iter_mut().for_each(|v| *v = act.apply(*v));
 }
 
 #[cfg(test)]
@@ -103,10 +123,34 @@ mod tests {
     }
 
     #[test]
-    fn silu_mul_formula() {
+    fn glu_formula() {
         let mut g = [0.0f32, 1.0, -2.0];
-        silu_mul(&mut g, &[5.0, 2.0, 1.0]);
+        glu(Activation::Silu, &mut g, &[5.0, 2.0, 1.0]);
         let silu = |x: f32| x / (1.0 + (-x).exp());
         assert_eq!(g, [0.0, silu(1.0) * 2.0, silu(-2.0)]);
+        let mut g = [0.5f32, -1.0, 2.0];
+        glu(Activation::Relu, &mut g, &[4.0, 3.0, -1.0]);
+        assert_eq!(g, [2.0, 0.0, -2.0]);
+        let mut x = [-0.0f32, -3.0, 1.5];
+        activate(Activation::Relu, &mut x);
+        assert_eq!(x, [0.0, 0.0, 1.5]);
+    }
+
+    #[test]
+    fn layernorm_formula() {
+        // token 0: mean 2.5, biased var 1.25; token 1 constant: normalises to 0, output = bias.
+        let x = [1.0f32, 2.0, 3.0, 4.0, 7.0, 7.0, 7.0, 7.0];
+        let (w, b) = ([1.0f32, 2.0, 1.0, 1.0], [0.0f32, 0.0, 1.0, -1.0]);
+        let mut out = [0f32; 8];
+        let eps = 1e-6;
+        layernorm(&x, &w, Some(&b), eps, &mut out);
+        let s = (1.25f64 + eps as f64).sqrt();
+        let want = [-1.5 / s, 2.0 * -0.5 / s, 0.5 / s + 1.0, 1.5 / s - 1.0];
+        for (o, w) in out[..4].iter().zip(want) {
+            assert!((*o as f64 - w).abs() < 1e-6, "{o} vs {w}");
+        }
+        assert_eq!(&out[4..], &[0.0, 0.0, 1.0, -1.0]);
+        layernorm(&x, &w, None, eps, &mut out);
+        assert_eq!(&out[4..], &[0.0; 4]);
     }
 }

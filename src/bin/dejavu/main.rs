@@ -428,7 +428,11 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
     } else {
         a.prompt.clone()
     };
-    let ids = engine.tokenizer.encode(&text)?;
+    // A rendered chat template places its own BOS; a plain prompt gets the model's.
+    let ids = match a.chat {
+        true => engine.tokenizer.encode(&text)?,
+        false => engine.tokenizer.encode_prompt(&text)?,
+    };
     let policy = a.sparsity.policy(&engine)?;
     let mut cache = engine.new_cache();
     let mut stdout = std::io::stdout().lock();
@@ -530,7 +534,7 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
     let text = std::fs::read_to_string(&a.file)
         .with_context(|| format!("reading {}", a.file.display()))?;
     let engine = a.model.load(Some(a.ctx))?;
-    let mut tokens = engine.tokenizer.encode(&text)?;
+    let mut tokens = engine.tokenizer.encode_document(&text)?;
     if let Some(c) = a.chunks {
         tokens.truncate(c.saturating_mul(a.ctx));
     }

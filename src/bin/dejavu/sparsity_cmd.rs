@@ -116,7 +116,7 @@ pub fn cmd_calibrate(a: CalibrateArgs) -> Result<()> {
         eprintln!("{l}")
     })?;
     let out = a.out.clone().unwrap_or_else(|| {
-        dejavu::sparsity::predictors_file::Predictors::default_path(&engine.model.file.path)
+        dejavu::sparsity::predictors_file::Predictors::default_path(&engine.model)
     });
     preds.save(&out, &engine.model)?;
     println!("{}", out.display());
@@ -132,7 +132,6 @@ pub fn cmd_report(a: ReportArgs) -> Result<()> {
     let engine = a.model.load(Some(a.ctx))?;
     let name = engine
         .model
-        .file
         .path
         .file_stem()
         .map_or("model".into(), |s| s.to_string_lossy().into_owned());
@@ -159,7 +158,7 @@ pub fn cmd_report(a: ReportArgs) -> Result<()> {
         eprintln!("wrote {}", file("png").display());
         return Ok(());
     }
-    let mut tokens = engine.tokenizer.encode(&text)?;
+    let mut tokens = engine.tokenizer.encode_document(&text)?;
     tokens.truncate(a.chunks.saturating_mul(a.ctx));
     let mut specs = a.sparsity.clone();
     if specs.is_empty() {

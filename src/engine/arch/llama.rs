@@ -1,0 +1,141 @@
+//! The llama family from Hugging Face checkpoints: `LlamaForCausalLM` (SwiGLU, or gated ReLU when
+//! `hidden_act` is `relu`, as ReluLLaMA and ProSparse ship) and `Qwen2ForCausalLM` (biases on Q,
+//! K and V). RMSNorm before each block, RoPE, a gated MLP.
+//!
+//! Hugging Face stores Q and K rows in the order of NeoX-style RoPE (dimension `i` pairs with
+//! `i + head_dim/2`); GGUF llama files permute them for interleaved RoPE. So a checkpoint runs
+//! with [`RopeStyle::Neox`], and `dejavu quantize` permutes them back when it writes a llama GGUF.
+use super::{layer_name, HfJson};
+use crate::engine::config::{bad, Architecture, MlpKind, ModelConfig, NormKind, Positions};
+use crate::Result;
+use dejavu_backend_api::RopeStyle;
+
+pub fn hf_config(j: &HfJson, qwen2: bool) -> Result<ModelConfig> {
+    let d_model = j.int("hidden_size")?;
+    let n_heads = j.int("num_attention_heads")?;
+    let head_dim = d_model / n_heads;
+    if j.get("head_dim").is_some() && j.int("head_dim")? != head_dim {
+        return Err(bad(
+            "head_dim",
+            "a head_dim other than hidden_size / num_attention_heads is not supported",
+        ));
+    }
+    let mlp = match j.str_or("hidden_act", "silu")? {
+        "silu" => MlpKind::SwiGlu,
+        "relu" => MlpKind::GatedRelu,
+        other => {
+            return Err(bad(
+                "hidden_act",
+                &format!("`{other}` is not supported (silu, relu)"),
+            ))
+        }
+    };
+    if j.bool_or("mlp_bias", false)? {
+        return Err(bad("mlp_bias", "MLP biases are not supported for llama"));
+    }
+    if j.bool_or("use_sliding_window", false)? {
+        return Err(bad(
+            "use_sliding_window",
+            "sliding-window attention is not supported",
+        ));
+    }
+    if j.get("partial_rotary_factor")
+        .and_then(|v| v.as_f64())
+        .is_some_and(|f| f != 1.0)
+    {
+        return Err(bad(
+            "partial_rotary_factor",
+            "partial rotary embeddings are not supported",
+        ));
+    }
+    let attention_bias = j.bool_or("attention_bias", false)?;
+    Ok(ModelConfig {
+        arch: if qwen2 {
+            Architecture::Qwen2
+        } else {
+            Architecture::Llama
+        },
+        n_layers: j.int("num_hidden_layers")?,
+        d_model,
+        n_ff: j.int("intermediate_size")?,
+        n_heads,
+        n_kv_heads: j.int_or("num_key_value_heads", n_heads)?,
+        head_dim,
+        vocab_size: j.int("vocab_size")?,
+        context_length: j.int("max_position_embeddings")?,
+        positions: Positions::Rope {
+            theta: rope_theta(j)?,
+            style: RopeStyle::Neox,
+        },
+        norm: NormKind::Rms,
+        norm_eps: j.float_or("rms_norm_eps", 1e-6)?,
+        norm_affine: true,
+        pre_norm: true,
+        final_norm: true,
+        mlp,
+        qkv_bias: qwen2 || attention_bias,
+        out_bias: !qwen2 && attention_bias,
+        mlp_bias: false,
+        tied_output: j.bool_or("tie_word_embeddings", false)?,
+        d_embed: d_model,
+    })
+}
+
+/// RoPE's base: `rope_theta`, or `rope_parameters.rope_theta` (transformers 5). Scaled RoPE
+/// (linear, dynamic, YaRN, llama3) is refused rather than run wrong.
+fn rope_theta(j: &HfJson) -> Result<f32> {
+    let params = j.get("rope_parameters").or_else(|| j.get("rope_scaling"));
+    if let Some(p) = params {
+        let kind = p
+            .get("rope_type")
+            .or_else(|| p.get("type"))
+            .and_then(|t| t.as_str());
+        if !matches!(kind, None | Some("default")) {
+            let key = if j.get("rope_parameters").is_some() {
+                "rope_parameters"
+            } else {
+                "rope_scaling"
+            };
+            return Err(bad(
+                key,
+                &format!("RoPE scaling `{}` is not supported", kind.unwrap_or("?")),
+            ));
+        }
+        if let Some(t) = p.get("rope_theta") {
+            return HfJson(&serde_json::json!({ "rope_theta": t })).float_or("rope_theta", 1e4);
+        }
+    }
+    j.float_or("rope_theta", 10_000.0)
+}
+
+/// Checkpoint name (with or without the `model.` prefix) to canonical name.
+pub fn canonical_name(name: &str) -> Option<String> {
+    if name == "lm_head.weight" {
+        return Some("output.weight".into());
+    }
+    let name = name.strip_prefix("model.").unwrap_or(name);
+    match name {
+        "embed_tokens.weight" => return Some("token_embd.weight".into()),
+        "norm.weight" => return Some("output_norm.weight".into()),
+        _ => {}
+    }
+    layer_name(name, |rest| {
+        let canonical = match rest {
+            "input_layernorm.weight" => "attn_norm.weight",
+            "self_attn.q_proj.weight" => "attn_q.weight",
+            "self_attn.k_proj.weight" => "attn_k.weight",
+            "self_attn.v_proj.weight" => "attn_v.weight",
+            "self_attn.q_proj.bias" => "attn_q.bias",
+            "self_attn.k_proj.bias" => "attn_k.bias",
+            "self_attn.v_proj.bias" => "attn_v.bias",
+            "self_attn.o_proj.weight" => "attn_output.weight",
+            "self_attn.o_proj.bias" => "attn_output.bias",
+            "post_attention_layernorm.weight" => "ffn_norm.weight",
+            "mlp.gate_proj.weight" => "ffn_gate.weight",
+            "mlp.up_proj.weight" => "ffn_up.weight",
+            "mlp.down_proj.weight" => "ffn_down.weight",
+            _ => return None,
+        };
+        Some(canonical.to_string())
+    })
+}

@@ -1,0 +1,162 @@
+//! A sequence's state between forward steps: keys and values of every layer for positions
+//! `0..len`, the activation buffers of its forward passes, and what the last step read.
+//!
+//! Keys and values are f32, `[len][n_kv_heads * head_dim]` per layer, and grow with the
+//! sequence (in steps of [`GROW`] positions) instead of being allocated for the whole window up
+//! front: a short chat at `--ctx 8192` holds only what it uses. The activation buffers grow to
+//! the largest batch seen, then are reused: decoding allocates nothing per token.
+use crate::engine::weights::Model;
+
+/// Positions added to a layer's key/value storage each time it fills.
+pub const GROW: usize = 256;
+
+pub struct KvCache {
+    pub(crate) kv: KvStore,
+    pub(crate) len: usize,
+    pub(crate) n_ctx: usize,
+    pub(crate) scratch: Scratch,
+    pub(crate) last: StepStats,
+    /// When set, every forward step appends what calibration trains the predictors on.
+    pub capture: Option<Capture>,
+}
+
+/// Keys and values of every layer.
+pub(crate) struct KvStore {
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+    kv_dim: usize,
+    n_ctx: usize,
+}
+
+/// Per layer, appended by every forward step of a capturing cache.
+#[derive(Default)]
+pub struct Capture {
+    /// Attention inputs (normed, for pre-norm models), `[n][d_model]`.
+    pub attn_in: Vec<Vec<f32>>,
+    /// Norms of each query head's attention output, `[n][n_heads]`.
+    pub head_norm: Vec<Vec<f32>>,
+    /// MLP inputs (normed, for pre-norm models), `[n][d_model]`.
+    pub mlp_in: Vec<Vec<f32>>,
+}
+
+/// What the last forward step read and kept.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepStats {
+    /// Bytes of weights read (once per step, whatever the batch size).
+    pub weight_bytes: usize,
+    /// MLP neurons computed, summed over layers, and the dense count.
+    pub mlp_kept: usize,
+    pub mlp_total: usize,
+    /// Query heads computed, summed over layers, and the dense count.
+    pub heads_kept: usize,
+    pub heads_total: usize,
+    /// Output rows computed exactly (the vocabulary size when dense).
+    pub exact_logits: usize,
+    /// Time the learned predictors took, and the time the main thread spent on them (all of it
+    /// inline; with lookahead, only the time it waited), in nanoseconds.
+    pub predict_ns: u64,
+    pub predict_wait_ns: u64,
+}
+
+/// Activations of one forward pass (see `Executor::run` for the names).
+#[derive(Default)]
+pub(crate) struct Scratch {
+    pub x: Vec<f32>,
+    pub h: Vec<f32>,
+    pub q: Vec<f32>,
+    pub att: Vec<f32>,
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+    pub o: Vec<f32>,
+    pub gate: Vec<f32>,
+    pub up: Vec<f32>,
+    /// Token embeddings before `proj_in`, and the output head's input after `proj_out`.
+    pub e: Vec<f32>,
+    pub logits: Vec<f32>,
+    /// Selection scores and index scratch of the contextual rules; the output preview.
+    pub score: Vec<f32>,
+    pub idx: Vec<u32>,
+    pub z: Vec<f32>,
+    pub preview: Vec<f32>,
+}
+
+/// The first `n` elements of `v`, growing it if needed (contents unspecified: every user
+/// overwrites them).
+pub(crate) fn buf(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    if v.len() < n {
+        v.resize(n, 0.0);
+    }
+    &mut v[..n]
+}
+
+impl KvCache {
+    pub fn new(model: &Model, n_ctx: usize) -> Self {
+        let c = &model.config;
+        Self {
+            kv: KvStore {
+                k: vec![Vec::new(); c.n_layers],
+                v: vec![Vec::new(); c.n_layers],
+                kv_dim: c.kv_dim(),
+                n_ctx,
+            },
+            len: 0,
+            n_ctx,
+            scratch: Scratch::default(),
+            last: StepStats::default(),
+            capture: None,
+        }
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn n_ctx(&self) -> usize {
+        self.n_ctx
+    }
+    /// Bytes of keys and values held for the positions in use.
+    pub fn bytes_in_use(&self) -> usize {
+        2 * self.kv.k.len() * self.len * self.kv.kv_dim * size_of::<f32>()
+    }
+    /// Bytes allocated for keys and values (in use, plus the growth margin).
+    pub fn bytes_allocated(&self) -> usize {
+        let cap: usize = self.kv.k.iter().chain(&self.kv.v).map(Vec::capacity).sum();
+        cap * size_of::<f32>()
+    }
+    /// What the last forward step read and kept.
+    pub fn last_step(&self) -> StepStats {
+        self.last
+    }
+    pub fn clear(&mut self) {
+        self.len = 0;
+    }
+    /// Forget every position from `len` on (keeps a shared prefix for reuse).
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+}
+
+impl KvStore {
+    /// Store layer `l`'s keys and values for positions `pos0..pos0 + n` (`k`, `v`: `n * kv_dim`)
+    /// and return the layer's keys and values for positions `0..pos0 + n`.
+    pub(crate) fn append(
+        &mut self,
+        l: usize,
+        pos0: usize,
+        k: &[f32],
+        v: &[f32],
+    ) -> (&[f32], &[f32]) {
+        let (start, end) = (pos0 * self.kv_dim, pos0 * self.kv_dim + k.len());
+        for (store, new) in [(&mut self.k[l], k), (&mut self.v[l], v)] {
+            store.truncate(start);
+            if store.capacity() < end {
+                let want = end.div_ceil(GROW * self.kv_dim) * GROW * self.kv_dim;
+                let cap = want.min(self.n_ctx * self.kv_dim).max(end);
+                store.reserve_exact(cap - store.len());
+            }
+            store.extend_from_slice(new);
+        }
+        (&self.k[l][..end], &self.v[l][..end])
+    }
+}
