@@ -8,7 +8,8 @@
 //! - [`sparsity`]: the plan, the policies that build it per token, Deja Vu's predictors and their
 //!   file, the sparse weight layout, lookahead and calibration;
 //! - [`eval`]: perplexity, bench, the frontier report;
-//! - [`text`]: tokenizer and chat template, sampling, generation.
+//! - [`text`]: tokenizer and chat template, sampling, generation;
+//! - [`quantize`]: any loaded model written as a GGUF of one weight type.
 //!
 //! The command line is the thin binary in `src/bin/dejavu/`.
 
@@ -17,6 +18,7 @@ mod error;
 pub mod eval;
 pub mod fetch;
 pub mod progress;
+pub mod quantize;
 pub mod sparsity;
 pub mod text;
 

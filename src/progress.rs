@@ -14,3 +14,16 @@ pub fn bar(len: u64, what: &str) -> ProgressBar {
     bar.set_prefix(what.to_string());
     bar
 }
+
+/// A bar of `len` bytes labelled `what`, with throughput.
+pub fn bytes_bar(len: u64, what: &str) -> ProgressBar {
+    let bar = ProgressBar::new(len);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{bar:40} {bytes}/{total_bytes} {prefix} {binary_bytes_per_sec}, eta {eta}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar.set_prefix(what.to_string());
+    bar
+}

@@ -242,7 +242,7 @@ impl ModelConfig {
                 ))
             }
         };
-        let biases = !opt || m.flag(ArchKey::UseBias, true);
+        let has_layer = |t: LayerTensor| h.tensor(&t.name(0)).is_some();
         let config = Self {
             arch,
             n_layers: m.int(ArchKey::BlockCount)?,
@@ -267,9 +267,10 @@ impl ModelConfig {
             pre_norm: !opt || m.flag(ArchKey::LayerNormBefore, true),
             final_norm: !opt || has(GlobalTensor::OutputNorm),
             mlp,
-            qkv_bias: arch == Architecture::Qwen2 || (opt && biases),
-            out_bias: opt && biases,
-            mlp_bias: opt && biases,
+            // Biases are what the file holds (qwen2 always has Q/K/V biases).
+            qkv_bias: arch == Architecture::Qwen2 || has_layer(LayerTensor::AttnQBias),
+            out_bias: has_layer(LayerTensor::AttnOutputBias),
+            mlp_bias: has_layer(LayerTensor::FfnUpBias),
             tied_output: !has(GlobalTensor::Output),
             d_embed: match opt && m.has(ArchKey::EmbeddingProjection) {
                 true => m.int(ArchKey::EmbeddingProjection)?,

@@ -23,8 +23,6 @@ pub enum ArchKey {
     LayerNormEps,
     /// dejavu: `silu` (default) or `relu`, the MLP's activation.
     FeedForwardActivation,
-    /// dejavu (OPT): whether the projections carry biases (default true).
-    UseBias,
     /// dejavu (OPT): pre-LN (true, default) or post-LN (false).
     LayerNormBefore,
     /// dejavu (OPT): width of the token embedding when it differs from the hidden size.
@@ -47,7 +45,6 @@ impl ArchKey {
             ArchKey::RopeScalingType => "rope.scaling.type",
             ArchKey::LayerNormEps => "attention.layer_norm_epsilon",
             ArchKey::FeedForwardActivation => "feed_forward_activation",
-            ArchKey::UseBias => "use_bias",
             ArchKey::LayerNormBefore => "layer_norm_before",
             ArchKey::EmbeddingProjection => "embedding_projection_length",
         };
@@ -67,6 +64,8 @@ pub const TOK_BOS: &str = "tokenizer.ggml.bos_token_id";
 pub const TOK_EOS: &str = "tokenizer.ggml.eos_token_id";
 pub const TOK_EOT: &str = "tokenizer.ggml.eot_token_id";
 pub const TOK_ADD_BOS: &str = "tokenizer.ggml.add_bos_token";
+/// The whole Hugging Face `tokenizer.json` (GGUF's own key for it).
+pub const TOK_HF_JSON: &str = "tokenizer.huggingface.json";
 pub const CHAT_TEMPLATE: &str = "tokenizer.chat_template";
 
 /// Tensors that appear once per model.

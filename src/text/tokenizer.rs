@@ -172,6 +172,9 @@ impl Tokenizer {
     }
 
     pub fn from_gguf(h: &GgufHeader) -> Result<Self> {
+        if let Some(json) = h.get(TOK_HF_JSON).and_then(|v| v.as_str()) {
+            return Self::from_gguf_hf_json(h, json);
+        }
         let model = meta_str(h, TOK_MODEL)?;
         if model != "gpt2" {
             return Err(Error::Tokenizer(format!(
@@ -306,6 +309,53 @@ impl Tokenizer {
 
     pub fn token_text(&self, id: u32) -> Option<&str> {
         self.tokens.get(id as usize).map(String::as_str)
+    }
+
+    /// A GGUF that carries the whole Hugging Face `tokenizer.json` (`tokenizer.huggingface.json`,
+    /// as `dejavu quantize` writes): built from it exactly, post-processor included; ids of
+    /// BOS/EOS and the chat template from the usual keys.
+    fn from_gguf_hf_json(h: &GgufHeader, json: &str) -> Result<Self> {
+        let inner: tokenizers::Tokenizer = json
+            .parse()
+            .map_err(|e| Error::Tokenizer(format!("{TOK_HF_JSON}: {e}")))?;
+        let n = inner.get_vocab_size(true);
+        let tokens: Vec<String> = (0..n as u32)
+            .map(|i| inner.id_to_token(i).unwrap_or_default())
+            .collect();
+        let id = |key: &str| {
+            h.get(key)
+                .and_then(|v| v.as_u64())
+                .filter(|&i| (i as usize) < n)
+                .map(|i| i as u32)
+        };
+        let (bos, eos) = (id(TOK_BOS), id(TOK_EOS));
+        let eog = [eos, id(TOK_EOT)].into_iter().flatten().collect();
+        let tpl = h
+            .get(CHAT_TEMPLATE)
+            .and_then(|v| v.as_str())
+            .map(String::from);
+        Ok(Self::assemble(inner, tokens, bos, eos, eog, tpl))
+    }
+
+    /// The whole tokenizer as Hugging Face `tokenizer.json` text (post-processor included).
+    pub fn to_hf_json(&self) -> Result<String> {
+        self.inner
+            .to_string(false)
+            .map_err(|e| Error::Tokenizer(format!("serializing: {e}")))
+    }
+
+    /// Ids of the special (control) tokens.
+    pub fn special_ids(&self) -> Vec<u32> {
+        let mut v: Vec<u32> = (self.inner.get_added_tokens_decoder().iter())
+            .filter(|(_, t)| t.special)
+            .map(|(&i, _)| i)
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
+    pub fn chat_template(&self) -> Option<&str> {
+        self.chat_template.as_deref()
     }
 
     pub fn has_chat_template(&self) -> bool {

@@ -6,15 +6,16 @@
 //! a few candidate scales are refined by least squares on the rounded levels and the best kept
 //! (the approach of ggml's `make_qx_quants` / `make_qkx2_quants`). This roughly halves the error
 //! of plain min/max scaling at 4-5 bits.
-use crate::quant::{BlockQ4_1, BlockQ5_0, BlockQ8_0, QuantType, QK};
+use crate::quant::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8_0, QuantType, QK};
 use half::{bf16, f16};
 
 /// Types [`quantize_row`] can write.
-pub const WRITABLE: [QuantType; 6] = [
+pub const WRITABLE: [QuantType; 7] = [
     QuantType::F32,
     QuantType::F16,
     QuantType::BF16,
     QuantType::Q8_0,
+    QuantType::Q4_0,
     QuantType::Q4_1,
     QuantType::Q5_0,
 ];
@@ -36,6 +37,9 @@ pub fn quantize_row(qtype: QuantType, x: &[f32], out: &mut Vec<u8>) -> Option<()
         QuantType::Q8_0 => x
             .chunks_exact(QK)
             .for_each(|b| out.extend(bytemuck::bytes_of(&q8_0(b)))),
+        QuantType::Q4_0 => x
+            .chunks_exact(QK)
+            .for_each(|b| out.extend(bytemuck::bytes_of(&q4_0(b)))),
         QuantType::Q4_1 => x
             .chunks_exact(QK)
             .for_each(|b| out.extend(bytemuck::bytes_of(&q4_1(b)))),
@@ -87,6 +91,15 @@ fn q8_0(x: &[f32]) -> BlockQ8_0 {
     BlockQ8_0 {
         d: f16::from_f32(d),
         qs: q.map(|v| v as i8),
+    }
+}
+
+fn q4_0(x: &[f32]) -> BlockQ4_0 {
+    let (d, q) = symmetric(x, -8, 7);
+    let u = q.map(|v| (v + 8) as u8);
+    BlockQ4_0 {
+        d: f16::from_f32(d),
+        qs: std::array::from_fn(|j| u[j] | (u[j + QK / 2] << 4)),
     }
 }
 
@@ -168,6 +181,11 @@ mod tests {
                 let b: BlockQ8_0 = rd(b);
                 b.qs.iter().map(|&q| b.d.to_f32() * q as f32).collect()
             }
+            QuantType::Q4_0 => {
+                let b: BlockQ4_0 = rd(b);
+                let q = |j: usize| ((b.qs[j % 16] >> (4 * (j / 16))) & 15) as i32 - 8;
+                (0..QK).map(|j| b.d.to_f32() * q(j) as f32).collect()
+            }
             QuantType::Q4_1 => {
                 let b: BlockQ4_1 = rd(b);
                 let q = |j: usize| (b.qs[j % 16] >> (4 * (j / 16))) & 15;
@@ -205,6 +223,7 @@ mod tests {
         for (qtype, levels) in [
             (QuantType::Q8_0, 254.0),
             (QuantType::Q5_0, 31.0),
+            (QuantType::Q4_0, 15.0),
             (QuantType::Q4_1, 15.0),
         ] {
             for trial in 0..200 {
@@ -240,7 +259,12 @@ mod tests {
 
     #[test]
     fn zeros_and_bad_lengths() {
-        for q in [QuantType::Q8_0, QuantType::Q4_1, QuantType::Q5_0] {
+        for q in [
+            QuantType::Q8_0,
+            QuantType::Q4_0,
+            QuantType::Q4_1,
+            QuantType::Q5_0,
+        ] {
             let mut out = Vec::new();
             quantize_row(q, &[0.0; 64], &mut out).unwrap();
             assert_eq!(dequant(q, &out[..q.block_bytes()]), vec![0.0; QK]);

@@ -11,6 +11,7 @@ use dejavu::text::generate::generate;
 use dejavu::text::sampling::{Sampler, SamplerConfig};
 use std::io::{BufRead, Write};
 
+mod quantize_cmd;
 mod sparsity_cmd;
 
 #[derive(Parser)]
@@ -41,9 +42,11 @@ enum Command {
     Calibrate(sparsity_cmd::CalibrateArgs),
     /// The quality/speed frontier of sparsity policies on a text: markdown, JSON and a PNG plot.
     Report(sparsity_cmd::ReportArgs),
-    /// Print a GGUF file's metadata and tensor table.
+    /// Convert a Hugging Face directory or a GGUF into a GGUF of one weight type.
+    Quantize(quantize_cmd::QuantizeArgs),
+    /// Print a model's config and tensor table (GGUF: also its metadata).
     Inspect {
-        /// The GGUF file.
+        /// The GGUF file or Hugging Face directory.
         path: std::path::PathBuf,
     },
     /// Download a known model into the cache (default: the default model; `all` for every model).
@@ -258,7 +261,8 @@ fn run(cli: Cli) -> Result<()> {
         Command::Generate(a) => cmd_generate(a),
         Command::Chat(a) => cmd_chat(a),
         Command::Perplexity(a) => cmd_perplexity(a),
-        Command::Inspect { path } => cmd_inspect(&path),
+        Command::Inspect { path } => print_out(&cmd_inspect(&path)?),
+        Command::Quantize(a) => quantize_cmd::cmd_quantize(a),
         Command::Calibrate(a) => sparsity_cmd::cmd_calibrate(a),
         Command::Report(a) => sparsity_cmd::cmd_report(a),
         Command::Fetch { name } => {
@@ -584,6 +588,9 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
                 h * 100.0
             );
         }
+        // The contract of every perplexity run: the last line is `ppl: <value>`, here the
+        // policy's.
+        println!("ppl: {:.4}", r.sparse.ppl);
         return Ok(());
     }
     let plan = SparsePlan::dense(&engine.model.config);
@@ -608,11 +615,63 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
     Ok(())
 }
 
-fn cmd_inspect(path: &std::path::Path) -> Result<()> {
+/// Write `text` to stdout; a closed pipe (`dejavu inspect M | head`) ends quietly.
+fn print_out(text: &str) -> Result<()> {
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|_| out.flush()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        r => Ok(r?),
+    }
+}
+
+/// The model's config and tensor table (and a GGUF's metadata), as text.
+fn cmd_inspect(path: &std::path::Path) -> Result<String> {
+    use std::fmt::Write as _;
+    let mut s = String::new();
+    let row = |s: &mut String, name: &str, ty: &str, dims: String, offset: usize, bytes: usize| {
+        let _ = writeln!(s, "{name:40} {ty:6} {dims:>20} {offset:>12} {bytes:>12}");
+    };
+    if path.is_dir() {
+        let ckpt = dejavu_formats::hf::HfCheckpoint::open(path)?;
+        let _ = writeln!(
+            s,
+            "checkpoint: {}  ({} shards, {} bytes)",
+            path.display(),
+            ckpt.shards.len(),
+            ckpt.total_size()
+        );
+        match dejavu::engine::arch::from_hf(&ckpt.config) {
+            Ok((c, _)) => {
+                let _ = writeln!(s, "config: {c:?}");
+            }
+            Err(e) => {
+                let _ = writeln!(s, "config: not loadable: {e}");
+            }
+        }
+        let _ = writeln!(
+            s,
+            "\n## tensors\n{:40} {:6} {:>20} {:>12} {:>12}",
+            "name", "dtype", "shape", "offset", "bytes"
+        );
+        let mut names: Vec<_> = ckpt.tensors.iter().collect();
+        names.sort_by(|a, b| a.0.cmp(b.0));
+        for (name, t) in names {
+            row(
+                &mut s,
+                name,
+                &format!("{:?}", t.info.dtype),
+                format!("{:?}", t.info.shape),
+                t.info.start,
+                t.info.n_bytes,
+            );
+        }
+        return Ok(s);
+    }
     let f = dejavu_formats::GgufFile::open(path)?;
     let h = &f.header;
-    println!("file: {}  ({} bytes)", path.display(), f.file_size());
-    println!(
+    let _ = writeln!(s, "file: {}  ({} bytes)", path.display(), f.file_size());
+    let _ = writeln!(
+        s,
         "GGUF v{}, {} metadata keys, {} tensors, alignment {}",
         h.version,
         h.metadata.len(),
@@ -620,26 +679,31 @@ fn cmd_inspect(path: &std::path::Path) -> Result<()> {
         h.alignment
     );
     match dejavu::engine::config::ModelConfig::from_gguf(h) {
-        Ok(c) => println!("config: {c:?}"),
-        Err(e) => println!("config: not loadable: {e}"),
+        Ok(c) => {
+            let _ = writeln!(s, "config: {c:?}");
+        }
+        Err(e) => {
+            let _ = writeln!(s, "config: not loadable: {e}");
+        }
     }
-    println!("\n## metadata");
+    let _ = writeln!(s, "\n## metadata");
     for (k, v) in &h.metadata {
-        println!("{k:48} {}", v.summary(60).replace('\n', "\\n"));
+        let _ = writeln!(s, "{k:48} {}", v.summary(60).replace('\n', "\\n"));
     }
-    println!(
+    let _ = writeln!(
+        s,
         "\n## tensors\n{:40} {:6} {:>20} {:>12} {:>12}",
         "name", "type", "dims", "offset", "bytes"
     );
     for t in &h.tensors {
-        println!(
-            "{:40} {:6} {:>20} {:>12} {:>12}",
-            t.name,
+        row(
+            &mut s,
+            &t.name,
             t.ggml_type.name(),
             format!("{:?}", t.dims),
             t.start,
-            t.n_bytes
+            t.n_bytes,
         );
     }
-    Ok(())
+    Ok(s)
 }

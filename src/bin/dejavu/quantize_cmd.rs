@@ -1,0 +1,96 @@
+//! `dejavu quantize`: any loadable model to a GGUF of one weight type, with an optional
+//! perplexity check of the result against its source.
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use dejavu::engine::weights::Model;
+use dejavu::engine::{Engine, EngineOptions};
+use dejavu::eval::perplexity::{perplexity, Feed};
+use dejavu::sparsity::SparsePlan;
+use dejavu::text::tokenizer::Tokenizer;
+use dejavu_backend_api::QuantType;
+use std::path::{Path, PathBuf};
+
+#[derive(Args)]
+pub struct QuantizeArgs {
+    /// A Hugging Face checkpoint directory or a GGUF file.
+    input: PathBuf,
+    /// Weight type: q8_0, q4_0, q4_1, q5_0, f16 (or f32).
+    #[arg(long = "type", short = 't')]
+    qtype: String,
+    /// Output GGUF file.
+    #[arg(long, short)]
+    out: PathBuf,
+    /// After writing, compare the perplexity of the source and the output on this text.
+    #[arg(long)]
+    ppl: Option<PathBuf>,
+    /// Context (chunk size) of the perplexity check.
+    #[arg(long, default_value_t = 512)]
+    ctx: usize,
+}
+
+pub fn cmd_quantize(a: QuantizeArgs) -> Result<()> {
+    let qtype = QuantType::from_name(&a.qtype.to_uppercase())
+        .filter(|q| dejavu::quantize::TARGETS.contains(q))
+        .with_context(|| {
+            format!(
+                "--type {}: expected q8_0, q4_0, q4_1, q5_0, f16 or f32",
+                a.qtype
+            )
+        })?;
+    if a.out.exists() && a.out.canonicalize().ok() == a.input.canonicalize().ok() {
+        bail!("--out would overwrite the input");
+    }
+    let load = || -> Result<(Model, Tokenizer)> {
+        let m = Model::load(&a.input)?;
+        let t = Tokenizer::from_model(&m)?;
+        Ok((m, t))
+    };
+    let (model, tokenizer) = load().with_context(|| format!("loading {}", a.input.display()))?;
+    let backend = dejavu_backend_cpu::CpuBackend::new(1)?;
+    let t0 = std::time::Instant::now();
+    let s = dejavu::quantize::quantize(&model, &tokenizer, &backend, qtype, &a.out)?;
+    eprintln!(
+        "wrote {} ({} tensors, {:.1} MB, {}) in {:.1} s",
+        a.out.display(),
+        s.tensors,
+        s.bytes as f64 / 1e6,
+        qtype.name(),
+        t0.elapsed().as_secs_f64()
+    );
+    drop(model);
+    if let Some(text) = &a.ppl {
+        let text =
+            std::fs::read_to_string(text).with_context(|| format!("reading {}", text.display()))?;
+        let src = ppl_of(&a.input, &text, a.ctx)?;
+        let out = ppl_of(&a.out, &text, a.ctx)?;
+        println!("ppl source: {src:.4}");
+        println!(
+            "ppl {}: {out:.4} ({:+.2}%)",
+            qtype.name(),
+            (out / src - 1.0) * 100.0
+        );
+        println!("ppl: {out:.4}");
+    }
+    Ok(())
+}
+
+/// Perplexity of `text` under the model at `path` (batched, llama.cpp's method).
+fn ppl_of(path: &Path, text: &str, ctx: usize) -> Result<f64> {
+    let opts = EngineOptions {
+        threads: None,
+        n_ctx: Some(ctx),
+    };
+    let engine =
+        Engine::load(path, &opts).with_context(|| format!("loading {}", path.display()))?;
+    let tokens = engine.tokenizer.encode_document(text)?;
+    let plan = SparsePlan::dense(&engine.model.config);
+    let bar = dejavu::progress::bar(
+        (tokens.len() / ctx) as u64,
+        &format!("ppl {}", path.display()),
+    );
+    let r = perplexity(&engine, &tokens, ctx, &plan, Feed::Batch, |i, _, _| {
+        bar.set_position(i as u64)
+    })?;
+    bar.finish_and_clear();
+    Ok(r.ppl)
+}

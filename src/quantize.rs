@@ -1,0 +1,420 @@
+//! `dejavu quantize`: a loaded model (GGUF or Hugging Face directory, any supported
+//! architecture) written as a GGUF of one weight type.
+//!
+//! - Tensors keep the canonical (GGUF) names (`engine::names`). Every matrix whose rows hold
+//!   whole blocks is stored in the chosen type (else F16); OPT's learned positions stay F16; norm
+//!   gains and biases F32. Each row is dequantized to f32 and quantized again with the
+//!   error-minimising scales of `dejavu_backend_api::quantize`.
+//! - A Hugging Face llama's Q and K rows are permuted from NeoX to interleaved RoPE order, as
+//!   llama.cpp's converter does, so the GGUF runs with llama's interleaved RoPE.
+//! - Metadata: llama.cpp's keys where it has them; for OPT and the MLP activation the keys of
+//!   `engine::names` (the README lists them). The tokenizer goes in twice: as llama.cpp's
+//!   `tokenizer.ggml.*` arrays, and whole as `tokenizer.huggingface.json`, which this engine
+//!   reads first (exact, post-processor included). The chat template goes to
+//!   `tokenizer.chat_template`. A GGUF source's metadata is copied as is.
+//! - The file is written as a stream (one tensor in memory at a time), to a temporary name that
+//!   is renamed when complete.
+use crate::engine::config::{Architecture, MlpKind, ModelConfig, NormKind, Positions};
+use crate::engine::names::*;
+use crate::engine::weights::{Model, Source, WeightRef};
+use crate::text::tokenizer::Tokenizer;
+use crate::{Error, Result};
+use dejavu_backend_api::{quantize, Backend, QuantType};
+use dejavu_formats::gguf::{GgmlType, GgufWriter, MetaValue};
+use std::path::Path;
+
+/// Types `dejavu quantize --type` accepts.
+pub const TARGETS: [QuantType; 6] = [
+    QuantType::Q8_0,
+    QuantType::Q4_0,
+    QuantType::Q4_1,
+    QuantType::Q5_0,
+    QuantType::F16,
+    QuantType::F32,
+];
+
+/// Where one output tensor's values come from.
+enum Data<'a> {
+    /// A matrix, row by row; `perm` maps output row to source row.
+    Rows(&'a WeightRef, Option<Vec<usize>>),
+    Vector(Vec<f32>),
+}
+
+struct Out<'a> {
+    name: String,
+    /// ggml order: `[cols, rows]`, or `[n]` for a vector.
+    dims: Vec<u64>,
+    qtype: QuantType,
+    data: Data<'a>,
+}
+
+impl Out<'_> {
+    fn n_bytes(&self) -> usize {
+        let rows = self.dims.get(1).copied().unwrap_or(1) as usize;
+        rows * self.qtype.row_bytes(self.dims[0] as usize)
+    }
+}
+
+/// What was written.
+pub struct Summary {
+    pub tensors: usize,
+    pub bytes: u64,
+}
+
+/// Write `model` (with its `tokenizer`) to `out` as a GGUF of weight type `qtype`.
+pub fn quantize(
+    model: &Model,
+    tokenizer: &Tokenizer,
+    backend: &dyn Backend,
+    qtype: QuantType,
+    out: &Path,
+) -> Result<Summary> {
+    if !TARGETS.contains(&qtype) {
+        return Err(Error::Invalid(format!(
+            "--type {}: supported are q8_0, q4_0, q4_1, q5_0, f16, f32",
+            qtype.name()
+        )));
+    }
+    let meta = metadata(model, tokenizer)?;
+    let tensors = plan(model, qtype);
+    let infos: Vec<(&str, &[u64], GgmlType, usize)> = (tensors.iter())
+        .map(|t| {
+            (
+                t.name.as_str(),
+                t.dims.as_slice(),
+                ggml_type(t.qtype),
+                t.n_bytes(),
+            )
+        })
+        .collect();
+    let meta_refs: Vec<(&str, MetaValue)> =
+        meta.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+    let tmp = out.with_extension("partial");
+    let file = std::fs::File::create(&tmp)?;
+    let mut w = GgufWriter::start(std::io::BufWriter::new(file), &meta_refs, &infos)?;
+    let total: u64 = tensors.iter().map(|t| t.n_bytes() as u64).sum();
+    let bar = crate::progress::bytes_bar(total, &format!("quantize to {}", qtype.name()));
+    let mut bytes = Vec::new();
+    for t in &tensors {
+        bytes.clear();
+        encode(model, backend, t, &mut bytes)?;
+        w.push(&bytes)?;
+        bar.inc(bytes.len() as u64);
+    }
+    w.finish()?;
+    bar.finish_and_clear();
+    std::fs::rename(&tmp, out)?;
+    Ok(Summary {
+        tensors: tensors.len(),
+        bytes: std::fs::metadata(out)?.len(),
+    })
+}
+
+/// One tensor's bytes in its output type.
+fn encode(model: &Model, backend: &dyn Backend, t: &Out, out: &mut Vec<u8>) -> Result<()> {
+    let fail = || Error::Invalid(format!("cannot write {} as {}", t.name, t.qtype.name()));
+    match &t.data {
+        Data::Vector(v) => quantize::quantize_row(t.qtype, v, out).ok_or_else(fail),
+        Data::Rows(w, perm) => {
+            // Row ranges on every core, concatenated in order.
+            let src = model.weight(w);
+            let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+            let per = w.rows.div_ceil(threads).max(1);
+            let parts: Vec<Option<Vec<u8>>> = std::thread::scope(|s| {
+                let jobs: Vec<_> = (0..w.rows)
+                    .step_by(per)
+                    .map(|r0| {
+                        let src = &src;
+                        s.spawn(move || {
+                            let mut row = vec![0f32; w.cols];
+                            let mut bytes = Vec::new();
+                            for r in r0..(r0 + per).min(w.rows) {
+                                let from = perm.as_ref().map_or(r, |p| p[r]);
+                                backend.dequantize_row(src, from, &mut row);
+                                quantize::quantize_row(t.qtype, &row, &mut bytes)?;
+                            }
+                            Some(bytes)
+                        })
+                    })
+                    .collect();
+                jobs.into_iter().map(|j| j.join().ok().flatten()).collect()
+            });
+            for p in parts {
+                out.extend(p.ok_or_else(fail)?);
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Every tensor of the output, in file order.
+fn matrix(name: String, w: &WeightRef, want: QuantType, perm: Option<Vec<usize>>) -> Out<'_> {
+    let q = if w.cols.is_multiple_of(want.block_len()) {
+        want
+    } else {
+        QuantType::F16
+    };
+    Out {
+        name,
+        dims: vec![w.cols as u64, w.rows as u64],
+        qtype: q,
+        data: Data::Rows(w, perm),
+    }
+}
+
+fn plan(model: &Model, qtype: QuantType) -> Vec<Out<'_>> {
+    let c = &model.config;
+    let mut v = Vec::new();
+    let vector = |name: String, x: &[f32]| Out {
+        name,
+        dims: vec![x.len() as u64],
+        qtype: QuantType::F32,
+        data: Data::Vector(x.to_vec()),
+    };
+    // HF llama Q/K rows: NeoX order to GGUF's interleaved order.
+    let permute = matches!(model.source, Source::Hf(_)) && c.arch == Architecture::Llama;
+    let perm = |heads: usize| permute.then(|| neox_to_interleaved(heads, c.head_dim));
+    v.push(matrix(
+        GlobalTensor::TokenEmbd.name(),
+        &model.token_embd,
+        qtype,
+        None,
+    ));
+    if let Some(p) = &model.pos_embd {
+        v.push(matrix(
+            GlobalTensor::PositionEmbd.name(),
+            p,
+            QuantType::F16,
+            None,
+        ));
+    }
+    for (t, w) in [
+        (GlobalTensor::ProjIn, &model.proj_in),
+        (GlobalTensor::ProjOut, &model.proj_out),
+    ] {
+        if let Some(w) = w {
+            v.push(matrix(t.name(), w, qtype, None));
+        }
+    }
+    if let Some(n) = &model.output_norm {
+        if c.norm_affine {
+            v.push(vector(GlobalTensor::OutputNorm.name(), &n.weight));
+            if let Some(b) = &n.bias {
+                v.push(vector(GlobalTensor::OutputNormBias.name(), b));
+            }
+        }
+    }
+    if !c.tied_output {
+        v.push(matrix(
+            GlobalTensor::Output.name(),
+            &model.output,
+            qtype,
+            None,
+        ));
+    }
+    let permuted = |b: &[f32], p: &Option<Vec<usize>>| match p {
+        Some(p) => p.iter().map(|&i| b[i]).collect::<Vec<f32>>(),
+        None => b.to_vec(),
+    };
+    for (l, lw) in model.layers.iter().enumerate() {
+        let n = |t: LayerTensor| t.name(l);
+        let norms = [
+            (
+                &lw.attn_norm,
+                LayerTensor::AttnNorm,
+                LayerTensor::AttnNormBias,
+            ),
+            (&lw.ffn_norm, LayerTensor::FfnNorm, LayerTensor::FfnNormBias),
+        ];
+        for (nw, wt, bt) in norms.iter().filter(|_| c.norm_affine) {
+            v.push(vector(n(*wt), &nw.weight));
+            if let Some(b) = &nw.bias {
+                v.push(vector(n(*bt), b));
+            }
+        }
+        let (pq, pk) = (perm(c.n_heads), perm(c.n_kv_heads));
+        let biases = [
+            (&lw.bq, LayerTensor::AttnQBias, &pq),
+            (&lw.bk, LayerTensor::AttnKBias, &pk),
+            (&lw.bv, LayerTensor::AttnVBias, &None),
+            (&lw.bo, LayerTensor::AttnOutputBias, &None),
+            (&lw.b_up, LayerTensor::FfnUpBias, &None),
+            (&lw.b_down, LayerTensor::FfnDownBias, &None),
+        ];
+        for (b, t, p) in biases {
+            if let Some(b) = b {
+                v.push(vector(n(t), &permuted(b, p)));
+            }
+        }
+        v.push(matrix(n(LayerTensor::AttnQ), &lw.wq, qtype, pq));
+        v.push(matrix(n(LayerTensor::AttnK), &lw.wk, qtype, pk));
+        v.push(matrix(n(LayerTensor::AttnV), &lw.wv, qtype, None));
+        v.push(matrix(n(LayerTensor::AttnOutput), &lw.wo, qtype, None));
+        if let Some(g) = &lw.w_gate {
+            v.push(matrix(n(LayerTensor::FfnGate), g, qtype, None));
+        }
+        v.push(matrix(n(LayerTensor::FfnUp), &lw.w_up, qtype, None));
+        v.push(matrix(n(LayerTensor::FfnDown), &lw.w_down, qtype, None));
+    }
+    v
+}
+
+/// Output row -> source row that turns NeoX-ordered rows of `heads` heads (dimension `i` pairs
+/// with `i + head_dim/2`) into interleaved order (`2i` pairs with `2i + 1`): llama.cpp's
+/// `permute` in its converter.
+pub fn neox_to_interleaved(heads: usize, head_dim: usize) -> Vec<usize> {
+    let half = head_dim / 2;
+    (0..heads * head_dim)
+        .map(|r| {
+            let (h, k) = (r / head_dim, r % head_dim);
+            let (i, j) = (k / 2, k % 2);
+            h * head_dim + j * half + i
+        })
+        .collect()
+}
+
+fn ggml_type(q: QuantType) -> GgmlType {
+    match q {
+        QuantType::F32 => GgmlType::F32,
+        QuantType::F16 => GgmlType::F16,
+        QuantType::BF16 => GgmlType::BF16,
+        QuantType::Q8_0 => GgmlType::Q8_0,
+        QuantType::Q4_0 => GgmlType::Q4_0,
+        QuantType::Q4_1 => GgmlType::Q4_1,
+        QuantType::Q5_0 => GgmlType::Q5_0,
+        QuantType::Q4K => GgmlType::Q4K,
+        QuantType::Q6K => GgmlType::Q6K,
+    }
+}
+
+/// The output's metadata: a GGUF source's own, else the config's and the tokenizer's.
+fn metadata(model: &Model, tok: &Tokenizer) -> Result<Vec<(String, MetaValue)>> {
+    if let Some(h) = model.gguf_header() {
+        // The type of the whole file changes; everything else carries over.
+        let keep = |k: &str| k != "general.file_type";
+        return Ok(h
+            .metadata
+            .iter()
+            .filter(|(k, _)| keep(k))
+            .cloned()
+            .collect());
+    }
+    let c = &model.config;
+    let name = model
+        .path
+        .file_name()
+        .unwrap_or_default()
+        .to_string_lossy()
+        .into_owned();
+    let mut m = vec![
+        (
+            ARCHITECTURE.to_string(),
+            MetaValue::String(c.arch.name().into()),
+        ),
+        ("general.name".to_string(), MetaValue::String(name)),
+    ];
+    m.extend(arch_keys(c));
+    m.extend(tokenizer_keys(c, tok)?);
+    Ok(m)
+}
+
+fn arch_keys(c: &ModelConfig) -> Vec<(String, MetaValue)> {
+    let a = c.arch.name();
+    let u = |k: ArchKey, v: usize| (k.key(a), MetaValue::U32(v as u32));
+    let mut m = vec![
+        u(ArchKey::BlockCount, c.n_layers),
+        u(ArchKey::EmbeddingLength, c.d_model),
+        u(ArchKey::FeedForwardLength, c.n_ff),
+        u(ArchKey::HeadCount, c.n_heads),
+        u(ArchKey::HeadCountKv, c.n_kv_heads),
+        u(ArchKey::ContextLength, c.context_length),
+        u(ArchKey::VocabSize, c.vocab_size),
+    ];
+    let eps = match c.norm {
+        NormKind::Rms => ArchKey::RmsEps,
+        NormKind::Layer => ArchKey::LayerNormEps,
+    };
+    m.push((eps.key(a), MetaValue::F32(c.norm_eps)));
+    if let Positions::Rope { theta, .. } = c.positions {
+        m.push((ArchKey::RopeFreqBase.key(a), MetaValue::F32(theta)));
+        m.push(u(ArchKey::RopeDimensionCount, c.head_dim));
+    }
+    if c.mlp != MlpKind::Relu {
+        m.push((
+            ArchKey::FeedForwardActivation.key(a),
+            MetaValue::String(c.mlp.name().into()),
+        ));
+    }
+    if c.arch == Architecture::Opt {
+        m.push((ArchKey::LayerNormBefore.key(a), MetaValue::Bool(c.pre_norm)));
+        if c.d_embed != c.d_model {
+            m.push(u(ArchKey::EmbeddingProjection, c.d_embed));
+        }
+    }
+    m
+}
+
+/// llama.cpp's tokenizer arrays, plus the whole `tokenizer.json`.
+fn tokenizer_keys(c: &ModelConfig, tok: &Tokenizer) -> Result<Vec<(String, MetaValue)>> {
+    let json = tok.to_hf_json()?;
+    let v: serde_json::Value =
+        serde_json::from_str(&json).map_err(|e| Error::Tokenizer(e.to_string()))?;
+    let merges: Vec<MetaValue> = (v["model"]["merges"].as_array().into_iter().flatten())
+        .filter_map(|m| match m {
+            serde_json::Value::String(s) => Some(s.clone()),
+            serde_json::Value::Array(p) => {
+                Some(format!("{} {}", p.first()?.as_str()?, p.get(1)?.as_str()?))
+            }
+            _ => None,
+        })
+        .map(MetaValue::String)
+        .collect();
+    let n = tok.vocab_size();
+    let special = tok.special_ids();
+    let tokens =
+        (0..n as u32).map(|i| MetaValue::String(tok.token_text(i).unwrap_or("").to_string()));
+    let types = (0..n as u32).map(|i| MetaValue::I32(if special.contains(&i) { 3 } else { 1 }));
+    let s = |k: &str, v: &str| (k.to_string(), MetaValue::String(v.to_string()));
+    let pre = if c.arch == Architecture::Qwen2 {
+        "qwen2"
+    } else {
+        "gpt2"
+    };
+    let mut m = vec![
+        s(TOK_MODEL, "gpt2"),
+        s(TOK_PRE, pre),
+        (TOK_TOKENS.to_string(), MetaValue::Array(tokens.collect())),
+        (TOK_TYPES.to_string(), MetaValue::Array(types.collect())),
+        (TOK_MERGES.to_string(), MetaValue::Array(merges)),
+        (
+            TOK_ADD_BOS.to_string(),
+            MetaValue::Bool(tok.bos_prefix().is_some()),
+        ),
+        s(TOK_HF_JSON, &json),
+    ];
+    for (key, id) in [(TOK_BOS, tok.bos), (TOK_EOS, tok.eos)] {
+        if let Some(id) = id {
+            m.push((key.to_string(), MetaValue::U32(id)));
+        }
+    }
+    if let Some(t) = tok.chat_template() {
+        m.push(s(CHAT_TEMPLATE, t));
+    }
+    Ok(m)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn permutation_pairs_neox_halves_into_neighbours() {
+        // One head of 8: NeoX pairs (0,4) (1,5) (2,6) (3,7) become rows (0,1) (2,3) (4,5) (6,7).
+        assert_eq!(neox_to_interleaved(1, 8), vec![0, 4, 1, 5, 2, 6, 3, 7]);
+        let p = neox_to_interleaved(3, 4);
+        assert_eq!(&p[4..8], &[4, 6, 5, 7]);
+        let mut sorted = p.clone();
+        sorted.sort_unstable();
+        assert_eq!(sorted, (0..12).collect::<Vec<_>>());
+    }
+}
