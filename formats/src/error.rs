@@ -54,6 +54,8 @@ pub enum FormatError {
         offset: u64,
         alignment: u64,
     },
+    #[error("tensors `{a}` and `{b}` overlap in the file")]
+    Overlap { a: String, b: String },
     #[error("duplicate tensor name `{0}`")]
     DuplicateTensor(String),
     #[error("metadata `{key}`: {reason}")]

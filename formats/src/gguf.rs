@@ -544,6 +544,17 @@ pub fn parse(buf: &[u8]) -> Result<GgufHeader> {
             }
         }
     }
+    // No two tensors may share bytes (a crafted table could alias one weight onto another).
+    let mut ranges: Vec<(usize, usize, usize)> = (tensors.iter().enumerate())
+        .map(|(i, t)| (t.start, t.start + t.n_bytes, i))
+        .collect();
+    ranges.sort_unstable();
+    if let Some(w) = ranges.windows(2).find(|w| w[1].0 < w[0].1) {
+        return Err(FormatError::Overlap {
+            a: tensors[w[0].2].name.clone(),
+            b: tensors[w[1].2].name.clone(),
+        });
+    }
     Ok(GgufHeader {
         version,
         metadata,
@@ -755,6 +766,28 @@ mod tests {
             ],
             &[("w", &[32, 2], GgmlType::F32, &data)],
         )
+    }
+
+    #[test]
+    fn overlapping_tensors_are_refused() {
+        let data = vec![0u8; 256];
+        let buf = write(
+            &[],
+            &[
+                ("a", &[32], GgmlType::F32, &data[..128]),
+                ("b", &[32], GgmlType::F32, &data[128..]),
+            ],
+        );
+        let h = parse(&buf).unwrap();
+        // Point b's offset (the last 8 bytes of the tensor table) at a's data.
+        let mut bad = buf.clone();
+        let pos = (0..h.data_start - 8)
+            .rev()
+            .find(|&i| bad[i..i + 8] == 128u64.to_le_bytes())
+            .unwrap();
+        bad[pos..pos + 8].copy_from_slice(&32u64.to_le_bytes());
+        let e = parse(&bad).unwrap_err().to_string();
+        assert!(e.contains("overlap"), "{e}");
     }
 
     #[test]

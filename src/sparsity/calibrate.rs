@@ -85,6 +85,12 @@ pub fn calibrate(
     mut log: impl FnMut(&str),
 ) -> Result<(Predictors, Vec<Candidate>)> {
     let c = &engine.model.config;
+    if opts.ctx < 4 {
+        return Err(Error::Invalid(format!(
+            "--ctx {} is too small (at least 4)",
+            opts.ctx
+        )));
+    }
     let ctx = opts.ctx.min(engine.n_ctx);
     let n_val = if opts.no_search {
         0
@@ -409,7 +415,7 @@ fn search(
         .map(|m| head.as_ref().map_or(m.clone(), |h| format!("{m}+{h}")))
         .collect();
     for x in eval(&specs, tried, log)? {
-        if fits(&x) && best.as_ref().map_or(true, |b| cost(&x) < cost(b)) {
+        if fits(&x) && best.as_ref().is_none_or(|b| cost(&x) < cost(b)) {
             best = Some(x);
         }
     }
@@ -431,7 +437,7 @@ fn search(
         })
         .collect();
     for x in eval(&specs, tried, log)? {
-        if fits(&x) && best.as_ref().map_or(true, |b| cost(&x) < cost(b)) {
+        if fits(&x) && best.as_ref().is_none_or(|b| cost(&x) < cost(b)) {
             best = Some(x);
         }
     }
@@ -501,7 +507,15 @@ pub fn sample_texts(engine: &Engine, n_tokens: usize, seed: u64) -> Result<Vec<S
             seed: seed.wrapping_add(i as u64),
         });
         cache.clear();
-        let budget = 256.min(n_tokens - total).min(engine.n_ctx - ids.len() - 1);
+        // A prompt that fills the context leaves no room to generate.
+        let room = engine.n_ctx.saturating_sub(ids.len() + 1);
+        if room == 0 {
+            return Err(Error::ContextOverflow {
+                n_tokens: ids.len() + 1,
+                n_ctx: engine.n_ctx,
+            });
+        }
+        let budget = 256.min(n_tokens - total).min(room);
         let (reply, _) = crate::text::generate::generate(
             engine,
             &mut cache,

@@ -66,8 +66,10 @@ impl LowRankPredictor {
         w2: Vec<u8>,
     ) -> Result<Self> {
         let q = QuantType::Q8_0;
-        if rank % QK != 0
-            || d % QK != 0
+        if rank == 0
+            || n_out == 0
+            || !rank.is_multiple_of(QK)
+            || !d.is_multiple_of(QK)
             || w1.len() != rank * q.row_bytes(d)
             || w2.len() != n_out * q.row_bytes(rank)
         {
@@ -85,20 +87,14 @@ impl LowRankPredictor {
     }
 
     pub fn w1(&self) -> Weight<'_> {
-        Weight {
-            qtype: QuantType::Q8_0,
-            rows: self.rank,
-            cols: self.d,
-            data: &self.w1,
-        }
+        // The sizes were checked when the predictor was built or loaded.
+        Weight::new(QuantType::Q8_0, self.rank, self.d, &self.w1)
+            .expect("predictor sizes are checked at load")
     }
     pub fn w2(&self) -> Weight<'_> {
-        Weight {
-            qtype: QuantType::Q8_0,
-            rows: self.n_out,
-            cols: self.rank,
-            data: &self.w2,
-        }
+        // The sizes were checked when the predictor was built or loaded.
+        Weight::new(QuantType::Q8_0, self.n_out, self.rank, &self.w2)
+            .expect("predictor sizes are checked at load")
     }
     pub fn bytes(&self) -> usize {
         self.w1.len() + self.w2.len()
@@ -131,7 +127,7 @@ impl LowRankPredictor {
         o: &TrainOptions,
     ) -> Result<(Self, f64)> {
         let n = x.len() / d;
-        if n < 16 || act.len() != n * n_out || o.rank % QK != 0 || o.rank == 0 {
+        if n < 16 || act.len() != n * n_out || !o.rank.is_multiple_of(QK) || o.rank == 0 {
             return Err(Error::Invalid(format!(
                 "predictor training: {n} rows, rank {}",
                 o.rank

@@ -37,7 +37,7 @@ pub struct OutputPreview {
 impl OutputPreview {
     /// From f32 factors: `proj` r x d, `table` vocab x r (quantized to Q8_0 here).
     pub fn new(rank: usize, d: usize, proj: Vec<f32>, table_f32: &[f32]) -> Result<Self> {
-        if rank == 0 || rank % QK != 0 || proj.len() != rank * d {
+        if rank == 0 || !rank.is_multiple_of(QK) || proj.len() != rank * d {
             return Err(Error::Invalid(format!(
                 "output preview: rank {rank} must be a positive multiple of {QK} with a {rank}x{d} projection"
             )));
@@ -56,21 +56,20 @@ impl OutputPreview {
     }
 
     pub fn proj(&self) -> Weight<'_> {
-        Weight {
-            qtype: QuantType::F32,
-            rows: self.rank,
-            cols: self.d,
-            data: bytemuck::cast_slice(&self.proj),
-        }
+        // The sizes were checked when the predictor was built or loaded.
+        Weight::new(
+            QuantType::F32,
+            self.rank,
+            self.d,
+            bytemuck::cast_slice(&self.proj),
+        )
+        .expect("predictor sizes are checked at load")
     }
 
     pub fn table(&self) -> Weight<'_> {
-        Weight {
-            qtype: QuantType::Q8_0,
-            rows: self.vocab,
-            cols: self.rank,
-            data: &self.table,
-        }
+        // The sizes were checked when the predictor was built or loaded.
+        Weight::new(QuantType::Q8_0, self.vocab, self.rank, &self.table)
+            .expect("predictor sizes are checked at load")
     }
 
     /// Bytes one preview reads.
@@ -83,7 +82,7 @@ impl OutputPreview {
         if r == self.rank {
             return Ok(self.clone());
         }
-        if r == 0 || r % QK != 0 || r > self.rank {
+        if r == 0 || !r.is_multiple_of(QK) || r > self.rank {
             return Err(Error::Invalid(format!(
                 "output preview rank {r}: must be a multiple of {QK} up to {}",
                 self.rank
@@ -140,7 +139,7 @@ fn read_q8(
         || qs.shape != [rows, cols]
         || d.dtype != Dtype::F16
         || d.shape != [rows, cols / QK]
-        || cols % QK != 0
+        || !cols.is_multiple_of(QK)
     {
         return Err(format!("`{name}` has the wrong types or shapes"));
     }
@@ -225,8 +224,8 @@ impl Predictors {
                 let rank = p.shape.first().copied().unwrap_or(0);
                 if p.dtype != Dtype::F32
                     || p.shape != [rank, c.d_embed]
-                    || rank % QK != 0
                     || rank == 0
+                    || !rank.is_multiple_of(QK)
                 {
                     return Err(bad(
                         "output preview projection has the wrong type or shape".into()

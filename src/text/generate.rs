@@ -7,12 +7,25 @@ use crate::text::sampling::Sampler;
 use crate::{Error, Result};
 use std::time::Instant;
 
+/// Why generation stopped.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Stop {
+    /// The model produced an end-of-generation token.
+    #[default]
+    EndOfGeneration,
+    /// `max_tokens` were generated.
+    MaxTokens,
+    /// The context window is full.
+    ContextFull,
+}
+
 #[derive(Debug, Clone, Default)]
 pub struct GenerateStats {
     pub prompt_tokens: usize,
     pub prompt_secs: f64,
     pub generated_tokens: usize,
     pub decode_secs: f64,
+    pub stop: Stop,
 }
 
 impl GenerateStats {
@@ -63,9 +76,11 @@ pub fn generate(
     let mut out = Vec::new();
     let mut stream = TextStream::default();
     let t1 = Instant::now();
+    stats.stop = Stop::MaxTokens;
     while out.len() < max_tokens {
         let next = sampler.sample(logits, &history);
         if eog.contains(&next) {
+            stats.stop = Stop::EndOfGeneration;
             break;
         }
         out.push(next);
@@ -73,7 +88,11 @@ pub fn generate(
         if let Some(piece) = stream.push(engine, next)? {
             on_text(&piece);
         }
-        if out.len() == max_tokens || cache.len() + 1 >= cache.n_ctx() {
+        if out.len() == max_tokens {
+            break;
+        }
+        if cache.len() + 1 >= cache.n_ctx() {
+            stats.stop = Stop::ContextFull;
             break;
         }
         logits = exec.run(&[next], cache, plan, Logits::Last)?;

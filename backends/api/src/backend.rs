@@ -3,8 +3,16 @@
 use crate::{IndexSet, QuantType};
 
 /// A row-major weight matrix borrowed from the model file: `rows` rows of `cols` elements, each row
-/// `qtype.row_bytes(cols)` bytes. Built only through [`Weight::new`], which checks the length.
+/// `qtype.row_bytes(cols)` bytes. Built only through [`Weight::new`], which checks the length
+/// (`non_exhaustive` rules out struct literals in other crates); backends check it again at
+/// every entry that writes through raw pointers ([`Weight::check`]), since the fields are public.
+///
+/// ```compile_fail
+/// use dejavu_backend_api::{QuantType, Weight};
+/// let w = Weight { qtype: QuantType::F32, rows: 1000, cols: 1, data: &[] };
+/// ```
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub struct Weight<'a> {
     pub qtype: QuantType,
     pub rows: usize,
@@ -38,6 +46,20 @@ impl<'a> Weight<'a> {
             cols,
             data,
         })
+    }
+
+    /// Panic unless the fields still describe `data` (whole blocks, `rows` rows of `cols`).
+    #[inline]
+    pub fn check(&self) {
+        assert!(
+            self.cols.is_multiple_of(self.qtype.block_len())
+                && self.rows.checked_mul(self.qtype.row_bytes(self.cols)) == Some(self.data.len()),
+            "weight {:?} {}x{} does not match its {} bytes",
+            self.qtype,
+            self.rows,
+            self.cols,
+            self.data.len()
+        );
     }
     #[inline]
     pub fn row(&self, r: usize) -> &'a [u8] {
@@ -98,8 +120,9 @@ pub enum BackendError {
 }
 
 /// Verbs of the layer executor. Activations are f32, token-major (`[n_tokens][width]`).
-/// Contracts shared by all ops: slices have exactly the stated lengths (the executor guarantees it;
-/// implementations may `debug_assert`), and outputs for unselected rows or heads are written as 0.
+/// Contracts shared by all ops: slices have exactly the stated lengths (the executor guarantees
+/// it; implementations check it and panic otherwise, never read or write out of bounds), and
+/// outputs for unselected rows or heads are written as 0.
 pub trait Backend: Send + Sync {
     fn name(&self) -> String;
 

@@ -32,8 +32,18 @@ pub fn attention(
     let group = s.n_heads / s.n_kv_heads;
     let kv_stride = s.n_kv_heads * hd;
     let scale = 1.0 / (hd as f32).sqrt();
-    debug_assert_eq!(q.len(), s.n_tokens * s.n_heads * hd);
-    debug_assert!(k.len() >= (s.pos0 + s.n_tokens) * kv_stride && v.len() == k.len());
+    // Tasks write `out` through raw pointers: check every extent for real.
+    assert!(
+        s.n_kv_heads > 0 && s.n_heads.is_multiple_of(s.n_kv_heads),
+        "attention: head counts"
+    );
+    assert_eq!(q.len(), s.n_tokens * s.n_heads * hd, "attention: q length");
+    assert_eq!(out.len(), q.len(), "attention: out length");
+    assert_eq!(heads.universe(), s.n_heads, "attention: head set universe");
+    assert!(
+        k.len() >= (s.pos0 + s.n_tokens) * kv_stride && v.len() == k.len(),
+        "attention: cache length"
+    );
     out.fill(0.0);
     let op = SyncPtr::new(out.as_mut_ptr());
     pool.run(s.n_tokens * s.n_heads, &|th| {

@@ -44,8 +44,14 @@ pub fn axpy_matmul(
     y: &mut [f32],
 ) {
     let cols = w.cols;
-    debug_assert_eq!(rows.universe(), w.rows);
-    debug_assert_eq!(a.len() / w.rows, y.len() / cols);
+    // Tasks write partial sums through raw pointers: check every extent for real.
+    w.check();
+    assert_eq!(rows.universe(), w.rows, "axpy_rows: row set universe");
+    let n_tok = a.len() / w.rows.max(1);
+    assert!(
+        a.len() == n_tok * w.rows && y.len() == n_tok * cols,
+        "axpy_rows: lengths"
+    );
     let threads = pool
         .threads()
         .min(rows.len().div_ceil(MIN_ROWS_PER_THREAD))

@@ -40,12 +40,18 @@ pub fn matmul_shared(k: &Kernels, pool: &SpinPool, x: &[f32], jobs: &mut [Matmul
     let Some(cols) = jobs.first().map(|j| j.w.cols) else {
         return;
     };
-    let n_tok = x.len() / cols;
-    debug_assert_eq!(x.len(), n_tok * cols);
+    let n_tok = x.len() / cols.max(1);
+    // The kernels write `y` through raw pointers: check every extent for real.
+    assert_eq!(
+        x.len(),
+        n_tok * cols,
+        "matmul: input is not whole rows of {cols}"
+    );
     for j in jobs.iter() {
-        debug_assert_eq!(j.w.cols, cols);
-        debug_assert_eq!(j.y.len(), n_tok * j.w.rows);
-        debug_assert_eq!(j.rows.universe(), j.w.rows);
+        j.w.check();
+        assert_eq!(j.w.cols, cols, "matmul: jobs of one input differ in width");
+        assert_eq!(j.y.len(), n_tok * j.w.rows, "matmul: output length");
+        assert_eq!(j.rows.universe(), j.w.rows, "matmul: row set universe");
     }
     if n_tok >= GEMM_MIN_TOKENS || jobs.len() > MAX_JOBS {
         for j in jobs {

@@ -7,7 +7,7 @@ use dejavu::engine::{Engine, EngineOptions};
 use dejavu::eval::perplexity::{perplexity, Feed};
 use dejavu::fetch;
 use dejavu::sparsity::SparsePlan;
-use dejavu::text::generate::generate;
+use dejavu::text::generate::{generate, Stop};
 use dejavu::text::sampling::{Sampler, SamplerConfig};
 use std::io::{BufRead, Write};
 
@@ -72,7 +72,7 @@ impl ModelArgs {
         load_engine(
             &path,
             EngineOptions {
-                threads: self.threads,
+                threads: capped_threads(self.threads),
                 n_ctx,
             },
         )
@@ -184,6 +184,10 @@ struct ChatArgs {
     /// Maximum tokens per reply.
     #[arg(long, short = 'n', default_value_t = 512)]
     max_tokens: usize,
+    /// Context window in tokens (default: min(model's, 4096)); when a conversation outgrows
+    /// it, the oldest turns are dropped.
+    #[arg(long)]
+    ctx: Option<usize>,
     #[command(flatten)]
     sampling: SamplingArgs,
     #[command(flatten)]
@@ -279,6 +283,19 @@ fn run(cli: Cli) -> Result<()> {
     }
 }
 
+/// `--threads`, capped at the cores: the pool's threads spin, and more of them than cores make
+/// decoding over 100x slower (measured: 160x at 8 threads on 2 cores).
+fn capped_threads(threads: Option<usize>) -> Option<usize> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    match threads {
+        Some(n) if n > cores => {
+            eprintln!("warning: --threads {n} exceeds the {cores} cores; using {cores}");
+            Some(cores)
+        }
+        t => t,
+    }
+}
+
 fn load_engine(path: &std::path::Path, opts: EngineOptions) -> Result<Engine> {
     let engine =
         Engine::load(path, &opts).with_context(|| format!("loading {}", path.display()))?;
@@ -328,7 +345,11 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
     let mut results = Vec::new();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     for &threads in &a.threads {
+        if threads > cores {
+            eprintln!("warning: {threads} threads on {cores} cores: the spinning pool oversubscribes, expect decoding far slower");
+        }
         let ctx = a.n_prompt.max(a.n_gen + 1).max(16);
         let engine = load_engine(
             &path,
@@ -461,6 +482,12 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
             s.exact_logits
         );
     }
+    if stats.stop == Stop::ContextFull {
+        eprintln!(
+            "stopped early: the context window of {} tokens is full (raise --ctx)",
+            engine.n_ctx
+        );
+    }
     eprintln!(
         "prompt: {} tokens, {:.1} tok/s | decode: {} tokens, {:.1} tok/s | {} threads",
         stats.prompt_tokens,
@@ -481,8 +508,33 @@ fn stream_to<'a>(out: &'a mut std::io::StdoutLock<'static>) -> impl FnMut(&str) 
     }
 }
 
+/// The conversation's tokens, dropping the oldest turns (system prompt kept) until the prompt
+/// leaves room for a reply; `None` when even the latest message alone does not fit.
+fn fit_conversation(
+    engine: &Engine,
+    messages: &mut Vec<(String, String)>,
+) -> Result<Option<Vec<u32>>> {
+    loop {
+        let ids = engine
+            .tokenizer
+            .encode(&engine.tokenizer.apply_chat_template(messages)?)?;
+        // Leave at least a quarter of the window (and one token) for the reply.
+        if ids.len() + (engine.n_ctx / 4).max(1) < engine.n_ctx {
+            return Ok(Some(ids));
+        }
+        let first = messages.iter().position(|(r, _)| r != "system");
+        match first {
+            Some(i) if i + 1 < messages.len() => {
+                messages.remove(i);
+                eprintln!("(context full: dropped the oldest turn)");
+            }
+            _ => return Ok(None),
+        }
+    }
+}
+
 fn cmd_chat(a: ChatArgs) -> Result<()> {
-    let engine = a.model.load(None)?;
+    let engine = a.model.load(a.ctx)?;
     if !engine.tokenizer.has_chat_template() {
         bail!("this model has no chat template; use `generate` instead");
     }
@@ -504,9 +556,11 @@ fn cmd_chat(a: ChatArgs) -> Result<()> {
             return Ok(());
         }
         messages.push(("user".into(), line.trim_end().to_string()));
-        let ids = engine
-            .tokenizer
-            .encode(&engine.tokenizer.apply_chat_template(&messages)?)?;
+        let Some(ids) = fit_conversation(&engine, &mut messages)? else {
+            eprintln!("error: this message alone does not fit the context of {} tokens (--ctx); try a shorter one", engine.n_ctx);
+            messages.pop();
+            continue;
+        };
         // Reuse the cached prefix of the conversation; feed only what is new.
         let common = cached
             .iter()
@@ -516,7 +570,7 @@ fn cmd_chat(a: ChatArgs) -> Result<()> {
             .min(ids.len() - 1);
         cache.truncate(common);
         let mut stdout = std::io::stdout().lock();
-        let (reply, _) = generate(
+        let (reply, stats) = generate(
             &engine,
             &mut cache,
             &ids[common..],
@@ -526,6 +580,12 @@ fn cmd_chat(a: ChatArgs) -> Result<()> {
             stream_to(&mut stdout),
         )?;
         writeln!(stdout)?;
+        if stats.stop == Stop::ContextFull {
+            eprintln!(
+                "(reply cut: the context window of {} tokens is full)",
+                engine.n_ctx
+            );
+        }
         // What the cache holds now: the prompt and every reply token that was fed back.
         cached = ids;
         cached.extend(&reply);

@@ -79,6 +79,9 @@ pub struct ReportArgs {
 
 pub fn cmd_calibrate(a: CalibrateArgs) -> Result<()> {
     use dejavu::sparsity::calibrate::{self, CalibrateOptions};
+    if a.ctx < 4 {
+        anyhow::bail!("--ctx {} is too small (at least 4)", a.ctx);
+    }
     let engine = a.model.load(None)?;
     let mut docs = Vec::new();
     let mut sources = Vec::new();
