@@ -18,6 +18,7 @@ fn tiny_engine(bytes: &[u8]) -> (tempfile::NamedTempFile, Engine) {
         &EngineOptions {
             threads: Some(2),
             n_ctx: None,
+            ..Default::default()
         },
     )
     .unwrap();

@@ -48,6 +48,7 @@ fn tiny(bytes: &[u8]) -> (tempfile::TempDir, Engine) {
         &EngineOptions {
             threads: Some(2),
             n_ctx: None,
+            ..Default::default()
         },
     )
     .unwrap();

@@ -1,11 +1,39 @@
 //! A sequence's state between forward steps: keys and values of every layer for positions
 //! `0..len`, the activation buffers of its forward passes, and what the last step read.
 //!
-//! Keys and values are f32, `[len][n_kv_heads * head_dim]` per layer, and grow with the
-//! sequence (in steps of [`GROW`] positions) instead of being allocated for the whole window up
-//! front: a short chat at `--ctx 8192` holds only what it uses. The activation buffers grow to
-//! the largest batch seen, then are reused: decoding allocates nothing per token.
+//! Keys and values are f32 or f16 ([`KvType`], `--kv-type`), `[len][n_kv_heads * head_dim]` per
+//! layer, and grow with the sequence (in steps of [`GROW`] positions) instead of being allocated
+//! for the whole window up front: a short chat at `--ctx 8192` holds only what it uses. The
+//! activation buffers grow to the largest batch seen, then are reused: decoding allocates
+//! nothing per token (but when the cache grows).
 use crate::engine::weights::Model;
+use dejavu_backend_api::KvSlice;
+use half::f16;
+
+/// The element type of the cached keys and values. F16 halves the cache (rounding each key and
+/// value to f16's 11 significant bits); attention reads it with F16C/`wide` kernels.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum KvType {
+    #[default]
+    F32,
+    F16,
+}
+
+impl KvType {
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "f32" => Some(KvType::F32),
+            "f16" => Some(KvType::F16),
+            _ => None,
+        }
+    }
+    pub fn bytes(self) -> usize {
+        match self {
+            KvType::F32 => 4,
+            KvType::F16 => 2,
+        }
+    }
+}
 
 /// Positions added to a layer's key/value storage each time it fills.
 pub const GROW: usize = 256;
@@ -20,12 +48,20 @@ pub struct KvCache {
     pub capture: Option<Capture>,
 }
 
+/// One layer's keys or values.
+#[derive(Clone)]
+enum Buf {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+}
+
 /// Keys and values of every layer.
 pub(crate) struct KvStore {
-    k: Vec<Vec<f32>>,
-    v: Vec<Vec<f32>>,
+    k: Vec<Buf>,
+    v: Vec<Buf>,
     kv_dim: usize,
     n_ctx: usize,
+    kv_type: KvType,
 }
 
 /// Per layer, appended by every forward step of a capturing cache.
@@ -90,14 +126,19 @@ pub(crate) fn buf(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
 }
 
 impl KvCache {
-    pub fn new(model: &Model, n_ctx: usize) -> Self {
+    pub fn new(model: &Model, n_ctx: usize, kv_type: KvType) -> Self {
         let c = &model.config;
+        let empty = match kv_type {
+            KvType::F32 => Buf::F32(Vec::new()),
+            KvType::F16 => Buf::F16(Vec::new()),
+        };
         Self {
             kv: KvStore {
-                k: vec![Vec::new(); c.n_layers],
-                v: vec![Vec::new(); c.n_layers],
+                k: vec![empty.clone(); c.n_layers],
+                v: vec![empty; c.n_layers],
                 kv_dim: c.kv_dim(),
                 n_ctx,
+                kv_type,
             },
             len: 0,
             n_ctx,
@@ -117,12 +158,18 @@ impl KvCache {
     }
     /// Bytes of keys and values held for the positions in use.
     pub fn bytes_in_use(&self) -> usize {
-        2 * self.kv.k.len() * self.len * self.kv.kv_dim * size_of::<f32>()
+        2 * self.kv.k.len() * self.len * self.kv.kv_dim * self.kv.kv_type.bytes()
     }
     /// Bytes allocated for keys and values (in use, plus the growth margin).
     pub fn bytes_allocated(&self) -> usize {
-        let cap: usize = self.kv.k.iter().chain(&self.kv.v).map(Vec::capacity).sum();
-        cap * size_of::<f32>()
+        let cap = |b: &Buf| match b {
+            Buf::F32(v) => v.capacity() * 4,
+            Buf::F16(v) => v.capacity() * 2,
+        };
+        self.kv.k.iter().chain(&self.kv.v).map(cap).sum()
+    }
+    pub fn kv_type(&self) -> KvType {
+        self.kv.kv_type
     }
     /// What the last forward step read and kept.
     pub fn last_step(&self) -> StepStats {
@@ -146,17 +193,36 @@ impl KvStore {
         pos0: usize,
         k: &[f32],
         v: &[f32],
-    ) -> (&[f32], &[f32]) {
+    ) -> (KvSlice<'_>, KvSlice<'_>) {
         let (start, end) = (pos0 * self.kv_dim, pos0 * self.kv_dim + k.len());
+        let cap = |end: usize| {
+            let want = end.div_ceil(GROW * self.kv_dim) * GROW * self.kv_dim;
+            want.min(self.n_ctx * self.kv_dim).max(end)
+        };
+        let cap = cap(end);
         for (store, new) in [(&mut self.k[l], k), (&mut self.v[l], v)] {
-            store.truncate(start);
-            if store.capacity() < end {
-                let want = end.div_ceil(GROW * self.kv_dim) * GROW * self.kv_dim;
-                let cap = want.min(self.n_ctx * self.kv_dim).max(end);
-                store.reserve_exact(cap - store.len());
+            match store {
+                Buf::F32(s) => put(s, start, cap, new.iter().copied()),
+                Buf::F16(s) => put(s, start, cap, new.iter().map(|&x| f16::from_f32(x))),
             }
-            store.extend_from_slice(new);
         }
-        (&self.k[l][..end], &self.v[l][..end])
+        (view(&self.k[l], end), view(&self.v[l], end))
     }
+}
+
+fn view(b: &Buf, end: usize) -> KvSlice<'_> {
+    match b {
+        Buf::F32(s) => KvSlice::F32(&s[..end]),
+        Buf::F16(s) => KvSlice::F16(&s[..end]),
+    }
+}
+
+/// Truncate `store` to `start`, make room for `cap` elements, append `new`.
+fn put<T>(store: &mut Vec<T>, start: usize, cap: usize, new: impl ExactSizeIterator<Item = T>) {
+    store.truncate(start);
+    let end = start + new.len();
+    if store.capacity() < end {
+        store.reserve_exact(cap.max(end) - store.len());
+    }
+    store.extend(new);
 }

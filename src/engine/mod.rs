@@ -9,7 +9,7 @@ pub mod names;
 pub mod weights;
 
 use crate::engine::executor::Executor;
-use crate::engine::kv_cache::KvCache;
+use crate::engine::kv_cache::{KvCache, KvType};
 use crate::engine::weights::Model;
 use crate::sparsity::layout::SparseLayout;
 use crate::sparsity::policy::Policy;
@@ -29,6 +29,8 @@ pub struct EngineOptions {
     pub threads: Option<usize>,
     /// Context window in tokens (default: min(model's, DEFAULT_CTX)).
     pub n_ctx: Option<usize>,
+    /// Element type of the KV cache (default f32).
+    pub kv_type: KvType,
 }
 
 /// Hand freed heap pages back to the OS (glibc keeps them otherwise; elsewhere a no-op).
@@ -54,6 +56,7 @@ pub struct Engine {
     /// One thread of its own for the lookahead predictors (see `crate::sparsity::lookahead`).
     spare: CpuBackend,
     threads: usize,
+    kv_type: KvType,
     /// The neuron-major layout, loaded or built on first use by a sparse policy.
     layout: std::sync::OnceLock<SparseLayout>,
 }
@@ -103,6 +106,7 @@ impl Engine {
             backend,
             spare,
             threads,
+            kv_type: opts.kv_type,
             layout: std::sync::OnceLock::new(),
         })
     }
@@ -151,7 +155,7 @@ impl Engine {
     }
 
     pub fn new_cache(&self) -> KvCache {
-        KvCache::new(&self.model, self.n_ctx)
+        KvCache::new(&self.model, self.n_ctx, self.kv_type)
     }
 
     /// The CPU kernel tier in use (`scalar`, `portable`, `avx2`, `avx512`).

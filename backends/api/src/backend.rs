@@ -100,6 +100,25 @@ impl Activation {
     }
 }
 
+/// Keys or values of a KV cache, `[positions][n_kv_heads * head_dim]`, in the cache's type.
+#[derive(Debug, Clone, Copy)]
+pub enum KvSlice<'a> {
+    F32(&'a [f32]),
+    F16(&'a [half::f16]),
+}
+
+impl KvSlice<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            KvSlice::F32(x) => x.len(),
+            KvSlice::F16(x) => x.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// Geometry of one attention call: `n_tokens` queries at positions `pos0..pos0+n_tokens`, each
 /// attending causally to cache entries `0..=pos`.
 #[derive(Debug, Clone, Copy)]
@@ -176,13 +195,14 @@ pub trait Backend: Send + Sync {
     fn activate(&self, act: Activation, x: &mut [f32]);
 
     /// Causal grouped-query attention for the selected query heads. `q`/`out`:
-    /// `n_tokens * n_heads * head_dim`; `k_cache`/`v_cache`: `(pos0 + n_tokens) * n_kv_heads * head_dim`
-    /// at least. Query head `h` reads kv head `h / (n_heads / n_kv_heads)`.
+    /// `n_tokens * n_heads * head_dim`; `k_cache`/`v_cache` (f32 or f16, both the same type):
+    /// `(pos0 + n_tokens) * n_kv_heads * head_dim` at least. Query head `h` reads kv head
+    /// `h / (n_heads / n_kv_heads)`.
     fn attention(
         &self,
         q: &[f32],
-        k_cache: &[f32],
-        v_cache: &[f32],
+        k_cache: KvSlice<'_>,
+        v_cache: KvSlice<'_>,
         heads: &IndexSet,
         shape: AttnShape,
         out: &mut [f32],

@@ -8,6 +8,8 @@ mod index_set;
 pub mod quant;
 pub mod quantize;
 
-pub use backend::{Activation, AttnShape, Backend, BackendError, MatmulJob, RopeStyle, Weight};
+pub use backend::{
+    Activation, AttnShape, Backend, BackendError, KvSlice, MatmulJob, RopeStyle, Weight,
+};
 pub use index_set::{IndexSet, IndexSetError};
 pub use quant::QuantType;

@@ -1,15 +1,16 @@
-//! Causal grouped-query attention over an f32 KV cache, for a subset of query heads.
+//! Causal grouped-query attention over an f32 or f16 KV cache, for a subset of query heads.
 //!
 //! Reference formula, per token t (position p = pos0 + t) and selected head h with kv head
 //! g = h / (n_heads / n_kv_heads):
 //!   s_j = q_h . k_{j,g} / sqrt(head_dim)  for j <= p;   a = softmax(s);   out_h = sum_j a_j v_{j,g}
 //! Unselected heads are written as 0. One pool task per (token, head); the scores against all keys
 //! and the weighted sum of all values are one call each to the tier's f32 kernels
-//! (`Kernels::dot_rows`, `Kernels::axpy_rows`), the scores in a per-thread buffer grown once.
+//! (`Kernels::dot_rows`, `Kernels::axpy_rows`; their `_f16` twins for an f16 cache), the scores
+//! in a per-thread buffer grown once.
 use crate::kernels::table::Kernels;
 use crate::matmul::SyncPtr;
 use crate::pool::SpinPool;
-use dejavu_backend_api::{AttnShape, IndexSet};
+use dejavu_backend_api::{AttnShape, IndexSet, KvSlice};
 use std::cell::RefCell;
 
 thread_local! {
@@ -22,8 +23,8 @@ pub fn attention(
     kern: &Kernels,
     pool: &SpinPool,
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    k: KvSlice<'_>,
+    v: KvSlice<'_>,
     heads: &IndexSet,
     s: AttnShape,
     out: &mut [f32],
@@ -44,6 +45,22 @@ pub fn attention(
         k.len() >= (s.pos0 + s.n_tokens) * kv_stride && v.len() == k.len(),
         "attention: cache length"
     );
+    // Scores of one query against the keys from element `at` on, and the weighted value sum.
+    let dot = |x: &[f32], at: usize, out: &mut [f32]| match k {
+        KvSlice::F32(k) => (kern.dot_rows)(x, &k[at..], kv_stride, out),
+        KvSlice::F16(k) => (kern.dot_rows_f16)(x, &k[at..], kv_stride, out),
+    };
+    let axpy = |a: &[f32], at: usize, y: &mut [f32]| match v {
+        KvSlice::F32(v) => (kern.axpy_rows)(a, &v[at..], kv_stride, y),
+        KvSlice::F16(v) => (kern.axpy_rows_f16)(a, &v[at..], kv_stride, y),
+    };
+    assert!(
+        matches!(
+            (k, v),
+            (KvSlice::F32(_), KvSlice::F32(_)) | (KvSlice::F16(_), KvSlice::F16(_))
+        ),
+        "attention: keys and values of different types"
+    );
     out.fill(0.0);
     let op = SyncPtr::new(out.as_mut_ptr());
     pool.run(s.n_tokens * s.n_heads, &|th| {
@@ -61,7 +78,7 @@ pub fn attention(
             scores.resize(n_keys, 0.0);
             let scores = &mut scores[..n_keys];
             // Keys j of kv head g are rows of `k[g * hd..]` at stride `kv_stride`; values alike.
-            (kern.dot_rows)(qh, &k[g * hd..], kv_stride, scores);
+            dot(qh, g * hd, scores);
             let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max) * scale;
             let mut sum = 0f32;
             for sc in scores.iter_mut() {
@@ -69,7 +86,7 @@ pub fn attention(
                 sum += *sc;
             }
             scores.iter_mut().for_each(|sc| *sc /= sum);
-            (kern.axpy_rows)(scores, &v[g * hd..], kv_stride, o);
+            axpy(scores, g * hd, o);
         });
     });
 }
@@ -134,32 +151,50 @@ mod tests {
                     .collect::<Vec<_>>()
             };
             let (q, k, v) = (r(n_tokens * n_heads * head_dim), r(len), r(len));
-            let want = naive(&q, &k, &v, s);
-            let heads = IndexSet::new(n_heads, (0..n_heads as u32).step_by(2).collect()).unwrap();
-            for (kern, set) in Isa::supported()
-                .into_iter()
-                .filter_map(Kernels::for_isa)
-                .flat_map(|k| [(k, IndexSet::full(n_heads)), (k, heads.clone())])
-            {
-                let kern = &kern;
-                let mut out = vec![f32::NAN; q.len()];
-                attention(
-                    kern,
-                    &crate::pool::SpinPool::new(2),
-                    &q,
-                    &k,
-                    &v,
-                    &set,
-                    s,
-                    &mut out,
-                );
-                for (i, (&o, &w)) in out.iter().zip(&want).enumerate() {
-                    let h = (i / head_dim) % n_heads;
-                    let w = if set.contains(h) { w } else { 0.0 };
-                    assert!(
-                        (o as f64 - w).abs() < 1e-5,
-                        "shape {s:?} elem {i}: {o} vs {w}"
+            // The f16 cache holds the same values rounded to f16; the reference sees those.
+            let (k16, v16): (Vec<half::f16>, Vec<half::f16>) = (
+                k.iter().map(|&x| half::f16::from_f32(x)).collect(),
+                v.iter().map(|&x| half::f16::from_f32(x)).collect(),
+            );
+            let (kr, vr): (Vec<f32>, Vec<f32>) = (
+                k16.iter().map(|x| x.to_f32()).collect(),
+                v16.iter().map(|x| x.to_f32()).collect(),
+            );
+            for (want, kk, vv) in [
+                (naive(&q, &k, &v, s), KvSlice::F32(&k), KvSlice::F32(&v)),
+                (
+                    naive(&q, &kr, &vr, s),
+                    KvSlice::F16(&k16),
+                    KvSlice::F16(&v16),
+                ),
+            ] {
+                let heads =
+                    IndexSet::new(n_heads, (0..n_heads as u32).step_by(2).collect()).unwrap();
+                for (kern, set) in Isa::supported()
+                    .into_iter()
+                    .filter_map(Kernels::for_isa)
+                    .flat_map(|k| [(k, IndexSet::full(n_heads)), (k, heads.clone())])
+                {
+                    let kern = &kern;
+                    let mut out = vec![f32::NAN; q.len()];
+                    attention(
+                        kern,
+                        &crate::pool::SpinPool::new(2),
+                        &q,
+                        kk,
+                        vv,
+                        &set,
+                        s,
+                        &mut out,
                     );
+                    for (i, (&o, &w)) in out.iter().zip(&want).enumerate() {
+                        let h = (i / head_dim) % n_heads;
+                        let w = if set.contains(h) { w } else { 0.0 };
+                        assert!(
+                            (o as f64 - w).abs() < 1e-5,
+                            "shape {s:?} elem {i}: {o} vs {w}"
+                        );
+                    }
                 }
             }
         }

@@ -13,7 +13,8 @@ pub mod prefetch;
 pub mod vec_dot;
 
 use dejavu_backend_api::{
-    Activation, AttnShape, Backend, BackendError, IndexSet, MatmulJob, QuantType, RopeStyle, Weight,
+    Activation, AttnShape, Backend, BackendError, IndexSet, KvSlice, MatmulJob, QuantType,
+    RopeStyle, Weight,
 };
 use isa::Isa;
 use kernels::table::Kernels;
@@ -111,8 +112,8 @@ impl Backend for CpuBackend {
     fn attention(
         &self,
         q: &[f32],
-        k: &[f32],
-        v: &[f32],
+        k: KvSlice<'_>,
+        v: KvSlice<'_>,
         heads: &IndexSet,
         shape: AttnShape,
         out: &mut [f32],

@@ -3,6 +3,7 @@
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use dejavu::engine::executor::Plan;
+use dejavu::engine::kv_cache::KvType;
 use dejavu::engine::{Engine, EngineOptions};
 use dejavu::eval::perplexity::{perplexity, Feed};
 use dejavu::fetch;
@@ -58,12 +59,20 @@ enum Command {
 
 #[derive(Args)]
 struct ModelArgs {
-    /// GGUF file or known model name (default: smollm2-135m-instruct, fetched on first use).
+    /// GGUF file, Hugging Face checkpoint directory or known model name (default:
+    /// smollm2-135m-instruct, fetched on first use).
     #[arg(long, short)]
     model: Option<String>,
     /// Worker threads (default: all cores).
     #[arg(long, short)]
     threads: Option<usize>,
+    /// KV cache element type: f32 (exact) or f16 (half the memory).
+    #[arg(long, default_value = "f32", value_parser = parse_kv_type)]
+    kv_type: KvType,
+}
+
+fn parse_kv_type(s: &str) -> std::result::Result<KvType, String> {
+    KvType::from_name(s).ok_or_else(|| format!("`{s}`: expected f32 or f16"))
 }
 
 impl ModelArgs {
@@ -74,6 +83,7 @@ impl ModelArgs {
             EngineOptions {
                 threads: capped_threads(self.threads),
                 n_ctx,
+                kv_type: self.kv_type,
             },
         )
     }
@@ -196,9 +206,12 @@ struct ChatArgs {
 
 #[derive(Args)]
 struct BenchArgs {
-    /// GGUF file or known model name (default: smollm2-135m-instruct).
+    /// GGUF file, checkpoint directory or known model name (default: smollm2-135m-instruct).
     #[arg(long, short)]
     model: Option<String>,
+    /// KV cache element type: f32 or f16.
+    #[arg(long, default_value = "f32", value_parser = parse_kv_type)]
+    kv_type: KvType,
     /// Thread counts to test, comma-separated.
     #[arg(long, short, value_delimiter = ',', default_value = "1,2")]
     threads: Vec<usize>,
@@ -356,6 +369,7 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
             EngineOptions {
                 threads: Some(threads),
                 n_ctx: Some(ctx),
+                kv_type: a.kv_type,
             },
         )?;
         let policies = a

@@ -77,8 +77,8 @@ pub fn cmd_quantize(a: QuantizeArgs) -> Result<()> {
 /// Perplexity of `text` under the model at `path` (batched, llama.cpp's method).
 fn ppl_of(path: &Path, text: &str, ctx: usize) -> Result<f64> {
     let opts = EngineOptions {
-        threads: None,
         n_ctx: Some(ctx),
+        ..Default::default()
     };
     let engine =
         Engine::load(path, &opts).with_context(|| format!("loading {}", path.display()))?;

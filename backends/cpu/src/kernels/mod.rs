@@ -26,6 +26,7 @@ macro_rules! select_q8a_kernel {
 
 pub mod axpy;
 pub mod axpy_q;
+pub mod axpy_rows_f16;
 pub mod dequantize;
 pub mod dot_float;
 pub mod dot_q4_0;
@@ -35,6 +36,7 @@ pub mod dot_q5_0;
 pub mod dot_q6k;
 pub mod dot_q8_0;
 pub mod dot_rows;
+pub mod dot_rows_f16;
 pub mod quantize_act;
 pub mod table;
 #[cfg(test)]
