@@ -16,7 +16,7 @@
 //!   is renamed when complete.
 use crate::engine::config::{Architecture, MlpKind, ModelConfig, NormKind, Positions};
 use crate::engine::names::*;
-use crate::engine::weights::{Model, Source, WeightRef};
+use crate::engine::weights::{ggml_type, Model, Source, WeightRef};
 use crate::text::tokenizer::Tokenizer;
 use crate::{Error, Result};
 use dejavu_backend_api::{quantize, Backend, QuantType};
@@ -271,20 +271,6 @@ pub fn neox_to_interleaved(heads: usize, head_dim: usize) -> Vec<usize> {
             h * head_dim + j * half + i
         })
         .collect()
-}
-
-fn ggml_type(q: QuantType) -> GgmlType {
-    match q {
-        QuantType::F32 => GgmlType::F32,
-        QuantType::F16 => GgmlType::F16,
-        QuantType::BF16 => GgmlType::BF16,
-        QuantType::Q8_0 => GgmlType::Q8_0,
-        QuantType::Q4_0 => GgmlType::Q4_0,
-        QuantType::Q4_1 => GgmlType::Q4_1,
-        QuantType::Q5_0 => GgmlType::Q5_0,
-        QuantType::Q4K => GgmlType::Q4K,
-        QuantType::Q6K => GgmlType::Q6K,
-    }
 }
 
 /// The output's metadata: a GGUF source's own, else the config's and the tokenizer's.

@@ -309,10 +309,7 @@ impl<'m> Executor<'m> {
         let (qd, kvd) = (c.n_heads * hd, c.kv_dim());
         let x = buf(&mut sc.x, n * d);
         let h = buf(&mut sc.h, n * d);
-        match c.pre_norm {
-            true => self.norm(&lw.attn_norm, x, h),
-            false => h.copy_from_slice(x),
-        }
+        self.block_input(&lw.attn_norm, x, h);
         if let Some(cap) = capture.as_mut() {
             cap.attn_in[l].extend_from_slice(h);
         }
@@ -388,6 +385,15 @@ impl<'m> Executor<'m> {
         Ok(())
     }
 
+    /// A block's input `h`: `norm(x)` (pre-norm models) or `x` itself (post-norm: the previous
+    /// block already normed it).
+    fn block_input(&self, w: &NormWeights, x: &[f32], h: &mut [f32]) {
+        match self.config().pre_norm {
+            true => self.norm(w, x, h),
+            false => h.copy_from_slice(x),
+        }
+    }
+
     /// `x += o`, then (post-norm models) `x = norm(x)` through `tmp`.
     fn residual(&self, w: &NormWeights, x: &mut [f32], o: &[f32], tmp: &mut [f32]) {
         add(x, o);
@@ -412,10 +418,7 @@ impl<'m> Executor<'m> {
         let (n, d, ff) = (step.n, c.d_model, c.n_ff);
         let x = buf(&mut sc.x, n * d);
         let h = buf(&mut sc.h, n * d);
-        match c.pre_norm {
-            true => self.norm(&lw.ffn_norm, x, h),
-            false => h.copy_from_slice(x),
-        }
+        self.block_input(&lw.ffn_norm, x, h);
         if let Some(cap) = capture.as_mut() {
             cap.mlp_in[l].extend_from_slice(h);
         }

@@ -357,6 +357,21 @@ fn fingerprint(files: &[&[u8]]) -> String {
     format!("{h:016x}")
 }
 
+/// The GGUF type of an engine type (the inverse of the loader's mapping).
+pub fn ggml_type(q: QuantType) -> GgmlType {
+    match q {
+        QuantType::F32 => GgmlType::F32,
+        QuantType::F16 => GgmlType::F16,
+        QuantType::BF16 => GgmlType::BF16,
+        QuantType::Q8_0 => GgmlType::Q8_0,
+        QuantType::Q4_0 => GgmlType::Q4_0,
+        QuantType::Q4_1 => GgmlType::Q4_1,
+        QuantType::Q5_0 => GgmlType::Q5_0,
+        QuantType::Q4K => GgmlType::Q4K,
+        QuantType::Q6K => GgmlType::Q6K,
+    }
+}
+
 /// One tensor of a source under its canonical name.
 #[derive(Debug, Clone)]
 struct Entry {

@@ -16,7 +16,7 @@
 //! The result is cached next to the model as `<model file>.sparse-<TYPE>.v2.gguf` (built once, checked
 //! against the source's content fingerprint and the shapes on every load, rebuilt when stale); where that
 //! directory is not writable, it is built in memory for the process.
-use crate::engine::weights::{weight_ref, Model, WeightRef};
+use crate::engine::weights::{ggml_type, weight_ref, Model, WeightRef};
 use crate::{Error, Result};
 use dejavu_backend_api::{quantize, Backend, QuantType, Weight};
 use dejavu_formats::gguf::{self, GgmlType, MetaValue};
@@ -43,20 +43,6 @@ pub fn down_t_type(src: QuantType) -> QuantType {
         QuantType::F32 | QuantType::F16 | QuantType::BF16 => src,
         QuantType::Q8_0 | QuantType::Q6K => QuantType::Q8_0,
         QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q5_0 | QuantType::Q4K => QuantType::Q5_0,
-    }
-}
-
-fn ggml_type(q: QuantType) -> GgmlType {
-    match q {
-        QuantType::F32 => GgmlType::F32,
-        QuantType::F16 => GgmlType::F16,
-        QuantType::BF16 => GgmlType::BF16,
-        QuantType::Q8_0 => GgmlType::Q8_0,
-        QuantType::Q4_0 => GgmlType::Q4_0,
-        QuantType::Q4_1 => GgmlType::Q4_1,
-        QuantType::Q5_0 => GgmlType::Q5_0,
-        QuantType::Q4K => GgmlType::Q4K,
-        QuantType::Q6K => GgmlType::Q6K,
     }
 }
 

@@ -20,13 +20,7 @@ pub fn select(isa: Isa) -> AxpyRowsF16Fn {
 }
 
 fn check(a: &[f32], x: &[f16], stride: usize, y: &[f32]) {
-    assert!(
-        a.is_empty() || (stride >= y.len() && x.len() >= (a.len() - 1) * stride + y.len()),
-        "axpy_rows_f16: {} rows of {} at stride {stride} need more than {} elements",
-        a.len(),
-        y.len(),
-        x.len()
-    );
+    super::dot_rows::check_rows("axpy_rows_f16", a.len(), y.len(), x.len(), stride);
 }
 
 pub fn scalar(a: &[f32], x: &[f16], stride: usize, y: &mut [f32]) {

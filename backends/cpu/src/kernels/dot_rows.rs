@@ -18,12 +18,15 @@ pub fn select(isa: Isa) -> DotRowsFn {
 }
 
 fn check(x: &[f32], rows: &[f32], stride: usize, out: &[f32]) {
+    check_rows("dot_rows", out.len(), x.len(), rows.len(), stride);
+}
+
+/// Panic unless `n_rows` rows of `width` at `stride` fit in `len` elements (the SIMD tiers read
+/// through raw pointers). Shared by the row kernels of any element type.
+pub(crate) fn check_rows(op: &str, n_rows: usize, width: usize, len: usize, stride: usize) {
     assert!(
-        out.is_empty() || (stride >= x.len() && rows.len() >= (out.len() - 1) * stride + x.len()),
-        "dot_rows: {} rows of {} at stride {stride} need more than {} elements",
-        out.len(),
-        x.len(),
-        rows.len()
+        n_rows == 0 || (stride >= width && len >= (n_rows - 1) * stride + width),
+        "{op}: {n_rows} rows of {width} at stride {stride} need more than {len} elements"
     );
 }
 

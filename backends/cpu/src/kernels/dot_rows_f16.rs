@@ -20,13 +20,7 @@ pub fn select(isa: Isa) -> DotRowsF16Fn {
 }
 
 fn check(x: &[f32], rows: &[f16], stride: usize, out: &[f32]) {
-    assert!(
-        out.is_empty() || (stride >= x.len() && rows.len() >= (out.len() - 1) * stride + x.len()),
-        "dot_rows_f16: {} rows of {} at stride {stride} need more than {} elements",
-        out.len(),
-        x.len(),
-        rows.len()
-    );
+    super::dot_rows::check_rows("dot_rows_f16", out.len(), x.len(), rows.len(), stride);
 }
 
 pub fn scalar(x: &[f32], rows: &[f16], stride: usize, out: &mut [f32]) {
