@@ -502,3 +502,14 @@ fn f16_kv_cache_keeps_quality_at_half_the_bytes() {
     assert!((p16 / p32 - 1.0).abs() < 0.005, "{p16} vs {p32}");
     assert_eq!(b16 * 2, b32);
 }
+
+/// Rules that need a gate projection are refused on a plain (OPT) MLP at parse time.
+#[test]
+fn gate_rules_refused_on_plain_mlp() {
+    let e = Engine::load(fixture("opt-postln-proj"), &EngineOptions::default()).unwrap();
+    for spec in ["gate-first:0.5", "up-first:0.5"] {
+        let err = e.policy(spec, None).err().unwrap().to_string();
+        assert!(err.contains("needs a gated MLP"), "{err}");
+    }
+    assert!(e.policy("dense", None).is_ok());
+}

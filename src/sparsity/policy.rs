@@ -143,6 +143,12 @@ impl Policy {
             };
             match kind {
                 "oracle" | "gate-first" | "up-first" | "dejavu" => {
+                    if matches!(kind, "gate-first" | "up-first") && !cfg.mlp.gated() {
+                        return Err(bad(format!(
+                            "`{kind}` needs a gated MLP; this model's is plain {} (use oracle or dejavu)",
+                            cfg.mlp.name()
+                        )));
+                    }
                     let (keep, inner) = keep_edge(&mut mlp_set)?;
                     let rule = match kind {
                         "oracle" => MlpRule::Oracle { keep },
