@@ -21,9 +21,10 @@ use dejavu_backend_cpu::isa::Isa;
 use dejavu_backend_cpu::CpuBackend;
 use std::path::PathBuf;
 
-const FIXTURES: [&str; 5] = [
+const FIXTURES: [&str; 6] = [
     "opt-relu",
     "opt-postln-proj",
+    "opt-noaffine",
     "llama-relu",
     "llama-silu",
     "qwen2",

@@ -66,7 +66,13 @@ fn quantized_opt_keeps_quality() {
 #[test]
 fn every_fixture_converts_to_gguf() {
     let dir = tempfile::tempdir().unwrap();
-    for name in ["opt-postln-proj", "llama-relu", "llama-silu", "qwen2"] {
+    for name in [
+        "opt-postln-proj",
+        "opt-noaffine",
+        "llama-relu",
+        "llama-silu",
+        "qwen2",
+    ] {
         let out = dir.path().join(format!("{name}.gguf"));
         quantize(&fixture(name), QuantType::F16, &out);
         let eng = Engine::load(&out, &EngineOptions::default()).unwrap();

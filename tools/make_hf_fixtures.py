@@ -8,7 +8,7 @@ Two steps:
       Python standard-library sources and Debian package documentation, sorted, every tenth
       document held out. Writes the training text gzipped and a held-out evaluation text.
 
-  make_hf_fixtures.py build CORPUS.txt.gz EVAL.txt OUTDIR [--scale 1.0]
+  make_hf_fixtures.py build CORPUS.txt.gz EVAL.txt OUTDIR [--scale 1.0] [--only NAME,...]
       (on the device machine: torch, transformers, tokenizers) Trains a byte-level BPE of 8192
       tokens on the corpus, then trains each fixture model for a few minutes and saves it as a
       Hugging Face directory (fp16 or bf16 safetensors, some sharded) with `reference.json`:
@@ -24,6 +24,9 @@ Fixtures (see tests/hf_reference.rs):
                   model whose sparsity the next issue exploits.
   opt-postln-proj OPT, post-LN (do_layer_norm_before false, as opt-350m), word_embed_proj_dim <
                   hidden (project_in/project_out); fp16.
+  opt-noaffine    OPT without LayerNorm gains/biases (layer_norm_elementwise_affine false),
+                  without the final LayerNorm (_remove_final_layer_norm) and without biases
+                  (enable_bias false); fp16.
   llama-relu      LlamaForCausalLM, hidden_act relu (gated ReLU), GQA, untied head; fp16,
                   `torch_dtype` (the older key).
   llama-silu      LlamaForCausalLM, SwiGLU, tied head; bf16.
@@ -157,6 +160,10 @@ FIXTURES = [
     ("opt-postln-proj", "opt", 50, 5e-4, "float16", None,
      dict(hidden_size=192, num_hidden_layers=2, ffn_dim=768, num_attention_heads=3,
           word_embed_proj_dim=96, do_layer_norm_before=False)),
+    ("opt-noaffine", "opt", 20, 2e-3, "float16", None,
+     dict(hidden_size=64, num_hidden_layers=2, ffn_dim=256, num_attention_heads=2,
+          word_embed_proj_dim=64, do_layer_norm_before=True, layer_norm_elementwise_affine=False,
+          _remove_final_layer_norm=True, enable_bias=False)),
     ("llama-relu", "llama", 45, 2e-3, "float16", None,
      dict(hidden_size=128, num_hidden_layers=2, intermediate_size=384, num_attention_heads=4,
           num_key_value_heads=2, hidden_act="relu", tie_word_embeddings=False)),
@@ -304,7 +311,7 @@ def relu_zeros(model, ids):
     return fracs
 
 
-def build(corpus_path, eval_path, outdir, scale):
+def build(corpus_path, eval_path, outdir, scale, only=None):
     import torch
 
     torch.manual_seed(0)
@@ -317,6 +324,8 @@ def build(corpus_path, eval_path, outdir, scale):
     print(f"corpus: {len(text)} chars, {len(ids)} tokens", flush=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     for name, kind, secs, lr, dtype, shard, cfg in FIXTURES:
+        if only and name not in only:
+            continue
         print(f"{name}: training {secs * scale:.0f}s", flush=True)
         torch.manual_seed(0)
         model = make_model(kind, cfg)
@@ -346,7 +355,9 @@ if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "corpus":
         gather_corpus(sys.argv[2], sys.argv[3])
     elif len(sys.argv) >= 5 and sys.argv[1] == "build":
-        scale = float(sys.argv[6]) if len(sys.argv) > 6 and sys.argv[5] == "--scale" else 1.0
-        build(sys.argv[2], sys.argv[3], sys.argv[4], scale)
+        # Options after OUTDIR: --scale S (training time factor), --only NAME[,NAME...].
+        opts = dict(zip(sys.argv[5::2], sys.argv[6::2]))
+        only = opts["--only"].split(",") if "--only" in opts else None
+        build(sys.argv[2], sys.argv[3], sys.argv[4], float(opts.get("--scale", 1.0)), only)
     else:
         sys.exit(__doc__)
