@@ -144,3 +144,25 @@ fn fixtures_match_hugging_face_perplexity() {
         }
     }
 }
+
+/// A dense decode step reads every weight once: its counted bytes are the model's dense bytes
+/// per token (embedding and position rows and the OPT projections included).
+#[test]
+fn dense_step_reads_every_weight_once() {
+    for name in FIXTURES {
+        let eng = load(name);
+        let plan = SparsePlan::dense(&eng.model.config);
+        let mut cache = eng.new_cache();
+        eng.executor()
+            .forward(&[5, 6], &mut cache, &plan, Logits::Last)
+            .unwrap();
+        eng.executor()
+            .forward(&[7], &mut cache, &plan, Logits::Last)
+            .unwrap();
+        assert_eq!(
+            cache.last_step().weight_bytes,
+            eng.model.dense_bytes_per_token(),
+            "{name}"
+        );
+    }
+}

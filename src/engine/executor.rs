@@ -188,9 +188,8 @@ impl<'m> Executor<'m> {
                 v.resize(c.n_layers, Vec::new());
             }
         }
-        self.embed(tokens, pos0, sc)?;
         let mut st = StepStats {
-            weight_bytes: self.model.token_embd.qtype.row_bytes(c.d_embed),
+            weight_bytes: self.embed(tokens, pos0, sc)?,
             ..Default::default()
         };
         std::thread::scope(|s| -> Result<()> {
@@ -252,12 +251,13 @@ impl<'m> Executor<'m> {
     }
 
     /// `x` = token embeddings (through `proj_in` when the embedding is narrower), plus learned
-    /// positions.
-    fn embed(&self, tokens: &[u32], pos0: usize, sc: &mut Scratch) -> Result<()> {
+    /// positions. Returns the weight bytes one token reads (as `Model::dense_bytes_per_token`).
+    fn embed(&self, tokens: &[u32], pos0: usize, sc: &mut Scratch) -> Result<usize> {
         let (m, b, c) = (self.model, self.backend, self.config());
         let (n, d) = (tokens.len(), c.d_model);
         let x = buf(&mut sc.x, n * d);
         let embd = m.weight(&m.token_embd);
+        let mut bytes = embd.qtype.row_bytes(embd.cols);
         match &m.proj_in {
             None => {
                 for (&t, xt) in tokens.iter().zip(x.chunks_exact_mut(d)) {
@@ -269,7 +269,7 @@ impl<'m> Executor<'m> {
                 for (&t, et) in tokens.iter().zip(e.chunks_exact_mut(c.d_embed)) {
                     b.dequantize_row(&embd, t as usize, et);
                 }
-                self.matmul(p, &IndexSet::full(d), e, x);
+                bytes += self.matmul(p, &IndexSet::full(d), e, x);
             }
         }
         if let (Positions::Learned { offset }, Some(pe)) = (c.positions, &m.pos_embd) {
@@ -286,8 +286,9 @@ impl<'m> Executor<'m> {
                 b.dequantize_row(&pos, p, row);
                 add(xt, row);
             }
+            bytes += pos.qtype.row_bytes(pos.cols);
         }
-        Ok(())
+        Ok(bytes)
     }
 
     /// Layer `l`'s attention: Q over the selected heads' rows, K and V in full (the cache stays

@@ -219,6 +219,12 @@ fn view(b: &Buf, end: usize) -> KvSlice<'_> {
 
 /// Truncate `store` to `start`, make room for `cap` elements, append `new`.
 fn put<T>(store: &mut Vec<T>, start: usize, cap: usize, new: impl ExactSizeIterator<Item = T>) {
+    // Every layer holds at least the positions the cache counts (its length moves only after
+    // all layers appended), so `start` never lies past the stored data.
+    assert!(
+        store.len() >= start,
+        "KV store shorter than the cache length"
+    );
     store.truncate(start);
     let end = start + new.len();
     if store.capacity() < end {
