@@ -166,3 +166,41 @@ fn dense_step_reads_every_weight_once() {
         );
     }
 }
+
+/// `relu-exact` on the ReLU fixtures: the same logits as dense, decoding token by token (it
+/// skips only neurons ReLU made zero; the neuron-major down projection is the f16 matrix
+/// transposed, so only summation order differs), fewer MLP neurons and fewer bytes read.
+#[test]
+fn relu_exact_is_exact_and_reads_less() {
+    use dejavu::engine::executor::Plan;
+    for name in ["opt-relu", "llama-relu"] {
+        let eng = load(name);
+        let policy = eng.policy("relu-exact", None).unwrap();
+        let dense = SparsePlan::dense(&eng.model.config);
+        let case = &hf_reference(name).greedy.cases[0];
+        let mut seq = case.prompt_ids.clone();
+        seq.extend(&case.greedy_ids[..16]);
+        let (mut cd, mut cs) = (eng.new_cache(), eng.new_cache());
+        let exec = eng.executor();
+        for &t in &seq {
+            let want = exec
+                .forward(&[t], &mut cd, &dense, Logits::Last)
+                .unwrap()
+                .to_vec();
+            let got = exec
+                .run(&[t], &mut cs, Plan::Policy(&policy), Logits::Last)
+                .unwrap();
+            let worst = got
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(worst < 1e-3, "{name}: logits differ by {worst}");
+            let s = cs.last_step();
+            assert!(
+                s.mlp_kept < s.mlp_total && s.weight_bytes < cd.last_step().weight_bytes,
+                "{name}: {s:?}"
+            );
+        }
+    }
+}

@@ -512,4 +512,9 @@ fn gate_rules_refused_on_plain_mlp() {
         assert!(err.contains("needs a gated MLP"), "{err}");
     }
     assert!(e.policy("dense", None).is_ok());
+    assert!(e.policy("relu-exact", None).is_ok());
+    // And relu-exact needs a ReLU.
+    let q = Engine::load(fixture("qwen2"), &EngineOptions::default()).unwrap();
+    let err = q.policy("relu-exact", None).err().unwrap().to_string();
+    assert!(err.contains("needs a ReLU MLP"), "{err}");
 }

@@ -541,6 +541,28 @@ impl<'m> Executor<'m> {
                 b.glu(act, gate, up);
                 (Some(set), gate)
             }
+            (MlpRule::ReluExact, _) => {
+                // The first projection in full: its ReLU says which neurons are nonzero.
+                let nonzero = |a: &[f32], idx: &mut Vec<u32>| {
+                    idx.clear();
+                    idx.extend((0..a.len() as u32).filter(|&i| a[i as usize] > 0.0));
+                    IndexSet::new(a.len(), idx.clone()).expect("distinct indices below n_ff")
+                };
+                match &lw.w_gate {
+                    None => {
+                        let a = self.mlp_first(l, &full, h, &mut *gate, &mut *up, st);
+                        let set = nonzero(a, idx);
+                        (Some(set), up)
+                    }
+                    Some(wg) => {
+                        st.weight_bytes += self.matmul(wg, &full, h, gate);
+                        let set = nonzero(gate, idx);
+                        st.weight_bytes += self.matmul(&lw.w_up, &set, h, up);
+                        b.glu(act, gate, up);
+                        (Some(set), gate)
+                    }
+                }
+            }
             (MlpRule::Oracle { .. }, _) => {
                 let gated = lw.w_gate.is_some();
                 let a = self.mlp_first(l, &full, h, &mut *gate, &mut *up, st);

@@ -108,13 +108,17 @@ pub enum MlpRule {
     LowRank {
         keep: f32,
     },
+    /// ReLU models only: the first projection (fc1, or the gate of a gated ReLU) in full, then
+    /// the rest only for the neurons ReLU leaves nonzero. Exact (zero error); saves the down
+    /// projection's (and a gated model's up projection's) rows of the zero neurons.
+    ReluExact,
 }
 
 impl MlpRule {
-    /// Neurons kept out of `n`, at least 1.
+    /// Neurons kept out of `n`, at least 1 (`ReluExact`: all, as a bound; it keeps the nonzero).
     pub fn kept(&self, n: usize) -> usize {
         match *self {
-            MlpRule::Dense => n,
+            MlpRule::Dense | MlpRule::ReluExact => n,
             MlpRule::Oracle { keep }
             | MlpRule::GateFirst { keep }
             | MlpRule::UpFirst { keep }

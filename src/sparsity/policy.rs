@@ -7,6 +7,8 @@
 //! - `oracle:KEEP[:EDGE]`, `gate-first:KEEP[:EDGE]`, `up-first:KEEP[:EDGE]`, `dejavu:KEEP[:EDGE]`
 //!   (the trained low-rank predictors; needs a predictors file): MLP selection keeping the
 //!   fraction KEEP of each layer's neurons; the first and last EDGE layers stay dense;
+//! - `relu-exact` (ReLU models): the first MLP projection in full, the rest only for the
+//!   neurons ReLU leaves nonzero (exact; see [`MlpRule::ReluExact`]);
 //! - `attn-norm:KEEP[:EDGE]`, `dejavu-attn:KEEP[:EDGE]` (needs a predictors file): query-head
 //!   selection keeping the fraction KEEP of each layer's heads (see [`HeadRule`]);
 //! - `head:RANK:CANDIDATES`: the contextual output head (needs a predictors file): a rank-RANK
@@ -142,6 +144,19 @@ impl Policy {
                 Ok((keep, inner))
             };
             match kind {
+                "relu-exact" => {
+                    if mlp_set || !args.is_empty() {
+                        return Err(bad("one MLP rule, and `relu-exact` takes no arguments".into()));
+                    }
+                    if cfg.mlp.activation() != dejavu_backend_api::Activation::Relu {
+                        return Err(bad(format!(
+                            "`relu-exact` needs a ReLU MLP; this model's is {}",
+                            cfg.mlp.name()
+                        )));
+                    }
+                    mlp_set = true;
+                    pol.mlp.iter_mut().for_each(|r| *r = MlpRule::ReluExact);
+                }
                 "oracle" | "gate-first" | "up-first" | "dejavu" => {
                     if matches!(kind, "gate-first" | "up-first") && !cfg.mlp.gated() {
                         return Err(bad(format!(
