@@ -240,7 +240,13 @@ impl Model {
                 b_down: bias(c.mlp_bias, LayerTensor::FfnDownBias, d)?,
             });
         }
-        let fingerprint = fingerprint(&files);
+        // A checkpoint's config is part of what the model computes (GGUF metadata is in the
+        // file's first MiB).
+        let config_text = match &source {
+            Source::Hf(c) => c.config.as_bytes(),
+            Source::Gguf(_) => &[],
+        };
+        let fingerprint = fingerprint(&files, config_text);
         Ok(Self {
             path: path.to_path_buf(),
             source,
@@ -316,7 +322,7 @@ impl Model {
     }
 
     /// A content fingerprint of the weights (file sizes, the first MiB of each file and 256
-    /// samples spread over it): what caches derived from the model (the sparse layout, the
+    /// samples spread over it, and a checkpoint's `config.json`): what caches derived from the model (the sparse layout, the
     /// predictors file) are keyed on, so a same-size model with other weights is not mistaken
     /// for this one.
     pub fn fingerprint(&self) -> &str {
@@ -337,14 +343,15 @@ impl Model {
     }
 }
 
-/// FNV-1a over file sizes, heads and samples (see [`Model::fingerprint`]).
-fn fingerprint(files: &[&[u8]]) -> String {
+/// FNV-1a over `extra`, file sizes, heads and samples (see [`Model::fingerprint`]).
+fn fingerprint(files: &[&[u8]], extra: &[u8]) -> String {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     let mut eat = |bytes: &[u8]| {
         for &b in bytes {
             h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
         }
     };
+    eat(extra);
     for f in files {
         eat(&(f.len() as u64).to_le_bytes());
         eat(&f[..f.len().min(1 << 20)]);
