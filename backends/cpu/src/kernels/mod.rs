@@ -26,7 +26,6 @@ macro_rules! select_q8a_kernel {
 
 pub mod axpy;
 pub mod axpy_q;
-pub mod axpy_rows_f16;
 pub mod dequantize;
 pub mod dot_float;
 pub mod dot_q4_0;
@@ -36,10 +35,40 @@ pub mod dot_q5_0;
 pub mod dot_q6k;
 pub mod dot_q8_0;
 pub mod dot_rows;
-pub mod dot_rows_f16;
 pub mod quantize_act;
 pub mod table;
 #[cfg(test)]
 pub(crate) mod testutil;
 #[cfg(target_arch = "x86_64")]
 mod x86;
+
+/// An element of the rows that `dot_rows` and `axpy` read: f32, or f16 (an f16 KV cache),
+/// widened to f32 exactly.
+pub trait RowElem: Copy + Send + Sync + 'static {
+    fn widen(self) -> f32;
+    /// `s[..8]` as eight f32 lanes.
+    fn load8(s: &[Self]) -> wide::f32x8;
+}
+
+impl RowElem for f32 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn load8(s: &[Self]) -> wide::f32x8 {
+        wide::f32x8::from(&s[..8])
+    }
+}
+
+impl RowElem for half::f16 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+    #[inline(always)]
+    fn load8(s: &[Self]) -> wide::f32x8 {
+        let s = &s[..8];
+        wide::f32x8::from(std::array::from_fn::<f32, 8, _>(|i| s[i].to_f32()))
+    }
+}

@@ -1,7 +1,7 @@
 //! The kernel table: one function per (operation, weight type) for one ISA tier, built once.
 use super::{
-    axpy, axpy_q, axpy_rows_f16, dequantize, dot_float, dot_q4_0, dot_q4_1, dot_q4k, dot_q5_0,
-    dot_q6k, dot_q8_0, dot_rows, dot_rows_f16, quantize_act,
+    axpy, axpy_q, dequantize, dot_float, dot_q4_0, dot_q4_1, dot_q4k, dot_q5_0, dot_q6k, dot_q8_0,
+    dot_rows, quantize_act,
 };
 use crate::isa::{self, Isa, IsaError};
 use dejavu_backend_api::quant::{BlockQ8A, QuantType};
@@ -29,8 +29,8 @@ pub struct Kernels {
     pub dot_rows: dot_rows::DotRowsFn,
     pub axpy_rows: axpy::AxpyRowsFn,
     /// The same two over f16 rows (an f16 KV cache).
-    pub dot_rows_f16: dot_rows_f16::DotRowsF16Fn,
-    pub axpy_rows_f16: axpy_rows_f16::AxpyRowsF16Fn,
+    pub dot_rows_f16: dot_rows::DotRowsFn<half::f16>,
+    pub axpy_rows_f16: axpy::AxpyRowsFn<half::f16>,
     /// Weighted sum of a few quantized rows (the sparse down projection).
     pub axpy_q: axpy_q::AxpyQFn,
     /// Row dots per weight type: `dots` prefetch ahead of the row they read (dense products),
@@ -64,8 +64,8 @@ impl Kernels {
             dequantize: dequantize::select(isa),
             dot_rows: dot_rows::select(isa),
             axpy_rows: axpy::select(isa),
-            dot_rows_f16: dot_rows_f16::select(isa),
-            axpy_rows_f16: axpy_rows_f16::select(isa),
+            dot_rows_f16: dot_rows::select_f16(isa),
+            axpy_rows_f16: axpy::select_f16(isa),
             axpy_q: axpy_q::select(isa),
             dots: dots_with(true),
             sparse_dots: dots_with(false),
@@ -95,8 +95,8 @@ impl Kernels {
             dequantize: crate::dequant::dequantize_row,
             dot_rows: dot_rows::scalar,
             axpy_rows: axpy::scalar,
-            dot_rows_f16: dot_rows_f16::scalar,
-            axpy_rows_f16: axpy_rows_f16::scalar,
+            dot_rows_f16: dot_rows::scalar,
+            axpy_rows_f16: axpy::scalar,
             axpy_q: axpy_q::scalar,
             dots,
             sparse_dots: dots,
