@@ -13,8 +13,8 @@ use crate::engine::names::*;
 use crate::engine::weights::{Model, Source};
 use crate::{Error, Result};
 use dejavu_formats::gguf::GgufHeader;
+use dejavu_formats::hf::HfCheckpoint;
 use serde_json::Value;
-use std::path::Path;
 use tokenizers::models::bpe::BPE;
 use tokenizers::normalizers::unicode::NFC;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
@@ -51,23 +51,25 @@ impl Tokenizer {
     pub fn from_model(model: &Model) -> Result<Self> {
         match &model.source {
             Source::Gguf(f) => Self::from_gguf(&f.header),
-            Source::Hf(c) => Self::from_hf(&c.dir, &c.config),
+            Source::Hf(c) => Self::from_hf(c),
         }
     }
 
-    /// A Hugging Face directory's tokenizer (see the module docs); `config` is `config.json`.
-    pub fn from_hf(dir: &Path, config: &str) -> Result<Self> {
+    /// A Hugging Face checkpoint's tokenizer (see the module docs).
+    pub fn from_hf(ckpt: &HfCheckpoint) -> Result<Self> {
+        let dir = ckpt.dir.as_path();
+        // An optional JSON file of the directory (`Null` when absent).
         let json = |name: &str| -> Result<Value> {
-            match std::fs::read_to_string(dir.join(name)) {
-                Ok(t) => {
+            match ckpt.optional_text(name)? {
+                Some(t) => {
                     serde_json::from_str(&t).map_err(|e| Error::Tokenizer(format!("{name}: {e}")))
                 }
-                Err(_) => Ok(Value::Null),
+                None => Ok(Value::Null),
             }
         };
         let tcfg = json("tokenizer_config.json")?;
         let gen = json("generation_config.json")?;
-        let model_cfg: Value = serde_json::from_str(config).unwrap_or(Value::Null);
+        let model_cfg: Value = serde_json::from_str(&ckpt.config).unwrap_or(Value::Null);
         let tok_err = |e: Box<dyn std::error::Error + Send + Sync>| Error::Tokenizer(e.to_string());
         let token_str = |key: &str| -> Option<String> {
             match tcfg.get(key)? {
@@ -75,7 +77,8 @@ impl Tokenizer {
                 v => v.get("content")?.as_str().map(String::from),
             }
         };
-        let mut inner = if dir.join("tokenizer.json").is_file() {
+        let has_tokenizer_json = dir.join("tokenizer.json").is_file();
+        let mut inner = if has_tokenizer_json {
             tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).map_err(tok_err)?
         } else if dir.join("vocab.json").is_file() && dir.join("merges.txt").is_file() {
             let (v, m) = (dir.join("vocab.json"), dir.join("merges.txt"));
@@ -107,7 +110,6 @@ impl Tokenizer {
             .or_else(|| int(&gen, "eos_token_id"))
             .or_else(|| int(&model_cfg, "eos_token_id"));
         // GPT-2 files have no post-processor: `add_bos_token` asks for the BOS.
-        let has_tokenizer_json = dir.join("tokenizer.json").is_file();
         let wants_bos = tcfg.get("add_bos_token").and_then(Value::as_bool) == Some(true);
         if !has_tokenizer_json && wants_bos {
             prepend_bos(&mut inner, bos)?;
@@ -129,7 +131,7 @@ impl Tokenizer {
                 .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
                 .or(named.first())
                 .and_then(|t| t.get("template")?.as_str().map(String::from)),
-            _ => std::fs::read_to_string(dir.join("chat_template.jinja")).ok(),
+            _ => ckpt.optional_text("chat_template.jinja")?,
         };
         let n = inner.get_vocab_size(true);
         let tokens = (0..n as u32)
