@@ -88,6 +88,22 @@ pub struct LayerWeights {
     pub b_down: Option<Vec<f32>>,
 }
 
+impl LayerWeights {
+    /// The block's matrices (each read once by a dense step).
+    pub fn matrices(&self) -> impl Iterator<Item = &WeightRef> {
+        [
+            &self.wq,
+            &self.wk,
+            &self.wv,
+            &self.wo,
+            &self.w_up,
+            &self.w_down,
+        ]
+        .into_iter()
+        .chain(&self.w_gate)
+    }
+}
+
 /// Where the weights live.
 pub enum Source {
     Gguf(GgufFile),
@@ -283,42 +299,25 @@ impl Model {
     /// Every matrix the executor reads (embedding and output included), for capability checks.
     pub fn matrices(&self) -> Vec<&WeightRef> {
         let mut v = vec![&self.token_embd, &self.output];
-        v.extend(
-            self.pos_embd
-                .iter()
-                .chain(&self.proj_in)
-                .chain(&self.proj_out),
-        );
-        for l in &self.layers {
-            v.extend([&l.wq, &l.wk, &l.wv, &l.wo, &l.w_up, &l.w_down]);
-            v.extend(&l.w_gate);
-        }
+        v.extend(self.pos_embd.iter().chain(self.projections()));
+        v.extend(self.layers.iter().flat_map(LayerWeights::matrices));
         v
+    }
+
+    fn projections(&self) -> impl Iterator<Item = &WeightRef> {
+        self.proj_in.iter().chain(&self.proj_out)
     }
 
     /// Bytes of weights one dense decode step reads (every matrix once, plus one embedding row
     /// and one position row).
     pub fn dense_bytes_per_token(&self) -> usize {
-        let layers: usize = (self.layers.iter())
-            .flat_map(|l| {
-                [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_up, &l.w_down]
-                    .into_iter()
-                    .chain(&l.w_gate)
-            })
-            .map(|w| w.n_bytes)
-            .sum();
         let row = |w: &WeightRef| w.qtype.row_bytes(w.cols);
-        let proj: usize = self
-            .proj_in
-            .iter()
-            .chain(&self.proj_out)
+        let whole: usize = (self.layers.iter().flat_map(LayerWeights::matrices))
+            .chain(self.projections())
+            .chain([&self.output])
             .map(|w| w.n_bytes)
             .sum();
-        layers
-            + proj
-            + self.output.n_bytes
-            + row(&self.token_embd)
-            + self.pos_embd.as_ref().map_or(0, row)
+        whole + row(&self.token_embd) + self.pos_embd.as_ref().map_or(0, row)
     }
 
     /// A content fingerprint of the weights (file sizes, the first MiB of each file and 256
