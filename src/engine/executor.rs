@@ -543,20 +543,19 @@ impl<'m> Executor<'m> {
             }
             (MlpRule::ReluExact, _) => {
                 // The first projection in full: its ReLU says which neurons are nonzero.
-                let nonzero = |a: &[f32], idx: &mut Vec<u32>| {
-                    idx.clear();
-                    idx.extend((0..a.len() as u32).filter(|&i| a[i as usize] > 0.0));
-                    IndexSet::new(a.len(), idx.clone()).expect("distinct indices below n_ff")
+                let nonzero = |a: &[f32]| {
+                    let on = (0..a.len() as u32).filter(|&i| a[i as usize] > 0.0).collect();
+                    IndexSet::new(a.len(), on).expect("increasing indices below n_ff")
                 };
                 match &lw.w_gate {
                     None => {
                         let a = self.mlp_first(l, &full, h, &mut *gate, &mut *up, st);
-                        let set = nonzero(a, idx);
+                        let set = nonzero(a);
                         (Some(set), up)
                     }
                     Some(wg) => {
                         st.weight_bytes += self.matmul(wg, &full, h, gate);
-                        let set = nonzero(gate, idx);
+                        let set = nonzero(gate);
                         st.weight_bytes += self.matmul(&lw.w_up, &set, h, up);
                         b.glu(act, gate, up);
                         (Some(set), gate)
