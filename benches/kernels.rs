@@ -82,5 +82,57 @@ fn prefill(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, matvec, prefill);
+/// The sparse MLP's kernels at opt-6.7b's shape (fc1 and the neuron-major fc2: 16384 rows of
+/// 4096) in Q8_0 and f16, over every row and over 50%, 10% and 5% of them (a seeded random set), next
+/// to the dense matvec: bytes read per second should stay near the dense figure as density falls.
+fn sparse(c: &mut Criterion) {
+    let pool = SpinPool::new(std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let k = Kernels::for_isa(Isa::detect()).unwrap();
+    let (rows, cols) = (16384, 4096);
+    for qtype in [QuantType::Q8_0, QuantType::F16] {
+        let data = synthetic(qtype, rows, cols);
+        let w = Weight::new(qtype, rows, cols, &data).unwrap();
+        let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.37).sin()).collect();
+        let a: Vec<f32> = (0..rows).map(|i| (i as f32 * 0.11).cos()).collect();
+        let mut y = vec![0f32; rows];
+        let mut out = vec![0f32; cols];
+        let mut g = c.benchmark_group(format!("sparse_{rows}x{cols}_{}", qtype.name()));
+        g.sample_size(20);
+        // Predictor-shaped: a low-rank map's second factor (16384 rows of 256).
+        let (pr, pc) = (rows, 256);
+        let pdata = synthetic(qtype, pr, pc);
+        let pw = Weight::new(qtype, pr, pc, &pdata).unwrap();
+        g.throughput(Throughput::Bytes(pdata.len() as u64));
+        g.bench_function("predictor_w2_matvec", |b| {
+            b.iter(|| matmul(&k, &pool, &pw, &IndexSet::full(pr), &x[..pc], &mut y))
+        });
+        for density in [1.0, 0.5, 0.1, 0.05] {
+            let mut state = 12345u64;
+            let mut keep = |_: &u32| {
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((state >> 33) as f64 / (1u64 << 31) as f64) < density
+            };
+            let set = match density {
+                1.0 => IndexSet::full(rows),
+                _ => IndexSet::new(rows, (0..rows as u32).filter(|i| keep(i)).collect()).unwrap(),
+            };
+            g.throughput(Throughput::Bytes(
+                (set.len() * qtype.row_bytes(cols)) as u64,
+            ));
+            g.bench_function(BenchmarkId::new("gather_matvec", density), |b| {
+                b.iter(|| matmul(&k, &pool, &w, &set, &x, &mut y))
+            });
+            g.bench_function(BenchmarkId::new("axpy_rows", density), |b| {
+                b.iter(|| {
+                    dejavu_backend_cpu::axpy_matmul::axpy_matmul(&k, &pool, &w, &set, &a, &mut out)
+                })
+            });
+        }
+        g.finish();
+    }
+}
+
+criterion_group!(benches, matvec, prefill, sparse);
 criterion_main!(benches);

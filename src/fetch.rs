@@ -50,6 +50,7 @@ pub fn resolve_model(arg: Option<&str>) -> Result<PathBuf> {
         Some(name) if KNOWN_MODELS.contains(&name) && !std::path::Path::new(name).exists() => {
             fetch(name)
         }
+        Some(p) if p.starts_with(crate::engine::synthetic::PREFIX) => Ok(PathBuf::from(p)),
         Some(p) => {
             let path = PathBuf::from(p);
             if path.exists() {

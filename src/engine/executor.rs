@@ -25,12 +25,12 @@
 //! projection over zeroed activations: the same result, no bytes saved). Likewise a sparse head
 //! set reads the head-major W_o. Learned predictors run through [`crate::sparsity::lookahead`].
 use crate::engine::config::{ModelConfig, NormKind, Positions};
-use crate::engine::kv_cache::{buf, Capture, KvCache, KvStore, Scratch, StepStats};
+use crate::engine::kv_cache::{buf, BlockCost, Capture, KvCache, KvStore, Scratch, StepStats};
 use crate::engine::weights::{Model, NormWeights, WeightRef};
 use crate::sparsity::layout::SparseLayout;
 use crate::sparsity::lookahead::Predictions;
 use crate::sparsity::policy::Policy;
-use crate::sparsity::{head_rows, top_k, HeadRule, LayerPlan, MlpRule, SparsePlan};
+use crate::sparsity::{head_rows, top_k, HeadRule, KvRule, LayerPlan, MlpRule, SparsePlan};
 use crate::{Error, Result};
 use dejavu_backend_api::{AttnShape, Backend, IndexSet, MatmulJob, Weight};
 
@@ -195,8 +195,12 @@ impl<'m> Executor<'m> {
         std::thread::scope(|s| -> Result<()> {
             let mut pred = Predictions::new(s, step.policy, self.backend, self.spare, c.n_layers);
             for l in 0..c.n_layers {
+                let t = Timer::start(&st);
                 self.attention_block(l, &step, &mut pred, kv, capture, sc, &mut st)?;
+                t.stop(&mut st, |s| &mut s.attention);
+                let t = Timer::start(&st);
                 self.mlp_block(l, &step, &mut pred, capture, sc, &mut st)?;
+                t.stop(&mut st, |s| &mut s.mlp);
             }
             st.weight_bytes += pred.bytes;
             st.predict_ns = pred.busy.as_nanos() as u64;
@@ -204,7 +208,9 @@ impl<'m> Executor<'m> {
             Ok(())
         })?;
         cache.len = pos0 + n;
+        let t = Timer::start(&st);
         let out = self.output_head(&step, first, last, want, &mut cache.scratch, &mut st)?;
+        t.stop(&mut st, |s| &mut s.output);
         cache.last = st;
         Ok(out)
     }
@@ -291,8 +297,8 @@ impl<'m> Executor<'m> {
         Ok(bytes)
     }
 
-    /// Layer `l`'s attention: Q over the selected heads' rows, K and V in full (the cache stays
-    /// complete), attention over the selected heads, W_o, the residual add.
+    /// Layer `l`'s attention: Q over the selected heads' rows, K and V in full (or, under lazy
+    /// K/V, for the selected heads), attention over the selected heads, W_o, the residual add.
     #[allow(clippy::too_many_arguments)]
     fn attention_block(
         &self,
@@ -325,24 +331,50 @@ impl<'m> Executor<'m> {
         let heads = predicted.as_ref().unwrap_or(&lp.heads);
         let q_rows = q_set.as_ref().unwrap_or(lp.q_rows());
         let (q, att) = (buf(&mut sc.q, n * qd), buf(&mut sc.att, n * qd));
+        // Keys and values: every KV head, or under lazy K/V (single-token steps with every
+        // input kept) the selected heads only; heads that missed positions since they were last
+        // computed get those too (see `KvStore`), in one product per first missing position.
+        kv.clamp(l, step.pos0);
+        // Batches (prefill) under a lazy policy keep their inputs too, for the steps after them.
+        let lazy = matches!(step.plan, Plan::Policy(p) if p.kv == KvRule::Lazy);
+        let kept = lazy && kv.keep_inputs(l, step.pos0, h);
+        let kv_heads = match kept && n == 1 && !matches!(rule, HeadRule::Norm { .. }) {
+            true => heads.clone(),
+            false => IndexSet::full(c.n_kv_heads),
+        };
+        let mut groups: std::collections::BTreeMap<usize, Vec<u32>> = Default::default();
+        for hh in kv_heads.iter() {
+            let from = kv.valid[l][hh].min(step.pos0);
+            groups.entry(from).or_default().push(hh as u32);
+        }
+        let current = groups.remove(&step.pos0).unwrap_or_default();
+        let cur_set = IndexSet::new(c.n_kv_heads, current).expect("sorted distinct heads");
+        let cur_rows = head_rows(&cur_set, hd);
         let (k, v) = (buf(&mut sc.k, n * kvd), buf(&mut sc.v, n * kvd));
-        let full_kv = IndexSet::full(kvd);
-        st.weight_bytes += self.jobs(
-            h,
-            &mut [
-                self.job(&lw.wq, q_rows, q),
-                self.job(&lw.wk, &full_kv, k),
-                self.job(&lw.wv, &full_kv, v),
-            ],
-        );
+        let mut jobs = vec![self.job(&lw.wq, q_rows, q)];
+        if !cur_set.is_empty() {
+            jobs.push(self.job(&lw.wk, &cur_rows, k));
+            jobs.push(self.job(&lw.wv, &cur_rows, v));
+        }
+        st.weight_bytes += self.jobs(h, &mut jobs);
+        drop(jobs);
         add_bias(q, lw.bq.as_deref(), Some(q_rows));
-        add_bias(k, lw.bk.as_deref(), None);
-        add_bias(v, lw.bv.as_deref(), None);
+        add_bias(k, lw.bk.as_deref(), Some(&cur_rows));
+        add_bias(v, lw.bv.as_deref(), Some(&cur_rows));
         if let Some((theta, style)) = c.rope() {
             b.rope(q, c.n_heads, hd, step.pos0, theta, style);
             b.rope(k, c.n_kv_heads, hd, step.pos0, theta, style);
         }
-        let (k_all, v_all) = kv.append(l, step.pos0, k, v);
+        match cur_set.is_full() {
+            true => drop(kv.append(l, step.pos0, k, v)),
+            false => kv.write_heads(l, step.pos0, &cur_set, hd, k, v),
+        }
+        for (from, hs) in groups {
+            let set = IndexSet::new(c.n_kv_heads, hs).expect("sorted distinct heads");
+            let gap = [&mut sc.gap_x, &mut sc.gap_k, &mut sc.gap_v];
+            st.weight_bytes += self.recompute_kv(l, from, step, &set, h, kv, gap);
+        }
+        let (k_all, v_all) = kv.view(l, step.pos0 + n);
         let shape = AttnShape {
             n_heads: c.n_heads,
             n_kv_heads: c.n_kv_heads,
@@ -384,6 +416,41 @@ impl<'m> Executor<'m> {
         add_bias(o, lw.bo.as_deref(), None);
         self.residual(&lw.attn_norm, x, o, h);
         Ok(())
+    }
+
+    /// Lazy K/V: keys and values of `heads` of layer `l` for positions `from..pos0 + n` (the
+    /// kept inputs of `from..pos0`, then this step's `h`), stored in the cache; returns the bytes
+    /// read (each head's rows once, whatever the number of positions).
+    #[allow(clippy::too_many_arguments)]
+    fn recompute_kv(
+        &self,
+        l: usize,
+        from: usize,
+        step: &Step,
+        heads: &IndexSet,
+        h: &[f32],
+        kv: &mut KvStore,
+        [gx, gk, gv]: [&mut Vec<f32>; 3],
+    ) -> usize {
+        let (c, b, lw) = (self.config(), self.backend, &self.model.layers[l]);
+        let (d, hd, kvd) = (c.d_model, c.head_dim, c.kv_dim());
+        let m = step.pos0 + step.n - from;
+        let x = buf(gx, m * d);
+        kv.inputs(l, from, step.pos0, &mut x[..(step.pos0 - from) * d]);
+        x[(step.pos0 - from) * d..].copy_from_slice(h);
+        let rows = head_rows(heads, hd);
+        let (k, v) = (buf(gk, m * kvd), buf(gv, m * kvd));
+        let bytes = self.jobs(
+            x,
+            &mut [self.job(&lw.wk, &rows, k), self.job(&lw.wv, &rows, v)],
+        );
+        add_bias(k, lw.bk.as_deref(), Some(&rows));
+        add_bias(v, lw.bv.as_deref(), Some(&rows));
+        if let Some((theta, style)) = c.rope() {
+            b.rope(k, c.n_kv_heads, hd, from, theta, style);
+        }
+        kv.write_heads(l, from, heads, hd, k, v);
+        bytes
     }
 
     /// A block's input `h`: `norm(x)` (pre-norm models) or `x` itself (post-norm: the previous
@@ -544,7 +611,9 @@ impl<'m> Executor<'m> {
             (MlpRule::ReluExact, _) => {
                 // The first projection in full: its ReLU says which neurons are nonzero.
                 let nonzero = |a: &[f32]| {
-                    let on = (0..a.len() as u32).filter(|&i| a[i as usize] > 0.0).collect();
+                    let on = (0..a.len() as u32)
+                        .filter(|&i| a[i as usize] > 0.0)
+                        .collect();
                     IndexSet::new(a.len(), on).expect("increasing indices below n_ff")
                 };
                 match &lw.w_gate {
@@ -630,6 +699,27 @@ impl<'m> Executor<'m> {
             }
         }
         Ok(logits)
+    }
+}
+
+/// Measures one block: its wall time and the weight bytes it added to the step's count.
+struct Timer {
+    at: std::time::Instant,
+    bytes: usize,
+}
+
+impl Timer {
+    fn start(st: &StepStats) -> Self {
+        Self {
+            at: std::time::Instant::now(),
+            bytes: st.weight_bytes,
+        }
+    }
+    fn stop(self, st: &mut StepStats, block: impl Fn(&mut StepStats) -> &mut BlockCost) {
+        let bytes = st.weight_bytes - self.bytes;
+        let b = block(st);
+        b.ns += self.at.elapsed().as_nanos() as u64;
+        b.bytes += bytes;
     }
 }
 

@@ -6,10 +6,12 @@ pub mod config;
 pub mod executor;
 pub mod kv_cache;
 pub mod names;
+pub mod synthetic;
 pub mod weights;
 
 use crate::engine::executor::Executor;
 use crate::engine::kv_cache::{KvCache, KvType};
+use crate::engine::synthetic::SyntheticOptions;
 use crate::engine::weights::Model;
 use crate::sparsity::layout::SparseLayout;
 use crate::sparsity::policy::Policy;
@@ -31,6 +33,8 @@ pub struct EngineOptions {
     pub n_ctx: Option<usize>,
     /// Element type of the KV cache (default f32).
     pub kv_type: KvType,
+    /// How a `synthetic:NAME` model is built (ignored for real models).
+    pub synthetic: SyntheticOptions,
 }
 
 /// Hand freed heap pages back to the OS (glibc keeps them otherwise; elsewhere a no-op).
@@ -62,8 +66,13 @@ pub struct Engine {
 }
 
 impl Engine {
+    /// A GGUF file, a Hugging Face checkpoint directory, or `synthetic:NAME`.
     pub fn load(path: impl AsRef<Path>, opts: &EngineOptions) -> Result<Self> {
-        let mut model = Model::load(path)?;
+        let path = path.as_ref();
+        let mut model = match path.to_str().and_then(synthetic::parse) {
+            Some(shape) => Model::synthetic(shape?, opts.synthetic)?,
+            None => Model::load(path)?,
+        };
         let tokenizer = Tokenizer::from_model(&model)?;
         // The tokenizer has its own vocabulary now: free the header's copy (and the builder's
         // transient allocations) so they do not stay resident during generation.
@@ -130,12 +139,21 @@ impl Engine {
         Ok(self.layout.get_or_init(|| l))
     }
 
+    /// The sparse layout, if a policy has loaded it.
+    pub fn loaded_layout(&self) -> Option<&SparseLayout> {
+        self.layout.get()
+    }
+
     /// Load predictors: `path` if given, else the calibration output next to the model if there
     /// is one (`Ok(None)` when there is none).
+    /// A synthetic model's are generated (see [`synthetic`]).
     pub fn predictors(&self, path: Option<&Path>) -> Result<Option<Predictors>> {
         let default = Predictors::default_path(&self.model);
         match path {
             Some(p) => Predictors::load(p, &self.model).map(Some),
+            None if self.model.synthetic_source().is_some() => {
+                Predictors::synthetic(&self.model).map(Some)
+            }
             None if default.exists() => Predictors::load(&default, &self.model).map(Some),
             None => Ok(None),
         }
@@ -161,6 +179,27 @@ impl Engine {
     /// The CPU kernel tier in use (`scalar`, `portable`, `avx2`, `avx512`).
     pub fn isa(&self) -> &'static str {
         self.backend.isa().name()
+    }
+
+    /// An error for work that needs real weights (`what`: e.g. "perplexity") on a synthetic model.
+    pub fn require_real_weights(&self, what: &str) -> Result<()> {
+        match self.model.synthetic_source() {
+            Some(s) => Err(Error::Invalid(format!(
+                "{what} needs real weights; {} is for speed measurements only",
+                s.label()
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Run on `n` worker threads from now on (a new pool; the model stays loaded).
+    pub fn set_threads(&mut self, n: usize) -> Result<()> {
+        if n == 0 {
+            return Err(Error::Invalid("--threads must be at least 1".into()));
+        }
+        self.backend = CpuBackend::new(n)?;
+        self.threads = n;
+        Ok(())
     }
 
     pub fn threads(&self) -> usize {

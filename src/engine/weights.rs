@@ -10,6 +10,7 @@
 use crate::engine::arch;
 use crate::engine::config::{ModelConfig, NormKind, Positions};
 use crate::engine::names::{GlobalTensor, LayerTensor};
+use crate::engine::synthetic::{self, Shape, Synthetic, SyntheticOptions};
 use crate::{Error, Result};
 use dejavu_backend_api::{QuantType, Weight};
 use dejavu_formats::gguf::GgufHeader;
@@ -108,6 +109,8 @@ impl LayerWeights {
 pub enum Source {
     Gguf(GgufFile),
     Hf(HfCheckpoint),
+    /// Random weights built in memory, one buffer per tensor (see `engine::synthetic`).
+    Synthetic(Synthetic),
 }
 
 impl Source {
@@ -115,12 +118,14 @@ impl Source {
         match self {
             Source::Gguf(f) => f.bytes(),
             Source::Hf(c) => c.shards[file].bytes(),
+            Source::Synthetic(s) => &s.buffers[file],
         }
     }
     fn files(&self) -> Vec<&[u8]> {
         match self {
             Source::Gguf(f) => vec![f.bytes()],
             Source::Hf(c) => c.shards.iter().map(|s| s.bytes()).collect(),
+            Source::Synthetic(s) => s.buffers.iter().map(|b| &b[..]).collect(),
         }
     }
 }
@@ -182,6 +187,36 @@ impl Model {
             .map(|t| (t.name.clone(), Entry::gguf(t, 0)))
             .collect();
         Self::build(path, Source::Gguf(file), config, &table)
+    }
+
+    /// A synthetic model (`synthetic:NAME`, see `engine::synthetic`), built in memory.
+    pub fn synthetic(shape: &'static Shape, options: SyntheticOptions) -> Result<Self> {
+        let (config, specs, synth) = synthetic::build(shape, options)?;
+        let table = specs
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.name.clone(), Entry::memory(i, t)))
+            .collect();
+        let path = PathBuf::from(format!("{}{}", synthetic::PREFIX, shape.name));
+        Self::build(&path, Source::Synthetic(synth), config, &table)
+    }
+
+    /// The synthetic model's weights, if it is one.
+    pub fn synthetic_source(&self) -> Option<&Synthetic> {
+        match &self.source {
+            Source::Synthetic(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    /// How outputs name the model: the file name, or a synthetic model's label.
+    pub fn label(&self) -> String {
+        match &self.source {
+            Source::Synthetic(s) => s.label(),
+            _ => {
+                (self.path.file_name()).map_or("model".into(), |f| f.to_string_lossy().into_owned())
+            }
+        }
     }
 
     fn build(path: &Path, source: Source, config: ModelConfig, table: &Tensors) -> Result<Self> {
@@ -259,10 +294,11 @@ impl Model {
         // A checkpoint's config is part of what the model computes (GGUF metadata is in the
         // file's first MiB).
         let config_text = match &source {
-            Source::Hf(c) => c.config.as_bytes(),
-            Source::Gguf(_) => &[],
+            Source::Hf(c) => c.config.clone().into_bytes(),
+            Source::Gguf(_) => Vec::new(),
+            Source::Synthetic(s) => format!("{} seed {}", s.label(), s.options.seed).into_bytes(),
         };
-        let fingerprint = fingerprint(&files, config_text);
+        let fingerprint = fingerprint(&files, &config_text);
         Ok(Self {
             path: path.to_path_buf(),
             source,
@@ -292,7 +328,7 @@ impl Model {
     pub fn gguf_header(&self) -> Option<&GgufHeader> {
         match &self.source {
             Source::Gguf(f) => Some(&f.header),
-            Source::Hf(_) => None,
+            Source::Hf(_) | Source::Synthetic(_) => None,
         }
     }
 
@@ -329,10 +365,14 @@ impl Model {
     }
 
     /// Where a file derived from the model is cached: beside a GGUF (`model.gguf.<suffix>`), or
-    /// inside a checkpoint directory (`dejavu.<suffix>`).
+    /// inside a checkpoint directory (`dejavu.<suffix>`); for a synthetic model, in the temporary
+    /// directory (nothing is cached for one: its layout and predictors are generated).
     pub fn derived_path(&self, suffix: &str) -> PathBuf {
         match &self.source {
             Source::Hf(_) => self.path.join(format!("dejavu.{suffix}")),
+            Source::Synthetic(s) => {
+                std::env::temp_dir().join(format!("dejavu-synthetic-{}.{suffix}", s.shape.name))
+            }
             Source::Gguf(_) => {
                 let mut name = self.path.file_name().unwrap_or_default().to_os_string();
                 name.push(format!(".{suffix}"));
@@ -414,6 +454,22 @@ impl Entry {
             dims: t.dims.clone(),
             start: t.start,
             n_bytes: t.n_bytes,
+            source_name: t.name.clone(),
+        }
+    }
+
+    /// Tensor `file` of a synthetic model (its own buffer).
+    fn memory(file: usize, t: &synthetic::TensorSpec) -> Self {
+        let [rows, cols] = t.shape;
+        Self {
+            file,
+            qtype: Ok(t.qtype),
+            dims: match rows {
+                1 => vec![cols as u64],
+                _ => vec![cols as u64, rows as u64],
+            },
+            start: 0,
+            n_bytes: rows * t.qtype.row_bytes(cols),
             source_name: t.name.clone(),
         }
     }

@@ -49,13 +49,33 @@ pub struct BenchResult {
     /// thread by lookahead (`None`: no learned predictors).
     pub predict_ms: Option<f64>,
     pub predict_hidden: Option<f64>,
+    pub blocks: Blocks,
     pub samples: Vec<f64>,
     /// Decode tests: resident memory at the end of the last repetition.
     pub memory: Option<Memory>,
 }
 
+/// Where a step's time goes: per block kind, the mean ms and weight MB per step (summed over
+/// layers) and the GB/s that achieves. Attention and MLP include any wait for their predictions;
+/// `predictors` is the predictors' own time (on the lookahead thread when it runs; overlapped)
+/// and bytes (plus the step's embedding rows).
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Blocks {
+    pub attention: BlockTime,
+    pub mlp: BlockTime,
+    pub output: BlockTime,
+    pub predictors: BlockTime,
+}
+
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct BlockTime {
+    pub ms: f64,
+    pub mb: f64,
+    pub gb_per_s: f64,
+}
+
 /// Resident memory during decode, split as the CPU-speed issue states its target:
-/// mapped weights + KV cache + other state (`other = rss - weights - kv`).
+/// mapped weights (the sparse layout included once built) + KV cache + other state (`other = rss - weights - kv`).
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct Memory {
     pub rss_mib: f64,
@@ -128,7 +148,10 @@ pub fn time_once(
 
 /// Resident memory now, split as weights + the cache's KV + other state.
 pub fn memory(engine: &Engine, cache: &KvCache) -> Option<Memory> {
-    let r = crate::eval::memstat::resident(&engine.model.mapped_files())?;
+    // Weights: the model's mapping and, once a sparse policy built it, the sparse layout.
+    let mut regions = engine.model.mapped_files();
+    regions.extend(engine.loaded_layout().map(|l| l.bytes()));
+    let r = crate::eval::memstat::resident(&regions)?;
     let mib = |b: u64| b as f64 / (1 << 20) as f64;
     let kv = cache.bytes_in_use() as u64;
     Some(Memory {
@@ -151,6 +174,8 @@ pub struct StepTotals {
     pub exact_logits: f64,
     pub predict_ns: f64,
     pub predict_wait_ns: f64,
+    /// Attention, MLP and output head: summed ns and bytes.
+    pub blocks: [(f64, f64); 3],
 }
 
 impl StepTotals {
@@ -165,6 +190,7 @@ impl StepTotals {
             exact_logits: s.exact_logits as f64,
             predict_ns: s.predict_ns as f64,
             predict_wait_ns: s.predict_wait_ns as f64,
+            blocks: [s.attention, s.mlp, s.output].map(|b| (b.ns as f64, b.bytes as f64)),
         });
     }
     pub fn add_all(&mut self, o: &StepTotals) {
@@ -177,6 +203,36 @@ impl StepTotals {
         self.exact_logits += o.exact_logits;
         self.predict_ns += o.predict_ns;
         self.predict_wait_ns += o.predict_wait_ns;
+        for (a, b) in self.blocks.iter_mut().zip(o.blocks) {
+            a.0 += b.0;
+            a.1 += b.1;
+        }
+    }
+
+    /// Per-step means of each block (see [`Blocks`]).
+    pub fn blocks(&self) -> Blocks {
+        let n = self.n.max(1) as f64;
+        let cost = |(ns, bytes): (f64, f64)| BlockTime {
+            ms: ns / n / 1e6,
+            mb: bytes / n / 1e6,
+            gb_per_s: if ns > 0.0 { bytes / ns } else { 0.0 },
+        };
+        let pred_bytes = self.weight_bytes - self.blocks.iter().map(|b| b.1).sum::<f64>();
+        Blocks {
+            attention: cost(self.blocks[0]),
+            mlp: cost(self.blocks[1]),
+            output: cost(self.blocks[2]),
+            predictors: BlockTime {
+                ms: self.predict_ns / n / 1e6,
+                // Embedding rows are counted here too (a few KB).
+                mb: pred_bytes.max(0.0) / n / 1e6,
+                gb_per_s: if self.predict_ns > 0.0 {
+                    pred_bytes / self.predict_ns
+                } else {
+                    0.0
+                },
+            },
+        }
     }
     pub fn mean_bytes(&self) -> f64 {
         self.weight_bytes / self.n.max(1) as f64
@@ -262,6 +318,23 @@ pub fn markdown(results: &[BenchResult]) -> String {
             r.exact_logits,
             pred,
             mem
+        );
+    }
+    s += "\nPer block, mean per token (ms, weight MB, GB/s; attention and MLP include waits for \
+          predictions):\n\n| threads | sparsity | test | attention | MLP | output head | predictors |\n\
+          |---:|---|---|---:|---:|---:|---:|\n";
+    let cell = |b: &BlockTime| format!("{:.2} ms, {:.1} MB, {:.1} GB/s", b.ms, b.mb, b.gb_per_s);
+    for r in results {
+        let b = &r.blocks;
+        s += &format!(
+            "| {} | {} | {} | {} | {} | {} | {} |\n",
+            r.threads,
+            r.sparsity,
+            r.test,
+            cell(&b.attention),
+            cell(&b.mlp),
+            cell(&b.output),
+            cell(&b.predictors)
         );
     }
     s

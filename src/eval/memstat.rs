@@ -13,17 +13,15 @@ pub struct Resident {
 
 pub fn resident(regions: &[&[u8]]) -> Option<Resident> {
     let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
-    let parts: Vec<Resident> = (regions.iter())
-        .map(|r| parse_smaps(&smaps, r.as_ptr() as u64, r.len() as u64))
+    let spans: Vec<(u64, u64)> = (regions.iter())
+        .map(|r| (r.as_ptr() as u64, r.len() as u64))
         .collect();
-    Some(Resident {
-        total: parts.first().map_or(0, |p| p.total),
-        region: parts.iter().map(|p| p.region).sum(),
-    })
+    Some(parse_smaps(&smaps, &spans))
 }
 
-/// Sum the `Rss:` lines of every mapping, and of those overlapping `[start, start + len)`.
-fn parse_smaps(smaps: &str, start: u64, len: u64) -> Resident {
+/// Sum the `Rss:` lines of every mapping, and of those overlapping any `(start, len)` span (each
+/// mapping once: the kernel may merge neighbouring anonymous mappings into one).
+fn parse_smaps(smaps: &str, spans: &[(u64, u64)]) -> Resident {
     let (mut total, mut in_region) = (0, 0);
     let mut overlaps = false;
     for line in smaps.lines() {
@@ -31,7 +29,7 @@ fn parse_smaps(smaps: &str, start: u64, len: u64) -> Resident {
         let Some(first) = words.next() else { continue };
         if let Some((lo, hi)) = first.split_once('-') {
             if let (Ok(lo), Ok(hi)) = (u64::from_str_radix(lo, 16), u64::from_str_radix(hi, 16)) {
-                overlaps = lo < start + len && start < hi;
+                overlaps = (spans.iter()).any(|&(start, len)| lo < start + len && start < hi);
                 continue;
             }
         }
@@ -65,7 +63,7 @@ Rss:                   2 kB
 ffff-10000 r-xp 00000000 08:01 13 /bin/dejavu
 Rss:                   1 kB
 ";
-        let r = parse_smaps(smaps, 0x1000, 0x2000);
+        let r = parse_smaps(smaps, &[(0x1000, 0x2000)]);
         assert_eq!(
             r,
             Resident {
@@ -73,7 +71,10 @@ Rss:                   1 kB
                 region: 4 * 1024
             }
         );
-        assert_eq!(parse_smaps(smaps, 0x4000, 0x100).region, 0);
+        assert_eq!(parse_smaps(smaps, &[(0x4000, 0x100)]).region, 0);
+        // Two spans inside one mapping count it once.
+        let both = parse_smaps(smaps, &[(0x1000, 0x10), (0x2000, 0x10)]);
+        assert_eq!(both.region, 4 * 1024);
     }
 
     #[cfg(target_os = "linux")]

@@ -76,6 +76,7 @@ pub fn perplexity(
 }
 
 fn check_ctx(engine: &Engine, tokens: &[u32], ctx: usize) -> Result<()> {
+    engine.require_real_weights("perplexity")?;
     if ctx < 4 {
         return Err(Error::Invalid(format!(
             "--ctx {ctx} is too small (at least 4)"

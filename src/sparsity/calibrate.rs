@@ -84,6 +84,7 @@ pub fn calibrate(
     opts: &CalibrateOptions,
     mut log: impl FnMut(&str),
 ) -> Result<(Predictors, Vec<Candidate>)> {
+    engine.require_real_weights("calibration")?;
     let c = &engine.model.config;
     if opts.ctx < 4 {
         return Err(Error::Invalid(format!(

@@ -16,6 +16,7 @@
 //! The result is cached next to the model as `<model file>.sparse-<TYPE>.v2.gguf` (built once, checked
 //! against the source's content fingerprint and the shapes on every load, rebuilt when stale); where that
 //! directory is not writable, it is built in memory for the process.
+use crate::engine::synthetic;
 use crate::engine::weights::{ggml_type, weight_ref, Model, WeightRef};
 use crate::{Error, Result};
 use dejavu_backend_api::{quantize, Backend, QuantType, Weight};
@@ -107,6 +108,11 @@ pub struct SparseLayout {
 }
 
 impl SparseLayout {
+    /// The whole layout in memory (for resident-memory accounting).
+    pub fn bytes(&self) -> &[u8] {
+        &self.storage.0
+    }
+
     /// Layer `l`'s neuron-major down projection.
     pub fn down_t(&self, l: usize) -> Weight<'_> {
         self.tensors[l][0].view(&self.storage.0)
@@ -120,6 +126,14 @@ impl SparseLayout {
 
     /// Load the cached layout of `model`, or build (and cache) it.
     pub fn load_or_build(model: &Model, backend: &dyn Backend) -> Result<Self> {
+        if let Some(synth) = model.synthetic_source() {
+            // Generated as the exact transposes of the random weights; never cached.
+            let bytes = build(model, |l, part| {
+                let (src, shape) = source(model, l, part);
+                synthetic::transposed(synth, &src.name, shape, expected_type(model, l, part))
+            })?;
+            return Self::in_memory(model, &bytes);
+        }
         let path = cache_path(model);
         if let Ok(f) = GgufFile::open(&path) {
             if let Ok(tensors) = check(model, &f) {
@@ -130,7 +144,7 @@ impl SparseLayout {
                 });
             }
         }
-        let bytes = build(model, backend)?;
+        let bytes = build(model, |l, part| transpose(model, backend, l, part))?;
         let tmp = path.with_extension("tmp");
         let written = std::fs::write(&tmp, &bytes).and_then(|_| std::fs::rename(&tmp, &path));
         if written.is_ok() {
@@ -144,7 +158,12 @@ impl SparseLayout {
             }
         }
         let _ = std::fs::remove_file(&tmp);
-        let header = gguf::parse(&bytes)?;
+        Self::in_memory(model, &bytes)
+    }
+
+    /// The layout serialized in `bytes`, for this process only.
+    fn in_memory(model: &Model, bytes: &[u8]) -> Result<Self> {
+        let header = gguf::parse(bytes)?;
         let tensors = (0..model.config.n_layers)
             .map(|l| {
                 let get = |part| {
@@ -156,7 +175,7 @@ impl SparseLayout {
             })
             .collect::<Result<_>>()?;
         Ok(Self {
-            storage: Storage::copy_of(&bytes)?,
+            storage: Storage::copy_of(bytes)?,
             tensors,
             path: None,
         })
@@ -193,8 +212,8 @@ fn check(model: &Model, f: &GgufFile) -> Result<Vec<[WeightRef; 2]>> {
         .collect()
 }
 
-/// Convert every layer (in parallel over layers) and serialize as GGUF.
-fn build(model: &Model, backend: &dyn Backend) -> Result<Vec<u8>> {
+/// Convert every layer (`convert(layer, part)`, in parallel over layers) and serialize as GGUF.
+fn build(model: &Model, convert: impl Fn(usize, Part) -> Vec<u8> + Sync) -> Result<Vec<u8>> {
     let c = &model.config;
     let bar = crate::progress::bar(c.n_layers as u64, "sparse layout (down projection, W_o)");
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -203,12 +222,12 @@ fn build(model: &Model, backend: &dyn Backend) -> Result<Vec<u8>> {
         let handles: Vec<_> = layers
             .chunks(c.n_layers.div_ceil(threads))
             .map(|ls| {
-                let bar = &bar;
+                let (bar, convert) = (&bar, &convert);
                 s.spawn(move || {
                     let mut out = Vec::new();
                     for &l in ls {
                         for part in PARTS {
-                            out.push((l, part, transpose(model, backend, l, part)));
+                            out.push((l, part, convert(l, part)));
                         }
                         bar.inc(1);
                     }

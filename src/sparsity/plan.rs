@@ -128,10 +128,8 @@ impl MlpRule {
 }
 
 /// How one layer's query heads are chosen at a decode step (`keep`: fraction of `n_heads`).
-/// Keys and values are always computed for every KV head (grouped-query attention shares them
-/// between query heads, and later tokens may select any head), so the cache stays complete and
-/// no lazy recomputation is needed; a skipped head skips its rows of W_q, its attention and its
-/// columns of W_o (rows of the head-major W_o of the sparse layout).
+/// A skipped head skips its rows of W_q, its attention and its columns of W_o (rows of the
+/// head-major W_o of the sparse layout); its keys and values follow the policy's [`KvRule`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum HeadRule {
     Dense,
@@ -158,6 +156,20 @@ impl HeadRule {
             }
         }
     }
+}
+
+/// Which keys and values a decode step computes when it skips query heads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvRule {
+    /// Every KV head's, every step (the cache stays complete; needed for grouped-query
+    /// attention, where query heads share KV heads).
+    #[default]
+    All,
+    /// The paper's lazy recompute (multi-head attention only): only the selected heads'; a head
+    /// selected again later first computes the positions it missed, from the layer inputs the
+    /// cache keeps, in the same product (its rows are read once). Saves the skipped heads' W_k
+    /// and W_v rows; costs one kept input row of `d_model` per position and layer.
+    Lazy,
 }
 
 /// `heads` (a set over `n_heads`) expanded to the rows `h * head_dim .. (h + 1) * head_dim`.

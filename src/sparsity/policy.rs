@@ -2,8 +2,8 @@
 //! executor applies at every decode step (the plan itself is built per token from the
 //! activations; see `executor`).
 //!
-//! Grammar: `dense`, `recommended` (the setting stored by `dejavu calibrate`), or parts joined
-//! by `+`:
+//! Grammar: `dense`, `recommended` (the setting stored by `dejavu calibrate`), `paper` (the
+//! paper's plan, [`PAPER`] with layer 0 dense), or parts joined by `+`:
 //! - `oracle:KEEP[:EDGE]`, `gate-first:KEEP[:EDGE]`, `up-first:KEEP[:EDGE]`, `dejavu:KEEP[:EDGE]`
 //!   (the trained low-rank predictors; needs a predictors file): MLP selection keeping the
 //!   fraction KEEP of each layer's neurons; the first and last EDGE layers stay dense;
@@ -14,15 +14,22 @@
 //! - `head:RANK:CANDIDATES`: the contextual output head (needs a predictors file): a rank-RANK
 //!   preview of the output matrix picks CANDIDATES tokens whose logits are computed exactly;
 //! - `lookahead`: run the `dejavu` predictors on a spare thread, overlapped with the layer's
-//!   attention (needs a `dejavu` rule; same plans, so the same output, as without it).
+//!   attention (needs a `dejavu` rule; same plans, so the same output, as without it);
+//! - `lazy-kv` (multi-head attention, with a head rule): compute keys and values for the selected
+//!   heads only, recomputing a head's missed positions when it is selected again
+//!   ([`KvRule::Lazy`]).
 //!
 //! Contextual rules apply to single-token steps (decoding); batches (prompt processing) are dense.
 use crate::engine::config::ModelConfig;
 use crate::sparsity::predictor::{HeadPredictor, MlpPredictor};
 use crate::sparsity::predictors_file::{OutputPreview, Predictors};
-use crate::sparsity::{HeadRule, MlpRule};
+use crate::sparsity::{HeadRule, KvRule, MlpRule};
 use crate::{Error, Result};
 use std::sync::Arc;
+
+/// The Deja Vu paper's plan (`--sparsity paper`): the top 10% of MLP neurons and 50% of heads
+/// by the low-rank predictors, in layers 1..L-1 (layer 0 dense), with lookahead.
+pub const PAPER: &str = "dejavu:0.1+dejavu-attn:0.5+lookahead";
 
 pub struct OutputRule {
     /// Shared with the predictors it came from when the rank is the stored one.
@@ -42,6 +49,8 @@ pub struct Policy {
     pub head_predictors: Arc<[HeadPredictor]>,
     /// Run the low-rank predictors on a spare thread (`crate::sparsity::lookahead`).
     pub lookahead: bool,
+    /// Keys and values of skipped heads (`lazy-kv`: the paper's recompute).
+    pub kv: KvRule,
 }
 
 impl Policy {
@@ -54,6 +63,7 @@ impl Policy {
             heads: vec![HeadRule::Dense; cfg.n_layers],
             head_predictors: Arc::new([]),
             lookahead: false,
+            kv: KvRule::All,
         }
     }
 
@@ -95,6 +105,14 @@ impl Policy {
                 .ok_or_else(|| bad("the predictors file holds no recommended setting".into()))?;
             let mut pol = Self::parse(rec, cfg, predictors)?;
             pol.name = format!("recommended ({rec})");
+            return Ok(pol);
+        }
+        if spec == "paper" {
+            let mut pol = Self::parse(PAPER, cfg, predictors)?;
+            // Layer 0 stays dense (its neurons are much denser than the rest).
+            pol.mlp[0] = MlpRule::Dense;
+            pol.heads[0] = HeadRule::Dense;
+            pol.name = format!("paper ({PAPER}, layer 0 dense)");
             return Ok(pol);
         }
         let mut pol = Self::dense(cfg);
@@ -197,6 +215,15 @@ impl Policy {
                     }
                 }
                 "lookahead" if args.is_empty() => pol.lookahead = true,
+                "lazy-kv" if args.is_empty() => {
+                    if cfg.n_kv_heads != cfg.n_heads {
+                        return Err(bad(format!(
+                            "`lazy-kv` needs multi-head attention; this model groups {} query heads per KV head",
+                            cfg.n_heads / cfg.n_kv_heads
+                        )));
+                    }
+                    pol.kv = KvRule::Lazy;
+                }
                 "head" => {
                     if pol.output.is_some() || args.len() != 2 {
                         return Err(bad("one output rule, as `head:RANK:CANDIDATES`".into()));
@@ -215,10 +242,15 @@ impl Policy {
                 }
                 _ => {
                     return Err(bad(format!(
-                        "unknown part `{kind}` (dense, recommended, oracle, gate-first, up-first, dejavu, attn-norm, dejavu-attn, head, lookahead)"
+                        "unknown part `{kind}` (dense, recommended, paper, oracle, gate-first, up-first, dejavu, relu-exact, attn-norm, dejavu-attn, lazy-kv, head, lookahead)"
                     )))
                 }
             }
+        }
+        if pol.kv == KvRule::Lazy && !pol.sparse_heads() {
+            return Err(bad(
+                "`lazy-kv` needs a head rule (attn-norm or dejavu-attn)".into(),
+            ));
         }
         if pol.lookahead && !pol.uses_predictors() {
             return Err(bad(

@@ -179,6 +179,27 @@ fn push_q8(owned: &mut Owned, name: &str, q8: &[u8], rows: usize, cols: usize) {
 }
 
 impl Predictors {
+    /// Random MLP and head predictors for a synthetic model, at its configured rank (for speed
+    /// only: they select real sets at a real cost, of no meaning).
+    pub fn synthetic(model: &crate::engine::weights::Model) -> Result<Self> {
+        let (c, synth) = match model.synthetic_source() {
+            Some(s) => (&model.config, s),
+            None => return Err(Error::Invalid("not a synthetic model".into())),
+        };
+        let layers = |what: &str, n_out: usize| -> Result<Arc<[LowRankPredictor]>> {
+            (0..c.n_layers)
+                .map(|l| synth.predictor(l, what, c.d_model, n_out))
+                .collect()
+        };
+        Ok(Self {
+            path: None,
+            metadata: HashMap::from([("synthetic".to_string(), "true".to_string())]),
+            output: None,
+            mlp: layers("mlp", c.n_ff)?,
+            heads: layers("heads", c.n_heads)?,
+        })
+    }
+
     /// The policy calibration recommends (`None` if the file has none).
     pub fn recommended(&self) -> Option<&str> {
         self.metadata.get("recommended").map(String::as_str)

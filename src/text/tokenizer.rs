@@ -52,7 +52,27 @@ impl Tokenizer {
         match &model.source {
             Source::Gguf(f) => Self::from_gguf(&f.header),
             Source::Hf(c) => Self::from_hf(c),
+            Source::Synthetic(_) => Self::byte_level(),
         }
+    }
+
+    /// A byte-level tokenizer of 256 tokens (ids 0..256, no merges and no special tokens), for
+    /// synthetic models, whose vocabulary means nothing.
+    pub fn byte_level() -> Result<Self> {
+        let mut chars: Vec<char> = ByteLevel::alphabet().into_iter().collect();
+        chars.sort_unstable();
+        let tokens: Vec<String> = chars.iter().map(|c| c.to_string()).collect();
+        let vocab: tokenizers::models::bpe::Vocab = (tokens.iter().enumerate())
+            .map(|(i, t)| (t.clone(), i as u32))
+            .collect();
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, Vec::new())
+            .build()
+            .map_err(|e| Error::Tokenizer(format!("building BPE: {e}")))?;
+        let mut inner = tokenizers::Tokenizer::new(bpe);
+        inner.with_pre_tokenizer(Some(ByteLevel::new(false, true, false)));
+        inner.with_decoder(Some(ByteLevel::default()));
+        Ok(Self::assemble(inner, tokens, None, None, Vec::new(), None))
     }
 
     /// A Hugging Face checkpoint's tokenizer (see the module docs).

@@ -36,16 +36,16 @@ pub fn quantize_row(qtype: QuantType, x: &[f32], out: &mut Vec<u8>) -> Option<()
             .for_each(|v| out.extend(bf16::from_f32(*v).to_le_bytes())),
         QuantType::Q8_0 => x
             .chunks_exact(QK)
-            .for_each(|b| out.extend(bytemuck::bytes_of(&q8_0(b)))),
+            .for_each(|b| out.extend(bytemuck::bytes_of(&q8_0(symmetric(b, -127, 127))))),
         QuantType::Q4_0 => x
             .chunks_exact(QK)
-            .for_each(|b| out.extend(bytemuck::bytes_of(&q4_0(b)))),
+            .for_each(|b| out.extend(bytemuck::bytes_of(&q4_0(symmetric(b, -8, 7))))),
         QuantType::Q4_1 => x
             .chunks_exact(QK)
             .for_each(|b| out.extend(bytemuck::bytes_of(&q4_1(b)))),
         QuantType::Q5_0 => x
             .chunks_exact(QK)
-            .for_each(|b| out.extend(bytemuck::bytes_of(&q5_0(b)))),
+            .for_each(|b| out.extend(bytemuck::bytes_of(&q5_0(symmetric(b, -16, 15))))),
         _ => return None,
     }
     Some(())
@@ -86,16 +86,30 @@ fn symmetric(x: &[f32], lo: i32, hi: i32) -> (f32, [i32; QK]) {
     (best.0, best.1)
 }
 
-fn q8_0(x: &[f32]) -> BlockQ8_0 {
-    let (d, q) = symmetric(x, -127, 127);
+/// ggml's reference rounding: the scale maps the signed value of largest magnitude to the end of
+/// the range with more room, with no search (one pass; for bulk data such as synthetic weights).
+fn absmax(x: &[f32], lo: i32, hi: i32) -> (f32, [i32; QK]) {
+    let vmax = x
+        .iter()
+        .fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+    let d = vmax / if vmax < 0.0 { lo as f32 } else { hi as f32 };
+    // f16 scale, as stored; a zero block stays zero.
+    let d = f16::from_f32(d).to_f32();
+    let inv = if d == 0.0 { 0.0 } else { 1.0 / d };
+    (
+        d,
+        std::array::from_fn(|i| ((x[i] * inv).round() as i32).clamp(lo, hi)),
+    )
+}
+
+fn q8_0((d, q): (f32, [i32; QK])) -> BlockQ8_0 {
     BlockQ8_0 {
         d: f16::from_f32(d),
         qs: q.map(|v| v as i8),
     }
 }
 
-fn q4_0(x: &[f32]) -> BlockQ4_0 {
-    let (d, q) = symmetric(x, -8, 7);
+fn q4_0((d, q): (f32, [i32; QK])) -> BlockQ4_0 {
     let u = q.map(|v| (v + 8) as u8);
     BlockQ4_0 {
         d: f16::from_f32(d),
@@ -103,8 +117,7 @@ fn q4_0(x: &[f32]) -> BlockQ4_0 {
     }
 }
 
-fn q5_0(x: &[f32]) -> BlockQ5_0 {
-    let (d, q) = symmetric(x, -16, 15);
+fn q5_0((d, q): (f32, [i32; QK])) -> BlockQ5_0 {
     let u = q.map(|v| (v + 16) as u32);
     let mut qh = 0u32;
     let mut qs = [0u8; QK / 2];
@@ -118,6 +131,30 @@ fn q5_0(x: &[f32]) -> BlockQ5_0 {
         qh: qh.to_le_bytes(),
         qs,
     }
+}
+
+/// Like [`quantize_row`] but with ggml's one-pass absmax scales (no error search, ~30x faster,
+/// up to ~2x the squared error at 4-5 bits): for bulk data where rounding quality does not
+/// matter, such as the random weights of synthetic models. Q4_1 and the float types are as
+/// [`quantize_row`].
+pub fn quantize_row_absmax(qtype: QuantType, x: &[f32], out: &mut Vec<u8>) -> Option<()> {
+    if !x.len().is_multiple_of(qtype.block_len()) {
+        return None;
+    }
+    let blocks = x.chunks_exact(QK);
+    match qtype {
+        QuantType::Q8_0 => {
+            blocks.for_each(|b| out.extend(bytemuck::bytes_of(&q8_0(absmax(b, -127, 127)))))
+        }
+        QuantType::Q4_0 => {
+            blocks.for_each(|b| out.extend(bytemuck::bytes_of(&q4_0(absmax(b, -8, 7)))))
+        }
+        QuantType::Q5_0 => {
+            blocks.for_each(|b| out.extend(bytemuck::bytes_of(&q5_0(absmax(b, -16, 15)))))
+        }
+        _ => return quantize_row(qtype, x, out),
+    }
+    Some(())
 }
 
 /// Asymmetric 4-bit `x ~= d * q + m`, `q in 0..=15`: candidates around the min/max scale, each
@@ -255,6 +292,43 @@ mod tests {
                 assert!(rms <= bound, "{qtype:?} trial {trial}: rms {rms} > {bound}");
             }
         }
+    }
+
+    /// The one-pass rounding is within half a step of every element (the step is the block's
+    /// stored scale), on random blocks of both signs; at 4-5 bits, where the range has one level
+    /// more below zero than above, within a step (an opposite-sign value of full magnitude).
+    #[test]
+    fn absmax_within_half_step() {
+        let mut state = 99u64;
+        let mut rnd = || {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1);
+            ((state >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+        };
+        for qtype in [QuantType::Q8_0, QuantType::Q5_0, QuantType::Q4_0] {
+            for trial in 0..200 {
+                let x: Vec<f32> = (0..3 * QK).map(|_| rnd() * (trial % 7) as f32).collect();
+                let mut out = Vec::new();
+                quantize_row_absmax(qtype, &x, &mut out).unwrap();
+                assert_eq!(out.len(), qtype.row_bytes(x.len()));
+                let bb = qtype.row_bytes(QK);
+                let steps = if qtype == QuantType::Q8_0 {
+                    0.501
+                } else {
+                    1.001
+                };
+                for (xb, ob) in x.chunks(QK).zip(out.chunks(bb)) {
+                    let d = f16::from_le_bytes([ob[0], ob[1]]).to_f32().abs();
+                    for (a, c) in xb.iter().zip(dequant(qtype, ob)) {
+                        assert!(
+                            (a - c).abs() <= d * steps + 1e-6,
+                            "{qtype:?}: {a} -> {c}, step {d}"
+                        );
+                    }
+                }
+            }
+        }
+        let mut out = Vec::new();
+        assert!(quantize_row_absmax(QuantType::Q8_0, &[1.0; 5], &mut out).is_none());
     }
 
     #[test]

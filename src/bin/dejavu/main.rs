@@ -4,12 +4,14 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use dejavu::engine::executor::Plan;
 use dejavu::engine::kv_cache::KvType;
+use dejavu::engine::synthetic::{self, SyntheticOptions};
 use dejavu::engine::{Engine, EngineOptions};
 use dejavu::eval::perplexity::{perplexity, Feed};
 use dejavu::fetch;
 use dejavu::sparsity::SparsePlan;
 use dejavu::text::generate::{generate, Stop};
 use dejavu::text::sampling::{Sampler, SamplerConfig};
+use dejavu_backend_api::QuantType;
 use std::io::{BufRead, Write};
 
 mod inspect_cmd;
@@ -70,6 +72,35 @@ struct ModelArgs {
     /// KV cache element type: f32 (exact) or f16 (half the memory).
     #[arg(long, default_value = "f32", value_parser = parse_kv_type)]
     kv_type: KvType,
+    #[command(flatten)]
+    synthetic: SyntheticArgs,
+}
+
+/// How a `--model synthetic:NAME` is built (random weights at a published shape, for speed only).
+#[derive(Args, Clone, Copy)]
+struct SyntheticArgs {
+    /// Weight type of a synthetic model: f16, bf16, q8_0 or q4_0.
+    #[arg(long, default_value = "f16", value_parser = parse_dtype)]
+    dtype: QuantType,
+    /// Rank of a synthetic model's predictors (default: d_model / 16, in multiples of 32).
+    #[arg(long)]
+    predictor_rank: Option<usize>,
+}
+
+impl SyntheticArgs {
+    fn options(self) -> SyntheticOptions {
+        SyntheticOptions {
+            dtype: self.dtype,
+            predictor_rank: self.predictor_rank,
+            seed: 0,
+        }
+    }
+}
+
+fn parse_dtype(s: &str) -> std::result::Result<QuantType, String> {
+    QuantType::from_name(&s.to_uppercase())
+        .filter(|q| synthetic::DTYPES.contains(q))
+        .ok_or_else(|| format!("`{s}`: expected f16, bf16, q8_0 or q4_0"))
 }
 
 fn parse_kv_type(s: &str) -> std::result::Result<KvType, String> {
@@ -79,14 +110,22 @@ fn parse_kv_type(s: &str) -> std::result::Result<KvType, String> {
 impl ModelArgs {
     fn load(&self, n_ctx: Option<usize>) -> Result<Engine> {
         let path = fetch::resolve_model(self.model.as_deref())?;
-        load_engine(
+        let engine = load_engine(
             &path,
             EngineOptions {
                 threads: capped_threads(self.threads),
                 n_ctx,
                 kv_type: self.kv_type,
+                synthetic: self.synthetic.options(),
             },
-        )
+        )?;
+        if engine.model.synthetic_source().is_some() {
+            eprintln!(
+                "note: {}: for speed measurements only; its output means nothing",
+                engine.model.label()
+            );
+        }
+        Ok(engine)
     }
 }
 
@@ -113,8 +152,8 @@ fn policy_for(
     spec: &str,
     predictors: Option<&std::path::Path>,
 ) -> Result<dejavu::sparsity::policy::Policy> {
-    // Parts that read the predictors file: recommended, head:, dejavu:, dejavu-attn:.
-    let needs = ["recommended", "head", "dejavu"]
+    // Parts that read the predictors file: recommended, paper, head:, dejavu:, dejavu-attn:.
+    let needs = ["recommended", "paper", "head", "dejavu"]
         .iter()
         .any(|p| spec.contains(p));
     let preds = if needs || predictors.is_some() {
@@ -213,6 +252,8 @@ struct BenchArgs {
     /// KV cache element type: f32 or f16.
     #[arg(long, default_value = "f32", value_parser = parse_kv_type)]
     kv_type: KvType,
+    #[command(flatten)]
+    synthetic: SyntheticArgs,
     /// Thread counts to test, comma-separated.
     #[arg(long, short, value_delimiter = ',', default_value = "1,2")]
     threads: Vec<usize>,
@@ -344,9 +385,7 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
         );
     }
     let path = fetch::resolve_model(a.model.as_deref())?;
-    let model_name = path
-        .file_name()
-        .map_or("model".into(), |f| f.to_string_lossy().into_owned());
+
     let tests: Vec<(bool, usize)> = [(true, a.n_prompt), (false, a.n_gen)]
         .into_iter()
         .filter(|t| t.1 > 0)
@@ -360,19 +399,23 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     );
     let mut results = Vec::new();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let ctx = a.n_prompt.max(a.n_gen + 1).max(16);
+    // Loaded once (a synthetic model is built once); each thread count gets its own pool.
+    let mut engine = load_engine(
+        &path,
+        EngineOptions {
+            threads: Some(a.threads[0]),
+            n_ctx: Some(ctx),
+            kv_type: a.kv_type,
+            synthetic: a.synthetic.options(),
+        },
+    )?;
+    let model_name = engine.model.label();
     for &threads in &a.threads {
         if threads > cores {
             eprintln!("warning: {threads} threads on {cores} cores: the spinning pool oversubscribes, expect decoding far slower");
         }
-        let ctx = a.n_prompt.max(a.n_gen + 1).max(16);
-        let engine = load_engine(
-            &path,
-            EngineOptions {
-                threads: Some(threads),
-                n_ctx: Some(ctx),
-                kv_type: a.kv_type,
-            },
-        )?;
+        engine.set_threads(threads)?;
         let policies = a
             .sparsity
             .iter()
@@ -439,6 +482,7 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
                     exact_logits: steps[i].mean_exact_logits(),
                     predict_ms: steps[i].predict_ms(),
                     predict_hidden: steps[i].predict_hidden(),
+                    blocks: steps[i].blocks(),
                     samples: samples[i].clone(),
                     memory: memory[i],
                 });

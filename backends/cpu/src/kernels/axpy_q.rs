@@ -4,10 +4,10 @@
 //! Reference: dequantize each row ([`crate::dequant`]) and add `c[j] * row_j` in order. The x86
 //! tiers fuse the two for the 32-wide formats: per block of 32 outputs the partial sums stay in
 //! registers while every row's block is unpacked and added, so no dequantized row is stored and
-//! reloaded. Q5_0 and Q4_0 (the sparse layout's types) go through integer multiply-adds with the
-//! row weights `c[j] * d` rounded to 8 bits per block (as the dense path rounds activations; the
-//! test states the bound); Q8_0 and Q4_1 use f32 multiply-adds. Other types and the portable tier
-//! dequantize into a small buffer and use the tier's f32 `axpy_rows`.
+//! reloaded. Q8_0, Q5_0 and Q4_0 (the sparse layout's types) go through integer multiply-adds
+//! with the row weights `c[j] * d` rounded to 8 bits per block (as the dense path rounds
+//! activations; the test states the bound); Q4_1, f16 and bf16 use f32 multiply-adds. Other types
+//! and the portable tier dequantize into a small buffer and use the tier's f32 `axpy_rows`.
 use crate::isa::Isa;
 use dejavu_backend_api::quant::{QuantType, QK};
 
@@ -63,12 +63,15 @@ fn avx2(qtype: QuantType, rows: &[&[u8]], c: &[f32], y: &mut [f32]) {
         assert_eq!(r.len(), qtype.row_bytes(y.len()));
     }
     // SAFETY (all arms): handed out by `select` only for tiers with AVX2/FMA/F16C; every row
-    // holds y.len() elements of qtype (asserted), so y.len() is a multiple of 32.
+    // holds y.len() elements of qtype (asserted), so y.len() is a multiple of 32 (the float
+    // types: checked by their arms).
     match qtype {
         QuantType::Q8_0 => unsafe { avx2_impl::<Q8_0>(rows, c, y) },
         QuantType::Q4_0 => unsafe { avx2_int::<Q4_0>(rows, c, y) },
         QuantType::Q4_1 => unsafe { avx2_impl::<Q4_1>(rows, c, y) },
         QuantType::Q5_0 => unsafe { avx2_int::<Q5_0>(rows, c, y) },
+        QuantType::F16 if y.len().is_multiple_of(QK) => unsafe { avx2_impl::<F16>(rows, c, y) },
+        QuantType::BF16 if y.len().is_multiple_of(QK) => unsafe { avx2_impl::<BF16>(rows, c, y) },
         _ => via_f32(qtype, rows, c, y, super::axpy::select(Isa::Avx2)),
     }
 }
@@ -78,10 +81,13 @@ const Q8_0: u8 = 0;
 const Q4_0: u8 = 1;
 const Q4_1: u8 = 2;
 const Q5_0: u8 = 3;
+const F16: u8 = 4;
+const BF16: u8 = 5;
 
 /// Per block of 32 outputs: four 8-lane partial sums in registers; per row, its block's quants
 /// converted to f32 and multiply-added with `c[j] * d`; the offset terms of all rows (`-8 d`,
-/// `-16 d`, or Q4_1's min, times `c[j]`) summed as one scalar and added once.
+/// `-16 d`, or Q4_1's min, times `c[j]`) summed as one scalar and added once. f16 and bf16 rows
+/// (32 elements, 64 bytes per block) are widened and multiply-added with `c[j]`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn avx2_impl<const F: u8>(rows: &[&[u8]], c: &[f32], y: &mut [f32]) {
@@ -91,9 +97,19 @@ unsafe fn avx2_impl<const F: u8>(rows: &[&[u8]], c: &[f32], y: &mut [f32]) {
         Q8_0 => 34,
         Q4_0 => 18,
         Q4_1 => 20,
+        F16 | BF16 => 64,
         _ => 22,
     };
     let yp = y.as_mut_ptr();
+    // Widen 8 f16 or bf16 values at `p`.
+    let wide8 = |p: *const u8| {
+        let v = _mm_loadu_si128(p as *const __m128i);
+        if F == F16 {
+            _mm256_cvtph_ps(v)
+        } else {
+            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16))
+        }
+    };
     for blk in 0..y.len() / QK {
         let o = yp.add(QK * blk);
         // Two accumulator sets (even and odd rows) halve the multiply-add chains per block.
@@ -102,6 +118,13 @@ unsafe fn avx2_impl<const F: u8>(rows: &[&[u8]], c: &[f32], y: &mut [f32]) {
         let mut bias = 0f32;
         for (j, (r, &cj)) in rows.iter().zip(c).enumerate() {
             let p = r.as_ptr().add(blk * bb);
+            if F == F16 || F == BF16 {
+                let (cv, a) = (_mm256_set1_ps(cj), &mut acc[j & 1]);
+                for (k, ak) in a.iter_mut().enumerate() {
+                    *ak = _mm256_fmadd_ps(wide8(p.add(16 * k)), cv, *ak);
+                }
+                continue;
+            }
             let sc = f16x2_at(p); // [d, second f16 (m for Q4_1), ..]
             let cd = cj * _mm_cvtss_f32(sc);
             bias += match F {
@@ -110,6 +133,15 @@ unsafe fn avx2_impl<const F: u8>(rows: &[&[u8]], c: &[f32], y: &mut [f32]) {
                 Q5_0 => -16.0 * cd,
                 _ => 0.0,
             };
+            if F == Q8_0 {
+                // Sign-extend straight from memory, 8 quants at a time.
+                let (cdv, a) = (_mm256_set1_ps(cd), &mut acc[j & 1]);
+                for (k, ak) in a.iter_mut().enumerate() {
+                    let v = _mm_loadl_epi64(p.add(2 + 8 * k) as *const __m128i);
+                    *ak = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), cdv, *ak);
+                }
+                continue;
+            }
             let q = match F {
                 Q8_0 => _mm256_loadu_si256(p.add(2) as *const __m256i),
                 Q4_0 => unpack_nibbles(p.add(2)),
@@ -146,20 +178,21 @@ unsafe fn avx2_impl<const F: u8>(rows: &[&[u8]], c: &[f32], y: &mut [f32]) {
     }
 }
 
-/// Integer variant for the formats with unsigned quants and a constant offset (Q5_0, Q4_0). Per
-/// block of 32 outputs, the row weights `w_j = c[j] * d_j` are quantized to i8 with one scale
-/// `s = max|w_j| / 127` (as the dense path quantizes activations per block of 32); four rows'
-/// quants are interleaved byte by byte so `maddubs` + `madd` give `sum_j e_j q_j[i]` per output in
-/// i32, and `y += s * sum + offset * sum_j w_j` (the offset term exact in f32).
+/// Integer variant for Q8_0 and for the formats with unsigned quants and a constant offset (Q5_0,
+/// Q4_0). Per block of 32 outputs, the row weights `w_j = c[j] * d_j` are quantized to i8 with
+/// one scale `s = max|w_j| / 127` (as the dense path quantizes activations per block of 32); four
+/// rows' quants are interleaved byte by byte so `maddubs` + `madd` give `sum_j e_j q_j[i]` per
+/// output in i32, and `y += s * sum + offset * sum_j w_j` (the offset term exact in f32). Q8_0's
+/// quants are signed: `maddubs(|q|, sign(e, q))` (at most 2 * 127 * 127, no saturation).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn avx2_int<const F: u8>(rows: &[&[u8]], c: &[f32], y: &mut [f32]) {
     use super::x86::*;
     use std::arch::x86_64::*;
-    let (bb, off) = if F == Q4_0 {
-        (18, -8.0f32)
-    } else {
-        (22, -16.0f32)
+    let (bb, off) = match F {
+        Q8_0 => (34, 0.0f32),
+        Q4_0 => (18, -8.0f32),
+        _ => (22, -16.0f32),
     };
     let m = rows.len();
     let yp = y.as_mut_ptr();
@@ -171,7 +204,9 @@ unsafe fn avx2_int<const F: u8>(rows: &[&[u8]], c: &[f32], y: &mut [f32]) {
         for j in 0..m {
             let p = rows[j].as_ptr().add(blk * bb);
             w[j] = c[j] * _mm_cvtss_f32(f16x2_at(p));
-            q[j] = if F == Q4_0 {
+            q[j] = if F == Q8_0 {
+                _mm256_loadu_si256(p.add(2) as *const __m256i)
+            } else if F == Q4_0 {
                 unpack_nibbles(p.add(2))
             } else {
                 let qh = std::ptr::read_unaligned(p.add(2) as *const u32);
@@ -207,7 +242,12 @@ unsafe fn avx2_int<const F: u8>(rows: &[&[u8]], c: &[f32], y: &mut [f32]) {
                 _mm256_unpackhi_epi16(ab_hi, cd_hi),
             ];
             for (a, x) in acc.iter_mut().zip(inter) {
-                *a = _mm256_add_epi32(*a, _mm256_madd_epi16(_mm256_maddubs_epi16(x, e4), ones));
+                let prod = if F == Q8_0 {
+                    _mm256_maddubs_epi16(_mm256_abs_epi8(x), _mm256_sign_epi8(e4, x))
+                } else {
+                    _mm256_maddubs_epi16(x, e4)
+                };
+                *a = _mm256_add_epi32(*a, _mm256_madd_epi16(prod, ones));
             }
         }
         // acc[k]: outputs 4k..4k+4 in the low lane, 16+4k..16+4k+4 in the high lane.
@@ -242,15 +282,16 @@ unsafe fn hmax_abs(v: std::arch::x86_64::__m256) -> f32 {
 
 /// For tests: how far the integer kernels may be from the reference at output `col` (zero for
 /// the exact kernels): each row weight is rounded by at most half a step `s = max|w| / 127` of its
-/// block (`w_j = c_j d_j`), times `|q| <= 31`.
+/// block (`w_j = c_j d_j`), times `|q|` (at most 31; Q8_0: 128).
 #[cfg(test)]
 pub(crate) fn rounding_bound(isa: Isa, q: QuantType, rows: &[&[u8]], c: &[f32], col: usize) -> f32 {
     let int = cfg!(target_arch = "x86_64")
         && matches!(isa, Isa::Avx2 | Isa::Avx512)
-        && matches!(q, QuantType::Q5_0 | QuantType::Q4_0);
+        && matches!(q, QuantType::Q5_0 | QuantType::Q4_0 | QuantType::Q8_0);
     if !int {
         return 0.0;
     }
+    let qmax = if q == QuantType::Q8_0 { 128.0 } else { 31.0 };
     let wmax = rows
         .iter()
         .zip(c)
@@ -259,7 +300,7 @@ pub(crate) fn rounding_bound(isa: Isa, q: QuantType, rows: &[&[u8]], c: &[f32], 
             (cj * half::f16::from_le_bytes([b[0], b[1]]).to_f32()).abs()
         })
         .fold(0f32, f32::max);
-    rows.len() as f32 * 31.0 * wmax / 127.0 / 2.0 * 1.001
+    rows.len() as f32 * qmax * wmax / 127.0 / 2.0 * 1.001
 }
 
 #[cfg(test)]
@@ -277,7 +318,11 @@ mod tests {
             let f = select(isa);
             for q in QuantType::ALL {
                 for blocks in [1usize, 3, 9] {
-                    let n = blocks * q.block_len().max(QK);
+                    // Float rows also at ragged widths (no block structure).
+                    let n = match q.block_len() {
+                        1 if blocks == 3 => 3 * QK + 5,
+                        bl => blocks * bl.max(QK),
+                    };
                     for m in 1..=MAX_ROWS {
                         let rows: Vec<Vec<u8>> = (0..m)
                             .map(|j| random_row(q, n, (j * 7 + n) as u64))

@@ -1,0 +1,238 @@
+//! Synthetic models (`synthetic:NAME`): built at the published shape, the sparse layout's
+//! transposes are the model's own matrices, every output says synthetic, quality commands refuse,
+//! and `--sparsity paper` runs its real selection path on them.
+use dejavu::engine::executor::{Logits, Plan};
+use dejavu::engine::synthetic::SyntheticOptions;
+use dejavu::engine::{Engine, EngineOptions};
+use dejavu::sparsity::{HeadRule, MlpRule};
+use dejavu_backend_api::QuantType;
+use std::process::Command;
+
+fn engine(dtype: QuantType) -> Engine {
+    let opts = EngineOptions {
+        threads: Some(2),
+        n_ctx: Some(64),
+        synthetic: SyntheticOptions {
+            dtype,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    Engine::load("synthetic:opt-125m", &opts).unwrap()
+}
+
+#[test]
+fn builds_at_the_published_shape_and_says_synthetic() {
+    let e = engine(QuantType::Q8_0);
+    let c = &e.model.config;
+    assert_eq!(
+        (c.n_layers, c.d_model, c.n_ff, c.n_heads, c.vocab_size),
+        (12, 768, 3072, 12, 50272)
+    );
+    assert!(e.model.label().contains("synthetic"), "{}", e.model.label());
+    assert_eq!(e.model.layers[3].w_up.qtype, QuantType::Q8_0);
+    let mut cache = e.new_cache();
+    let logits = e
+        .executor()
+        .run(
+            &[5, 6, 7],
+            &mut cache,
+            Plan::Fixed(&dejavu::sparsity::SparsePlan::dense(c)),
+            Logits::Last,
+        )
+        .unwrap();
+    assert!(logits.iter().all(|v| v.is_finite()));
+    // Random weights at N(0, 0.02): not all logits equal.
+    assert!(logits.iter().any(|&v| v != logits[0]));
+}
+
+/// Row j of the generated neuron-major down projection is column j of the model's (each
+/// quantized along its own axis, so equal within the two rounding steps); likewise W_o.
+#[test]
+fn layout_is_the_transpose_of_the_model() {
+    for dtype in [QuantType::Q8_0, QuantType::F16] {
+        let e = engine(dtype);
+        let (m, b) = (&e.model, e.backend());
+        let lay = e.sparse_layout().unwrap();
+        let l = 4;
+        for (src, t) in [
+            (&m.layers[l].w_down, lay.down_t(l)),
+            (&m.layers[l].wo, lay.wo_t(l)),
+        ] {
+            let w = m.weight(src);
+            assert_eq!((t.rows, t.cols), (w.cols, w.rows));
+            let mut row = vec![0f32; w.cols];
+            let mut trow = vec![0f32; t.cols];
+            for r in [0, 1, 377, w.rows - 1] {
+                b.dequantize_row(&w, r, &mut row);
+                for j in [0, 5, w.cols / 2, w.cols - 1] {
+                    b.dequantize_row(&t, j, &mut trow);
+                    // |w| <= 0.02 * 3.46; Q8_0 steps are at most 0.07 / 127 per side.
+                    let tol = if dtype == QuantType::F16 {
+                        1e-4
+                    } else {
+                        1.2e-3
+                    };
+                    assert!(
+                        (trow[r] - row[j]).abs() <= tol,
+                        "{dtype:?} {}: [{r}][{j}] {} vs {}",
+                        src.name,
+                        row[j],
+                        trow[r]
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn paper_policy_runs_its_selection_on_synthetic_predictors() {
+    let e = engine(QuantType::Q8_0);
+    let preds = e.predictors(None).unwrap().expect("synthetic predictors");
+    let pol = e.policy("paper", Some(&preds)).unwrap();
+    assert_eq!(pol.mlp[0], MlpRule::Dense);
+    assert_eq!(pol.heads[0], HeadRule::Dense);
+    assert!(pol.lookahead);
+    for l in 1..12 {
+        assert_eq!(pol.mlp[l], MlpRule::LowRank { keep: 0.1 });
+        assert_eq!(pol.heads[l], HeadRule::LowRank { keep: 0.5 });
+    }
+    let mut cache = e.new_cache();
+    let exec = e.executor();
+    exec.run(&[1, 2], &mut cache, Plan::Policy(&pol), Logits::Last)
+        .unwrap();
+    let out = exec
+        .run(&[3], &mut cache, Plan::Policy(&pol), Logits::Last)
+        .unwrap();
+    assert!(out.iter().all(|v| v.is_finite()));
+    let st = cache.last_step();
+    // Layer 0 dense, 11 layers at 10% of 3072 neurons and 6 of 12 heads.
+    assert_eq!(st.mlp_kept, 3072 + 11 * 307);
+    assert_eq!(st.heads_kept, 12 + 11 * 6);
+    assert!(st.weight_bytes < e.model.dense_bytes_per_token());
+    assert!(st.mlp.ns > 0 && st.attention.ns > 0 && st.output.ns > 0);
+}
+
+#[test]
+fn quality_commands_refuse_and_bad_names_are_errors() {
+    let e = engine(QuantType::Q4_0);
+    let err = dejavu::eval::perplexity::perplexity(
+        &e,
+        &[1; 64],
+        16,
+        &dejavu::sparsity::SparsePlan::dense(&e.model.config),
+        dejavu::eval::perplexity::Feed::Batch,
+        |_, _, _| {},
+    )
+    .expect_err("perplexity must refuse");
+    assert!(err.to_string().contains("real weights"), "{err}");
+    let run = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_dejavu"))
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (ok, err) = run(&["bench", "-m", "synthetic:opt-7b", "-n", "1", "-p", "0"]);
+    assert!(
+        !ok && err.contains("unknown synthetic model") && err.contains("opt-6.7b"),
+        "{err}"
+    );
+    let (ok, err) = run(&[
+        "bench",
+        "-m",
+        "synthetic:opt-125m",
+        "--dtype",
+        "q4_1",
+        "-n",
+        "1",
+    ]);
+    assert!(
+        !ok && err.contains("expected f16, bf16, q8_0 or q4_0"),
+        "{err}"
+    );
+    let (ok, err) = run(&["perplexity", "-m", "synthetic:opt-125m", "-f", "Cargo.toml"]);
+    assert!(!ok && err.contains("real weights"), "{err}");
+}
+
+/// Lazy K/V computes keys and values for the selected heads only and recomputes what a head
+/// missed when it is selected again: the logits equal those of computing every head's K/V
+/// under the same head selection (within the batched kernels' rounding), with fewer bytes; and a
+/// dense step after truncating fills every hole.
+#[test]
+fn lazy_kv_equals_full_kv_with_fewer_bytes() {
+    let e = engine(QuantType::F16);
+    let preds = e.predictors(None).unwrap().unwrap();
+    let full = e.policy("dejavu-attn:0.5", Some(&preds)).unwrap();
+    let lazy = e.policy("dejavu-attn:0.5+lazy-kv", Some(&preds)).unwrap();
+    let exec = e.executor();
+    let (mut cf, mut cl) = (e.new_cache(), e.new_cache());
+    let tokens: Vec<u32> = (0..24).map(|i| (i * 977 + 13) % 50000).collect();
+    exec.run(&tokens[..4], &mut cf, Plan::Policy(&full), Logits::Last)
+        .unwrap();
+    exec.run(&tokens[..4], &mut cl, Plan::Policy(&lazy), Logits::Last)
+        .unwrap();
+    for &t in &tokens[4..] {
+        let a = exec
+            .run(&[t], &mut cf, Plan::Policy(&full), Logits::Last)
+            .unwrap()
+            .to_vec();
+        let b = exec
+            .run(&[t], &mut cl, Plan::Policy(&lazy), Logits::Last)
+            .unwrap()
+            .to_vec();
+        let scale = a.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let diff = a
+            .iter()
+            .zip(&b)
+            .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        assert!(
+            diff <= 2e-3 * scale,
+            "step at {}: max diff {diff} of {scale}",
+            cl.len()
+        );
+        let (sf, sl) = (cf.last_step(), cl.last_step());
+        assert_eq!(sf.heads_kept, sl.heads_kept);
+        assert!(
+            sl.weight_bytes < sf.weight_bytes,
+            "at {}: {} vs {}",
+            cl.len(),
+            sl.weight_bytes,
+            sf.weight_bytes
+        );
+    }
+    // Truncate into the lazily filled part, then continue dense on both: every hole of the lazy
+    // cache is recomputed (the same history, so the same logits as the complete cache).
+    cl.truncate(15);
+    cf.truncate(15);
+    let dense = dejavu::sparsity::SparsePlan::dense(&e.model.config);
+    let got = exec
+        .run(&tokens[15..20], &mut cl, Plan::Fixed(&dense), Logits::Last)
+        .unwrap()
+        .to_vec();
+    let want = exec
+        .run(&tokens[15..20], &mut cf, Plan::Fixed(&dense), Logits::Last)
+        .unwrap()
+        .to_vec();
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let diff = want
+        .iter()
+        .zip(&got)
+        .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    assert!(
+        diff <= 2e-3 * scale,
+        "after truncate: max diff {diff} of {scale}"
+    );
+}
+
+#[test]
+fn lazy_kv_needs_multi_head_attention_and_a_head_rule() {
+    let e = engine(QuantType::Q8_0);
+    let preds = e.predictors(None).unwrap().unwrap();
+    let err = e.policy("dejavu:0.1+lazy-kv", Some(&preds)).err().unwrap();
+    assert!(err.to_string().contains("needs a head rule"), "{err}");
+}
