@@ -83,50 +83,67 @@ fn prefill(c: &mut Criterion) {
 }
 
 /// The sparse MLP's kernels at opt-6.7b's shape (fc1 and the neuron-major fc2: 16384 rows of
-/// 4096) in Q8_0 and f16, over every row and over 50%, 10% and 5% of them (a seeded random set), next
-/// to the dense matvec: bytes read per second should stay near the dense figure as density falls.
+/// 4096) in Q8_0 and f16, over every row and over 50%, 10% and 5% of them, next to the dense
+/// matvec: bytes read per second should stay near the dense figure as density falls. As in the
+/// engine, the weights lie in anonymous memory advised to use huge pages; each iteration reads
+/// the next of four matrices (more than any L3) with the next of eight random sets, so the
+/// figures are DRAM's, not the cache's.
 fn sparse(c: &mut Criterion) {
     let pool = SpinPool::new(std::thread::available_parallelism().map_or(1, |n| n.get()));
     let k = Kernels::for_isa(Isa::detect()).unwrap();
     let (rows, cols) = (16384, 4096);
     for qtype in [QuantType::Q8_0, QuantType::F16] {
-        let data = synthetic(qtype, rows, cols);
-        let w = Weight::new(qtype, rows, cols, &data).unwrap();
+        let one = synthetic(qtype, rows, cols);
+        let mats: Vec<memmap2::MmapMut> = (0..4)
+            .map(|_| {
+                let mut m = memmap2::MmapMut::map_anon(one.len()).unwrap();
+                #[cfg(target_os = "linux")]
+                let _ = m.advise(memmap2::Advice::HugePage);
+                m.copy_from_slice(&one);
+                m
+            })
+            .collect();
+        drop(one);
+        let ws: Vec<Weight> = (mats.iter())
+            .map(|m| Weight::new(qtype, rows, cols, m).unwrap())
+            .collect();
         let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.37).sin()).collect();
         let a: Vec<f32> = (0..rows).map(|i| (i as f32 * 0.11).cos()).collect();
         let mut y = vec![0f32; rows];
         let mut out = vec![0f32; cols];
         let mut g = c.benchmark_group(format!("sparse_{rows}x{cols}_{}", qtype.name()));
         g.sample_size(20);
-        // Predictor-shaped: a low-rank map's second factor (16384 rows of 256).
-        let (pr, pc) = (rows, 256);
-        let pdata = synthetic(qtype, pr, pc);
-        let pw = Weight::new(qtype, pr, pc, &pdata).unwrap();
-        g.throughput(Throughput::Bytes(pdata.len() as u64));
-        g.bench_function("predictor_w2_matvec", |b| {
-            b.iter(|| matmul(&k, &pool, &pw, &IndexSet::full(pr), &x[..pc], &mut y))
-        });
+        let mut state = 12345u64;
         for density in [1.0, 0.5, 0.1, 0.05] {
-            let mut state = 12345u64;
-            let mut keep = |_: &u32| {
-                state = state
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((state >> 33) as f64 / (1u64 << 31) as f64) < density
-            };
-            let set = match density {
-                1.0 => IndexSet::full(rows),
-                _ => IndexSet::new(rows, (0..rows as u32).filter(|i| keep(i)).collect()).unwrap(),
-            };
-            g.throughput(Throughput::Bytes(
-                (set.len() * qtype.row_bytes(cols)) as u64,
-            ));
+            let sets: Vec<IndexSet> = (0..8)
+                .map(|_| {
+                    let mut keep = |_: &u32| {
+                        state = state
+                            .wrapping_mul(6364136223846793005)
+                            .wrapping_add(1442695040888963407);
+                        ((state >> 33) as f64 / (1u64 << 31) as f64) < density
+                    };
+                    match density {
+                        1.0 => IndexSet::full(rows),
+                        _ => IndexSet::new(rows, (0..rows as u32).filter(|i| keep(i)).collect())
+                            .unwrap(),
+                    }
+                })
+                .collect();
+            let bytes = sets[0].len() * qtype.row_bytes(cols);
+            g.throughput(Throughput::Bytes(bytes as u64));
+            let mut it = 0usize;
             g.bench_function(BenchmarkId::new("gather_matvec", density), |b| {
-                b.iter(|| matmul(&k, &pool, &w, &set, &x, &mut y))
+                b.iter(|| {
+                    it += 1;
+                    matmul(&k, &pool, &ws[it % 4], &sets[it % 8], &x, &mut y)
+                })
             });
             g.bench_function(BenchmarkId::new("axpy_rows", density), |b| {
                 b.iter(|| {
-                    dejavu_backend_cpu::axpy_matmul::axpy_matmul(&k, &pool, &w, &set, &a, &mut out)
+                    it += 1;
+                    let (w, set) = (&ws[it % 4], &sets[it % 8]);
+                    dejavu_backend_cpu::axpy_matmul::axpy_matmul(&k, &pool, w, set, &a, &mut out)
                 })
             });
         }

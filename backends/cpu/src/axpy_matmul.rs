@@ -15,6 +15,8 @@ use std::cell::RefCell;
 
 /// Rows summed per kernel call.
 const CHUNK: usize = crate::kernels::axpy_q::MAX_ROWS;
+/// Outputs per segment of the row loop (see `axpy_matmul`): 544 bytes of a Q8_0 row.
+const SEGMENT_COLS: usize = 512;
 /// Fewer selected rows than this per thread are not worth a second thread.
 const MIN_ROWS_PER_THREAD: usize = 32;
 
@@ -68,23 +70,44 @@ pub fn axpy_matmul(
                     unsafe { std::slice::from_raw_parts_mut(pp.get().add(task * cols), cols) };
                 part.fill(0.0);
                 let (lo, hi) = (task * per, ((task + 1) * per).min(rows.len()));
-                let ahead = prefetch::rows_ahead(w.qtype.row_bytes(cols));
-                for i in lo..(lo + ahead).min(hi) {
+                // The next chunk's rows are prefetched in step with the reading: while segment
+                // `s` of this chunk's rows is added, segment `s` of the next chunk's (a steady
+                // number of lines in flight; a burst per chunk overflows the miss queue).
+                let (q, bl) = (w.qtype, w.qtype.block_len());
+                let seg = if cols.is_multiple_of(SEGMENT_COLS) && bl <= SEGMENT_COLS {
+                    SEGMENT_COLS
+                } else {
+                    cols
+                };
+                let seg_bytes = q.row_bytes(seg);
+                for i in lo..(lo + CHUNK).min(hi) {
                     prefetch::prefetch(w.row(rows.get(i)));
                 }
                 let mut coef = [0f32; CHUNK];
                 let mut refs: [&[u8]; CHUNK] = [&[]; CHUNK];
+                let mut next: [&[u8]; CHUNK] = [&[]; CHUNK];
                 for start in (lo..hi).step_by(CHUNK) {
                     let m = CHUNK.min(hi - start);
-                    for i in (start + ahead).min(hi)..(start + ahead + m).min(hi) {
-                        prefetch::prefetch(w.row(rows.get(i)));
-                    }
+                    let nm = CHUNK.min(hi.saturating_sub(start + m));
                     for i in 0..m {
                         let r = rows.get(start + i);
                         coef[i] = at[r];
                         refs[i] = w.row(r);
                     }
-                    (k.axpy_q)(w.qtype, &refs[..m], &coef[..m], part);
+                    for (i, nx) in next.iter_mut().enumerate().take(nm) {
+                        *nx = w.row(rows.get(start + m + i));
+                    }
+                    for (s, ys) in part.chunks_mut(seg).enumerate() {
+                        let bytes = s * seg_bytes..(s + 1) * seg_bytes;
+                        for nx in &next[..nm] {
+                            prefetch::prefetch(&nx[bytes.clone()]);
+                        }
+                        let mut segs: [&[u8]; CHUNK] = [&[]; CHUNK];
+                        for (sg, r) in segs.iter_mut().zip(&refs[..m]) {
+                            *sg = &r[bytes.clone()];
+                        }
+                        (k.axpy_q)(q, &segs[..m], &coef[..m], ys);
+                    }
                 }
             });
             let (first, rest) = parts.split_at(cols);
@@ -112,8 +135,11 @@ mod tests {
             let k = Kernels::for_isa(isa).unwrap();
             for threads in [1, 2, 3] {
                 let pool = SpinPool::new(threads);
-                for q in QuantType::ALL {
-                    let cols = if q.block_len() == 256 { 512 } else { 96 };
+                // Short rows, and rows of several segments (the prefetching row loop).
+                for (q, cols) in QuantType::ALL.into_iter().flat_map(|q| {
+                    let short = if q.block_len() == 256 { 512 } else { 96 };
+                    [(q, short), (q, 2 * SEGMENT_COLS)]
+                }) {
                     let n = 203;
                     let data: Vec<u8> = (0..n)
                         .flat_map(|r| random_row(q, cols, r as u64 * 31 + 7))
