@@ -130,8 +130,8 @@ unsafe fn avx512_impl<const F: u8>(rows: &[&[u8]], c: &[f32], y: &mut [f32]) {
             a[1] = _mm512_fmadd_ps(wide16(q.add(step)), cv, a[1]);
         }
         let o = yp.add(QK * blk);
-        for k in 0..2 {
-            let sum = _mm512_add_ps(acc[0][k], acc[1][k]);
+        for (k, (even, odd)) in acc[0].iter().zip(&acc[1]).enumerate() {
+            let sum = _mm512_add_ps(*even, *odd);
             _mm512_storeu_ps(
                 o.add(16 * k),
                 _mm512_add_ps(_mm512_loadu_ps(o.add(16 * k)), sum),
