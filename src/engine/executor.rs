@@ -608,7 +608,7 @@ impl<'m> Executor<'m> {
                 b.glu(act, gate, up);
                 (Some(set), gate)
             }
-            (MlpRule::ReluExact, _) => {
+            (MlpRule::ReluExact | MlpRule::OracleNonzero, _) => {
                 // The first projection in full: its ReLU says which neurons are nonzero.
                 let nonzero = |a: &[f32]| {
                     let on = (0..a.len() as u32)
@@ -616,20 +616,25 @@ impl<'m> Executor<'m> {
                         .collect();
                     IndexSet::new(a.len(), on).expect("increasing indices below n_ff")
                 };
-                match &lw.w_gate {
+                let first = lw.w_gate.as_ref().unwrap_or(&lw.w_up);
+                let (set, a) = match &lw.w_gate {
                     None => {
                         let a = self.mlp_first(l, &full, h, &mut *gate, &mut *up, st);
-                        let set = nonzero(a);
-                        (Some(set), up)
+                        (nonzero(a), up)
                     }
                     Some(wg) => {
                         st.weight_bytes += self.matmul(wg, &full, h, gate);
                         let set = nonzero(gate);
                         st.weight_bytes += self.matmul(&lw.w_up, &set, h, up);
                         b.glu(act, gate, up);
-                        (Some(set), gate)
+                        (set, gate)
                     }
+                };
+                if rule == MlpRule::OracleNonzero {
+                    // An oracle named the set: the first projection's other rows are not counted.
+                    st.weight_bytes -= first.qtype.row_bytes(first.cols) * (c.n_ff - set.len());
                 }
+                (Some(set), a)
             }
             (MlpRule::Oracle { .. }, _) => {
                 let gated = lw.w_gate.is_some();

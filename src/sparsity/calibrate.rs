@@ -17,7 +17,7 @@ use crate::engine::executor::Logits;
 use crate::engine::Engine;
 use crate::eval::perplexity::{compare_specs, Comparison};
 use crate::sparsity::policy::Policy;
-use crate::sparsity::predictor::{HeadPredictor, MlpPredictor, TrainOptions};
+use crate::sparsity::predictor::{HeadPredictor, Labels, MlpPredictor, TrainOptions};
 use crate::sparsity::predictors_file::{OutputPreview, Predictors};
 use crate::sparsity::SparsePlan;
 use crate::{Error, Result};
@@ -135,21 +135,43 @@ pub fn calibrate(
             &opts.mlp,
             &opts.heads,
         )?;
-        for (what, o, recall, key) in [
-            ("MLP", &opts.mlp, &t.mlp_recall, "mlp_recall"),
-            ("head", &opts.heads, &t.head_recall, "head_recall"),
+        let relu = c.mlp.activation() == dejavu_backend_api::Activation::Relu;
+        let list = |v: &mut dyn Iterator<Item = String>| v.collect::<Vec<_>>().join(" ");
+        let mlp_ranks = list(&mut t.mlp.iter().map(|p| p.rank.to_string()));
+        let densities = list(&mut t.mlp_density.iter().map(|x| format!("{x:.3}")));
+        log(&format!(
+            "MLP density per layer (nonzero activations): {densities}"
+        ));
+        for (what, labels, ranks, recall, key) in [
+            (
+                "MLP",
+                match relu {
+                    true => "the nonzero neurons".to_string(),
+                    false => format!("the top {:.0}%", opts.mlp.label_keep * 100.0),
+                },
+                mlp_ranks,
+                &t.mlp_recall,
+                "mlp_recall",
+            ),
+            (
+                "head",
+                format!("the top {:.0}%", opts.heads.label_keep * 100.0),
+                opts.heads.rank.to_string(),
+                &t.head_recall,
+                "head_recall",
+            ),
         ] {
             let mean = recall.iter().sum::<f64>() / recall.len().max(1) as f64;
             let per_layer: Vec<String> = recall.iter().map(|r| format!("{r:.2}")).collect();
             log(&format!(
-                "{what} predictors: rank {}; held-out recall of the top {:.0}%: mean {mean:.3}, per layer {}",
-                o.rank,
-                o.label_keep * 100.0,
+                "{what} predictors: rank {ranks}; held-out recall of {labels}: mean {mean:.3}, per layer {}",
                 per_layer.join(" ")
             ));
             let stored: Vec<String> = recall.iter().map(|r| format!("{r:.4}")).collect();
             metadata.insert(key.into(), stored.join(","));
         }
+        let stored: Vec<String> = t.mlp_density.iter().map(|r| format!("{r:.4}")).collect();
+        metadata.insert("mlp_density".into(), stored.join(","));
         (mlp, heads) = (t.mlp, t.heads);
     }
     let mut preds = Predictors {
@@ -172,10 +194,27 @@ pub fn calibrate(
     Ok((preds, tried))
 }
 
+/// The ranks a ReLU model's MLP predictors are tried at: half, once and twice `rank`, multiples
+/// of 32 below `d`.
+fn relu_ranks(rank: usize, d: usize) -> Vec<usize> {
+    let mut v: Vec<usize> = [rank / 2, rank, 2 * rank]
+        .into_iter()
+        .map(|r| r / 32 * 32)
+        .filter(|&r| r >= 32 && r < d)
+        .collect();
+    v.dedup();
+    if v.is_empty() {
+        v.push(rank);
+    }
+    v
+}
+
 /// Trained predictors with their held-out recalls, per layer.
 pub struct Trained {
     pub mlp: Vec<MlpPredictor>,
     pub mlp_recall: Vec<f64>,
+    /// Fraction of MLP activations that are nonzero (ReLU models: the layer's true density).
+    pub mlp_density: Vec<f64>,
     pub heads: Vec<HeadPredictor>,
     pub head_recall: Vec<f64>,
 }
@@ -208,14 +247,36 @@ pub fn train_predictors(
     let mut t = Trained {
         mlp: Vec::new(),
         mlp_recall: Vec::new(),
+        mlp_density: Vec::new(),
         heads: Vec::new(),
         head_recall: Vec::new(),
+    };
+    // ReLU models: the paper's labels (the nonzero neurons), and the rank chosen by measurement.
+    let relu = c.mlp.activation() == dejavu_backend_api::Activation::Relu;
+    let ranks = match relu {
+        true => relu_ranks(mlp_opts.rank, d),
+        false => vec![mlp_opts.rank],
     };
     for l in 0..c.n_layers {
         let (x, h) = (&cap.attn_in[l], &cap.mlp_in[l]);
         let n = h.len() / d;
         let act = mlp_activations(engine, l, h, n);
-        let (p, r) = MlpPredictor::train(x, &act, d, ff, mlp_opts)?;
+        let nonzero = act.iter().filter(|&&a| a > 0.0).count();
+        t.mlp_density.push(nonzero as f64 / act.len().max(1) as f64);
+        let mut o = mlp_opts.clone();
+        if relu {
+            o.labels = Labels::Positive;
+        }
+        // The smallest rank within 0.01 of the best held-out recall (rank costs bandwidth).
+        let mut fits = Vec::new();
+        for &rank in &ranks {
+            o.rank = rank;
+            fits.push(MlpPredictor::train(x, &act, d, ff, &o)?);
+        }
+        let best = fits.iter().map(|f| f.1).fold(0f64, f64::max);
+        let (p, r) = (fits.into_iter())
+            .find(|f| f.1 >= best - 0.01)
+            .expect("at least one rank");
         t.mlp.push(p);
         t.mlp_recall.push(r);
         let prev = &cap.attn_in[l.saturating_sub(1)];
@@ -357,20 +418,40 @@ fn search(
     .filter(|&&(r, cand)| r <= rank && cand < vocab / 2)
     .map(|(r, cand)| format!("head:{r}:{cand}"))
     .collect();
-    let mut mlps: Vec<String> = [
-        "gate-first:0.8",
-        "gate-first:0.7",
-        "gate-first:0.6",
-        "gate-first:0.5",
-        "up-first:0.8",
-        "up-first:0.7",
-    ]
-    .map(String::from)
-    .to_vec();
-    if preds.mlp.len() == c.n_layers {
-        mlps.extend(
+    let relu = c.mlp.activation() == dejavu_backend_api::Activation::Relu;
+    let trained = preds.mlp.len() == c.n_layers;
+    let mut mlps: Vec<String> = match (relu, c.mlp.gated()) {
+        // ReLU: the exact rule, then the paper's predictors at per-layer budgets (multiples of
+        // each layer's measured density) and at fixed K.
+        (true, _) => vec!["relu-exact".into()],
+        (false, true) => [
+            "gate-first:0.8",
+            "gate-first:0.7",
+            "gate-first:0.6",
+            "gate-first:0.5",
+            "up-first:0.8",
+            "up-first:0.7",
+        ]
+        .map(String::from)
+        .to_vec(),
+        (false, false) => Vec::new(),
+    };
+    match (trained, relu) {
+        (true, true) => mlps.extend(
+            [
+                "dejavu:auto:1.0+lookahead",
+                "dejavu:auto:1.25+lookahead",
+                "dejavu:auto:1.5+lookahead",
+                "dejavu:auto:2.0+lookahead",
+                "dejavu:0.1+lookahead",
+                "dejavu:0.2+lookahead",
+            ]
+            .map(String::from),
+        ),
+        (true, false) => mlps.extend(
             ["dejavu:0.8+lookahead", "dejavu:0.8", "dejavu:0.7+lookahead"].map(String::from),
-        );
+        ),
+        _ => {}
     }
     let budget = 1.0 + opts.max_ppl_increase;
     // Evaluate a stage's candidates in one pass (one dense decode per token for all of them).
@@ -426,6 +507,9 @@ fn search(
     let mut attn = vec!["attn-norm:0.8".to_string(), "attn-norm:0.7".to_string()];
     if preds.heads.len() == c.n_layers {
         attn.push("dejavu-attn:0.8".into());
+        if c.n_kv_heads == c.n_heads {
+            attn.extend(["dejavu-attn:0.8+lazy-kv", "dejavu-attn:0.5+lazy-kv"].map(String::from));
+        }
     }
     let specs: Vec<String> = attn
         .iter()

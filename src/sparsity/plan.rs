@@ -112,13 +112,17 @@ pub enum MlpRule {
     /// the rest only for the neurons ReLU leaves nonzero. Exact (zero error); saves the down
     /// projection's (and a gated model's up projection's) rows of the zero neurons.
     ReluExact,
+    /// ReLU models only: the true nonzero set at no predictor cost, the ceiling of every
+    /// predictor. Computed as `ReluExact`, but the step counts only the selected rows of the
+    /// first projection (as if an oracle had named them): a bound for research, not a speedup.
+    OracleNonzero,
 }
 
 impl MlpRule {
     /// Neurons kept out of `n`, at least 1 (`ReluExact`: all, as a bound; it keeps the nonzero).
     pub fn kept(&self, n: usize) -> usize {
         match *self {
-            MlpRule::Dense | MlpRule::ReluExact => n,
+            MlpRule::Dense | MlpRule::ReluExact | MlpRule::OracleNonzero => n,
             MlpRule::Oracle { keep }
             | MlpRule::GateFirst { keep }
             | MlpRule::UpFirst { keep }

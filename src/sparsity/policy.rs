@@ -8,7 +8,10 @@
 //!   (the trained low-rank predictors; needs a predictors file): MLP selection keeping the
 //!   fraction KEEP of each layer's neurons; the first and last EDGE layers stay dense;
 //! - `relu-exact` (ReLU models): the first MLP projection in full, the rest only for the
-//!   neurons ReLU leaves nonzero (exact; see [`MlpRule::ReluExact`]);
+//!   neurons ReLU leaves nonzero (exact; see [`MlpRule::ReluExact`]); `oracle` without KEEP
+//!   (ReLU models): the true nonzero set at no predictor cost ([`MlpRule::OracleNonzero`]);
+//! - `dejavu:auto[:SCALE]`: per-layer budgets, each layer's predictors keeping SCALE (default 1)
+//!   times the layer's density measured at calibration (layers at 100% stay dense);
 //! - `attn-norm:KEEP[:EDGE]`, `dejavu-attn:KEEP[:EDGE]` (needs a predictors file): query-head
 //!   selection keeping the fraction KEEP of each layer's heads (see [`HeadRule`]);
 //! - `head:RANK:CANDIDATES`: the contextual output head (needs a predictors file): a rank-RANK
@@ -183,6 +186,47 @@ impl Policy {
                     }
                     mlp_set = true;
                     pol.mlp.iter_mut().for_each(|r| *r = MlpRule::ReluExact);
+                }
+                "oracle" if args.is_empty() => {
+                    if mlp_set || cfg.mlp.activation() != dejavu_backend_api::Activation::Relu {
+                        return Err(bad(
+                            "`oracle` without KEEP (the nonzero set) needs a ReLU MLP and is the only MLP rule".into(),
+                        ));
+                    }
+                    mlp_set = true;
+                    pol.mlp.iter_mut().for_each(|r| *r = MlpRule::OracleNonzero);
+                }
+                "dejavu" if args.first() == Some(&"auto") => {
+                    // Per-layer budgets: each layer keeps SCALE times its measured density.
+                    if mlp_set || args.len() > 2 {
+                        return Err(bad("one MLP rule, as `dejavu:auto[:SCALE]`".into()));
+                    }
+                    mlp_set = true;
+                    let scale = if args.len() == 2 { num(1, "SCALE")? } else { 1.0 };
+                    let p = predictors.filter(|p| p.mlp.len() == cfg.n_layers).ok_or_else(|| {
+                        bad("`dejavu` needs a predictors file with MLP predictors (dejavu calibrate)".into())
+                    })?;
+                    let density = p.mlp_density().ok_or_else(|| {
+                        bad("`dejavu:auto` needs per-layer densities: recalibrate with this version".into())
+                    })?;
+                    if scale.is_nan() || scale <= 0.0 {
+                        return Err(bad("SCALE must be positive".into()));
+                    }
+                    if density.len() != cfg.n_layers {
+                        return Err(bad(format!(
+                            "the predictors file has {} layer densities for {} layers",
+                            density.len(),
+                            cfg.n_layers
+                        )));
+                    }
+                    pol.mlp_predictors = p.mlp.clone();
+                    for (r, dl) in pol.mlp.iter_mut().zip(density) {
+                        let keep = (scale * dl).min(1.0) as f32;
+                        *r = match keep < 1.0 {
+                            true => MlpRule::LowRank { keep: keep.max(1e-3) },
+                            false => MlpRule::Dense,
+                        };
+                    }
                 }
                 "oracle" | "gate-first" | "up-first" | "dejavu" => {
                     if matches!(kind, "gate-first" | "up-first") && !cfg.mlp.gated() {

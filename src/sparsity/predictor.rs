@@ -1,8 +1,9 @@
 //! Deja Vu's predictors: a low-rank linear map `scores = W2 (W1 h)` (d -> r -> n_out) from a
 //! layer's normed attention input to one score per unit; the executor keeps the top-k units.
-//! - [`MlpPredictor`] (n_out = n_ff): the MLP neurons of the same layer. Labels suited to SwiGLU
-//!   (no neuron is ever exactly zero): neuron i of a token is positive when `|silu(g_i) * u_i|` is
-//!   among the token's top `label_keep` fraction.
+//! - [`MlpPredictor`] (n_out = n_ff): the MLP neurons of the same layer. On ReLU models the
+//!   paper's labels: neuron i is positive when `ReLU(fc1 x)_i > 0` ([`Labels::Positive`]). On
+//!   SwiGLU (no neuron is ever exactly zero): positive when `|silu(g_i) * u_i|` is among the
+//!   token's top `label_keep` fraction.
 //! - [`HeadPredictor`] (n_out = n_heads): the query heads of the *next* layer, labelled by the
 //!   norm of each head's attention output.
 //!
@@ -26,6 +27,18 @@ pub struct LowRankPredictor {
     pub(crate) w2: Vec<u8>,
 }
 
+/// Which units a training row labels positive.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub enum Labels {
+    /// The top `label_keep` fraction by importance (SwiGLU neurons are never exactly zero; the
+    /// heads of the paper's attention labels).
+    #[default]
+    TopK,
+    /// Every unit whose importance is above zero: the paper's MLP labels on ReLU models,
+    /// `ReLU(fc1 x) > 0`.
+    Positive,
+}
+
 /// Training settings.
 #[derive(Debug, Clone)]
 pub struct TrainOptions {
@@ -33,8 +46,9 @@ pub struct TrainOptions {
     pub epochs: usize,
     pub batch: usize,
     pub lr: f32,
-    /// Fraction of neurons labelled positive per token.
+    /// Fraction of neurons labelled positive per token (`Labels::TopK`).
     pub label_keep: f32,
+    pub labels: Labels,
     pub seed: u64,
 }
 
@@ -46,6 +60,7 @@ impl Default for TrainOptions {
             batch: 256,
             lr: 3e-3,
             label_keep: 0.3,
+            labels: Labels::TopK,
             seed: 11,
         }
     }
@@ -117,8 +132,10 @@ impl LowRankPredictor {
     }
 
     /// Train on `x` (`n x d`, the inputs) against `act` (`n x n_out`, the true importance of each
-    /// unit, e.g. `|silu(g) * u|`). Returns the predictor and its recall of the true top
-    /// `label_keep` at the same budget, on the last eighth of the rows (held out from training).
+    /// unit, e.g. `|silu(g) * u|`, or a ReLU's output). Returns the predictor and its held-out
+    /// recall (on the last eighth of the rows): the fraction of positive labels its top-k finds,
+    /// k the mean number of positives per row (`TopK`: `label_keep * n_out`; `Positive`: the
+    /// layer's mean count of nonzero units, its density).
     pub fn train(
         x: &[f32],
         act: &[f32],
@@ -133,8 +150,18 @@ impl LowRankPredictor {
                 o.rank
             )));
         }
-        let k = ((o.label_keep * n_out as f32).round() as usize).clamp(1, n_out);
-        let labels = top_labels(act, n_out, k);
+        let (labels, k) = match o.labels {
+            Labels::TopK => {
+                let k = ((o.label_keep * n_out as f32).round() as usize).clamp(1, n_out);
+                (top_labels(act, n_out, k), k)
+            }
+            Labels::Positive => {
+                let l: Vec<f32> = act.iter().map(|&a| (a > 0.0) as u8 as f32).collect();
+                let mean = l.iter().sum::<f32>() / n as f32;
+                (l, (mean.round() as usize).clamp(1, n_out))
+            }
+        };
+        let keep = (labels.iter().sum::<f32>() / labels.len() as f32).clamp(1e-3, 0.999);
         let n_train = n - n / 8;
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(o.seed);
         let r = o.rank;
@@ -147,7 +174,7 @@ impl LowRankPredictor {
         let (mut m2, mut v2) = (DMatrix::zeros(n_out, r), DMatrix::zeros(n_out, r));
         let (b1, b2, eps) = (0.9f32, 0.999f32, 1e-8f32);
         // Positives are a fraction of the labels: weight them up to balance the loss.
-        let pos_w = (1.0 - o.label_keep) / o.label_keep;
+        let pos_w = (1.0 - keep) / keep;
         let mut order: Vec<usize> = (0..n_train).collect();
         let mut t = 0i32;
         for _ in 0..o.epochs {
@@ -190,8 +217,9 @@ impl LowRankPredictor {
             let xi = DMatrix::from_row_slice(1, d, &x[i * d..(i + 1) * d]);
             let s = (xi * w1.transpose()) * w2.transpose();
             let pred = crate::sparsity::top_k(s.as_slice(), k, &mut idx);
-            hit += pred.iter().filter(|&j| labels[i * n_out + j] > 0.5).count();
-            total += k;
+            let row = &labels[i * n_out..(i + 1) * n_out];
+            hit += pred.iter().filter(|&j| row[j] > 0.5).count();
+            total += row.iter().filter(|&&y| y > 0.5).count();
         }
         let recall = hit as f64 / total.max(1) as f64;
         let q = |m: &DMatrix<f32>| {

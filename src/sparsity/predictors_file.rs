@@ -200,6 +200,13 @@ impl Predictors {
         })
     }
 
+    /// Per-layer MLP density measured at calibration (the fraction of nonzero activations), if
+    /// stored.
+    pub fn mlp_density(&self) -> Option<Vec<f64>> {
+        let v = self.metadata.get("mlp_density")?;
+        v.split(',').map(|x| x.trim().parse().ok()).collect()
+    }
+
     /// The policy calibration recommends (`None` if the file has none).
     pub fn recommended(&self) -> Option<&str> {
         self.metadata.get("recommended").map(String::as_str)

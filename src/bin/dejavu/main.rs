@@ -299,6 +299,10 @@ struct PerplexityArgs {
     /// Score at most this many chunks (default: all).
     #[arg(long)]
     chunks: Option<usize>,
+    /// Also write the result as JSON to this file: ppl, dense ppl, KL, top-1 agreement, MLP and
+    /// head density, bytes per token (for a sparse policy; dense runs write ppl only).
+    #[arg(long)]
+    json: Option<std::path::PathBuf>,
     #[command(flatten)]
     sparsity: SparsityArgs,
 }
@@ -707,6 +711,26 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
                 h * 100.0
             );
         }
+        if let Some(p) = &a.json {
+            let dense_bytes = engine.model.dense_bytes_per_token() as f64;
+            let v = serde_json::json!({
+                "model": engine.model.label(),
+                "sparsity": policy.name,
+                "ctx": a.ctx,
+                "n_scored": r.sparse.n_scored,
+                "ppl": r.sparse.ppl,
+                "dense_ppl": r.dense.ppl,
+                "ppl_ratio": r.sparse.ppl / r.dense.ppl,
+                "kl": r.kl,
+                "top1_agreement": r.top1_agreement,
+                "mlp_density": r.steps.mlp_density(),
+                "head_density": r.steps.head_density(),
+                "weight_bytes_per_token": r.steps.mean_bytes(),
+                "dense_weight_bytes_per_token": dense_bytes,
+                "speedup_vs_dense": r.speedup(),
+            });
+            write_json(p, &v)?;
+        }
         // The contract of every perplexity run: the last line is `ppl: <value>`, here the
         // policy's.
         println!("ppl: {:.4}", r.sparse.ppl);
@@ -730,6 +754,23 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
         t0.elapsed().as_secs_f64(),
         (r.n_chunks * a.ctx) as f64 / t0.elapsed().as_secs_f64()
     );
+    if let Some(p) = &a.json {
+        let v = serde_json::json!({
+            "model": engine.model.label(),
+            "sparsity": "dense",
+            "ctx": a.ctx,
+            "n_scored": r.n_scored,
+            "ppl": r.ppl,
+            "dense_ppl": r.ppl,
+            "weight_bytes_per_token": engine.model.dense_bytes_per_token(),
+        });
+        write_json(p, &v)?;
+    }
     println!("ppl: {:.4}", r.ppl);
     Ok(())
+}
+
+fn write_json(path: &std::path::Path, v: &serde_json::Value) -> Result<()> {
+    std::fs::write(path, serde_json::to_string_pretty(v)?)
+        .with_context(|| format!("writing {}", path.display()))
 }
