@@ -94,7 +94,7 @@ fn paper_policy_runs_its_selection_on_synthetic_predictors() {
     assert_eq!(pol.mlp[0], MlpRule::Dense);
     assert_eq!(pol.heads[0], HeadRule::Dense);
     assert!(pol.lookahead);
-    assert_eq!(pol.kv, dejavu::sparsity::KvRule::Lazy);
+    assert_eq!(pol.kv, dejavu::sparsity::KvRule::All);
     for l in 1..12 {
         assert_eq!(pol.mlp[l], MlpRule::LowRank { keep: 0.1 });
         assert_eq!(pol.heads[l], HeadRule::LowRank { keep: 0.5 });

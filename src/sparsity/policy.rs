@@ -3,7 +3,7 @@
 //! activations; see `executor`).
 //!
 //! Grammar: `dense`, `recommended` (the setting stored by `dejavu calibrate`), `paper` (the
-//! paper's plan, [`PAPER`] or [`PAPER_MHA`] with layer 0 dense), or parts joined by `+`:
+//! paper's plan, [`PAPER`] with layer 0 dense), or parts joined by `+`:
 //! - `oracle:KEEP[:EDGE]`, `gate-first:KEEP[:EDGE]`, `up-first:KEEP[:EDGE]`, `dejavu:KEEP[:EDGE]`
 //!   (the trained low-rank predictors; needs a predictors file): MLP selection keeping the
 //!   fraction KEEP of each layer's neurons; the first and last EDGE layers stay dense;
@@ -31,13 +31,11 @@ use crate::{Error, Result};
 use std::sync::Arc;
 
 /// The Deja Vu paper's plan (`--sparsity paper`): the top 10% of MLP neurons and 50% of heads
-/// by the low-rank predictors, in layers 1..L-1 (layer 0 dense), with lookahead; on multi-head
-/// attention also the paper's lazy K/V ([`PAPER_MHA`]).
+/// by the low-rank predictors, in layers 1..L-1 (layer 0 dense), with lookahead. Keys and values
+/// of every head are computed: lazy K/V (`+lazy-kv`) reads a third fewer attention bytes, but
+/// measured on synthetic:opt-6.7b Q8_0 at 2 threads it decodes ~10% slower (random selections
+/// leave most selected heads a position to recompute, one more product each; docs/sparsity.md).
 pub const PAPER: &str = "dejavu:0.1+dejavu-attn:0.5+lookahead";
-/// [`PAPER`] with lazy K/V. Chosen for multi-head models because it reads a third fewer
-/// attention bytes; measured on synthetic:opt-6.7b Q8_0 at 2 threads it decodes ~10% faster than
-/// computing every head's K/V (docs/sparsity.md).
-pub const PAPER_MHA: &str = "dejavu:0.1+dejavu-attn:0.5+lookahead+lazy-kv";
 
 pub struct OutputRule {
     /// Shared with the predictors it came from when the rank is the stored one.
@@ -116,15 +114,11 @@ impl Policy {
             return Ok(pol);
         }
         if spec == "paper" {
-            let named = match cfg.n_kv_heads == cfg.n_heads {
-                true => PAPER_MHA,
-                false => PAPER,
-            };
-            let mut pol = Self::parse(named, cfg, predictors)?;
+            let mut pol = Self::parse(PAPER, cfg, predictors)?;
             // Layer 0 stays dense (its neurons are much denser than the rest).
             pol.mlp[0] = MlpRule::Dense;
             pol.heads[0] = HeadRule::Dense;
-            pol.name = format!("paper ({named}, layer 0 dense)");
+            pol.name = format!("paper ({PAPER}, layer 0 dense)");
             return Ok(pol);
         }
         let mut pol = Self::dense(cfg);

@@ -83,33 +83,42 @@ fn dot_path(
         .iter()
         .any(|j| matches!(k.dot(j.w.qtype, false), RowDot::Q8A(_)));
     ACT.with_borrow_mut(|act| {
+        // Every token's activations quantized once, so each row is read once per chunk of
+        // tokens (see `rows_dot`).
+        let bpr = if needs_q8a { cols / QK } else { 0 };
         act.resize(
-            if needs_q8a { cols / QK } else { 0 },
+            n_tok * bpr,
             BlockQ8A {
                 d: 0.0,
                 s: 0.0,
                 qs: [0; QK],
             },
         );
-        for t in 0..n_tok {
-            let xt = &x[t * cols..(t + 1) * cols];
-            if needs_q8a {
-                (k.quantize)(xt, act);
+        if needs_q8a {
+            for (xt, at) in x.chunks_exact(cols).zip(act.chunks_exact_mut(bpr)) {
+                (k.quantize)(xt, at);
             }
-            let parts: [Option<Part>; MAX_JOBS] = std::array::from_fn(|i| {
-                jobs.get_mut(i).map(|j| Part {
-                    dot: k.dot(j.w.qtype, !j.rows.is_full()),
-                    w: j.w,
-                    rows: j.rows,
-                    y: SyncPtr::new(j.y[t * j.w.rows..].as_mut_ptr()),
-                })
-            });
-            rows_dot(pool, &parts, xt, act);
         }
+        let parts: [Option<Part>; MAX_JOBS] = std::array::from_fn(|i| {
+            jobs.get_mut(i).map(|j| Part {
+                dot: k.dot(j.w.qtype, !j.rows.is_full()),
+                w: j.w,
+                rows: j.rows,
+                y: SyncPtr::new(j.y.as_mut_ptr()),
+            })
+        });
+        let input = Input {
+            x,
+            act,
+            cols,
+            bpr,
+            n_tok,
+        };
+        rows_dot(pool, &parts, &input);
     });
 }
 
-/// One job of a shared-input dispatch, with its output for the current token.
+/// One job of a shared-input dispatch; `y` is its whole output (`n_tok * w.rows`).
 #[derive(Clone, Copy)]
 struct Part<'a> {
     dot: RowDot,
@@ -118,91 +127,102 @@ struct Part<'a> {
     y: SyncPtr,
 }
 
-/// `y[r] = dot(row r)` for the selected rows of every part: the concatenated rows are split into
-/// one contiguous range per pool thread, so each thread streams one long run of weights, which
-/// the prefetchers and DRAM pages favour over interleaved small tasks (measured: 10-35% more GB/s
-/// at 2 threads).
-fn rows_dot(pool: &SpinPool, parts: &[Option<Part>], xt: &[f32], act: &[BlockQ8A]) {
+/// The tokens of a dispatch: f32 rows of `cols`, and (for the integer kernels) their Q8A blocks,
+/// `bpr` per token.
+struct Input<'a> {
+    x: &'a [f32],
+    act: &'a [BlockQ8A],
+    cols: usize,
+    bpr: usize,
+    n_tok: usize,
+}
+
+/// Tokens dotted with one row while it is in L1: a row is read from memory once per chunk.
+const TOKEN_CHUNK: usize = 4;
+
+/// `y[t][r] = dot(row r, x[t])` for the selected rows of every part: the concatenated rows are
+/// split into one contiguous range per pool thread, so each thread streams one long run of
+/// weights, which the prefetchers and DRAM pages favour over interleaved small tasks (measured:
+/// 10-35% more GB/s at 2 threads). Tokens go in chunks of [`TOKEN_CHUNK`], rows inside: a row
+/// is dotted with every token of the chunk before the next row is read.
+fn rows_dot(pool: &SpinPool, parts: &[Option<Part>], input: &Input) {
     let total: usize = parts.iter().flatten().map(|p| p.rows.len()).sum();
     let per = total.div_ceil(pool.threads());
     pool.run(pool.threads(), &|task| {
         let (lo, hi) = (task * per, ((task + 1) * per).min(total));
-        let mut base = 0;
-        for p in parts.iter().flatten() {
-            let n = p.rows.len();
-            let (a, b) = (lo.max(base) - base, hi.min(base + n).saturating_sub(base));
-            base += n;
-            // Row length computed once: short rows (the output preview's) make the per-row
-            // work count.
-            let rb = p.w.qtype.row_bytes(p.w.cols);
-            let row = |r: usize| &p.w.data[r * rb..(r + 1) * rb];
-            // Sparse sets prefetch the rows they select (their kernels do not prefetch).
-            if !p.rows.is_full() {
-                sparse_rows(p, a, b, rb, xt, act);
-                continue;
-            }
-            for i in a..b {
-                let r = p.rows.get(i);
-                let v = match p.dot {
-                    RowDot::F32(dot) => dot(row(r), xt),
-                    RowDot::Q8A(dot) => dot(row(r), act),
-                };
-                // SAFETY: IndexSet entries are unique and < w.rows, the length of this token's
-                // output, and the thread ranges are disjoint, so each element has one writer; the
-                // output outlives `pool.run`.
-                unsafe { *p.y.get().add(r) = v };
+        for t0 in (0..input.n_tok).step_by(TOKEN_CHUNK) {
+            let tokens = t0..(t0 + TOKEN_CHUNK).min(input.n_tok);
+            let mut base = 0;
+            for p in parts.iter().flatten() {
+                let n = p.rows.len();
+                let (a, b) = (lo.max(base) - base, hi.min(base + n).saturating_sub(base));
+                base += n;
+                if a < b {
+                    part_rows(p, a, b, input, tokens.clone());
+                }
             }
         }
     });
 }
 
-/// Rows of a sparse set at least twice this long are read in segments (see [`sparse_rows`]).
+/// Rows of a sparse set at least twice this long are read in segments (see [`part_rows`]).
 const SEGMENT_BYTES: usize = 512;
 /// How far ahead sparse rows are prefetched, in bytes of selected rows (measured on 4 KiB rows
 /// from DRAM: 8 KiB read ~25% more GB/s than 4 KiB at 10% density; more gained nothing).
 const SPARSE_AHEAD_BYTES: usize = 8192;
 
-/// Selected rows `a..b` of `p`. A selected row is a short stream of its own, so the hardware
-/// prefetcher barely starts on it; the loop prefetches the rows [`SPARSE_AHEAD_BYTES`] later in
-/// step with the reading: while it reads segment `s` of row `i` (about [`SEGMENT_BYTES`]), it
-/// prefetches segment `s` of row `i + ahead`, keeping a steady number of lines in flight instead
-/// of a burst per row that overflows the miss queue.
-fn sparse_rows(p: &Part, a: usize, b: usize, rb: usize, xt: &[f32], act: &[BlockQ8A]) {
+/// Selected rows `a..b` of `p` dotted with `tokens`. Full sets use the kernels that prefetch
+/// the matrix linearly. A selected row of a sparse set is a short stream of its own, so the
+/// hardware prefetcher barely starts on it; the loop prefetches the rows [`SPARSE_AHEAD_BYTES`]
+/// later in step with the reading: while it reads segment `s` of row `i` (about
+/// [`SEGMENT_BYTES`]), it prefetches segment `s` of row `i + ahead`, keeping a steady number of
+/// lines in flight instead of a burst per row that overflows the miss queue.
+fn part_rows(p: &Part, a: usize, b: usize, input: &Input, tokens: std::ops::Range<usize>) {
     let (q, cols) = (p.w.qtype, p.w.cols);
+    let rb = q.row_bytes(cols);
     let row = |r: usize| &p.w.data[r * rb..(r + 1) * rb];
+    let sparse = !p.rows.is_full();
     let ahead = SPARSE_AHEAD_BYTES.div_ceil(rb).max(1);
-    let bl = q.block_len();
+    let (bl, bb) = (q.block_len(), q.block_bytes());
     let blocks = cols / bl;
-    // Elements per segment: whole blocks (and, for the 8-bit activations, whole QK blocks).
+    // Segments of whole blocks (and, for the 8-bit activations, whole QK blocks).
     let unit = bl.max(QK) / bl;
-    let seg_blocks = ((SEGMENT_BYTES / q.block_bytes()).max(1)).div_ceil(unit) * unit;
-    let n_seg = if rb < 2 * SEGMENT_BYTES || !cols.is_multiple_of(bl.max(QK)) {
-        1
-    } else {
-        blocks.div_ceil(seg_blocks)
+    let seg_blocks = (SEGMENT_BYTES / bb).max(1).div_ceil(unit) * unit;
+    let n_seg = match sparse && rb >= 2 * SEGMENT_BYTES && cols.is_multiple_of(bl.max(QK)) {
+        true => blocks.div_ceil(seg_blocks),
+        false => 1,
     };
+    let mut v = [0f32; TOKEN_CHUNK];
     for i in a..b {
         let r = p.rows.get(i);
-        let next = (i + ahead < b).then(|| row(p.rows.get(i + ahead)));
-        let mut v = 0f32;
+        let next = (sparse && i + ahead < b).then(|| row(p.rows.get(i + ahead)));
+        v.fill(0.0);
         for s in 0..n_seg {
-            let (b0, b1) = match n_seg {
-                1 => (0, blocks),
-                _ => (s * seg_blocks, ((s + 1) * seg_blocks).min(blocks)),
-            };
-            let bytes = b0 * q.block_bytes()..b1 * q.block_bytes();
-            if let Some(nx) = next {
-                prefetch::prefetch(&nx[bytes.clone()]);
+            let (b0, b1) = (s * seg_blocks, ((s + 1) * seg_blocks).min(blocks));
+            let (b0, b1) = if n_seg == 1 { (0, blocks) } else { (b0, b1) };
+            let bytes = b0 * bb..b1 * bb;
+            match next {
+                Some(nx) if n_seg > 1 => prefetch::prefetch(&nx[bytes.clone()]),
+                // Short rows: the whole next row at once.
+                Some(nx) if s == 0 => prefetch::prefetch(nx),
+                _ => {}
             }
             let w = &row(r)[bytes];
             let (e0, e1) = (b0 * bl, b1 * bl);
-            v += match p.dot {
-                RowDot::F32(dot) => dot(w, &xt[e0..e1]),
-                RowDot::Q8A(dot) => dot(w, &act[e0 / QK..e1 / QK]),
-            };
+            for (vt, t) in v.iter_mut().zip(tokens.clone()) {
+                *vt += match p.dot {
+                    RowDot::F32(dot) => dot(w, &input.x[t * input.cols..][e0..e1]),
+                    RowDot::Q8A(dot) => dot(w, &input.act[t * input.bpr..][e0 / QK..e1 / QK]),
+                };
+            }
         }
-        // SAFETY: as in `rows_dot`: unique rows below w.rows, disjoint thread ranges.
-        unsafe { *p.y.get().add(r) = v };
+        for (vt, t) in v.iter().zip(tokens.clone()) {
+            // SAFETY: IndexSet entries are unique and < w.rows, t < n_tok, so t * w.rows + r
+            // lies inside the part's output (n_tok * w.rows, checked by `matmul_shared`); the
+            // thread ranges are disjoint, so each element has one writer; the output outlives
+            // `pool.run`.
+            unsafe { *p.y.get().add(t * p.w.rows + r) = *vt };
+        }
     }
 }
 
@@ -287,42 +307,75 @@ mod tests {
 
     /// A sparse set's rows (read in prefetched segments when long) equal the same rows of the
     /// dense product (masked dense) within float rounding, and unselected rows are 0; for every
-    /// tier and type, rows long enough to be segmented with a ragged last segment, and short.
+    /// tier and type, rows long enough to be segmented with a ragged last segment, and short; for
+    /// one token, a chunk and a half of tokens (each row dotted with several), and more.
     #[test]
     fn sparse_rows_are_masked_dense() {
         for isa in Isa::supported() {
             let k = Kernels::for_isa(isa).unwrap();
             let pool = SpinPool::new(2);
             for q in QuantType::ALL {
-                for cols in [256 * 9, 256] {
+                for (cols, n_tok) in [(256 * 9, 1), (256, 1), (256 * 9, 6), (256, 3)] {
                     let n = 37;
                     let data: Vec<u8> = (0..n)
                         .flat_map(|r| random_row(q, cols, r as u64 * 5 + 1))
                         .collect();
                     let w = Weight::new(q, n, cols, &data).unwrap();
-                    let x = random_f32(cols, 9);
-                    let mut dense = vec![0f32; n];
-                    matmul(&k, &pool, &w, &IndexSet::full(n), &x, &mut dense);
+                    let x = random_f32(n_tok * cols, 9);
                     let set =
                         IndexSet::new(n, (0..n as u32).filter(|i| i % 3 != 0).collect()).unwrap();
-                    let mut got = vec![7f32; n];
+                    let mut got = vec![7f32; n_tok * n];
                     matmul(&k, &pool, &w, &set, &x, &mut got);
                     let mut row = vec![0f32; cols];
-                    for r in 0..n {
-                        if !set.contains(r) {
-                            assert_eq!(got[r], 0.0, "{isa} {q:?} row {r} not selected");
-                            continue;
+                    for t in 0..n_tok {
+                        // Each token alone, all rows: the one-token dense path.
+                        let xt = &x[t * cols..(t + 1) * cols];
+                        let mut dense = vec![0f32; n];
+                        matmul(&k, &pool, &w, &IndexSet::full(n), xt, &mut dense);
+                        for r in 0..n {
+                            let g = got[t * n + r];
+                            if !set.contains(r) {
+                                assert_eq!(g, 0.0, "{isa} {q:?} row {r} not selected");
+                                continue;
+                            }
+                            crate::dequant::dequantize_row(q, w.row(r), &mut row);
+                            let mag: f32 = row.iter().zip(xt).map(|(a, b)| (a * b).abs()).sum();
+                            assert!(
+                                (g - dense[r]).abs() <= 1e-5 * mag + 1e-6,
+                                "{isa} {q:?} cols {cols} token {t} row {r}: {g} vs {}",
+                                dense[r]
+                            );
                         }
-                        crate::dequant::dequantize_row(q, w.row(r), &mut row);
-                        let mag: f32 = row.iter().zip(&x).map(|(a, b)| (a * b).abs()).sum();
-                        assert!(
-                            (got[r] - dense[r]).abs() <= 1e-5 * mag + 1e-6,
-                            "{isa} {q:?} cols {cols} row {r}: {} vs {}",
-                            got[r],
-                            dense[r]
-                        );
                     }
                 }
+            }
+        }
+    }
+
+    /// Two and three tokens of a full set (the dot path below `GEMM_MIN_TOKENS`) equal one token
+    /// at a time.
+    #[test]
+    fn few_tokens_equal_one_at_a_time() {
+        let k = Kernels::for_isa(Isa::detect()).unwrap();
+        let pool = SpinPool::new(2);
+        for q in QuantType::ALL {
+            let (n, cols, n_tok) = (19, 512, 3);
+            let data: Vec<u8> = (0..n).flat_map(|r| random_row(q, cols, r as u64)).collect();
+            let w = Weight::new(q, n, cols, &data).unwrap();
+            let x = random_f32(n_tok * cols, 4);
+            let mut all = vec![0f32; n_tok * n];
+            matmul(&k, &pool, &w, &IndexSet::full(n), &x, &mut all);
+            for t in 0..n_tok {
+                let mut one = vec![0f32; n];
+                matmul(
+                    &k,
+                    &pool,
+                    &w,
+                    &IndexSet::full(n),
+                    &x[t * cols..(t + 1) * cols],
+                    &mut one,
+                );
+                assert_eq!(&all[t * n..(t + 1) * n], &one[..], "{q:?} token {t}");
             }
         }
     }
