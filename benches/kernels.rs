@@ -83,7 +83,7 @@ fn prefill(c: &mut Criterion) {
 }
 
 /// The sparse MLP's kernels at opt-6.7b's shape (fc1 and the neuron-major fc2: 16384 rows of
-/// 4096) in Q8_0 and f16, over every row and over 50%, 10% and 5% of them, next to the dense
+/// 4096) in Q8_0 and f16, and opt-1.3b's (8192 of 2048) in Q8_0, over every row and over 50%, 10% and 5% of them, next to the dense
 /// matvec: bytes read per second should stay near the dense figure as density falls. As in the
 /// engine, the weights lie in anonymous memory advised to use huge pages; each iteration reads
 /// the next of four matrices (more than any L3) with the next of eight random sets, so the
@@ -91,8 +91,12 @@ fn prefill(c: &mut Criterion) {
 fn sparse(c: &mut Criterion) {
     let pool = SpinPool::new(std::thread::available_parallelism().map_or(1, |n| n.get()));
     let k = Kernels::for_isa(Isa::detect()).unwrap();
-    let (rows, cols) = (16384, 4096);
-    for qtype in [QuantType::Q8_0, QuantType::F16] {
+    let shapes = [
+        (16384, 4096, QuantType::Q8_0),
+        (16384, 4096, QuantType::F16),
+        (8192, 2048, QuantType::Q8_0),
+    ];
+    for (rows, cols, qtype) in shapes {
         let one = synthetic(qtype, rows, cols);
         let mats: Vec<memmap2::MmapMut> = (0..4)
             .map(|_| {

@@ -112,6 +112,15 @@ pub fn markdown(rows: &[FrontierRow]) -> String {
     s
 }
 
+/// Register a system font as plotters' `sans-serif` (every plot's text).
+pub(crate) fn register_font() -> Result<()> {
+    let font = system_font().ok_or_else(|| {
+        Error::Invalid("no TrueType font found for the plot (install fonts-dejavu-core)".into())
+    })?;
+    plotters::style::register_font("sans-serif", plotters::style::FontStyle::Normal, font)
+        .map_err(|_| Error::Invalid("unreadable font".into()))
+}
+
 /// A sans-serif TrueType font from the usual system locations (plotters draws text with it).
 fn system_font() -> Option<&'static [u8]> {
     const PATHS: [&str; 5] = [
@@ -132,11 +141,7 @@ fn system_font() -> Option<&'static [u8]> {
 /// when `recall` is not empty (learned predictors' held-out recall per layer), a fourth panel.
 pub fn plot(rows: &[FrontierRow], recall: &[Recall], title: &str, path: &Path) -> Result<()> {
     use plotters::prelude::*;
-    let font = system_font().ok_or_else(|| {
-        Error::Invalid("no TrueType font found for the plot (install fonts-dejavu-core)".into())
-    })?;
-    plotters::style::register_font("sans-serif", FontStyle::Normal, font)
-        .map_err(|_| Error::Invalid("unreadable font".into()))?;
+    register_font()?;
     let err = |e: &dyn std::fmt::Display| Error::Invalid(format!("plot: {e}"));
     let n_panels: usize = if recall.is_empty() { 3 } else { 4 };
     let root = BitMapBackend::new(path, (500 * n_panels as u32, 520)).into_drawing_area();

@@ -54,8 +54,18 @@ pub struct ReportArgs {
     #[command(flatten)]
     pub model: ModelArgs,
     /// The text to score (token by token, dense and every policy side by side).
-    #[arg(long, short)]
-    pub file: std::path::PathBuf,
+    #[arg(long, short, required_unless_present = "speed")]
+    pub file: Option<std::path::PathBuf>,
+    /// Instead: decode speed against MLP density (dense and `dejavu:D` for each of
+    /// `--densities`; real or synthetic models), as `<model>.speed.{md,json,png}`.
+    #[arg(long)]
+    pub speed: bool,
+    /// MLP densities of `--speed`.
+    #[arg(long, value_delimiter = ',', default_value = "0.5,0.25,0.1,0.05")]
+    pub densities: Vec<f64>,
+    /// Tokens decoded per repetition of `--speed` (3 repetitions after a warm-up).
+    #[arg(long, default_value_t = 16)]
+    pub n_gen: usize,
     /// Tokens per chunk.
     #[arg(long, default_value_t = 512)]
     pub ctx: usize,
@@ -130,8 +140,12 @@ pub fn cmd_calibrate(a: CalibrateArgs) -> Result<()> {
 }
 
 pub fn cmd_report(a: ReportArgs) -> Result<()> {
-    let text = std::fs::read_to_string(&a.file)
-        .with_context(|| format!("reading {}", a.file.display()))?;
+    if a.speed {
+        return cmd_speed(&a);
+    }
+    let path = a.file.clone().unwrap_or_default();
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
     let engine = a.model.load(Some(a.ctx))?;
     let name = engine
         .model
@@ -224,7 +238,7 @@ pub fn cmd_report(a: ReportArgs) -> Result<()> {
         bench_cpu(),
         tokens.len() / a.ctx,
         a.ctx,
-        a.file.display(),
+        path.display(),
         engine.threads(),
         engine.isa(),
         dejavu::eval::bench::COMMIT,
@@ -237,6 +251,45 @@ pub fn cmd_report(a: ReportArgs) -> Result<()> {
     match dejavu::eval::report::plot(&rows, &recall, &name, &file("png")) {
         Ok(()) => eprintln!("wrote {} (md, json, png)", base.display()),
         Err(e) => eprintln!("wrote {} (md, json); no plot: {e}", base.display()),
+    }
+    Ok(())
+}
+
+/// `report --speed`: speed against MLP density (see `dejavu::eval::speed_frontier`).
+fn cmd_speed(a: &ReportArgs) -> Result<()> {
+    use dejavu::eval::speed_frontier;
+    if a.densities.iter().any(|d| !(*d > 0.0 && *d < 1.0)) || a.n_gen == 0 {
+        anyhow::bail!("--densities must lie in (0, 1) and --n-gen be positive");
+    }
+    let engine = a.model.load(Some(a.n_gen + 2))?;
+    let label = engine.model.label();
+    let stem = label
+        .split(' ')
+        .next()
+        .unwrap_or("model")
+        .replace([':', '/'], "-");
+    let file = |ext: &str| a.out.join(format!("{stem}.speed.{ext}"));
+    let rows = speed_frontier::measure(&engine, &a.densities, a.n_gen, 3)?;
+    std::fs::create_dir_all(&a.out)?;
+    let md = format!(
+        "{label} | {} | {} threads, {} kernels | tg{} x 3 | commit {}\n\n{}",
+        bench_cpu(),
+        engine.threads(),
+        engine.isa(),
+        a.n_gen,
+        dejavu::eval::bench::COMMIT,
+        speed_frontier::markdown(&rows)
+    );
+    std::fs::write(file("md"), &md)?;
+    std::fs::write(file("json"), serde_json::to_string_pretty(&rows)?)?;
+    print!("{md}");
+    match speed_frontier::plot(
+        &rows,
+        &format!("{label}: speed against MLP density"),
+        &file("png"),
+    ) {
+        Ok(()) => eprintln!("wrote {} (md, json, png)", file("*").display()),
+        Err(e) => eprintln!("wrote {} (md, json); no plot: {e}", file("*").display()),
     }
     Ok(())
 }

@@ -1,0 +1,177 @@
+//! `dejavu report --speed`: decode speed against MLP density, the paper's latency-vs-sparsity
+//! figure, as a markdown table, JSON and a PNG plot with the ideal `1 / density` line.
+//!
+//! For each density D the policy is `dejavu:D` (the low-rank predictors pick D of every layer's
+//! neurons; attention stays dense), timed against dense decoding with the two alternating in one
+//! process ([`crate::eval::bench::time_once`]). The MLP block's speedup is the one that should
+//! follow `1 / D`; the whole step's is bounded by the dense attention and output head. On a
+//! synthetic model (the paper's method) the predictors are random, so the sets are random too:
+//! a speed measurement, not a quality one.
+use crate::engine::executor::Plan;
+use crate::engine::Engine;
+use crate::eval::bench::{median_sd, time_once, StepTotals};
+use crate::{Error, Result};
+use serde::Serialize;
+use std::path::Path;
+
+#[derive(Debug, Clone, Serialize)]
+pub struct SpeedRow {
+    pub policy: String,
+    /// Mean fraction of MLP neurons computed (1 for dense).
+    pub mlp_density: f64,
+    pub tok_per_s: f64,
+    pub step_speedup: f64,
+    /// MLP blocks' ms per token (predictor waits included) and their speedup over dense's.
+    pub mlp_ms: f64,
+    pub mlp_speedup: f64,
+    pub mlp_gb_per_s: f64,
+    /// Predictors' own ms per token.
+    pub predict_ms: f64,
+    /// `1 / density`: the MLP speedup if time followed the neuron count.
+    pub ideal_mlp_speedup: f64,
+}
+
+/// Time dense and `dejavu:D` for each density (`n_gen` decoded tokens, `reps` repetitions after
+/// a warm-up, policies alternating within each repetition).
+pub fn measure(
+    engine: &Engine,
+    densities: &[f64],
+    n_gen: usize,
+    reps: usize,
+) -> Result<Vec<SpeedRow>> {
+    let preds = engine.predictors(None)?.ok_or_else(|| {
+        Error::Invalid("no predictors: run `dejavu calibrate` (or use a synthetic model)".into())
+    })?;
+    let mut specs = vec!["dense".to_string()];
+    specs.extend(densities.iter().map(|d| format!("dejavu:{d}")));
+    let policies = (specs.iter())
+        .map(|s| engine.policy(s, Some(&preds)))
+        .collect::<Result<Vec<_>>>()?;
+    let mut cache = engine.new_cache();
+    let mut tps = vec![Vec::new(); policies.len()];
+    let mut steps = vec![StepTotals::default(); policies.len()];
+    let bar = crate::progress::bar((reps * policies.len()) as u64, "speed against density");
+    for rep in 0..=reps {
+        for (i, p) in policies.iter().enumerate() {
+            let mut st = StepTotals::default();
+            let secs = time_once(
+                engine,
+                &mut cache,
+                Plan::Policy(p),
+                false,
+                n_gen,
+                rep as u64,
+                &mut st,
+            )?;
+            if rep > 0 {
+                tps[i].push(n_gen as f64 / secs);
+                steps[i].add_all(&st);
+                bar.inc(1);
+            }
+        }
+    }
+    bar.finish_and_clear();
+    let dense_tps = median_sd(&tps[0]).0;
+    let dense_mlp = steps[0].blocks().mlp.ms;
+    Ok((0..policies.len())
+        .map(|i| {
+            let (b, density) = (steps[i].blocks(), steps[i].mlp_density());
+            SpeedRow {
+                policy: policies[i].name.clone(),
+                mlp_density: density,
+                tok_per_s: median_sd(&tps[i]).0,
+                step_speedup: median_sd(&tps[i]).0 / dense_tps,
+                mlp_ms: b.mlp.ms,
+                mlp_speedup: dense_mlp / b.mlp.ms.max(1e-9),
+                mlp_gb_per_s: b.mlp.gb_per_s,
+                predict_ms: b.predictors.ms,
+                ideal_mlp_speedup: 1.0 / density.max(1e-9),
+            }
+        })
+        .collect())
+}
+
+pub fn markdown(rows: &[SpeedRow]) -> String {
+    let mut s = String::from(
+        "| policy | MLP density | t/s | step speedup | MLP ms/token | MLP speedup | ideal (1/density) | MLP GB/s | predictors ms/token |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for r in rows {
+        s += &format!(
+            "| {} | {:.3} | {:.2} | {:.2}x | {:.2} | {:.2}x | {:.1}x | {:.1} | {:.2} |\n",
+            r.policy,
+            r.mlp_density,
+            r.tok_per_s,
+            r.step_speedup,
+            r.mlp_ms,
+            r.mlp_speedup,
+            r.ideal_mlp_speedup,
+            r.mlp_gb_per_s,
+            r.predict_ms
+        );
+    }
+    s
+}
+
+/// Speedup against MLP density: the MLP block and the whole step, measured, and the ideal.
+pub fn plot(rows: &[SpeedRow], title: &str, path: &Path) -> Result<()> {
+    use plotters::prelude::*;
+    crate::eval::report::register_font()?;
+    let err = |e: &dyn std::fmt::Display| Error::Invalid(format!("plot: {e}"));
+    let root = BitMapBackend::new(path, (760, 560)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let ymax = rows
+        .iter()
+        .map(|r| r.ideal_mlp_speedup.min(25.0))
+        .fold(2.0, f64::max)
+        * 1.05;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 18))
+        .margin(14)
+        .x_label_area_size(44)
+        .y_label_area_size(56)
+        .build_cartesian_2d(0f64..1.05f64, 0f64..ymax)
+        .map_err(|e| err(&e))?;
+    chart
+        .configure_mesh()
+        .x_desc("MLP density (fraction of neurons computed)")
+        .y_desc("speedup over dense")
+        .label_style(("sans-serif", 12))
+        .draw()
+        .map_err(|e| err(&e))?;
+    let mut sorted = rows.to_vec();
+    sorted.sort_by(|a, b| a.mlp_density.total_cmp(&b.mlp_density));
+    type Pick = fn(&SpeedRow) -> f64;
+    let series: [(&str, RGBColor, Pick); 3] = [
+        ("ideal MLP (1 / density)", RGBColor(150, 150, 150), |r| {
+            r.ideal_mlp_speedup.min(25.0)
+        }),
+        ("MLP block, measured", RGBColor(214, 39, 40), |r| {
+            r.mlp_speedup
+        }),
+        ("whole decode step, measured", RGBColor(31, 119, 180), |r| {
+            r.step_speedup
+        }),
+    ];
+    for (label, c, pick) in series {
+        let pts: Vec<(f64, f64)> = sorted.iter().map(|r| (r.mlp_density, pick(r))).collect();
+        chart
+            .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))
+            .map_err(|e| err(&e))?
+            .label(label)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 14, y)], c.stroke_width(2)));
+        chart
+            .draw_series(pts.iter().map(|&p| Circle::new(p, 4, c.filled())))
+            .map_err(|e| err(&e))?;
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 13))
+        .draw()
+        .map_err(|e| err(&e))?;
+    root.present().map_err(|e| err(&e))?;
+    Ok(())
+}
