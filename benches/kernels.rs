@@ -155,5 +155,25 @@ fn sparse(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, matvec, prefill, sparse);
+/// The fused axpy kernel alone, one thread, on 8 cache-resident rows of 2048: its compute rate
+/// (the sparse down projection's ceiling when rows come from cache).
+fn axpy_kernel(c: &mut Criterion) {
+    let isa = Isa::detect();
+    let f = dejavu_backend_cpu::kernels::axpy_q::select(isa);
+    let cols = 2048;
+    let mut g = c.benchmark_group(format!("axpy_kernel_8x{cols}_{isa}"));
+    for qtype in [QuantType::Q8_0, QuantType::F16, QuantType::Q5_0] {
+        let rows: Vec<Vec<u8>> = (0..8).map(|_| synthetic(qtype, 1, cols)).collect();
+        let refs: Vec<&[u8]> = rows.iter().map(|r| r.as_slice()).collect();
+        let coef = [0.5f32; 8];
+        let mut y = vec![0f32; cols];
+        g.throughput(Throughput::Bytes((8 * qtype.row_bytes(cols)) as u64));
+        g.bench_function(BenchmarkId::from_parameter(qtype.name()), |b| {
+            b.iter(|| f(qtype, &refs, &coef, &mut y))
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, matvec, prefill, sparse, axpy_kernel);
 criterion_main!(benches);

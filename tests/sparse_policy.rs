@@ -468,7 +468,11 @@ fn dejavu_predictors_round_trip() {
         .policy(&format!("{spec}+lookahead"), Some(&loaded))
         .unwrap();
     assert!(pol.uses_predictors() && ahead.lookahead);
-    let exec = e.executor();
+    // The engine gives the executor its spare thread only when the pool leaves a core free; set
+    // both modes explicitly.
+    let one = dejavu_backend_cpu::CpuBackend::new(1).unwrap();
+    let mut exec = e.executor();
+    exec.spare = Some(&one);
     let mut inline = exec;
     inline.spare = None;
     // Prompt, then single-token steps; logits and kept counts of every step.

@@ -136,8 +136,8 @@ fn system_font() -> Option<&'static [u8]> {
         .map(|b| &*Box::leak(b.into_boxed_slice()))
 }
 
-/// Three panels against speedup: PPL ratio (measured speedup), KL (measured speedup), PPL ratio
-/// (speedup if time followed the bytes read), one colour per family, oracle points joined; and,
+/// Three panels: PPL ratio and KL against the measured speedup, PPL ratio against MLP density,
+/// one colour per family, oracle points joined; and,
 /// when `recall` is not empty (learned predictors' held-out recall per layer), a fourth panel.
 pub fn plot(rows: &[FrontierRow], recall: &[Recall], title: &str, path: &Path) -> Result<()> {
     use plotters::prelude::*;
@@ -176,10 +176,10 @@ pub fn plot(rows: &[FrontierRow], recall: &[Recall], title: &str, path: &Path) -
             |r| (r.speedup, r.kl),
         ),
         (
-            "PPL ratio vs bytes",
-            "dense bytes / bytes read",
+            "PPL ratio vs MLP density",
+            "MLP density (fraction of neurons computed)",
             "PPL / dense PPL",
-            |r| (r.byte_speedup, r.ppl_ratio),
+            |r| (r.mlp_density, r.ppl_ratio),
         ),
     ];
     for (i, (area, (caption, xl, yl, pick))) in panels.iter().zip(specs).enumerate() {
@@ -193,6 +193,7 @@ pub fn plot(rows: &[FrontierRow], recall: &[Recall], title: &str, path: &Path) -
         let (x0, x1) = pts
             .iter()
             .fold((1f64, 1f64), |(a, b), p| (a.min(p.0), b.max(p.0)));
+        let x0 = if i == 2 { 0.0 } else { x0 };
         let (y0, y1) = pts
             .iter()
             .fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.1), b.max(p.1)));

@@ -154,19 +154,27 @@ pub fn cmd_report(a: ReportArgs) -> Result<()> {
         .map_or("model".into(), |s| s.to_string_lossy().into_owned());
     let file = |ext: &str| a.out.join(format!("{name}.frontier.{ext}"));
     let preds = engine.predictors(a.predictors.as_deref())?;
-    // Held-out recall per layer of each kind of learned predictor, with its chance level.
-    let recall: Vec<dejavu::eval::report::Recall> =
-        [("MLP", "mlp_recall", 0.3), ("heads", "head_recall", 0.5)]
-            .into_iter()
-            .filter_map(|(what, key, chance)| {
-                let r = preds.as_ref()?.metadata.get(key)?;
-                Some(dejavu::eval::report::Recall {
-                    what: what.into(),
-                    per_layer: r.split(',').filter_map(|v| v.parse().ok()).collect(),
-                    chance,
-                })
-            })
-            .collect();
+    // Held-out recall per layer of each kind of learned predictor, with its chance level (a
+    // random choice of the same budget: the label fraction, or a ReLU layer's mean density).
+    let relu = engine.model.config.mlp.activation() == dejavu_backend_api::Activation::Relu;
+    let mlp_chance = match (relu, preds.as_ref().and_then(|p| p.mlp_density())) {
+        (true, Some(d)) => d.iter().sum::<f64>() / d.len().max(1) as f64,
+        _ => 0.3,
+    };
+    let recall: Vec<dejavu::eval::report::Recall> = [
+        ("MLP", "mlp_recall", mlp_chance),
+        ("heads", "head_recall", 0.5),
+    ]
+    .into_iter()
+    .filter_map(|(what, key, chance)| {
+        let r = preds.as_ref()?.metadata.get(key)?;
+        Some(dejavu::eval::report::Recall {
+            what: what.into(),
+            per_layer: r.split(',').filter_map(|v| v.parse().ok()).collect(),
+            chance: (chance * 1000.0).round() / 1000.0,
+        })
+    })
+    .collect();
     if a.replot {
         let json = std::fs::read_to_string(file("json"))
             .with_context(|| format!("reading {}", file("json").display()))?;
@@ -178,6 +186,35 @@ pub fn cmd_report(a: ReportArgs) -> Result<()> {
     let mut tokens = engine.tokenizer.encode_document(&text)?;
     tokens.truncate(a.chunks.saturating_mul(a.ctx));
     let mut specs = a.sparsity.clone();
+    let trained = |p: &Option<dejavu::sparsity::predictors_file::Predictors>| {
+        p.as_ref().is_some_and(|p| !p.mlp.is_empty())
+    };
+    if specs.is_empty() && relu {
+        // The paper's regime: the exact rules, the predictors at per-layer budgets and fixed K,
+        // heads, and the paper's plan.
+        specs = ["oracle", "relu-exact"].map(String::from).to_vec();
+        if trained(&preds) {
+            specs.extend(
+                [
+                    "dejavu:auto:1",
+                    "dejavu:auto:1.5",
+                    "dejavu:auto:2",
+                    "dejavu:auto:3",
+                    "dejavu:0.1",
+                    "dejavu:0.2",
+                    "dejavu:0.3",
+                    "dejavu-attn:0.5",
+                    "dejavu-attn:0.8",
+                    "dejavu:auto:2+dejavu-attn:0.8",
+                    "paper",
+                ]
+                .map(String::from),
+            );
+        }
+        if preds.as_ref().is_some_and(|p| p.recommended().is_some()) {
+            specs.push("recommended".into());
+        }
+    }
     if specs.is_empty() {
         specs = [
             "oracle:0.8",
