@@ -8,6 +8,12 @@ use dejavu::sparsity::{HeadRule, MlpRule};
 use dejavu_backend_api::QuantType;
 use std::process::Command;
 
+/// The largest `|a - b|`, and the largest `|a|` (the scale it is judged against).
+fn max_diff(a: &[f32], b: &[f32]) -> (f32, f32) {
+    let diff = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    (diff, a.iter().fold(0f32, |m, v| m.max(v.abs())))
+}
+
 fn engine(dtype: QuantType) -> Engine {
     let opts = EngineOptions {
         threads: Some(2),
@@ -186,11 +192,7 @@ fn lazy_kv_equals_full_kv_with_fewer_bytes() {
             .run(&[t], &mut cl, Plan::Policy(&lazy), Logits::Last)
             .unwrap()
             .to_vec();
-        let scale = a.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let diff = a
-            .iter()
-            .zip(&b)
-            .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        let (diff, scale) = max_diff(&a, &b);
         assert!(
             diff <= 2e-3 * scale,
             "step at {}: max diff {diff} of {scale}",
@@ -219,11 +221,7 @@ fn lazy_kv_equals_full_kv_with_fewer_bytes() {
         .run(&tokens[15..20], &mut cf, Plan::Fixed(&dense), Logits::Last)
         .unwrap()
         .to_vec();
-    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let diff = want
-        .iter()
-        .zip(&got)
-        .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    let (diff, scale) = max_diff(&want, &got);
     assert!(
         diff <= 2e-3 * scale,
         "after truncate: max diff {diff} of {scale}"
