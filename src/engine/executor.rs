@@ -342,13 +342,7 @@ impl<'m> Executor<'m> {
             true => heads.clone(),
             false => IndexSet::full(c.n_kv_heads),
         };
-        let mut groups: std::collections::BTreeMap<usize, Vec<u32>> = Default::default();
-        for hh in kv_heads.iter() {
-            let from = kv.valid[l][hh].min(step.pos0);
-            groups.entry(from).or_default().push(hh as u32);
-        }
-        let current = groups.remove(&step.pos0).unwrap_or_default();
-        let cur_set = IndexSet::new(c.n_kv_heads, current).expect("sorted distinct heads");
+        let (cur_set, stale) = kv.stale_groups(l, step.pos0, &kv_heads);
         let cur_rows = head_rows(&cur_set, hd);
         let (k, v) = (buf(&mut sc.k, n * kvd), buf(&mut sc.v, n * kvd));
         let mut jobs = vec![self.job(&lw.wq, q_rows, q)];
@@ -369,8 +363,7 @@ impl<'m> Executor<'m> {
             true => drop(kv.append(l, step.pos0, k, v)),
             false => kv.write_heads(l, step.pos0, &cur_set, hd, k, v),
         }
-        for (from, hs) in groups {
-            let set = IndexSet::new(c.n_kv_heads, hs).expect("sorted distinct heads");
+        for (from, set) in stale {
             let gap = [&mut sc.gap_x, &mut sc.gap_k, &mut sc.gap_v];
             st.weight_bytes += self.recompute_kv(l, from, step, &set, h, kv, gap);
         }
@@ -386,18 +379,9 @@ impl<'m> Executor<'m> {
         if let Some(cap) = capture.as_mut() {
             cap.head_norm[l].extend(att.chunks_exact(hd).map(norm));
         }
-        // attn-norm: every head's attention is known; keep the top heads by output norm.
         let normed = match rule {
             HeadRule::Norm { .. } => {
-                let norms = buf(&mut sc.score, c.n_heads);
-                (norms.iter_mut().zip(att.chunks_exact(hd))).for_each(|(s, a)| *s = norm(a));
-                let set = top_k(norms, rule.kept(c.n_heads), &mut sc.idx);
-                for (hh, a) in att.chunks_exact_mut(hd).enumerate() {
-                    if !set.contains(hh) {
-                        a.fill(0.0);
-                    }
-                }
-                Some(set)
+                Some(top_heads_by_norm(att, hd, rule, &mut sc.score, &mut sc.idx))
             }
             _ => None,
         };
@@ -726,6 +710,27 @@ impl Timer {
         b.ns += self.at.elapsed().as_nanos() as u64;
         b.bytes += bytes;
     }
+}
+
+/// attn-norm: every head's attention output is known; keep the top heads by its norm and zero
+/// the others' outputs. Returns the kept set.
+fn top_heads_by_norm(
+    att: &mut [f32],
+    hd: usize,
+    rule: HeadRule,
+    norms: &mut Vec<f32>,
+    idx: &mut Vec<u32>,
+) -> IndexSet {
+    let n_heads = att.len() / hd;
+    let norms = buf(norms, n_heads);
+    (norms.iter_mut().zip(att.chunks_exact(hd))).for_each(|(s, a)| *s = norm(a));
+    let set = top_k(norms, rule.kept(n_heads), idx);
+    for (hh, a) in att.chunks_exact_mut(hd).enumerate() {
+        if !set.contains(hh) {
+            a.fill(0.0);
+        }
+    }
+    set
 }
 
 /// The MLP's scratch buffers of one step.

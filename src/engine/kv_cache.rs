@@ -275,6 +275,33 @@ impl KvStore {
         true
     }
 
+    /// `heads` of layer `l` split for a step at `pos0`: those valid through `pos0` (they need this
+    /// step's positions only), and the others grouped by the first position they miss, in order.
+    pub(crate) fn stale_groups(
+        &self,
+        l: usize,
+        pos0: usize,
+        heads: &IndexSet,
+    ) -> (IndexSet, Vec<(usize, IndexSet)>) {
+        let mut groups: std::collections::BTreeMap<usize, Vec<u32>> = Default::default();
+        for h in heads.iter() {
+            groups
+                .entry(self.valid[l][h].min(pos0))
+                .or_default()
+                .push(h as u32);
+        }
+        let n = heads.universe();
+        let set = |hs: Vec<u32>| IndexSet::new(n, hs).expect("increasing heads below n_kv_heads");
+        let current = set(groups.remove(&pos0).unwrap_or_default());
+        (
+            current,
+            groups
+                .into_iter()
+                .map(|(from, hs)| (from, set(hs)))
+                .collect(),
+        )
+    }
+
     /// Layer `l`'s kept inputs of positions `from..to` into `out` (`(to - from) * d_model`).
     pub(crate) fn inputs(&self, l: usize, from: usize, to: usize, out: &mut [f32]) {
         assert!(to <= self.inputs_len[l] && out.len() == (to - from) * self.d_model);
