@@ -330,7 +330,7 @@ pub(crate) fn build(
         .iter()
         .map(|t| t.shape[0] * t.qtype.row_bytes(t.shape[1]))
         .sum();
-    if let Some(avail) = available_memory() {
+    if let Some(avail) = crate::eval::memstat::available() {
         if total > avail {
             return Err(Error::Invalid(format!(
                 "{PREFIX}{} in {} needs {:.1} GiB; this machine has {:.1} GiB available",
@@ -446,14 +446,6 @@ fn gauss(k: u64, i: u64) -> f32 {
     let s = (z & 0xffff) + ((z >> 16) & 0xffff) + ((z >> 32) & 0xffff) + (z >> 48);
     // Four uniforms on [0, 1]: mean 2, variance 1/3.
     (s as f32 / 65535.0 - 2.0) * 3f32.sqrt()
-}
-
-/// `MemAvailable` of /proc/meminfo in bytes (`None` where there is none).
-fn available_memory() -> Option<usize> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
 }
 
 #[cfg(test)]

@@ -1,5 +1,6 @@
 //! Resident memory of this process, from Linux's `/proc/self/smaps`: the whole process, and the
 //! part that is pages of one mapped region (the model file). `None` where that file is missing.
+//! Also the memory the system can still give (`MemAvailable`), checked before large builds.
 //!
 //! `dejavu bench` reports decode memory as mapped weights + KV cache + everything else, the split
 //! the CPU-speed issue sets its memory target in.
@@ -11,6 +12,15 @@ pub struct Resident {
     pub region: u64,
 }
 
+/// `MemAvailable` of /proc/meminfo in bytes (`None` where there is none).
+pub fn available() -> Option<usize> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Resident memory now: the process, and the mappings overlapping `regions` (each once).
 pub fn resident(regions: &[&[u8]]) -> Option<Resident> {
     let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
     let spans: Vec<(u64, u64)> = (regions.iter())

@@ -215,6 +215,24 @@ fn check(model: &Model, f: &GgufFile) -> Result<Vec<[WeightRef; 2]>> {
 /// Convert every layer (`convert(layer, part)`, in parallel over layers) and serialize as GGUF.
 fn build(model: &Model, convert: impl Fn(usize, Part) -> Vec<u8> + Sync) -> Result<Vec<u8>> {
     let c = &model.config;
+    // The converted matrices, their serialization and the final copy: twice the layout at once.
+    let layout: usize = (0..c.n_layers)
+        .flat_map(|l| PARTS.map(|p| (l, p)))
+        .map(|(l, p)| {
+            let [rows, cols] = source(model, l, p).1;
+            rows * expected_type(model, l, p).row_bytes(cols)
+        })
+        .sum();
+    if let Some(avail) = crate::eval::memstat::available() {
+        if 2 * layout > avail {
+            return Err(Error::Invalid(format!(
+                "the sparse layout ({:.1} GiB) needs {:.1} GiB to build; {:.1} GiB are available",
+                layout as f64 / (1u64 << 30) as f64,
+                2.0 * layout as f64 / (1u64 << 30) as f64,
+                avail as f64 / (1u64 << 30) as f64
+            )));
+        }
+    }
     let bar = crate::progress::bar(c.n_layers as u64, "sparse layout (down projection, W_o)");
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let layers: Vec<usize> = (0..c.n_layers).collect();
