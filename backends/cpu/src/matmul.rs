@@ -182,6 +182,24 @@ fn part_rows(p: &Part, a: usize, b: usize, input: &Input, tokens: std::ops::Rang
     let rb = q.row_bytes(cols);
     let row = |r: usize| &p.w.data[r * rb..(r + 1) * rb];
     let sparse = !p.rows.is_full();
+    if !sparse && tokens.len() == 1 {
+        // Dense decode: the tightest loop (short rows make per-row work count).
+        let t = tokens.start;
+        let (xt, at) = (
+            &input.x[t * cols..(t + 1) * cols],
+            &input.act[t * input.bpr..(t + 1) * input.bpr],
+        );
+        for r in a..b {
+            let v = match p.dot {
+                RowDot::F32(dot) => dot(row(r), xt),
+                RowDot::Q8A(dot) => dot(row(r), at),
+            };
+            // SAFETY: r < w.rows and t < n_tok, inside the part's output (checked by
+            // `matmul_shared`); thread ranges are disjoint; the output outlives `pool.run`.
+            unsafe { *p.y.get().add(t * p.w.rows + r) = v };
+        }
+        return;
+    }
     let ahead = SPARSE_AHEAD_BYTES.div_ceil(rb).max(1);
     let (bl, bb) = (q.block_len(), q.block_bytes());
     let blocks = cols / bl;
