@@ -162,7 +162,13 @@ fn axpy_kernel(c: &mut Criterion) {
     let f = dejavu_backend_cpu::kernels::axpy_q::select(isa);
     let cols = 2048;
     let mut g = c.benchmark_group(format!("axpy_kernel_8x{cols}_{isa}"));
-    for qtype in [QuantType::Q8_0, QuantType::F16, QuantType::Q5_0, QuantType::Q4_0, QuantType::Q4_1] {
+    for qtype in [
+        QuantType::Q8_0,
+        QuantType::F16,
+        QuantType::Q5_0,
+        QuantType::Q4_0,
+        QuantType::Q4_1,
+    ] {
         let rows: Vec<Vec<u8>> = (0..8).map(|_| synthetic(qtype, 1, cols)).collect();
         let refs: Vec<&[u8]> = rows.iter().map(|r| r.as_slice()).collect();
         let coef = [0.5f32; 8];

@@ -233,11 +233,7 @@ impl KvStore {
         v: &[f32],
     ) -> (KvSlice<'_>, KvSlice<'_>) {
         let (start, end) = (pos0 * self.kv_dim, pos0 * self.kv_dim + k.len());
-        let cap = |end: usize| {
-            let want = end.div_ceil(GROW * self.kv_dim) * GROW * self.kv_dim;
-            want.min(self.n_ctx * self.kv_dim).max(end)
-        };
-        let cap = cap(end);
+        let cap = self.capacity(end, self.kv_dim);
         for (store, new) in [(&mut self.k[l], k), (&mut self.v[l], v)] {
             match store {
                 Buf::F32(s) => put(s, start, cap, new.iter().copied()),
@@ -248,6 +244,14 @@ impl KvStore {
             .iter_mut()
             .for_each(|v| *v = pos0 + k.len() / self.kv_dim);
         (view(&self.k[l], end), view(&self.v[l], end))
+    }
+
+    /// Elements to reserve for a store of rows of `row` elements that must hold `end`: the next
+    /// multiple of [`GROW`] rows, at most the window (at least `end`).
+    fn capacity(&self, end: usize, row: usize) -> usize {
+        (end.div_ceil(GROW * row) * GROW * row)
+            .min(self.n_ctx * row)
+            .max(end)
     }
 
     /// Forget what lies at or beyond `pos0` (a truncated sequence): heads and kept inputs are
@@ -264,9 +268,7 @@ impl KvStore {
             return false;
         }
         let (start, end) = (pos0 * self.d_model, pos0 * self.d_model + h.len());
-        let cap = (end.div_ceil(GROW * self.d_model) * GROW * self.d_model)
-            .min(self.n_ctx * self.d_model)
-            .max(end);
+        let cap = self.capacity(end, self.d_model);
         match &mut self.inputs[l] {
             Buf::F32(s) => put(s, start, cap, h.iter().copied()),
             Buf::F16(s) => put(s, start, cap, h.iter().map(|&x| f16::from_f32(x))),

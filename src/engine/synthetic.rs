@@ -19,6 +19,7 @@ use crate::{Error, Result};
 use dejavu_backend_api::quantize::quantize_row_absmax;
 use dejavu_backend_api::QuantType;
 use memmap2::MmapMut;
+use std::sync::{Arc, OnceLock};
 
 /// What `--model` names start with.
 pub const PREFIX: &str = "synthetic:";
@@ -160,6 +161,13 @@ pub(crate) struct TensorSpec {
     fill: Fill,
 }
 
+impl TensorSpec {
+    /// Bytes of the tensor in its type.
+    pub fn n_bytes(&self) -> usize {
+        self.shape[0] * self.qtype.row_bytes(self.shape[1])
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Fill {
     Random,
@@ -256,7 +264,13 @@ pub struct Synthetic {
     pub shape: &'static Shape,
     pub options: SyntheticOptions,
     pub(crate) buffers: Vec<MmapMut>,
+    /// The MLP and head predictors of every layer, generated on first use (every policy of a
+    /// run shares them).
+    predictors: OnceLock<(PerLayer, PerLayer)>,
 }
+
+/// One predictor per layer.
+type PerLayer = Arc<[LowRankPredictor]>;
 
 impl Synthetic {
     /// A label for outputs: `synthetic:opt-6.7b (random weights, q8_0)`.
@@ -268,14 +282,23 @@ impl Synthetic {
         )
     }
 
-    /// The synthetic predictors of layer shapes `(d, n_out)` at the configured rank.
-    pub fn predictor(
-        &self,
-        l: usize,
-        what: &str,
-        d: usize,
-        n_out: usize,
-    ) -> Result<LowRankPredictor> {
+    /// Every layer's MLP predictor (`d_model -> n_ff`) and head predictor (`d_model ->
+    /// n_heads`) at the configured rank, generated once.
+    pub fn predictors(&self, c: &ModelConfig) -> Result<(PerLayer, PerLayer)> {
+        if let Some(p) = self.predictors.get() {
+            return Ok(p.clone());
+        }
+        let layers = |what: &str, n_out: usize| -> Result<PerLayer> {
+            (0..c.n_layers)
+                .map(|l| self.predictor(l, what, c.d_model, n_out))
+                .collect()
+        };
+        let made = (layers("mlp", c.n_ff)?, layers("heads", c.n_heads)?);
+        Ok(self.predictors.get_or_init(|| made).clone())
+    }
+
+    /// The synthetic predictor of layer `l` of shape `(d, n_out)` at the configured rank.
+    fn predictor(&self, l: usize, what: &str, d: usize, n_out: usize) -> Result<LowRankPredictor> {
         let rank = self
             .options
             .predictor_rank
@@ -306,10 +329,7 @@ impl Synthetic {
 /// The bytes a synthetic model of `shape` takes in `dtype`.
 pub fn model_bytes(shape: &Shape, dtype: QuantType) -> Result<usize> {
     let c = shape.config()?;
-    Ok(tensors(&c, dtype)
-        .iter()
-        .map(|t| t.shape[0] * t.qtype.row_bytes(t.shape[1]))
-        .sum())
+    Ok(tensors(&c, dtype).iter().map(TensorSpec::n_bytes).sum())
 }
 
 /// Build the config, the tensor list and every tensor's bytes (in parallel over rows, with a
@@ -326,10 +346,7 @@ pub(crate) fn build(
     }
     let c = shape.config()?;
     let specs = tensors(&c, options.dtype);
-    let total: usize = specs
-        .iter()
-        .map(|t| t.shape[0] * t.qtype.row_bytes(t.shape[1]))
-        .sum();
+    let total: usize = specs.iter().map(TensorSpec::n_bytes).sum();
     if let Some(avail) = crate::eval::memstat::available() {
         if total > avail {
             return Err(Error::Invalid(format!(
@@ -344,8 +361,8 @@ pub(crate) fn build(
     let bar = crate::progress::bytes_bar(total as u64, &format!("building {PREFIX}{}", shape.name));
     let mut buffers = Vec::with_capacity(specs.len());
     for t in &specs {
-        let [rows, cols] = t.shape;
-        let mut m = MmapMut::map_anon((rows * t.qtype.row_bytes(cols)).max(1))?;
+        let cols = t.shape[1];
+        let mut m = MmapMut::map_anon(t.n_bytes().max(1))?;
         #[cfg(target_os = "linux")]
         let _ = m.advise(memmap2::Advice::HugePage);
         let value = match t.fill {
@@ -363,7 +380,7 @@ pub(crate) fn build(
                     .for_each(|r| r.copy_from_slice(&row));
             }
         }
-        bar.inc((rows * t.qtype.row_bytes(cols)) as u64);
+        bar.inc(t.n_bytes() as u64);
         buffers.push(m);
     }
     bar.finish_and_clear();
@@ -371,6 +388,7 @@ pub(crate) fn build(
         shape,
         options,
         buffers,
+        predictors: OnceLock::new(),
     };
     Ok((c, specs, synth))
 }

@@ -460,16 +460,12 @@ impl Entry {
 
     /// Tensor `file` of a synthetic model (its own buffer).
     fn memory(file: usize, t: &synthetic::TensorSpec) -> Self {
-        let [rows, cols] = t.shape;
         Self {
             file,
             qtype: Ok(t.qtype),
-            dims: match rows {
-                1 => vec![cols as u64],
-                _ => vec![cols as u64, rows as u64],
-            },
+            dims: ggml_dims(t.shape),
             start: 0,
-            n_bytes: rows * t.qtype.row_bytes(cols),
+            n_bytes: t.n_bytes(),
             source_name: t.name.clone(),
         }
     }
@@ -565,13 +561,18 @@ impl Table<'_> {
     }
 }
 
+/// The ggml dims (innermost first) of shape `[rows, cols]`; a 1-D tensor is `[1, n]`.
+fn ggml_dims([rows, cols]: [usize; 2]) -> Vec<u64> {
+    match rows {
+        1 => vec![cols as u64],
+        _ => vec![cols as u64, rows as u64],
+    }
+}
+
 /// Check an entry's type and (if given) shape `[rows, cols]` (a 1-D tensor is `[1, n]`).
 fn weight_ref_of(e: &Entry, name: &str, shape: Option<[usize; 2]>) -> Result<WeightRef> {
-    if let Some([rows, cols]) = shape {
-        let expected: Vec<u64> = match rows {
-            1 => vec![cols as u64],
-            _ => vec![cols as u64, rows as u64],
-        };
+    if let Some(shape) = shape {
+        let expected = ggml_dims(shape);
         if e.dims != expected {
             return Err(Error::ShapeMismatch {
                 tensor: e.source_name.clone(),

@@ -186,17 +186,13 @@ impl Predictors {
             Some(s) => (&model.config, s),
             None => return Err(Error::Invalid("not a synthetic model".into())),
         };
-        let layers = |what: &str, n_out: usize| -> Result<Arc<[LowRankPredictor]>> {
-            (0..c.n_layers)
-                .map(|l| synth.predictor(l, what, c.d_model, n_out))
-                .collect()
-        };
+        let (mlp, heads) = synth.predictors(c)?;
         Ok(Self {
             path: None,
             metadata: HashMap::from([("synthetic".to_string(), "true".to_string())]),
             output: None,
-            mlp: layers("mlp", c.n_ff)?,
-            heads: layers("heads", c.n_heads)?,
+            mlp,
+            heads,
         })
     }
 
