@@ -16,6 +16,7 @@
 use crate::engine::executor::{Logits, Plan};
 use crate::engine::kv_cache::{KvCache, StepStats};
 use crate::engine::Engine;
+use crate::sparsity::policy::Policy;
 use crate::Result;
 use serde::Serialize;
 use std::time::Instant;
@@ -111,6 +112,54 @@ fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
             ((s >> 33) % vocab as u64) as u32
         })
         .collect()
+}
+
+/// What [`alternate`] measured for one policy.
+#[derive(Debug, Clone, Default)]
+pub struct Runs {
+    /// Tokens per second of each timed repetition.
+    pub samples: Vec<f64>,
+    pub steps: StepTotals,
+    /// Decode tests: resident memory after the last repetition.
+    pub memory: Option<Memory>,
+}
+
+/// Run one test (`prefill`: `n` tokens in one batch; else `n` decoded) for every policy:
+/// a warm-up repetition, then `reps` timed ones, the policies alternating within each so they
+/// see the same machine conditions. `tick` after every timed run.
+pub fn alternate(
+    engine: &Engine,
+    cache: &mut KvCache,
+    policies: &[Policy],
+    prefill: bool,
+    n: usize,
+    reps: usize,
+    mut tick: impl FnMut(),
+) -> Result<Vec<Runs>> {
+    let mut runs = vec![Runs::default(); policies.len()];
+    for rep in 0..=reps {
+        for (pol, run) in policies.iter().zip(runs.iter_mut()) {
+            let mut st = StepTotals::default();
+            let secs = time_once(
+                engine,
+                cache,
+                Plan::Policy(pol),
+                prefill,
+                n,
+                rep as u64,
+                &mut st,
+            )?;
+            if rep > 0 {
+                run.samples.push(n as f64 / secs);
+                run.steps.add_all(&st);
+                tick();
+            }
+            if !prefill && rep == reps {
+                run.memory = memory(engine, cache);
+            }
+        }
+    }
+    Ok(runs)
 }
 
 /// Time one repetition of a test (`prefill`: n tokens in one batch; else a warm-up token, then

@@ -3,13 +3,12 @@
 //!
 //! For each density D the policy is `dejavu:D` (the low-rank predictors pick D of every layer's
 //! neurons; attention stays dense), timed against dense decoding with the two alternating in one
-//! process ([`crate::eval::bench::time_once`]). The MLP block's speedup is the one that should
+//! process ([`crate::eval::bench::alternate`]). The MLP block's speedup is the one that should
 //! follow `1 / D`; the whole step's is bounded by the dense attention and output head. On a
 //! synthetic model (the paper's method) the predictors are random, so the sets are random too:
 //! a speed measurement, not a quality one.
-use crate::engine::executor::Plan;
 use crate::engine::Engine;
-use crate::eval::bench::{median_sd, time_once, StepTotals};
+use crate::eval::bench::{alternate, median_sd, StepTotals};
 use crate::{Error, Result};
 use serde::Serialize;
 use std::path::Path;
@@ -48,30 +47,14 @@ pub fn measure(
         .map(|s| engine.policy(s, Some(&preds)))
         .collect::<Result<Vec<_>>>()?;
     let mut cache = engine.new_cache();
-    let mut tps = vec![Vec::new(); policies.len()];
-    let mut steps = vec![StepTotals::default(); policies.len()];
     let bar = crate::progress::bar((reps * policies.len()) as u64, "speed against density");
-    for rep in 0..=reps {
-        for (i, p) in policies.iter().enumerate() {
-            let mut st = StepTotals::default();
-            let secs = time_once(
-                engine,
-                &mut cache,
-                Plan::Policy(p),
-                false,
-                n_gen,
-                rep as u64,
-                &mut st,
-            )?;
-            if rep > 0 {
-                tps[i].push(n_gen as f64 / secs);
-                steps[i].add_all(&st);
-                bar.inc(1);
-            }
-        }
-    }
+    let runs = alternate(engine, &mut cache, &policies, false, n_gen, reps, || {
+        bar.inc(1)
+    })?;
     bar.finish_and_clear();
-    let dense_tps = median_sd(&tps[0]).0;
+    let tps: Vec<&[f64]> = runs.iter().map(|r| r.samples.as_slice()).collect();
+    let steps: Vec<&StepTotals> = runs.iter().map(|r| &r.steps).collect();
+    let dense_tps = median_sd(tps[0]).0;
     let dense_mlp = steps[0].blocks().mlp.ms;
     Ok((0..policies.len())
         .map(|i| {
@@ -79,8 +62,8 @@ pub fn measure(
             SpeedRow {
                 policy: policies[i].name.clone(),
                 mlp_density: density,
-                tok_per_s: median_sd(&tps[i]).0,
-                step_speedup: median_sd(&tps[i]).0 / dense_tps,
+                tok_per_s: median_sd(tps[i]).0,
+                step_speedup: median_sd(tps[i]).0 / dense_tps,
                 mlp_ms: b.mlp.ms,
                 mlp_speedup: dense_mlp / b.mlp.ms.max(1e-9),
                 mlp_gb_per_s: b.mlp.gb_per_s,

@@ -433,34 +433,24 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
                 format!("tg{n}")
             };
             bar.set_message(format!("{test} at {threads} threads"));
-            let mut samples = vec![Vec::new(); policies.len()];
-            let mut steps = vec![bench::StepTotals::default(); policies.len()];
-            let mut memory = vec![None; policies.len()];
-            // Repetition 0 warms up; policies alternate within each repetition.
-            for rep in 0..=a.repetitions {
-                for (i, pol) in policies.iter().enumerate() {
-                    let mut st = bench::StepTotals::default();
-                    let plan = dejavu::engine::executor::Plan::Policy(pol);
-                    let secs = bench::time_once(
-                        &engine, &mut cache, plan, prefill, n, rep as u64, &mut st,
-                    )?;
-                    if rep > 0 {
-                        samples[i].push(n as f64 / secs);
-                        steps[i].add_all(&st);
-                        bar.inc(1);
-                    }
-                    if !prefill && rep == a.repetitions {
-                        memory[i] = bench::memory(&engine, &cache);
-                    }
-                }
-            }
+            let runs = bench::alternate(
+                &engine,
+                &mut cache,
+                &policies,
+                prefill,
+                n,
+                a.repetitions,
+                || bar.inc(1),
+            )?;
+            let samples: Vec<&[f64]> = runs.iter().map(|r| r.samples.as_slice()).collect();
+            let steps: Vec<&bench::StepTotals> = runs.iter().map(|r| &r.steps).collect();
             let medians: Vec<f64> = samples.iter().map(|s| bench::median_sd(s).0).collect();
             let dense = policies
                 .iter()
                 .position(|p| p.is_dense())
                 .map(|i| medians[i]);
             for (i, pol) in policies.iter().enumerate() {
-                let (med, sd) = bench::median_sd(&samples[i]);
+                let (med, sd) = bench::median_sd(samples[i]);
                 let bytes = steps[i].mean_bytes();
                 let gbs = if prefill {
                     bytes * med / n as f64 / 1e9
@@ -487,8 +477,8 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
                     predict_ms: steps[i].predict_ms(),
                     predict_hidden: steps[i].predict_hidden(),
                     blocks: steps[i].blocks(),
-                    samples: samples[i].clone(),
-                    memory: memory[i],
+                    samples: samples[i].to_vec(),
+                    memory: runs[i].memory,
                 });
             }
         }
