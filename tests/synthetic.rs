@@ -235,3 +235,71 @@ fn lazy_kv_needs_multi_head_attention_and_a_head_rule() {
     let err = e.policy("dejavu:0.1+lazy-kv", Some(&preds)).err().unwrap();
     assert!(err.to_string().contains("needs a head rule"), "{err}");
 }
+
+/// `report --speed` writes a row per density (dense first) with the measured MLP density, and
+/// `bench --json` carries per-block figures that tell the blocks apart.
+#[test]
+fn speed_report_and_per_block_bench() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_dejavu"))
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let out = dir.path().to_str().unwrap();
+    let base = ["-m", "synthetic:opt-125m", "--dtype", "q8_0", "-t", "2"];
+    let mut a = vec![
+        "report",
+        "--speed",
+        "--densities",
+        "0.5",
+        "--n-gen",
+        "2",
+        "--out",
+        out,
+    ];
+    a.extend(base);
+    run(&a);
+    let json = std::fs::read_to_string(dir.path().join("synthetic-opt-125m.speed.json")).unwrap();
+    let rows: Vec<serde_json::Value> = serde_json::from_str(&json).unwrap();
+    assert_eq!(rows.len(), 2);
+    assert_eq!(rows[0]["mlp_density"].as_f64().unwrap(), 1.0);
+    assert!((rows[1]["mlp_density"].as_f64().unwrap() - 0.5).abs() < 0.01);
+    assert!(rows[1]["mlp_ms"].as_f64().unwrap() > 0.0);
+    let bench = dir.path().join("b.json");
+    let mut a = vec![
+        "bench",
+        "-p",
+        "0",
+        "-n",
+        "2",
+        "-r",
+        "1",
+        "--sparsity",
+        "dense,paper",
+    ];
+    a.extend(base);
+    a.extend(["--json", bench.to_str().unwrap()]);
+    run(&a);
+    let rows: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(bench).unwrap()).unwrap();
+    let mb = |r: &serde_json::Value, k: &str| r["blocks"][k]["mb"].as_f64().unwrap();
+    for r in &rows {
+        assert!(r["model"].as_str().unwrap().contains("synthetic"));
+        assert!(r["blocks"]["attention"]["ms"].as_f64().unwrap() > 0.0);
+    }
+    let (dense, paper) = (&rows[0], &rows[1]);
+    // Dense reads no predictors (only the step's embedding rows land there, a few KB); the
+    // paper's plan reads its predictors and fewer MLP and attention bytes.
+    assert!(mb(dense, "predictors") < 0.01, "{dense}");
+    assert!(mb(paper, "predictors") > 0.1, "{paper}");
+    assert!(mb(paper, "mlp") < 0.5 * mb(dense, "mlp"));
+    assert!(mb(paper, "attention") < mb(dense, "attention"));
+    assert_eq!(mb(paper, "output"), mb(dense, "output"));
+}
