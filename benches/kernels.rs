@@ -181,5 +181,67 @@ fn axpy_kernel(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, matvec, prefill, sparse, axpy_kernel);
+/// The row dot kernels alone, one thread, on 64 cache-resident rows of 896 (Qwen2.5's width):
+/// the ggml layout against the repacked one (`kernels::repack`), per tier and type.
+fn row_dot_kernel(c: &mut Criterion) {
+    use dejavu_backend_api::quant::{BlockQ8A, QK};
+    use dejavu_backend_cpu::kernels::{dot_repacked, repack, table::RowDot};
+    let (rows, cols) = (64, 896);
+    let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.37).sin()).collect();
+    for isa in Isa::supported()
+        .into_iter()
+        .filter(|i| dot_repacked::repacks(*i, QuantType::Q8_0))
+    {
+        let k = Kernels::for_isa(isa).unwrap();
+        let mut act = vec![
+            BlockQ8A {
+                d: 0.0,
+                s: 0.0,
+                qs: [0; QK]
+            };
+            cols / QK
+        ];
+        (k.quantize)(&x, &mut act);
+        let mut groups = vec![repack::ActGroup::ZERO; act.len() / repack::GROUP];
+        repack::act_groups(&act, &mut groups);
+        let mut g = c.benchmark_group(format!("row_dot_{rows}x{cols}_{isa}"));
+        for qtype in [
+            QuantType::Q8_0,
+            QuantType::Q4_0,
+            QuantType::Q4_1,
+            QuantType::Q5_0,
+        ] {
+            let data = synthetic(qtype, rows, cols);
+            let mut packed = vec![0u8; data.len()];
+            repack::repack_matrix(qtype, cols, &data, &mut packed);
+            let rb = qtype.row_bytes(cols);
+            let RowDot::Q8A(ggml) = k.dot(qtype, false) else {
+                unreachable!()
+            };
+            let rep = dot_repacked::select(qtype, isa, true);
+            g.throughput(Throughput::Bytes(data.len() as u64));
+            g.bench_function(BenchmarkId::new("ggml", qtype.name()), |b| {
+                b.iter(|| data.chunks_exact(rb).map(|r| ggml(r, &act)).sum::<f32>())
+            });
+            g.bench_function(BenchmarkId::new("repacked", qtype.name()), |b| {
+                b.iter(|| {
+                    packed
+                        .chunks_exact(rb)
+                        .map(|r| rep(r, &act, &groups))
+                        .sum::<f32>()
+                })
+            });
+        }
+        g.finish();
+    }
+}
+
+criterion_group!(
+    benches,
+    matvec,
+    prefill,
+    sparse,
+    axpy_kernel,
+    row_dot_kernel
+);
 criterion_main!(benches);

@@ -6,6 +6,7 @@ pub mod config;
 pub mod executor;
 pub mod kv_cache;
 pub mod names;
+pub mod repack;
 pub mod synthetic;
 pub mod weights;
 
@@ -35,6 +36,8 @@ pub struct EngineOptions {
     pub kv_type: KvType,
     /// How a `synthetic:NAME` model is built (ignored for real models).
     pub synthetic: SyntheticOptions,
+    /// Keep the file's row layout: skip the load-time repacking (`engine::repack`).
+    pub keep_file_layout: bool,
 }
 
 /// Hand freed heap pages back to the OS (glibc keeps them otherwise; elsewhere a no-op).
@@ -106,6 +109,10 @@ impl Engine {
             None => std::thread::available_parallelism().map_or(1, |n| n.get()),
         };
         let backend = CpuBackend::new(threads)?;
+        if !opts.keep_file_layout {
+            model.repack(&backend)?;
+            release_free_heap();
+        }
         Executor::new(&model, &backend)?;
         let spare = CpuBackend::new(1)?;
         Ok(Self {

@@ -12,7 +12,7 @@ use crate::engine::config::{ModelConfig, NormKind, Positions};
 use crate::engine::names::{GlobalTensor, LayerTensor};
 use crate::engine::synthetic::{self, Shape, Synthetic, SyntheticOptions};
 use crate::{Error, Result};
-use dejavu_backend_api::{QuantType, Weight};
+use dejavu_backend_api::{QuantType, RowLayout, Weight};
 use dejavu_formats::gguf::GgufHeader;
 use dejavu_formats::hf::HfCheckpoint;
 use dejavu_formats::safetensors::Dtype;
@@ -27,10 +27,16 @@ pub struct WeightRef {
     pub qtype: QuantType,
     pub rows: usize,
     pub cols: usize,
+    /// Index of the mapped file (or [`CONVERTED`]) and byte range in it.
     file: usize,
     start: usize,
     n_bytes: usize,
+    /// How the rows are arranged (`Repacked` after `Model::repack`).
+    pub layout: RowLayout,
 }
+
+/// The `file` of a weight moved to the model's converted buffer by `Model::repack`.
+pub(crate) const CONVERTED: usize = usize::MAX;
 
 impl WeightRef {
     /// The weight inside `file_bytes`, the whole file it was checked against.
@@ -42,6 +48,17 @@ impl WeightRef {
             &file_bytes[self.start..self.start + self.n_bytes],
         )
         .expect("WeightRef sizes are checked at load")
+        .with_layout(self.layout)
+    }
+
+    /// `(file, start)`: where the bytes are.
+    pub(crate) fn location(&self) -> (usize, usize) {
+        (self.file, self.start)
+    }
+
+    /// The same bytes, now at `(file, start)` and arranged as `layout`.
+    pub(crate) fn relocate(&mut self, (file, start): (usize, usize), layout: RowLayout) {
+        (self.file, self.start, self.layout) = (file, start, layout);
     }
 
     /// A 2-D tensor of a parsed GGUF header, which must be of type `want`.
@@ -103,6 +120,18 @@ impl LayerWeights {
         .into_iter()
         .chain(&self.w_gate)
     }
+    pub fn matrices_mut(&mut self) -> impl Iterator<Item = &mut WeightRef> {
+        [
+            &mut self.wq,
+            &mut self.wk,
+            &mut self.wv,
+            &mut self.wo,
+            &mut self.w_up,
+            &mut self.w_down,
+        ]
+        .into_iter()
+        .chain(self.w_gate.as_mut())
+    }
 }
 
 /// Where the weights live.
@@ -146,6 +175,8 @@ pub struct Model {
     pub output: WeightRef,
     pub layers: Vec<LayerWeights>,
     fingerprint: String,
+    /// The repacked matrices of a mapped model (see `Model::repack`), in one anonymous buffer.
+    pub(crate) converted: Option<memmap2::MmapMut>,
 }
 
 impl Model {
@@ -311,17 +342,28 @@ impl Model {
             output,
             layers,
             fingerprint,
+            converted: None,
         })
     }
 
     /// Borrow a weight's bytes from the mapping (range and size were checked at load).
     pub fn weight(&self, w: &WeightRef) -> Weight<'_> {
-        w.view(self.source.bytes(w.file))
+        w.view(self.file_bytes(w.file))
     }
 
-    /// The mapped files (one GGUF, or the checkpoint's shards).
+    /// Mapped file `file`, or the converted buffer.
+    pub(crate) fn file_bytes(&self, file: usize) -> &[u8] {
+        match (&self.converted, file) {
+            (Some(c), CONVERTED) => c,
+            _ => self.source.bytes(file),
+        }
+    }
+
+    /// The mapped files (one GGUF, or the checkpoint's shards), and the converted buffer.
     pub fn mapped_files(&self) -> Vec<&[u8]> {
-        self.source.files()
+        let mut v = self.source.files();
+        v.extend(self.converted.as_deref());
+        v
     }
 
     /// The GGUF header, for a GGUF model.
@@ -605,6 +647,7 @@ fn weight_ref_of(e: &Entry, name: &str, shape: Option<[usize; 2]>) -> Result<Wei
         file: e.file,
         start: e.start,
         n_bytes: e.n_bytes,
+        layout: RowLayout::Ggml,
     })
 }
 

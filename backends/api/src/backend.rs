@@ -18,6 +18,18 @@ pub struct Weight<'a> {
     pub rows: usize,
     pub cols: usize,
     pub data: &'a [u8],
+    /// How each row's blocks are arranged inside the row (the bytes per row are the same).
+    pub layout: RowLayout,
+}
+
+/// The arrangement of a weight row's blocks. `Ggml` is the file's; `Repacked` is the CPU
+/// backend's interleaved groups of 8 blocks (`dejavu_backend_cpu::kernels::repack`), made once at
+/// load by [`Backend::repack`] for the types [`Backend::repacks`] names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RowLayout {
+    #[default]
+    Ggml,
+    Repacked,
 }
 
 impl<'a> Weight<'a> {
@@ -45,7 +57,13 @@ impl<'a> Weight<'a> {
             rows,
             cols,
             data,
+            layout: RowLayout::Ggml,
         })
+    }
+
+    /// The same weight, its rows arranged as `layout`.
+    pub fn with_layout(self, layout: RowLayout) -> Self {
+        Self { layout, ..self }
     }
 
     /// Panic unless the fields still describe `data` (whole blocks, `rows` rows of `cols`).
@@ -165,6 +183,17 @@ pub trait Backend: Send + Sync {
     /// stored neuron-major (the sparse path's transposed down projection: row r is neuron r's
     /// output column). `a`: `n_tokens * w.rows`; `y`: `n_tokens * w.cols`, overwritten.
     fn axpy_rows(&self, w: &Weight, rows: &IndexSet, a: &[f32], y: &mut [f32]);
+
+    /// Does this backend read rows of `qtype` faster in another layout (see [`Backend::repack`])?
+    fn repacks(&self, _qtype: QuantType) -> bool {
+        false
+    }
+
+    /// `dst` (`w.data.len()` bytes) = the rows of `w` (ggml layout) in this backend's faster
+    /// layout for `w.qtype`, which is returned; only for types [`Backend::repacks`] names.
+    fn repack(&self, w: &Weight, _dst: &mut [u8]) -> RowLayout {
+        panic!("{} does not repack {:?}", self.name(), w.qtype)
+    }
 
     /// Dequantize row `r` of `w` into `out` (`w.cols` long): embedding lookup.
     fn dequantize_row(&self, w: &Weight, r: usize, out: &mut [f32]);

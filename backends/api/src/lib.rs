@@ -9,7 +9,7 @@ pub mod quant;
 pub mod quantize;
 
 pub use backend::{
-    Activation, AttnShape, Backend, BackendError, KvSlice, MatmulJob, RopeStyle, Weight,
+    Activation, AttnShape, Backend, BackendError, KvSlice, MatmulJob, RopeStyle, RowLayout, Weight,
 };
 pub use index_set::{IndexSet, IndexSetError};
 pub use quant::QuantType;

@@ -49,6 +49,11 @@ pub fn axpy_matmul(
     // Tasks write partial sums through raw pointers: check every extent for real.
     w.check();
     assert_eq!(rows.universe(), w.rows, "axpy_rows: row set universe");
+    assert_eq!(
+        w.layout,
+        dejavu_backend_api::RowLayout::Ggml,
+        "axpy_rows reads ggml rows (neuron-major layouts are never repacked)"
+    );
     let n_tok = a.len() / w.rows.max(1);
     assert!(
         a.len() == n_tok * w.rows && y.len() == n_tok * cols,

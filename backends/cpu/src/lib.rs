@@ -14,7 +14,7 @@ pub mod vec_dot;
 
 use dejavu_backend_api::{
     Activation, AttnShape, Backend, BackendError, IndexSet, KvSlice, MatmulJob, QuantType,
-    RopeStyle, Weight,
+    RopeStyle, RowLayout, Weight,
 };
 use isa::Isa;
 use kernels::table::Kernels;
@@ -81,8 +81,30 @@ impl Backend for CpuBackend {
     fn axpy_rows(&self, w: &Weight, rows: &IndexSet, a: &[f32], y: &mut [f32]) {
         axpy_matmul::axpy_matmul(&self.kernels, &self.pool, w, rows, a, y)
     }
+    fn repacks(&self, qtype: QuantType) -> bool {
+        kernels::dot_repacked::repacks(self.kernels.isa, qtype)
+    }
+    fn repack(&self, w: &Weight, dst: &mut [u8]) -> RowLayout {
+        assert!(self.repacks(w.qtype) && w.layout == RowLayout::Ggml);
+        w.check();
+        assert_eq!(dst.len(), w.data.len(), "repack: destination length");
+        let rb = w.qtype.row_bytes(w.cols);
+        // Rows split evenly over the pool's thread count (scoped threads: this runs once per
+        // matrix at load; it is a permutation of bytes, bound by memory).
+        let per = w.rows.div_ceil(self.pool.threads()).max(1) * rb;
+        std::thread::scope(|scope| {
+            for (src, dst) in w.data.chunks(per).zip(dst.chunks_mut(per)) {
+                scope.spawn(move || {
+                    for (s, d) in src.chunks_exact(rb).zip(dst.chunks_exact_mut(rb)) {
+                        (self.kernels.repack)(w.qtype, s, d);
+                    }
+                });
+            }
+        });
+        RowLayout::Repacked
+    }
     fn dequantize_row(&self, w: &Weight, r: usize, out: &mut [f32]) {
-        dequant::dequantize_row(w.qtype, w.row(r), out)
+        matmul::dequantize_row(&self.kernels, w, r, out)
     }
     fn rmsnorm(&self, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
         ops::rmsnorm(x, weight, eps, out)

@@ -6,11 +6,12 @@
 //!   one contiguous range of rows per thread of the [`SpinPool`];
 //! - many tokens with every row (prefill): each thread of the pool takes a range of rows and walks
 //!   it in cache-sized tiles, dequantized to f32 and multiplied with the `gemm` crate.
+use crate::kernels::repack::{self, ActGroup, GROUP};
 use crate::kernels::table::{Kernels, RowDot};
 use crate::pool::SpinPool;
 use crate::prefetch;
 use dejavu_backend_api::quant::{BlockQ8A, QK};
-use dejavu_backend_api::{IndexSet, MatmulJob, Weight};
+use dejavu_backend_api::{IndexSet, MatmulJob, RowLayout, Weight};
 use std::cell::RefCell;
 
 /// From this many tokens on, a dense matmul goes through dequantized tiles and `gemm`.
@@ -22,6 +23,10 @@ thread_local! {
     /// Quantized activations of the calling thread, reused across calls (no per-call allocation
     /// once grown to the widest input).
     static ACT: RefCell<Vec<BlockQ8A>> = const { RefCell::new(Vec::new()) };
+    /// The same blocks' whole groups transposed, for repacked weights.
+    static ACT_GROUPS: RefCell<Vec<ActGroup>> = const { RefCell::new(Vec::new()) };
+    /// One ggml row of a repacked weight, for dequantization (prefill path).
+    static UNPACKED: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
     /// Dequantized weight tile of this thread (prefill path).
     static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
@@ -79,42 +84,57 @@ fn dot_path(
     for j in jobs.iter_mut().filter(|j| !j.rows.is_full()) {
         j.y.fill(0.0);
     }
-    let needs_q8a = jobs
+    let dots: [Option<RowDot>; MAX_JOBS] =
+        std::array::from_fn(|i| jobs.get(i).map(|j| k.dot_for(&j.w, !j.rows.is_full())));
+    let needs_q8a = dots
         .iter()
-        .any(|j| matches!(k.dot(j.w.qtype, false), RowDot::Q8A(_)));
+        .flatten()
+        .any(|d| matches!(d, RowDot::Q8A(_) | RowDot::R8(_)));
+    let needs_groups = dots.iter().flatten().any(|d| matches!(d, RowDot::R8(_)));
     ACT.with_borrow_mut(|act| {
-        // Every token's activations quantized once, so each row is read once per chunk of
-        // tokens (see `rows_dot`).
-        let bpr = if needs_q8a { cols / QK } else { 0 };
-        act.resize(
-            n_tok * bpr,
-            BlockQ8A {
-                d: 0.0,
-                s: 0.0,
-                qs: [0; QK],
-            },
-        );
-        if needs_q8a {
-            for (xt, at) in x.chunks_exact(cols).zip(act.chunks_exact_mut(bpr)) {
-                (k.quantize)(xt, at);
+        ACT_GROUPS.with_borrow_mut(|groups| {
+            // Every token's activations quantized once, so each row is read once per chunk of
+            // tokens (see `rows_dot`).
+            let bpr = if needs_q8a { cols / QK } else { 0 };
+            let gpr = if needs_groups { bpr / GROUP } else { 0 };
+            act.resize(
+                n_tok * bpr,
+                BlockQ8A {
+                    d: 0.0,
+                    s: 0.0,
+                    qs: [0; QK],
+                },
+            );
+            groups.resize(n_tok * gpr, ActGroup::ZERO);
+            if needs_q8a {
+                for (xt, at) in x.chunks_exact(cols).zip(act.chunks_exact_mut(bpr)) {
+                    (k.quantize)(xt, at);
+                }
             }
-        }
-        let parts: [Option<Part>; MAX_JOBS] = std::array::from_fn(|i| {
-            jobs.get_mut(i).map(|j| Part {
-                dot: k.dot(j.w.qtype, !j.rows.is_full()),
-                w: j.w,
-                rows: j.rows,
-                y: SyncPtr::new(j.y.as_mut_ptr()),
-            })
-        });
-        let input = Input {
-            x,
-            act,
-            cols,
-            bpr,
-            n_tok,
-        };
-        rows_dot(pool, &parts, &input);
+            if gpr > 0 {
+                for (at, gt) in act.chunks_exact(bpr).zip(groups.chunks_exact_mut(gpr)) {
+                    repack::act_groups(&at[..gpr * GROUP], gt);
+                }
+            }
+            let parts: [Option<Part>; MAX_JOBS] = std::array::from_fn(|i| {
+                jobs.get_mut(i).zip(dots[i]).map(|(j, dot)| Part {
+                    dot,
+                    w: j.w,
+                    rows: j.rows,
+                    y: SyncPtr::new(j.y.as_mut_ptr()),
+                })
+            });
+            let input = Input {
+                x,
+                act,
+                groups,
+                cols,
+                bpr,
+                gpr,
+                n_tok,
+            };
+            rows_dot(pool, &parts, &input);
+        })
     });
 }
 
@@ -128,13 +148,33 @@ struct Part<'a> {
 }
 
 /// The tokens of a dispatch: f32 rows of `cols`, and (for the integer kernels) their Q8A blocks,
-/// `bpr` per token.
+/// `bpr` per token, and (for repacked weights) those blocks' whole groups, `gpr` per token.
 struct Input<'a> {
     x: &'a [f32],
     act: &'a [BlockQ8A],
+    groups: &'a [ActGroup],
     cols: usize,
     bpr: usize,
+    gpr: usize,
     n_tok: usize,
+}
+
+impl Input<'_> {
+    /// Token `t`'s row dotted with `w`, the blocks `b0..b1` of a row (`b0` a whole number of
+    /// groups for repacked rows).
+    #[inline(always)]
+    fn dot(&self, dot: RowDot, w: &[u8], t: usize, b0: usize, b1: usize, bl: usize) -> f32 {
+        let (e0, e1) = (b0 * bl, b1 * bl);
+        match dot {
+            RowDot::F32(f) => f(w, &self.x[t * self.cols..][e0..e1]),
+            RowDot::Q8A(f) => f(w, &self.act[t * self.bpr..][e0 / QK..e1 / QK]),
+            RowDot::R8(f) => {
+                let g = &self.groups[t * self.gpr..(t + 1) * self.gpr];
+                let g = &g[(e0 / QK / GROUP).min(g.len())..(e1 / QK / GROUP).min(g.len())];
+                f(w, &self.act[t * self.bpr..][e0 / QK..e1 / QK], g)
+            }
+        }
+    }
 }
 
 /// Tokens dotted with one row while it is in L1: a row is read from memory once per chunk.
@@ -185,15 +225,9 @@ fn part_rows(p: &Part, a: usize, b: usize, input: &Input, tokens: std::ops::Rang
     if !sparse && tokens.len() == 1 {
         // Dense decode: the tightest loop (short rows make per-row work count).
         let t = tokens.start;
-        let (xt, at) = (
-            &input.x[t * cols..(t + 1) * cols],
-            &input.act[t * input.bpr..(t + 1) * input.bpr],
-        );
+        let blocks = cols / q.block_len();
         for r in a..b {
-            let v = match p.dot {
-                RowDot::F32(dot) => dot(row(r), xt),
-                RowDot::Q8A(dot) => dot(row(r), at),
-            };
+            let v = input.dot(p.dot, row(r), t, 0, blocks, q.block_len());
             // SAFETY: r < w.rows and t < n_tok, inside the part's output (checked by
             // `matmul_shared`); thread ranges are disjoint; the output outlives `pool.run`.
             unsafe { *p.y.get().add(t * p.w.rows + r) = v };
@@ -203,8 +237,12 @@ fn part_rows(p: &Part, a: usize, b: usize, input: &Input, tokens: std::ops::Rang
     let ahead = SPARSE_AHEAD_BYTES.div_ceil(rb).max(1);
     let (bl, bb) = (q.block_len(), q.block_bytes());
     let blocks = cols / bl;
-    // Segments of whole blocks (and, for the 8-bit activations, whole QK blocks).
-    let unit = bl.max(QK) / bl;
+    // Segments of whole blocks (and, for the 8-bit activations, whole QK blocks; for repacked
+    // rows, whole groups).
+    let unit = match p.w.layout {
+        RowLayout::Ggml => bl.max(QK) / bl,
+        RowLayout::Repacked => GROUP,
+    };
     let seg_blocks = (SEGMENT_BYTES / bb).max(1).div_ceil(unit) * unit;
     let n_seg = match sparse && rb >= 2 * SEGMENT_BYTES && cols.is_multiple_of(bl.max(QK)) {
         true => blocks.div_ceil(seg_blocks),
@@ -226,12 +264,8 @@ fn part_rows(p: &Part, a: usize, b: usize, input: &Input, tokens: std::ops::Rang
                 _ => {}
             }
             let w = &row(r)[bytes];
-            let (e0, e1) = (b0 * bl, b1 * bl);
             for (vt, t) in v.iter_mut().zip(tokens.clone()) {
-                *vt += match p.dot {
-                    RowDot::F32(dot) => dot(w, &input.x[t * input.cols..][e0..e1]),
-                    RowDot::Q8A(dot) => dot(w, &input.act[t * input.bpr..][e0 / QK..e1 / QK]),
-                };
+                *vt += input.dot(p.dot, w, t, b0, b1, bl);
             }
         }
         for (vt, t) in v.iter().zip(tokens.clone()) {
@@ -283,7 +317,7 @@ fn matmul_gemm(
             for a in (r0..r1).step_by(tile_rows) {
                 let nr = tile_rows.min(r1 - a);
                 for (j, out) in tile.chunks_exact_mut(k).take(nr).enumerate() {
-                    (kern.dequantize)(w.qtype, w.row(a + j), out);
+                    dequantize_row(kern, w, a + j, out);
                 }
                 // SAFETY: all pointers come from live slices with the stated extents: dst is y
                 // viewed as n_tok x w.rows (row stride w.rows), columns a..a+nr, written by this
@@ -316,6 +350,18 @@ fn matmul_gemm(
     });
 }
 
+/// Row `r` of `w` in f32, whatever its layout (repacked rows are unpacked first).
+pub fn dequantize_row(k: &Kernels, w: &Weight, r: usize, out: &mut [f32]) {
+    match w.layout {
+        RowLayout::Ggml => (k.dequantize)(w.qtype, w.row(r), out),
+        RowLayout::Repacked => UNPACKED.with_borrow_mut(|buf| {
+            buf.resize(w.row(r).len(), 0);
+            (k.unpack)(w.qtype, w.row(r), buf);
+            (k.dequantize)(w.qtype, buf, out)
+        }),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -339,12 +385,43 @@ mod tests {
                         .flat_map(|r| random_row(q, cols, r as u64 * 5 + 1))
                         .collect();
                     let w = Weight::new(q, n, cols, &data).unwrap();
+                    let mut row = vec![0f32; cols];
                     let x = random_f32(n_tok * cols, 9);
                     let set =
                         IndexSet::new(n, (0..n as u32).filter(|i| i % 3 != 0).collect()).unwrap();
                     let mut got = vec![7f32; n_tok * n];
                     matmul(&k, &pool, &w, &set, &x, &mut got);
-                    let mut row = vec![0f32; cols];
+                    if repack::supports(q) {
+                        // The same rows repacked give the same products.
+                        let mut packed = vec![0u8; data.len()];
+                        repack::repack_matrix(q, cols, &data, &mut packed);
+                        let wr = Weight::new(q, n, cols, &packed)
+                            .unwrap()
+                            .with_layout(RowLayout::Repacked);
+                        let mut rep = vec![7f32; n_tok * n];
+                        matmul(&k, &pool, &wr, &set, &x, &mut rep);
+                        let mut dense_rep = vec![0f32; n_tok * n];
+                        matmul(&k, &pool, &wr, &IndexSet::full(n), &x, &mut dense_rep);
+                        let mut dense = vec![0f32; n_tok * n];
+                        matmul(&k, &pool, &w, &IndexSet::full(n), &x, &mut dense);
+                        for i in 0..n_tok * n {
+                            let tol = 1e-4 * dense[i].abs().max(1.0);
+                            assert!(
+                                (rep[i] - got[i]).abs() <= tol,
+                                "{isa} {q:?} repacked sparse {i}"
+                            );
+                            assert!(
+                                (dense_rep[i] - dense[i]).abs() <= tol,
+                                "{isa} {q:?} repacked {i}"
+                            );
+                        }
+                        let mut row_r = vec![0f32; cols];
+                        for r in [0, n - 1] {
+                            super::dequantize_row(&k, &wr, r, &mut row_r);
+                            crate::dequant::dequantize_row(q, w.row(r), &mut row);
+                            assert_eq!(row_r, row, "{isa} {q:?} dequantized repacked row {r}");
+                        }
+                    }
                     for t in 0..n_tok {
                         // Each token alone, all rows: the one-token dense path.
                         let xt = &x[t * cols..(t + 1) * cols];

@@ -328,6 +328,19 @@ impl GgufFile {
     pub fn bytes(&self) -> &[u8] {
         &self.mmap
     }
+    /// Drop this process's resident pages of `start..start + len` (a hint; the pages are read
+    /// again from the file if touched later): for tensors the engine copied elsewhere.
+    pub fn release(&self, start: usize, len: usize) {
+        #[cfg(unix)]
+        // SAFETY: the mapping is private and read-only, so MADV_DONTNEED loses nothing: a later
+        // read faults the page in again from the file, and no reference sees changed bytes.
+        let _ = unsafe {
+            self.mmap
+                .unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, len)
+        };
+        #[cfg(not(unix))]
+        let _ = (start, len);
+    }
 }
 
 /// Bounds-checked little-endian cursor.

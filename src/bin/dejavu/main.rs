@@ -74,6 +74,9 @@ struct ModelArgs {
     kv_type: KvType,
     #[command(flatten)]
     synthetic: SyntheticArgs,
+    /// Keep the file's row layout (skip repacking Q8_0/Q4_0/Q4_1/Q5_0 rows at load).
+    #[arg(long)]
+    no_repack: bool,
 }
 
 /// How a `--model synthetic:NAME` is built (random weights at a published shape, for speed only).
@@ -117,6 +120,7 @@ impl ModelArgs {
                 n_ctx,
                 kv_type: self.kv_type,
                 synthetic: self.synthetic.options(),
+                keep_file_layout: self.no_repack,
             },
         )?;
         if engine.model.synthetic_source().is_some() {
@@ -254,6 +258,9 @@ struct BenchArgs {
     kv_type: KvType,
     #[command(flatten)]
     synthetic: SyntheticArgs,
+    /// Keep the file's row layout (skip repacking Q8_0/Q4_0/Q4_1/Q5_0 rows at load).
+    #[arg(long)]
+    no_repack: bool,
     /// Thread counts to test, comma-separated.
     #[arg(long, short, value_delimiter = ',', default_value = "1,2")]
     threads: Vec<usize>,
@@ -412,6 +419,7 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
             n_ctx: Some(ctx),
             kv_type: a.kv_type,
             synthetic: a.synthetic.options(),
+            keep_file_layout: a.no_repack,
         },
     )?;
     let model_name = engine.model.label();

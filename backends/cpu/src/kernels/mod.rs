@@ -34,8 +34,10 @@ pub mod dot_q4k;
 pub mod dot_q5_0;
 pub mod dot_q6k;
 pub mod dot_q8_0;
+pub mod dot_repacked;
 pub mod dot_rows;
 pub mod quantize_act;
+pub mod repack;
 pub mod table;
 #[cfg(test)]
 pub(crate) mod testutil;

@@ -1,10 +1,11 @@
 //! The kernel table: one function per (operation, weight type) for one ISA tier, built once.
 use super::{
     axpy, axpy_q, dequantize, dot_float, dot_q4_0, dot_q4_1, dot_q4k, dot_q5_0, dot_q6k, dot_q8_0,
-    dot_rows, quantize_act,
+    dot_repacked, dot_rows, quantize_act, repack,
 };
 use crate::isa::{self, Isa, IsaError};
 use dejavu_backend_api::quant::{BlockQ8A, QuantType};
+use dejavu_backend_api::{RowLayout, Weight};
 use std::sync::OnceLock;
 
 /// Dot of a quantized weight row with activations quantized to [`BlockQ8A`].
@@ -17,6 +18,8 @@ pub type DotF32Fn = fn(&[u8], &[f32]) -> f32;
 pub enum RowDot {
     Q8A(DotQ8AFn),
     F32(DotF32Fn),
+    /// Repacked rows: Q8A blocks and their transposed groups (`repack::ActGroup`).
+    R8(dot_repacked::DotR8Fn),
 }
 
 #[derive(Clone, Copy)]
@@ -37,6 +40,12 @@ pub struct Kernels {
     /// `sparse_dots` do not (the sparse row loop prefetches the rows it selected).
     dots: [RowDot; QuantType::ALL.len()],
     sparse_dots: [RowDot; QuantType::ALL.len()],
+    /// The same for repacked rows (types `repack::supports`; others `None`).
+    repacked_dots: [Option<RowDot>; QuantType::ALL.len()],
+    sparse_repacked_dots: [Option<RowDot>; QuantType::ALL.len()],
+    /// Row conversions between the ggml and the repacked layout.
+    pub repack: repack::ConvertFn,
+    pub unpack: repack::ConvertFn,
 }
 
 impl Kernels {
@@ -58,8 +67,17 @@ impl Kernels {
                 QuantType::Q6K => RowDot::Q8A(dot_q6k::select(isa, pf)),
             })
         };
+        let repacked_with = |pf: bool| {
+            QuantType::ALL
+                .map(|q| repack::supports(q).then(|| RowDot::R8(dot_repacked::select(q, isa, pf))))
+        };
+        let (repack, unpack) = repack::select(isa);
         Some(Self {
             isa,
+            repacked_dots: repacked_with(true),
+            sparse_repacked_dots: repacked_with(false),
+            repack,
+            unpack,
             quantize: quantize_act::select(isa),
             dequantize: dequantize::select(isa),
             dot_rows: dot_rows::select(isa),
@@ -89,8 +107,28 @@ impl Kernels {
                 QuantType::Q6K => |r, x| dot_row(QuantType::Q6K, r, x),
             })
         });
+        // Repacked rows: unpacked to ggml blocks, then as above.
+        fn unpacked(q: QuantType, row: &[u8], x: &[f32]) -> f32 {
+            let mut ggml = vec![0u8; row.len()];
+            repack::unpack_row(q, row, &mut ggml);
+            dot_row(q, &ggml, x)
+        }
+        let repacked = QuantType::ALL.map(|q| {
+            let f: DotF32Fn = match q {
+                QuantType::Q8_0 => |r, x| unpacked(QuantType::Q8_0, r, x),
+                QuantType::Q4_0 => |r, x| unpacked(QuantType::Q4_0, r, x),
+                QuantType::Q4_1 => |r, x| unpacked(QuantType::Q4_1, r, x),
+                QuantType::Q5_0 => |r, x| unpacked(QuantType::Q5_0, r, x),
+                _ => return None,
+            };
+            Some(RowDot::F32(f))
+        });
         Self {
             isa: Isa::Scalar,
+            repacked_dots: repacked,
+            sparse_repacked_dots: repacked,
+            repack: repack::repack_row,
+            unpack: repack::unpack_row,
             quantize: quantize_act::scalar,
             dequantize: crate::dequant::dequantize_row,
             dot_rows: dot_rows::scalar,
@@ -111,6 +149,27 @@ impl Kernels {
             self.sparse_dots[i]
         } else {
             self.dots[i]
+        }
+    }
+}
+
+impl Kernels {
+    /// The row dot for `w` (its type and layout), dense or for a subset of rows (see [`Self::dot`]).
+    pub fn dot_for(&self, w: &Weight, sparse: bool) -> RowDot {
+        match w.layout {
+            RowLayout::Ggml => self.dot(w.qtype, sparse),
+            RowLayout::Repacked => {
+                let i = QuantType::ALL
+                    .iter()
+                    .position(|&t| t == w.qtype)
+                    .unwrap_or(0);
+                let table = if sparse {
+                    &self.sparse_repacked_dots
+                } else {
+                    &self.repacked_dots
+                };
+                table[i].unwrap_or_else(|| panic!("{:?} rows are never repacked", w.qtype))
+            }
         }
     }
 }

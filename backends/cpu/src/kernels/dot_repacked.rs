@@ -1,0 +1,452 @@
+//! Repacked row (see [`super::repack`]) . Q8A activations, for Q8_0, Q4_0, Q4_1 and Q5_0.
+//!
+//! Reference: each block decoded from the group layout and dotted as its ggml type's reference
+//! does (`d_w d_a sum(q qa)`, minus `8 d_w s_a` (Q4_0) or `16 d_w s_a` (Q5_0), plus `m_w s_a`
+//! (Q4_1)); the ggml tail blocks by the type's own reference.
+//!
+//! The x86 tiers take a group (8 blocks) per step: lane `j` of every vector is block `j`, so
+//! 8 integer dots (Q8_0 signs, nibble masks and Q5_0 fifth bits first) give the 8 block sums in
+//! one register, then one conversion of the 8 scales and one multiply-add serve all 8 blocks.
+//! The ggml-layout kernels spend a horizontal reduction, a scale conversion, a broadcast and a
+//! multiply-add per block: that made them compute-bound (7-12 GB/s per core).
+//!
+//! The portable and scalar tiers use the reference: the engine repacks only on x86 tiers
+//! ([`repacks`]).
+use super::repack::{self, ActGroup, GROUP};
+use crate::isa::Isa;
+use dejavu_backend_api::quant::{BlockQ8A, QuantType};
+
+/// `(row, act, groups)`: a repacked row, the token's activation blocks, and the same blocks'
+/// whole groups transposed ([`repack::act_groups`]).
+pub type DotR8Fn = fn(&[u8], &[BlockQ8A], &[ActGroup]) -> f32;
+
+/// Does this tier read repacked rows faster than ggml rows (so the backend should repack)?
+pub fn repacks(isa: Isa, q: QuantType) -> bool {
+    repack::supports(q) && matches!(isa, Isa::Avx2 | Isa::Avx512)
+}
+
+/// The dot of repacked rows of `q` (one of [`repack::supports`]) for `isa`, prefetching ahead
+/// if `prefetch` (dense products).
+pub fn select(q: QuantType, isa: Isa, prefetch: bool) -> DotR8Fn {
+    macro_rules! pick {
+        ($t:ty) => {
+            match (isa, prefetch) {
+                #[cfg(target_arch = "x86_64")]
+                (Isa::Avx512, true) => x86::avx512::<$t, true>,
+                #[cfg(target_arch = "x86_64")]
+                (Isa::Avx512, false) => x86::avx512::<$t, false>,
+                #[cfg(target_arch = "x86_64")]
+                (Isa::Avx2, true) => x86::avx2::<$t, true>,
+                #[cfg(target_arch = "x86_64")]
+                (Isa::Avx2, false) => x86::avx2::<$t, false>,
+                _ => scalar_of(q),
+            }
+        };
+    }
+    #[cfg(target_arch = "x86_64")]
+    use x86::{R4_0, R4_1, R5_0, R8_0};
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = prefetch;
+    match q {
+        #[cfg(target_arch = "x86_64")]
+        QuantType::Q8_0 => pick!(R8_0),
+        #[cfg(target_arch = "x86_64")]
+        QuantType::Q4_0 => pick!(R4_0),
+        #[cfg(target_arch = "x86_64")]
+        QuantType::Q4_1 => pick!(R4_1),
+        #[cfg(target_arch = "x86_64")]
+        QuantType::Q5_0 => pick!(R5_0),
+        _ => scalar_of(q),
+    }
+}
+
+/// The scalar reference for repacked rows of `q`.
+pub fn scalar_of(q: QuantType) -> DotR8Fn {
+    match q {
+        QuantType::Q8_0 => |r, a, _| scalar(QuantType::Q8_0, r, a),
+        QuantType::Q4_0 => |r, a, _| scalar(QuantType::Q4_0, r, a),
+        QuantType::Q4_1 => |r, a, _| scalar(QuantType::Q4_1, r, a),
+        QuantType::Q5_0 => |r, a, _| scalar(QuantType::Q5_0, r, a),
+        _ => panic!("{q:?} rows are never repacked"),
+    }
+}
+
+/// The ggml-layout reference of `q`, for the tail blocks.
+fn ggml_scalar(q: QuantType) -> super::table::DotQ8AFn {
+    match q {
+        QuantType::Q8_0 => super::dot_q8_0::scalar,
+        QuantType::Q4_0 => super::dot_q4_0::scalar,
+        QuantType::Q4_1 => super::dot_q4_1::scalar,
+        _ => super::dot_q5_0::scalar,
+    }
+}
+
+fn scalar(q: QuantType, row: &[u8], act: &[BlockQ8A]) -> f32 {
+    let gb = repack::layout(q).bytes;
+    let groups = (row.len() / gb).min(act.len() / GROUP);
+    let mut acc = 0f32;
+    for (g, a8) in row
+        .chunks_exact(gb)
+        .take(groups)
+        .zip(act.chunks_exact(GROUP))
+    {
+        for (j, a) in a8.iter().enumerate() {
+            let b = repack::group_block(q, g, j);
+            let s: i32 =
+                b.q.iter()
+                    .zip(&a.qs)
+                    .map(|(&w, &x)| w as i32 * x as i32)
+                    .sum();
+            let d = half::f16::from_bits(b.d).to_f32();
+            acc += match q {
+                QuantType::Q8_0 => d * a.d * s as f32,
+                QuantType::Q4_0 => d * (a.d * s as f32 - 8.0 * a.s),
+                QuantType::Q4_1 => d * a.d * s as f32 + half::f16::from_bits(b.m).to_f32() * a.s,
+                _ => d * (a.d * s as f32 - 16.0 * a.s),
+            };
+        }
+    }
+    acc + ggml_scalar(q)(&row[groups * gb..], &act[groups * GROUP..])
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::super::x86::*;
+    use super::repack::{layout, ActGroup, GROUP};
+    use dejavu_backend_api::quant::{
+        BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8A, BlockQ8_0, QuantType,
+    };
+    use std::arch::x86_64::*;
+
+    /// One repacked type: its 8 block sums per group, and its offset term.
+    pub trait Group {
+        const Q: QuantType;
+        /// The ggml block, for the tail (its `Step32` does the per-block work).
+        type Block: Step32 + bytemuck::Pod;
+        /// Multiplies `sum(off_w * s_a)` (0: no offset term).
+        const OFF_SCALE: f32;
+        /// The 8 blocks' integer dots with the activation group `a`, lane `j` = block `j`.
+        unsafe fn isums<const VNNI: bool>(g: *const u8, a: &ActGroup) -> __m256i;
+        /// The offset factor of the 8 blocks (`d_w`, or the Q4_1 mins), given `d_w`.
+        unsafe fn off_w(g: *const u8, dw: __m256) -> __m256;
+    }
+
+    pub struct R8_0;
+    pub struct R4_0;
+    pub struct R4_1;
+    pub struct R5_0;
+
+    #[inline(always)]
+    unsafe fn step(a: &ActGroup, s: usize) -> __m256i {
+        load_i8x32(&a.qs[s])
+    }
+
+    /// Bit `s` of every byte of `h` moved to bit 4, the rest cleared. 16-bit shifts suffice:
+    /// bit 4 of each byte receives a bit of the same byte.
+    #[inline(always)]
+    unsafe fn fifth_bit(h: __m256i, s: usize) -> __m256i {
+        let b = match s {
+            0 => _mm256_slli_epi16::<4>(h),
+            1 => _mm256_slli_epi16::<3>(h),
+            2 => _mm256_slli_epi16::<2>(h),
+            3 => _mm256_slli_epi16::<1>(h),
+            4 => h,
+            5 => _mm256_srli_epi16::<1>(h),
+            6 => _mm256_srli_epi16::<2>(h),
+            _ => _mm256_srli_epi16::<3>(h),
+        };
+        _mm256_and_si256(b, _mm256_set1_epi8(0x10))
+    }
+
+    /// Sums of u8 x i8 products over the steps `q` and the matching activation steps. AVX2:
+    /// `maddubs` pairs added in i16 before one widening (the caller keeps `n * 2 * max|u s|`
+    /// below 2^15); VNNI: `vpdpbusd` on two chains.
+    #[inline(always)]
+    unsafe fn sum_u8i8<const VNNI: bool, const N: usize>(
+        q: &[__m256i; N],
+        a: &ActGroup,
+        steps: [usize; N],
+    ) -> __m256i {
+        if VNNI {
+            let (mut x, mut y) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+            for i in (0..N).step_by(2) {
+                x = _mm256_dpbusd_epi32(x, q[i], step(a, steps[i]));
+                if i + 1 < N {
+                    y = _mm256_dpbusd_epi32(y, q[i + 1], step(a, steps[i + 1]));
+                }
+            }
+            _mm256_add_epi32(x, y)
+        } else {
+            let mut p = _mm256_setzero_si256();
+            for i in 0..N {
+                p = _mm256_add_epi16(p, _mm256_maddubs_epi16(q[i], step(a, steps[i])));
+            }
+            _mm256_madd_epi16(p, _mm256_set1_epi16(1))
+        }
+    }
+
+    /// The 8 steps of a 4-bit group (`high`: the Q5_0 fifth bits) dotted with `a`.
+    #[inline(always)]
+    unsafe fn four_bit_sums<const VNNI: bool>(
+        qs: *const u8,
+        high: Option<__m256i>,
+        a: &ActGroup,
+    ) -> __m256i {
+        let m = _mm256_set1_epi8(0x0F);
+        let mut q = [_mm256_setzero_si256(); GROUP];
+        for c in 0..4 {
+            let v = _mm256_loadu_si256(qs.add(32 * c) as *const __m256i);
+            q[c] = _mm256_and_si256(v, m);
+            q[c + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m);
+        }
+        match high {
+            // 5-bit quants: 2 * 31 * 127 per maddubs lane, so at most 4 steps per i16 sum.
+            Some(h) => {
+                for (s, qs) in q.iter_mut().enumerate() {
+                    *qs = _mm256_or_si256(*qs, fifth_bit(h, s));
+                }
+                let lo = sum_u8i8::<VNNI, 4>(&[q[0], q[1], q[2], q[3]], a, [0, 1, 2, 3]);
+                let hi = sum_u8i8::<VNNI, 4>(&[q[4], q[5], q[6], q[7]], a, [4, 5, 6, 7]);
+                _mm256_add_epi32(lo, hi)
+            }
+            // 4-bit quants: 2 * 15 * 127 per lane, 8 steps fit an i16.
+            None => sum_u8i8::<VNNI, 8>(&q, a, [0, 1, 2, 3, 4, 5, 6, 7]),
+        }
+    }
+
+    impl Group for R8_0 {
+        const Q: QuantType = QuantType::Q8_0;
+        type Block = BlockQ8_0;
+        const OFF_SCALE: f32 = 0.0;
+        /// Signed x signed by the sign trick; each maddubs lane reaches 2 * 128 * 127, so
+        /// AVX2 widens every step.
+        #[inline(always)]
+        unsafe fn isums<const VNNI: bool>(g: *const u8, a: &ActGroup) -> __m256i {
+            let qs = g.add(layout(Self::Q).qs);
+            let (mut x, mut y) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+            for s in (0..GROUP).step_by(2) {
+                let w0 = _mm256_loadu_si256(qs.add(32 * s) as *const __m256i);
+                let w1 = _mm256_loadu_si256(qs.add(32 * s + 32) as *const __m256i);
+                x = _mm256_add_epi32(x, dot_i8i8_v::<VNNI>(w0, step(a, s)));
+                y = _mm256_add_epi32(y, dot_i8i8_v::<VNNI>(w1, step(a, s + 1)));
+            }
+            _mm256_add_epi32(x, y)
+        }
+        #[inline(always)]
+        unsafe fn off_w(_: *const u8, dw: __m256) -> __m256 {
+            dw
+        }
+    }
+
+    impl Group for R4_0 {
+        const Q: QuantType = QuantType::Q4_0;
+        type Block = BlockQ4_0;
+        const OFF_SCALE: f32 = -8.0;
+        #[inline(always)]
+        unsafe fn isums<const VNNI: bool>(g: *const u8, a: &ActGroup) -> __m256i {
+            four_bit_sums::<VNNI>(g.add(layout(Self::Q).qs), None, a)
+        }
+        #[inline(always)]
+        unsafe fn off_w(_: *const u8, dw: __m256) -> __m256 {
+            dw
+        }
+    }
+
+    impl Group for R4_1 {
+        const Q: QuantType = QuantType::Q4_1;
+        type Block = BlockQ4_1;
+        const OFF_SCALE: f32 = 1.0;
+        #[inline(always)]
+        unsafe fn isums<const VNNI: bool>(g: *const u8, a: &ActGroup) -> __m256i {
+            four_bit_sums::<VNNI>(g.add(layout(Self::Q).qs), None, a)
+        }
+        #[inline(always)]
+        unsafe fn off_w(g: *const u8, _: __m256) -> __m256 {
+            let m = layout(Self::Q).mins.unwrap_or(16);
+            _mm256_cvtph_ps(_mm_loadu_si128(g.add(m) as *const __m128i))
+        }
+    }
+
+    impl Group for R5_0 {
+        const Q: QuantType = QuantType::Q5_0;
+        type Block = BlockQ5_0;
+        const OFF_SCALE: f32 = -16.0;
+        #[inline(always)]
+        unsafe fn isums<const VNNI: bool>(g: *const u8, a: &ActGroup) -> __m256i {
+            let lay = layout(Self::Q);
+            let h = _mm256_loadu_si256(g.add(lay.high.unwrap_or(16)) as *const __m256i);
+            four_bit_sums::<VNNI>(g.add(lay.qs), Some(h), a)
+        }
+        #[inline(always)]
+        unsafe fn off_w(_: *const u8, dw: __m256) -> __m256 {
+            dw
+        }
+    }
+
+    /// Whole groups, then the ggml tail blocks through the type's per-block step.
+    #[inline(always)]
+    unsafe fn row_dot<G: Group, const VNNI: bool, const PF: bool>(
+        row: &[u8],
+        act: &[BlockQ8A],
+        groups: &[ActGroup],
+    ) -> f32 {
+        let (bb, gb) = (G::Q.block_bytes(), layout(G::Q).bytes);
+        let blocks = (row.len() / bb).min(act.len());
+        let n = (blocks / GROUP).min(groups.len());
+        let (mut acc, mut off) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        for (i, a) in groups[..n].iter().enumerate() {
+            let g = row.as_ptr().add(i * gb);
+            if PF {
+                let mut o = 0;
+                while o < gb {
+                    prefetch_ahead(g.add(o));
+                    o += 64;
+                }
+            }
+            let isum = G::isums::<VNNI>(g, a);
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(g as *const __m128i));
+            let da = _mm256_load_ps(a.d.as_ptr());
+            acc = _mm256_fmadd_ps(_mm256_mul_ps(dw, da), _mm256_cvtepi32_ps(isum), acc);
+            if G::OFF_SCALE != 0.0 {
+                let sa = _mm256_load_ps(a.s.as_ptr());
+                off = _mm256_fmadd_ps(G::off_w(g, dw), sa, off);
+            }
+        }
+        let tail: &[G::Block] =
+            bytemuck::cast_slice(&row[n * gb..n * gb + (blocks - n * GROUP) * bb]);
+        let mut total = hsum_ps(acc) + pair_loop::<G::Block, VNNI, false>(tail, &act[n * GROUP..]);
+        if G::OFF_SCALE != 0.0 {
+            total += G::OFF_SCALE * hsum_ps(off);
+        }
+        total
+    }
+
+    pub fn avx2<G: Group, const PF: bool>(row: &[u8], act: &[BlockQ8A], g: &[ActGroup]) -> f32 {
+        // SAFETY: handed out by `select` only for tiers whose features this CPU has; every
+        // read lies inside `row`, `act` and `g` (whole groups and blocks of each, counted).
+        unsafe { avx2_impl::<G, PF>(row, act, g) }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn avx2_impl<G: Group, const PF: bool>(
+        row: &[u8],
+        act: &[BlockQ8A],
+        g: &[ActGroup],
+    ) -> f32 {
+        row_dot::<G, false, PF>(row, act, g)
+    }
+
+    pub fn avx512<G: Group, const PF: bool>(row: &[u8], act: &[BlockQ8A], g: &[ActGroup]) -> f32 {
+        // SAFETY: as `avx2`.
+        unsafe { avx512_impl::<G, PF>(row, act, g) }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn avx512_impl<G: Group, const PF: bool>(
+        row: &[u8],
+        act: &[BlockQ8A],
+        g: &[ActGroup],
+    ) -> f32 {
+        row_dot::<G, true, PF>(row, act, g)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::repack::repack_row;
+    use crate::kernels::table::{Kernels, RowDot};
+    use crate::kernels::testutil::{random_f32, random_row};
+    use dejavu_backend_api::quant::QK;
+
+    const TYPES: [QuantType; 4] = [
+        QuantType::Q8_0,
+        QuantType::Q4_0,
+        QuantType::Q4_1,
+        QuantType::Q5_0,
+    ];
+
+    fn groups_of(act: &[BlockQ8A]) -> Vec<ActGroup> {
+        let mut g = vec![ActGroup::ZERO; act.len() / GROUP];
+        repack::act_groups(act, &mut g);
+        g
+    }
+
+    fn act_of(x: &[f32]) -> Vec<BlockQ8A> {
+        let mut act = vec![
+            BlockQ8A {
+                d: 0.0,
+                s: 0.0,
+                qs: [0; QK]
+            };
+            x.len() / QK
+        ];
+        (Kernels::for_isa(Isa::Scalar).unwrap().quantize)(x, &mut act);
+        act
+    }
+
+    /// The repacked reference equals the ggml reference on the same row (same per-block terms
+    /// in the same order, so equal up to f32 rounding of the sum), and every tier's repacked dot
+    /// (prefetching or not) is within 1e-5 of `sum |w x|` of the reference: whole groups, ragged
+    /// tails and tail-only rows.
+    #[test]
+    fn tiers_match_reference() {
+        for q in TYPES {
+            for blocks in [1usize, 7, 8, 9, 28, 33, 67] {
+                let n = blocks * QK;
+                let row = random_row(q, n, 11 * blocks as u64);
+                let mut packed = vec![0u8; row.len()];
+                repack_row(q, &row, &mut packed);
+                let x = random_f32(n, blocks as u64);
+                let act = act_of(&x);
+                let mut deq = vec![0f32; n];
+                crate::dequant::dequantize_row(q, &row, &mut deq);
+                let mag: f32 = deq.iter().zip(&x).map(|(w, x)| (w * x).abs()).sum();
+                let RowDot::Q8A(ggml) = Kernels::for_isa(Isa::Scalar).unwrap().dot(q, false) else {
+                    panic!()
+                };
+                let want = ggml(&row, &act);
+                let groups = groups_of(&act);
+                let reference = scalar_of(q)(&packed, &act, &groups);
+                assert!(
+                    (reference - want).abs() <= 1e-6 * mag + 1e-6,
+                    "{q:?} {blocks}"
+                );
+                for isa in Isa::supported() {
+                    for pf in [false, true] {
+                        let got = select(q, isa, pf)(&packed, &act, &groups);
+                        assert!(
+                            (got - reference).abs() <= 1e-5 * mag + 1e-6,
+                            "{isa} {q:?} {blocks} blocks (prefetch {pf}): {got} vs {reference}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// Q8_0 quants of -128 (the sign trick's edge) and Q5_0 rows of all-ones high bits.
+    #[test]
+    fn extreme_quants() {
+        for (q, fill) in [(QuantType::Q8_0, 0x80u8), (QuantType::Q5_0, 0xFF)] {
+            let n = 16 * QK;
+            let mut row = random_row(q, n, 5);
+            let bb = q.block_bytes();
+            for b in row.chunks_exact_mut(bb) {
+                b[2..].fill(fill);
+            }
+            let mut packed = vec![0u8; row.len()];
+            repack_row(q, &row, &mut packed);
+            let act = act_of(&random_f32(n, 3));
+            let groups = groups_of(&act);
+            let want = scalar_of(q)(&packed, &act, &groups);
+            for isa in Isa::supported() {
+                let got = select(q, isa, true)(&packed, &act, &groups);
+                assert!(
+                    (got - want).abs() <= 1e-5 * want.abs() + 1e-4,
+                    "{isa} {q:?}"
+                );
+            }
+        }
+    }
+}
