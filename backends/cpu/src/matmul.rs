@@ -25,8 +25,6 @@ thread_local! {
     static ACT: RefCell<Vec<BlockQ8A>> = const { RefCell::new(Vec::new()) };
     /// The same blocks' whole groups transposed, for repacked weights.
     static ACT_GROUPS: RefCell<Vec<ActGroup>> = const { RefCell::new(Vec::new()) };
-    /// One ggml row of a repacked weight, for dequantization (prefill path).
-    static UNPACKED: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
     /// Dequantized weight tile of this thread (prefill path).
     static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
@@ -350,15 +348,11 @@ fn matmul_gemm(
     });
 }
 
-/// Row `r` of `w` in f32, whatever its layout (repacked rows are unpacked first).
+/// Row `r` of `w` in f32, whatever its layout.
 pub fn dequantize_row(k: &Kernels, w: &Weight, r: usize, out: &mut [f32]) {
     match w.layout {
         RowLayout::Ggml => (k.dequantize)(w.qtype, w.row(r), out),
-        RowLayout::Repacked => UNPACKED.with_borrow_mut(|buf| {
-            buf.resize(w.row(r).len(), 0);
-            (k.unpack)(w.qtype, w.row(r), buf);
-            (k.dequantize)(w.qtype, buf, out)
-        }),
+        RowLayout::Repacked => (k.dequantize_repacked)(w.qtype, w.row(r), out),
     }
 }
 

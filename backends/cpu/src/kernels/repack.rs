@@ -253,6 +253,24 @@ pub fn repack_matrix(q: QuantType, cols: usize, src: &[u8], dst: &mut [u8]) {
 
 /// `(q, src, dst)`: a row conversion of [`select`].
 pub type ConvertFn = fn(QuantType, &[u8], &mut [u8]);
+/// `(q, repacked row, out)`: dequantization of a repacked row.
+pub type DequantFn = fn(QuantType, &[u8], &mut [f32]);
+
+/// The tier's dequantization of repacked rows (the reference: unpack, then the ggml one).
+pub fn select_dequantize(isa: Isa) -> DequantFn {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 => x86::dequantize_row,
+        _ => dequantize_row,
+    }
+}
+
+/// The reference dequantization of a repacked row: unpacked, then as a ggml row.
+pub fn dequantize_row(q: QuantType, src: &[u8], out: &mut [f32]) {
+    let mut ggml = vec![0u8; src.len()];
+    unpack_row(q, src, &mut ggml);
+    crate::dequant::dequantize_row(q, &ggml, out)
+}
 
 /// The tier's `(repack, unpack)` row conversions: the x86 tiers transpose 8x8 lanes in
 /// registers; the others use the references.
@@ -267,7 +285,7 @@ pub fn select(isa: Isa) -> (ConvertFn, ConvertFn) {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::{layout, supports, GROUP};
-    use dejavu_backend_api::quant::QuantType;
+    use dejavu_backend_api::quant::{QuantType, QK};
     use std::arch::x86_64::*;
 
     pub fn repack_row(q: QuantType, src: &[u8], dst: &mut [u8]) {
@@ -276,6 +294,63 @@ mod x86 {
 
     pub fn unpack_row(q: QuantType, src: &[u8], dst: &mut [u8]) {
         convert(q, src, dst, false)
+    }
+
+    pub fn dequantize_row(q: QuantType, src: &[u8], out: &mut [f32]) {
+        assert!(supports(q) && src.len() == q.row_bytes(out.len()));
+        let gb = layout(q).bytes;
+        let groups = src.len() / gb;
+        for (g, y) in src.chunks_exact(gb).zip(out.chunks_exact_mut(GROUP * QK)) {
+            // SAFETY: AVX2 present (x86 tiers only); `g` is one group, `y` its 256 elements.
+            unsafe { dequantize_group(q, g, y) }
+        }
+        crate::dequant::dequantize_row(q, &src[groups * gb..], &mut out[groups * GROUP * QK..]);
+    }
+
+    /// One group -> 256 f32: `d * q + m` with `m` the Q4_1 min or `-offset * d`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dequantize_group(q: QuantType, g: &[u8], y: &mut [f32]) {
+        let lay = layout(q);
+        let blocks = group_quants(q, g);
+        let mut d = [0f32; GROUP];
+        _mm256_storeu_ps(
+            d.as_mut_ptr(),
+            _mm256_cvtph_ps(_mm_loadu_si128(g.as_ptr() as *const __m128i)),
+        );
+        let mut m = [0f32; GROUP];
+        match (lay.mins, q) {
+            (Some(o), _) => _mm256_storeu_ps(
+                m.as_mut_ptr(),
+                _mm256_cvtph_ps(_mm_loadu_si128(g[o..].as_ptr() as *const __m128i)),
+            ),
+            (None, QuantType::Q4_0) => m.iter_mut().zip(&d).for_each(|(m, d)| *m = -8.0 * d),
+            (None, QuantType::Q5_0) => m.iter_mut().zip(&d).for_each(|(m, d)| *m = -16.0 * d),
+            _ => {}
+        }
+        let signed = q == QuantType::Q8_0;
+        for (j, v) in blocks.iter().enumerate() {
+            let (dj, mj) = (_mm256_set1_ps(d[j]), _mm256_set1_ps(m[j]));
+            let halves = [
+                _mm256_castsi256_si128(*v),
+                _mm256_extracti128_si256::<1>(*v),
+            ];
+            for (h, half) in halves.iter().enumerate() {
+                for k in 0..2 {
+                    let bytes = if k == 0 {
+                        *half
+                    } else {
+                        _mm_srli_si128::<8>(*half)
+                    };
+                    let ints = if signed {
+                        _mm256_cvtepi8_epi32(bytes)
+                    } else {
+                        _mm256_cvtepu8_epi32(bytes)
+                    };
+                    let x = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), dj, mj);
+                    _mm256_storeu_ps(y[j * QK + 16 * h + 8 * k..].as_mut_ptr(), x);
+                }
+            }
+        }
     }
 
     fn convert(q: QuantType, src: &[u8], dst: &mut [u8], pack: bool) {
@@ -408,11 +483,12 @@ mod x86 {
         }
     }
 
-    /// One group -> 8 ggml blocks.
+    /// The 8 blocks of a group as 32 quant bytes each, in element order (with Q5_0's fifth
+    /// bits; 4-bit values unsigned).
+    #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn unpack_group(q: QuantType, g: &[u8], dst: &mut [u8]) {
-        let (bb, lay) = (q.block_bytes(), layout(q));
-        let (extra, qs_at) = ggml_offsets(q);
+    unsafe fn group_quants(q: QuantType, g: &[u8]) -> [__m256i; GROUP] {
+        let lay = layout(q);
         let low = _mm256_set1_epi8(0x0F);
         let qs = g[lay.qs..].as_ptr();
         let steps: [__m256i; GROUP] = match q {
@@ -447,7 +523,16 @@ mod x86 {
                 })
             }
         };
-        let blocks = transpose(steps);
+        transpose(steps)
+    }
+
+    /// One group -> 8 ggml blocks.
+    #[target_feature(enable = "avx2")]
+    unsafe fn unpack_group(q: QuantType, g: &[u8], dst: &mut [u8]) {
+        let (bb, lay) = (q.block_bytes(), layout(q));
+        let (extra, qs_at) = ggml_offsets(q);
+        let low = _mm256_set1_epi8(0x0F);
+        let blocks = group_quants(q, g);
         for (j, v) in blocks.iter().enumerate() {
             let b = &mut dst[j * bb..(j + 1) * bb];
             b[..2].copy_from_slice(&g[2 * j..2 * j + 2]);
@@ -510,6 +595,17 @@ mod tests {
                     assert_eq!(p2, packed, "{isa} {q:?} {blocks} blocks: repack");
                     unpack(q, &packed, &mut back);
                     assert_eq!(back, src, "{isa} {q:?} {blocks} blocks: unpack");
+                    let mut want = vec![0f32; blocks * QK];
+                    let mut got = vec![f32::NAN; blocks * QK];
+                    crate::dequant::dequantize_row(q, &src, &mut want);
+                    select_dequantize(isa)(q, &packed, &mut got);
+                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                        // The SIMD tier fuses d * q + m into one rounding.
+                        assert!(
+                            (g - w).abs() <= 1e-6 * w.abs().max(1e-3),
+                            "{isa} {q:?} dequantize {i}: {g} vs {w}"
+                        );
+                    }
                 }
             }
         }

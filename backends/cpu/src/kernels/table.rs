@@ -46,6 +46,7 @@ pub struct Kernels {
     /// Row conversions between the ggml and the repacked layout.
     pub repack: repack::ConvertFn,
     pub unpack: repack::ConvertFn,
+    pub dequantize_repacked: repack::DequantFn,
 }
 
 impl Kernels {
@@ -78,6 +79,7 @@ impl Kernels {
             sparse_repacked_dots: repacked_with(false),
             repack,
             unpack,
+            dequantize_repacked: repack::select_dequantize(isa),
             quantize: quantize_act::select(isa),
             dequantize: dequantize::select(isa),
             dot_rows: dot_rows::select(isa),
@@ -129,6 +131,7 @@ impl Kernels {
             sparse_repacked_dots: repacked,
             repack: repack::repack_row,
             unpack: repack::unpack_row,
+            dequantize_repacked: repack::dequantize_row,
             quantize: quantize_act::scalar,
             dequantize: crate::dequant::dequantize_row,
             dot_rows: dot_rows::scalar,
