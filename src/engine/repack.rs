@@ -2,7 +2,9 @@
 //! reads fastest (`Backend::repack`: the CPU backend's interleaved groups for Q8_0, Q4_0, Q4_1 and
 //! Q5_0 rows). An explicit step of `Engine::load`, like the sparse layout's transposes, but kept
 //! in memory: converting is a permutation of bytes that runs at memory speed (measured below a
-//! second for Qwen2.5-0.5B's 0.5 GB), faster than reading a cached copy back would be.
+//! second for Qwen2.5-0.5B: 0.45-0.95 s to load and decode one token against 0.33-0.42 s with
+//! `--no-repack`), and the file's pages are released as each tensor is converted (peak RSS 444
+//! against 441 MB).
 use crate::engine::weights::{Model, Source, WeightRef, CONVERTED};
 use crate::progress;
 use crate::{Error, Result};
@@ -62,9 +64,8 @@ impl Model {
                 moved.insert((file, start), ((CONVERTED, at), layout));
                 at += w.n_bytes();
                 bar.inc(w.n_bytes() as u64);
-            }
-            if let Source::Gguf(f) = &self.source {
-                for (&(_, start), w) in &todo {
+                // Released as we go, so the peak stays near one copy of the weights.
+                if let Source::Gguf(f) = &self.source {
                     f.release(start, w.n_bytes());
                 }
             }

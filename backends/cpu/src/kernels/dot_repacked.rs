@@ -141,23 +141,6 @@ mod x86 {
         load_i8x32(&a.qs[s])
     }
 
-    /// Bit `s` of every byte of `h` moved to bit 4, the rest cleared. 16-bit shifts suffice:
-    /// bit 4 of each byte receives a bit of the same byte.
-    #[inline(always)]
-    unsafe fn fifth_bit(h: __m256i, s: usize) -> __m256i {
-        let b = match s {
-            0 => _mm256_slli_epi16::<4>(h),
-            1 => _mm256_slli_epi16::<3>(h),
-            2 => _mm256_slli_epi16::<2>(h),
-            3 => _mm256_slli_epi16::<1>(h),
-            4 => h,
-            5 => _mm256_srli_epi16::<1>(h),
-            6 => _mm256_srli_epi16::<2>(h),
-            _ => _mm256_srli_epi16::<3>(h),
-        };
-        _mm256_and_si256(b, _mm256_set1_epi8(0x10))
-    }
-
     /// Sums of u8 x i8 products over the steps `q` and the matching activation steps. AVX2:
     /// `maddubs` pairs added in i16 before one widening (the caller keeps `n * 2 * max|u s|`
     /// below 2^15); VNNI: `vpdpbusd` on two chains.

@@ -463,21 +463,9 @@ mod x86 {
             _mm256_storeu_si256(qs.add(32 * c) as *mut __m256i, _mm256_or_si256(lo, hi));
         }
         if let Some(o) = lay.high {
-            let five = _mm256_set1_epi8(0x10);
             let mut h = _mm256_setzero_si256();
             for (s, v) in steps.iter().enumerate() {
-                let b = _mm256_and_si256(*v, five);
-                let moved = match s {
-                    0 => _mm256_srli_epi16::<4>(b),
-                    1 => _mm256_srli_epi16::<3>(b),
-                    2 => _mm256_srli_epi16::<2>(b),
-                    3 => _mm256_srli_epi16::<1>(b),
-                    4 => b,
-                    5 => _mm256_slli_epi16::<1>(b),
-                    6 => _mm256_slli_epi16::<2>(b),
-                    _ => _mm256_slli_epi16::<3>(b),
-                };
-                h = _mm256_or_si256(h, moved);
+                h = _mm256_or_si256(h, super::super::x86::from_fifth_bit(*v, s));
             }
             _mm256_storeu_si256(g[o..].as_mut_ptr() as *mut __m256i, h);
         }
@@ -504,20 +492,7 @@ mod x86 {
                     let v = if s < 4 { v } else { _mm256_srli_epi16::<4>(v) };
                     let nib = _mm256_and_si256(v, low);
                     match h {
-                        // Bit s of each byte to bit 4 (16-bit shifts keep it in its byte).
-                        Some(h) => {
-                            let b = match s {
-                                0 => _mm256_slli_epi16::<4>(h),
-                                1 => _mm256_slli_epi16::<3>(h),
-                                2 => _mm256_slli_epi16::<2>(h),
-                                3 => _mm256_slli_epi16::<1>(h),
-                                4 => h,
-                                5 => _mm256_srli_epi16::<1>(h),
-                                6 => _mm256_srli_epi16::<2>(h),
-                                _ => _mm256_srli_epi16::<3>(h),
-                            };
-                            _mm256_or_si256(nib, _mm256_and_si256(b, _mm256_set1_epi8(0x10)))
-                        }
+                        Some(h) => _mm256_or_si256(nib, super::super::x86::fifth_bit(h, s)),
                         None => nib,
                     }
                 })

@@ -44,6 +44,39 @@ pub unsafe fn bytes_from_bits_32(bits: u32) -> __m256i {
     _mm256_cmpeq_epi8(_mm256_or_si256(bytes, mask), _mm256_set1_epi64x(-1))
 }
 
+/// Bit `s` (0..8) of every byte of `h` moved to bit 4, the rest cleared (the repacked Q5_0
+/// fifth-bit plane). 16-bit shifts suffice: bit 4 of each byte receives a bit of the same byte.
+#[inline(always)]
+pub unsafe fn fifth_bit(h: __m256i, s: usize) -> __m256i {
+    let b = match s {
+        0 => _mm256_slli_epi16::<4>(h),
+        1 => _mm256_slli_epi16::<3>(h),
+        2 => _mm256_slli_epi16::<2>(h),
+        3 => _mm256_slli_epi16::<1>(h),
+        4 => h,
+        5 => _mm256_srli_epi16::<1>(h),
+        6 => _mm256_srli_epi16::<2>(h),
+        _ => _mm256_srli_epi16::<3>(h),
+    };
+    _mm256_and_si256(b, _mm256_set1_epi8(0x10))
+}
+
+/// The inverse of [`fifth_bit`]: bit 4 of every byte of `v` moved to bit `s`, the rest cleared.
+#[inline(always)]
+pub unsafe fn from_fifth_bit(v: __m256i, s: usize) -> __m256i {
+    let b = _mm256_and_si256(v, _mm256_set1_epi8(0x10));
+    match s {
+        0 => _mm256_srli_epi16::<4>(b),
+        1 => _mm256_srli_epi16::<3>(b),
+        2 => _mm256_srli_epi16::<2>(b),
+        3 => _mm256_srli_epi16::<1>(b),
+        4 => b,
+        5 => _mm256_slli_epi16::<1>(b),
+        6 => _mm256_slli_epi16::<2>(b),
+        _ => _mm256_slli_epi16::<3>(b),
+    }
+}
+
 #[inline]
 #[target_feature(enable = "avx2")]
 pub unsafe fn load_i8x32(p: &[i8; 32]) -> __m256i {
