@@ -8,7 +8,7 @@
 use crate::engine::weights::{Model, Source, WeightRef, CONVERTED};
 use crate::progress;
 use crate::{Error, Result};
-use dejavu_backend_api::{Backend, Weight};
+use dejavu_backend_api::{Backend, RowLayout, Weight};
 use std::collections::BTreeMap;
 
 /// What [`Model::repack`] converted.
@@ -33,7 +33,7 @@ impl Model {
             .chain([&self.output])
             .chain(self.proj_in.iter().chain(&self.proj_out));
         for w in multiplied {
-            if w.layout == Default::default() && backend.repacks(w.qtype) {
+            if w.layout == RowLayout::Ggml && backend.repacks(w.qtype) {
                 todo.entry(w.location()).or_insert_with(|| w.clone());
             }
         }
