@@ -11,19 +11,12 @@ use crate::{Error, Result};
 use dejavu_backend_api::{Backend, RowLayout, Weight};
 use std::collections::BTreeMap;
 
-/// What [`Model::repack`] converted.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct RepackStats {
-    pub matrices: usize,
-    pub bytes: usize,
-}
-
 impl Model {
     /// Convert every matrix the executor multiplies (output head, projections, layer matrices)
     /// whose type `backend` repacks. A mapped model's matrices are copied into one anonymous
     /// buffer and the file's pages of them released; a synthetic model's are converted in place.
     /// Every `WeightRef` of a converted range (a tied embedding too) reads the new layout.
-    pub fn repack(&mut self, backend: &dyn Backend) -> Result<RepackStats> {
+    pub fn repack(&mut self, backend: &dyn Backend) -> Result<()> {
         // Distinct ranges to convert, by location: (file, start) -> a representative ref.
         let mut todo: BTreeMap<(usize, usize), WeightRef> = BTreeMap::new();
         let multiplied = self
@@ -39,7 +32,7 @@ impl Model {
         }
         let bytes: usize = todo.values().map(WeightRef::n_bytes).sum();
         if todo.is_empty() {
-            return Ok(RepackStats::default());
+            return Ok(());
         }
         let bar = progress::bytes_bar(bytes as u64, "repacking weights");
         let mut moved = BTreeMap::new();
@@ -84,9 +77,6 @@ impl Model {
                 w.relocate(to, layout);
             }
         }
-        Ok(RepackStats {
-            matrices: todo.len(),
-            bytes,
-        })
+        Ok(())
     }
 }

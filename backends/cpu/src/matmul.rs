@@ -167,8 +167,8 @@ impl Input<'_> {
             RowDot::F32(f) => f(w, &self.x[t * self.cols..][e0..e1]),
             RowDot::Q8A(f) => f(w, &self.act[t * self.bpr..][e0 / QK..e1 / QK]),
             RowDot::R8(f) => {
-                let g = &self.groups[t * self.gpr..(t + 1) * self.gpr];
-                let g = &g[(e0 / QK / GROUP).min(g.len())..(e1 / QK / GROUP).min(g.len())];
+                // e1 <= cols, so the groups end within the token's `gpr`.
+                let g = &self.groups[t * self.gpr..][e0 / QK / GROUP..e1 / QK / GROUP];
                 f(w, &self.act[t * self.bpr..][e0 / QK..e1 / QK], g)
             }
         }

@@ -147,34 +147,34 @@ impl Kernels {
     /// The row dot for weights of type `q`, for a dense product (`sparse == false`: it
     /// prefetches ahead) or a subset of rows (the caller prefetches).
     pub fn dot(&self, q: QuantType, sparse: bool) -> RowDot {
-        let i = QuantType::ALL.iter().position(|&t| t == q).unwrap_or(0);
-        if sparse {
-            self.sparse_dots[i]
+        let table = if sparse {
+            &self.sparse_dots
         } else {
-            self.dots[i]
-        }
+            &self.dots
+        };
+        table[slot(q)]
     }
-}
 
-impl Kernels {
     /// The row dot for `w` (its type and layout), dense or for a subset of rows (see [`Self::dot`]).
     pub fn dot_for(&self, w: &Weight, sparse: bool) -> RowDot {
         match w.layout {
             RowLayout::Ggml => self.dot(w.qtype, sparse),
             RowLayout::Repacked => {
-                let i = QuantType::ALL
-                    .iter()
-                    .position(|&t| t == w.qtype)
-                    .unwrap_or(0);
                 let table = if sparse {
                     &self.sparse_repacked_dots
                 } else {
                     &self.repacked_dots
                 };
-                table[i].unwrap_or_else(|| panic!("{:?} rows are never repacked", w.qtype))
+                table[slot(w.qtype)]
+                    .unwrap_or_else(|| panic!("{:?} rows are never repacked", w.qtype))
             }
         }
     }
+}
+
+/// The index of `q` in the per-type tables.
+fn slot(q: QuantType) -> usize {
+    QuantType::ALL.iter().position(|&t| t == q).unwrap_or(0)
 }
 
 /// The table of the process's selected tier (see [`isa::selected`]).

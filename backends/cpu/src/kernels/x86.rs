@@ -44,37 +44,33 @@ pub unsafe fn bytes_from_bits_32(bits: u32) -> __m256i {
     _mm256_cmpeq_epi8(_mm256_or_si256(bytes, mask), _mm256_set1_epi64x(-1))
 }
 
+/// `v` shifted left by `k` bits per 16-bit lane (right for negative `k`), `k` in -4..=4.
+#[inline(always)]
+unsafe fn shift16(v: __m256i, k: isize) -> __m256i {
+    match k {
+        -4 => _mm256_srli_epi16::<4>(v),
+        -3 => _mm256_srli_epi16::<3>(v),
+        -2 => _mm256_srli_epi16::<2>(v),
+        -1 => _mm256_srli_epi16::<1>(v),
+        0 => v,
+        1 => _mm256_slli_epi16::<1>(v),
+        2 => _mm256_slli_epi16::<2>(v),
+        3 => _mm256_slli_epi16::<3>(v),
+        _ => _mm256_slli_epi16::<4>(v),
+    }
+}
+
 /// Bit `s` (0..8) of every byte of `h` moved to bit 4, the rest cleared (the repacked Q5_0
 /// fifth-bit plane). 16-bit shifts suffice: bit 4 of each byte receives a bit of the same byte.
 #[inline(always)]
 pub unsafe fn fifth_bit(h: __m256i, s: usize) -> __m256i {
-    let b = match s {
-        0 => _mm256_slli_epi16::<4>(h),
-        1 => _mm256_slli_epi16::<3>(h),
-        2 => _mm256_slli_epi16::<2>(h),
-        3 => _mm256_slli_epi16::<1>(h),
-        4 => h,
-        5 => _mm256_srli_epi16::<1>(h),
-        6 => _mm256_srli_epi16::<2>(h),
-        _ => _mm256_srli_epi16::<3>(h),
-    };
-    _mm256_and_si256(b, _mm256_set1_epi8(0x10))
+    _mm256_and_si256(shift16(h, 4 - s as isize), _mm256_set1_epi8(0x10))
 }
 
 /// The inverse of [`fifth_bit`]: bit 4 of every byte of `v` moved to bit `s`, the rest cleared.
 #[inline(always)]
 pub unsafe fn from_fifth_bit(v: __m256i, s: usize) -> __m256i {
-    let b = _mm256_and_si256(v, _mm256_set1_epi8(0x10));
-    match s {
-        0 => _mm256_srli_epi16::<4>(b),
-        1 => _mm256_srli_epi16::<3>(b),
-        2 => _mm256_srli_epi16::<2>(b),
-        3 => _mm256_srli_epi16::<1>(b),
-        4 => b,
-        5 => _mm256_slli_epi16::<1>(b),
-        6 => _mm256_slli_epi16::<2>(b),
-        _ => _mm256_slli_epi16::<3>(b),
-    }
+    shift16(_mm256_and_si256(v, _mm256_set1_epi8(0x10)), s as isize - 4)
 }
 
 #[inline]
