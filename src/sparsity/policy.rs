@@ -33,8 +33,10 @@ use std::sync::Arc;
 /// The Deja Vu paper's plan (`--sparsity paper`): the top 10% of MLP neurons and 50% of heads
 /// by the low-rank predictors, in layers 1..L-1 (layer 0 dense), with lookahead. Keys and values
 /// of every head are computed: lazy K/V (`+lazy-kv`) reads a third fewer attention bytes, but
-/// measured on synthetic:opt-6.7b Q8_0 at 2 threads it decodes ~10% slower (random selections
-/// leave most selected heads a position to recompute, one more product each; docs/sparsity.md).
+/// on synthetic:opt-6.7b Q8_0 at 2 threads its attention block is no faster (69.0 against 67.4
+/// ms per token, `dejavu bench ... -r 5`; random selections leave most selected heads positions
+/// to recompute, one more product each), and its decode rate moved from -10% to +12% of full
+/// K/V between runs (docs/sparsity.md).
 pub const PAPER: &str = "dejavu:0.1+dejavu-attn:0.5+lookahead";
 
 pub struct OutputRule {
