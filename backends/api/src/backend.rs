@@ -154,6 +154,9 @@ pub enum BackendError {
     Shape(String),
     #[error("backend `{backend}` does not support {what}")]
     Unsupported { backend: String, what: String },
+    /// A device failed (out of memory, a driver or kernel compilation error).
+    #[error("device: {0}")]
+    Device(String),
 }
 
 /// Verbs of the layer executor. Activations are f32, token-major (`[n_tokens][width]`).

@@ -4,6 +4,7 @@
 //! This crate is a leaf: it opens no files and depends on no other part of the engine.
 
 mod backend;
+mod device;
 mod index_set;
 pub mod quant;
 pub mod quantize;
@@ -11,5 +12,6 @@ pub mod quantize;
 pub use backend::{
     Activation, AttnShape, Backend, BackendError, KvSlice, MatmulJob, RopeStyle, RowLayout, Weight,
 };
+pub use device::{AttnGeom, Device, Rows, StepRow};
 pub use index_set::{IndexSet, IndexSetError};
 pub use quant::QuantType;

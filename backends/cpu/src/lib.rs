@@ -4,6 +4,7 @@
 pub mod attention;
 pub mod axpy_matmul;
 pub mod dequant;
+pub mod device;
 pub mod isa;
 pub mod kernels;
 pub mod matmul;

@@ -261,6 +261,10 @@ struct BenchArgs {
     /// Keep the file's row layout (skip repacking Q8_0/Q4_0/Q4_1/Q5_0 rows at load).
     #[arg(long)]
     no_repack: bool,
+    /// Backends to measure, comma-separated: cpu, cuda (a build with `--features cuda`; the
+    /// model then keeps its file's row layout on the CPU too).
+    #[arg(long, value_delimiter = ',', default_value = "cpu")]
+    backend: Vec<String>,
     /// Thread counts to test, comma-separated.
     #[arg(long, short, value_delimiter = ',', default_value = "1,2")]
     threads: Vec<usize>,
@@ -396,6 +400,15 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
         );
     }
     let path = fetch::resolve_model(a.model.as_deref())?;
+    if let Some(b) = a
+        .backend
+        .iter()
+        .find(|b| !["cpu", "cuda"].contains(&b.as_str()))
+    {
+        bail!("unknown backend `{b}` (cpu, cuda)");
+    }
+    let cuda = a.backend.iter().any(|b| b == "cuda");
+    let cpu = a.backend.iter().any(|b| b == "cpu");
 
     let tests: Vec<(bool, usize)> = [(true, a.n_prompt), (false, a.n_gen)]
         .into_iter()
@@ -419,11 +432,24 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
             n_ctx: Some(ctx),
             kv_type: a.kv_type,
             synthetic: a.synthetic.options(),
-            keep_file_layout: a.no_repack,
+            keep_file_layout: a.no_repack || cuda,
         },
     )?;
     let model_name = engine.model.label();
-    for &threads in &a.threads {
+    if cuda {
+        let policies = (a.sparsity.iter())
+            .map(|spec| policy_for(&engine, spec, a.predictors.as_deref()))
+            .collect::<Result<Vec<_>>>()?;
+        let rows = cuda_bench(&engine, &policies, a.n_gen, a.repetitions)?;
+        print!("{}", dejavu::eval::device_bench::markdown(&rows));
+        if let Some(p) = &a.json {
+            let p = p.with_extension("cuda.json");
+            std::fs::write(&p, serde_json::to_string_pretty(&rows)?)
+                .with_context(|| format!("writing {}", p.display()))?;
+        }
+    }
+    let threads_to_run = if cpu { a.threads.clone() } else { Vec::new() };
+    for &threads in &threads_to_run {
         if threads > cores {
             eprintln!("warning: {threads} threads on {cores} cores: the spinning pool oversubscribes, expect decoding far slower");
         }
@@ -492,6 +518,9 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
         }
     }
     bar.finish_and_clear();
+    if !cpu {
+        return Ok(());
+    }
     print!("{}", bench::markdown(&results));
     if let Some(p) = &a.json {
         std::fs::write(p, serde_json::to_string_pretty(&results)?)
@@ -502,6 +531,34 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
             .with_context(|| format!("writing {}", p.display()))?;
     }
     Ok(())
+}
+
+/// The decode bench on the GPU (`--backend cuda`).
+#[cfg(feature = "cuda")]
+fn cuda_bench(
+    engine: &Engine,
+    policies: &[dejavu::sparsity::policy::Policy],
+    n_gen: usize,
+    reps: usize,
+) -> Result<Vec<dejavu::eval::device_bench::DeviceBenchRow>> {
+    let dev = dejavu_backend_cuda::CudaDevice::new(0)?;
+    Ok(dejavu::eval::device_bench::decode(
+        &dev,
+        engine,
+        policies,
+        n_gen.max(1),
+        reps,
+    )?)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_bench(
+    _: &Engine,
+    _: &[dejavu::sparsity::policy::Policy],
+    _: usize,
+    _: usize,
+) -> Result<Vec<dejavu::eval::device_bench::DeviceBenchRow>> {
+    bail!("this build has no CUDA backend: build with `cargo build --release --features cuda`")
 }
 
 fn cmd_generate(a: GenerateArgs) -> Result<()> {

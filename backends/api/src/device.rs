@@ -1,0 +1,216 @@
+//! The device trait: the verbs of one decode step over buffers that live in a backend's own
+//! memory (a GPU's), so weights are uploaded once, activations and the KV cache never leave the
+//! device, and the host reads back only the logits.
+//!
+//! Unlike [`crate::Backend`], whose verbs take host slices and full [`crate::IndexSet`]s, a
+//! [`Device`] reads its row and head selections from index lists in its own memory
+//! ([`Device::Idx`]), written by the plan's upload or by [`Device::top_k`] on the device, and
+//! reads the step's token and position from its own memory too ([`Device::set_step`]). A step
+//! recorded once ([`Device::begin_capture`]) can therefore be replayed at every position with the
+//! same selections' sizes: the plan lives on the device.
+//!
+//! Selections are *compact*: a product over `Rows::Sel` writes output `j` for the `j`-th
+//! selected row, and the verbs after it (activation, attention, [`Device::axpy`]) read the same
+//! compact order. The dense plan is the same verbs with `Rows::All`.
+use crate::{Activation, BackendError, QuantType, RopeStyle, Weight};
+
+/// Which rows a product reads. `All`: rows `0..n` (output `j` is row `j`). `Sel`: `count *
+/// group` outputs, output `j` being row `idx[j / group] * group + j % group` (`group` > 1
+/// expands head indices to the `head_dim` rows of each head). `idx` holds at least `count`
+/// entries, each below `rows / group`; the order is the list's (any order).
+pub enum Rows<'a, I> {
+    All,
+    Sel {
+        idx: &'a I,
+        count: usize,
+        group: usize,
+    },
+}
+
+impl<I> Clone for Rows<'_, I> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<I> Copy for Rows<'_, I> {}
+
+impl<I> Rows<'_, I> {
+    /// The number of outputs over a matrix of `rows` rows.
+    pub fn outputs(&self, rows: usize) -> usize {
+        match *self {
+            Rows::All => rows,
+            Rows::Sel { count, group, .. } => count * group,
+        }
+    }
+}
+
+/// Which step value selects the row of an embedding lookup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepRow {
+    /// The step's token id.
+    Token,
+    /// The step's position plus an offset (OPT's learned positions start at 2).
+    Position { offset: usize },
+}
+
+/// The shape of one layer's decode-step attention: the query heads (compact, as the `Rows` of
+/// the call name them) attend causally to cache positions `0..=pos`; query head `h` reads KV head
+/// `h / (n_heads / n_kv_heads)`. `n_ctx` is the caches' capacity.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnGeom {
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub n_ctx: usize,
+}
+
+/// Verbs of a device-resident decode step. Every verb is enqueued in order on the device's one
+/// stream and may return before it ran; errors of a launch are reported by the next call that
+/// synchronizes ([`Device::download`]). Lengths are checked at every entry (an `Err`, never an
+/// out-of-bounds access): `Buf`s are at least as long as the verb reads or writes.
+pub trait Device: Send + Sync {
+    /// An f32 vector.
+    type Buf: Send + Sync;
+    /// A list of u32 indices (a selection).
+    type Idx: Send + Sync;
+    /// A weight matrix, uploaded once.
+    type Mat: Send + Sync;
+    /// One layer's keys or values, `[n_ctx][width]`, in f16.
+    type Cache: Send + Sync;
+    /// A recorded step.
+    type Graph;
+
+    fn name(&self) -> String;
+    /// Can this device compute with weights of this type?
+    fn supports(&self, qtype: QuantType) -> bool;
+
+    /// `n` zeros.
+    fn zeros(&self, n: usize) -> Result<Self::Buf, BackendError>;
+    fn upload(&self, x: &[f32]) -> Result<Self::Buf, BackendError>;
+    fn upload_idx(&self, idx: &[u32]) -> Result<Self::Idx, BackendError>;
+    /// The matrix, in its file's (ggml) layout.
+    fn upload_mat(&self, w: &Weight) -> Result<Self::Mat, BackendError>;
+    fn cache(&self, n_ctx: usize, width: usize) -> Result<Self::Cache, BackendError>;
+    /// Wait for the queued work, then copy `out.len()` leading values of `x` to the host.
+    fn download(&self, x: &Self::Buf, out: &mut [f32]) -> Result<(), BackendError>;
+    fn download_idx(&self, x: &Self::Idx, out: &mut [u32]) -> Result<(), BackendError>;
+
+    /// The token and position that the next step's verbs read (set before a replay too).
+    fn set_step(&self, token: u32, pos: usize) -> Result<(), BackendError>;
+
+    /// `x = table[row]` (`accumulate`: `x += table[row]`), the row chosen by `which`; a row
+    /// outside the table writes nothing and is the caller's to rule out.
+    fn embed(
+        &self,
+        table: &Self::Mat,
+        which: StepRow,
+        accumulate: bool,
+        x: &mut Self::Buf,
+    ) -> Result<(), BackendError>;
+
+    /// `y[j] = dot(W[row(j)], x) (+ bias[row(j)])`, or with `accumulate` `y[j] +=` that, for
+    /// the outputs of `rows` (see [`Rows`]). `x`: `w.cols`.
+    fn matvec(
+        &self,
+        w: &Self::Mat,
+        rows: Rows<'_, Self::Idx>,
+        x: &Self::Buf,
+        bias: Option<&Self::Buf>,
+        y: &mut Self::Buf,
+        accumulate: bool,
+    ) -> Result<(), BackendError>;
+
+    /// `y += sum over outputs j of a[j] * W[row(j)]`, for a neuron-major matrix (row `r` is
+    /// neuron `r`'s output column): the sparse down projection over compact activations `a`.
+    fn axpy(
+        &self,
+        w: &Self::Mat,
+        rows: Rows<'_, Self::Idx>,
+        a: &Self::Buf,
+        y: &mut Self::Buf,
+    ) -> Result<(), BackendError>;
+
+    /// `out = x / sqrt(mean(x^2) + eps) * w` over the first `w`'s length of `x`.
+    fn rmsnorm(
+        &self,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        eps: f32,
+        out: &mut Self::Buf,
+    ) -> Result<(), BackendError>;
+
+    /// `out = (x - mean) / sqrt(var + eps) * w + b`.
+    fn layernorm(
+        &self,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        b: Option<&Self::Buf>,
+        eps: f32,
+        out: &mut Self::Buf,
+    ) -> Result<(), BackendError>;
+
+    /// `x[..n] += y[..n]` (a bias added after a sparse down projection).
+    fn add(&self, x: &mut Self::Buf, y: &Self::Buf, n: usize) -> Result<(), BackendError>;
+
+    /// `y[..n] = x[..n]`.
+    fn copy(&self, x: &Self::Buf, y: &mut Self::Buf, n: usize) -> Result<(), BackendError>;
+
+    /// Rotate `n_heads` heads of `x` at the step's position.
+    fn rope(
+        &self,
+        x: &mut Self::Buf,
+        n_heads: usize,
+        head_dim: usize,
+        theta: f32,
+        style: RopeStyle,
+    ) -> Result<(), BackendError>;
+
+    /// `gate[i] = act(gate[i]) * up[i]` for `i < n`.
+    fn glu(
+        &self,
+        act: Activation,
+        gate: &mut Self::Buf,
+        up: &Self::Buf,
+        n: usize,
+    ) -> Result<(), BackendError>;
+
+    /// `x[i] = act(x[i])` for `i < n`.
+    fn activate(&self, act: Activation, x: &mut Self::Buf, n: usize) -> Result<(), BackendError>;
+
+    /// Store `x` (`width` values) as the step's position of `cache`.
+    fn store(&self, x: &Self::Buf, cache: &mut Self::Cache) -> Result<(), BackendError>;
+
+    /// Attention of the selected query heads at the step's position: `q` and `out` are compact
+    /// (`heads.outputs(n_heads)` heads of `head_dim`), keys and values positions `0..=pos`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        q: &Self::Buf,
+        k: &Self::Cache,
+        v: &Self::Cache,
+        heads: Rows<'_, Self::Idx>,
+        geom: AttnGeom,
+        out: &mut Self::Buf,
+    ) -> Result<(), BackendError>;
+
+    /// The indices of the `k` largest of `scores[..n]` into `out[..k]`, in any order (ties
+    /// broken by any rule).
+    fn top_k(
+        &self,
+        scores: &Self::Buf,
+        n: usize,
+        k: usize,
+        out: &mut Self::Idx,
+    ) -> Result<(), BackendError>;
+
+    /// Wait until every queued verb has run.
+    fn sync(&self) -> Result<(), BackendError>;
+
+    /// Start recording the verbs that follow instead of running them; `false` if this device
+    /// does not record (its verbs then run as they are called).
+    fn begin_capture(&self) -> Result<bool, BackendError>;
+    /// The recorded step (after a `begin_capture` that returned `true`).
+    fn end_capture(&self) -> Result<Self::Graph, BackendError>;
+    /// Run a recorded step.
+    fn replay(&self, graph: &Self::Graph) -> Result<(), BackendError>;
+}

@@ -1,0 +1,413 @@
+//! [`HostDevice`]: the [`Device`] verbs on host memory, each one the f32 scalar reference
+//! (rows dequantized by `dequant`, then plain dot products and sums). It runs the
+//! device-resident executor without a GPU, so that path is tested everywhere, and it is what the
+//! CUDA kernels are checked against. It does not record steps (`begin_capture` is `false`) and
+//! it is not fast: the CPU engine proper is [`crate::CpuBackend`].
+use crate::isa::Isa;
+use crate::kernels::table::Kernels;
+use crate::pool::SpinPool;
+use crate::{attention, dequant, ops};
+use dejavu_backend_api::{
+    Activation, AttnGeom, AttnShape, BackendError, Device, IndexSet, KvSlice, QuantType, RopeStyle,
+    Rows, StepRow, Weight,
+};
+use half::f16;
+use std::sync::Mutex;
+
+pub struct HostDevice {
+    /// The step's `(token, position)`.
+    step: Mutex<(u32, usize)>,
+    /// The scalar tier and one thread, for the attention reference.
+    kernels: Kernels,
+    pool: SpinPool,
+}
+
+impl Default for HostDevice {
+    fn default() -> Self {
+        Self {
+            step: Mutex::default(),
+            kernels: Kernels::for_isa(Isa::Scalar).expect("the scalar tier runs everywhere"),
+            pool: SpinPool::new(1),
+        }
+    }
+}
+
+/// A matrix copied into host memory (ggml layout).
+pub struct HostMat {
+    qtype: QuantType,
+    rows: usize,
+    cols: usize,
+    data: Vec<u8>,
+}
+
+impl HostMat {
+    fn row(&self, r: usize, out: &mut [f32]) {
+        let rb = self.qtype.row_bytes(self.cols);
+        dequant::dequantize_row(self.qtype, &self.data[r * rb..(r + 1) * rb], out);
+    }
+}
+
+/// One layer's keys or values, `[n_ctx][width]`.
+pub struct HostCache {
+    data: Vec<f16>,
+    n_ctx: usize,
+    width: usize,
+}
+
+fn shape(what: String) -> BackendError {
+    BackendError::Shape(what)
+}
+
+fn need(what: &str, have: usize, want: usize) -> Result<(), BackendError> {
+    match have >= want {
+        true => Ok(()),
+        false => Err(shape(format!("{what}: {have} values, needs {want}"))),
+    }
+}
+
+/// The rows the outputs of `rows` read, checked against a matrix of `n` rows.
+fn rows_of(rows: Rows<'_, Vec<u32>>, n: usize) -> Result<Vec<usize>, BackendError> {
+    match rows {
+        Rows::All => Ok((0..n).collect()),
+        Rows::Sel { idx, count, group } => {
+            need("selection", idx.len(), count)?;
+            let out: Vec<usize> = (0..count * group)
+                .map(|j| idx[j / group] as usize * group + j % group)
+                .collect();
+            match out.iter().find(|&&r| r >= n) {
+                Some(r) => Err(shape(format!("row {r} of a {n}-row matrix"))),
+                None => Ok(out),
+            }
+        }
+    }
+}
+
+impl HostDevice {
+    pub fn new() -> Self {
+        Self::default()
+    }
+    fn pos(&self) -> usize {
+        self.step.lock().expect("step lock").1
+    }
+}
+
+impl Device for HostDevice {
+    type Buf = Vec<f32>;
+    type Idx = Vec<u32>;
+    type Mat = HostMat;
+    type Cache = HostCache;
+    type Graph = ();
+
+    fn name(&self) -> String {
+        "host (scalar reference)".into()
+    }
+    fn supports(&self, _qtype: QuantType) -> bool {
+        true
+    }
+    fn zeros(&self, n: usize) -> Result<Vec<f32>, BackendError> {
+        Ok(vec![0.0; n])
+    }
+    fn upload(&self, x: &[f32]) -> Result<Vec<f32>, BackendError> {
+        Ok(x.to_vec())
+    }
+    fn upload_idx(&self, idx: &[u32]) -> Result<Vec<u32>, BackendError> {
+        Ok(idx.to_vec())
+    }
+    fn upload_mat(&self, w: &Weight) -> Result<HostMat, BackendError> {
+        w.check();
+        if w.layout != dejavu_backend_api::RowLayout::Ggml {
+            return Err(BackendError::Unsupported {
+                backend: self.name(),
+                what: "repacked rows".into(),
+            });
+        }
+        Ok(HostMat {
+            qtype: w.qtype,
+            rows: w.rows,
+            cols: w.cols,
+            data: w.data.to_vec(),
+        })
+    }
+    fn cache(&self, n_ctx: usize, width: usize) -> Result<HostCache, BackendError> {
+        Ok(HostCache {
+            data: vec![f16::ZERO; n_ctx * width],
+            n_ctx,
+            width,
+        })
+    }
+    fn download(&self, x: &Vec<f32>, out: &mut [f32]) -> Result<(), BackendError> {
+        need("download", x.len(), out.len())?;
+        out.copy_from_slice(&x[..out.len()]);
+        Ok(())
+    }
+    fn download_idx(&self, x: &Vec<u32>, out: &mut [u32]) -> Result<(), BackendError> {
+        need("download_idx", x.len(), out.len())?;
+        out.copy_from_slice(&x[..out.len()]);
+        Ok(())
+    }
+    fn set_step(&self, token: u32, pos: usize) -> Result<(), BackendError> {
+        *self.step.lock().expect("step lock") = (token, pos);
+        Ok(())
+    }
+
+    fn embed(
+        &self,
+        t: &HostMat,
+        which: StepRow,
+        acc: bool,
+        x: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        need("embed output", x.len(), t.cols)?;
+        let (token, pos) = *self.step.lock().expect("step lock");
+        let r = match which {
+            StepRow::Token => token as usize,
+            StepRow::Position { offset } => pos + offset,
+        };
+        if r >= t.rows {
+            return Ok(());
+        }
+        let mut row = vec![0.0; t.cols];
+        t.row(r, &mut row);
+        for (x, v) in x.iter_mut().zip(row) {
+            *x = if acc { *x + v } else { v };
+        }
+        Ok(())
+    }
+
+    fn matvec(
+        &self,
+        w: &HostMat,
+        rows: Rows<'_, Vec<u32>>,
+        x: &Vec<f32>,
+        bias: Option<&Vec<f32>>,
+        y: &mut Vec<f32>,
+        accumulate: bool,
+    ) -> Result<(), BackendError> {
+        let rs = rows_of(rows, w.rows)?;
+        need("matvec input", x.len(), w.cols)?;
+        need("matvec output", y.len(), rs.len())?;
+        if let Some(b) = bias {
+            need("matvec bias", b.len(), w.rows)?;
+        }
+        let mut row = vec![0.0; w.cols];
+        for (j, &r) in rs.iter().enumerate() {
+            w.row(r, &mut row);
+            let s = row.iter().zip(x).map(|(a, b)| a * b).sum::<f32>() + bias.map_or(0.0, |b| b[r]);
+            y[j] = if accumulate { y[j] + s } else { s };
+        }
+        Ok(())
+    }
+
+    fn axpy(
+        &self,
+        w: &HostMat,
+        rows: Rows<'_, Vec<u32>>,
+        a: &Vec<f32>,
+        y: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        let rs = rows_of(rows, w.rows)?;
+        need("axpy activations", a.len(), rs.len())?;
+        need("axpy output", y.len(), w.cols)?;
+        let mut row = vec![0.0; w.cols];
+        for (j, &r) in rs.iter().enumerate() {
+            w.row(r, &mut row);
+            (y.iter_mut().zip(&row)).for_each(|(y, v)| *y += a[j] * v);
+        }
+        Ok(())
+    }
+
+    fn rmsnorm(
+        &self,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        eps: f32,
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        let n = w.len();
+        need("rmsnorm input", x.len(), n)?;
+        need("rmsnorm output", out.len(), n)?;
+        ops::rmsnorm(&x[..n], w, eps, &mut out[..n]);
+        Ok(())
+    }
+
+    fn layernorm(
+        &self,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        b: Option<&Vec<f32>>,
+        eps: f32,
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        let n = w.len();
+        need("layernorm input", x.len(), n)?;
+        need("layernorm output", out.len(), n)?;
+        if let Some(b) = b {
+            need("layernorm bias", b.len(), n)?;
+        }
+        let b = b.map(|b| &b[..n]);
+        ops::layernorm(&x[..n], w, b, eps, &mut out[..n]);
+        Ok(())
+    }
+
+    fn add(&self, x: &mut Vec<f32>, y: &Vec<f32>, n: usize) -> Result<(), BackendError> {
+        need("add output", x.len(), n)?;
+        need("add input", y.len(), n)?;
+        (x[..n].iter_mut().zip(&y[..n])).for_each(|(a, b)| *a += b);
+        Ok(())
+    }
+
+    fn copy(&self, x: &Vec<f32>, y: &mut Vec<f32>, n: usize) -> Result<(), BackendError> {
+        need("copy input", x.len(), n)?;
+        need("copy output", y.len(), n)?;
+        y[..n].copy_from_slice(&x[..n]);
+        Ok(())
+    }
+
+    fn rope(
+        &self,
+        x: &mut Vec<f32>,
+        n_heads: usize,
+        head_dim: usize,
+        theta: f32,
+        style: RopeStyle,
+    ) -> Result<(), BackendError> {
+        need("rope", x.len(), n_heads * head_dim)?;
+        let pos = self.pos();
+        ops::rope(
+            &mut x[..n_heads * head_dim],
+            n_heads,
+            head_dim,
+            pos,
+            theta,
+            style,
+        );
+        Ok(())
+    }
+
+    fn glu(
+        &self,
+        act: Activation,
+        gate: &mut Vec<f32>,
+        up: &Vec<f32>,
+        n: usize,
+    ) -> Result<(), BackendError> {
+        need("glu gate", gate.len(), n)?;
+        need("glu up", up.len(), n)?;
+        ops::glu(act, &mut gate[..n], &up[..n]);
+        Ok(())
+    }
+
+    fn activate(&self, act: Activation, x: &mut Vec<f32>, n: usize) -> Result<(), BackendError> {
+        need("activate", x.len(), n)?;
+        ops::activate(act, &mut x[..n]);
+        Ok(())
+    }
+
+    fn store(&self, x: &Vec<f32>, c: &mut HostCache) -> Result<(), BackendError> {
+        need("store", x.len(), c.width)?;
+        let p = self.pos();
+        if p < c.n_ctx {
+            let dst = &mut c.data[p * c.width..(p + 1) * c.width];
+            (dst.iter_mut().zip(x)).for_each(|(d, &v)| *d = f16::from_f32(v));
+        }
+        Ok(())
+    }
+
+    fn attention(
+        &self,
+        q: &Vec<f32>,
+        k: &HostCache,
+        v: &HostCache,
+        heads: Rows<'_, Vec<u32>>,
+        g: AttnGeom,
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        let (hd, pos) = (g.head_dim, self.pos());
+        let width = g.n_kv_heads * hd;
+        if g.n_kv_heads == 0 || !g.n_heads.is_multiple_of(g.n_kv_heads) || pos >= g.n_ctx {
+            return Err(shape(format!(
+                "attention of {} heads over {} KV heads at position {pos} of {}",
+                g.n_heads, g.n_kv_heads, g.n_ctx
+            )));
+        }
+        for c in [k, v] {
+            if c.width != width || c.n_ctx < g.n_ctx {
+                return Err(shape(format!("cache of {}x{}", c.n_ctx, c.width)));
+            }
+        }
+        let hs = rows_of(heads, g.n_heads)?;
+        need("attention queries", q.len(), hs.len() * hd)?;
+        need("attention output", out.len(), hs.len() * hd)?;
+        // The CPU reference over full-width queries, then the selected heads back to compact.
+        let mut qf = vec![0.0; g.n_heads * hd];
+        for (j, &h) in hs.iter().enumerate() {
+            qf[h * hd..(h + 1) * hd].copy_from_slice(&q[j * hd..(j + 1) * hd]);
+        }
+        let set = IndexSet::from_unsorted(g.n_heads, hs.iter().map(|&h| h as u32).collect())
+            .map_err(|e| shape(e.to_string()))?;
+        let mut of = vec![0.0; g.n_heads * hd];
+        let n = (pos + 1) * width;
+        let shape = AttnShape {
+            n_heads: g.n_heads,
+            n_kv_heads: g.n_kv_heads,
+            head_dim: hd,
+            pos0: pos,
+            n_tokens: 1,
+        };
+        attention::attention(
+            &self.kernels,
+            &self.pool,
+            &qf,
+            KvSlice::F16(&k.data[..n]),
+            KvSlice::F16(&v.data[..n]),
+            &set,
+            shape,
+            &mut of,
+        );
+        for (j, &h) in hs.iter().enumerate() {
+            out[j * hd..(j + 1) * hd].copy_from_slice(&of[h * hd..(h + 1) * hd]);
+        }
+        Ok(())
+    }
+
+    fn top_k(
+        &self,
+        s: &Vec<f32>,
+        n: usize,
+        k: usize,
+        out: &mut Vec<u32>,
+    ) -> Result<(), BackendError> {
+        need("top_k scores", s.len(), n)?;
+        if k == 0 || k > n || out.len() < k {
+            return Err(shape(format!(
+                "top {k} of {n} into a list of {}",
+                out.len()
+            )));
+        }
+        let mut idx: Vec<u32> = (0..n as u32).collect();
+        idx.sort_by(|&a, &b| s[b as usize].total_cmp(&s[a as usize]).then(a.cmp(&b)));
+        idx.truncate(k);
+        idx.sort_unstable();
+        out[..k].copy_from_slice(&idx);
+        Ok(())
+    }
+
+    fn sync(&self) -> Result<(), BackendError> {
+        Ok(())
+    }
+    fn begin_capture(&self) -> Result<bool, BackendError> {
+        Ok(false)
+    }
+    fn end_capture(&self) -> Result<(), BackendError> {
+        Err(BackendError::Unsupported {
+            backend: self.name(),
+            what: "recorded steps".into(),
+        })
+    }
+    fn replay(&self, _g: &()) -> Result<(), BackendError> {
+        Err(BackendError::Unsupported {
+            backend: self.name(),
+            what: "recorded steps".into(),
+        })
+    }
+}

@@ -1,0 +1,63 @@
+// Decode-step attention, one block (256 threads) per selected query head j (head idx[j], or
+// j), keys and values of positions 0..=pos (pos = step[1], below n_ctx):
+// 1. scores: thread p (and p + 256, ...) the dot of q with key p, 8 dims per 128-bit load;
+// 2. softmax over the block;
+// 3. out: thread t owns 8 dims (t % (hd/8)) of one position group (t / (hd/8)); groups take
+//    positions in turn and meet in shared memory.
+// q and out are compact (head j at j*hd); hd a multiple of 8, at most 256. Dynamic shared
+// memory: hd + n_ctx floats.
+extern "C" __global__ void attention_f16(const float* q, const u16* kc, const u16* vc,
+                                         const u32* idx, int n_heads, int n_kv_heads, int hd,
+                                         int n_ctx, const int* step, float* out) {
+    extern __shared__ float sm[];
+    __shared__ float red[32];
+    __shared__ float part[2048];
+    float* qs = sm;
+    float* sc = sm + hd;
+    int j = blockIdx.x, h = idx ? (int)idx[j] : j;
+    if (h >= n_heads || hd % 8 != 0 || hd > 256) return;
+    int kvh = h / (n_heads / n_kv_heads), width = n_kv_heads * hd;
+    int n = min(step[1] + 1, n_ctx);
+    float scale = rsqrtf((float)hd);
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = q[(size_t)j * hd + d];
+    __syncthreads();
+    for (int p = threadIdx.x; p < n; p += blockDim.x) {
+        const u16* k = kc + (size_t)p * width + (size_t)kvh * hd;
+        float s = 0.f;
+        for (int d = 0; d < hd; d += 8) {
+            float v[8];
+            unpack_half8(*(const uint4*)(k + d), v, false);
+            for (int i = 0; i < 8; i++) s += qs[d + i] * v[i];
+        }
+        sc[p] = s * scale;
+    }
+    __syncthreads();
+    float m = -3.0e38f;
+    for (int p = threadIdx.x; p < n; p += blockDim.x) m = fmaxf(m, sc[p]);
+    m = block_max(m, red);
+    float z = 0.f;
+    for (int p = threadIdx.x; p < n; p += blockDim.x) {
+        float e = expf(sc[p] - m);
+        sc[p] = e;
+        z += e;
+    }
+    z = block_sum(z, red);  // its barriers also order the sc writes before the reads below
+    int chunks = hd / 8, groups = blockDim.x / chunks;
+    int c = threadIdx.x % chunks, g = threadIdx.x / chunks;
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    if (g < groups) {
+        const u16* v0 = vc + (size_t)kvh * hd + c * 8;
+        for (int p = g; p < n; p += groups) {
+            float v[8], w = sc[p];
+            unpack_half8(*(const uint4*)(v0 + (size_t)p * width), v, false);
+            for (int i = 0; i < 8; i++) acc[i] += w * v[i];
+        }
+        for (int i = 0; i < 8; i++) part[g * hd + c * 8 + i] = acc[i];
+    }
+    __syncthreads();
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float s = 0.f;
+        for (int q2 = 0; q2 < groups; q2++) s += part[q2 * hd + d];
+        out[(size_t)j * hd + d] = s / z;
+    }
+}

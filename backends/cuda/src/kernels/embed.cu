@@ -1,0 +1,21 @@
+// x (+)= table[row], the row the step names: its token (which = 0) or its position plus
+// `offset` (which = 1). step = {token, pos}. A row outside the table writes nothing.
+template <int T>
+__device__ void embed(const u8* w, int rows, int cols, const int* step, int which, int offset,
+                      int accumulate, float* x) {
+    int r = which == 0 ? step[0] : step[1] + offset;
+    if (r < 0 || r >= rows) return;
+    const u8* row = w + (size_t)r * row_bytes<T>(cols);
+    bool vec = cols % 8 == 0;
+    for (int e = (blockIdx.x * blockDim.x + threadIdx.x) * 8; e < cols; e += gridDim.x * blockDim.x * 8) {
+        float v[8];
+        load8<T>(row, e, cols, vec, v);
+        for (int i = 0; i < 8 && e + i < cols; i++) x[e + i] = accumulate ? x[e + i] + v[i] : v[i];
+    }
+}
+#define EMBED(name, T)                                                                           \
+    extern "C" __global__ void embed_##name(const u8* w, int rows, int cols, const int* step,     \
+                                            int which, int offset, int accumulate, float* x) {   \
+        embed<T>(w, rows, cols, step, which, offset, accumulate, x);                              \
+    }
+FOR_TYPES(EMBED)

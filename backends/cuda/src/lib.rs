@@ -1,0 +1,618 @@
+//! The CUDA backend: [`CudaDevice`] implements [`Device`], the device-resident decode step.
+//! Weights are uploaded once ([`Device::upload_mat`], in the file's block layout), activations
+//! and the f16 KV cache stay in GPU memory, selections are index lists in GPU memory, and a step
+//! is recorded once as a CUDA graph and replayed at every position (the token and position are
+//! read from device memory, [`Device::set_step`]).
+//!
+//! The kernels (`src/kernels/*.cu`, one file per operation, each checked against the CPU scalar
+//! reference by `tests/kernels.rs`) are compiled at run time by NVRTC for the device's compute
+//! capability, once per process. The driver and NVRTC are loaded at run time too, so this crate
+//! builds on machines without CUDA; [`CudaDevice::new`] says why when they are missing.
+use cudarc::driver::{
+    sys, CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr,
+    LaunchConfig, PushKernelArg,
+};
+use dejavu_backend_api::{
+    Activation, AttnGeom, BackendError, Device, QuantType, RopeStyle, Rows, StepRow, Weight,
+};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+mod launch;
+
+/// The kernel sources, in the order NVRTC compiles them (the header first).
+const SOURCES: [&str; 9] = [
+    include_str!("kernels/common.cuh"),
+    include_str!("kernels/matvec.cu"),
+    include_str!("kernels/axpy.cu"),
+    include_str!("kernels/embed.cu"),
+    include_str!("kernels/norm.cu"),
+    include_str!("kernels/rope.cu"),
+    include_str!("kernels/elementwise.cu"),
+    include_str!("kernels/attention.cu"),
+    include_str!("kernels/topk.cu"),
+];
+
+/// The kernels' name suffix of each weight type (`FOR_TYPES` in common.cuh).
+fn type_suffix(q: QuantType) -> &'static str {
+    match q {
+        QuantType::F32 => "f32",
+        QuantType::F16 => "f16",
+        QuantType::BF16 => "bf16",
+        QuantType::Q8_0 => "q8_0",
+        QuantType::Q4_0 => "q4_0",
+        QuantType::Q4_1 => "q4_1",
+        QuantType::Q5_0 => "q5_0",
+        QuantType::Q4K => "q4_k",
+        QuantType::Q6K => "q6_k",
+    }
+}
+
+/// One GPU, one stream, the compiled kernels and the step's `{token, pos}` in device memory.
+pub struct CudaDevice {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    _module: Arc<CudaModule>,
+    funcs: HashMap<String, CudaFunction>,
+    step: CudaSlice<i32>,
+    n_sm: usize,
+    name: String,
+    /// The dynamic shared memory each kernel is allowed beyond the default 48 KiB (raised on
+    /// demand, before any capture that needs it).
+    smem: Mutex<HashMap<&'static str, usize>>,
+}
+
+/// An f32 vector in GPU memory.
+pub struct Buf(CudaSlice<f32>);
+/// A u32 index list in GPU memory.
+pub struct Idx(CudaSlice<u32>);
+/// A weight matrix in GPU memory, in its file's block layout.
+pub struct Mat {
+    data: CudaSlice<u8>,
+    qtype: QuantType,
+    rows: usize,
+    cols: usize,
+}
+/// One layer's keys or values, `[n_ctx][width]` f16.
+pub struct Cache {
+    data: CudaSlice<u16>,
+    n_ctx: usize,
+    width: usize,
+}
+/// A recorded decode step.
+pub struct Graph(CudaGraph);
+
+fn dev_err(e: impl std::fmt::Debug) -> BackendError {
+    BackendError::Device(format!("{e:?}"))
+}
+
+fn shape(what: String) -> BackendError {
+    BackendError::Shape(what)
+}
+
+impl CudaDevice {
+    /// GPU `ordinal`: loads the driver and NVRTC, compiles the kernels for its compute capability.
+    pub fn new(ordinal: usize) -> Result<Self, BackendError> {
+        // cudarc panics on a missing library: look for both first.
+        // SAFETY: each only tries to open the library (dlopen), and closes it again.
+        let present = unsafe {
+            (
+                cudarc::driver::sys::is_culib_present(),
+                cudarc::nvrtc::sys::is_culib_present(),
+            )
+        };
+        match present {
+            (false, _) => {
+                return Err(BackendError::Device(
+                    "the CUDA driver (libcuda.so) was not found: is an NVIDIA driver installed?"
+                        .into(),
+                ))
+            }
+            (_, false) => {
+                return Err(BackendError::Device(
+                    "NVRTC (libnvrtc.so) was not found: install the CUDA toolkit's NVRTC".into(),
+                ))
+            }
+            _ => {}
+        }
+        let ctx = CudaContext::new(ordinal).map_err(dev_err)?;
+        // SAFETY: this device uses one stream, so the order of its launches is the order of the
+        // stream; cudarc's per-buffer events (which graph capture cannot record) are not needed.
+        unsafe { ctx.disable_event_tracking() };
+        let (major, minor) = ctx.compute_capability().map_err(dev_err)?;
+        let mut options = vec![format!("--gpu-architecture=compute_{major}{minor}")];
+        // Tuning: `DEJAVU_CUDA_DEFINES=MV_UNROLL=2,AX_UNROLL=8` overrides the kernels' constants.
+        if let Ok(defs) = std::env::var("DEJAVU_CUDA_DEFINES") {
+            options.extend(
+                defs.split(',')
+                    .filter(|d| !d.is_empty())
+                    .map(|d| format!("-D{d}")),
+            );
+        }
+        let opts = cudarc::nvrtc::CompileOptions {
+            options,
+            ..Default::default()
+        };
+        let src = SOURCES.concat();
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(&src, opts)
+            .map_err(|e| BackendError::Device(format!("NVRTC: {e:?}")))?;
+        let module = ctx.load_module(ptx).map_err(dev_err)?;
+        let mut names: Vec<String> = [
+            "rmsnorm",
+            "layernorm",
+            "rope",
+            "glu",
+            "activate",
+            "copy_f32",
+            "add_f32",
+            "store_f16",
+            "attention_f16",
+            "top_k",
+        ]
+        .map(String::from)
+        .to_vec();
+        for q in QuantType::ALL {
+            for op in ["matvec", "axpy", "embed"] {
+                names.push(format!("{op}_{}", type_suffix(q)));
+            }
+        }
+        let funcs = names
+            .into_iter()
+            .map(|n| Ok((n.clone(), module.load_function(&n).map_err(dev_err)?)))
+            .collect::<Result<HashMap<_, _>, BackendError>>()?;
+        // A stream of its own: the legacy default stream cannot be captured.
+        let stream = ctx.new_stream().map_err(dev_err)?;
+        let step = stream.alloc_zeros::<i32>(2).map_err(dev_err)?;
+        let n_sm = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(dev_err)? as usize;
+        let name = ctx.name().map_err(dev_err)?;
+        Ok(Self {
+            ctx,
+            stream,
+            _module: module,
+            funcs,
+            step,
+            n_sm,
+            name,
+            smem: Mutex::default(),
+        })
+    }
+
+    /// Bytes of GPU memory (free, total).
+    pub fn memory(&self) -> Result<(usize, usize), BackendError> {
+        self.ctx.mem_get_info().map_err(dev_err)
+    }
+
+    /// Wait until every queued launch has run.
+    pub fn synchronize(&self) -> Result<(), BackendError> {
+        self.stream.synchronize().map_err(dev_err)
+    }
+
+    fn func(&self, name: &str) -> &CudaFunction {
+        &self.funcs[name]
+    }
+
+    /// Let kernel `name` use `bytes` of dynamic shared memory (an error past the device's limit).
+    fn allow_smem(&self, name: &'static str, bytes: usize) -> Result<(), BackendError> {
+        use sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX;
+        let mut allowed = self.smem.lock().expect("smem lock");
+        let have = allowed.get(name).copied().unwrap_or(48 * 1024);
+        if bytes > have {
+            (self.func(name).set_attribute(MAX, bytes as i32)).map_err(|e| {
+                shape(format!(
+                    "{name} needs {bytes} bytes of shared memory: {e:?}"
+                ))
+            })?;
+            allowed.insert(name, bytes);
+        }
+        Ok(())
+    }
+
+    fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
+        s.device_ptr(&self.stream).0
+    }
+
+    /// The index list's address, count, group and outputs of `rows` over a matrix of `n` rows;
+    /// checks the list holds `count` entries.
+    fn sel(&self, rows: Rows<'_, Idx>, n: usize) -> Result<(u64, i32, i32, usize), BackendError> {
+        match rows {
+            Rows::All => Ok((0, n as i32, 1, n)),
+            Rows::Sel { idx, count, group } => {
+                if idx.0.len() < count || group == 0 || count * group > n {
+                    return Err(shape(format!(
+                        "selection of {count} x {group} over {n} rows (list of {})",
+                        idx.0.len()
+                    )));
+                }
+                Ok((
+                    self.ptr(&idx.0),
+                    (count * group) as i32,
+                    group as i32,
+                    count * group,
+                ))
+            }
+        }
+    }
+}
+
+fn need(what: &str, have: usize, want: usize) -> Result<(), BackendError> {
+    match have >= want {
+        true => Ok(()),
+        false => Err(shape(format!("{what}: {have} values, needs {want}"))),
+    }
+}
+
+impl Device for CudaDevice {
+    type Buf = Buf;
+    type Idx = Idx;
+    type Mat = Mat;
+    type Cache = Cache;
+    type Graph = Graph;
+
+    fn name(&self) -> String {
+        format!("cuda ({})", self.name)
+    }
+    fn supports(&self, _qtype: QuantType) -> bool {
+        true
+    }
+
+    fn zeros(&self, n: usize) -> Result<Buf, BackendError> {
+        Ok(Buf(self.stream.alloc_zeros(n.max(1)).map_err(dev_err)?))
+    }
+    fn upload(&self, x: &[f32]) -> Result<Buf, BackendError> {
+        match x.is_empty() {
+            true => self.zeros(1),
+            false => Ok(Buf(self.stream.clone_htod(x).map_err(dev_err)?)),
+        }
+    }
+    fn upload_idx(&self, idx: &[u32]) -> Result<Idx, BackendError> {
+        match idx.is_empty() {
+            true => Ok(Idx(self.stream.alloc_zeros(1).map_err(dev_err)?)),
+            false => Ok(Idx(self.stream.clone_htod(idx).map_err(dev_err)?)),
+        }
+    }
+    fn upload_mat(&self, w: &Weight) -> Result<Mat, BackendError> {
+        w.check();
+        if w.layout != dejavu_backend_api::RowLayout::Ggml {
+            return Err(BackendError::Unsupported {
+                backend: self.name(),
+                what: "repacked rows (load the model with --no-repack)".into(),
+            });
+        }
+        if w.cols > i32::MAX as usize || w.rows > i32::MAX as usize {
+            return Err(shape(format!("{}x{} matrix", w.rows, w.cols)));
+        }
+        Ok(Mat {
+            data: self.stream.clone_htod(w.data).map_err(dev_err)?,
+            qtype: w.qtype,
+            rows: w.rows,
+            cols: w.cols,
+        })
+    }
+    fn cache(&self, n_ctx: usize, width: usize) -> Result<Cache, BackendError> {
+        Ok(Cache {
+            data: self.stream.alloc_zeros(n_ctx * width).map_err(dev_err)?,
+            n_ctx,
+            width,
+        })
+    }
+    fn download(&self, x: &Buf, out: &mut [f32]) -> Result<(), BackendError> {
+        need("download", x.0.len(), out.len())?;
+        self.stream
+            .memcpy_dtoh(&x.0.slice(..out.len()), out)
+            .map_err(dev_err)?;
+        self.synchronize()
+    }
+    fn download_idx(&self, x: &Idx, out: &mut [u32]) -> Result<(), BackendError> {
+        need("download_idx", x.0.len(), out.len())?;
+        self.stream
+            .memcpy_dtoh(&x.0.slice(..out.len()), out)
+            .map_err(dev_err)?;
+        self.synchronize()
+    }
+    fn set_step(&self, token: u32, pos: usize) -> Result<(), BackendError> {
+        if token > i32::MAX as u32 || pos > i32::MAX as usize {
+            return Err(shape(format!("step token {token} at position {pos}")));
+        }
+        launch::htod(&self.stream, &self.step, &[token as i32, pos as i32])
+    }
+
+    fn embed(&self, t: &Mat, which: StepRow, acc: bool, x: &mut Buf) -> Result<(), BackendError> {
+        need("embed output", x.0.len(), t.cols)?;
+        let (w, off) = match which {
+            StepRow::Token => (0i32, 0i32),
+            StepRow::Position { offset } => (1, offset as i32),
+        };
+        let f = self.func(&format!("embed_{}", type_suffix(t.qtype)));
+        let (rows, cols, acc) = (t.rows as i32, t.cols as i32, acc as i32);
+        let (wp, sp, xp) = (self.ptr(&t.data), self.ptr(&self.step), self.ptr(&x.0));
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&wp)
+            .arg(&rows)
+            .arg(&cols)
+            .arg(&sp)
+            .arg(&w)
+            .arg(&off)
+            .arg(&acc)
+            .arg(&xp);
+        launch::run(b, launch::grid(t.cols.div_ceil(8), 256))
+    }
+
+    fn matvec(
+        &self,
+        w: &Mat,
+        rows: Rows<'_, Idx>,
+        x: &Buf,
+        bias: Option<&Buf>,
+        y: &mut Buf,
+        accumulate: bool,
+    ) -> Result<(), BackendError> {
+        let (ip, n_out, group, outs) = self.sel(rows, w.rows)?;
+        need("matvec input", x.0.len(), w.cols)?;
+        need("matvec output", y.0.len(), outs)?;
+        if let Some(b) = bias {
+            need("matvec bias", b.0.len(), w.rows)?;
+        }
+        let f = self.func(&format!("matvec_{}", type_suffix(w.qtype)));
+        let (r, c, acc) = (w.rows as i32, w.cols as i32, accumulate as i32);
+        let (wp, xp, yp) = (self.ptr(&w.data), self.ptr(&x.0), self.ptr(&y.0));
+        let bp = bias.map_or(0, |b| self.ptr(&b.0));
+        // Warps per output: 1 when the outputs fill the GPU twice over, else up to 8 (split-K).
+        let mut split = 1;
+        while split < 8 && outs.div_ceil(8 / split) < 2 * self.n_sm && w.cols >= 512 * split {
+            split *= 2;
+        }
+        let split_i = split as i32;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&wp)
+            .arg(&r)
+            .arg(&c)
+            .arg(&xp)
+            .arg(&ip)
+            .arg(&n_out)
+            .arg(&group);
+        b.arg(&bp).arg(&yp).arg(&acc).arg(&split_i);
+        launch::run(b, launch::grid(outs.div_ceil(8 / split) * 256, 256))
+    }
+
+    fn axpy(&self, w: &Mat, rows: Rows<'_, Idx>, a: &Buf, y: &mut Buf) -> Result<(), BackendError> {
+        let (ip, n_out, group, outs) = self.sel(rows, w.rows)?;
+        need("axpy activations", a.0.len(), outs)?;
+        need("axpy output", y.0.len(), w.cols)?;
+        let f = self.func(&format!("axpy_{}", type_suffix(w.qtype)));
+        // 256 columns a block; the outputs split so the grid fills every SM twice.
+        let tiles = w.cols.div_ceil(256);
+        let splits = (2 * self.n_sm / tiles).clamp(1, outs.div_ceil(8).max(1));
+        let (r, c) = (w.rows as i32, w.cols as i32);
+        let (wp, ap, yp) = (self.ptr(&w.data), self.ptr(&a.0), self.ptr(&y.0));
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&wp)
+            .arg(&r)
+            .arg(&c)
+            .arg(&ip)
+            .arg(&n_out)
+            .arg(&group)
+            .arg(&ap)
+            .arg(&yp);
+        let cfg = LaunchConfig {
+            grid_dim: (tiles as u32, splits as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch::run(b, cfg)
+    }
+
+    fn rmsnorm(&self, x: &Buf, w: &Buf, eps: f32, out: &mut Buf) -> Result<(), BackendError> {
+        let n = w.0.len();
+        need("rmsnorm input", x.0.len(), n)?;
+        need("rmsnorm output", out.0.len(), n)?;
+        let (xp, wp, op, ni) = (self.ptr(&x.0), self.ptr(&w.0), self.ptr(&out.0), n as i32);
+        let mut b = self.stream.launch_builder(self.func("rmsnorm"));
+        b.arg(&xp).arg(&wp).arg(&ni).arg(&eps).arg(&op);
+        launch::run(b, launch::one_block(n))
+    }
+
+    fn layernorm(
+        &self,
+        x: &Buf,
+        w: &Buf,
+        bias: Option<&Buf>,
+        eps: f32,
+        out: &mut Buf,
+    ) -> Result<(), BackendError> {
+        let n = w.0.len();
+        need("layernorm input", x.0.len(), n)?;
+        need("layernorm output", out.0.len(), n)?;
+        if let Some(bb) = bias {
+            need("layernorm bias", bb.0.len(), n)?;
+        }
+        let (xp, wp, op, ni) = (self.ptr(&x.0), self.ptr(&w.0), self.ptr(&out.0), n as i32);
+        let bp = bias.map_or(0, |bb| self.ptr(&bb.0));
+        let mut b = self.stream.launch_builder(self.func("layernorm"));
+        b.arg(&xp).arg(&wp).arg(&bp).arg(&ni).arg(&eps).arg(&op);
+        launch::run(b, launch::one_block(n))
+    }
+
+    fn add(&self, x: &mut Buf, y: &Buf, n: usize) -> Result<(), BackendError> {
+        need("add output", x.0.len(), n)?;
+        need("add input", y.0.len(), n)?;
+        let (xp, yp, ni) = (self.ptr(&x.0), self.ptr(&y.0), n as i32);
+        let mut b = self.stream.launch_builder(self.func("add_f32"));
+        b.arg(&xp).arg(&yp).arg(&ni);
+        launch::run(b, launch::grid(n, 256))
+    }
+
+    fn copy(&self, x: &Buf, y: &mut Buf, n: usize) -> Result<(), BackendError> {
+        need("copy input", x.0.len(), n)?;
+        need("copy output", y.0.len(), n)?;
+        let (xp, yp, ni) = (self.ptr(&x.0), self.ptr(&y.0), n as i32);
+        let mut b = self.stream.launch_builder(self.func("copy_f32"));
+        b.arg(&xp).arg(&yp).arg(&ni);
+        launch::run(b, launch::grid(n, 256))
+    }
+
+    fn rope(
+        &self,
+        x: &mut Buf,
+        n_heads: usize,
+        head_dim: usize,
+        theta: f32,
+        style: RopeStyle,
+    ) -> Result<(), BackendError> {
+        need("rope", x.0.len(), n_heads * head_dim)?;
+        let neox = (style == RopeStyle::Neox) as i32;
+        let (xp, sp, nh, hd) = (
+            self.ptr(&x.0),
+            self.ptr(&self.step),
+            n_heads as i32,
+            head_dim as i32,
+        );
+        let mut b = self.stream.launch_builder(self.func("rope"));
+        b.arg(&xp).arg(&nh).arg(&hd).arg(&sp).arg(&theta).arg(&neox);
+        launch::run(b, launch::grid(n_heads * head_dim / 2, 128))
+    }
+
+    fn glu(&self, act: Activation, gate: &mut Buf, up: &Buf, n: usize) -> Result<(), BackendError> {
+        need("glu gate", gate.0.len(), n)?;
+        need("glu up", up.0.len(), n)?;
+        let (a, gp, up_, ni) = (act_code(act), self.ptr(&gate.0), self.ptr(&up.0), n as i32);
+        let mut b = self.stream.launch_builder(self.func("glu"));
+        b.arg(&a).arg(&gp).arg(&up_).arg(&ni);
+        launch::run(b, launch::grid(n, 256))
+    }
+
+    fn activate(&self, act: Activation, x: &mut Buf, n: usize) -> Result<(), BackendError> {
+        need("activate", x.0.len(), n)?;
+        let (a, xp, ni) = (act_code(act), self.ptr(&x.0), n as i32);
+        let mut b = self.stream.launch_builder(self.func("activate"));
+        b.arg(&a).arg(&xp).arg(&ni);
+        launch::run(b, launch::grid(n, 256))
+    }
+
+    fn store(&self, x: &Buf, cache: &mut Cache) -> Result<(), BackendError> {
+        need("store", x.0.len(), cache.width)?;
+        let (xp, cp, sp) = (self.ptr(&x.0), self.ptr(&cache.data), self.ptr(&self.step));
+        let (w, n) = (cache.width as i32, cache.n_ctx as i32);
+        let mut b = self.stream.launch_builder(self.func("store_f16"));
+        b.arg(&xp).arg(&cp).arg(&w).arg(&n).arg(&sp);
+        launch::run(b, launch::grid(cache.width, 256))
+    }
+
+    fn attention(
+        &self,
+        q: &Buf,
+        k: &Cache,
+        v: &Cache,
+        heads: Rows<'_, Idx>,
+        g: AttnGeom,
+        out: &mut Buf,
+    ) -> Result<(), BackendError> {
+        let width = g.n_kv_heads * g.head_dim;
+        if g.n_kv_heads == 0 || !g.n_heads.is_multiple_of(g.n_kv_heads) {
+            return Err(shape(format!(
+                "{} query heads over {} KV heads",
+                g.n_heads, g.n_kv_heads
+            )));
+        }
+        for c in [k, v] {
+            if c.width != width || c.n_ctx < g.n_ctx {
+                return Err(shape(format!(
+                    "cache of {}x{} for attention over {}x{width}",
+                    c.n_ctx, c.width, g.n_ctx
+                )));
+            }
+        }
+        let (ip, _, _, n_sel) = self.sel(heads, g.n_heads)?;
+        // One block per selected head (`n_sel` heads: the selection's group is 1).
+        need("attention queries", q.0.len(), n_sel * g.head_dim)?;
+        need("attention output", out.0.len(), n_sel * g.head_dim)?;
+        if !g.head_dim.is_multiple_of(8) || g.head_dim > 256 {
+            return Err(BackendError::Unsupported {
+                backend: self.name(),
+                what: format!("head size {} (a multiple of 8, at most 256)", g.head_dim),
+            });
+        }
+        let smem = (g.head_dim + g.n_ctx) * 4;
+        self.allow_smem("attention_f16", smem)?;
+        let f = self.func("attention_f16");
+        let (qp, kp, vp, op, sp) = (
+            self.ptr(&q.0),
+            self.ptr(&k.data),
+            self.ptr(&v.data),
+            self.ptr(&out.0),
+            self.ptr(&self.step),
+        );
+        let (nh, nkv, hd, nc) = (
+            g.n_heads as i32,
+            g.n_kv_heads as i32,
+            g.head_dim as i32,
+            g.n_ctx as i32,
+        );
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&qp)
+            .arg(&kp)
+            .arg(&vp)
+            .arg(&ip)
+            .arg(&nh)
+            .arg(&nkv)
+            .arg(&hd)
+            .arg(&nc);
+        b.arg(&sp).arg(&op);
+        let cfg = LaunchConfig {
+            grid_dim: (n_sel.max(1) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        launch::run(b, cfg)
+    }
+
+    fn top_k(&self, s: &Buf, n: usize, k: usize, out: &mut Idx) -> Result<(), BackendError> {
+        need("top_k scores", s.0.len(), n)?;
+        if k == 0 || k > n || out.0.len() < k {
+            return Err(shape(format!(
+                "top {k} of {n} into a list of {}",
+                out.0.len()
+            )));
+        }
+        // The keys of every score in shared memory.
+        self.allow_smem("top_k", 4 * n)?;
+        let (sp, op, ni, ki) = (self.ptr(&s.0), self.ptr(&out.0), n as i32, k as i32);
+        let mut b = self.stream.launch_builder(self.func("top_k"));
+        b.arg(&sp).arg(&ni).arg(&ki).arg(&op);
+        let cfg = LaunchConfig {
+            shared_mem_bytes: 4 * n as u32,
+            ..launch::one_block(1024)
+        };
+        launch::run(b, cfg)
+    }
+
+    fn sync(&self) -> Result<(), BackendError> {
+        self.synchronize()
+    }
+    fn begin_capture(&self) -> Result<bool, BackendError> {
+        use sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL as MODE;
+        self.synchronize()?;
+        self.stream.begin_capture(MODE).map_err(dev_err)?;
+        Ok(true)
+    }
+    fn end_capture(&self) -> Result<Graph, BackendError> {
+        let g = self
+            .stream
+            .end_capture(sys::CUgraphInstantiate_flags(0))
+            .map_err(dev_err)?
+            .ok_or_else(|| BackendError::Device("an empty graph was captured".into()))?;
+        Ok(Graph(g))
+    }
+    fn replay(&self, g: &Graph) -> Result<(), BackendError> {
+        g.0.launch().map_err(dev_err)
+    }
+}
+
+/// `Activation` as the kernels' `act` (elementwise.cu).
+fn act_code(a: Activation) -> i32 {
+    match a {
+        Activation::Silu => 0,
+        Activation::Relu => 1,
+    }
+}

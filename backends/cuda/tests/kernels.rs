@@ -1,0 +1,379 @@
+//! Every CUDA verb against the CPU scalar reference ([`HostDevice`]) on random inputs of ragged
+//! sizes, every weight type. Skipped, with the reason printed, where no GPU is usable (CI).
+//!
+//! Tolerance: both sides dequantize the same blocks to f32 and compute in f32; only the order
+//! of summation differs (a warp's tree against a sequential sum), `~sqrt(n) 2^-24` of the sum of
+//! magnitudes, and the GPU's `expf`/`rsqrtf` (a few ulp). We assert `|gpu - ref| <= 1e-4 (1 +
+//! sum |terms|)` for products and 1e-4 relative elsewhere; attention compares against an f16
+//! cache on both sides.
+use dejavu_backend_api::{
+    Activation, AttnGeom, Device, QuantType, RopeStyle, Rows, StepRow, Weight,
+};
+use dejavu_backend_cpu::device::HostDevice;
+use dejavu_backend_cuda::CudaDevice;
+use half::f16;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+fn gpu() -> Option<CudaDevice> {
+    match CudaDevice::new(0) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            eprintln!("skipped: no usable GPU ({e})");
+            None
+        }
+    }
+}
+
+fn rng(seed: u64) -> ChaCha8Rng {
+    ChaCha8Rng::seed_from_u64(seed)
+}
+
+fn randv(r: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| r.gen_range(-1.0..1.0)).collect()
+}
+
+/// A random `rows x cols` matrix of `q`: random bytes, its f16 scales set to small values.
+fn random_matrix(r: &mut ChaCha8Rng, q: QuantType, rows: usize, cols: usize) -> Vec<u8> {
+    let n = rows * q.row_bytes(cols);
+    let mut b: Vec<u8> = (0..n).map(|_| r.gen()).collect();
+    let put = |b: &mut [u8], at: usize, v: f32| {
+        b[at..at + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes())
+    };
+    let scale_at: &[usize] = match q {
+        QuantType::F32 => {
+            for (i, v) in randv(r, rows * cols).into_iter().enumerate() {
+                b[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes());
+            }
+            &[]
+        }
+        QuantType::F16 => {
+            for (i, v) in randv(r, rows * cols).into_iter().enumerate() {
+                put(&mut b, 2 * i, v);
+            }
+            &[]
+        }
+        QuantType::BF16 => {
+            for (i, v) in randv(r, rows * cols).into_iter().enumerate() {
+                let h = half::bf16::from_f32(v).to_le_bytes();
+                b[2 * i..2 * i + 2].copy_from_slice(&h);
+            }
+            &[]
+        }
+        QuantType::Q4_1 | QuantType::Q4K => &[0, 2],
+        QuantType::Q6K => &[208],
+        _ => &[0],
+    };
+    for blk in b.chunks_exact_mut(q.block_bytes()) {
+        for &at in scale_at {
+            put(blk, at, r.gen_range(-0.05..0.05));
+        }
+    }
+    b
+}
+
+fn close(what: &str, got: &[f32], want: &[f32], tol: impl Fn(usize) -> f32) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= tol(i),
+            "{what}[{i}]: gpu {g} against reference {w}"
+        );
+    }
+}
+
+fn down<D: Device>(d: &D, b: &D::Buf, n: usize) -> Vec<f32> {
+    let mut out = vec![0.0; n];
+    d.download(b, &mut out).unwrap();
+    out
+}
+
+/// matvec over all rows and over a grouped selection, with bias and accumulation.
+fn matvec_on<D: Device>(d: &D, w: &Weight, x: &[f32], sel: &[u32], group: usize) -> Vec<f32> {
+    let m = d.upload_mat(w).unwrap();
+    let (xb, bias) = (d.upload(x).unwrap(), d.upload(&vec![0.25; w.rows]).unwrap());
+    let idx = d.upload_idx(sel).unwrap();
+    let mut all = d.zeros(w.rows).unwrap();
+    d.matvec(&m, Rows::All, &xb, None, &mut all, false).unwrap();
+    let n = sel.len() * group;
+    let mut part = d.upload(&vec![1.0; n]).unwrap();
+    let rows = Rows::Sel {
+        idx: &idx,
+        count: sel.len(),
+        group,
+    };
+    d.matvec(&m, rows, &xb, Some(&bias), &mut part, true)
+        .unwrap();
+    let mut out = down(d, &all, w.rows);
+    out.extend(down(d, &part, n));
+    out
+}
+
+/// y0 + sum of the selected rows weighted by `a`.
+fn axpy_on<D: Device>(d: &D, w: &Weight, a: &[f32], sel: &[u32], y0: &[f32]) -> Vec<f32> {
+    let m = d.upload_mat(w).unwrap();
+    let (ab, idx) = (d.upload(a).unwrap(), d.upload_idx(sel).unwrap());
+    let mut y = d.upload(y0).unwrap();
+    let rows = Rows::Sel {
+        idx: &idx,
+        count: sel.len(),
+        group: 1,
+    };
+    d.axpy(&m, rows, &ab, &mut y).unwrap();
+    down(d, &y, w.cols)
+}
+
+/// Sum of |w| |x| over a row (the scale of a dot's rounding).
+fn magnitude(w: &[f32], x: &[f32]) -> f32 {
+    w.iter().zip(x).map(|(a, b)| (a * b).abs()).sum()
+}
+
+#[test]
+fn products_match_the_scalar_reference_for_every_type() {
+    let Some(gpu) = gpu() else { return };
+    let host = HostDevice::new();
+    let mut r = rng(1);
+    for q in QuantType::ALL {
+        let bl = q.block_len().max(8);
+        // Ragged: columns not a multiple of 256 (nor of 8 for the float types), odd row counts.
+        for (rows, cols) in [(37, 3 * bl), (5, 9 * bl), (130, bl * 11), (9, 4096)] {
+            let cols = if q.block_len() == 1 { cols + 3 } else { cols };
+            let w_bytes = random_matrix(&mut r, q, rows, cols);
+            let w = Weight::new(q, rows, cols, &w_bytes).unwrap();
+            let x = randv(&mut r, cols);
+            let group = if rows % 5 == 0 { 5 } else { 1 };
+            let sel: Vec<u32> = (0..rows / group)
+                .rev()
+                .step_by(2)
+                .map(|i| i as u32)
+                .collect();
+            let want = matvec_on(&host, &w, &x, &sel, group);
+            let got = matvec_on(&gpu, &w, &x, &sel, group);
+            let mut deq = vec![0.0; cols];
+            let mags: Vec<f32> = (0..rows)
+                .map(|row| {
+                    dejavu_backend_cpu::dequant::dequantize_row(q, w.row(row), &mut deq);
+                    magnitude(&deq, &x)
+                })
+                .collect();
+            let mag = |i: usize| {
+                let row = if i < rows {
+                    i
+                } else {
+                    let j = i - rows;
+                    sel[j / group] as usize * group + j % group
+                };
+                mags[row]
+            };
+            close(&format!("matvec {q:?} {rows}x{cols}"), &got, &want, |i| {
+                1e-4 * (2.0 + mag(i))
+            });
+
+            // axpy over the same matrix read neuron-major (rows are neurons).
+            let y0 = randv(&mut r, cols);
+            let sel1: Vec<u32> = (0..rows as u32).filter(|i| i % 3 != 1).collect();
+            let a1 = randv(&mut r, sel1.len());
+            let want = axpy_on(&host, &w, &a1, &sel1, &y0);
+            let got = axpy_on(&gpu, &w, &a1, &sel1, &y0);
+            close(&format!("axpy {q:?} {rows}x{cols}"), &got, &want, |_| {
+                1e-4 * (1.0 + rows as f32 * 0.1)
+            });
+
+            // Embedding lookup of a token and a position row, accumulated.
+            let want = embed_on(&host, &w, rows);
+            let got = embed_on(&gpu, &w, rows);
+            close(&format!("embed {q:?}"), &got, &want, |_| 1e-5);
+        }
+    }
+}
+
+fn embed_on<D: Device>(d: &D, w: &Weight, rows: usize) -> Vec<f32> {
+    let m = d.upload_mat(w).unwrap();
+    let mut x = d.zeros(w.cols).unwrap();
+    d.set_step((rows - 1) as u32, rows / 2 - 1).unwrap();
+    d.embed(&m, StepRow::Token, false, &mut x).unwrap();
+    d.embed(&m, StepRow::Position { offset: 1 }, true, &mut x)
+        .unwrap();
+    down(d, &x, w.cols)
+}
+
+/// Norms, RoPE (both styles), GLU, activations, add and copy on one random vector.
+fn elementwise_on<D: Device>(d: &D, x: &[f32], w: &[f32], b: &[f32], hd: usize) -> Vec<f32> {
+    let n = x.len();
+    let (xb, wb, bb) = (
+        d.upload(x).unwrap(),
+        d.upload(w).unwrap(),
+        d.upload(b).unwrap(),
+    );
+    let mut out = Vec::new();
+    let mut y = d.zeros(n).unwrap();
+    d.rmsnorm(&xb, &wb, 1e-5, &mut y).unwrap();
+    out.extend(down(d, &y, n));
+    d.layernorm(&xb, &wb, Some(&bb), 1e-5, &mut y).unwrap();
+    out.extend(down(d, &y, n));
+    d.set_step(0, 1234).unwrap();
+    for style in [RopeStyle::Interleaved, RopeStyle::Neox] {
+        let mut z = d.upload(x).unwrap();
+        d.rope(&mut z, n / hd, hd, 10000.0, style).unwrap();
+        out.extend(down(d, &z, n));
+    }
+    for act in [Activation::Silu, Activation::Relu] {
+        let mut g = d.upload(x).unwrap();
+        d.glu(act, &mut g, &wb, n - 3).unwrap();
+        out.extend(down(d, &g, n));
+        let mut g = d.upload(x).unwrap();
+        d.activate(act, &mut g, n - 1).unwrap();
+        out.extend(down(d, &g, n));
+    }
+    let mut g = d.upload(x).unwrap();
+    d.add(&mut g, &wb, n - 2).unwrap();
+    d.copy(&bb, &mut g, 3).unwrap();
+    out.extend(down(d, &g, n));
+    out
+}
+
+#[test]
+fn elementwise_ops_match_the_scalar_reference() {
+    let Some(gpu) = gpu() else { return };
+    let host = HostDevice::new();
+    let mut r = rng(2);
+    for (n, hd) in [(64 * 3, 64), (896, 64), (5120, 128), (12288, 128)] {
+        let (x, w, b) = (randv(&mut r, n), randv(&mut r, n), randv(&mut r, n));
+        let want = elementwise_on(&host, &x, &w, &b, hd);
+        let got = elementwise_on(&gpu, &x, &w, &b, hd);
+        close(&format!("elementwise n={n}"), &got, &want, |i| {
+            1e-4 * (1.0 + want[i].abs())
+        });
+    }
+}
+
+/// Store `n_pos` positions of keys and values, then attend with a head selection at the last.
+fn attention_on<D: Device>(
+    d: &D,
+    g: AttnGeom,
+    kv: &[Vec<f32>],
+    q: &[f32],
+    heads: &[u32],
+) -> Vec<f32> {
+    let width = g.n_kv_heads * g.head_dim;
+    let (mut kc, mut vc) = (
+        d.cache(g.n_ctx, width).unwrap(),
+        d.cache(g.n_ctx, width).unwrap(),
+    );
+    for (p, row) in kv.iter().enumerate() {
+        d.set_step(0, p).unwrap();
+        d.store(&d.upload(&row[..width]).unwrap(), &mut kc).unwrap();
+        d.store(&d.upload(&row[width..]).unwrap(), &mut vc).unwrap();
+    }
+    let idx = d.upload_idx(heads).unwrap();
+    let qb = d.upload(q).unwrap();
+    let mut out = d.zeros(q.len()).unwrap();
+    let rows = Rows::Sel {
+        idx: &idx,
+        count: heads.len(),
+        group: 1,
+    };
+    d.attention(&qb, &kc, &vc, rows, g, &mut out).unwrap();
+    let mut all = d.zeros(g.n_heads * g.head_dim).unwrap();
+    let qa = d
+        .upload(&[q, q].concat()[..g.n_heads * g.head_dim])
+        .unwrap();
+    d.attention(&qa, &kc, &vc, Rows::All, g, &mut all).unwrap();
+    let mut res = down(d, &out, q.len());
+    res.extend(down(d, &all, g.n_heads * g.head_dim));
+    res
+}
+
+#[test]
+fn attention_matches_the_scalar_reference() {
+    let Some(gpu) = gpu() else { return };
+    let host = HostDevice::new();
+    let mut r = rng(3);
+    // Multi-head and grouped-query; contexts short, ragged and beyond 48 KiB of scores.
+    for (nh, nkv, hd, n_pos, n_ctx) in [
+        (4, 4, 64, 1, 8),
+        (14, 2, 64, 37, 64),
+        (8, 8, 128, 300, 20000),
+    ] {
+        let g = AttnGeom {
+            n_heads: nh,
+            n_kv_heads: nkv,
+            head_dim: hd,
+            n_ctx,
+        };
+        let kv: Vec<Vec<f32>> = (0..n_pos).map(|_| randv(&mut r, 2 * nkv * hd)).collect();
+        let heads: Vec<u32> = (0..nh as u32).rev().filter(|h| h % 3 != 0).collect();
+        let q = randv(&mut r, heads.len() * hd);
+        let want = attention_on(&host, g, &kv, &q, &heads);
+        let got = attention_on(&gpu, g, &kv, &q, &heads);
+        close(
+            &format!("attention {nh}/{nkv}x{hd} at {n_pos}"),
+            &got,
+            &want,
+            |_| 2e-4,
+        );
+    }
+}
+
+#[test]
+fn top_k_matches_the_scalar_reference() {
+    let Some(gpu) = gpu() else { return };
+    let host = HostDevice::new();
+    let mut r = rng(4);
+    for (n, k) in [
+        (7, 3),
+        (56, 28),
+        (1500, 700),
+        (16384, 1638),
+        (28672, 2867),
+        (100, 100),
+    ] {
+        let mut s = randv(&mut r, n);
+        s[n / 2] = -0.0; // signed zeros and negatives order correctly
+        let top = |d: &dyn Fn(&mut Vec<u32>)| {
+            let mut v = vec![0u32; k];
+            d(&mut v);
+            v.sort_unstable();
+            v
+        };
+        let want = top(&|v| {
+            let mut o = host.upload_idx(&vec![0; k]).unwrap();
+            host.top_k(&host.upload(&s).unwrap(), n, k, &mut o).unwrap();
+            host.download_idx(&o, v).unwrap();
+        });
+        let got = top(&|v| {
+            let mut o = gpu.upload_idx(&vec![0; k]).unwrap();
+            gpu.top_k(&gpu.upload(&s).unwrap(), n, k, &mut o).unwrap();
+            gpu.download_idx(&o, v).unwrap();
+        });
+        assert_eq!(got, want, "top {k} of {n}");
+    }
+}
+
+#[test]
+fn bad_sizes_are_errors_not_faults() {
+    let Some(gpu) = gpu() else { return };
+    let x = gpu.upload(&[1.0; 8]).unwrap();
+    let w_bytes = vec![0u8; 4 * 16 * 4];
+    let m = gpu
+        .upload_mat(&Weight::new(QuantType::F32, 4, 16, &w_bytes).unwrap())
+        .unwrap();
+    let mut y = gpu.zeros(4).unwrap();
+    assert!(
+        gpu.matvec(&m, Rows::All, &x, None, &mut y, false).is_err(),
+        "short input"
+    );
+    let idx = gpu.upload_idx(&[0, 1]).unwrap();
+    let rows = Rows::Sel {
+        idx: &idx,
+        count: 3,
+        group: 1,
+    };
+    let x16 = gpu.upload(&[1.0; 16]).unwrap();
+    assert!(
+        gpu.matvec(&m, rows, &x16, None, &mut y, false).is_err(),
+        "short list"
+    );
+    let mut o = gpu.upload_idx(&[0; 2]).unwrap();
+    assert!(gpu.top_k(&x, 8, 3, &mut o).is_err(), "short top-k output");
+}
