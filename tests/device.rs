@@ -4,14 +4,14 @@
 //! [`HostDevice`] (the scalar reference, everywhere) and, built with `--features cuda`, on the
 //! GPU (skipped with the reason printed where there is none).
 //!
-//! Tolerance: the host reference computes in f32 on the same weights with an f32 KV cache; the
-//! device stores keys and values in f16 (relative rounding 2^-11 ~ 4.9e-4 per element) and sums
-//! in another order. Through <= 6 layers of the tiny fixtures and logits of magnitude <= 30 we
-//! allow |device - host| <= 0.02 + 0.002 |host| on every logit of every step.
+//! Tolerance: the host reference computes in f32 on the same weights, with an f16 KV cache as
+//! the device's; only the order of summation differs (and so, rarely, an f16 rounding of a key
+//! or value). Through <= 6 layers of the tiny fixtures and logits of magnitude <= 30 we allow
+//! |device - host| <= 0.02 + 0.002 |host| on every logit of every step (measured: <= 1e-3).
 mod common;
 use dejavu::engine::device::{DeviceModel, DevicePlan, DeviceSession};
 use dejavu::engine::executor::{Executor, Logits, Plan};
-use dejavu::engine::kv_cache::KvCache;
+use dejavu::engine::kv_cache::{KvCache, KvType};
 use dejavu::engine::{Engine, EngineOptions};
 use dejavu::sparsity::{LayerPlan, SparsePlan};
 use dejavu_backend_api::{Device, IndexSet};
@@ -90,7 +90,7 @@ fn check_plan<D: Device>(
     let reference = CpuBackend::f32_reference(1);
     let mut exec = Executor::new(&eng.model, &reference).unwrap();
     exec.layout = Some(eng.sparse_layout().unwrap());
-    let mut cache = KvCache::new(&eng.model, 64, Default::default());
+    let mut cache = KvCache::new(&eng.model, 64, KvType::F16);
     let dplan = DevicePlan::fixed(dev, &eng.model.config, plan, what).unwrap();
     let mut sess = DeviceSession::new(dev, dm, dplan, 64).unwrap();
     let mut worst = 0f32;
@@ -123,6 +123,87 @@ pub fn check_fixtures<D: Device>(dev: &D) {
             dev.name()
         );
     }
+}
+
+/// SmolLM2 (Q4_1 and Q8_0 rows, 30 layers, grouped-query attention): dense and a 40% plan
+/// against the host's f32 reference with an f16 cache, every logit within 4e-3 of the step's
+/// largest |logit|, and the greedy token at every step where the host's margin exceeds 0.1.
+/// The bound is the size of one f16 rounding of the cache on this model: the host against
+/// itself with an f32 cache differs by 9.5e-4 (dense) and 3.3e-3 (this 40% plan, which
+/// perturbs the model and so amplifies rounding) of the largest logit over these steps; the
+/// device sums in another order, so its keys and values can round to neighbouring f16 values. The model is the file `DEJAVU_SMOLLM2` names, else the project's fetch (its cache).
+fn check_smollm2<D: Device>(g: &D) {
+    let path = match std::env::var("DEJAVU_SMOLLM2") {
+        Ok(p) => PathBuf::from(p),
+        Err(_) => match dejavu::fetch::fetch("smollm2-135m-instruct") {
+            Ok(p) => p,
+            Err(e) => return eprintln!("skipped: SmolLM2 unavailable ({e})"),
+        },
+    };
+    if !path.exists() {
+        return eprintln!("skipped: {} not found", path.display());
+    }
+    let opts = EngineOptions {
+        keep_file_layout: true,
+        n_ctx: Some(64),
+        ..Default::default()
+    };
+    let eng = Engine::load(&path, &opts).unwrap();
+    let dm = DeviceModel::upload(g, &eng.model, Some(eng.sparse_layout().unwrap())).unwrap();
+    let reference = CpuBackend::f32_reference(2);
+    for (what, plan) in [
+        ("dense", SparsePlan::dense(&eng.model.config)),
+        ("sparse 40%", random_plan(&eng, 0.4, 3)),
+    ] {
+        let mut exec = Executor::new(&eng.model, &reference).unwrap();
+        exec.layout = Some(eng.sparse_layout().unwrap());
+        let mut cache = KvCache::new(&eng.model, 64, KvType::F16);
+        let dplan = DevicePlan::fixed(g, &eng.model.config, &plan, what).unwrap();
+        let mut sess = DeviceSession::new(g, &dm, dplan, 64).unwrap();
+        let (mut worst, mut same_top1, mut checked) = (0f32, 0, 0);
+        let prompt = eng
+            .tokenizer
+            .encode_prompt("The capital of France is")
+            .unwrap();
+        let mut toks = prompt.clone();
+        for i in 0..24 {
+            let t = toks[i.min(toks.len() - 1)];
+            let host = exec
+                .run(&[t], &mut cache, Plan::Fixed(&plan), Logits::Last)
+                .unwrap()
+                .to_vec();
+            let got = sess.forward(&[t]).unwrap().to_vec();
+            let scale = host.iter().fold(1f32, |m, v| m.max(v.abs()));
+            for (j, (d, h)) in got.iter().zip(&host).enumerate() {
+                let err = (d - h).abs() / scale;
+                assert!(
+                    err <= 4e-3,
+                    "{what} step {i}: logit {j}: device {d}, host {h} (largest |logit| {scale})"
+                );
+                worst = worst.max(err);
+            }
+            let mut order: Vec<usize> = (0..host.len()).collect();
+            order.sort_by(|&a, &b| host[b].total_cmp(&host[a]));
+            if host[order[0]] - host[order[1]] > 0.1 {
+                checked += 1;
+                same_top1 += (argmax(&got) == order[0]) as usize;
+            }
+            if i + 1 >= toks.len() {
+                toks.push(order[0] as u32);
+            }
+        }
+        assert_eq!(same_top1, checked, "{what}: greedy tokens");
+        eprintln!("{} SmolLM2 {what}: worst |logit error| / largest |logit| {worst:.2e} over 24 steps; greedy token equal at {same_top1}/{checked} clear steps", g.name());
+    }
+}
+
+fn argmax(x: &[f32]) -> usize {
+    (0..x.len()).max_by(|&a, &b| x[a].total_cmp(&x[b])).unwrap()
+}
+
+#[test]
+fn smollm2_on_the_reference_device_matches_the_host_executor() {
+    check_smollm2(&HostDevice::new());
 }
 
 #[test]
@@ -186,5 +267,68 @@ mod cuda {
         if let Some(g) = gpu() {
             check_fixtures(&g);
         }
+    }
+
+    #[test]
+    fn smollm2_on_the_gpu_matches_the_host_executor() {
+        if let Some(g) = gpu() {
+            check_smollm2(&g);
+        }
+    }
+
+    /// The same Deja Vu policy on the host reference device and on the GPU picks the same sets
+    /// (synthetic:opt-125m, random predictors): the share of each selected set found by both,
+    /// printed; at least 99% (the scores differ only by summation order, so only near-ties
+    /// may go either way).
+    #[test]
+    fn a_policy_picks_the_same_sets_on_the_gpu() {
+        let Some(g) = gpu() else { return };
+        let host = HostDevice::new();
+        let opts = EngineOptions {
+            keep_file_layout: true,
+            n_ctx: Some(16),
+            ..Default::default()
+        };
+        let eng = Engine::load("synthetic:opt-125m", &opts).unwrap();
+        let preds = eng.predictors(None).unwrap();
+        let policy = eng
+            .policy("dejavu:0.1+dejavu-attn:0.5", preds.as_ref())
+            .unwrap();
+        let layout = eng.sparse_layout().unwrap();
+        let (hm, gm) = (
+            DeviceModel::upload(&host, &eng.model, Some(layout)).unwrap(),
+            DeviceModel::upload(&g, &eng.model, Some(layout)).unwrap(),
+        );
+        let c = &eng.model.config;
+        let mut hs = DeviceSession::new(
+            &host,
+            &hm,
+            DevicePlan::policy(&host, c, &policy).unwrap(),
+            16,
+        )
+        .unwrap();
+        let mut gs =
+            DeviceSession::new(&g, &gm, DevicePlan::policy(&g, c, &policy).unwrap(), 16).unwrap();
+        let (mut found, mut total) = (0usize, 0usize);
+        for &t in &TOKENS[..4] {
+            hs.forward(&[t]).unwrap();
+            gs.forward(&[t]).unwrap();
+            for ((hm, hh), (gm, gh)) in hs
+                .selections()
+                .unwrap()
+                .into_iter()
+                .zip(gs.selections().unwrap())
+            {
+                for (a, b) in [(hm, gm), (hh, gh)] {
+                    if let (Some(a), Some(b)) = (a, b) {
+                        total += a.len();
+                        found += a.iter().filter(|i| b.binary_search(i).is_ok()).count();
+                    }
+                }
+            }
+        }
+        let share = found as f64 / total as f64;
+        eprintln!("{}: the policy's sets agree with the host reference's on {found}/{total} units ({:.4})", g.name(), share);
+        assert!(share >= 0.99, "agreement {share}");
     }
 }

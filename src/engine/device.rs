@@ -20,7 +20,7 @@ use crate::sparsity::policy::Policy;
 use crate::sparsity::predictor::LowRankPredictor;
 use crate::sparsity::{HeadRule, KvRule, MlpRule, SparsePlan};
 use crate::{Error, Result};
-use dejavu_backend_api::{AttnGeom, Device, Rows, StepRow};
+use dejavu_backend_api::{AttnGeom, Device, Product, Rows, StepRow};
 
 /// A norm's gain and bias on the device.
 struct Norm<D: Device> {
@@ -351,6 +351,21 @@ struct Scratch<D: Device> {
     logits: D::Buf,
 }
 
+impl<D: Device> crate::text::generate::Decoder for DeviceSession<'_, D> {
+    fn decode(&mut self, tokens: &[u32]) -> Result<&mut [f32]> {
+        self.forward(tokens)
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn n_ctx(&self) -> usize {
+        self.n_ctx
+    }
+    fn truncate(&mut self, len: usize) {
+        DeviceSession::truncate(self, len)
+    }
+}
+
 /// Where an eagerly run step's time goes, in seconds summed over the steps profiled (see
 /// [`DeviceSession::profile`]).
 #[derive(Debug, Clone, Copy, Default, serde::Serialize)]
@@ -392,6 +407,9 @@ fn lap<D: Device>(
         None => Ok(()),
     }
 }
+
+/// One layer's selected `(neurons, heads)`, each sorted (`None`: every unit).
+pub type Selections = (Option<Vec<u32>>, Option<Vec<u32>>);
 
 /// One sequence on the device: its KV cache, its activations and its recorded step.
 pub struct DeviceSession<'a, D: Device> {
@@ -464,6 +482,25 @@ impl<'a, D: Device> DeviceSession<'a, D> {
         })
     }
 
+    /// The last step's selections per layer, `(neurons, heads)`, each sorted (`None`: every
+    /// unit); read back from the device (for tests and reports).
+    pub fn selections(&self) -> Result<Vec<Selections>> {
+        let read = |sel: &Sel<D>| -> Result<Option<Vec<u32>>> {
+            let (idx, n) = match sel {
+                Sel::All => return Ok(None),
+                Sel::Fixed { idx, count } => (idx, *count),
+                Sel::Predicted { idx, k } => (idx, *k),
+            };
+            let mut v = vec![0; n];
+            self.dev.download_idx(idx, &mut v)?;
+            v.sort_unstable();
+            Ok(Some(v))
+        };
+        (self.plan.mlp.iter().zip(&self.plan.heads))
+            .map(|(m, h)| Ok((read(m)?, read(h)?)))
+            .collect()
+    }
+
     /// Tokens in the cache.
     pub fn len(&self) -> usize {
         self.len
@@ -482,9 +519,23 @@ impl<'a, D: Device> DeviceSession<'a, D> {
     pub fn plan_name(&self) -> &str {
         &self.plan.name
     }
+    /// Mean fraction of MLP neurons and of heads the plan computes per layer.
+    pub fn densities(&self) -> (f64, f64) {
+        let c = &self.model.config;
+        let mean = |sels: &[Sel<D>], n: usize| {
+            sels.iter()
+                .map(|s| s.count(n) as f64 / n as f64)
+                .sum::<f64>()
+                / sels.len().max(1) as f64
+        };
+        (
+            mean(&self.plan.mlp, c.n_ff),
+            mean(&self.plan.heads, c.n_heads),
+        )
+    }
 
     /// Run `tokens` one position at a time; returns the logits of the last.
-    pub fn forward(&mut self, tokens: &[u32]) -> Result<&[f32]> {
+    pub fn forward(&mut self, tokens: &[u32]) -> Result<&mut [f32]> {
         if tokens.is_empty() {
             return Err(Error::Invalid("forward called with no tokens".into()));
         }
@@ -498,7 +549,7 @@ impl<'a, D: Device> DeviceSession<'a, D> {
             self.step(t)?;
         }
         self.dev.download(&self.s.logits, &mut self.logits)?;
-        Ok(&self.logits)
+        Ok(&mut self.logits)
     }
 
     /// One token at the next position, its logits left on the device.
@@ -645,22 +696,19 @@ impl<'a, D: Device> DeviceSession<'a, D> {
         lap(clock, dev, |t| &mut t.predict)?;
         let (s, heads) = (&mut self.s, &self.plan.heads[l]);
         let n_sel = heads.count(c.n_heads);
-        dev.matvec(
-            &lw.wq,
-            heads.rows(hd),
+        dev.matvecs(
             &s.h,
-            lw.bq.as_ref(),
-            &mut s.q,
-            false,
+            &mut [
+                Product::new(&lw.wq, heads.rows(hd), &mut s.q).bias(lw.bq.as_ref()),
+                Product::new(&lw.wk, Rows::All, &mut s.k).bias(lw.bk.as_ref()),
+                Product::new(&lw.wv, Rows::All, &mut s.v).bias(lw.bv.as_ref()),
+            ],
         )?;
-        dev.matvec(&lw.wk, Rows::All, &s.h, lw.bk.as_ref(), &mut s.k, false)?;
-        dev.matvec(&lw.wv, Rows::All, &s.h, lw.bv.as_ref(), &mut s.v, false)?;
         if let Some((theta, style)) = c.rope() {
             dev.rope(&mut s.q, n_sel, hd, theta, style)?;
             dev.rope(&mut s.k, c.n_kv_heads, hd, theta, style)?;
         }
-        dev.store(&s.k, &mut self.k[l])?;
-        dev.store(&s.v, &mut self.v[l])?;
+        dev.store(&s.k, &s.v, &mut self.k[l], &mut self.v[l])?;
         let geom = AttnGeom {
             n_heads: c.n_heads,
             n_kv_heads: c.n_kv_heads,
@@ -697,21 +745,19 @@ impl<'a, D: Device> DeviceSession<'a, D> {
         let act = c.mlp.activation();
         let a = match &lw.w_gate {
             Some(wg) => {
-                dev.matvec(wg, sel.rows(1), &s.h, None, &mut s.gate, false)?;
-                dev.matvec(&lw.w_up, sel.rows(1), &s.h, None, &mut s.up, false)?;
+                dev.matvecs(
+                    &s.h,
+                    &mut [
+                        Product::new(wg, sel.rows(1), &mut s.gate),
+                        Product::new(&lw.w_up, sel.rows(1), &mut s.up),
+                    ],
+                )?;
                 dev.glu(act, &mut s.gate, &s.up, n)?;
                 &s.gate
             }
             None => {
-                dev.matvec(
-                    &lw.w_up,
-                    sel.rows(1),
-                    &s.h,
-                    lw.b_up.as_ref(),
-                    &mut s.up,
-                    false,
-                )?;
-                dev.activate(act, &mut s.up, n)?;
+                let fc1 = Product::new(&lw.w_up, sel.rows(1), &mut s.up);
+                dev.matvecs(&s.h, &mut [fc1.bias(lw.b_up.as_ref()).act(act)])?;
                 &s.up
             }
         };

@@ -24,6 +24,9 @@ pub struct DeviceBenchRow {
     pub speedup_vs_dense: Option<f64>,
     pub weight_bytes_per_token: f64,
     pub weight_gb_per_s: f64,
+    /// Mean fraction of MLP neurons and of heads computed.
+    pub mlp_density: f64,
+    pub head_density: f64,
     /// Per token, ms in each block of an eager run synchronized at every block's end (so
     /// their sum exceeds `ms_per_token` by the waits; see `DeviceSession::profile`).
     pub blocks_ms: BlockTimes,
@@ -99,6 +102,7 @@ pub fn decode<D: Device>(
         .map(|((s, samples), blocks_ms)| {
             let (med, sd) = median_sd(&samples);
             let bytes = s.step_bytes() as f64;
+            let (mlp_density, head_density) = s.densities();
             DeviceBenchRow {
                 model: eng.model.label(),
                 backend: dev.name(),
@@ -110,6 +114,8 @@ pub fn decode<D: Device>(
                 speedup_vs_dense: dense.map(|d| med / d),
                 weight_bytes_per_token: bytes,
                 weight_gb_per_s: bytes * med / 1e9,
+                mlp_density,
+                head_density,
                 blocks_ms,
                 samples,
             }
@@ -142,4 +148,123 @@ pub fn markdown(rows: &[DeviceBenchRow]) -> String {
         );
     }
     out
+}
+
+/// One point of the CPU-against-GPU comparison: a backend's speedup over its own dense decoding
+/// at an MLP density.
+#[derive(Debug, Clone, Serialize)]
+pub struct GainRow {
+    pub backend: String,
+    pub sparsity: String,
+    pub mlp_density: f64,
+    pub head_density: f64,
+    pub tok_per_s: f64,
+    pub speedup_vs_dense: f64,
+}
+
+/// The decode rows of both backends as gain rows (rows without a dense run are left out).
+pub fn gains(cpu: &[crate::eval::bench::BenchResult], gpu: &[DeviceBenchRow]) -> Vec<GainRow> {
+    let mut out: Vec<GainRow> = (cpu.iter().filter(|r| r.test.starts_with("tg")))
+        .filter_map(|r| {
+            Some(GainRow {
+                backend: format!("cpu ({} threads, {})", r.threads, r.isa),
+                sparsity: r.sparsity.clone(),
+                mlp_density: r.mlp_density,
+                head_density: r.head_density,
+                tok_per_s: r.tok_per_s_median,
+                speedup_vs_dense: r.speedup_vs_dense?,
+            })
+        })
+        .collect();
+    out.extend(gpu.iter().filter_map(|r| {
+        Some(GainRow {
+            backend: r.backend.clone(),
+            sparsity: r.sparsity.clone(),
+            mlp_density: r.mlp_density,
+            head_density: r.head_density,
+            tok_per_s: r.tok_per_s_median,
+            speedup_vs_dense: r.speedup_vs_dense?,
+        })
+    }));
+    out
+}
+
+pub fn gains_markdown(rows: &[GainRow]) -> String {
+    let mut out = String::from(
+        "| backend | sparsity | MLP density | head density | t/s | speedup over the backend's dense |\n|---|---|---:|---:|---:|---:|\n",
+    );
+    for r in rows {
+        out += &format!(
+            "| {} | {} | {:.3} | {:.2} | {:.1} | {:.2}x |\n",
+            r.backend, r.sparsity, r.mlp_density, r.head_density, r.tok_per_s, r.speedup_vs_dense
+        );
+    }
+    out
+}
+
+/// Speedup over each backend's own dense decoding against MLP density, one line per backend,
+/// with the ideal `1 / density`.
+pub fn plot_gains(rows: &[GainRow], title: &str, path: &std::path::Path) -> Result<()> {
+    use plotters::prelude::*;
+    crate::eval::report::register_font()?;
+    let err = |e: &dyn std::fmt::Display| crate::Error::Invalid(format!("plot: {e}"));
+    let root = BitMapBackend::new(path, (760, 560)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let ymax = rows.iter().map(|r| r.speedup_vs_dense).fold(4.0, f64::max) * 1.1;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 17))
+        .margin(14)
+        .x_label_area_size(44)
+        .y_label_area_size(56)
+        .build_cartesian_2d(0f64..1.05f64, 0f64..ymax)
+        .map_err(|e| err(&e))?;
+    chart
+        .configure_mesh()
+        .x_desc("MLP density (fraction of neurons computed)")
+        .y_desc("decode speedup over the same backend's dense")
+        .label_style(("sans-serif", 12))
+        .draw()
+        .map_err(|e| err(&e))?;
+    let ideal: Vec<(f64, f64)> = (1..=100)
+        .map(|i| i as f64 / 100.0)
+        .filter(|d| 1.0 / d <= ymax)
+        .map(|d| (d, 1.0 / d))
+        .collect();
+    let grey = RGBColor(150, 150, 150);
+    chart
+        .draw_series(LineSeries::new(ideal, grey.stroke_width(1)))
+        .map_err(|e| err(&e))?
+        .label("ideal (1 / density)")
+        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 14, y)], grey.stroke_width(1)));
+    let mut backends: Vec<&str> = rows.iter().map(|r| r.backend.as_str()).collect();
+    backends.dedup();
+    let colors = [
+        RGBColor(31, 119, 180),
+        RGBColor(214, 39, 40),
+        RGBColor(44, 160, 44),
+    ];
+    for (b, &c) in backends.iter().zip(colors.iter().cycle()) {
+        let mut pts: Vec<(f64, f64)> = (rows.iter().filter(|r| r.backend == *b))
+            .map(|r| (r.mlp_density, r.speedup_vs_dense))
+            .collect();
+        pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+        chart
+            .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))
+            .map_err(|e| err(&e))?
+            .label(*b)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 14, y)], c.stroke_width(2)));
+        chart
+            .draw_series(pts.iter().map(|&p| Circle::new(p, 4, c.filled())))
+            .map_err(|e| err(&e))?;
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 13))
+        .draw()
+        .map_err(|e| err(&e))?;
+    root.present().map_err(|e| err(&e))?;
+    Ok(())
 }

@@ -1,7 +1,7 @@
 //! Autoregressive generation: prefill the prompt as one batch, then decode token by token,
 //! streaming text as it becomes valid UTF-8.
 use crate::engine::executor::{Logits, Plan};
-use crate::engine::kv_cache::KvCache;
+use crate::engine::kv_cache::{KvCache, StepStats};
 use crate::engine::Engine;
 use crate::text::sampling::Sampler;
 use crate::{Error, Result};
@@ -38,6 +38,51 @@ impl GenerateStats {
     }
 }
 
+/// What generation runs on: a sequence's KV cache and the model that extends it, on the host
+/// ([`HostDecoder`]) or on a device (`engine::device::DeviceSession`).
+pub trait Decoder {
+    /// Run `tokens` after what the cache holds; the logits of the last.
+    fn decode(&mut self, tokens: &[u32]) -> Result<&mut [f32]>;
+    /// Tokens in the cache.
+    fn len(&self) -> usize;
+    fn n_ctx(&self) -> usize;
+    /// Forget positions from `len` on (a chat reuses the prefix it shares).
+    fn truncate(&mut self, len: usize);
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// What the last step read (the host executor counts it; `None` elsewhere).
+    fn last_step(&self) -> Option<StepStats> {
+        None
+    }
+}
+
+/// The host executor over a KV cache, under a plan.
+pub struct HostDecoder<'a> {
+    pub engine: &'a Engine,
+    pub cache: &'a mut KvCache,
+    pub plan: Plan<'a>,
+}
+
+impl Decoder for HostDecoder<'_> {
+    fn decode(&mut self, tokens: &[u32]) -> Result<&mut [f32]> {
+        let exec = self.engine.executor();
+        exec.run(tokens, self.cache, self.plan, Logits::Last)
+    }
+    fn len(&self) -> usize {
+        self.cache.len()
+    }
+    fn n_ctx(&self) -> usize {
+        self.cache.n_ctx()
+    }
+    fn truncate(&mut self, len: usize) {
+        self.cache.truncate(len)
+    }
+    fn last_step(&self) -> Option<StepStats> {
+        Some(self.cache.last_step())
+    }
+}
+
 /// Feed `new_tokens` (appended after what the cache holds) and generate up to `max_tokens`,
 /// calling `on_text` with each new piece of text. Stops at an end-of-generation token, at
 /// `max_tokens`, or when the context is full. Returns the generated ids (the end token excluded).
@@ -48,6 +93,23 @@ pub fn generate(
     max_tokens: usize,
     sampler: &mut Sampler,
     plan: Plan,
+    on_text: impl FnMut(&str),
+) -> Result<(Vec<u32>, GenerateStats)> {
+    let mut dec = HostDecoder {
+        engine,
+        cache,
+        plan,
+    };
+    generate_on(engine, &mut dec, new_tokens, max_tokens, sampler, on_text)
+}
+
+/// [`generate`] on any [`Decoder`] (`engine` gives the tokenizer).
+pub fn generate_on(
+    engine: &Engine,
+    dec: &mut dyn Decoder,
+    new_tokens: &[u32],
+    max_tokens: usize,
+    sampler: &mut Sampler,
     mut on_text: impl FnMut(&str),
 ) -> Result<(Vec<u32>, GenerateStats)> {
     if new_tokens.is_empty() {
@@ -55,14 +117,13 @@ pub fn generate(
             "the prompt is empty: nothing to condition on".into(),
         ));
     }
-    let total = cache.len() + new_tokens.len();
-    if total >= cache.n_ctx() {
+    let total = dec.len() + new_tokens.len();
+    if total >= dec.n_ctx() {
         return Err(Error::ContextOverflow {
             n_tokens: total,
-            n_ctx: cache.n_ctx(),
+            n_ctx: dec.n_ctx(),
         });
     }
-    let exec = engine.executor();
     let eog = &engine.tokenizer.end_of_generation;
     let mut stats = GenerateStats {
         prompt_tokens: new_tokens.len(),
@@ -70,7 +131,7 @@ pub fn generate(
     };
     let mut history: Vec<u32> = new_tokens.to_vec();
     let t0 = Instant::now();
-    let mut logits = exec.run(new_tokens, cache, plan, Logits::Last)?;
+    let mut logits = dec.decode(new_tokens)?;
     stats.prompt_secs = t0.elapsed().as_secs_f64();
 
     let mut out = Vec::new();
@@ -91,11 +152,11 @@ pub fn generate(
         if out.len() == max_tokens {
             break;
         }
-        if cache.len() + 1 >= cache.n_ctx() {
+        if dec.len() + 1 >= dec.n_ctx() {
             stats.stop = Stop::ContextFull;
             break;
         }
-        logits = exec.run(&[next], cache, plan, Logits::Last)?;
+        logits = dec.decode(&[next])?;
     }
     stats.decode_secs = t1.elapsed().as_secs_f64();
     stats.generated_tokens = out.len();

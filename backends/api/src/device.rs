@@ -44,6 +44,47 @@ impl<I> Rows<'_, I> {
     }
 }
 
+/// One product of [`Device::matvecs`]: `y[j] = act(dot(W[row(j)], x) + bias[row(j)])` over
+/// the outputs of `rows`, or with `accumulate` `y[j] += dot(..) + bias[..]` (no activation).
+pub struct Product<'a, D: Device + ?Sized> {
+    pub w: &'a D::Mat,
+    pub rows: Rows<'a, D::Idx>,
+    pub bias: Option<&'a D::Buf>,
+    pub act: Option<Activation>,
+    pub accumulate: bool,
+    pub y: &'a mut D::Buf,
+}
+
+impl<'a, D: Device + ?Sized> Product<'a, D> {
+    /// `y = x W^T` over `rows`.
+    pub fn new(w: &'a D::Mat, rows: Rows<'a, D::Idx>, y: &'a mut D::Buf) -> Self {
+        Self {
+            w,
+            rows,
+            bias: None,
+            act: None,
+            accumulate: false,
+            y,
+        }
+    }
+    pub fn bias(self, bias: Option<&'a D::Buf>) -> Self {
+        Self { bias, ..self }
+    }
+    pub fn act(self, act: Activation) -> Self {
+        Self {
+            act: Some(act),
+            ..self
+        }
+    }
+    /// Add to `y` (a residual) instead of overwriting it.
+    pub fn accumulate(self) -> Self {
+        Self {
+            accumulate: true,
+            ..self
+        }
+    }
+}
+
 /// Which step value selects the row of an embedding lookup.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StepRow {
@@ -108,6 +149,11 @@ pub trait Device: Send + Sync {
         x: &mut Self::Buf,
     ) -> Result<(), BackendError>;
 
+    /// Several products of the same input `x` (Q, K and V; gate and up), as if each ran alone
+    /// (see [`Product`]; at most 3), in one launch where the device can. Every `w.cols` is
+    /// `x`'s width.
+    fn matvecs(&self, x: &Self::Buf, jobs: &mut [Product<'_, Self>]) -> Result<(), BackendError>;
+
     /// `y[j] = dot(W[row(j)], x) (+ bias[row(j)])`, or with `accumulate` `y[j] +=` that, for
     /// the outputs of `rows` (see [`Rows`]). `x`: `w.cols`.
     fn matvec(
@@ -118,7 +164,11 @@ pub trait Device: Send + Sync {
         bias: Option<&Self::Buf>,
         y: &mut Self::Buf,
         accumulate: bool,
-    ) -> Result<(), BackendError>;
+    ) -> Result<(), BackendError> {
+        let p = Product::new(w, rows, y).bias(bias);
+        let p = if accumulate { p.accumulate() } else { p };
+        self.matvecs(x, &mut [p])
+    }
 
     /// `y += sum over outputs j of a[j] * W[row(j)]`, for a neuron-major matrix (row `r` is
     /// neuron `r`'s output column): the sparse down projection over compact activations `a`.
@@ -177,8 +227,14 @@ pub trait Device: Send + Sync {
     /// `x[i] = act(x[i])` for `i < n`.
     fn activate(&self, act: Activation, x: &mut Self::Buf, n: usize) -> Result<(), BackendError>;
 
-    /// Store `x` (`width` values) as the step's position of `cache`.
-    fn store(&self, x: &Self::Buf, cache: &mut Self::Cache) -> Result<(), BackendError>;
+    /// Store `k` and `v` (`width` values each) as the step's position of `kc` and `vc`.
+    fn store(
+        &self,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        kc: &mut Self::Cache,
+        vc: &mut Self::Cache,
+    ) -> Result<(), BackendError>;
 
     /// Attention of the selected query heads at the step's position: `q` and `out` are compact
     /// (`heads.outputs(n_heads)` heads of `head_dim`), keys and values positions `0..=pos`.

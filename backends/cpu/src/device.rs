@@ -8,8 +8,8 @@ use crate::kernels::table::Kernels;
 use crate::pool::SpinPool;
 use crate::{attention, dequant, ops};
 use dejavu_backend_api::{
-    Activation, AttnGeom, AttnShape, BackendError, Device, IndexSet, KvSlice, QuantType, RopeStyle,
-    Rows, StepRow, Weight,
+    Activation, AttnGeom, AttnShape, BackendError, Device, IndexSet, KvSlice, Product, QuantType,
+    RopeStyle, Rows, StepRow, Weight,
 };
 use half::f16;
 use std::sync::Mutex;
@@ -174,26 +174,26 @@ impl Device for HostDevice {
         Ok(())
     }
 
-    fn matvec(
-        &self,
-        w: &HostMat,
-        rows: Rows<'_, Vec<u32>>,
-        x: &Vec<f32>,
-        bias: Option<&Vec<f32>>,
-        y: &mut Vec<f32>,
-        accumulate: bool,
-    ) -> Result<(), BackendError> {
-        let rs = rows_of(rows, w.rows)?;
-        need("matvec input", x.len(), w.cols)?;
-        need("matvec output", y.len(), rs.len())?;
-        if let Some(b) = bias {
-            need("matvec bias", b.len(), w.rows)?;
-        }
-        let mut row = vec![0.0; w.cols];
-        for (j, &r) in rs.iter().enumerate() {
-            w.row(r, &mut row);
-            let s = row.iter().zip(x).map(|(a, b)| a * b).sum::<f32>() + bias.map_or(0.0, |b| b[r]);
-            y[j] = if accumulate { y[j] + s } else { s };
+    fn matvecs(&self, x: &Vec<f32>, jobs: &mut [Product<'_, Self>]) -> Result<(), BackendError> {
+        for p in jobs.iter_mut() {
+            let w = p.w;
+            let rs = rows_of(p.rows, w.rows)?;
+            need("matvec input", x.len(), w.cols)?;
+            need("matvec output", p.y.len(), rs.len())?;
+            if let Some(b) = p.bias {
+                need("matvec bias", b.len(), w.rows)?;
+            }
+            let mut row = vec![0.0; w.cols];
+            for (j, &r) in rs.iter().enumerate() {
+                w.row(r, &mut row);
+                let dot = row.iter().zip(x).map(|(a, b)| a * b).sum::<f32>();
+                let s = dot + p.bias.map_or(0.0, |b| b[r]);
+                p.y[j] = match (p.accumulate, p.act) {
+                    (true, _) => p.y[j] + s,
+                    (false, Some(a)) => a.apply(s),
+                    (false, None) => s,
+                };
+            }
         }
         Ok(())
     }
@@ -303,12 +303,20 @@ impl Device for HostDevice {
         Ok(())
     }
 
-    fn store(&self, x: &Vec<f32>, c: &mut HostCache) -> Result<(), BackendError> {
-        need("store", x.len(), c.width)?;
+    fn store(
+        &self,
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        kc: &mut HostCache,
+        vc: &mut HostCache,
+    ) -> Result<(), BackendError> {
         let p = self.pos();
-        if p < c.n_ctx {
-            let dst = &mut c.data[p * c.width..(p + 1) * c.width];
-            (dst.iter_mut().zip(x)).for_each(|(d, &v)| *d = f16::from_f32(v));
+        for (x, c) in [(k, kc), (v, vc)] {
+            need("store", x.len(), c.width)?;
+            if p < c.n_ctx {
+                let dst = &mut c.data[p * c.width..(p + 1) * c.width];
+                (dst.iter_mut().zip(x)).for_each(|(d, &v)| *d = f16::from_f32(v));
+            }
         }
         Ok(())
     }

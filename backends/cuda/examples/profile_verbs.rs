@@ -4,7 +4,7 @@
 //! for tuning (`DEJAVU_CUDA_DEFINES`), not a benchmark of the engine (`dejavu bench` is).
 //!
 //! `cargo run --release -p dejavu-backend-cuda --example profile_verbs [d] [n_heads] [keep]`
-use dejavu_backend_api::{AttnGeom, Device, QuantType, Rows, Weight};
+use dejavu_backend_api::{AttnGeom, Device, Product, QuantType, Rows, Weight};
 use dejavu_backend_cuda::{Buf, CudaDevice};
 use std::time::Instant;
 
@@ -81,6 +81,26 @@ fn main() {
     time(&dev, &format!("matvec f16 {d}x{d}"), d * rb, || {
         dev.matvec(&sq, Rows::All, &x, None, &mut y, false)
     });
+    let (mut q, mut k2, mut v2): (Buf, Buf, Buf) = (
+        dev.zeros(d).unwrap(),
+        dev.zeros(d).unwrap(),
+        dev.zeros(d).unwrap(),
+    );
+    time(
+        &dev,
+        &format!("Q, K, V f16 {d}x{d} in one launch"),
+        3 * d * rb,
+        || {
+            dev.matvecs(
+                &x,
+                &mut [
+                    Product::new(&sq, Rows::All, &mut q),
+                    Product::new(&sq, Rows::All, &mut k2),
+                    Product::new(&sq, Rows::All, &mut v2),
+                ],
+            )
+        },
+    );
     time(&dev, &format!("matvec f16 {ff}x{d} (fc1)"), ff * rb, || {
         dev.matvec(&fc1, Rows::All, &x, None, &mut y, false)
     });

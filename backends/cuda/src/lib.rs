@@ -13,7 +13,8 @@ use cudarc::driver::{
     LaunchConfig, PushKernelArg,
 };
 use dejavu_backend_api::{
-    Activation, AttnGeom, BackendError, Device, QuantType, RopeStyle, Rows, StepRow, Weight,
+    Activation, AttnGeom, BackendError, Device, Product, QuantType, RopeStyle, Rows, StepRow,
+    Weight,
 };
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -46,6 +47,71 @@ fn type_suffix(q: QuantType) -> &'static str {
         QuantType::Q4K => "q4_k",
         QuantType::Q6K => "q6_k",
     }
+}
+
+/// One product of `matvec_jobs` (`MvJob` in matvec.cu: same fields, same order).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct MvJob {
+    w: u64,
+    idx: u64,
+    bias: u64,
+    y: u64,
+    rows: i32,
+    cols: i32,
+    n_out: i32,
+    group: i32,
+    accumulate: i32,
+    act: i32,
+    first_block: i32,
+    _pad: i32,
+}
+
+/// `MvJobs` in matvec.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct MvJobs {
+    job: [MvJob; 3],
+    n: i32,
+    split: i32,
+}
+
+// SAFETY: plain `repr(C)` data of integers, laid out as the kernel's struct (8-byte pointers
+// first, then 4-byte ints: no padding inside; 200 bytes in all).
+unsafe impl cudarc::driver::DeviceRepr for MvJobs {}
+
+/// Can NVRTC be loaded?
+pub fn nvrtc_present() -> bool {
+    // SAFETY: only tries to open the library (dlopen), and closes it again.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// The kernels compiled by NVRTC for `arch` (`compute_90`). Needs NVRTC only, no GPU.
+/// `DEJAVU_CUDA_DEFINES=MV_UNROLL=2,AX_UNROLL=8` overrides the kernels' tuning constants.
+pub fn compile(arch: &str) -> Result<cudarc::nvrtc::Ptx, BackendError> {
+    let mut options = vec![format!("--gpu-architecture={arch}")];
+    if let Ok(defs) = std::env::var("DEJAVU_CUDA_DEFINES") {
+        options.extend(
+            defs.split(',')
+                .filter(|d| !d.is_empty())
+                .map(|d| format!("-D{d}")),
+        );
+    }
+    let opts = cudarc::nvrtc::CompileOptions {
+        options,
+        ..Default::default()
+    };
+    if !nvrtc_present() {
+        return Err(BackendError::Device(
+            "NVRTC (libnvrtc.so) was not found: install the CUDA toolkit's NVRTC".into(),
+        ));
+    }
+    cudarc::nvrtc::compile_ptx_with_opts(SOURCES.concat(), opts).map_err(|e| match e {
+        cudarc::nvrtc::CompileError::CompileError { log, .. } => {
+            BackendError::Device(format!("NVRTC: {}", log.to_string_lossy()))
+        }
+        e => BackendError::Device(format!("NVRTC: {e:?}")),
+    })
 }
 
 /// One GPU, one stream, the compiled kernels and the step's `{token, pos}` in device memory.
@@ -197,7 +263,8 @@ impl CudaDevice {
     fn allow_smem(&self, name: &'static str, bytes: usize) -> Result<(), BackendError> {
         use sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX;
         let mut allowed = self.smem.lock().expect("smem lock");
-        let have = allowed.get(name).copied().unwrap_or(48 * 1024);
+        // The opt-in covers static plus dynamic memory past 48 KiB: always set it.
+        let have = allowed.get(name).copied().unwrap_or(0);
         if bytes > have {
             (self.func(name).set_attribute(MAX, bytes as i32)).map_err(|e| {
                 shape(format!(
@@ -339,41 +406,71 @@ impl Device for CudaDevice {
         launch::run(b, launch::grid(t.cols.div_ceil(8), 256))
     }
 
-    fn matvec(
-        &self,
-        w: &Mat,
-        rows: Rows<'_, Idx>,
-        x: &Buf,
-        bias: Option<&Buf>,
-        y: &mut Buf,
-        accumulate: bool,
-    ) -> Result<(), BackendError> {
-        let (ip, n_out, group, outs) = self.sel(rows, w.rows)?;
-        need("matvec input", x.0.len(), w.cols)?;
-        need("matvec output", y.0.len(), outs)?;
-        if let Some(b) = bias {
-            need("matvec bias", b.0.len(), w.rows)?;
+    fn matvecs(&self, x: &Buf, jobs: &mut [Product<'_, Self>]) -> Result<(), BackendError> {
+        if jobs.is_empty() || jobs.len() > 3 {
+            return Err(shape(format!(
+                "{} products in one launch (1 to 3)",
+                jobs.len()
+            )));
         }
-        let f = self.func(&format!("matvec_{}", type_suffix(w.qtype)));
-        let (r, c, acc) = (w.rows as i32, w.cols as i32, accumulate as i32);
-        let (wp, xp, yp) = (self.ptr(&w.data), self.ptr(&x.0), self.ptr(&y.0));
-        let bp = bias.map_or(0, |b| self.ptr(&b.0));
+        // One launch per weight type (a file may mix them: Q4_K with Q6_K rows).
+        if jobs.iter().any(|p| p.w.qtype != jobs[0].w.qtype) {
+            return jobs
+                .iter_mut()
+                .try_for_each(|p| self.matvecs(x, std::slice::from_mut(p)));
+        }
+        let mut mv = MvJobs {
+            n: jobs.len() as i32,
+            ..Default::default()
+        };
+        let mut outs = Vec::new();
+        for (i, p) in jobs.iter().enumerate() {
+            let w = p.w;
+            let (ip, n_out, group, o) = self.sel(p.rows, w.rows)?;
+            need("matvec input", x.0.len(), w.cols)?;
+            need("matvec output", p.y.0.len(), o)?;
+            if let Some(b) = p.bias {
+                need("matvec bias", b.0.len(), w.rows)?;
+            }
+            outs.push(o);
+            mv.job[i] = MvJob {
+                w: self.ptr(&w.data),
+                idx: ip,
+                bias: p.bias.map_or(0, |b| self.ptr(&b.0)),
+                y: self.ptr(&p.y.0),
+                rows: w.rows as i32,
+                cols: w.cols as i32,
+                n_out,
+                group,
+                accumulate: p.accumulate as i32,
+                act: p.act.map_or(-1, act_code),
+                first_block: 0,
+                _pad: 0,
+            };
+        }
         // Warps per output: 1 when the outputs fill the GPU twice over, else up to 8 (split-K).
+        let (total, min_cols) = (
+            outs.iter().sum::<usize>(),
+            jobs.iter().map(|p| p.w.cols).min(),
+        );
         let mut split = 1;
-        while split < 8 && outs.div_ceil(8 / split) < 2 * self.n_sm && w.cols >= 512 * split {
+        while split < 8
+            && total.div_ceil(8 / split) < 2 * self.n_sm
+            && min_cols.unwrap_or(0) >= 512 * split
+        {
             split *= 2;
         }
-        let split_i = split as i32;
+        let mut blocks = 0;
+        for (i, o) in outs.iter().enumerate() {
+            mv.job[i].first_block = blocks as i32;
+            blocks += o.div_ceil(8 / split);
+        }
+        mv.split = split as i32;
+        let xp = self.ptr(&x.0);
+        let f = self.func(&format!("matvec_{}", type_suffix(jobs[0].w.qtype)));
         let mut b = self.stream.launch_builder(f);
-        b.arg(&wp)
-            .arg(&r)
-            .arg(&c)
-            .arg(&xp)
-            .arg(&ip)
-            .arg(&n_out)
-            .arg(&group);
-        b.arg(&bp).arg(&yp).arg(&acc).arg(&split_i);
-        launch::run(b, launch::grid(outs.div_ceil(8 / split) * 256, 256))
+        b.arg(&mv).arg(&xp);
+        launch::run(b, launch::grid(blocks * 256, 256))
     }
 
     fn axpy(&self, w: &Mat, rows: Rows<'_, Idx>, a: &Buf, y: &mut Buf) -> Result<(), BackendError> {
@@ -381,9 +478,9 @@ impl Device for CudaDevice {
         need("axpy activations", a.0.len(), outs)?;
         need("axpy output", y.0.len(), w.cols)?;
         let f = self.func(&format!("axpy_{}", type_suffix(w.qtype)));
-        // 256 columns a block; the outputs split so the grid fills every SM twice.
+        // 256 columns a block; the outputs split so the grid fills every SM four times.
         let tiles = w.cols.div_ceil(256);
-        let splits = (2 * self.n_sm / tiles).clamp(1, outs.div_ceil(8).max(1));
+        let splits = (4 * self.n_sm / tiles).clamp(1, outs.div_ceil(8).max(1));
         let (r, c) = (w.rows as i32, w.cols as i32);
         let (wp, ap, yp) = (self.ptr(&w.data), self.ptr(&a.0), self.ptr(&y.0));
         let mut b = self.stream.launch_builder(f);
@@ -490,13 +587,29 @@ impl Device for CudaDevice {
         launch::run(b, launch::grid(n, 256))
     }
 
-    fn store(&self, x: &Buf, cache: &mut Cache) -> Result<(), BackendError> {
-        need("store", x.0.len(), cache.width)?;
-        let (xp, cp, sp) = (self.ptr(&x.0), self.ptr(&cache.data), self.ptr(&self.step));
-        let (w, n) = (cache.width as i32, cache.n_ctx as i32);
+    fn store(&self, k: &Buf, v: &Buf, kc: &mut Cache, vc: &mut Cache) -> Result<(), BackendError> {
+        if kc.width != vc.width || kc.n_ctx != vc.n_ctx {
+            return Err(shape("key and value caches of different shapes".into()));
+        }
+        need("store keys", k.0.len(), kc.width)?;
+        need("store values", v.0.len(), vc.width)?;
+        let (kp, vp, kcp, vcp, sp) = (
+            self.ptr(&k.0),
+            self.ptr(&v.0),
+            self.ptr(&kc.data),
+            self.ptr(&vc.data),
+            self.ptr(&self.step),
+        );
+        let (w, n) = (kc.width as i32, kc.n_ctx as i32);
         let mut b = self.stream.launch_builder(self.func("store_f16"));
-        b.arg(&xp).arg(&cp).arg(&w).arg(&n).arg(&sp);
-        launch::run(b, launch::grid(cache.width, 256))
+        b.arg(&kp)
+            .arg(&vp)
+            .arg(&kcp)
+            .arg(&vcp)
+            .arg(&w)
+            .arg(&n)
+            .arg(&sp);
+        launch::run(b, launch::grid(kc.width, 256))
     }
 
     fn attention(

@@ -2,17 +2,19 @@
 //! message and exit non-zero.
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
-use dejavu::engine::executor::Plan;
 use dejavu::engine::kv_cache::KvType;
 use dejavu::engine::synthetic::{self, SyntheticOptions};
 use dejavu::engine::{Engine, EngineOptions};
 use dejavu::eval::perplexity::{perplexity, Feed};
 use dejavu::fetch;
 use dejavu::sparsity::SparsePlan;
-use dejavu::text::generate::{generate, Stop};
+use dejavu::text::generate::{generate_on, Decoder, Stop};
 use dejavu::text::sampling::{Sampler, SamplerConfig};
 use dejavu_backend_api::QuantType;
 use std::io::{BufRead, Write};
+
+mod backend_choice;
+use backend_choice::{with_decoder, BackendKind};
 
 mod inspect_cmd;
 mod quantize_cmd;
@@ -77,6 +79,9 @@ struct ModelArgs {
     /// Keep the file's row layout (skip repacking Q8_0/Q4_0/Q4_1/Q5_0 rows at load).
     #[arg(long)]
     no_repack: bool,
+    /// Where to run: cpu, or cuda (a build with `--features cuda`).
+    #[arg(long, value_enum, default_value = "cpu")]
+    backend: BackendKind,
 }
 
 /// How a `--model synthetic:NAME` is built (random weights at a published shape, for speed only).
@@ -120,7 +125,8 @@ impl ModelArgs {
                 n_ctx,
                 kv_type: self.kv_type,
                 synthetic: self.synthetic.options(),
-                keep_file_layout: self.no_repack,
+                // A device uploads the file's layout (repacking is the CPU's).
+                keep_file_layout: self.no_repack || self.backend == BackendKind::Cuda,
             },
         )?;
         if engine.model.synthetic_source().is_some() {
@@ -290,6 +296,10 @@ struct BenchArgs {
     /// Also write the results as CSV to this file.
     #[arg(long)]
     csv: Option<std::path::PathBuf>,
+    /// With `--backend cpu,cuda`: plot each backend's decode speedup over its own dense
+    /// against MLP density to this PNG (and print the table).
+    #[arg(long)]
+    plot: Option<std::path::PathBuf>,
 }
 
 #[derive(Args)]
@@ -436,6 +446,7 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
         },
     )?;
     let model_name = engine.model.label();
+    let mut gpu_rows = Vec::new();
     if cuda {
         let policies = (a.sparsity.iter())
             .map(|spec| policy_for(&engine, spec, a.predictors.as_deref()))
@@ -447,6 +458,7 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
             std::fs::write(&p, serde_json::to_string_pretty(&rows)?)
                 .with_context(|| format!("writing {}", p.display()))?;
         }
+        gpu_rows = rows;
     }
     let threads_to_run = if cpu { a.threads.clone() } else { Vec::new() };
     for &threads in &threads_to_run {
@@ -522,6 +534,13 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
         return Ok(());
     }
     print!("{}", bench::markdown(&results));
+    if let Some(p) = &a.plot {
+        use dejavu::eval::device_bench::{gains, gains_markdown, plot_gains};
+        let g = gains(&results, &gpu_rows);
+        print!("\n{}", gains_markdown(&g));
+        plot_gains(&g, &format!("{model_name}: sparsity gains, CPU and GPU"), p)?;
+        eprintln!("wrote {}", p.display());
+    }
     if let Some(p) = &a.json {
         std::fs::write(p, serde_json::to_string_pretty(&results)?)
             .with_context(|| format!("writing {}", p.display()))?;
@@ -577,20 +596,20 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
         false => engine.tokenizer.encode_prompt(&text)?,
     };
     let policy = a.sparsity.policy(&engine)?;
-    let mut cache = engine.new_cache();
     let mut stdout = std::io::stdout().lock();
-    let (_, stats) = generate(
-        &engine,
-        &mut cache,
-        &ids,
-        a.max_tokens,
-        &mut sampler,
-        Plan::Policy(&policy),
-        stream_to(&mut stdout),
-    )?;
+    let (stats, last) = with_decoder(&engine, a.model.backend, &policy, |dec| {
+        let (_, stats) = generate_on(
+            &engine,
+            dec,
+            &ids,
+            a.max_tokens,
+            &mut sampler,
+            stream_to(&mut stdout),
+        )?;
+        Ok((stats, dec.last_step()))
+    })?;
     writeln!(stdout)?;
-    if !policy.is_dense() {
-        let s = cache.last_step();
+    if let (false, Some(s)) = (policy.is_dense(), last) {
         eprintln!(
             "sparsity: {} | last step: {:.1} MB of weights, MLP density {:.2}, head density {:.2}, {} exact logits",
             policy.name,
@@ -606,13 +625,16 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
             engine.n_ctx
         );
     }
+    let on = match a.model.backend {
+        BackendKind::Cpu => format!("{} threads", engine.threads()),
+        BackendKind::Cuda => "cuda".into(),
+    };
     eprintln!(
-        "prompt: {} tokens, {:.1} tok/s | decode: {} tokens, {:.1} tok/s | {} threads",
+        "prompt: {} tokens, {:.1} tok/s | decode: {} tokens, {:.1} tok/s | {on}",
         stats.prompt_tokens,
         stats.prompt_tok_per_s(),
         stats.generated_tokens,
         stats.decode_tok_per_s(),
-        engine.threads()
     );
     Ok(())
 }
@@ -658,7 +680,18 @@ fn cmd_chat(a: ChatArgs) -> Result<()> {
     }
     let mut sampler = a.sampling.sampler()?;
     let policy = a.sparsity.policy(&engine)?;
-    let mut cache = engine.new_cache();
+    with_decoder(&engine, a.model.backend, &policy, |dec| {
+        chat_loop(&engine, dec, &a, &mut sampler)
+    })
+}
+
+/// Read user turns from stdin until an empty line or end of input, replying to each on `dec`.
+fn chat_loop(
+    engine: &Engine,
+    dec: &mut dyn Decoder,
+    a: &ChatArgs,
+    sampler: &mut Sampler,
+) -> Result<()> {
     let mut cached: Vec<u32> = Vec::new();
     let mut messages: Vec<(String, String)> = a
         .system
@@ -674,7 +707,7 @@ fn cmd_chat(a: ChatArgs) -> Result<()> {
             return Ok(());
         }
         messages.push(("user".into(), line.trim_end().to_string()));
-        let Some(ids) = fit_conversation(&engine, &mut messages)? else {
+        let Some(ids) = fit_conversation(engine, &mut messages)? else {
             eprintln!("error: this message alone does not fit the context of {} tokens (--ctx); try a shorter one", engine.n_ctx);
             messages.pop();
             continue;
@@ -686,15 +719,14 @@ fn cmd_chat(a: ChatArgs) -> Result<()> {
             .take_while(|(a, b)| a == b)
             .count()
             .min(ids.len() - 1);
-        cache.truncate(common);
+        dec.truncate(common);
         let mut stdout = std::io::stdout().lock();
-        let (reply, stats) = generate(
-            &engine,
-            &mut cache,
+        let (reply, stats) = generate_on(
+            engine,
+            dec,
             &ids[common..],
             a.max_tokens,
-            &mut sampler,
-            Plan::Policy(&policy),
+            sampler,
             stream_to(&mut stdout),
         )?;
         writeln!(stdout)?;
@@ -707,7 +739,7 @@ fn cmd_chat(a: ChatArgs) -> Result<()> {
         // What the cache holds now: the prompt and every reply token that was fed back.
         cached = ids;
         cached.extend(&reply);
-        cached.truncate(cache.len());
+        cached.truncate(dec.len());
         messages.push(("assistant".into(), engine.tokenizer.decode(&reply)?));
     }
 }
@@ -715,6 +747,7 @@ fn cmd_chat(a: ChatArgs) -> Result<()> {
 fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
     let text = std::fs::read_to_string(&a.file)
         .with_context(|| format!("reading {}", a.file.display()))?;
+    backend_choice::cpu_only(a.model.backend, "perplexity")?;
     let engine = a.model.load(Some(a.ctx))?;
     let mut tokens = engine.tokenizer.encode_document(&text)?;
     if let Some(c) = a.chunks {

@@ -175,5 +175,10 @@ __device__ __forceinline__ int sel_row(const u32* idx, int j, int group) {
     return idx ? (int)idx[j / group] * group + j % group : j;
 }
 
+// act: 0 = SiLU, 1 = ReLU (dejavu_backend_api::Activation).
+__device__ __forceinline__ float act_apply(int act, float x) {
+    return act == 0 ? x / (1.f + expf(-x)) : fmaxf(x, 0.f);
+}
+
 #define FOR_TYPES(X) X(f32, T_F32) X(f16, T_F16) X(bf16, T_BF16) X(q8_0, T_Q8_0) X(q4_0, T_Q4_0) \
     X(q4_1, T_Q4_1) X(q5_0, T_Q5_0) X(q4_k, T_Q4K) X(q6_k, T_Q6K)

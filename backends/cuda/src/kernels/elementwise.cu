@@ -1,7 +1,3 @@
-// act: 0 = SiLU, 1 = ReLU (dejavu_backend_api::Activation).
-__device__ __forceinline__ float act_apply(int act, float x) {
-    return act == 0 ? x / (1.f + expf(-x)) : fmaxf(x, 0.f);
-}
 extern "C" __global__ void glu(int act, float* gate, const float* up, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) gate[i] = act_apply(act, gate[i]) * up[i];
@@ -18,8 +14,12 @@ extern "C" __global__ void add_f32(float* x, const float* y, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] += y[i];
 }
-// cache[pos][..width] = x, in f16 (pos = step[1], below n_ctx).
-extern "C" __global__ void store_f16(const float* x, u16* cache, int width, int n_ctx, const int* step) {
+// kc[pos][..width] = k and vc[pos][..width] = v, in f16 (pos = step[1], below n_ctx).
+extern "C" __global__ void store_f16(const float* k, const float* v, u16* kc, u16* vc, int width,
+                                     int n_ctx, const int* step) {
     int i = blockIdx.x * blockDim.x + threadIdx.x, p = step[1];
-    if (i < width && p >= 0 && p < n_ctx) cache[(size_t)p * width + i] = f32_to_f16(x[i]);
+    if (i < width && p >= 0 && p < n_ctx) {
+        kc[(size_t)p * width + i] = f32_to_f16(k[i]);
+        vc[(size_t)p * width + i] = f32_to_f16(v[i]);
+    }
 }
