@@ -20,14 +20,7 @@ use dejavu_backend_cpu::CpuBackend;
 use rand::{Rng, SeedableRng};
 use std::path::PathBuf;
 
-const FIXTURES: [&str; 6] = [
-    "opt-relu",
-    "opt-postln-proj",
-    "opt-noaffine",
-    "llama-relu",
-    "llama-silu",
-    "qwen2",
-];
+const FIXTURES: [&str; 6] = common::HF_FIXTURES;
 const TOKENS: [u32; 9] = [1, 17, 42, 99, 5, 23, 64, 7, 3];
 
 /// The checkout: where the test was built, else (a test binary carried to another machine) the
@@ -126,12 +119,13 @@ pub fn check_fixtures<D: Device>(dev: &D) {
 }
 
 /// SmolLM2 (Q4_1 and Q8_0 rows, 30 layers, grouped-query attention): dense and a 40% plan
-/// against the host's f32 reference with an f16 cache, every logit within 4e-3 of the step's
+/// against the host's f32 reference with an f16 cache, every logit within 7e-3 of the step's
 /// largest |logit|, and the greedy token at every step where the host's margin exceeds 0.1.
-/// The bound is the size of one f16 rounding of the cache on this model: the host against
-/// itself with an f32 cache differs by 9.5e-4 (dense) and 3.3e-3 (this 40% plan, which
-/// perturbs the model and so amplifies rounding) of the largest logit over these steps; the
-/// device sums in another order, so its keys and values can round to neighbouring f16 values. The model is the file `DEJAVU_SMOLLM2` names, else the project's fetch (its cache).
+/// The bound is twice the effect of rounding the cache to f16 on this model: the host with an
+/// f16 cache against itself with an f32 one differs by 9.5e-4 (dense) and 3.3e-3 (this 40%
+/// plan, which perturbs the model and so amplifies rounding) of the largest logit over these
+/// steps; the device sums in another order, so its keys and values can round to the other
+/// neighbouring f16 value (measured on the H200: 2.7e-4 dense, 3.7e-3 sparse). The model is the file `DEJAVU_SMOLLM2` names, else the project's fetch (its cache).
 fn check_smollm2<D: Device>(g: &D) {
     let path = match std::env::var("DEJAVU_SMOLLM2") {
         Ok(p) => PathBuf::from(p),

@@ -1,7 +1,7 @@
 //! `dejavu bench --backend cuda`: decode speed of the device-resident decoder
 //! (`engine::device`) under each policy, alternated as the CPU bench does: one warm-up run per
 //! policy (which also records its step), then `repetitions` rounds, each running every policy
-//! once. tg<N> decodes N tokens from an empty cache, reading the logits back after every token
+//! once. `tg<N>` decodes N tokens from an empty cache, reading the logits back after every token
 //! as generation does. Weight bytes per token are the plan's (predictors included).
 use crate::engine::device::{BlockTimes, DeviceModel, DevicePlan, DeviceSession};
 use crate::engine::Engine;
@@ -152,7 +152,7 @@ pub fn markdown(rows: &[DeviceBenchRow]) -> String {
 
 /// One point of the CPU-against-GPU comparison: a backend's speedup over its own dense decoding
 /// at an MLP density.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct GainRow {
     pub backend: String,
     pub sparsity: String,

@@ -207,3 +207,13 @@ pub fn temp_file(bytes: &[u8]) -> tempfile::NamedTempFile {
     f.flush().unwrap();
     f
 }
+
+/// The tiny Hugging Face fixtures of tests/fixtures/hf (tools/make_hf_fixtures.py).
+pub const HF_FIXTURES: [&str; 6] = [
+    "opt-relu",
+    "opt-postln-proj",
+    "opt-noaffine",
+    "llama-relu",
+    "llama-silu",
+    "qwen2",
+];

@@ -80,6 +80,22 @@ struct MvJobs {
 // first, then 4-byte ints: no padding inside; 200 bytes in all).
 unsafe impl cudarc::driver::DeviceRepr for MvJobs {}
 
+/// The `NAME=VALUE` pairs of `DEJAVU_CUDA_DEFINES` (kernel tuning constants).
+fn defines() -> Vec<(String, String)> {
+    let defs = std::env::var("DEJAVU_CUDA_DEFINES").unwrap_or_default();
+    (defs.split(',').filter_map(|d| d.split_once('=')))
+        .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+        .collect()
+}
+
+/// Rows per warp of the matvec kernels (`MV_ROWS` in matvec.cu).
+fn mv_rows() -> usize {
+    (defines().into_iter().find(|(k, _)| k == "MV_ROWS"))
+        .and_then(|(_, v)| v.parse().ok())
+        .filter(|&r: &usize| (1..=8).contains(&r))
+        .unwrap_or(1)
+}
+
 /// Can NVRTC be loaded?
 pub fn nvrtc_present() -> bool {
     // SAFETY: only tries to open the library (dlopen), and closes it again.
@@ -87,16 +103,10 @@ pub fn nvrtc_present() -> bool {
 }
 
 /// The kernels compiled by NVRTC for `arch` (`compute_90`). Needs NVRTC only, no GPU.
-/// `DEJAVU_CUDA_DEFINES=MV_UNROLL=2,AX_UNROLL=8` overrides the kernels' tuning constants.
+/// `DEJAVU_CUDA_DEFINES=MV_ROWS=2,AX_UNROLL=8` overrides the kernels' tuning constants.
 pub fn compile(arch: &str) -> Result<cudarc::nvrtc::Ptx, BackendError> {
     let mut options = vec![format!("--gpu-architecture={arch}")];
-    if let Ok(defs) = std::env::var("DEJAVU_CUDA_DEFINES") {
-        options.extend(
-            defs.split(',')
-                .filter(|d| !d.is_empty())
-                .map(|d| format!("-D{d}")),
-        );
-    }
+    options.extend(defines().into_iter().map(|(k, v)| format!("-D{k}={v}")));
     let opts = cudarc::nvrtc::CompileOptions {
         options,
         ..Default::default()
@@ -122,6 +132,8 @@ pub struct CudaDevice {
     funcs: HashMap<String, CudaFunction>,
     step: CudaSlice<i32>,
     n_sm: usize,
+    /// Rows per warp of the matvec kernels (see `mv_rows`).
+    mv_rows: usize,
     name: String,
     /// The dynamic shared memory each kernel is allowed beyond the default 48 KiB (raised on
     /// demand, before any capture that needs it).
@@ -187,7 +199,6 @@ impl CudaDevice {
         unsafe { ctx.disable_event_tracking() };
         let (major, minor) = ctx.compute_capability().map_err(dev_err)?;
         let mut options = vec![format!("--gpu-architecture=compute_{major}{minor}")];
-        // Tuning: `DEJAVU_CUDA_DEFINES=MV_UNROLL=2,AX_UNROLL=8` overrides the kernels' constants.
         if let Ok(defs) = std::env::var("DEJAVU_CUDA_DEFINES") {
             options.extend(
                 defs.split(',')
@@ -240,6 +251,7 @@ impl CudaDevice {
             funcs,
             step,
             n_sm,
+            mv_rows: mv_rows(),
             name,
             smem: Mutex::default(),
         })
@@ -455,15 +467,21 @@ impl Device for CudaDevice {
         );
         let mut split = 1;
         while split < 8
-            && total.div_ceil(8 / split) < 2 * self.n_sm
+            && total.div_ceil(8 * self.mv_rows / split) < 2 * self.n_sm
             && min_cols.unwrap_or(0) >= 512 * split
         {
             split *= 2;
         }
+        // Outputs per block: 8 warps of `mv_rows` rows, or 8 / split under split-K.
+        let per_block = if split == 1 {
+            8 * self.mv_rows
+        } else {
+            8 / split
+        };
         let mut blocks = 0;
         for (i, o) in outs.iter().enumerate() {
             mv.job[i].first_block = blocks as i32;
-            blocks += o.div_ceil(8 / split);
+            blocks += o.div_ceil(per_block);
         }
         mv.split = split as i32;
         let xp = self.ptr(&x.0);

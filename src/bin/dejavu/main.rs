@@ -297,9 +297,13 @@ struct BenchArgs {
     #[arg(long)]
     csv: Option<std::path::PathBuf>,
     /// With `--backend cpu,cuda`: plot each backend's decode speedup over its own dense
-    /// against MLP density to this PNG (and print the table).
+    /// against MLP density to this PNG, the points to the same path with `.json` (and print
+    /// the table).
     #[arg(long)]
     plot: Option<std::path::PathBuf>,
+    /// Only redraw `--plot` from the points a previous `--plot` saved (no measuring).
+    #[arg(long, requires = "plot")]
+    replot: Option<std::path::PathBuf>,
 }
 
 #[derive(Args)]
@@ -404,6 +408,17 @@ fn load_engine(path: &std::path::Path, opts: EngineOptions) -> Result<Engine> {
 
 fn cmd_bench(a: BenchArgs) -> Result<()> {
     use dejavu::eval::bench::{self, BenchResult};
+    use dejavu::eval::device_bench::{gains, gains_markdown, plot_gains, GainRow};
+    if let (Some(from), Some(png)) = (&a.replot, &a.plot) {
+        let text =
+            std::fs::read_to_string(from).with_context(|| format!("reading {}", from.display()))?;
+        let (title, rows): (String, Vec<GainRow>) = serde_json::from_str(&text)
+            .with_context(|| format!("{}: not a gains file of `bench --plot`", from.display()))?;
+        print!("{}", gains_markdown(&rows));
+        plot_gains(&rows, &title, png)?;
+        eprintln!("wrote {}", png.display());
+        return Ok(());
+    }
     if a.repetitions == 0 || a.threads.is_empty() || (a.n_prompt == 0 && a.n_gen == 0) {
         bail!(
             "nothing to run: need --repetitions >= 1, at least one thread count, and -p or -n > 0"
@@ -535,11 +550,22 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     }
     print!("{}", bench::markdown(&results));
     if let Some(p) = &a.plot {
-        use dejavu::eval::device_bench::{gains, gains_markdown, plot_gains};
         let g = gains(&results, &gpu_rows);
         print!("\n{}", gains_markdown(&g));
-        plot_gains(&g, &format!("{model_name}: sparsity gains, CPU and GPU"), p)?;
-        eprintln!("wrote {}", p.display());
+        let title = format!("{model_name}: sparsity gains, CPU and GPU");
+        let points = p.with_extension("json");
+        std::fs::write(&points, serde_json::to_string_pretty(&(&title, &g))?)
+            .with_context(|| format!("writing {}", points.display()))?;
+        // A machine without fonts still keeps the points: `--replot` draws them elsewhere.
+        match plot_gains(&g, &title, p) {
+            Ok(()) => eprintln!("wrote {} and {}", p.display(), points.display()),
+            Err(e) => eprintln!(
+                "warning: {e}; the points are in {} (draw them with `bench --replot {} --plot {}`)",
+                points.display(),
+                points.display(),
+                p.display()
+            ),
+        }
     }
     if let Some(p) = &a.json {
         std::fs::write(p, serde_json::to_string_pretty(&results)?)

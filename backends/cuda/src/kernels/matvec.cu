@@ -1,11 +1,12 @@
 // Up to 3 products of one input x, of one weight type, in one launch (Q, K and V; gate and up). Job i's outputs j:
 // y[j] = act(dot(W[row(j)], x) + bias[row(j)]), or y[j] += dot + bias (accumulate), for the
-// outputs of a selection. A block of 8 warps computes 8 / split outputs of one job: `split`
-// warps share an output (split-K, for products of few rows), each lane dequantizing 8 elements
-// at a time (128-bit loads for the 16-bit types), MV_UNROLL such loads in flight per lane,
-// then a warp sum and a sum over the output's warps. Rows outside the matrix write 0.
-#ifndef MV_UNROLL
-#define MV_UNROLL 1
+// outputs of a selection. A block of 8 warps computes 8 * MV_ROWS outputs of one job (each
+// warp MV_ROWS rows, sharing its loads of x), or with split-K (products of few rows) 8 / split
+// outputs, `split` warps sharing one. Each lane dequantizes 8 elements at a time (128-bit loads
+// for the 16-bit types); a warp sum and a sum over an output's warps finish. Rows outside the
+// matrix write 0.
+#ifndef MV_ROWS
+#define MV_ROWS 1
 #endif
 struct MvJob {
     const u8* w;
@@ -20,66 +21,80 @@ struct MvJobs {
 };
 
 template <int T>
-__device__ void matvec(const u8* w, const u32* idx, const float* bias, float* y, int rows,
-                       int cols, int n_out, int group, int accumulate, int act, int blk,
-                       const float* x, int split) {
-    __shared__ float part[8];
+__device__ __forceinline__ void matvec(const u8* w, const u32* idx, const float* bias, float* y,
+                                       int rows, int cols, int n_out, int group, int accumulate,
+                                       int act, int blk, const float* x, int split) {
+    __shared__ float part[8 * MV_ROWS];
+    // split == 1: each warp computes MV_ROWS outputs (sharing the loads of x); else `split`
+    // warps compute one output.
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    int j = blk * (8 / split) + warp / split, k = warp % split;
-    int r = j < n_out ? sel_row(idx, j, group) : rows;
-    float s = 0.f;
-    if (r < rows) {
-        const u8* row = w + (size_t)r * row_bytes<T>(cols);
-        bool vec = cols % 8 == 0;
-        int stride = 256 * split;
-        for (int e0 = (k * 32 + lane) * 8; e0 < cols; e0 += stride * MV_UNROLL) {
-            float v[MV_UNROLL][8];
+    int rpw = split == 1 ? MV_ROWS : 1;
+    int j0 = split == 1 ? (blk * 8 + warp) * MV_ROWS : blk * (8 / split) + warp / split;
+    int k = split == 1 ? 0 : warp % split;
+    int r[MV_ROWS];
+    const u8* row[MV_ROWS];
+    float s[MV_ROWS];
 #pragma unroll
-            for (int u = 0; u < MV_UNROLL; u++)
-                if (e0 + stride * u < cols) load8<T>(row, e0 + stride * u, cols, vec, v[u]);
+    for (int q = 0; q < MV_ROWS; q++) {
+        int j = j0 + q;
+        r[q] = (q < rpw && j < n_out) ? sel_row(idx, j, group) : rows;
+        row[q] = w + (size_t)min(r[q], rows - 1) * row_bytes<T>(cols);
+        s[q] = 0.f;
+    }
+    bool vec = cols % 8 == 0;
+    int stride = 256 * split;
+    for (int e = (k * 32 + lane) * 8; e < cols; e += stride) {
+        float xv[8];
+        if (vec) {
+            float4 a = *(const float4*)(x + e), b = *(const float4*)(x + e + 4);
+            xv[0] = a.x; xv[1] = a.y; xv[2] = a.z; xv[3] = a.w;
+            xv[4] = b.x; xv[5] = b.y; xv[6] = b.z; xv[7] = b.w;
+        } else {
+            for (int i = 0; i < 8; i++) xv[i] = e + i < cols ? x[e + i] : 0.f;
+        }
 #pragma unroll
-            for (int u = 0; u < MV_UNROLL; u++) {
-                int e = e0 + stride * u;
-                if (e >= cols) break;
-                if (vec) {
-                    float4 a = *(const float4*)(x + e), b = *(const float4*)(x + e + 4);
-                    s += v[u][0] * a.x + v[u][1] * a.y + v[u][2] * a.z + v[u][3] * a.w +
-                         v[u][4] * b.x + v[u][5] * b.y + v[u][6] * b.z + v[u][7] * b.w;
-                } else {
-                    for (int i = 0; i < 8 && e + i < cols; i++) s += v[u][i] * x[e + i];
-                }
-            }
+        for (int q = 0; q < MV_ROWS; q++) {
+            if (r[q] >= rows) continue;
+            float v[8];
+            load8<T>(row[q], e, cols, vec, v);
+            for (int i = 0; i < 8; i++) s[q] += v[i] * xv[i];
         }
     }
-    s = warp_sum(s);
+#pragma unroll
+    for (int q = 0; q < MV_ROWS; q++) s[q] = warp_sum(s[q]);
     if (split > 1) {
-        if (lane == 0) part[warp] = s;
+        if (lane == 0) part[warp] = s[0];
         __syncthreads();
         if (k != 0) return;
-        for (int i = 1; i < split; i++) s += part[warp + i];
+        for (int i = 1; i < split; i++) s[0] += part[warp + i];
     }
-    if (lane == 0 && j < n_out) {
-        if (r < rows && bias) s += bias[r];
-        if (r >= rows) s = 0.f;
-        if (accumulate) y[j] += s;
-        else y[j] = act >= 0 ? act_apply(act, s) : s;
+    if (lane != 0) return;
+#pragma unroll
+    for (int q = 0; q < MV_ROWS; q++) {
+        int j = j0 + q;
+        if (q >= rpw || j >= n_out) continue;
+        float v = r[q] < rows ? s[q] + (bias ? bias[r[q]] : 0.f) : 0.f;
+        if (accumulate) y[j] += v;
+        else y[j] = act >= 0 ? act_apply(act, v) : v;
     }
 }
 
 // One kernel per weight type (one type per launch): a kernel holding every type's code would
 // run at the occupancy of the most register-hungry one.
-// The job of this block, copied out of the parameters by constant indices (a dynamic index
-// would copy the whole struct to local memory).
+// The job of this block, its fields read by constant indices (a dynamic index would copy the
+// whole struct to local memory and cost registers).
+#define MV_CALL(n) matvec<T>(jobs.job[n].w, jobs.job[n].idx, jobs.job[n].bias, jobs.job[n].y,    \
+    jobs.job[n].rows, jobs.job[n].cols, jobs.job[n].n_out, jobs.job[n].group,                  \
+    jobs.job[n].accumulate, jobs.job[n].act, b - jobs.job[n].first_block, x, jobs.split)
 template <int T>
-__device__ void matvec_jobs(const MvJobs& jobs, const float* x) {
+__device__ __forceinline__ void matvec_jobs(const MvJobs& jobs, const float* x) {
     int b = blockIdx.x;
-    int i = (jobs.n > 2 && b >= jobs.job[2].first_block) ? 2 : (jobs.n > 1 && b >= jobs.job[1].first_block) ? 1 : 0;
-    MvJob jb = i == 0 ? jobs.job[0] : i == 1 ? jobs.job[1] : jobs.job[2];
-    matvec<T>(jb.w, jb.idx, jb.bias, jb.y, jb.rows, jb.cols, jb.n_out, jb.group, jb.accumulate,
-              jb.act, b - jb.first_block, x, jobs.split);
+    if (jobs.n > 2 && b >= jobs.job[2].first_block) MV_CALL(2);
+    else if (jobs.n > 1 && b >= jobs.job[1].first_block) MV_CALL(1);
+    else MV_CALL(0);
 }
 #define MATVEC(name, T)                                                                          \
-    extern "C" __global__ void matvec_##name(MvJobs jobs, const float* x) {                      \
+    extern "C" __global__ void __launch_bounds__(256) matvec_##name(MvJobs jobs, const float* x) {                      \
         matvec_jobs<T>(jobs, x);                                                                  \
     }
 FOR_TYPES(MATVEC)

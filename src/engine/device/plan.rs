@@ -1,0 +1,187 @@
+//! A plan on the device: fixed index lists, or predictors and their top-k.
+use crate::engine::config::ModelConfig;
+use crate::sparsity::policy::Policy;
+use crate::sparsity::predictor::LowRankPredictor;
+use crate::sparsity::{HeadRule, KvRule, MlpRule, SparsePlan};
+use crate::{Error, Result};
+use dejavu_backend_api::{Device, Rows};
+
+/// A low-rank predictor on the device: `scores = W2 (W1 h)`, then the top `k`.
+pub(super) struct Predictor<D: Device> {
+    pub(super) w1: D::Mat,
+    pub(super) w2: D::Mat,
+    pub(super) rank: usize,
+    pub(super) n_out: usize,
+    pub(super) bytes: usize,
+}
+
+impl<D: Device> Predictor<D> {
+    fn upload(dev: &D, p: &LowRankPredictor) -> Result<Self> {
+        Ok(Self {
+            w1: dev.upload_mat(&p.w1())?,
+            w2: dev.upload_mat(&p.w2())?,
+            rank: p.rank,
+            n_out: p.n_out,
+            bytes: p.bytes(),
+        })
+    }
+}
+
+/// How one layer's neurons or heads are chosen on the device.
+pub(super) enum Sel<D: Device> {
+    All,
+    /// A fixed list (of a [`SparsePlan`]).
+    Fixed {
+        idx: D::Idx,
+        count: usize,
+    },
+    /// The top `k` of a predictor, written to `idx` at every step.
+    Predicted {
+        idx: D::Idx,
+        k: usize,
+    },
+}
+
+impl<D: Device> Sel<D> {
+    pub(super) fn rows(&self, group: usize) -> Rows<'_, D::Idx> {
+        match self {
+            Sel::All => Rows::All,
+            Sel::Fixed { idx, count } => Rows::Sel {
+                idx,
+                count: *count,
+                group,
+            },
+            Sel::Predicted { idx, k } => Rows::Sel {
+                idx,
+                count: *k,
+                group,
+            },
+        }
+    }
+    pub(super) fn count(&self, all: usize) -> usize {
+        match self {
+            Sel::All => all,
+            Sel::Fixed { count, .. } => *count,
+            Sel::Predicted { k, .. } => *k,
+        }
+    }
+    pub(super) fn is_all(&self) -> bool {
+        matches!(self, Sel::All)
+    }
+}
+
+/// A plan on the device: per layer, the MLP and head selections, and the predictors that write
+/// the predicted ones (`mlp_pred[l]` for layer l's MLP; `head_pred[t]` for layer t's heads,
+/// run at layer t - 1, layer 0 at itself).
+pub struct DevicePlan<D: Device> {
+    pub name: String,
+    pub(super) mlp: Vec<Sel<D>>,
+    pub(super) heads: Vec<Sel<D>>,
+    pub(super) mlp_pred: Vec<Option<Predictor<D>>>,
+    pub(super) head_pred: Vec<Option<Predictor<D>>>,
+}
+
+impl<D: Device> DevicePlan<D> {
+    /// A fixed plan: its sets uploaded once.
+    pub fn fixed(dev: &D, cfg: &ModelConfig, plan: &SparsePlan, name: &str) -> Result<Self> {
+        if plan.layers.len() != cfg.n_layers {
+            return Err(Error::BadPlan(format!(
+                "{} layer plans for {} layers",
+                plan.layers.len(),
+                cfg.n_layers
+            )));
+        }
+        let sel = |s: &dejavu_backend_api::IndexSet| -> Result<Sel<D>> {
+            Ok(match s.is_full() {
+                true => Sel::All,
+                false => {
+                    let v: Vec<u32> = s.iter().map(|i| i as u32).collect();
+                    Sel::Fixed {
+                        idx: dev.upload_idx(&v)?,
+                        count: v.len(),
+                    }
+                }
+            })
+        };
+        let (mut mlp, mut heads) = (Vec::new(), Vec::new());
+        for lp in &plan.layers {
+            mlp.push(sel(&lp.mlp)?);
+            heads.push(sel(&lp.heads)?);
+        }
+        let none = || (0..cfg.n_layers).map(|_| None).collect();
+        Ok(Self {
+            name: name.into(),
+            mlp,
+            heads,
+            mlp_pred: none(),
+            head_pred: none(),
+        })
+    }
+
+    /// A policy's rules on the device: dense layers and the Deja Vu predictors (`dejavu`,
+    /// `dejavu-attn`; `lookahead` is implied: the predictors run in the step's stream). Rules
+    /// that need the host's view of the activations are refused.
+    pub fn policy(dev: &D, cfg: &ModelConfig, p: &Policy) -> Result<Self> {
+        let unsupported = |what: String| {
+            Error::Backend(dejavu_backend_api::BackendError::Unsupported {
+                backend: dev.name(),
+                what,
+            })
+        };
+        if p.output.is_some() {
+            return Err(unsupported("the contextual output head (head:...)".into()));
+        }
+        if p.kv == KvRule::Lazy {
+            return Err(unsupported("lazy-kv".into()));
+        }
+        let (mut mlp, mut heads, mut mlp_pred, mut head_pred) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for l in 0..cfg.n_layers {
+            let (m, mp) = match p.mlp[l] {
+                MlpRule::Dense => (Sel::All, None),
+                r @ MlpRule::LowRank { .. } => {
+                    let k = r.kept(cfg.n_ff);
+                    let pred = Predictor::upload(dev, &p.mlp_predictors[l])?;
+                    (
+                        Sel::Predicted {
+                            idx: dev.upload_idx(&vec![0; k])?,
+                            k,
+                        },
+                        Some(pred),
+                    )
+                }
+                r => return Err(unsupported(format!("the MLP rule {r:?}"))),
+            };
+            let (h, hp) = match p.heads[l] {
+                HeadRule::Dense => (Sel::All, None),
+                r @ HeadRule::LowRank { .. } => {
+                    let k = r.kept(cfg.n_heads);
+                    let pred = Predictor::upload(dev, &p.head_predictors[l])?;
+                    (
+                        Sel::Predicted {
+                            idx: dev.upload_idx(&vec![0; k])?,
+                            k,
+                        },
+                        Some(pred),
+                    )
+                }
+                r => return Err(unsupported(format!("the head rule {r:?}"))),
+            };
+            mlp.push(m);
+            heads.push(h);
+            mlp_pred.push(mp);
+            head_pred.push(hp);
+        }
+        Ok(Self {
+            name: p.name.clone(),
+            mlp,
+            heads,
+            mlp_pred,
+            head_pred,
+        })
+    }
+
+    pub(super) fn is_dense(&self) -> bool {
+        self.mlp.iter().chain(&self.heads).all(Sel::is_all)
+    }
+}
