@@ -7,6 +7,7 @@
 use crate::engine::executor::Logits;
 use crate::engine::Engine;
 use crate::sparsity::SparsePlan;
+use crate::text::generate::Decoder;
 use crate::{Error, Result};
 
 #[derive(Debug, Clone)]
@@ -62,6 +63,47 @@ pub fn perplexity(
         for (j, row) in logits.chunks_exact(vocab).enumerate() {
             let target = chunk[first + j + 1] as usize;
             nll_sum += nll(row, target);
+            n_scored += 1;
+        }
+        on_chunk(i + 1, n_chunks, (nll_sum / n_scored as f64).exp());
+    }
+    let mean_nll = nll_sum / n_scored as f64;
+    Ok(PerplexityResult {
+        ppl: mean_nll.exp(),
+        n_chunks,
+        n_scored,
+        mean_nll,
+    })
+}
+
+/// [`perplexity`] token by token on any [`Decoder`] (a device session): each chunk from an
+/// empty cache, its unscored first half fed one position at a time, then every scored position.
+/// The same positions are scored as by [`Feed::TokenByToken`].
+pub fn perplexity_on(
+    engine: &Engine,
+    dec: &mut dyn Decoder,
+    tokens: &[u32],
+    ctx: usize,
+    mut on_chunk: impl FnMut(usize, usize, f64),
+) -> Result<PerplexityResult> {
+    check_ctx(engine, tokens, ctx)?;
+    if ctx > dec.n_ctx() {
+        return Err(Error::ContextOverflow {
+            n_tokens: ctx,
+            n_ctx: dec.n_ctx(),
+        });
+    }
+    let n_chunks = tokens.len() / ctx;
+    let first = ctx / 2;
+    let (mut nll_sum, mut n_scored) = (0f64, 0usize);
+    let mut chunk_buf = Vec::new();
+    for i in 0..n_chunks {
+        let chunk = chunk_of(engine, tokens, i, ctx, &mut chunk_buf);
+        dec.truncate(0);
+        dec.decode(&chunk[..first])?;
+        for j in first..ctx - 1 {
+            let row = dec.decode(&chunk[j..j + 1])?;
+            nll_sum += nll(row, chunk[j + 1] as usize);
             n_scored += 1;
         }
         on_chunk(i + 1, n_chunks, (nll_sum / n_scored as f64).exp());

@@ -773,7 +773,6 @@ fn chat_loop(
 fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
     let text = std::fs::read_to_string(&a.file)
         .with_context(|| format!("reading {}", a.file.display()))?;
-    backend_choice::cpu_only(a.model.backend, "perplexity")?;
     let engine = a.model.load(Some(a.ctx))?;
     let mut tokens = engine.tokenizer.encode_document(&text)?;
     if let Some(c) = a.chunks {
@@ -784,6 +783,43 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
     eprintln!("{} tokens, {n_chunks} chunks of {}", tokens.len(), a.ctx);
     let bar = dejavu::progress::bar(n_chunks as u64, "chunks");
     let t0 = std::time::Instant::now();
+    if a.model.backend == BackendKind::Cuda {
+        // On a device: token by token under the policy (no dense comparison in the same pass).
+        let r = with_decoder(&engine, a.model.backend, &policy, |dec| {
+            Ok(dejavu::eval::perplexity::perplexity_on(
+                &engine,
+                dec,
+                &tokens,
+                a.ctx,
+                |i, _, p| {
+                    bar.set_position(i as u64);
+                    bar.set_message(format!("ppl {p:.4}"));
+                },
+            )?)
+        })?;
+        bar.finish_and_clear();
+        eprintln!(
+            "{} chunks, {} scored tokens, {:.1} s (cuda, token by token, sparsity {})",
+            r.n_chunks,
+            r.n_scored,
+            t0.elapsed().as_secs_f64(),
+            policy.name
+        );
+        println!("ppl: {:.4}", r.ppl);
+        if let Some(p) = &a.json {
+            let v = serde_json::json!({
+                "model": engine.model.label(),
+                "backend": "cuda",
+                "sparsity": policy.name,
+                "ctx": a.ctx,
+                "n_scored": r.n_scored,
+                "ppl": r.ppl,
+            });
+            std::fs::write(p, serde_json::to_string_pretty(&v)?)
+                .with_context(|| format!("writing {}", p.display()))?;
+        }
+        return Ok(());
+    }
     if !policy.is_dense() {
         let r =
             dejavu::eval::perplexity::compare(&engine, &tokens, a.ctx, &policy, |i, _, d, s| {
