@@ -655,6 +655,9 @@ impl Device for CudaDevice {
             }
         }
         let (ip, _, _, n_sel) = self.sel(heads, g.n_heads)?;
+        if n_sel == 0 {
+            return Ok(()); // no head selected: nothing to write
+        }
         // One block per selected head (`n_sel` heads: the selection's group is 1).
         need("attention queries", q.0.len(), n_sel * g.head_dim)?;
         need("attention output", out.0.len(), n_sel * g.head_dim)?;

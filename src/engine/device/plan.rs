@@ -6,6 +6,11 @@ use crate::sparsity::{HeadRule, KvRule, MlpRule, SparsePlan};
 use crate::{Error, Result};
 use dejavu_backend_api::{Device, Rows};
 
+/// A policy's rule names a predictor its predictors file lacks.
+fn missing(what: &str, l: usize) -> Error {
+    Error::BadPlan(format!("no {what} predictor for layer {l}"))
+}
+
 /// A low-rank predictor on the device: `scores = W2 (W1 h)`, then the top `k`.
 pub(super) struct Predictor<D: Device> {
     pub(super) w1: D::Mat,
@@ -141,7 +146,8 @@ impl<D: Device> DevicePlan<D> {
                 MlpRule::Dense => (Sel::All, None),
                 r @ MlpRule::LowRank { .. } => {
                     let k = r.kept(cfg.n_ff);
-                    let pred = Predictor::upload(dev, &p.mlp_predictors[l])?;
+                    let pred = p.mlp_predictors.get(l).ok_or_else(|| missing("MLP", l))?;
+                    let pred = Predictor::upload(dev, pred)?;
                     (
                         Sel::Predicted {
                             idx: dev.upload_idx(&vec![0; k])?,
@@ -156,7 +162,8 @@ impl<D: Device> DevicePlan<D> {
                 HeadRule::Dense => (Sel::All, None),
                 r @ HeadRule::LowRank { .. } => {
                     let k = r.kept(cfg.n_heads);
-                    let pred = Predictor::upload(dev, &p.head_predictors[l])?;
+                    let pred = p.head_predictors.get(l).ok_or_else(|| missing("head", l))?;
+                    let pred = Predictor::upload(dev, pred)?;
                     (
                         Sel::Predicted {
                             idx: dev.upload_idx(&vec![0; k])?,
