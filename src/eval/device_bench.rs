@@ -205,37 +205,20 @@ pub fn gains_markdown(rows: &[GainRow]) -> String {
 /// Speedup over each backend's own dense decoding against MLP density, one line per backend,
 /// with the ideal `1 / density`.
 pub fn plot_gains(rows: &[GainRow], title: &str, path: &std::path::Path) -> Result<()> {
-    use plotters::prelude::*;
-    crate::eval::report::register_font()?;
-    let err = |e: &dyn std::fmt::Display| crate::Error::Invalid(format!("plot: {e}"));
-    let root = BitMapBackend::new(path, (760, 560)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| err(&e))?;
+    use crate::eval::plot::{line_chart, Axes, Series};
+    use plotters::style::RGBColor;
     let ymax = rows.iter().map(|r| r.speedup_vs_dense).fold(4.0, f64::max) * 1.1;
-    let mut chart = ChartBuilder::on(&root)
-        .caption(title, ("sans-serif", 17))
-        .margin(14)
-        .x_label_area_size(44)
-        .y_label_area_size(56)
-        .build_cartesian_2d(0f64..1.05f64, 0f64..ymax)
-        .map_err(|e| err(&e))?;
-    chart
-        .configure_mesh()
-        .x_desc("MLP density (fraction of neurons computed)")
-        .y_desc("decode speedup over the same backend's dense")
-        .label_style(("sans-serif", 12))
-        .draw()
-        .map_err(|e| err(&e))?;
-    let ideal: Vec<(f64, f64)> = (1..=100)
-        .map(|i| i as f64 / 100.0)
-        .filter(|d| 1.0 / d <= ymax)
-        .map(|d| (d, 1.0 / d))
-        .collect();
-    let grey = RGBColor(150, 150, 150);
-    chart
-        .draw_series(LineSeries::new(ideal, grey.stroke_width(1)))
-        .map_err(|e| err(&e))?
-        .label("ideal (1 / density)")
-        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 14, y)], grey.stroke_width(1)));
+    let mut series = vec![Series {
+        label: "ideal (1 / density)".into(),
+        color: RGBColor(150, 150, 150),
+        width: 1,
+        dots: false,
+        points: (1..=100)
+            .map(|i| i as f64 / 100.0)
+            .filter(|d| 1.0 / d <= ymax)
+            .map(|d| (d, 1.0 / d))
+            .collect(),
+    }];
     let mut backends: Vec<&str> = rows.iter().map(|r| r.backend.as_str()).collect();
     backends.dedup();
     let colors = [
@@ -243,28 +226,24 @@ pub fn plot_gains(rows: &[GainRow], title: &str, path: &std::path::Path) -> Resu
         RGBColor(214, 39, 40),
         RGBColor(44, 160, 44),
     ];
-    for (b, &c) in backends.iter().zip(colors.iter().cycle()) {
-        let mut pts: Vec<(f64, f64)> = (rows.iter().filter(|r| r.backend == *b))
+    for (b, &color) in backends.iter().zip(colors.iter().cycle()) {
+        let mut points: Vec<(f64, f64)> = (rows.iter().filter(|r| r.backend == *b))
             .map(|r| (r.mlp_density, r.speedup_vs_dense))
             .collect();
-        pts.sort_by(|a, b| a.0.total_cmp(&b.0));
-        chart
-            .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))
-            .map_err(|e| err(&e))?
-            .label(*b)
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 14, y)], c.stroke_width(2)));
-        chart
-            .draw_series(pts.iter().map(|&p| Circle::new(p, 4, c.filled())))
-            .map_err(|e| err(&e))?;
+        points.sort_by(|a, b| a.0.total_cmp(&b.0));
+        series.push(Series {
+            label: b.to_string(),
+            color,
+            width: 2,
+            dots: true,
+            points,
+        });
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 13))
-        .draw()
-        .map_err(|e| err(&e))?;
-    root.present().map_err(|e| err(&e))?;
-    Ok(())
+    let axes = Axes {
+        x_desc: "MLP density (fraction of neurons computed)",
+        x_max: 1.05,
+        y_desc: "decode speedup over the same backend's dense",
+        y_max: ymax,
+    };
+    line_chart(path, title, axes, &series)
 }

@@ -4,5 +4,6 @@ pub mod bench;
 pub mod device_bench;
 pub mod memstat;
 pub mod perplexity;
+pub mod plot;
 pub mod report;
 pub mod speed_frontier;

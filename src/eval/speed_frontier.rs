@@ -98,34 +98,17 @@ pub fn markdown(rows: &[SpeedRow]) -> String {
 
 /// Speedup against MLP density: the MLP block and the whole step, measured, and the ideal.
 pub fn plot(rows: &[SpeedRow], title: &str, path: &Path) -> Result<()> {
-    use plotters::prelude::*;
-    crate::eval::report::register_font()?;
-    let err = |e: &dyn std::fmt::Display| Error::Invalid(format!("plot: {e}"));
-    let root = BitMapBackend::new(path, (760, 560)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| err(&e))?;
+    use crate::eval::plot::{line_chart, Axes, Series};
+    use plotters::style::RGBColor;
     let ymax = rows
         .iter()
         .map(|r| r.ideal_mlp_speedup.min(25.0))
         .fold(2.0, f64::max)
         * 1.05;
-    let mut chart = ChartBuilder::on(&root)
-        .caption(title, ("sans-serif", 18))
-        .margin(14)
-        .x_label_area_size(44)
-        .y_label_area_size(56)
-        .build_cartesian_2d(0f64..1.05f64, 0f64..ymax)
-        .map_err(|e| err(&e))?;
-    chart
-        .configure_mesh()
-        .x_desc("MLP density (fraction of neurons computed)")
-        .y_desc("speedup over dense")
-        .label_style(("sans-serif", 12))
-        .draw()
-        .map_err(|e| err(&e))?;
     let mut sorted = rows.to_vec();
     sorted.sort_by(|a, b| a.mlp_density.total_cmp(&b.mlp_density));
     type Pick = fn(&SpeedRow) -> f64;
-    let series: [(&str, RGBColor, Pick); 3] = [
+    let picks: [(&str, RGBColor, Pick); 3] = [
         ("ideal MLP (1 / density)", RGBColor(150, 150, 150), |r| {
             r.ideal_mlp_speedup.min(25.0)
         }),
@@ -136,25 +119,21 @@ pub fn plot(rows: &[SpeedRow], title: &str, path: &Path) -> Result<()> {
             r.step_speedup
         }),
     ];
-    for (label, c, pick) in series {
-        let pts: Vec<(f64, f64)> = sorted.iter().map(|r| (r.mlp_density, pick(r))).collect();
-        chart
-            .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))
-            .map_err(|e| err(&e))?
-            .label(label)
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 14, y)], c.stroke_width(2)));
-        chart
-            .draw_series(pts.iter().map(|&p| Circle::new(p, 4, c.filled())))
-            .map_err(|e| err(&e))?;
-    }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 13))
-        .draw()
-        .map_err(|e| err(&e))?;
-    root.present().map_err(|e| err(&e))?;
-    Ok(())
+    let series: Vec<Series> = picks
+        .into_iter()
+        .map(|(label, color, pick)| Series {
+            label: label.into(),
+            color,
+            width: 2,
+            dots: true,
+            points: sorted.iter().map(|r| (r.mlp_density, pick(r))).collect(),
+        })
+        .collect();
+    let axes = Axes {
+        x_desc: "MLP density (fraction of neurons computed)",
+        x_max: 1.05,
+        y_desc: "speedup over dense",
+        y_max: ymax,
+    };
+    line_chart(path, title, axes, &series)
 }

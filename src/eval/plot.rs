@@ -1,0 +1,68 @@
+//! One line chart as a PNG: frame, axes, series of lines with dots, and a legend. Shared by
+//! `report --speed` (speedup against density) and `bench --plot` (CPU against GPU gains).
+use crate::{Error, Result};
+use plotters::prelude::*;
+use std::path::Path;
+
+/// One line of a chart.
+pub struct Series {
+    pub label: String,
+    pub color: RGBColor,
+    pub width: u32,
+    /// Mark each point with a dot.
+    pub dots: bool,
+    pub points: Vec<(f64, f64)>,
+}
+
+/// The axes of a chart: x from 0 to `x_max`, y from 0 to `y_max`.
+pub struct Axes<'a> {
+    pub x_desc: &'a str,
+    pub x_max: f64,
+    pub y_desc: &'a str,
+    pub y_max: f64,
+}
+
+/// Draw `series` on `axes` into a 760x560 PNG at `path`, the legend at the upper right.
+pub fn line_chart(path: &Path, title: &str, axes: Axes, series: &[Series]) -> Result<()> {
+    crate::eval::report::register_font()?;
+    let err = |e: &dyn std::fmt::Display| Error::Invalid(format!("plot: {e}"));
+    let root = BitMapBackend::new(path, (760, 560)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 17))
+        .margin(14)
+        .x_label_area_size(44)
+        .y_label_area_size(56)
+        .build_cartesian_2d(0f64..axes.x_max, 0f64..axes.y_max)
+        .map_err(|e| err(&e))?;
+    chart
+        .configure_mesh()
+        .x_desc(axes.x_desc)
+        .y_desc(axes.y_desc)
+        .label_style(("sans-serif", 12))
+        .draw()
+        .map_err(|e| err(&e))?;
+    for s in series {
+        let (c, w) = (s.color, s.width);
+        chart
+            .draw_series(LineSeries::new(s.points.clone(), c.stroke_width(w)))
+            .map_err(|e| err(&e))?
+            .label(s.label.clone())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 14, y)], c.stroke_width(w)));
+        if s.dots {
+            chart
+                .draw_series(s.points.iter().map(|&p| Circle::new(p, 4, c.filled())))
+                .map_err(|e| err(&e))?;
+        }
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 13))
+        .draw()
+        .map_err(|e| err(&e))?;
+    root.present().map_err(|e| err(&e))?;
+    Ok(())
+}
