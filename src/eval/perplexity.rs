@@ -18,6 +18,19 @@ pub struct PerplexityResult {
     pub mean_nll: f64,
 }
 
+impl PerplexityResult {
+    /// From the summed NLL of `n_scored` tokens over `n_chunks` chunks.
+    fn of(nll_sum: f64, n_scored: usize, n_chunks: usize) -> Self {
+        let mean_nll = nll_sum / n_scored as f64;
+        Self {
+            ppl: mean_nll.exp(),
+            n_chunks,
+            n_scored,
+            mean_nll,
+        }
+    }
+}
+
 /// `on_chunk(i, n_chunks, running_ppl)` is called after each chunk.
 /// How each chunk is evaluated. Both score the same positions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,13 +80,7 @@ pub fn perplexity(
         }
         on_chunk(i + 1, n_chunks, (nll_sum / n_scored as f64).exp());
     }
-    let mean_nll = nll_sum / n_scored as f64;
-    Ok(PerplexityResult {
-        ppl: mean_nll.exp(),
-        n_chunks,
-        n_scored,
-        mean_nll,
-    })
+    Ok(PerplexityResult::of(nll_sum, n_scored, n_chunks))
 }
 
 /// [`perplexity`] token by token on any [`Decoder`] (a device session): each chunk from an
@@ -108,13 +115,7 @@ pub fn perplexity_on(
         }
         on_chunk(i + 1, n_chunks, (nll_sum / n_scored as f64).exp());
     }
-    let mean_nll = nll_sum / n_scored as f64;
-    Ok(PerplexityResult {
-        ppl: mean_nll.exp(),
-        n_chunks,
-        n_scored,
-        mean_nll,
-    })
+    Ok(PerplexityResult::of(nll_sum, n_scored, n_chunks))
 }
 
 fn check_ctx(engine: &Engine, tokens: &[u32], ctx: usize) -> Result<()> {
@@ -260,12 +261,7 @@ pub fn compare_many(
         let ppls: Vec<f64> = acc.iter().map(|a| (a.0 / n as f64).exp()).collect();
         on_chunk(i + 1, n_chunks, (nd / n as f64).exp(), &ppls);
     }
-    let result = |sum: f64| PerplexityResult {
-        ppl: (sum / n as f64).exp(),
-        n_chunks,
-        n_scored: n,
-        mean_nll: sum / n as f64,
-    };
+    let result = |sum: f64| PerplexityResult::of(sum, n, n_chunks);
     Ok(acc
         .iter()
         .zip(steps)
