@@ -40,7 +40,8 @@ pub struct DeviceModel<D: Device> {
     pub(super) proj_in: Option<D::Mat>,
     pub(super) proj_out: Option<D::Mat>,
     pub(super) output_norm: Option<Norm<D>>,
-    pub(super) output: D::Mat,
+    /// The output head; `None` when it is the token embedding (tied), uploaded once.
+    pub(super) output: Option<D::Mat>,
     pub(super) layers: Vec<Layer<D>>,
     /// Per layer `(down_t, wo_t)`.
     pub(super) sparse: Option<Vec<(D::Mat, D::Mat)>>,
@@ -51,6 +52,11 @@ pub struct DeviceModel<D: Device> {
 }
 
 impl<D: Device> DeviceModel<D> {
+    /// The output head's matrix.
+    pub(super) fn head(&self) -> &D::Mat {
+        self.output.as_ref().unwrap_or(&self.token_embd)
+    }
+
     /// Upload `model` (in its file's row layout: load it without repacking) and, when given,
     /// the sparse layout that sparse plans read.
     pub fn upload(dev: &D, model: &Model, layout: Option<&SparseLayout>) -> Result<Self> {
@@ -116,7 +122,10 @@ impl<D: Device> DeviceModel<D> {
             proj_in: model.proj_in.as_ref().map(mat).transpose()?,
             proj_out: model.proj_out.as_ref().map(mat).transpose()?,
             output_norm: model.output_norm.as_ref().map(norm).transpose()?,
-            output: mat(&model.output)?,
+            output: match model.output.location() == model.token_embd.location() {
+                true => None,
+                false => Some(mat(&model.output)?),
+            },
             layers,
             sparse,
             dense_bytes: model.dense_bytes_per_token(),

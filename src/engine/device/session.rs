@@ -327,7 +327,7 @@ impl<'a, D: Device> DeviceSession<'a, D> {
             }
             None => head_in,
         };
-        dev.matvec(&m.output, Rows::All, head_in, None, &mut s.logits, false)?;
+        dev.matvec(m.head(), Rows::All, head_in, None, &mut s.logits, false)?;
         lap(clock, dev, |t| &mut t.output)
     }
 
