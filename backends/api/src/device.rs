@@ -34,16 +34,6 @@ impl<I> Clone for Rows<'_, I> {
 }
 impl<I> Copy for Rows<'_, I> {}
 
-impl<I> Rows<'_, I> {
-    /// The number of outputs over a matrix of `rows` rows.
-    pub fn outputs(&self, rows: usize) -> usize {
-        match *self {
-            Rows::All => rows,
-            Rows::Sel { count, group, .. } => count * group,
-        }
-    }
-}
-
 /// One product of [`Device::matvecs`]: `y[j] = act(dot(W[row(j)], x) + bias[row(j)])` over
 /// the outputs of `rows`, or with `accumulate` `y[j] += dot(..) + bias[..]` (no activation).
 pub struct Product<'a, D: Device + ?Sized> {
@@ -237,7 +227,7 @@ pub trait Device: Send + Sync {
     ) -> Result<(), BackendError>;
 
     /// Attention of the selected query heads at the step's position: `q` and `out` are compact
-    /// (`heads.outputs(n_heads)` heads of `head_dim`), keys and values positions `0..=pos`.
+    /// (the heads `heads` names, `head_dim` each), keys and values positions `0..=pos`.
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,

@@ -126,7 +126,6 @@ pub fn compile(arch: &str) -> Result<cudarc::nvrtc::Ptx, BackendError> {
 
 /// One GPU, one stream, the compiled kernels and the step's `{token, pos}` in device memory.
 pub struct CudaDevice {
-    ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     _module: Arc<CudaModule>,
     funcs: HashMap<String, CudaFunction>,
@@ -245,7 +244,6 @@ impl CudaDevice {
             .map_err(dev_err)? as usize;
         let name = ctx.name().map_err(dev_err)?;
         Ok(Self {
-            ctx,
             stream,
             _module: module,
             funcs,
@@ -255,11 +253,6 @@ impl CudaDevice {
             name,
             smem: Mutex::default(),
         })
-    }
-
-    /// Bytes of GPU memory (free, total).
-    pub fn memory(&self) -> Result<(usize, usize), BackendError> {
-        self.ctx.mem_get_info().map_err(dev_err)
     }
 
     /// Wait until every queued launch has run.
