@@ -16,6 +16,7 @@ use std::io::{BufRead, Write};
 mod backend_choice;
 use backend_choice::{with_decoder, BackendKind};
 
+mod bench_cmd;
 mod inspect_cmd;
 mod quantize_cmd;
 mod sparsity_cmd;
@@ -43,7 +44,7 @@ enum Command {
     /// Perplexity of a text file, computed as llama.cpp's llama-perplexity does.
     Perplexity(PerplexityArgs),
     /// Prefill and decode speed, llama-bench style (markdown to stdout; JSON/CSV on request).
-    Bench(BenchArgs),
+    Bench(bench_cmd::BenchArgs),
     /// Fit the sparsity predictors on text and store them with a recommended setting.
     Calibrate(sparsity_cmd::CalibrateArgs),
     /// The quality/speed frontier of sparsity policies on a text: markdown, JSON and a PNG plot.
@@ -255,58 +256,6 @@ struct ChatArgs {
 }
 
 #[derive(Args)]
-struct BenchArgs {
-    /// GGUF file, checkpoint directory or known model name (default: smollm2-135m-instruct).
-    #[arg(long, short)]
-    model: Option<String>,
-    /// KV cache element type: f32 or f16.
-    #[arg(long, default_value = "f32", value_parser = parse_kv_type)]
-    kv_type: KvType,
-    #[command(flatten)]
-    synthetic: SyntheticArgs,
-    /// Keep the file's row layout (skip repacking Q8_0/Q4_0/Q4_1/Q5_0 rows at load).
-    #[arg(long)]
-    no_repack: bool,
-    /// Backends to measure, comma-separated: cpu, cuda (a build with `--features cuda`; the
-    /// model then keeps its file's row layout on the CPU too).
-    #[arg(long, value_delimiter = ',', default_value = "cpu")]
-    backend: Vec<String>,
-    /// Thread counts to test, comma-separated.
-    #[arg(long, short, value_delimiter = ',', default_value = "1,2")]
-    threads: Vec<usize>,
-    /// Prompt length of the prefill test pp<P> (0 = skip).
-    #[arg(short = 'p', long = "n-prompt", default_value_t = 128)]
-    n_prompt: usize,
-    /// Tokens of the decode test tg<N> (0 = skip).
-    #[arg(short = 'n', long = "n-gen", default_value_t = 64)]
-    n_gen: usize,
-    /// Timed repetitions per test (after one warm-up).
-    #[arg(long, short, default_value_t = 5)]
-    repetitions: usize,
-    /// Sparsity policies to compare, comma-separated (see `generate --help`); repetitions
-    /// alternate between them so they see the same machine conditions.
-    #[arg(long, value_delimiter = ',', default_value = "dense")]
-    sparsity: Vec<String>,
-    /// Predictors file (default: the `dejavu calibrate` output next to the model, if present).
-    #[arg(long)]
-    predictors: Option<std::path::PathBuf>,
-    /// Also write the results as a JSON array to this file.
-    #[arg(long)]
-    json: Option<std::path::PathBuf>,
-    /// Also write the results as CSV to this file.
-    #[arg(long)]
-    csv: Option<std::path::PathBuf>,
-    /// With `--backend cpu,cuda`: plot each backend's decode speedup over its own dense
-    /// against MLP density to this PNG, the points to the same path with `.json` (and print
-    /// the table).
-    #[arg(long)]
-    plot: Option<std::path::PathBuf>,
-    /// Only redraw `--plot` from the points a previous `--plot` saved (no measuring).
-    #[arg(long, requires = "plot")]
-    replot: Option<std::path::PathBuf>,
-}
-
-#[derive(Args)]
 struct PerplexityArgs {
     #[command(flatten)]
     model: ModelArgs,
@@ -345,7 +294,7 @@ static VERBOSE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::n
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Bench(a) => cmd_bench(a),
+        Command::Bench(a) => bench_cmd::cmd_bench(a),
         Command::Generate(a) => cmd_generate(a),
         Command::Chat(a) => cmd_chat(a),
         Command::Perplexity(a) => cmd_perplexity(a),
@@ -404,206 +353,6 @@ fn load_engine(path: &std::path::Path, opts: EngineOptions) -> Result<Engine> {
         );
     }
     Ok(engine)
-}
-
-fn cmd_bench(a: BenchArgs) -> Result<()> {
-    use dejavu::eval::bench::{self, BenchResult};
-    use dejavu::eval::device_bench::{gains, gains_markdown, plot_gains, GainRow};
-    if let (Some(from), Some(png)) = (&a.replot, &a.plot) {
-        let text =
-            std::fs::read_to_string(from).with_context(|| format!("reading {}", from.display()))?;
-        let (title, rows): (String, Vec<GainRow>) = serde_json::from_str(&text)
-            .with_context(|| format!("{}: not a gains file of `bench --plot`", from.display()))?;
-        print!("{}", gains_markdown(&rows));
-        plot_gains(&rows, &title, png)?;
-        eprintln!("wrote {}", png.display());
-        return Ok(());
-    }
-    if a.repetitions == 0 || a.threads.is_empty() || (a.n_prompt == 0 && a.n_gen == 0) {
-        bail!(
-            "nothing to run: need --repetitions >= 1, at least one thread count, and -p or -n > 0"
-        );
-    }
-    let path = fetch::resolve_model(a.model.as_deref())?;
-    if let Some(b) = a
-        .backend
-        .iter()
-        .find(|b| !["cpu", "cuda"].contains(&b.as_str()))
-    {
-        bail!("unknown backend `{b}` (cpu, cuda)");
-    }
-    let cuda = a.backend.iter().any(|b| b == "cuda");
-    let cpu = a.backend.iter().any(|b| b == "cpu");
-
-    let tests: Vec<(bool, usize)> = [(true, a.n_prompt), (false, a.n_gen)]
-        .into_iter()
-        .filter(|t| t.1 > 0)
-        .collect();
-    let bar = indicatif::ProgressBar::new(
-        (a.threads.len() * tests.len() * a.repetitions * a.sparsity.len()) as u64,
-    );
-    bar.set_style(
-        indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} runs {msg}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
-    let mut results = Vec::new();
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let ctx = a.n_prompt.max(a.n_gen + 1).max(16);
-    // Loaded once (a synthetic model is built once); each thread count gets its own pool.
-    let mut engine = load_engine(
-        &path,
-        EngineOptions {
-            threads: Some(a.threads[0]),
-            n_ctx: Some(ctx),
-            kv_type: a.kv_type,
-            synthetic: a.synthetic.options(),
-            keep_file_layout: a.no_repack || cuda,
-        },
-    )?;
-    let model_name = engine.model.label();
-    let mut gpu_rows = Vec::new();
-    if cuda {
-        let policies = (a.sparsity.iter())
-            .map(|spec| policy_for(&engine, spec, a.predictors.as_deref()))
-            .collect::<Result<Vec<_>>>()?;
-        let rows = cuda_bench(&engine, &policies, a.n_gen, a.repetitions)?;
-        print!("{}", dejavu::eval::device_bench::markdown(&rows));
-        if let Some(p) = &a.json {
-            let p = p.with_extension("cuda.json");
-            std::fs::write(&p, serde_json::to_string_pretty(&rows)?)
-                .with_context(|| format!("writing {}", p.display()))?;
-        }
-        gpu_rows = rows;
-    }
-    let threads_to_run = if cpu { a.threads.clone() } else { Vec::new() };
-    for &threads in &threads_to_run {
-        if threads > cores {
-            eprintln!("warning: {threads} threads on {cores} cores: the spinning pool oversubscribes, expect decoding far slower");
-        }
-        engine.set_threads(threads)?;
-        let policies = a
-            .sparsity
-            .iter()
-            .map(|spec| policy_for(&engine, spec, a.predictors.as_deref()))
-            .collect::<Result<Vec<_>>>()?;
-        let mut cache = engine.new_cache();
-        for &(prefill, n) in &tests {
-            let test = if prefill {
-                format!("pp{n}")
-            } else {
-                format!("tg{n}")
-            };
-            bar.set_message(format!("{test} at {threads} threads"));
-            let runs = bench::alternate(
-                &engine,
-                &mut cache,
-                &policies,
-                prefill,
-                n,
-                a.repetitions,
-                || bar.inc(1),
-            )?;
-            let samples: Vec<&[f64]> = runs.iter().map(|r| r.samples.as_slice()).collect();
-            let steps: Vec<&bench::StepTotals> = runs.iter().map(|r| &r.steps).collect();
-            let medians: Vec<f64> = samples.iter().map(|s| bench::median_sd(s).0).collect();
-            let dense = policies
-                .iter()
-                .position(|p| p.is_dense())
-                .map(|i| medians[i]);
-            for (i, pol) in policies.iter().enumerate() {
-                let (med, sd) = bench::median_sd(samples[i]);
-                let bytes = steps[i].mean_bytes();
-                let gbs = if prefill {
-                    bytes * med / n as f64 / 1e9
-                } else {
-                    bytes * med / 1e9
-                };
-                results.push(BenchResult {
-                    model: model_name.clone(),
-                    commit: bench::COMMIT.into(),
-                    cpu: bench::cpu_model(),
-                    isa: engine.isa().into(),
-                    threads,
-                    sparsity: pol.name.clone(),
-                    test: test.clone(),
-                    n_tokens: n,
-                    tok_per_s_median: med,
-                    tok_per_s_stddev: sd,
-                    weight_gb_per_s: gbs,
-                    weight_bytes_per_token: bytes,
-                    speedup_vs_dense: dense.map(|d| med / d),
-                    mlp_density: steps[i].mlp_density(),
-                    head_density: steps[i].head_density(),
-                    exact_logits: steps[i].mean_exact_logits(),
-                    predict_ms: steps[i].predict_ms(),
-                    predict_hidden: steps[i].predict_hidden(),
-                    blocks: steps[i].blocks(),
-                    samples: samples[i].to_vec(),
-                    memory: runs[i].memory,
-                });
-            }
-        }
-    }
-    bar.finish_and_clear();
-    if !cpu {
-        return Ok(());
-    }
-    print!("{}", bench::markdown(&results));
-    if let Some(p) = &a.plot {
-        let g = gains(&results, &gpu_rows);
-        print!("\n{}", gains_markdown(&g));
-        let title = format!("{model_name}: sparsity gains, CPU and GPU");
-        let points = p.with_extension("json");
-        std::fs::write(&points, serde_json::to_string_pretty(&(&title, &g))?)
-            .with_context(|| format!("writing {}", points.display()))?;
-        // A machine without fonts still keeps the points: `--replot` draws them elsewhere.
-        match plot_gains(&g, &title, p) {
-            Ok(()) => eprintln!("wrote {} and {}", p.display(), points.display()),
-            Err(e) => eprintln!(
-                "warning: {e}; the points are in {} (draw them with `bench --replot {} --plot {}`)",
-                points.display(),
-                points.display(),
-                p.display()
-            ),
-        }
-    }
-    if let Some(p) = &a.json {
-        std::fs::write(p, serde_json::to_string_pretty(&results)?)
-            .with_context(|| format!("writing {}", p.display()))?;
-    }
-    if let Some(p) = &a.csv {
-        std::fs::write(p, bench::csv(&results))
-            .with_context(|| format!("writing {}", p.display()))?;
-    }
-    Ok(())
-}
-
-/// The decode bench on the GPU (`--backend cuda`).
-#[cfg(feature = "cuda")]
-fn cuda_bench(
-    engine: &Engine,
-    policies: &[dejavu::sparsity::policy::Policy],
-    n_gen: usize,
-    reps: usize,
-) -> Result<Vec<dejavu::eval::device_bench::DeviceBenchRow>> {
-    let dev = dejavu_backend_cuda::CudaDevice::new(0)?;
-    Ok(dejavu::eval::device_bench::decode(
-        &dev,
-        engine,
-        policies,
-        n_gen.max(1),
-        reps,
-    )?)
-}
-
-#[cfg(not(feature = "cuda"))]
-fn cuda_bench(
-    _: &Engine,
-    _: &[dejavu::sparsity::policy::Policy],
-    _: usize,
-    _: usize,
-) -> Result<Vec<dejavu::eval::device_bench::DeviceBenchRow>> {
-    bail!("this build has no CUDA backend: build with `cargo build --release --features cuda`")
 }
 
 fn cmd_generate(a: GenerateArgs) -> Result<()> {
