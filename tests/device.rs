@@ -266,6 +266,13 @@ fn device_errors_are_errors() {
     assert!(s.forward(&[1, 2, 3, 4, 5]).is_err(), "beyond the context");
     assert!(s.forward(&[]).is_err(), "no tokens");
     assert_eq!(s.len(), 0, "failed steps leave the cache as it was");
+    // Rules that need the host's view of the activations are refused on a device, by name.
+    for spec in ["attn-norm:0.5", "gate-first:0.5"] {
+        let p = eng.policy(spec, None).unwrap();
+        let err = DevicePlan::policy(&dev, &eng.model.config, &p).err();
+        let msg = err.map(|e| e.to_string()).unwrap_or_default();
+        assert!(msg.contains("does not support"), "{spec}: {msg}");
+    }
     // Repacked rows cannot be uploaded.
     let packed = Engine::load(
         root().join("tests/fixtures/hf/llama-silu"),
