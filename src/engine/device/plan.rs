@@ -6,6 +6,19 @@ use crate::sparsity::{HeadRule, KvRule, MlpRule, SparsePlan};
 use crate::{Error, Result};
 use dejavu_backend_api::{Device, Rows};
 
+/// The selection `pred` writes (its top `k`, an index list on the device) and the predictor.
+fn predicted<D: Device>(
+    dev: &D,
+    pred: &LowRankPredictor,
+    k: usize,
+) -> Result<(Sel<D>, Option<Predictor<D>>)> {
+    let idx = dev.upload_idx(&vec![0; k])?;
+    Ok((
+        Sel::Predicted { idx, k },
+        Some(Predictor::upload(dev, pred)?),
+    ))
+}
+
 /// A policy's rule names a predictor its predictors file lacks.
 fn missing(what: &str, l: usize) -> Error {
     Error::BadPlan(format!("no {what} predictor for layer {l}"))
@@ -145,32 +158,16 @@ impl<D: Device> DevicePlan<D> {
             let (m, mp) = match p.mlp[l] {
                 MlpRule::Dense => (Sel::All, None),
                 r @ MlpRule::LowRank { .. } => {
-                    let k = r.kept(cfg.n_ff);
                     let pred = p.mlp_predictors.get(l).ok_or_else(|| missing("MLP", l))?;
-                    let pred = Predictor::upload(dev, pred)?;
-                    (
-                        Sel::Predicted {
-                            idx: dev.upload_idx(&vec![0; k])?,
-                            k,
-                        },
-                        Some(pred),
-                    )
+                    predicted(dev, pred, r.kept(cfg.n_ff))?
                 }
                 r => return Err(unsupported(format!("the MLP rule {r:?}"))),
             };
             let (h, hp) = match p.heads[l] {
                 HeadRule::Dense => (Sel::All, None),
                 r @ HeadRule::LowRank { .. } => {
-                    let k = r.kept(cfg.n_heads);
                     let pred = p.head_predictors.get(l).ok_or_else(|| missing("head", l))?;
-                    let pred = Predictor::upload(dev, pred)?;
-                    (
-                        Sel::Predicted {
-                            idx: dev.upload_idx(&vec![0; k])?,
-                            k,
-                        },
-                        Some(pred),
-                    )
+                    predicted(dev, pred, r.kept(cfg.n_heads))?
                 }
                 r => return Err(unsupported(format!("the head rule {r:?}"))),
             };
