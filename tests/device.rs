@@ -242,6 +242,49 @@ fn perplexity_on_the_reference_device_matches_the_host() {
     );
 }
 
+/// A Deja Vu policy on the reference device (predictors and top-k on the device) runs the plan
+/// it selects: each step's selections, read back and given to the host executor as a fixed
+/// plan, give the same logits (synthetic:opt-125m, random predictors).
+#[test]
+fn a_policy_on_the_reference_device_runs_the_plan_it_selects() {
+    let dev = HostDevice::new();
+    let opts = EngineOptions {
+        keep_file_layout: true,
+        n_ctx: Some(8),
+        ..Default::default()
+    };
+    let eng = Engine::load("synthetic:opt-125m", &opts).unwrap();
+    let c = &eng.model.config;
+    let preds = eng.predictors(None).unwrap();
+    let policy = eng
+        .policy("dejavu:0.1+dejavu-attn:0.5", preds.as_ref())
+        .unwrap();
+    let layout = eng.sparse_layout().unwrap();
+    let dm = DeviceModel::upload(&dev, &eng.model, Some(layout)).unwrap();
+    let plan = DevicePlan::policy(&dev, c, &policy).unwrap();
+    let mut sess = DeviceSession::new(&dev, &dm, plan, 8).unwrap();
+    let reference = CpuBackend::f32_reference(2);
+    let mut exec = Executor::new(&eng.model, &reference).unwrap();
+    exec.layout = Some(layout);
+    let mut cache = KvCache::new(&eng.model, 8, KvType::F16);
+    for &t in &TOKENS[..3] {
+        let got = sess.forward(&[t]).unwrap().to_vec();
+        let set = |s: Option<Vec<u32>>, n: usize| match s {
+            Some(v) => IndexSet::new(n, v).unwrap(),
+            None => IndexSet::full(n),
+        };
+        let layers = (sess.selections().unwrap().into_iter())
+            .map(|(m, h)| LayerPlan::new(c, set(m, c.n_ff), set(h, c.n_heads)).unwrap())
+            .collect();
+        let fixed = SparsePlan::new(c, layers).unwrap();
+        assert!(!fixed.is_dense(), "the policy selects");
+        let host = exec
+            .run(&[t], &mut cache, Plan::Fixed(&fixed), Logits::Last)
+            .unwrap();
+        assert_close("policy step", &got, host);
+    }
+}
+
 #[test]
 fn device_errors_are_errors() {
     let dev = HostDevice::new();
