@@ -308,6 +308,10 @@ fn device_errors_are_errors() {
     assert!(s.forward(&[vocab]).is_err(), "token out of range");
     assert!(s.forward(&[1, 2, 3, 4, 5]).is_err(), "beyond the context");
     assert!(s.forward(&[]).is_err(), "no tokens");
+    assert!(
+        s.forward(&[1, vocab]).is_err(),
+        "a bad token later in the batch"
+    );
     assert_eq!(s.len(), 0, "failed steps leave the cache as it was");
     // Rules that need the host's view of the activations are refused on a device, by name.
     for spec in ["attn-norm:0.5", "gate-first:0.5"] {

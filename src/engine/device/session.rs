@@ -206,15 +206,7 @@ impl<'a, D: Device> DeviceSession<'a, D> {
 
     /// Run `tokens` one position at a time; returns the logits of the last.
     pub fn forward(&mut self, tokens: &[u32]) -> Result<&mut [f32]> {
-        if tokens.is_empty() {
-            return Err(Error::Invalid("forward called with no tokens".into()));
-        }
-        if self.len + tokens.len() > self.n_ctx {
-            return Err(Error::ContextOverflow {
-                n_tokens: self.len + tokens.len(),
-                n_ctx: self.n_ctx,
-            });
-        }
+        self.check(tokens)?;
         for &t in tokens {
             self.step(t)?;
         }
@@ -224,7 +216,6 @@ impl<'a, D: Device> DeviceSession<'a, D> {
 
     /// One token at the next position, its logits left on the device.
     fn step(&mut self, token: u32) -> Result<()> {
-        self.check_token(token)?;
         self.dev.set_step(token, self.len)?;
         if self.graph.is_none() && self.dev.begin_capture()? {
             let recorded = self.encode();
@@ -240,39 +231,44 @@ impl<'a, D: Device> DeviceSession<'a, D> {
         Ok(())
     }
 
-    /// `token` is in the vocabulary, and the next position in the position table.
-    fn check_token(&self, token: u32) -> Result<()> {
+    /// `tokens` (at least one) fit the context and the position table after what the cache
+    /// holds, and are in the vocabulary: checked before any runs, so a bad batch changes nothing.
+    fn check(&self, tokens: &[u32]) -> Result<()> {
         let c = &self.model.config;
-        if token as usize >= c.vocab_size {
-            return Err(Error::Invalid(format!(
-                "token id {token} out of range (vocab {})",
-                c.vocab_size
-            )));
+        if tokens.is_empty() {
+            return Err(Error::Invalid("forward called with no tokens".into()));
+        }
+        let end = self.len + tokens.len();
+        if end > self.n_ctx {
+            return Err(Error::ContextOverflow {
+                n_tokens: end,
+                n_ctx: self.n_ctx,
+            });
         }
         if let Positions::Learned { offset } = c.positions {
             let rows = self.model.pos_rows;
-            if self.len + offset >= rows {
+            if end - 1 + offset >= rows {
                 return Err(Error::ContextOverflow {
-                    n_tokens: self.len + 1,
+                    n_tokens: end,
                     n_ctx: rows.saturating_sub(offset),
                 });
             }
         }
-        Ok(())
+        match tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+            Some(t) => Err(Error::Invalid(format!(
+                "token id {t} out of range (vocab {})",
+                c.vocab_size
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// Run `tokens` eagerly (not replayed), synchronizing the device at every block's end, and
     /// add each block's wall time to `times`. Slower than [`Self::forward`] by the waits; for
     /// where the time goes, not for speed.
     pub fn profile(&mut self, tokens: &[u32], times: &mut BlockTimes) -> Result<()> {
-        if self.len + tokens.len() > self.n_ctx {
-            return Err(Error::ContextOverflow {
-                n_tokens: self.len + tokens.len(),
-                n_ctx: self.n_ctx,
-            });
-        }
+        self.check(tokens)?;
         for &t in tokens {
-            self.check_token(t)?;
             self.dev.set_step(t, self.len)?;
             self.dev.sync()?;
             let mut clock = Some(Clock {
