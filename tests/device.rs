@@ -242,38 +242,44 @@ fn perplexity_on_the_reference_device_matches_the_host() {
     );
 }
 
-/// A Deja Vu policy on the reference device (predictors and top-k on the device) runs the plan
-/// it selects: each step's selections, read back and given to the host executor as a fixed
-/// plan, give the same logits (synthetic:opt-125m, random predictors).
-#[test]
-fn a_policy_on_the_reference_device_runs_the_plan_it_selects() {
-    let dev = HostDevice::new();
+/// A Deja Vu policy on `dev` (predictors and top-k on the device) runs the plan it selects:
+/// each step's selections, read back and given to the host executor as a fixed plan, give the
+/// same logits (synthetic:opt-125m, random predictors, multi-head). With `+lazy-kv` the host
+/// computes every head's keys and values where the device recomputes the missed ones from
+/// the f16-kept inputs; the cache is truncated to 4 after `TOKENS` and three more steps run.
+/// Returns how many selected heads had missed positions to recompute.
+fn policy_runs_its_selection<D: Device>(dev: &D, spec: &str) -> usize {
     let opts = EngineOptions {
         keep_file_layout: true,
-        n_ctx: Some(8),
+        n_ctx: Some(16),
         ..Default::default()
     };
     let eng = Engine::load("synthetic:opt-125m", &opts).unwrap();
     let c = &eng.model.config;
     let preds = eng.predictors(None).unwrap();
-    let policy = eng
-        .policy("dejavu:0.1+dejavu-attn:0.5", preds.as_ref())
-        .unwrap();
+    let policy = eng.policy(spec, preds.as_ref()).unwrap();
     let layout = eng.sparse_layout().unwrap();
-    let dm = DeviceModel::upload(&dev, &eng.model, Some(layout)).unwrap();
-    let plan = DevicePlan::policy(&dev, c, &policy).unwrap();
-    let mut sess = DeviceSession::new(&dev, &dm, plan, 8).unwrap();
+    let dm = DeviceModel::upload(dev, &eng.model, Some(layout)).unwrap();
+    let plan = DevicePlan::policy(dev, c, &policy).unwrap();
+    let mut sess = DeviceSession::new(dev, &dm, plan, 16).unwrap();
     let reference = CpuBackend::f32_reference(2);
     let mut exec = Executor::new(&eng.model, &reference).unwrap();
     exec.layout = Some(layout);
-    let mut cache = KvCache::new(&eng.model, 8, KvType::F16);
-    for &t in &TOKENS[..3] {
+    let mut cache = KvCache::new(&eng.model, 16, KvType::F16);
+    let (mut missed, mut before): (usize, Option<Vec<dejavu::engine::device::Selections>>) =
+        (0, None);
+    for (i, &t) in TOKENS.iter().chain(&TOKENS[4..7]).enumerate() {
+        if i == TOKENS.len() {
+            sess.truncate(4);
+            cache.truncate(4);
+        }
         let got = sess.forward(&[t]).unwrap().to_vec();
-        let set = |s: Option<Vec<u32>>, n: usize| match s {
-            Some(v) => IndexSet::new(n, v).unwrap(),
+        let sels = sess.selections().unwrap();
+        let set = |s: &Option<Vec<u32>>, n: usize| match s {
+            Some(v) => IndexSet::new(n, v.clone()).unwrap(),
             None => IndexSet::full(n),
         };
-        let layers = (sess.selections().unwrap().into_iter())
+        let layers = (sels.iter())
             .map(|(m, h)| LayerPlan::new(c, set(m, c.n_ff), set(h, c.n_heads)).unwrap())
             .collect();
         let fixed = SparsePlan::new(c, layers).unwrap();
@@ -281,8 +287,23 @@ fn a_policy_on_the_reference_device_runs_the_plan_it_selects() {
         let host = exec
             .run(&[t], &mut cache, Plan::Fixed(&fixed), Logits::Last)
             .unwrap();
-        assert_close("policy step", &got, host);
+        assert_close(&format!("{spec} step {i}"), &got, host);
+        for ((_, h), (_, p)) in sels.iter().zip(before.iter().flatten()) {
+            if let (Some(h), Some(p)) = (h, p) {
+                missed += h.iter().filter(|x| p.binary_search(x).is_err()).count();
+            }
+        }
+        before = Some(sels);
     }
+    missed
+}
+
+#[test]
+fn a_policy_on_the_reference_device_runs_the_plan_it_selects() {
+    policy_runs_its_selection(&HostDevice::new(), "dejavu:0.1+dejavu-attn:0.5");
+    let missed =
+        policy_runs_its_selection(&HostDevice::new(), "dejavu:0.1+dejavu-attn:0.5+lazy-kv");
+    assert!(missed > 0, "no selected head had positions to recompute");
 }
 
 #[test]
@@ -359,6 +380,21 @@ mod cuda {
         if let Some(g) = gpu() {
             check_smollm2(&g);
         }
+    }
+
+    /// Deja Vu policies, with full and with lazy K/V, on the GPU run the plans they select (see
+    /// `policy_runs_its_selection`).
+    #[test]
+    fn a_policy_on_the_gpu_runs_the_plan_it_selects() {
+        let Some(g) = gpu() else { return };
+        policy_runs_its_selection(&g, "dejavu:0.1+dejavu-attn:0.5");
+        let missed = policy_runs_its_selection(&g, "dejavu:0.1+dejavu-attn:0.5+lazy-kv");
+        eprintln!(
+            "{}: Deja Vu policies (full and lazy K/V) run their own selections, {} steps each; \
+             {missed} selected heads recomputed missed positions",
+            g.name(),
+            TOKENS.len() + 3
+        );
     }
 
     /// The same Deja Vu policy on the host reference device and on the GPU picks the same sets

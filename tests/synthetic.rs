@@ -234,6 +234,13 @@ fn lazy_kv_needs_multi_head_attention_and_a_head_rule() {
     let preds = e.predictors(None).unwrap().unwrap();
     let err = e.policy("dejavu:0.1+lazy-kv", Some(&preds)).err().unwrap();
     assert!(err.to_string().contains("needs a head rule"), "{err}");
+    // `paper+lazy-kv` is the paper's plan with lazy K/V; `paper` takes nothing else.
+    let pol = e.policy("paper+lazy-kv", Some(&preds)).unwrap();
+    assert_eq!(pol.kv, dejavu::sparsity::KvRule::Lazy);
+    assert_eq!(pol.heads[0], HeadRule::Dense);
+    assert_eq!(pol.heads[1], HeadRule::LowRank { keep: 0.5 });
+    let err = e.policy("paper+dejavu:0.2", Some(&preds)).err().unwrap();
+    assert!(err.to_string().contains("only `+lazy-kv`"), "{err}");
 }
 
 /// `report --speed` writes a row per density (dense first) with the measured MLP density, and

@@ -3,7 +3,8 @@
 //! activations; see `executor`).
 //!
 //! Grammar: `dense`, `recommended` (the setting stored by `dejavu calibrate`), `paper` (the
-//! paper's plan, [`PAPER`] with layer 0 dense), or parts joined by `+`:
+//! paper's plan, [`PAPER`] with layer 0 dense), `paper+lazy-kv` (the same with lazy K/V), or
+//! parts joined by `+`:
 //! - `oracle:KEEP[:EDGE]`, `gate-first:KEEP[:EDGE]`, `up-first:KEEP[:EDGE]`, `dejavu:KEEP[:EDGE]`
 //!   (the trained low-rank predictors; needs a predictors file): MLP selection keeping the
 //!   fraction KEEP of each layer's neurons; the first and last EDGE layers stay dense;
@@ -115,12 +116,18 @@ impl Policy {
             pol.name = format!("recommended ({rec})");
             return Ok(pol);
         }
-        if spec == "paper" {
-            let mut pol = Self::parse(PAPER, cfg, predictors)?;
+        if let Some(rest) = spec.strip_prefix("paper") {
+            // `paper`, or `paper+lazy-kv`: the same plan with the paper's recompute of K/V.
+            let full = match rest {
+                "" => PAPER.to_string(),
+                "+lazy-kv" => format!("{PAPER}+lazy-kv"),
+                _ => return Err(bad("`paper` takes only `+lazy-kv`".into())),
+            };
+            let mut pol = Self::parse(&full, cfg, predictors)?;
             // Layer 0 stays dense (its neurons are much denser than the rest).
             pol.mlp[0] = MlpRule::Dense;
             pol.heads[0] = HeadRule::Dense;
-            pol.name = format!("paper ({PAPER}, layer 0 dense)");
+            pol.name = format!("paper{rest} ({full}, layer 0 dense)");
             return Ok(pol);
         }
         let mut pol = Self::dense(cfg);

@@ -36,8 +36,10 @@ impl<I> Copy for Rows<'_, I> {}
 
 /// One product of [`Device::matvecs`]: `y[j] = act(dot(W[row(j)], x) + bias[row(j)])` over
 /// the outputs of `rows`, or with `accumulate` `y[j] += dot(..) + bias[..]` (no activation).
+/// `x` is the call's input unless the product names its own ([`Product::input`]).
 pub struct Product<'a, D: Device + ?Sized> {
     pub w: &'a D::Mat,
+    pub x: Option<&'a D::Buf>,
     pub rows: Rows<'a, D::Idx>,
     pub bias: Option<&'a D::Buf>,
     pub act: Option<Activation>,
@@ -50,12 +52,18 @@ impl<'a, D: Device + ?Sized> Product<'a, D> {
     pub fn new(w: &'a D::Mat, rows: Rows<'a, D::Idx>, y: &'a mut D::Buf) -> Self {
         Self {
             w,
+            x: None,
             rows,
             bias: None,
             act: None,
             accumulate: false,
             y,
         }
+    }
+    /// Read `x` instead of the call's input (products of different inputs in one launch: the
+    /// predictors' second layers).
+    pub fn input(self, x: &'a D::Buf) -> Self {
+        Self { x: Some(x), ..self }
     }
     pub fn bias(self, bias: Option<&'a D::Buf>) -> Self {
         Self { bias, ..self }
@@ -73,6 +81,31 @@ impl<'a, D: Device + ?Sized> Product<'a, D> {
             ..self
         }
     }
+}
+
+/// One selection of [`Device::top_ks`]: the indices of the `k` largest of `scores[..n]` into
+/// `out[..k]`, in any order (ties broken by any rule).
+pub struct TopK<'a, D: Device + ?Sized> {
+    pub scores: &'a D::Buf,
+    pub n: usize,
+    pub k: usize,
+    pub out: &'a mut D::Idx,
+}
+
+/// One layer's lazy K/V ([`Device::kv_fill`], multi-head attention): its key and value
+/// projections, the heads selected at this step, and the layer's kept attention inputs
+/// (`inputs` row `p`: the input at position `p`, [`Device::store_row`]).
+pub struct LazyKv<'a, D: Device + ?Sized> {
+    pub wk: &'a D::Mat,
+    pub wv: &'a D::Mat,
+    pub bk: Option<&'a D::Buf>,
+    pub bv: Option<&'a D::Buf>,
+    pub inputs: &'a D::Cache,
+    /// Query (= KV) heads, group 1.
+    pub heads: Rows<'a, D::Idx>,
+    pub head_dim: usize,
+    /// RoPE of the keys, at each filled position.
+    pub rope: Option<(f32, RopeStyle)>,
 }
 
 /// Which step value selects the row of an embedding lookup.
@@ -125,6 +158,9 @@ pub trait Device: Send + Sync {
     /// Wait for the queued work, then copy `out.len()` leading values of `x` to the host.
     fn download(&self, x: &Self::Buf, out: &mut [f32]) -> Result<(), BackendError>;
     fn download_idx(&self, x: &Self::Idx, out: &mut [u32]) -> Result<(), BackendError>;
+    /// `x[..v.len()] = v`, in order with the queued verbs (a list that a recorded step names
+    /// keeps its place). Not while recording.
+    fn write_idx(&self, x: &mut Self::Idx, v: &[u32]) -> Result<(), BackendError>;
 
     /// The token and position that the next step's verbs read (set before a replay too).
     fn set_step(&self, token: u32, pos: usize) -> Result<(), BackendError>;
@@ -139,9 +175,9 @@ pub trait Device: Send + Sync {
         x: &mut Self::Buf,
     ) -> Result<(), BackendError>;
 
-    /// Several products of the same input `x` (Q, K and V; gate and up), as if each ran alone
-    /// (see [`Product`]; at most 3), in one launch where the device can. Every `w.cols` is
-    /// `x`'s width.
+    /// Several products of the input `x` (Q, K and V; gate and up) or of their own inputs, as if
+    /// each ran alone (see [`Product`]; at most 3), in one launch where the device can. Every
+    /// `w.cols` is its input's width.
     fn matvecs(&self, x: &Self::Buf, jobs: &mut [Product<'_, Self>]) -> Result<(), BackendError>;
 
     /// `y[j] = dot(W[row(j)], x) (+ bias[row(j)])`, or with `accumulate` `y[j] +=` that, for
@@ -160,13 +196,16 @@ pub trait Device: Send + Sync {
         self.matvecs(x, &mut [p])
     }
 
-    /// `y += sum over outputs j of a[j] * W[row(j)]`, for a neuron-major matrix (row `r` is
-    /// neuron `r`'s output column): the sparse down projection over compact activations `a`.
+    /// `y += sum over outputs j of a[j] * W[row(j)] (+ bias)`, for a neuron-major matrix (row
+    /// `r` is neuron `r`'s output column): the sparse down projection over compact activations
+    /// `a`, with the layer's output bias (`w.cols` values). Rows whose `a[j]` is zero may go
+    /// unread.
     fn axpy(
         &self,
         w: &Self::Mat,
         rows: Rows<'_, Self::Idx>,
         a: &Self::Buf,
+        bias: Option<&Self::Buf>,
         y: &mut Self::Buf,
     ) -> Result<(), BackendError>;
 
@@ -226,6 +265,21 @@ pub trait Device: Send + Sync {
         vc: &mut Self::Cache,
     ) -> Result<(), BackendError>;
 
+    /// `c[pos] = x[..c.width]` in f16, at the step's position (a layer's attention input, kept
+    /// for lazy K/V).
+    fn store_row(&self, x: &Self::Buf, c: &mut Self::Cache) -> Result<(), BackendError>;
+    /// Lazy K/V (the paper's recompute): for each selected head `h`, the keys and values of the
+    /// positions `valid[h]..=pos` it is missing, from the kept inputs:
+    /// `k[p][h] = rope_p(W_k[h] inputs[p] + b_k[h])`, `v[p][h] = W_v[h] inputs[p] + b_v[h]`
+    /// (`W_k[h]`: the head's `head_dim` rows); then `valid[h] = pos + 1`. `valid` holds one
+    /// entry per head, each at most `pos + 1`.
+    fn kv_fill(
+        &self,
+        job: LazyKv<'_, Self>,
+        valid: &mut Self::Idx,
+        k: &mut Self::Cache,
+        v: &mut Self::Cache,
+    ) -> Result<(), BackendError>;
     /// Attention of the selected query heads at the step's position: `q` and `out` are compact
     /// (the heads `heads` names, `head_dim` each), keys and values positions `0..=pos`.
     #[allow(clippy::too_many_arguments)]
@@ -249,6 +303,12 @@ pub trait Device: Send + Sync {
         out: &mut Self::Idx,
     ) -> Result<(), BackendError>;
 
+    /// Several [`TopK`] selections (the predictors of one layer), in one launch where the device
+    /// can.
+    fn top_ks(&self, jobs: &mut [TopK<'_, Self>]) -> Result<(), BackendError> {
+        jobs.iter_mut()
+            .try_for_each(|j| self.top_k(j.scores, j.n, j.k, j.out))
+    }
     /// Wait until every queued verb has run.
     fn sync(&self) -> Result<(), BackendError>;
 

@@ -8,8 +8,8 @@ use crate::kernels::table::Kernels;
 use crate::pool::SpinPool;
 use crate::{attention, dequant, ops};
 use dejavu_backend_api::{
-    Activation, AttnGeom, AttnShape, BackendError, Device, IndexSet, KvSlice, Product, QuantType,
-    RopeStyle, Rows, StepRow, Weight,
+    Activation, AttnGeom, AttnShape, BackendError, Device, IndexSet, KvSlice, LazyKv, Product,
+    QuantType, RopeStyle, Rows, StepRow, Weight,
 };
 use half::f16;
 use std::sync::Mutex;
@@ -145,6 +145,11 @@ impl Device for HostDevice {
         out.copy_from_slice(&x[..out.len()]);
         Ok(())
     }
+    fn write_idx(&self, x: &mut Vec<u32>, v: &[u32]) -> Result<(), BackendError> {
+        need("write_idx", x.len(), v.len())?;
+        x[..v.len()].copy_from_slice(v);
+        Ok(())
+    }
     fn set_step(&self, token: u32, pos: usize) -> Result<(), BackendError> {
         *self.step.lock().expect("step lock") = (token, pos);
         Ok(())
@@ -176,7 +181,7 @@ impl Device for HostDevice {
 
     fn matvecs(&self, x: &Vec<f32>, jobs: &mut [Product<'_, Self>]) -> Result<(), BackendError> {
         for p in jobs.iter_mut() {
-            let w = p.w;
+            let (w, x) = (p.w, p.x.unwrap_or(x));
             let rs = rows_of(p.rows, w.rows)?;
             need("matvec input", x.len(), w.cols)?;
             need("matvec output", p.y.len(), rs.len())?;
@@ -203,15 +208,22 @@ impl Device for HostDevice {
         w: &HostMat,
         rows: Rows<'_, Vec<u32>>,
         a: &Vec<f32>,
+        bias: Option<&Vec<f32>>,
         y: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
         let rs = rows_of(rows, w.rows)?;
         need("axpy activations", a.len(), rs.len())?;
         need("axpy output", y.len(), w.cols)?;
+        if let Some(b) = bias {
+            need("axpy bias", b.len(), w.cols)?;
+        }
         let mut row = vec![0.0; w.cols];
         for (j, &r) in rs.iter().enumerate() {
             w.row(r, &mut row);
             (y.iter_mut().zip(&row)).for_each(|(y, v)| *y += a[j] * v);
+        }
+        if let Some(b) = bias {
+            y.iter_mut().zip(b).for_each(|(y, b)| *y += b);
         }
         Ok(())
     }
@@ -317,6 +329,71 @@ impl Device for HostDevice {
                 let dst = &mut c.data[p * c.width..(p + 1) * c.width];
                 (dst.iter_mut().zip(x)).for_each(|(d, &v)| *d = f16::from_f32(v));
             }
+        }
+        Ok(())
+    }
+
+    fn store_row(&self, x: &Vec<f32>, c: &mut HostCache) -> Result<(), BackendError> {
+        let p = self.pos();
+        need("store_row", x.len(), c.width)?;
+        if p < c.n_ctx {
+            let dst = &mut c.data[p * c.width..(p + 1) * c.width];
+            (dst.iter_mut().zip(x)).for_each(|(d, &v)| *d = f16::from_f32(v));
+        }
+        Ok(())
+    }
+
+    fn kv_fill(
+        &self,
+        job: LazyKv<'_, Self>,
+        valid: &mut Vec<u32>,
+        kc: &mut HostCache,
+        vc: &mut HostCache,
+    ) -> Result<(), BackendError> {
+        let (pos, hd) = (self.pos(), job.head_dim);
+        let n_heads = job.wk.rows / hd.max(1);
+        let d = job.inputs.width;
+        let fits = hd > 0
+            && job.wk.rows == n_heads * hd
+            && job.wv.rows == job.wk.rows
+            && job.wk.cols == d
+            && job.wv.cols == d
+            && kc.width == job.wk.rows
+            && vc.width == kc.width
+            && pos < kc.n_ctx.min(vc.n_ctx).min(job.inputs.n_ctx);
+        if !fits {
+            return Err(shape(format!(
+                "lazy K/V of {n_heads} heads of {hd} over {d} inputs at position {pos}"
+            )));
+        }
+        need("kv_fill valid", valid.len(), n_heads)?;
+        for b in [job.bk, job.bv].into_iter().flatten() {
+            need("kv_fill bias", b.len(), kc.width)?;
+        }
+        let (mut row, mut input) = (vec![0.0; d], vec![0.0; d]);
+        for h in rows_of(job.heads, n_heads)? {
+            for p in valid[h] as usize..=pos {
+                let kept = &job.inputs.data[p * d..(p + 1) * d];
+                (input.iter_mut().zip(kept)).for_each(|(x, v)| *x = v.to_f32());
+                for (w, b, c, rope) in [
+                    (job.wk, job.bk, &mut *kc, job.rope),
+                    (job.wv, job.bv, &mut *vc, None),
+                ] {
+                    let mut out: Vec<f32> = (h * hd..(h + 1) * hd)
+                        .map(|r| {
+                            w.row(r, &mut row);
+                            let dot = row.iter().zip(&input).map(|(a, b)| a * b).sum::<f32>();
+                            dot + b.map_or(0.0, |b| b[r])
+                        })
+                        .collect();
+                    if let Some((theta, style)) = rope {
+                        ops::rope(&mut out, 1, hd, p, theta, style);
+                    }
+                    let dst = &mut c.data[p * c.width + h * hd..p * c.width + (h + 1) * hd];
+                    (dst.iter_mut().zip(&out)).for_each(|(d, &v)| *d = f16::from_f32(v));
+                }
+            }
+            valid[h] = pos as u32 + 1;
         }
         Ok(())
     }

@@ -4,7 +4,7 @@
 //! for tuning (`DEJAVU_CUDA_DEFINES`), not a benchmark of the engine (`dejavu bench` is).
 //!
 //! `cargo run --release -p dejavu-backend-cuda --example profile_verbs [d] [n_heads] [keep]`
-use dejavu_backend_api::{AttnGeom, Device, Product, QuantType, Rows, Weight};
+use dejavu_backend_api::{AttnGeom, Device, LazyKv, Product, QuantType, Rows, TopK, Weight};
 use dejavu_backend_cuda::{Buf, CudaDevice};
 use std::time::Instant;
 
@@ -117,7 +117,7 @@ fn main() {
         || dev.matvec(&fc1, sel, &x, None, &mut y, false),
     );
     time(&dev, &format!("axpy {k} of {ff}x{d}"), k * rb, || {
-        dev.axpy(&fc1, sel, &x, &mut y)
+        dev.axpy(&fc1, sel, &x, None, &mut y)
     });
     let hsel_idx = dev
         .upload_idx(&(0..nh as u32 / 2).map(|i| i * 2).collect::<Vec<_>>())
@@ -134,7 +134,7 @@ fn main() {
         || dev.matvec(&sq, hsel, &x, None, &mut y, false),
     );
     time(&dev, "axpy W_o rows of half the heads", d / 2 * rb, || {
-        dev.axpy(&sq, hsel, &x, &mut y)
+        dev.axpy(&sq, hsel, &x, None, &mut y)
     });
     for q in [
         QuantType::Q8_0,
@@ -180,6 +180,47 @@ fn main() {
     time(&dev, &format!("top_k {} of {nh}", nh / 2), 0, || {
         dev.top_k(&s, nh, nh / 2, &mut hout)
     });
+    // A layer's predictors as the decoder launches them: both first layers, both second
+    // layers (each of its own input), both top-k.
+    let hw1 = mat(&dev, QuantType::Q8_0, rank, d);
+    let hw2 = mat(&dev, QuantType::Q8_0, nh, rank);
+    let (mut hz, mut hs): (Buf, Buf) = (dev.zeros(rank).unwrap(), dev.zeros(nh).unwrap());
+    let mut ms: Buf = dev.zeros(ff).unwrap();
+    time(
+        &dev,
+        "predictors of a layer: W1 pair, W2 pair, top-k pair",
+        0,
+        || {
+            dev.matvecs(
+                &x,
+                &mut [
+                    Product::new(&w1, Rows::All, &mut z),
+                    Product::new(&hw1, Rows::All, &mut hz),
+                ],
+            )?;
+            dev.matvecs(
+                &x,
+                &mut [
+                    Product::new(&w2, Rows::All, &mut ms).input(&z),
+                    Product::new(&hw2, Rows::All, &mut hs).input(&hz),
+                ],
+            )?;
+            dev.top_ks(&mut [
+                TopK {
+                    scores: &ms,
+                    n: ff,
+                    k,
+                    out: &mut out,
+                },
+                TopK {
+                    scores: &hs,
+                    n: nh,
+                    k: nh / 2,
+                    out: &mut hout,
+                },
+            ])
+        },
+    );
     let (kc, vc) = (dev.cache(1024, d).unwrap(), dev.cache(1024, d).unwrap());
     dev.set_step(0, 128).unwrap();
     let g = AttnGeom {
@@ -193,6 +234,63 @@ fn main() {
         "attention, every head, at position 128",
         2 * 129 * d * 2,
         || dev.attention(&x, &kc, &vc, Rows::All, g, &mut y),
+    );
+    // Lazy K/V of half the heads at position 128, each missing 2 positions (the steady state of
+    // random selections of half the heads), against K and V of every head.
+    let (mut kc2, mut vc2) = (dev.cache(1024, d).unwrap(), dev.cache(1024, d).unwrap());
+    let kept = dev.cache(1024, d).unwrap();
+    let hsel1 = Rows::Sel {
+        idx: &hsel_idx,
+        count: nh / 2,
+        group: 1,
+    };
+    // Run eagerly (the validity list is reset before each fill), both sides alike.
+    let eager = |what: &str, bytes: usize, f: &mut dyn FnMut()| {
+        f();
+        dev.synchronize().unwrap();
+        let t0 = Instant::now();
+        for _ in 0..REPS {
+            f();
+        }
+        dev.synchronize().unwrap();
+        let us = t0.elapsed().as_secs_f64() * 1e6 / REPS as f64;
+        println!(
+            "{what:<44} {us:9.2} us  {:7.0} GB/s (eager)",
+            bytes as f64 / us / 1e3
+        );
+    };
+    eager(
+        "K and V of every head (one launch)",
+        2 * d * rb,
+        &mut || {
+            dev.matvecs(
+                &x,
+                &mut [
+                    Product::new(&sq, Rows::All, &mut k2),
+                    Product::new(&sq, Rows::All, &mut v2),
+                ],
+            )
+            .unwrap()
+        },
+    );
+    let mut valid = dev.upload_idx(&vec![127; nh]).unwrap();
+    eager(
+        "lazy K/V of half the heads, 2 positions each",
+        d * rb,
+        &mut || {
+            dev.write_idx(&mut valid, &vec![127; nh]).unwrap();
+            let job = LazyKv {
+                wk: &sq,
+                wv: &sq,
+                bk: None,
+                bv: None,
+                inputs: &kept,
+                heads: hsel1,
+                head_dim: hd,
+                rope: None,
+            };
+            dev.kv_fill(job, &mut valid, &mut kc2, &mut vc2).unwrap()
+        },
     );
     let nw: Buf = dev.upload(&vec![1.0; d]).unwrap();
     time(&dev, &format!("layernorm {d}"), 0, || {

@@ -13,16 +13,19 @@ use cudarc::driver::{
     LaunchConfig, PushKernelArg,
 };
 use dejavu_backend_api::{
-    Activation, AttnGeom, BackendError, Device, Product, QuantType, RopeStyle, Rows, StepRow,
-    Weight,
+    Activation, AttnGeom, BackendError, Device, LazyKv, Product, QuantType, RopeStyle, Rows,
+    StepRow, TopK, Weight,
 };
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+mod kv;
 mod launch;
+mod products;
+use products::act_code;
 
 /// The kernel sources, in the order NVRTC compiles them (the header first).
-const SOURCES: [&str; 9] = [
+const SOURCES: [&str; 10] = [
     include_str!("kernels/common.cuh"),
     include_str!("kernels/matvec.cu"),
     include_str!("kernels/axpy.cu"),
@@ -32,6 +35,7 @@ const SOURCES: [&str; 9] = [
     include_str!("kernels/elementwise.cu"),
     include_str!("kernels/attention.cu"),
     include_str!("kernels/topk.cu"),
+    include_str!("kernels/kvfill.cu"),
 ];
 
 /// The kernels' name suffix of each weight type (`FOR_TYPES` in common.cuh).
@@ -57,6 +61,7 @@ struct MvJob {
     idx: u64,
     bias: u64,
     y: u64,
+    x: u64,
     rows: i32,
     cols: i32,
     n_out: i32,
@@ -77,8 +82,30 @@ struct MvJobs {
 }
 
 // SAFETY: plain `repr(C)` data of integers, laid out as the kernel's struct (8-byte pointers
-// first, then 4-byte ints: no padding inside; 200 bytes in all).
+// first, then 4-byte ints: no padding inside; 224 bytes in all).
 unsafe impl cudarc::driver::DeviceRepr for MvJobs {}
+
+/// One selection of `top_k_jobs` (`TkJob` in topk.cu).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct TkJob {
+    s: u64,
+    out: u64,
+    n: i32,
+    k: i32,
+}
+
+/// `TkJobs` in topk.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct TkJobs {
+    job: [TkJob; 3],
+    n: i32,
+    _pad: i32,
+}
+
+// SAFETY: as for `MvJobs`: pointers, then ints, no padding inside (80 bytes).
+unsafe impl cudarc::driver::DeviceRepr for TkJobs {}
 
 /// The `NAME=VALUE` pairs of `DEJAVU_CUDA_DEFINES` (kernel tuning constants).
 fn defines() -> Vec<(String, String)> {
@@ -88,12 +115,28 @@ fn defines() -> Vec<(String, String)> {
         .collect()
 }
 
-/// Rows per warp of the matvec kernels (`MV_ROWS` in matvec.cu).
-fn mv_rows() -> usize {
-    (defines().into_iter().find(|(k, _)| k == "MV_ROWS"))
+/// A tuning constant of `DEJAVU_CUDA_DEFINES` that the host's launch shapes depend on too
+/// (`MV_ROWS`: rows per warp of matvec.cu; `MV_FILL`: the blocks per SM under which a product
+/// splits its rows; `AX_VEC`: 256-column chunks per block of axpy.cu; `AX_FILL`: axpy blocks
+/// per SM), or `default` when unset or outside `range`. Defaults measured on the H200: an
+/// `AX_FILL` of 2 ran the axpy over 10% of OPT-30B's fc2 rows at 3.2 TB/s, against 2.6 for 4;
+/// an `MV_FILL` of 8 the gather of 10% of its fc1 rows at 3.3 TB/s, against 2.5 for 2.
+fn tuning(name: &str, default: usize, range: std::ops::RangeInclusive<usize>) -> usize {
+    (defines().into_iter().find(|(k, _)| k == name))
         .and_then(|(_, v)| v.parse().ok())
-        .filter(|&r: &usize| (1..=8).contains(&r))
-        .unwrap_or(1)
+        .filter(|r| range.contains(r))
+        .unwrap_or(default)
+}
+
+/// Rows per warp of matvec.cu.
+fn mv_rows() -> usize {
+    tuning("MV_ROWS", 1, 1..=8)
+}
+
+/// 256-column chunks per block of axpy.cu (4: 2.4 TB/s over 10% of OPT-30B's fc2 rows on the
+/// H200, against 1.9 for 2 and 1.3 for 1).
+fn ax_vec() -> usize {
+    tuning("AX_VEC", 4, 1..=4)
 }
 
 /// Can NVRTC be loaded?
@@ -106,7 +149,15 @@ pub fn nvrtc_present() -> bool {
 /// `DEJAVU_CUDA_DEFINES=MV_ROWS=2,AX_UNROLL=8` overrides the kernels' tuning constants.
 pub fn compile(arch: &str) -> Result<cudarc::nvrtc::Ptx, BackendError> {
     let mut options = vec![format!("--gpu-architecture={arch}")];
-    options.extend(defines().into_iter().map(|(k, v)| format!("-D{k}={v}")));
+    // The constants the host's launch shapes depend on go in as the host reads them.
+    let host = ["MV_ROWS", "AX_VEC"];
+    options.extend(
+        (defines().into_iter())
+            .filter(|(k, _)| !host.contains(&k.as_str()))
+            .map(|(k, v)| format!("-D{k}={v}")),
+    );
+    options.push(format!("-DMV_ROWS={}", mv_rows()));
+    options.push(format!("-DAX_VEC={}", ax_vec()));
     let opts = cudarc::nvrtc::CompileOptions {
         options,
         ..Default::default()
@@ -131,8 +182,16 @@ pub struct CudaDevice {
     funcs: HashMap<String, CudaFunction>,
     step: CudaSlice<i32>,
     n_sm: usize,
-    /// Rows per warp of the matvec kernels (see `mv_rows`).
+    /// Rows per warp of the matvec kernels, and the blocks per SM under which they split rows
+    /// (see `tuning`).
     mv_rows: usize,
+    mv_fill: usize,
+    /// The global state of `top_k_select`: 3 selections' `products::TK_SCRATCH`, zero between
+    /// launches.
+    tk_scratch: CudaSlice<u32>,
+    /// 256-column chunks per axpy block, and axpy blocks per SM (see `tuning`).
+    ax_vec: usize,
+    ax_fill: usize,
     name: String,
     /// The dynamic shared memory each kernel is allowed beyond the default 48 KiB (raised on
     /// demand, before any capture that needs it).
@@ -197,21 +256,7 @@ impl CudaDevice {
         // stream; cudarc's per-buffer events (which graph capture cannot record) are not needed.
         unsafe { ctx.disable_event_tracking() };
         let (major, minor) = ctx.compute_capability().map_err(dev_err)?;
-        let mut options = vec![format!("--gpu-architecture=compute_{major}{minor}")];
-        if let Ok(defs) = std::env::var("DEJAVU_CUDA_DEFINES") {
-            options.extend(
-                defs.split(',')
-                    .filter(|d| !d.is_empty())
-                    .map(|d| format!("-D{d}")),
-            );
-        }
-        let opts = cudarc::nvrtc::CompileOptions {
-            options,
-            ..Default::default()
-        };
-        let src = SOURCES.concat();
-        let ptx = cudarc::nvrtc::compile_ptx_with_opts(&src, opts)
-            .map_err(|e| BackendError::Device(format!("NVRTC: {e:?}")))?;
+        let ptx = compile(&format!("compute_{major}{minor}"))?;
         let module = ctx.load_module(ptx).map_err(dev_err)?;
         let mut names: Vec<String> = [
             "rmsnorm",
@@ -223,12 +268,15 @@ impl CudaDevice {
             "add_f32",
             "store_f16",
             "attention_f16",
-            "top_k",
+            "kv_mark",
+            "store_row_f16",
+            "top_k_hist",
+            "top_k_select",
         ]
         .map(String::from)
         .to_vec();
         for q in QuantType::ALL {
-            for op in ["matvec", "axpy", "embed"] {
+            for op in ["matvec", "axpy", "embed", "kv_fill"] {
                 names.push(format!("{op}_{}", type_suffix(q)));
             }
         }
@@ -239,6 +287,7 @@ impl CudaDevice {
         // A stream of its own: the legacy default stream cannot be captured.
         let stream = ctx.new_stream().map_err(dev_err)?;
         let step = stream.alloc_zeros::<i32>(2).map_err(dev_err)?;
+        let tk_scratch = (stream.alloc_zeros::<u32>(3 * products::TK_SCRATCH)).map_err(dev_err)?;
         let n_sm = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(dev_err)? as usize;
@@ -248,8 +297,12 @@ impl CudaDevice {
             _module: module,
             funcs,
             step,
+            tk_scratch,
             n_sm,
             mv_rows: mv_rows(),
+            mv_fill: tuning("MV_FILL", 8, 1..=64),
+            ax_vec: ax_vec(),
+            ax_fill: tuning("AX_FILL", 2, 1..=64),
             name,
             smem: Mutex::default(),
         })
@@ -383,6 +436,14 @@ impl Device for CudaDevice {
             .map_err(dev_err)?;
         self.synchronize()
     }
+    fn write_idx(&self, x: &mut Idx, v: &[u32]) -> Result<(), BackendError> {
+        need("write_idx", x.0.len(), v.len())?;
+        if v.is_empty() {
+            return Ok(());
+        }
+        let mut dst = x.0.slice_mut(..v.len());
+        self.stream.memcpy_htod(v, &mut dst).map_err(dev_err)
+    }
     fn set_step(&self, token: u32, pos: usize) -> Result<(), BackendError> {
         if token > i32::MAX as u32 || pos > i32::MAX as usize {
             return Err(shape(format!("step token {token} at position {pos}")));
@@ -412,103 +473,18 @@ impl Device for CudaDevice {
     }
 
     fn matvecs(&self, x: &Buf, jobs: &mut [Product<'_, Self>]) -> Result<(), BackendError> {
-        if jobs.is_empty() || jobs.len() > 3 {
-            return Err(shape(format!(
-                "{} products in one launch (1 to 3)",
-                jobs.len()
-            )));
-        }
-        // One launch per weight type (a file may mix them: Q4_K with Q6_K rows).
-        if jobs.iter().any(|p| p.w.qtype != jobs[0].w.qtype) {
-            return jobs
-                .iter_mut()
-                .try_for_each(|p| self.matvecs(x, std::slice::from_mut(p)));
-        }
-        let mut mv = MvJobs {
-            n: jobs.len() as i32,
-            ..Default::default()
-        };
-        let mut outs = Vec::new();
-        for (i, p) in jobs.iter().enumerate() {
-            let w = p.w;
-            let (ip, n_out, group, o) = self.sel(p.rows, w.rows)?;
-            need("matvec input", x.0.len(), w.cols)?;
-            need("matvec output", p.y.0.len(), o)?;
-            if let Some(b) = p.bias {
-                need("matvec bias", b.0.len(), w.rows)?;
-            }
-            outs.push(o);
-            mv.job[i] = MvJob {
-                w: self.ptr(&w.data),
-                idx: ip,
-                bias: p.bias.map_or(0, |b| self.ptr(&b.0)),
-                y: self.ptr(&p.y.0),
-                rows: w.rows as i32,
-                cols: w.cols as i32,
-                n_out,
-                group,
-                accumulate: p.accumulate as i32,
-                act: p.act.map_or(-1, act_code),
-                first_block: 0,
-                _pad: 0,
-            };
-        }
-        // Warps per output: 1 when the outputs fill the GPU twice over, else up to 8 (split-K).
-        let (total, min_cols) = (
-            outs.iter().sum::<usize>(),
-            jobs.iter().map(|p| p.w.cols).min(),
-        );
-        let mut split = 1;
-        while split < 8
-            && total.div_ceil(8 * self.mv_rows / split) < 2 * self.n_sm
-            && min_cols.unwrap_or(0) >= 512 * split
-        {
-            split *= 2;
-        }
-        // Outputs per block: 8 warps of `mv_rows` rows, or 8 / split under split-K.
-        let per_block = if split == 1 {
-            8 * self.mv_rows
-        } else {
-            8 / split
-        };
-        let mut blocks = 0;
-        for (i, o) in outs.iter().enumerate() {
-            mv.job[i].first_block = blocks as i32;
-            blocks += o.div_ceil(per_block);
-        }
-        mv.split = split as i32;
-        let xp = self.ptr(&x.0);
-        let f = self.func(&format!("matvec_{}", type_suffix(jobs[0].w.qtype)));
-        let mut b = self.stream.launch_builder(f);
-        b.arg(&mv).arg(&xp);
-        launch::run(b, launch::grid(blocks * 256, 256))
+        self.launch_matvecs(x, jobs)
     }
 
-    fn axpy(&self, w: &Mat, rows: Rows<'_, Idx>, a: &Buf, y: &mut Buf) -> Result<(), BackendError> {
-        let (ip, n_out, group, outs) = self.sel(rows, w.rows)?;
-        need("axpy activations", a.0.len(), outs)?;
-        need("axpy output", y.0.len(), w.cols)?;
-        let f = self.func(&format!("axpy_{}", type_suffix(w.qtype)));
-        // 256 columns a block; the outputs split so the grid fills every SM four times.
-        let tiles = w.cols.div_ceil(256);
-        let splits = (4 * self.n_sm / tiles).clamp(1, outs.div_ceil(8).max(1));
-        let (r, c) = (w.rows as i32, w.cols as i32);
-        let (wp, ap, yp) = (self.ptr(&w.data), self.ptr(&a.0), self.ptr(&y.0));
-        let mut b = self.stream.launch_builder(f);
-        b.arg(&wp)
-            .arg(&r)
-            .arg(&c)
-            .arg(&ip)
-            .arg(&n_out)
-            .arg(&group)
-            .arg(&ap)
-            .arg(&yp);
-        let cfg = LaunchConfig {
-            grid_dim: (tiles as u32, splits as u32, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        launch::run(b, cfg)
+    fn axpy(
+        &self,
+        w: &Mat,
+        rows: Rows<'_, Idx>,
+        a: &Buf,
+        bias: Option<&Buf>,
+        y: &mut Buf,
+    ) -> Result<(), BackendError> {
+        self.launch_axpy(w, rows, a, bias, y)
     }
 
     fn rmsnorm(&self, x: &Buf, w: &Buf, eps: f32, out: &mut Buf) -> Result<(), BackendError> {
@@ -596,6 +572,20 @@ impl Device for CudaDevice {
         let mut b = self.stream.launch_builder(self.func("activate"));
         b.arg(&a).arg(&xp).arg(&ni);
         launch::run(b, launch::grid(n, 256))
+    }
+
+    fn store_row(&self, x: &Buf, c: &mut Cache) -> Result<(), BackendError> {
+        self.launch_store_row(x, c)
+    }
+
+    fn kv_fill(
+        &self,
+        job: LazyKv<'_, Self>,
+        valid: &mut Idx,
+        k: &mut Cache,
+        v: &mut Cache,
+    ) -> Result<(), BackendError> {
+        self.launch_kv_fill(job, valid, k, v)
     }
 
     fn store(&self, k: &Buf, v: &Buf, kc: &mut Cache, vc: &mut Cache) -> Result<(), BackendError> {
@@ -695,23 +685,15 @@ impl Device for CudaDevice {
     }
 
     fn top_k(&self, s: &Buf, n: usize, k: usize, out: &mut Idx) -> Result<(), BackendError> {
-        need("top_k scores", s.0.len(), n)?;
-        if k == 0 || k > n || out.0.len() < k {
-            return Err(shape(format!(
-                "top {k} of {n} into a list of {}",
-                out.0.len()
-            )));
-        }
-        // The keys of every score in shared memory.
-        self.allow_smem("top_k", 4 * n)?;
-        let (sp, op, ni, ki) = (self.ptr(&s.0), self.ptr(&out.0), n as i32, k as i32);
-        let mut b = self.stream.launch_builder(self.func("top_k"));
-        b.arg(&sp).arg(&ni).arg(&ki).arg(&op);
-        let cfg = LaunchConfig {
-            shared_mem_bytes: 4 * n as u32,
-            ..launch::one_block(1024)
-        };
-        launch::run(b, cfg)
+        self.launch_top_ks(&mut [TopK {
+            scores: s,
+            n,
+            k,
+            out,
+        }])
+    }
+    fn top_ks(&self, jobs: &mut [TopK<'_, Self>]) -> Result<(), BackendError> {
+        self.launch_top_ks(jobs)
     }
 
     fn sync(&self) -> Result<(), BackendError> {
@@ -733,13 +715,5 @@ impl Device for CudaDevice {
     }
     fn replay(&self, g: &Graph) -> Result<(), BackendError> {
         g.0.launch().map_err(dev_err)
-    }
-}
-
-/// `Activation` as the kernels' `act` (elementwise.cu).
-fn act_code(a: Activation) -> i32 {
-    match a {
-        Activation::Silu => 0,
-        Activation::Relu => 1,
     }
 }

@@ -48,7 +48,9 @@ pub struct DeviceModel<D: Device> {
     /// Weight bytes of a dense step, and per layer those of one MLP neuron (its rows of the
     /// MLP's matrices) and of one head (its rows of W_q and W_o), for the step's byte count.
     pub(super) dense_bytes: usize,
-    pub(super) unit_bytes: Vec<(usize, usize)>,
+    /// ... and of one head's rows of W_k and W_v (read only for the selected heads under lazy
+    /// K/V).
+    pub(super) unit_bytes: Vec<(usize, usize, usize)>,
 }
 
 impl<D: Device> DeviceModel<D> {
@@ -140,6 +142,7 @@ impl<D: Device> DeviceModel<D> {
                     (
                         mlp / c.n_ff,
                         (lw.wq.n_bytes() + lw.wo.n_bytes()) / c.n_heads,
+                        (lw.wk.n_bytes() + lw.wv.n_bytes()) / c.n_heads,
                     )
                 })
                 .collect(),

@@ -97,6 +97,9 @@ pub struct DevicePlan<D: Device> {
     pub(super) heads: Vec<Sel<D>>,
     pub(super) mlp_pred: Vec<Option<Predictor<D>>>,
     pub(super) head_pred: Vec<Option<Predictor<D>>>,
+    /// Lazy K/V: layers with a head selection compute the keys and values of the selected heads
+    /// only, and recompute the positions a head missed when it is selected again.
+    pub(super) lazy_kv: bool,
 }
 
 impl<D: Device> DevicePlan<D> {
@@ -133,12 +136,13 @@ impl<D: Device> DevicePlan<D> {
             heads,
             mlp_pred: none(),
             head_pred: none(),
+            lazy_kv: false,
         })
     }
 
-    /// A policy's rules on the device: dense layers and the Deja Vu predictors (`dejavu`,
-    /// `dejavu-attn`; `lookahead` is implied: the predictors run in the step's stream). Rules
-    /// that need the host's view of the activations are refused.
+    /// A policy's rules on the device: dense layers, the Deja Vu predictors (`dejavu`,
+    /// `dejavu-attn`; `lookahead` is implied: the predictors run in the step's stream) and
+    /// `lazy-kv`. Rules that need the host's view of the activations are refused.
     pub fn policy(dev: &D, cfg: &ModelConfig, p: &Policy) -> Result<Self> {
         let unsupported = |what: String| {
             Error::Backend(dejavu_backend_api::BackendError::Unsupported {
@@ -149,8 +153,8 @@ impl<D: Device> DevicePlan<D> {
         if p.output.is_some() {
             return Err(unsupported("the contextual output head (head:...)".into()));
         }
-        if p.kv == KvRule::Lazy {
-            return Err(unsupported("lazy-kv".into()));
+        if p.kv == KvRule::Lazy && cfg.n_kv_heads != cfg.n_heads {
+            return Err(unsupported("lazy-kv with grouped-query attention".into()));
         }
         let (mut mlp, mut heads, mut mlp_pred, mut head_pred) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
@@ -182,6 +186,7 @@ impl<D: Device> DevicePlan<D> {
             heads,
             mlp_pred,
             head_pred,
+            lazy_kv: p.kv == KvRule::Lazy,
         })
     }
 

@@ -3,7 +3,7 @@ use super::model::{DeviceModel, Norm};
 use super::plan::{DevicePlan, Predictor, Sel};
 use crate::engine::config::{ModelConfig, NormKind, Positions};
 use crate::{Error, Result};
-use dejavu_backend_api::{AttnGeom, Device, Product, Rows, StepRow};
+use dejavu_backend_api::{AttnGeom, Device, LazyKv, Product, Rows, StepRow, TopK};
 
 /// The activations of one step.
 struct Scratch<D: Device> {
@@ -16,8 +16,9 @@ struct Scratch<D: Device> {
     att: D::Buf,
     gate: D::Buf,
     up: D::Buf,
-    z: D::Buf,
-    scores: D::Buf,
+    /// Per predictor run at one layer (at most 3): its hidden layer and its scores.
+    z: [D::Buf; 3],
+    scores: [D::Buf; 3],
     logits: D::Buf,
 }
 
@@ -91,6 +92,11 @@ pub struct DeviceSession<'a, D: Device> {
     n_ctx: usize,
     len: usize,
     s: Scratch<D>,
+    /// Lazy K/V, per layer with a head selection under a `lazy-kv` plan: the layer's attention
+    /// inputs per position (f16), and per head the positions below which its K/V are valid.
+    lazy: Vec<Option<(D::Cache, D::Idx)>>,
+    /// A truncation whose lazy K/V validity the next batch clamps first.
+    truncated: bool,
     graph: Option<D::Graph>,
     logits: Vec<f32>,
     /// Weight bytes one step reads under the plan.
@@ -132,11 +138,24 @@ impl<'a, D: Device> DeviceSession<'a, D> {
             att: dev.zeros(c.n_heads * c.head_dim)?,
             gate: dev.zeros(c.n_ff)?,
             up: dev.zeros(c.n_ff)?,
-            z: dev.zeros(rank)?,
-            scores: dev.zeros(c.n_ff.max(c.n_heads))?,
+            z: [dev.zeros(rank)?, dev.zeros(rank)?, dev.zeros(rank)?],
+            scores: [
+                dev.zeros(c.n_ff.max(c.n_heads))?,
+                dev.zeros(c.n_ff.max(c.n_heads))?,
+                dev.zeros(c.n_ff.max(c.n_heads))?,
+            ],
             logits: dev.zeros(c.vocab_size)?,
         };
         let step_bytes = step_bytes(model, &plan);
+        let lazy = (plan.heads.iter())
+            .map(|h| match plan.lazy_kv && !h.is_all() {
+                true => Ok(Some((
+                    dev.cache(n_ctx, c.d_model)?,
+                    dev.upload_idx(&vec![0; c.n_heads])?,
+                ))),
+                false => Ok(None),
+            })
+            .collect::<Result<_>>()?;
         Ok(Self {
             dev,
             model,
@@ -146,6 +165,8 @@ impl<'a, D: Device> DeviceSession<'a, D> {
             n_ctx,
             len: 0,
             s,
+            lazy,
+            truncated: false,
             graph: None,
             logits: vec![0.0; c.vocab_size],
             step_bytes,
@@ -180,7 +201,23 @@ impl<'a, D: Device> DeviceSession<'a, D> {
     }
     /// Forget positions from `len` on.
     pub fn truncate(&mut self, len: usize) {
+        self.truncated |= len < self.len;
         self.len = self.len.min(len);
+    }
+
+    /// After a truncation, no head's lazy K/V reach past the cache's length: the validity lists
+    /// are read back, clamped and written back in place.
+    fn clamp_lazy(&mut self) -> Result<()> {
+        if !std::mem::take(&mut self.truncated) || self.lazy.iter().all(Option::is_none) {
+            return Ok(());
+        }
+        let mut v = vec![0u32; self.model.config.n_heads];
+        for (_, valid) in self.lazy.iter_mut().flatten() {
+            self.dev.download_idx(valid, &mut v)?;
+            v.iter_mut().for_each(|x| *x = (*x).min(self.len as u32));
+            self.dev.write_idx(valid, &v)?;
+        }
+        Ok(())
     }
     /// Weight bytes one step reads under the plan (predictors included).
     pub fn step_bytes(&self) -> usize {
@@ -207,6 +244,7 @@ impl<'a, D: Device> DeviceSession<'a, D> {
     /// Run `tokens` one position at a time; returns the logits of the last.
     pub fn forward(&mut self, tokens: &[u32]) -> Result<&mut [f32]> {
         self.check(tokens)?;
+        self.clamp_lazy()?;
         for &t in tokens {
             self.step(t)?;
         }
@@ -268,6 +306,7 @@ impl<'a, D: Device> DeviceSession<'a, D> {
     /// where the time goes, not for speed.
     pub fn profile(&mut self, tokens: &[u32], times: &mut BlockTimes) -> Result<()> {
         self.check(tokens)?;
+        self.clamp_lazy()?;
         for &t in tokens {
             self.dev.set_step(t, self.len)?;
             self.dev.sync()?;
@@ -328,27 +367,42 @@ impl<'a, D: Device> DeviceSession<'a, D> {
     }
 
     /// The predictors that run at layer `l`'s attention input `s.h`: layer l's MLP, the heads
-    /// of layer l + 1 (and of layer 0 at layer 0).
+    /// of layer l + 1 (and of layer 0 at layer 0); each of their layers, and their top-k, in
+    /// one launch.
     fn predict(&mut self, l: usize) -> Result<()> {
-        let (dev, s, p) = (self.dev, &mut self.s, &mut self.plan);
-        let n = p.heads.len();
-        let mut run = |pred: &Predictor<D>, sel: &mut Sel<D>| -> Result<()> {
-            if let Sel::Predicted { idx, k } = sel {
-                dev.matvec(&pred.w1, Rows::All, &s.h, None, &mut s.z, false)?;
-                dev.matvec(&pred.w2, Rows::All, &s.z, None, &mut s.scores, false)?;
-                dev.top_k(&s.scores, pred.n_out, *k, idx)?;
-            }
-            Ok(())
-        };
-        if let Some(pred) = &p.mlp_pred[l] {
-            run(pred, &mut p.mlp[l])?;
-        }
+        let (dev, p) = (self.dev, &mut self.plan);
+        let Scratch { h, z, scores, .. } = &mut self.s;
         let first = if l == 0 { 0 } else { l + 1 };
-        for t in (first..=l + 1).filter(|&t| t < n) {
-            if let Some(pred) = &p.head_pred[t] {
-                run(pred, &mut p.heads[t])?;
+        let mut runs: Vec<(&Predictor<D>, &mut D::Idx, usize)> = Vec::new();
+        if let (Some(pred), Sel::Predicted { idx, k }) = (&p.mlp_pred[l], &mut p.mlp[l]) {
+            runs.push((pred, idx, *k));
+        }
+        let heads = p.head_pred.iter().zip(p.heads.iter_mut()).enumerate();
+        for (_, (pred, sel)) in heads.filter(|(t, _)| (first..=l + 1).contains(t)) {
+            if let (Some(pred), Sel::Predicted { idx, k }) = (pred, sel) {
+                runs.push((pred, idx, *k));
             }
         }
+        if runs.is_empty() {
+            return Ok(());
+        }
+        let mut w1: Vec<Product<D>> = (runs.iter().zip(z.iter_mut()))
+            .map(|((pred, ..), z)| Product::new(&pred.w1, Rows::All, z))
+            .collect();
+        dev.matvecs(h, &mut w1)?;
+        let mut w2: Vec<Product<D>> = (runs.iter().zip(z.iter()).zip(scores.iter_mut()))
+            .map(|(((pred, ..), z), sc)| Product::new(&pred.w2, Rows::All, sc).input(z))
+            .collect();
+        dev.matvecs(h, &mut w2)?;
+        let mut top: Vec<TopK<D>> = (runs.into_iter().zip(scores.iter()))
+            .map(|((pred, out, k), scores)| TopK {
+                scores,
+                n: pred.n_out,
+                k,
+                out,
+            })
+            .collect();
+        dev.top_ks(&mut top)?;
         Ok(())
     }
 
@@ -362,19 +416,38 @@ impl<'a, D: Device> DeviceSession<'a, D> {
         lap(clock, dev, |t| &mut t.predict)?;
         let (s, heads) = (&mut self.s, &self.plan.heads[l]);
         let n_sel = heads.count(c.n_heads);
-        dev.matvecs(
-            &s.h,
-            &mut [
-                Product::new(&lw.wq, heads.rows(hd), &mut s.q).bias(lw.bq.as_ref()),
-                Product::new(&lw.wk, Rows::All, &mut s.k).bias(lw.bk.as_ref()),
-                Product::new(&lw.wv, Rows::All, &mut s.v).bias(lw.bv.as_ref()),
-            ],
-        )?;
-        if let Some((theta, style)) = c.rope() {
-            dev.rope(&mut s.q, n_sel, hd, theta, style)?;
-            dev.rope(&mut s.k, c.n_kv_heads, hd, theta, style)?;
+        let q = Product::new(&lw.wq, heads.rows(hd), &mut s.q).bias(lw.bq.as_ref());
+        match &mut self.lazy[l] {
+            Some((inputs, valid)) => {
+                // Keys and values of the selected heads only, from the kept inputs.
+                dev.store_row(&s.h, inputs)?;
+                dev.matvecs(&s.h, &mut [q])?;
+                if let Some((theta, style)) = c.rope() {
+                    dev.rope(&mut s.q, n_sel, hd, theta, style)?;
+                }
+                let job = LazyKv {
+                    wk: &lw.wk,
+                    wv: &lw.wv,
+                    bk: lw.bk.as_ref(),
+                    bv: lw.bv.as_ref(),
+                    inputs,
+                    heads: heads.rows(1),
+                    head_dim: hd,
+                    rope: c.rope(),
+                };
+                dev.kv_fill(job, valid, &mut self.k[l], &mut self.v[l])?;
+            }
+            None => {
+                let k = Product::new(&lw.wk, Rows::All, &mut s.k).bias(lw.bk.as_ref());
+                let v = Product::new(&lw.wv, Rows::All, &mut s.v).bias(lw.bv.as_ref());
+                dev.matvecs(&s.h, &mut [q, k, v])?;
+                if let Some((theta, style)) = c.rope() {
+                    dev.rope(&mut s.q, n_sel, hd, theta, style)?;
+                    dev.rope(&mut s.k, c.n_kv_heads, hd, theta, style)?;
+                }
+                dev.store(&s.k, &s.v, &mut self.k[l], &mut self.v[l])?;
+            }
         }
-        dev.store(&s.k, &s.v, &mut self.k[l], &mut self.v[l])?;
         let geom = AttnGeom {
             n_heads: c.n_heads,
             n_kv_heads: c.n_kv_heads,
@@ -391,10 +464,7 @@ impl<'a, D: Device> DeviceSession<'a, D> {
         )?;
         match (heads.is_all(), &m.sparse) {
             (false, Some(sp)) => {
-                dev.axpy(&sp[l].1, heads.rows(hd), &s.att, &mut s.x)?;
-                if let Some(b) = &lw.bo {
-                    dev.add(&mut s.x, b, c.d_model)?;
-                }
+                dev.axpy(&sp[l].1, heads.rows(hd), &s.att, lw.bo.as_ref(), &mut s.x)?;
             }
             _ => dev.matvec(&lw.wo, Rows::All, &s.att, lw.bo.as_ref(), &mut s.x, true)?,
         }
@@ -429,10 +499,7 @@ impl<'a, D: Device> DeviceSession<'a, D> {
         };
         match (sel.is_all(), &m.sparse) {
             (false, Some(sp)) => {
-                dev.axpy(&sp[l].0, sel.rows(1), a, &mut s.x)?;
-                if let Some(b) = &lw.b_down {
-                    dev.add(&mut s.x, b, c.d_model)?;
-                }
+                dev.axpy(&sp[l].0, sel.rows(1), a, lw.b_down.as_ref(), &mut s.x)?;
             }
             _ => dev.matvec(&lw.w_down, Rows::All, a, lw.b_down.as_ref(), &mut s.x, true)?,
         }
@@ -489,8 +556,9 @@ fn post_norm<D: Device>(
 fn step_bytes<D: Device>(m: &DeviceModel<D>, p: &DevicePlan<D>) -> usize {
     let c = &m.config;
     let mut bytes = m.dense_bytes;
-    for (l, &(per_neuron, per_head)) in m.unit_bytes.iter().enumerate() {
+    for (l, &(per_neuron, per_head, kv_per_head)) in m.unit_bytes.iter().enumerate() {
         let (nm, nh) = (p.mlp[l].count(c.n_ff), p.heads[l].count(c.n_heads));
+        let per_head = per_head + if p.lazy_kv { kv_per_head } else { 0 };
         bytes -= (c.n_ff - nm) * per_neuron + (c.n_heads - nh) * per_head;
     }
     bytes

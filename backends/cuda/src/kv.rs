@@ -1,0 +1,89 @@
+//! Launches of lazy K/V (kvfill.cu): the kept attention inputs, and the keys and values a
+//! selected head missed.
+use crate::{launch, need, shape, type_suffix, Buf, Cache, CudaDevice, Idx};
+use cudarc::driver::PushKernelArg;
+use dejavu_backend_api::{BackendError, LazyKv, RopeStyle};
+
+impl CudaDevice {
+    /// `Device::store_row`.
+    pub(crate) fn launch_store_row(&self, x: &Buf, c: &mut Cache) -> Result<(), BackendError> {
+        need("store_row", x.0.len(), c.width)?;
+        let (xp, cp, sp) = (self.ptr(&x.0), self.ptr(&c.data), self.ptr(&self.step));
+        let (w, n) = (c.width as i32, c.n_ctx as i32);
+        let mut b = self.stream.launch_builder(self.func("store_row_f16"));
+        b.arg(&xp).arg(&cp).arg(&w).arg(&n).arg(&sp);
+        launch::run(b, launch::grid(c.width, 256))
+    }
+
+    /// `Device::kv_fill`: `kv_fill_T` (a warp per row pair of K or V of a selected head), then
+    /// `kv_mark`.
+    pub(crate) fn launch_kv_fill(
+        &self,
+        job: LazyKv<'_, Self>,
+        valid: &mut Idx,
+        kc: &mut Cache,
+        vc: &mut Cache,
+    ) -> Result<(), BackendError> {
+        let hd = job.head_dim;
+        let n_heads = job.wk.rows / hd.max(1);
+        let d = job.inputs.width;
+        let fits = hd > 0
+            && hd.is_multiple_of(2)
+            && job.wk.rows == n_heads * hd
+            && (job.wv.rows, job.wv.qtype) == (job.wk.rows, job.wk.qtype)
+            && job.wk.cols == d
+            && job.wv.cols == d
+            && d.is_multiple_of(8)
+            && kc.width == job.wk.rows
+            && (vc.width, vc.n_ctx) == (kc.width, kc.n_ctx)
+            && job.inputs.n_ctx >= kc.n_ctx;
+        if !fits {
+            return Err(shape(format!(
+                "lazy K/V of {n_heads} heads of {hd} over {d} inputs (even head size, inputs a \
+                 multiple of 8, one weight type)"
+            )));
+        }
+        need("kv_fill valid", valid.0.len(), n_heads)?;
+        for b in [job.bk, job.bv].into_iter().flatten() {
+            need("kv_fill bias", b.0.len(), kc.width)?;
+        }
+        let (ip, n_sel, group, _) = self.sel(job.heads, n_heads)?;
+        if group != 1 {
+            return Err(shape("lazy K/V selects heads (group 1)".into()));
+        }
+        if n_sel == 0 {
+            return Ok(());
+        }
+        let (theta, rope) = match job.rope {
+            None => (0.0f32, -1i32),
+            Some((t, RopeStyle::Interleaved)) => (t, 0),
+            Some((t, RopeStyle::Neox)) => (t, 1),
+        };
+        let ptrs = [
+            self.ptr(&job.wk.data),
+            self.ptr(&job.wv.data),
+            job.bk.map_or(0, |b| self.ptr(&b.0)),
+            job.bv.map_or(0, |b| self.ptr(&b.0)),
+            self.ptr(&job.inputs.data),
+        ];
+        let (vp, sp, kp, vcp) = (
+            self.ptr(&valid.0),
+            self.ptr(&self.step),
+            self.ptr(&kc.data),
+            self.ptr(&vc.data),
+        );
+        let (di, hdi, wi) = (d as i32, hd as i32, kc.width as i32);
+        let f = self.func(&format!("kv_fill_{}", type_suffix(job.wk.qtype)));
+        let mut b = self.stream.launch_builder(f);
+        for p in &ptrs {
+            b.arg(p);
+        }
+        b.arg(&di).arg(&ip).arg(&n_sel).arg(&hdi).arg(&vp).arg(&sp);
+        b.arg(&theta).arg(&rope).arg(&kp).arg(&vcp).arg(&wi);
+        // A warp per row pair of K or V of each selected head: n_sel * hd warps.
+        launch::run(b, launch::grid(n_sel as usize * hd * 32, 256))?;
+        let mut b = self.stream.launch_builder(self.func("kv_mark"));
+        b.arg(&ip).arg(&n_sel).arg(&vp).arg(&sp);
+        launch::run(b, launch::grid(n_sel as usize, 256))
+    }
+}

@@ -1,0 +1,194 @@
+//! Launch shapes of the products (matvec.cu, axpy.cu) and of the top-k selection (topk.cu):
+//! the checks of every buffer against the sizes the kernels will touch, then one launch.
+use crate::{
+    launch, need, shape, type_suffix, Buf, CudaDevice, Idx, Mat, MvJob, MvJobs, TkJob, TkJobs,
+};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+use dejavu_backend_api::{Activation, BackendError, Product, Rows, TopK};
+
+impl CudaDevice {
+    /// `Device::matvecs`: one launch per weight type, each job reading its own input.
+    pub(crate) fn launch_matvecs(
+        &self,
+        x: &Buf,
+        jobs: &mut [Product<'_, Self>],
+    ) -> Result<(), BackendError> {
+        if jobs.is_empty() || jobs.len() > 3 {
+            return Err(shape(format!(
+                "{} products in one launch (1 to 3)",
+                jobs.len()
+            )));
+        }
+        // One launch per weight type (a file may mix them: Q4_K with Q6_K rows).
+        if jobs.iter().any(|p| p.w.qtype != jobs[0].w.qtype) {
+            return jobs
+                .iter_mut()
+                .try_for_each(|p| self.launch_matvecs(x, std::slice::from_mut(p)));
+        }
+        let mut mv = MvJobs {
+            n: jobs.len() as i32,
+            ..Default::default()
+        };
+        let mut outs = Vec::new();
+        for (i, p) in jobs.iter().enumerate() {
+            let (w, px) = (p.w, p.x.unwrap_or(x));
+            let (ip, n_out, group, o) = self.sel(p.rows, w.rows)?;
+            need("matvec input", px.0.len(), w.cols)?;
+            need("matvec output", p.y.0.len(), o)?;
+            if let Some(b) = p.bias {
+                need("matvec bias", b.0.len(), w.rows)?;
+            }
+            outs.push(o);
+            mv.job[i] = MvJob {
+                w: self.ptr(&w.data),
+                idx: ip,
+                bias: p.bias.map_or(0, |b| self.ptr(&b.0)),
+                y: self.ptr(&p.y.0),
+                x: self.ptr(&px.0),
+                rows: w.rows as i32,
+                cols: w.cols as i32,
+                n_out,
+                group,
+                accumulate: p.accumulate as i32,
+                act: p.act.map_or(-1, act_code),
+                first_block: 0,
+                _pad: 0,
+            };
+        }
+        // Warps per output: 1 when the outputs fill the GPU `mv_fill` times over, else up to 8
+        // (split-K).
+        let (total, min_cols) = (
+            outs.iter().sum::<usize>(),
+            jobs.iter().map(|p| p.w.cols).min(),
+        );
+        let mut split = 1;
+        while split < 8
+            && total.div_ceil(8 * self.mv_rows / split) < self.mv_fill * self.n_sm
+            && min_cols.unwrap_or(0) >= 512 * split
+        {
+            split *= 2;
+        }
+        // Outputs per block: 8 warps of `mv_rows` rows, or 8 / split under split-K.
+        let per_block = if split == 1 {
+            8 * self.mv_rows
+        } else {
+            8 / split
+        };
+        let mut blocks = 0;
+        for (i, o) in outs.iter().enumerate() {
+            mv.job[i].first_block = blocks as i32;
+            blocks += o.div_ceil(per_block);
+        }
+        mv.split = split as i32;
+        let f = self.func(&format!("matvec_{}", type_suffix(jobs[0].w.qtype)));
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&mv);
+        launch::run(b, launch::grid(blocks * 256, 256))
+    }
+
+    /// `Device::axpy`: blocks of `256 * ax_vec` columns, the outputs split so that the grid
+    /// holds about `ax_fill` blocks per SM.
+    pub(crate) fn launch_axpy(
+        &self,
+        w: &Mat,
+        rows: Rows<'_, Idx>,
+        a: &Buf,
+        bias: Option<&Buf>,
+        y: &mut Buf,
+    ) -> Result<(), BackendError> {
+        let (ip, n_out, group, outs) = self.sel(rows, w.rows)?;
+        need("axpy activations", a.0.len(), outs)?;
+        need("axpy output", y.0.len(), w.cols)?;
+        if let Some(bb) = bias {
+            need("axpy bias", bb.0.len(), w.cols)?;
+        }
+        let f = self.func(&format!("axpy_{}", type_suffix(w.qtype)));
+        let tiles = w.cols.div_ceil(256 * self.ax_vec);
+        let splits = (self.ax_fill * self.n_sm / tiles).clamp(1, outs.div_ceil(8).max(1));
+        let (r, c) = (w.rows as i32, w.cols as i32);
+        let (wp, ap, yp) = (self.ptr(&w.data), self.ptr(&a.0), self.ptr(&y.0));
+        let bp = bias.map_or(0, |bb| self.ptr(&bb.0));
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&wp)
+            .arg(&r)
+            .arg(&c)
+            .arg(&ip)
+            .arg(&n_out)
+            .arg(&group)
+            .arg(&ap)
+            .arg(&bp)
+            .arg(&yp);
+        let cfg = LaunchConfig {
+            grid_dim: (tiles as u32, splits as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch::run(b, cfg)
+    }
+
+    /// `Device::top_ks`: `top_k_hist` then `top_k_select` (topk.cu), blocks of 1024 threads, a
+    /// row of blocks per selection (at most 3), with `tk_scratch` as their global state.
+    pub(crate) fn launch_top_ks(&self, jobs: &mut [TopK<'_, Self>]) -> Result<(), BackendError> {
+        if jobs.is_empty() || jobs.len() > 3 {
+            return Err(shape(format!(
+                "{} top-k selections in one launch (1 to 3)",
+                jobs.len()
+            )));
+        }
+        let mut tk = TkJobs {
+            n: jobs.len() as i32,
+            ..Default::default()
+        };
+        for (i, j) in jobs.iter().enumerate() {
+            let (n, k) = (j.n, j.k);
+            need("top_k scores", j.scores.0.len(), n)?;
+            if k == 0 || k > n || j.out.0.len() < k || n > i32::MAX as usize {
+                return Err(shape(format!(
+                    "top {k} of {n} into a list of {}",
+                    j.out.0.len()
+                )));
+            }
+            tk.job[i] = TkJob {
+                s: self.ptr(&j.scores.0),
+                out: self.ptr(&j.out.0),
+                n: n as i32,
+                k: k as i32,
+            };
+        }
+        let n_max = jobs.iter().map(|j| j.n).max().unwrap_or(0);
+        let grid = (n_max.div_ceil(1024) as u32, jobs.len() as u32, 1);
+        let scratch = self.ptr(&self.tk_scratch);
+        if n_max > 1024 {
+            let mut b = self.stream.launch_builder(self.func("top_k_hist"));
+            b.arg(&tk).arg(&scratch);
+            let cfg = LaunchConfig {
+                grid_dim: grid,
+                ..launch::one_block(1024)
+            };
+            launch::run(b, cfg)?;
+        }
+        // The last block of a selection may need every score's key in shared memory.
+        let smem = 4 * n_max;
+        self.allow_smem("top_k_select", smem)?;
+        let mut b = self.stream.launch_builder(self.func("top_k_select"));
+        b.arg(&tk).arg(&scratch);
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            shared_mem_bytes: smem as u32,
+            ..launch::one_block(1024)
+        };
+        launch::run(b, cfg)
+    }
+}
+
+/// u32s of one selection's global state (`TkScratch` in topk.cu: a 4096-bin histogram, 4
+/// counters, 8192 candidates).
+pub(crate) const TK_SCRATCH: usize = 4096 + 4 + 8192;
+
+/// `Activation` as the kernels' `act` (elementwise.cu).
+pub(crate) fn act_code(a: Activation) -> i32 {
+    match a {
+        Activation::Silu => 0,
+        Activation::Relu => 1,
+    }
+}
