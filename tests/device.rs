@@ -301,8 +301,7 @@ fn policy_runs_its_selection<D: Device>(dev: &D, spec: &str) -> usize {
 #[test]
 fn a_policy_on_the_reference_device_runs_the_plan_it_selects() {
     policy_runs_its_selection(&HostDevice::new(), "dejavu:0.1+dejavu-attn:0.5");
-    let missed =
-        policy_runs_its_selection(&HostDevice::new(), "dejavu:0.1+dejavu-attn:0.5+lazy-kv");
+    let missed = policy_runs_its_selection(&HostDevice::new(), "paper+lazy-kv");
     assert!(missed > 0, "no selected head had positions to recompute");
 }
 
@@ -382,16 +381,18 @@ mod cuda {
         }
     }
 
-    /// Deja Vu policies, with full and with lazy K/V, on the GPU run the plans they select (see
-    /// `policy_runs_its_selection`).
+    /// Deja Vu policies, with full and with lazy K/V, with and without lookahead, on the GPU run
+    /// the plans they select (see `policy_runs_its_selection`).
     #[test]
     fn a_policy_on_the_gpu_runs_the_plan_it_selects() {
         let Some(g) = gpu() else { return };
+        // Without and with lookahead (a second lane), with full and with lazy K/V.
         policy_runs_its_selection(&g, "dejavu:0.1+dejavu-attn:0.5");
-        let missed = policy_runs_its_selection(&g, "dejavu:0.1+dejavu-attn:0.5+lazy-kv");
+        policy_runs_its_selection(&g, "paper");
+        let missed = policy_runs_its_selection(&g, "dejavu:0.1+dejavu-attn:0.5+lookahead+lazy-kv");
         eprintln!(
-            "{}: Deja Vu policies (full and lazy K/V) run their own selections, {} steps each; \
-             {missed} selected heads recomputed missed positions",
+            "{}: Deja Vu policies (full and lazy K/V, lookahead) run their own selections, {} \
+             steps each; {missed} selected heads recomputed missed positions",
             g.name(),
             TOKENS.len() + 3
         );

@@ -244,6 +244,22 @@ pub trait Device: Send + Sync {
         style: RopeStyle,
     ) -> Result<(), BackendError>;
 
+    /// [`Device::rope`] of `q` (`n_q` heads) and of `k` (`n_k` heads), in one launch where the
+    /// device can.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_qk(
+        &self,
+        q: &mut Self::Buf,
+        n_q: usize,
+        k: &mut Self::Buf,
+        n_k: usize,
+        head_dim: usize,
+        theta: f32,
+        style: RopeStyle,
+    ) -> Result<(), BackendError> {
+        self.rope(q, n_q, head_dim, theta, style)?;
+        self.rope(k, n_k, head_dim, theta, style)
+    }
     /// `gate[i] = act(gate[i]) * up[i]` for `i < n`.
     fn glu(
         &self,
@@ -308,6 +324,22 @@ pub trait Device: Send + Sync {
     fn top_ks(&self, jobs: &mut [TopK<'_, Self>]) -> Result<(), BackendError> {
         jobs.iter_mut()
             .try_for_each(|j| self.top_k(j.scores, j.n, j.k, j.out))
+    }
+    /// Lanes (the paper's lookahead, the predictors overlapped with the layer): after `fork`,
+    /// verbs go to a second lane, which first waits for what the main lane has queued; after
+    /// `back`, to the main lane again while the second runs on; `join` makes the main lane wait
+    /// for what the second has queued. Verbs of the second lane may read what the main lane
+    /// wrote before the fork, and the main lane reads what they write only after the join; a
+    /// recording must join every fork. A device of one lane runs the verbs in the order given
+    /// (these defaults do nothing).
+    fn fork(&self) -> Result<(), BackendError> {
+        Ok(())
+    }
+    fn back(&self) -> Result<(), BackendError> {
+        Ok(())
+    }
+    fn join(&self) -> Result<(), BackendError> {
+        Ok(())
     }
     /// Wait until every queued verb has run.
     fn sync(&self) -> Result<(), BackendError>;

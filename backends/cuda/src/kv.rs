@@ -10,7 +10,7 @@ impl CudaDevice {
         need("store_row", x.0.len(), c.width)?;
         let (xp, cp, sp) = (self.ptr(&x.0), self.ptr(&c.data), self.ptr(&self.step));
         let (w, n) = (c.width as i32, c.n_ctx as i32);
-        let mut b = self.stream.launch_builder(self.func("store_row_f16"));
+        let mut b = self.lane().launch_builder(self.func("store_row_f16"));
         b.arg(&xp).arg(&cp).arg(&w).arg(&n).arg(&sp);
         launch::run(b, launch::grid(c.width, 256))
     }
@@ -74,7 +74,7 @@ impl CudaDevice {
         );
         let (di, hdi, wi) = (d as i32, hd as i32, kc.width as i32);
         let f = self.func(&format!("kv_fill_{}", type_suffix(job.wk.qtype)));
-        let mut b = self.stream.launch_builder(f);
+        let mut b = self.lane().launch_builder(f);
         for p in &ptrs {
             b.arg(p);
         }
@@ -82,7 +82,7 @@ impl CudaDevice {
         b.arg(&theta).arg(&rope).arg(&kp).arg(&vcp).arg(&wi);
         // A warp per row pair of K or V of each selected head: n_sel * hd warps.
         launch::run(b, launch::grid(n_sel as usize * hd * 32, 256))?;
-        let mut b = self.stream.launch_builder(self.func("kv_mark"));
+        let mut b = self.lane().launch_builder(self.func("kv_mark"));
         b.arg(&ip).arg(&n_sel).arg(&vp).arg(&sp);
         launch::run(b, launch::grid(n_sel as usize, 256))
     }

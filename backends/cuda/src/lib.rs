@@ -9,14 +9,15 @@
 //! capability, once per process. The driver and NVRTC are loaded at run time too, so this crate
 //! builds on machines without CUDA; [`CudaDevice::new`] says why when they are missing.
 use cudarc::driver::{
-    sys, CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr,
-    LaunchConfig, PushKernelArg,
+    sys, CudaContext, CudaEvent, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream,
+    DevicePtr, LaunchConfig, PushKernelArg,
 };
 use dejavu_backend_api::{
     Activation, AttnGeom, BackendError, Device, LazyKv, Product, QuantType, RopeStyle, Rows,
     StepRow, TopK, Weight,
 };
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 mod kv;
@@ -178,6 +179,13 @@ pub fn compile(arch: &str) -> Result<cudarc::nvrtc::Ptx, BackendError> {
 /// One GPU, one stream, the compiled kernels and the step's `{token, pos}` in device memory.
 pub struct CudaDevice {
     stream: Arc<CudaStream>,
+    /// The second lane (`Device::fork`), with the events that order it against the first, and
+    /// whether verbs go to it now. `SIDE=0` in `DEJAVU_CUDA_DEFINES` keeps one lane.
+    side: Arc<CudaStream>,
+    forked: CudaEvent,
+    joined: CudaEvent,
+    on_side: AtomicBool,
+    lanes: bool,
     _module: Arc<CudaModule>,
     funcs: HashMap<String, CudaFunction>,
     step: CudaSlice<i32>,
@@ -286,6 +294,11 @@ impl CudaDevice {
             .collect::<Result<HashMap<_, _>, BackendError>>()?;
         // A stream of its own: the legacy default stream cannot be captured.
         let stream = ctx.new_stream().map_err(dev_err)?;
+        let side = ctx.new_stream().map_err(dev_err)?;
+        let (forked, joined) = (
+            ctx.new_event(None).map_err(dev_err)?,
+            ctx.new_event(None).map_err(dev_err)?,
+        );
         let step = stream.alloc_zeros::<i32>(2).map_err(dev_err)?;
         let tk_scratch = (stream.alloc_zeros::<u32>(3 * products::TK_SCRATCH)).map_err(dev_err)?;
         let n_sm = ctx
@@ -294,6 +307,11 @@ impl CudaDevice {
         let name = ctx.name().map_err(dev_err)?;
         Ok(Self {
             stream,
+            side,
+            forked,
+            joined,
+            on_side: AtomicBool::new(false),
+            lanes: tuning("SIDE", 1, 0..=1) == 1,
             _module: module,
             funcs,
             step,
@@ -310,7 +328,36 @@ impl CudaDevice {
 
     /// Wait until every queued launch has run.
     pub fn synchronize(&self) -> Result<(), BackendError> {
+        self.side.synchronize().map_err(dev_err)?;
         self.stream.synchronize().map_err(dev_err)
+    }
+
+    /// rope.cu over `nx` heads at `x` and `ny` at `y` (lengths checked by the caller).
+    #[allow(clippy::too_many_arguments)]
+    fn launch_rope(
+        &self,
+        x: u64,
+        nx: usize,
+        y: u64,
+        ny: usize,
+        hd: usize,
+        theta: f32,
+        style: RopeStyle,
+    ) -> Result<(), BackendError> {
+        let neox = (style == RopeStyle::Neox) as i32;
+        let (nxi, nyi, hdi, sp) = (nx as i32, ny as i32, hd as i32, self.ptr(&self.step));
+        let mut b = self.lane().launch_builder(self.func("rope"));
+        b.arg(&x).arg(&nxi).arg(&y).arg(&nyi).arg(&hdi).arg(&sp);
+        b.arg(&theta).arg(&neox);
+        launch::run(b, launch::grid((nx + ny) * hd / 2, 128))
+    }
+
+    /// The stream that verbs go to now (see `Device::fork`).
+    fn lane(&self) -> &Arc<CudaStream> {
+        match self.on_side.load(Ordering::Relaxed) {
+            true => &self.side,
+            false => &self.stream,
+        }
     }
 
     fn func(&self, name: &str) -> &CudaFunction {
@@ -460,7 +507,7 @@ impl Device for CudaDevice {
         let f = self.func(&format!("embed_{}", type_suffix(t.qtype)));
         let (rows, cols, acc) = (t.rows as i32, t.cols as i32, acc as i32);
         let (wp, sp, xp) = (self.ptr(&t.data), self.ptr(&self.step), self.ptr(&x.0));
-        let mut b = self.stream.launch_builder(f);
+        let mut b = self.lane().launch_builder(f);
         b.arg(&wp)
             .arg(&rows)
             .arg(&cols)
@@ -492,7 +539,7 @@ impl Device for CudaDevice {
         need("rmsnorm input", x.0.len(), n)?;
         need("rmsnorm output", out.0.len(), n)?;
         let (xp, wp, op, ni) = (self.ptr(&x.0), self.ptr(&w.0), self.ptr(&out.0), n as i32);
-        let mut b = self.stream.launch_builder(self.func("rmsnorm"));
+        let mut b = self.lane().launch_builder(self.func("rmsnorm"));
         b.arg(&xp).arg(&wp).arg(&ni).arg(&eps).arg(&op);
         launch::run(b, launch::one_block(n))
     }
@@ -513,7 +560,7 @@ impl Device for CudaDevice {
         }
         let (xp, wp, op, ni) = (self.ptr(&x.0), self.ptr(&w.0), self.ptr(&out.0), n as i32);
         let bp = bias.map_or(0, |bb| self.ptr(&bb.0));
-        let mut b = self.stream.launch_builder(self.func("layernorm"));
+        let mut b = self.lane().launch_builder(self.func("layernorm"));
         b.arg(&xp).arg(&wp).arg(&bp).arg(&ni).arg(&eps).arg(&op);
         launch::run(b, launch::one_block(n))
     }
@@ -522,7 +569,7 @@ impl Device for CudaDevice {
         need("add output", x.0.len(), n)?;
         need("add input", y.0.len(), n)?;
         let (xp, yp, ni) = (self.ptr(&x.0), self.ptr(&y.0), n as i32);
-        let mut b = self.stream.launch_builder(self.func("add_f32"));
+        let mut b = self.lane().launch_builder(self.func("add_f32"));
         b.arg(&xp).arg(&yp).arg(&ni);
         launch::run(b, launch::grid(n, 256))
     }
@@ -531,7 +578,7 @@ impl Device for CudaDevice {
         need("copy input", x.0.len(), n)?;
         need("copy output", y.0.len(), n)?;
         let (xp, yp, ni) = (self.ptr(&x.0), self.ptr(&y.0), n as i32);
-        let mut b = self.stream.launch_builder(self.func("copy_f32"));
+        let mut b = self.lane().launch_builder(self.func("copy_f32"));
         b.arg(&xp).arg(&yp).arg(&ni);
         launch::run(b, launch::grid(n, 256))
     }
@@ -545,23 +592,30 @@ impl Device for CudaDevice {
         style: RopeStyle,
     ) -> Result<(), BackendError> {
         need("rope", x.0.len(), n_heads * head_dim)?;
-        let neox = (style == RopeStyle::Neox) as i32;
-        let (xp, sp, nh, hd) = (
-            self.ptr(&x.0),
-            self.ptr(&self.step),
-            n_heads as i32,
-            head_dim as i32,
-        );
-        let mut b = self.stream.launch_builder(self.func("rope"));
-        b.arg(&xp).arg(&nh).arg(&hd).arg(&sp).arg(&theta).arg(&neox);
-        launch::run(b, launch::grid(n_heads * head_dim / 2, 128))
+        self.launch_rope(self.ptr(&x.0), n_heads, 0, 0, head_dim, theta, style)
+    }
+
+    fn rope_qk(
+        &self,
+        q: &mut Buf,
+        n_q: usize,
+        k: &mut Buf,
+        n_k: usize,
+        head_dim: usize,
+        theta: f32,
+        style: RopeStyle,
+    ) -> Result<(), BackendError> {
+        need("rope queries", q.0.len(), n_q * head_dim)?;
+        need("rope keys", k.0.len(), n_k * head_dim)?;
+        let (qp, kp) = (self.ptr(&q.0), self.ptr(&k.0));
+        self.launch_rope(qp, n_q, kp, n_k, head_dim, theta, style)
     }
 
     fn glu(&self, act: Activation, gate: &mut Buf, up: &Buf, n: usize) -> Result<(), BackendError> {
         need("glu gate", gate.0.len(), n)?;
         need("glu up", up.0.len(), n)?;
         let (a, gp, up_, ni) = (act_code(act), self.ptr(&gate.0), self.ptr(&up.0), n as i32);
-        let mut b = self.stream.launch_builder(self.func("glu"));
+        let mut b = self.lane().launch_builder(self.func("glu"));
         b.arg(&a).arg(&gp).arg(&up_).arg(&ni);
         launch::run(b, launch::grid(n, 256))
     }
@@ -569,7 +623,7 @@ impl Device for CudaDevice {
     fn activate(&self, act: Activation, x: &mut Buf, n: usize) -> Result<(), BackendError> {
         need("activate", x.0.len(), n)?;
         let (a, xp, ni) = (act_code(act), self.ptr(&x.0), n as i32);
-        let mut b = self.stream.launch_builder(self.func("activate"));
+        let mut b = self.lane().launch_builder(self.func("activate"));
         b.arg(&a).arg(&xp).arg(&ni);
         launch::run(b, launch::grid(n, 256))
     }
@@ -602,7 +656,7 @@ impl Device for CudaDevice {
             self.ptr(&self.step),
         );
         let (w, n) = (kc.width as i32, kc.n_ctx as i32);
-        let mut b = self.stream.launch_builder(self.func("store_f16"));
+        let mut b = self.lane().launch_builder(self.func("store_f16"));
         b.arg(&kp)
             .arg(&vp)
             .arg(&kcp)
@@ -666,7 +720,7 @@ impl Device for CudaDevice {
             g.head_dim as i32,
             g.n_ctx as i32,
         );
-        let mut b = self.stream.launch_builder(f);
+        let mut b = self.lane().launch_builder(f);
         b.arg(&qp)
             .arg(&kp)
             .arg(&vp)
@@ -696,12 +750,33 @@ impl Device for CudaDevice {
         self.launch_top_ks(jobs)
     }
 
+    fn fork(&self) -> Result<(), BackendError> {
+        if self.lanes {
+            self.forked.record(&self.stream).map_err(dev_err)?;
+            self.side.wait(&self.forked).map_err(dev_err)?;
+            self.on_side.store(true, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+    fn back(&self) -> Result<(), BackendError> {
+        self.on_side.store(false, Ordering::Relaxed);
+        Ok(())
+    }
+    fn join(&self) -> Result<(), BackendError> {
+        self.on_side.store(false, Ordering::Relaxed);
+        if self.lanes {
+            self.joined.record(&self.side).map_err(dev_err)?;
+            self.stream.wait(&self.joined).map_err(dev_err)?;
+        }
+        Ok(())
+    }
     fn sync(&self) -> Result<(), BackendError> {
         self.synchronize()
     }
     fn begin_capture(&self) -> Result<bool, BackendError> {
         use sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL as MODE;
         self.synchronize()?;
+        self.on_side.store(false, Ordering::Relaxed);
         self.stream.begin_capture(MODE).map_err(dev_err)?;
         Ok(true)
     }

@@ -81,7 +81,7 @@ impl CudaDevice {
         }
         mv.split = split as i32;
         let f = self.func(&format!("matvec_{}", type_suffix(jobs[0].w.qtype)));
-        let mut b = self.stream.launch_builder(f);
+        let mut b = self.lane().launch_builder(f);
         b.arg(&mv);
         launch::run(b, launch::grid(blocks * 256, 256))
     }
@@ -108,7 +108,7 @@ impl CudaDevice {
         let (r, c) = (w.rows as i32, w.cols as i32);
         let (wp, ap, yp) = (self.ptr(&w.data), self.ptr(&a.0), self.ptr(&y.0));
         let bp = bias.map_or(0, |bb| self.ptr(&bb.0));
-        let mut b = self.stream.launch_builder(f);
+        let mut b = self.lane().launch_builder(f);
         b.arg(&wp)
             .arg(&r)
             .arg(&c)
@@ -159,7 +159,7 @@ impl CudaDevice {
         let grid = (n_max.div_ceil(1024) as u32, jobs.len() as u32, 1);
         let scratch = self.ptr(&self.tk_scratch);
         if n_max > 1024 {
-            let mut b = self.stream.launch_builder(self.func("top_k_hist"));
+            let mut b = self.lane().launch_builder(self.func("top_k_hist"));
             b.arg(&tk).arg(&scratch);
             let cfg = LaunchConfig {
                 grid_dim: grid,
@@ -170,7 +170,7 @@ impl CudaDevice {
         // The last block of a selection may need every score's key in shared memory.
         let smem = 4 * n_max;
         self.allow_smem("top_k_select", smem)?;
-        let mut b = self.stream.launch_builder(self.func("top_k_select"));
+        let mut b = self.lane().launch_builder(self.func("top_k_select"));
         b.arg(&tk).arg(&scratch);
         let cfg = LaunchConfig {
             grid_dim: grid,

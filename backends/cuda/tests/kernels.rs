@@ -285,6 +285,12 @@ fn elementwise_on<D: Device>(d: &D, x: &[f32], w: &[f32], b: &[f32], hd: usize) 
         let mut z = d.upload(x).unwrap();
         d.rope(&mut z, n / hd, hd, 10000.0, style).unwrap();
         out.extend(down(d, &z, n));
+        // Queries and keys in one launch: some heads of x, and all of w.
+        let (mut q, mut k) = (d.upload(x).unwrap(), d.upload(w).unwrap());
+        d.rope_qk(&mut q, n / hd - 1, &mut k, n / hd, hd, 500.0, style)
+            .unwrap();
+        out.extend(down(d, &q, n));
+        out.extend(down(d, &k, n));
     }
     for act in [Activation::Silu, Activation::Relu] {
         let mut g = d.upload(x).unwrap();

@@ -100,6 +100,9 @@ pub struct DevicePlan<D: Device> {
     /// Lazy K/V: layers with a head selection compute the keys and values of the selected heads
     /// only, and recompute the positions a head missed when it is selected again.
     pub(super) lazy_kv: bool,
+    /// Lookahead: the predictors that run at a layer overlap its attention block (a second
+    /// lane of the device, `Device::fork`).
+    pub(super) lookahead: bool,
 }
 
 impl<D: Device> DevicePlan<D> {
@@ -137,12 +140,14 @@ impl<D: Device> DevicePlan<D> {
             mlp_pred: none(),
             head_pred: none(),
             lazy_kv: false,
+            lookahead: false,
         })
     }
 
     /// A policy's rules on the device: dense layers, the Deja Vu predictors (`dejavu`,
-    /// `dejavu-attn`; `lookahead` is implied: the predictors run in the step's stream) and
-    /// `lazy-kv`. Rules that need the host's view of the activations are refused.
+    /// `dejavu-attn`; with `lookahead` they run on a second lane, overlapped with the layer's
+    /// attention) and `lazy-kv`. Rules that need the host's view of the activations are
+    /// refused.
     pub fn policy(dev: &D, cfg: &ModelConfig, p: &Policy) -> Result<Self> {
         let unsupported = |what: String| {
             Error::Backend(dejavu_backend_api::BackendError::Unsupported {
@@ -187,6 +192,7 @@ impl<D: Device> DevicePlan<D> {
             mlp_pred,
             head_pred,
             lazy_kv: p.kv == KvRule::Lazy,
+            lookahead: p.lookahead,
         })
     }
 

@@ -412,7 +412,17 @@ impl<'a, D: Device> DeviceSession<'a, D> {
         let hd = c.head_dim;
         block_input(dev, c, &lw.attn_norm, &self.s.x, &mut self.s.h)?;
         lap(clock, dev, |t| &mut t.attention)?;
+        // Lookahead: the predictors on a second lane while this layer's attention runs, unless
+        // they pick this layer's own heads (layer 0) or the blocks are being timed.
+        let own_heads = l == 0 && matches!(self.plan.heads[0], Sel::Predicted { .. });
+        let side = self.plan.lookahead && clock.is_none() && !own_heads;
+        if side {
+            dev.fork()?;
+        }
         self.predict(l)?;
+        if side {
+            dev.back()?;
+        }
         lap(clock, dev, |t| &mut t.predict)?;
         let (s, heads) = (&mut self.s, &self.plan.heads[l]);
         let n_sel = heads.count(c.n_heads);
@@ -442,8 +452,7 @@ impl<'a, D: Device> DeviceSession<'a, D> {
                 let v = Product::new(&lw.wv, Rows::All, &mut s.v).bias(lw.bv.as_ref());
                 dev.matvecs(&s.h, &mut [q, k, v])?;
                 if let Some((theta, style)) = c.rope() {
-                    dev.rope(&mut s.q, n_sel, hd, theta, style)?;
-                    dev.rope(&mut s.k, c.n_kv_heads, hd, theta, style)?;
+                    dev.rope_qk(&mut s.q, n_sel, &mut s.k, c.n_kv_heads, hd, theta, style)?;
                 }
                 dev.store(&s.k, &s.v, &mut self.k[l], &mut self.v[l])?;
             }
@@ -467,6 +476,10 @@ impl<'a, D: Device> DeviceSession<'a, D> {
                 dev.axpy(&sp[l].1, heads.rows(hd), &s.att, lw.bo.as_ref(), &mut s.x)?;
             }
             _ => dev.matvec(&lw.wo, Rows::All, &s.att, lw.bo.as_ref(), &mut s.x, true)?,
+        }
+        // The predictors read `s.h` and write the MLP's selection: done before either changes.
+        if side {
+            dev.join()?;
         }
         post_norm(dev, c, &lw.attn_norm, &mut s.x, &mut s.h)?;
         lap(clock, dev, |t| &mut t.attention)

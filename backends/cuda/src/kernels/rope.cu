@@ -1,13 +1,15 @@
-// Rotate n_heads heads of head_dim at the step's position (step[1]). neox = 0: pairs (2i,
-// 2i+1); neox = 1: pairs (i, i + hd/2). Angle of pair i: pos * theta^(-2i/hd).
-extern "C" __global__ void rope(float* x, int n_heads, int hd, const int* step, float theta, int neox) {
+// Rotate nx heads of x, then ny heads of y (queries and keys in one launch), of head_dim hd,
+// at the step's position (step[1]). neox = 0: pairs (2i, 2i+1); neox = 1: pairs (i, i + hd/2).
+// Angle of pair i: pos * theta^(-2i/hd).
+extern "C" __global__ void rope(float* x, int nx, float* y, int ny, int hd, const int* step,
+                                float theta, int neox) {
     int t = blockIdx.x * blockDim.x + threadIdx.x, half = hd / 2;
-    if (t >= n_heads * half) return;
+    if (t >= (nx + ny) * half) return;
     int h = t / half, i = t % half;
     double ang = (double)step[1] * pow((double)theta, -2.0 * (double)i / (double)hd), sd, cd;
     sincos(ang, &sd, &cd);  // in f64, as the CPU reference
     float c = (float)cd, s = (float)sd;
-    float* p = x + (size_t)h * hd;
+    float* p = h < nx ? x + (size_t)h * hd : y + (size_t)(h - nx) * hd;
     int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
     float x0 = p[a], x1 = p[b];
     p[a] = x0 * c - x1 * s;
