@@ -1,7 +1,7 @@
 //! Launches of lazy K/V (kvfill.cu): the kept attention inputs, and the keys and values a
 //! selected head missed.
 use crate::{launch, need, shape, type_suffix, Buf, Cache, CudaDevice, Idx};
-use cudarc::driver::PushKernelArg;
+use cudarc::driver::{LaunchConfig, PushKernelArg};
 use dejavu_backend_api::{BackendError, LazyKv, RopeStyle};
 
 impl CudaDevice {
@@ -80,8 +80,14 @@ impl CudaDevice {
         }
         b.arg(&di).arg(&ip).arg(&n_sel).arg(&hdi).arg(&vp).arg(&sp);
         b.arg(&theta).arg(&rope).arg(&kp).arg(&vcp).arg(&wi);
-        // A warp per row pair of K or V of each selected head: n_sel * hd warps.
-        launch::run(b, launch::grid(n_sel as usize * hd * 32, 256))?;
+        // A warp per row pair of K or V of each selected head (n_sel * hd warps) and chunk of
+        // positions: 4 rows of blocks, so that up to 4 chunks of a head that missed many run at
+        // once (the rows with none to fill return at once).
+        let cfg = LaunchConfig {
+            grid_dim: ((n_sel as usize * hd).div_ceil(8) as u32, 4, 1),
+            ..launch::grid(1, 256)
+        };
+        launch::run(b, cfg)?;
         let mut b = self.lane().launch_builder(self.func("kv_mark"));
         b.arg(&ip).arg(&n_sel).arg(&vp).arg(&sp);
         launch::run(b, launch::grid(n_sel as usize, 256))

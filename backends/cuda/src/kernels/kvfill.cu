@@ -4,8 +4,8 @@
 // One warp per (K or V, selected head j, row pair i): the rows a and b of head h = idx[j] that
 // RoPE rotates together ((2i, 2i+1) interleaved, (i, i + hd/2) neox; the same pairs without
 // RoPE). For the missing positions p = valid[h] ..= pos, KV_POS at a time (past the last, the
-// last one again, unused), each lane dots 8 columns of both rows with those inputs (the rows
-// read once per KV_POS positions), a warp sum,
+// last one again, unused; the chunks shared among gridDim.y warps), each lane dots 8 columns of
+// both rows with those inputs (the rows read once per KV_POS positions), a warp sum,
 // then lane 0 adds the biases, rotates keys at position p (angles in f64, as rope.cu) and
 // stores f16 into the caches (`width` values a position). rope: -1 none, 0 interleaved, 1
 // neox. d a multiple of 8.
@@ -29,7 +29,9 @@ __device__ void kv_fill(const u8* wk, const u8* wv, const float* bk, const float
     size_t rb = row_bytes<T>(d);
     const u8 *row_a = w + (size_t)a * rb, *row_b = w + (size_t)b * rb;
     int last = step[1];
-    for (int p0 = (int)valid[h]; p0 <= last; p0 += KV_POS) {
+    // Block row y takes the position chunks y, y + gridDim.y, ... (a head that missed many
+    // positions, after a long gap, is spread over several warps, not left to one).
+    for (int p0 = (int)valid[h] + blockIdx.y * KV_POS; p0 <= last; p0 += gridDim.y * KV_POS) {
         int np = min(KV_POS, last - p0 + 1);
         float sa[KV_POS], sb[KV_POS];
 #pragma unroll
