@@ -93,15 +93,14 @@ pub struct TopK<'a, D: Device + ?Sized> {
 }
 
 /// One layer's lazy K/V ([`Device::kv_fill`], multi-head attention): its key and value
-/// projections, the heads selected at this step, the step's attention input, and the layer's
-/// kept attention inputs (`inputs` row `p`: the input at position `p`).
+/// projections, the heads selected at this step, and the layer's kept attention inputs
+/// (`inputs` row `p`: the input at position `p`, [`Device::store_row`]).
 pub struct LazyKv<'a, D: Device + ?Sized> {
     pub wk: &'a D::Mat,
     pub wv: &'a D::Mat,
     pub bk: Option<&'a D::Buf>,
     pub bv: Option<&'a D::Buf>,
-    pub input: &'a D::Buf,
-    pub inputs: &'a mut D::Cache,
+    pub inputs: &'a D::Cache,
     /// Query (= KV) heads, group 1.
     pub heads: Rows<'a, D::Idx>,
     pub head_dim: usize,
@@ -285,9 +284,8 @@ pub trait Device: Send + Sync {
     /// `c[pos] = x[..c.width]` in f16, at the step's position (a layer's attention input, kept
     /// for lazy K/V).
     fn store_row(&self, x: &Self::Buf, c: &mut Self::Cache) -> Result<(), BackendError>;
-    /// Lazy K/V (the paper's recompute): keeps the step's input (`inputs[pos] = input`, in
-    /// f16), then for each selected head `h` computes the keys and values of the positions
-    /// `valid[h]..=pos` it is missing, from the kept inputs:
+    /// Lazy K/V (the paper's recompute): for each selected head `h`, the keys and values of the
+    /// positions `valid[h]..=pos` it is missing, from the kept inputs:
     /// `k[p][h] = rope_p(W_k[h] inputs[p] + b_k[h])`, `v[p][h] = W_v[h] inputs[p] + b_v[h]`
     /// (`W_k[h]`: the head's `head_dim` rows); then `valid[h] = pos + 1`. `valid` holds one
     /// entry per head, each at most `pos + 1`.

@@ -367,11 +367,9 @@ impl Device for HostDevice {
             )));
         }
         need("kv_fill valid", valid.len(), n_heads)?;
-        need("kv_fill input", job.input.len(), d)?;
         for b in [job.bk, job.bv].into_iter().flatten() {
             need("kv_fill bias", b.len(), kc.width)?;
         }
-        self.store_row(job.input, job.inputs)?;
         let (mut row, mut input) = (vec![0.0; d], vec![0.0; d]);
         for h in rows_of(job.heads, n_heads)? {
             for p in valid[h] as usize..=pos {

@@ -238,7 +238,7 @@ fn main() {
     // Lazy K/V of half the heads at position 128, each missing 2 positions (the steady state of
     // random selections of half the heads), against K and V of every head.
     let (mut kc2, mut vc2) = (dev.cache(1024, d).unwrap(), dev.cache(1024, d).unwrap());
-    let mut kept = dev.cache(1024, d).unwrap();
+    let kept = dev.cache(1024, d).unwrap();
     let hsel1 = Rows::Sel {
         idx: &hsel_idx,
         count: nh / 2,
@@ -284,8 +284,7 @@ fn main() {
                 wv: &sq,
                 bk: None,
                 bv: None,
-                input: &x,
-                inputs: &mut kept,
+                inputs: &kept,
                 heads: hsel1,
                 head_dim: hd,
                 rope: None,

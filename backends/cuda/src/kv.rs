@@ -15,8 +15,8 @@ impl CudaDevice {
         launch::run(b, launch::grid(c.width, 256))
     }
 
-    /// `Device::kv_fill`: `kv_fill_T`, a warp per row pair of K or V of a selected head and
-    /// chunk of positions (its last block marks the heads valid, counted in `kv_done`).
+    /// `Device::kv_fill`: `kv_fill_T` (a warp per row pair of K or V of a selected head), then
+    /// `kv_mark`.
     pub(crate) fn launch_kv_fill(
         &self,
         job: LazyKv<'_, Self>,
@@ -44,7 +44,6 @@ impl CudaDevice {
             )));
         }
         need("kv_fill valid", valid.0.len(), n_heads)?;
-        need("kv_fill input", job.input.0.len(), d)?;
         for b in [job.bk, job.bv].into_iter().flatten() {
             need("kv_fill bias", b.0.len(), kc.width)?;
         }
@@ -65,7 +64,6 @@ impl CudaDevice {
             self.ptr(&job.wv.data),
             job.bk.map_or(0, |b| self.ptr(&b.0)),
             job.bv.map_or(0, |b| self.ptr(&b.0)),
-            self.ptr(&job.input.0),
             self.ptr(&job.inputs.data),
         ];
         let (vp, sp, kp, vcp) = (
@@ -74,26 +72,14 @@ impl CudaDevice {
             self.ptr(&kc.data),
             self.ptr(&vc.data),
         );
-        let (di, hdi, wi, nc) = (d as i32, hd as i32, kc.width as i32, kc.n_ctx as i32);
-        let done = self.ptr(&self.kv_done);
+        let (di, hdi, wi) = (d as i32, hd as i32, kc.width as i32);
         let f = self.func(&format!("kv_fill_{}", type_suffix(job.wk.qtype)));
         let mut b = self.lane().launch_builder(f);
         for p in &ptrs {
             b.arg(p);
         }
-        b.arg(&di)
-            .arg(&ip)
-            .arg(&n_sel)
-            .arg(&hdi)
-            .arg(&vp)
-            .arg(&sp)
-            .arg(&nc);
-        b.arg(&theta)
-            .arg(&rope)
-            .arg(&kp)
-            .arg(&vcp)
-            .arg(&wi)
-            .arg(&done);
+        b.arg(&di).arg(&ip).arg(&n_sel).arg(&hdi).arg(&vp).arg(&sp);
+        b.arg(&theta).arg(&rope).arg(&kp).arg(&vcp).arg(&wi);
         // A warp per row pair of K or V of each selected head (n_sel * hd warps) and chunk of
         // positions: 4 rows of blocks, so that up to 4 chunks of a head that missed many run at
         // once (the rows with none to fill return at once).
@@ -101,6 +87,9 @@ impl CudaDevice {
             grid_dim: ((n_sel as usize * hd).div_ceil(8) as u32, 4, 1),
             ..launch::grid(1, 256)
         };
-        launch::run(b, cfg)
+        launch::run(b, cfg)?;
+        let mut b = self.lane().launch_builder(self.func("kv_mark"));
+        b.arg(&ip).arg(&n_sel).arg(&vp).arg(&sp);
+        launch::run(b, launch::grid(n_sel as usize, 256))
     }
 }

@@ -197,8 +197,6 @@ pub struct CudaDevice {
     /// The global state of `top_k_select`: 3 selections' `products::TK_SCRATCH`, zero between
     /// launches.
     tk_scratch: CudaSlice<u32>,
-    /// The blocks of a `kv_fill` launch done so far (zero between launches).
-    kv_done: CudaSlice<u32>,
     /// 256-column chunks per axpy block, and axpy blocks per SM (see `tuning`).
     ax_vec: usize,
     ax_fill: usize,
@@ -278,6 +276,7 @@ impl CudaDevice {
             "add_f32",
             "store_f16",
             "attention_f16",
+            "kv_mark",
             "store_row_f16",
             "top_k_hist",
             "top_k_select",
@@ -302,7 +301,6 @@ impl CudaDevice {
         );
         let step = stream.alloc_zeros::<i32>(2).map_err(dev_err)?;
         let tk_scratch = (stream.alloc_zeros::<u32>(3 * products::TK_SCRATCH)).map_err(dev_err)?;
-        let kv_done = stream.alloc_zeros::<u32>(1).map_err(dev_err)?;
         let n_sm = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(dev_err)? as usize;
@@ -318,7 +316,6 @@ impl CudaDevice {
             funcs,
             step,
             tk_scratch,
-            kv_done,
             n_sm,
             mv_rows: mv_rows(),
             mv_fill: tuning("MV_FILL", 8, 1..=64),

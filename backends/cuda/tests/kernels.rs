@@ -478,15 +478,11 @@ fn kv_fill_on<D: Device>(
     let bias = d
         .upload(&(0..nh * hd).map(|i| i as f32 * 0.01).collect::<Vec<_>>())
         .unwrap();
-    // Earlier positions kept by store_row, the last one's input given to the fill.
-    let (last, earlier) = inputs.split_last().unwrap();
     let mut kept = d.cache(n_ctx, dm).unwrap();
-    for (p, x) in earlier.iter().enumerate() {
+    for (p, x) in inputs.iter().enumerate() {
         d.set_step(0, p).unwrap();
         d.store_row(&d.upload(x).unwrap(), &mut kept).unwrap();
     }
-    d.set_step(0, earlier.len()).unwrap();
-    let input = d.upload(last).unwrap();
     let (mut kc, mut vc) = (
         d.cache(n_ctx, nh * hd).unwrap(),
         d.cache(n_ctx, nh * hd).unwrap(),
@@ -498,8 +494,7 @@ fn kv_fill_on<D: Device>(
         wv: &wv,
         bk: Some(&bias),
         bv: None,
-        input: &input,
-        inputs: &mut kept,
+        inputs: &kept,
         heads: Rows::Sel {
             idx: &idx,
             count: heads.len(),

@@ -429,8 +429,8 @@ impl<'a, D: Device> DeviceSession<'a, D> {
         let q = Product::new(&lw.wq, heads.rows(hd), &mut s.q).bias(lw.bq.as_ref());
         match &mut self.lazy[l] {
             Some((inputs, valid)) => {
-                // Keys and values of the selected heads only, from the kept inputs (this step's
-                // kept by the fill).
+                // Keys and values of the selected heads only, from the kept inputs.
+                dev.store_row(&s.h, inputs)?;
                 dev.matvecs(&s.h, &mut [q])?;
                 if let Some((theta, style)) = c.rope() {
                     dev.rope(&mut s.q, n_sel, hd, theta, style)?;
@@ -440,7 +440,6 @@ impl<'a, D: Device> DeviceSession<'a, D> {
                     wv: &lw.wv,
                     bk: lw.bk.as_ref(),
                     bv: lw.bv.as_ref(),
-                    input: &s.h,
                     inputs,
                     heads: heads.rows(1),
                     head_dim: hd,
