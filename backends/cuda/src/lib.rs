@@ -117,11 +117,12 @@ fn defines() -> Vec<(String, String)> {
 }
 
 /// A tuning constant of `DEJAVU_CUDA_DEFINES` that the host's launch shapes depend on too
-/// (`MV_ROWS`: rows per warp of matvec.cu; `MV_FILL`: the blocks per SM under which a product
-/// splits its rows; `AX_VEC`: 256-column chunks per block of axpy.cu; `AX_FILL`: axpy blocks
-/// per SM), or `default` when unset or outside `range`. Defaults measured on the H200: an
-/// `AX_FILL` of 2 ran the axpy over 10% of OPT-30B's fc2 rows at 3.2 TB/s, against 2.6 for 4;
-/// an `MV_FILL` of 8 the gather of 10% of its fc1 rows at 3.3 TB/s, against 2.5 for 2.
+/// (`MV_ROWS`: rows per warp of matvec.cu; `MV_FILL`, `MV_FILL_SEL`: the blocks per SM under
+/// which a product of every row, or a gather over a selection, splits its rows; `AX_VEC`:
+/// 256-column chunks per block of axpy.cu; `AX_FILL`: axpy blocks per SM), or `default` when
+/// unset or outside `range`. Defaults measured on the H200: an `AX_FILL` of 2 ran the axpy over
+/// 10% of OPT-30B's fc2 rows at 3.2 TB/s, against 2.6 for 4; a fill of 8 the gather of 10% of
+/// its fc1 rows at 3.3 TB/s, against 2.5 for 2, but its dense step 2-3% slower than 2.
 fn tuning(name: &str, default: usize, range: std::ops::RangeInclusive<usize>) -> usize {
     (defines().into_iter().find(|(k, _)| k == name))
         .and_then(|(_, v)| v.parse().ok())
@@ -190,10 +191,11 @@ pub struct CudaDevice {
     funcs: HashMap<String, CudaFunction>,
     step: CudaSlice<i32>,
     n_sm: usize,
-    /// Rows per warp of the matvec kernels, and the blocks per SM under which they split rows
-    /// (see `tuning`).
+    /// Rows per warp of the matvec kernels, and the blocks per SM under which they split rows:
+    /// products of every row, and gathers over a selection (see `tuning`).
     mv_rows: usize,
     mv_fill: usize,
+    mv_fill_sel: usize,
     /// The global state of `top_k_select`: 3 selections' `products::TK_SCRATCH`, zero between
     /// launches.
     tk_scratch: CudaSlice<u32>,
@@ -318,7 +320,8 @@ impl CudaDevice {
             tk_scratch,
             n_sm,
             mv_rows: mv_rows(),
-            mv_fill: tuning("MV_FILL", 8, 1..=64),
+            mv_fill: tuning("MV_FILL", 2, 1..=64),
+            mv_fill_sel: tuning("MV_FILL_SEL", 8, 1..=64),
             ax_vec: ax_vec(),
             ax_fill: tuning("AX_FILL", 2, 1..=64),
             name,

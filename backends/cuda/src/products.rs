@@ -55,15 +55,22 @@ impl CudaDevice {
                 _pad: 0,
             };
         }
-        // Warps per output: 1 when the outputs fill the GPU `mv_fill` times over, else up to 8
+        // Warps per output: 1 when the outputs fill the GPU `mv_fill` times over (`mv_fill_sel`
+        // for gathers: their rows are scattered, so they need more in flight), else up to 8
         // (split-K).
         let (total, min_cols) = (
             outs.iter().sum::<usize>(),
             jobs.iter().map(|p| p.w.cols).min(),
         );
+        let gather = jobs.iter().any(|p| matches!(p.rows, Rows::Sel { .. }));
+        let fill = if gather {
+            self.mv_fill_sel
+        } else {
+            self.mv_fill
+        };
         let mut split = 1;
         while split < 8
-            && total.div_ceil(8 * self.mv_rows / split) < self.mv_fill * self.n_sm
+            && total.div_ceil(8 * self.mv_rows / split) < fill * self.n_sm
             && min_cols.unwrap_or(0) >= 512 * split
         {
             split *= 2;
