@@ -10,7 +10,7 @@
 //! builds on machines without CUDA; [`CudaDevice::new`] says why when they are missing.
 use cudarc::driver::{
     sys, CudaContext, CudaEvent, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream,
-    DevicePtr, LaunchConfig, PushKernelArg,
+    DevicePtr, PushKernelArg,
 };
 use dejavu_backend_api::{
     Activation, AttnGeom, BackendError, Device, LazyKv, Product, QuantType, RopeStyle, Rows,
@@ -20,6 +20,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
+mod attention;
 mod kv;
 mod launch;
 mod products;
@@ -53,60 +54,6 @@ fn type_suffix(q: QuantType) -> &'static str {
         QuantType::Q6K => "q6_k",
     }
 }
-
-/// One product of `matvec_jobs` (`MvJob` in matvec.cu: same fields, same order).
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct MvJob {
-    w: u64,
-    idx: u64,
-    bias: u64,
-    y: u64,
-    x: u64,
-    rows: i32,
-    cols: i32,
-    n_out: i32,
-    group: i32,
-    accumulate: i32,
-    act: i32,
-    first_block: i32,
-    _pad: i32,
-}
-
-/// `MvJobs` in matvec.cu.
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct MvJobs {
-    job: [MvJob; 3],
-    n: i32,
-    split: i32,
-}
-
-// SAFETY: plain `repr(C)` data of integers, laid out as the kernel's struct (8-byte pointers
-// first, then 4-byte ints: no padding inside; 224 bytes in all).
-unsafe impl cudarc::driver::DeviceRepr for MvJobs {}
-
-/// One selection of `top_k_jobs` (`TkJob` in topk.cu).
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct TkJob {
-    s: u64,
-    out: u64,
-    n: i32,
-    k: i32,
-}
-
-/// `TkJobs` in topk.cu.
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct TkJobs {
-    job: [TkJob; 3],
-    n: i32,
-    _pad: i32,
-}
-
-// SAFETY: as for `MvJobs`: pointers, then ints, no padding inside (80 bytes).
-unsafe impl cudarc::driver::DeviceRepr for TkJobs {}
 
 /// The `NAME=VALUE` pairs of `DEJAVU_CUDA_DEFINES` (kernel tuning constants).
 fn defines() -> Vec<(String, String)> {
@@ -679,66 +626,7 @@ impl Device for CudaDevice {
         g: AttnGeom,
         out: &mut Buf,
     ) -> Result<(), BackendError> {
-        let width = g.n_kv_heads * g.head_dim;
-        if g.n_kv_heads == 0 || !g.n_heads.is_multiple_of(g.n_kv_heads) {
-            return Err(shape(format!(
-                "{} query heads over {} KV heads",
-                g.n_heads, g.n_kv_heads
-            )));
-        }
-        for c in [k, v] {
-            if c.width != width || c.n_ctx < g.n_ctx {
-                return Err(shape(format!(
-                    "cache of {}x{} for attention over {}x{width}",
-                    c.n_ctx, c.width, g.n_ctx
-                )));
-            }
-        }
-        let (ip, _, _, n_sel) = self.sel(heads, g.n_heads)?;
-        if n_sel == 0 {
-            return Ok(()); // no head selected: nothing to write
-        }
-        // One block per selected head (`n_sel` heads: the selection's group is 1).
-        need("attention queries", q.0.len(), n_sel * g.head_dim)?;
-        need("attention output", out.0.len(), n_sel * g.head_dim)?;
-        if !g.head_dim.is_multiple_of(8) || g.head_dim > 256 {
-            return Err(BackendError::Unsupported {
-                backend: self.name(),
-                what: format!("head size {} (a multiple of 8, at most 256)", g.head_dim),
-            });
-        }
-        let smem = (g.head_dim + g.n_ctx) * 4;
-        self.allow_smem("attention_f16", smem)?;
-        let f = self.func("attention_f16");
-        let (qp, kp, vp, op, sp) = (
-            self.ptr(&q.0),
-            self.ptr(&k.data),
-            self.ptr(&v.data),
-            self.ptr(&out.0),
-            self.ptr(&self.step),
-        );
-        let (nh, nkv, hd, nc) = (
-            g.n_heads as i32,
-            g.n_kv_heads as i32,
-            g.head_dim as i32,
-            g.n_ctx as i32,
-        );
-        let mut b = self.lane().launch_builder(f);
-        b.arg(&qp)
-            .arg(&kp)
-            .arg(&vp)
-            .arg(&ip)
-            .arg(&nh)
-            .arg(&nkv)
-            .arg(&hd)
-            .arg(&nc);
-        b.arg(&sp).arg(&op);
-        let cfg = LaunchConfig {
-            grid_dim: (n_sel.max(1) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: smem as u32,
-        };
-        launch::run(b, cfg)
+        self.launch_attention(q, k, v, heads, g, out)
     }
 
     fn top_k(&self, s: &Buf, n: usize, k: usize, out: &mut Idx) -> Result<(), BackendError> {

@@ -1,10 +1,62 @@
 //! Launch shapes of the products (matvec.cu, axpy.cu) and of the top-k selection (topk.cu):
 //! the checks of every buffer against the sizes the kernels will touch, then one launch.
-use crate::{
-    launch, need, shape, type_suffix, Buf, CudaDevice, Idx, Mat, MvJob, MvJobs, TkJob, TkJobs,
-};
+use crate::{launch, need, shape, type_suffix, Buf, CudaDevice, Idx, Mat};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use dejavu_backend_api::{Activation, BackendError, Product, Rows, TopK};
+
+/// One product of `matvec_jobs` (`MvJob` in matvec.cu: same fields, same order).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct MvJob {
+    w: u64,
+    idx: u64,
+    bias: u64,
+    y: u64,
+    x: u64,
+    rows: i32,
+    cols: i32,
+    n_out: i32,
+    group: i32,
+    accumulate: i32,
+    act: i32,
+    first_block: i32,
+    _pad: i32,
+}
+
+/// `MvJobs` in matvec.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct MvJobs {
+    job: [MvJob; 3],
+    n: i32,
+    split: i32,
+}
+
+// SAFETY: plain `repr(C)` data of integers, laid out as the kernel's struct (8-byte pointers
+// first, then 4-byte ints: no padding inside; 224 bytes in all).
+unsafe impl cudarc::driver::DeviceRepr for MvJobs {}
+
+/// One selection of `top_k_jobs` (`TkJob` in topk.cu).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct TkJob {
+    s: u64,
+    out: u64,
+    n: i32,
+    k: i32,
+}
+
+/// `TkJobs` in topk.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct TkJobs {
+    job: [TkJob; 3],
+    n: i32,
+    _pad: i32,
+}
+
+// SAFETY: as for `MvJobs`: pointers, then ints, no padding inside (80 bytes).
+unsafe impl cudarc::driver::DeviceRepr for TkJobs {}
 
 impl CudaDevice {
     /// `Device::matvecs`: one launch per weight type, each job reading its own input.

@@ -1,0 +1,78 @@
+//! The launch of attention.cu: one block per selected query head over the f16 caches.
+use crate::{launch, need, shape, Buf, Cache, CudaDevice, Idx};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+use dejavu_backend_api::{AttnGeom, BackendError, Device, Rows};
+
+impl CudaDevice {
+    /// `Device::attention`.
+    pub(crate) fn launch_attention(
+        &self,
+        q: &Buf,
+        k: &Cache,
+        v: &Cache,
+        heads: Rows<'_, Idx>,
+        g: AttnGeom,
+        out: &mut Buf,
+    ) -> Result<(), BackendError> {
+        let width = g.n_kv_heads * g.head_dim;
+        if g.n_kv_heads == 0 || !g.n_heads.is_multiple_of(g.n_kv_heads) {
+            return Err(shape(format!(
+                "{} query heads over {} KV heads",
+                g.n_heads, g.n_kv_heads
+            )));
+        }
+        for c in [k, v] {
+            if c.width != width || c.n_ctx < g.n_ctx {
+                return Err(shape(format!(
+                    "cache of {}x{} for attention over {}x{width}",
+                    c.n_ctx, c.width, g.n_ctx
+                )));
+            }
+        }
+        let (ip, _, _, n_sel) = self.sel(heads, g.n_heads)?;
+        if n_sel == 0 {
+            return Ok(()); // no head selected: nothing to write
+        }
+        // One block per selected head (`n_sel` heads: the selection's group is 1).
+        need("attention queries", q.0.len(), n_sel * g.head_dim)?;
+        need("attention output", out.0.len(), n_sel * g.head_dim)?;
+        if !g.head_dim.is_multiple_of(8) || g.head_dim > 256 {
+            return Err(BackendError::Unsupported {
+                backend: self.name(),
+                what: format!("head size {} (a multiple of 8, at most 256)", g.head_dim),
+            });
+        }
+        let smem = (g.head_dim + g.n_ctx) * 4;
+        self.allow_smem("attention_f16", smem)?;
+        let f = self.func("attention_f16");
+        let (qp, kp, vp, op, sp) = (
+            self.ptr(&q.0),
+            self.ptr(&k.data),
+            self.ptr(&v.data),
+            self.ptr(&out.0),
+            self.ptr(&self.step),
+        );
+        let (nh, nkv, hd, nc) = (
+            g.n_heads as i32,
+            g.n_kv_heads as i32,
+            g.head_dim as i32,
+            g.n_ctx as i32,
+        );
+        let mut b = self.lane().launch_builder(f);
+        b.arg(&qp)
+            .arg(&kp)
+            .arg(&vp)
+            .arg(&ip)
+            .arg(&nh)
+            .arg(&nkv)
+            .arg(&hd)
+            .arg(&nc);
+        b.arg(&sp).arg(&op);
+        let cfg = LaunchConfig {
+            grid_dim: (n_sel.max(1) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        launch::run(b, cfg)
+    }
+}
