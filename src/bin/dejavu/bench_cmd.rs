@@ -119,6 +119,14 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
         let policies = (a.sparsity.iter())
             .map(|spec| policy_for(&engine, spec, a.predictors.as_deref()))
             .collect::<Result<Vec<_>>>()?;
+        if a.n_prompt > 0 {
+            // Said, not silently skipped: the device decoder has no batched prompt kernels.
+            eprintln!(
+                "note: --backend cuda measures decoding only; a prompt runs there one token per \
+                 step (no batched prefill kernels yet), so no pp{} row",
+                a.n_prompt
+            );
+        }
         let rows = cuda_bench(&engine, &policies, a.n_gen, a.repetitions)?;
         print!("{}", dejavu::eval::device_bench::markdown(&rows));
         if let Some(p) = &a.json {
