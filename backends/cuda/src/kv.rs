@@ -72,13 +72,19 @@ impl CudaDevice {
             self.ptr(&kc.data),
             self.ptr(&vc.data),
         );
-        let (di, hdi, wi) = (d as i32, hd as i32, kc.width as i32);
+        let (di, hdi, wi, nc) = (d as i32, hd as i32, kc.width as i32, kc.n_ctx as i32);
         let f = self.func(&format!("kv_fill_{}", type_suffix(job.wk.qtype)));
         let mut b = self.lane().launch_builder(f);
         for p in &ptrs {
             b.arg(p);
         }
-        b.arg(&di).arg(&ip).arg(&n_sel).arg(&hdi).arg(&vp).arg(&sp);
+        b.arg(&di)
+            .arg(&ip)
+            .arg(&n_sel)
+            .arg(&hdi)
+            .arg(&vp)
+            .arg(&sp)
+            .arg(&nc);
         b.arg(&theta).arg(&rope).arg(&kp).arg(&vcp).arg(&wi);
         // A warp per row pair of K or V of each selected head (n_sel * hd warps) and chunk of
         // positions: 4 rows of blocks, so that up to 4 chunks of a head that missed many run at
@@ -89,7 +95,8 @@ impl CudaDevice {
         };
         launch::run(b, cfg)?;
         let mut b = self.lane().launch_builder(self.func("kv_mark"));
-        b.arg(&ip).arg(&n_sel).arg(&vp).arg(&sp);
+        let nh = n_heads as i32;
+        b.arg(&ip).arg(&n_sel).arg(&nh).arg(&vp).arg(&sp);
         launch::run(b, launch::grid(n_sel as usize, 256))
     }
 }

@@ -7,7 +7,8 @@
 // last one again, unused; the chunks shared among gridDim.y warps), each lane dots 8 columns of
 // both rows with those inputs (the rows read once per KV_POS positions), a warp sum,
 // then lane 0 adds the biases, rotates keys at position p (angles in f64, as rope.cu) and
-// stores f16 into the caches (`width` values a position). rope: -1 none, 0 interleaved, 1
+// stores f16 into the caches (`width` values a position; a head index past them, or a
+// position past n_ctx, writes nothing). rope: -1 none, 0 interleaved, 1
 // neox. d a multiple of 8.
 #ifndef KV_POS
 #define KV_POS 2
@@ -15,13 +16,14 @@
 template <int T>
 __device__ void kv_fill(const u8* wk, const u8* wv, const float* bk, const float* bv,
                         const u16* inputs, int d, const u32* idx, int n_sel, int hd,
-                        const u32* valid, const int* step, float theta, int rope, u16* kc,
-                        u16* vc, int width) {
+                        const u32* valid, const int* step, int n_ctx, float theta, int rope,
+                        u16* kc, u16* vc, int width) {
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, half = hd / 2;
     int g = blockIdx.x * 8 + warp, per = n_sel * half;
     if (g >= 2 * per) return;
     int is_v = g >= per, rem = g % per, j = rem / half, i = rem % half;
     int h = idx ? (int)idx[j] : j, neox = rope == 1;
+    if (h * hd >= width) return;  // an index past the heads: nothing read or written
     int a = h * hd + (neox ? i : 2 * i), b = h * hd + (neox ? i + half : 2 * i + 1);
     const u8* w = is_v ? wv : wk;
     const float* bias = is_v ? bv : bk;
@@ -29,6 +31,7 @@ __device__ void kv_fill(const u8* wk, const u8* wv, const float* bk, const float
     size_t rb = row_bytes<T>(d);
     const u8 *row_a = w + (size_t)a * rb, *row_b = w + (size_t)b * rb;
     int last = step[1];
+    if (last >= n_ctx) return;  // a position past the caches: nothing written
     // Block row y takes the position chunks y, y + gridDim.y, ... (a head that missed many
     // positions, after a long gap, is spread over several warps, not left to one).
     for (int p0 = (int)valid[h] + blockIdx.y * KV_POS; p0 <= last; p0 += gridDim.y * KV_POS) {
@@ -78,18 +81,20 @@ __device__ void kv_fill(const u8* wk, const u8* wv, const float* bk, const float
 #define KV_FILL(name, T)                                                                         \
     extern "C" __global__ void kv_fill_##name(                                                   \
         const u8* wk, const u8* wv, const float* bk, const float* bv, const u16* inputs, int d,  \
-        const u32* idx, int n_sel, int hd, const u32* valid, const int* step, float theta,       \
-        int rope, u16* kc, u16* vc, int width) {                                                 \
-        kv_fill<T>(wk, wv, bk, bv, inputs, d, idx, n_sel, hd, valid, step, theta, rope, kc, vc,   \
-                   width);                                                                       \
+        const u32* idx, int n_sel, int hd, const u32* valid, const int* step, int n_ctx,         \
+        float theta, int rope, u16* kc, u16* vc, int width) {                                    \
+        kv_fill<T>(wk, wv, bk, bv, inputs, d, idx, n_sel, hd, valid, step, n_ctx, theta, rope,    \
+                   kc, vc, width);                                                               \
     }
 FOR_TYPES(KV_FILL)
 
 // valid[h] = pos + 1 for the selected heads (after kv_fill: a launch of its own, so that no
 // warp of kv_fill still reads the old value).
-extern "C" __global__ void kv_mark(const u32* idx, int n_sel, u32* valid, const int* step) {
+extern "C" __global__ void kv_mark(const u32* idx, int n_sel, int n_heads, u32* valid,
+                                   const int* step) {
     int j = blockIdx.x * blockDim.x + threadIdx.x;
-    if (j < n_sel) valid[idx ? idx[j] : j] = (u32)step[1] + 1;
+    int h = j < n_sel ? (idx ? (int)idx[j] : j) : n_heads;
+    if (h < n_heads) valid[h] = (u32)step[1] + 1;
 }
 
 // c[pos][0..width) = x in f16 (a layer's attention input, kept for lazy K/V).
