@@ -305,6 +305,51 @@ fn a_policy_on_the_reference_device_runs_the_plan_it_selects() {
     assert!(missed > 0, "no selected head had positions to recompute");
 }
 
+/// The contextual output head on the reference device (a rank-32 preview, random, picks 64
+/// candidates whose logits are exact; the others keep the preview's) gives the host
+/// executor's logits under the same policy, at every step.
+#[test]
+fn the_contextual_head_on_the_reference_device_matches_the_host_executor() {
+    contextual_head_matches_the_host_executor(&HostDevice::new());
+}
+
+fn contextual_head_matches_the_host_executor<D: Device>(dev: &D) {
+    use dejavu::sparsity::policy::{OutputRule, Policy};
+    use dejavu::sparsity::predictors_file::OutputPreview;
+    let eng = load("llama-silu");
+    let c = &eng.model.config;
+    let (rank, d, vocab) = (32, c.d_model, c.vocab_size);
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+    let proj: Vec<f32> = (0..rank * d).map(|_| r.gen_range(-0.2..0.2)).collect();
+    let table: Vec<f32> = (0..vocab * rank).map(|_| r.gen_range(-0.2..0.2)).collect();
+    let mut pol = Policy::dense(c);
+    pol.output = Some(OutputRule {
+        preview: std::sync::Arc::new(OutputPreview::new(rank, d, proj, &table).unwrap()),
+        candidates: 64,
+    });
+    let dm = DeviceModel::upload(dev, &eng.model, None).unwrap();
+    let dense = DevicePlan::fixed(dev, c, &SparsePlan::dense(c), "dense").unwrap();
+    let full_bytes = DeviceSession::new(dev, &dm, dense, 16)
+        .unwrap()
+        .step_bytes();
+    let plan = DevicePlan::policy(dev, c, &pol).unwrap();
+    let mut sess = DeviceSession::new(dev, &dm, plan, 16).unwrap();
+    assert!(
+        sess.step_bytes() < full_bytes,
+        "the head reads a share of its rows"
+    );
+    let reference = CpuBackend::f32_reference(2);
+    let exec = Executor::new(&eng.model, &reference).unwrap();
+    let mut cache = KvCache::new(&eng.model, 16, KvType::F16);
+    for (i, &t) in TOKENS.iter().enumerate() {
+        let got = sess.forward(&[t]).unwrap().to_vec();
+        let host = exec
+            .run(&[t], &mut cache, Plan::Policy(&pol), Logits::Last)
+            .unwrap();
+        assert_close(&format!("contextual head step {i}"), &got, host);
+    }
+}
+
 #[test]
 fn device_errors_are_errors() {
     let dev = HostDevice::new();
@@ -395,6 +440,17 @@ mod cuda {
              steps each; {missed} selected heads recomputed missed positions",
             g.name(),
             TOKENS.len() + 3
+        );
+    }
+
+    /// The contextual output head on the GPU (see `contextual_head_matches_the_host_executor`).
+    #[test]
+    fn the_contextual_head_on_the_gpu_matches_the_host_executor() {
+        let Some(g) = gpu() else { return };
+        contextual_head_matches_the_host_executor(&g);
+        eprintln!(
+            "{}: the contextual head matches the host executor",
+            g.name()
         );
     }
 

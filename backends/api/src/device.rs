@@ -234,6 +234,15 @@ pub trait Device: Send + Sync {
     /// `y[..n] = x[..n]`.
     fn copy(&self, x: &Self::Buf, y: &mut Self::Buf, n: usize) -> Result<(), BackendError>;
 
+    /// `dst[idx[j]] = src[j]` for `j < n` (the exact logits of the contextual head's
+    /// candidates); an index past `dst` writes nothing.
+    fn scatter(
+        &self,
+        src: &Self::Buf,
+        idx: &Self::Idx,
+        n: usize,
+        dst: &mut Self::Buf,
+    ) -> Result<(), BackendError>;
     /// Rotate `n_heads` heads of `x` at the step's position.
     fn rope(
         &self,

@@ -268,6 +268,23 @@ impl Device for HostDevice {
         Ok(())
     }
 
+    fn scatter(
+        &self,
+        src: &Vec<f32>,
+        idx: &Vec<u32>,
+        n: usize,
+        dst: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        need("scatter input", src.len(), n)?;
+        need("scatter indices", idx.len(), n)?;
+        for (&i, &v) in idx[..n].iter().zip(src) {
+            if let Some(d) = dst.get_mut(i as usize) {
+                *d = v;
+            }
+        }
+        Ok(())
+    }
+
     fn copy(&self, x: &Vec<f32>, y: &mut Vec<f32>, n: usize) -> Result<(), BackendError> {
         need("copy input", x.len(), n)?;
         need("copy output", y.len(), n)?;

@@ -223,6 +223,7 @@ impl CudaDevice {
             "activate",
             "copy_f32",
             "add_f32",
+            "scatter_f32",
             "store_f16",
             "attention_f16",
             "kv_mark",
@@ -521,6 +522,19 @@ impl Device for CudaDevice {
         let (xp, yp, ni) = (self.ptr(&x.0), self.ptr(&y.0), n as i32);
         let mut b = self.lane().launch_builder(self.func("add_f32"));
         b.arg(&xp).arg(&yp).arg(&ni);
+        launch::run(b, launch::grid(n, 256))
+    }
+
+    fn scatter(&self, src: &Buf, idx: &Idx, n: usize, dst: &mut Buf) -> Result<(), BackendError> {
+        need("scatter input", src.0.len(), n)?;
+        need("scatter indices", idx.0.len(), n)?;
+        if dst.0.len() > i32::MAX as usize {
+            return Err(shape(format!("scatter into {} values", dst.0.len())));
+        }
+        let (sp, ip, dp) = (self.ptr(&src.0), self.ptr(&idx.0), self.ptr(&dst.0));
+        let (ni, len) = (n as i32, dst.0.len() as i32);
+        let mut b = self.lane().launch_builder(self.func("scatter_f32"));
+        b.arg(&sp).arg(&ip).arg(&ni).arg(&dp).arg(&len);
         launch::run(b, launch::grid(n, 256))
     }
 

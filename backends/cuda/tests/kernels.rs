@@ -292,6 +292,16 @@ fn elementwise_on<D: Device>(d: &D, x: &[f32], w: &[f32], b: &[f32], hd: usize) 
         out.extend(down(d, &q, n));
         out.extend(down(d, &k, n));
     }
+    // Scatter into a copy of b: indices in any order, one past the end (writes nothing).
+    let idx: Vec<u32> = (0..n as u32 / 3)
+        .map(|i| (i * 7) % n as u32)
+        .chain([n as u32])
+        .collect();
+    let mut dst = d.upload(b).unwrap();
+    let src = d.upload(&x[..idx.len()]).unwrap();
+    d.scatter(&src, &d.upload_idx(&idx).unwrap(), idx.len(), &mut dst)
+        .unwrap();
+    out.extend(down(d, &dst, n));
     for act in [Activation::Silu, Activation::Relu] {
         let mut g = d.upload(x).unwrap();
         d.glu(act, &mut g, &wb, n - 3).unwrap();

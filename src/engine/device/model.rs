@@ -42,6 +42,8 @@ pub struct DeviceModel<D: Device> {
     pub(super) output_norm: Option<Norm<D>>,
     /// The output head; `None` when it is the token embedding (tied), uploaded once.
     pub(super) output: Option<D::Mat>,
+    /// Bytes of the output head's matrix (what the contextual head reads a share of).
+    pub(super) head_bytes: usize,
     pub(super) layers: Vec<Layer<D>>,
     /// Per layer `(down_t, wo_t)`.
     pub(super) sparse: Option<Vec<(D::Mat, D::Mat)>>,
@@ -124,6 +126,7 @@ impl<D: Device> DeviceModel<D> {
             proj_in: model.proj_in.as_ref().map(mat).transpose()?,
             proj_out: model.proj_out.as_ref().map(mat).transpose()?,
             output_norm: model.output_norm.as_ref().map(norm).transpose()?,
+            head_bytes: model.output.n_bytes(),
             output: match model.output.location() == model.token_embd.location() {
                 true => None,
                 false => Some(mat(&model.output)?),

@@ -88,6 +88,18 @@ impl<D: Device> Sel<D> {
     }
 }
 
+/// The contextual output head on the device: a rank-`r` preview of the output matrix
+/// (`proj`, r x d in f32; `table`, vocab x r in Q8_0) scores every token, and the top
+/// `candidates` (written to `idx`) get exact logits.
+pub(super) struct OutputHead<D: Device> {
+    pub(super) proj: D::Mat,
+    pub(super) table: D::Mat,
+    pub(super) rank: usize,
+    pub(super) candidates: usize,
+    pub(super) idx: D::Idx,
+    pub(super) bytes: usize,
+}
+
 /// A plan on the device: per layer, the MLP and head selections, and the predictors that write
 /// the predicted ones (`mlp_pred[l]` for layer l's MLP; `head_pred[t]` for layer t's heads,
 /// run at layer t - 1, layer 0 at itself).
@@ -103,6 +115,8 @@ pub struct DevicePlan<D: Device> {
     /// Lookahead: the predictors that run at a layer overlap its attention block (a second
     /// lane of the device, `Device::fork`).
     pub(super) lookahead: bool,
+    /// The contextual output head (`head:RANK:CANDIDATES`), or the dense one.
+    pub(super) output: Option<OutputHead<D>>,
 }
 
 impl<D: Device> DevicePlan<D> {
@@ -141,13 +155,14 @@ impl<D: Device> DevicePlan<D> {
             head_pred: none(),
             lazy_kv: false,
             lookahead: false,
+            output: None,
         })
     }
 
     /// A policy's rules on the device: dense layers, the Deja Vu predictors (`dejavu`,
     /// `dejavu-attn`; with `lookahead` they run on a second lane, overlapped with the layer's
-    /// attention) and `lazy-kv`. Rules that need the host's view of the activations are
-    /// refused.
+    /// attention), `lazy-kv` and the contextual output head (`head:`). Rules that need the
+    /// host's view of the activations are refused.
     pub fn policy(dev: &D, cfg: &ModelConfig, p: &Policy) -> Result<Self> {
         let unsupported = |what: String| {
             Error::Backend(dejavu_backend_api::BackendError::Unsupported {
@@ -155,9 +170,20 @@ impl<D: Device> DevicePlan<D> {
                 what,
             })
         };
-        if p.output.is_some() {
-            return Err(unsupported("the contextual output head (head:...)".into()));
-        }
+        let output = match &p.output {
+            None => None,
+            Some(rule) => {
+                let pv = &rule.preview;
+                Some(OutputHead {
+                    proj: dev.upload_mat(&pv.proj())?,
+                    table: dev.upload_mat(&pv.table())?,
+                    rank: pv.rank,
+                    candidates: rule.candidates,
+                    idx: dev.upload_idx(&vec![0; rule.candidates])?,
+                    bytes: pv.bytes(),
+                })
+            }
+        };
         if p.kv == KvRule::Lazy && cfg.n_kv_heads != cfg.n_heads {
             return Err(unsupported("lazy-kv with grouped-query attention".into()));
         }
@@ -193,6 +219,7 @@ impl<D: Device> DevicePlan<D> {
             head_pred,
             lazy_kv: p.kv == KvRule::Lazy,
             lookahead: p.lookahead,
+            output,
         })
     }
 

@@ -19,6 +19,8 @@ struct Scratch<D: Device> {
     /// Per predictor run at one layer (at most 3): its hidden layer and its scores.
     z: [D::Buf; 3],
     scores: [D::Buf; 3],
+    /// The contextual head's exact logits of its candidates (compact).
+    exact: D::Buf,
     logits: D::Buf,
 }
 
@@ -125,6 +127,7 @@ impl<'a, D: Device> DeviceSession<'a, D> {
         let rank = (plan.mlp_pred.iter().chain(&plan.head_pred))
             .flatten()
             .map(|p| p.rank)
+            .chain(plan.output.as_ref().map(|o| o.rank))
             .max()
             .unwrap_or(1);
         let wide = c.d_model.max(c.d_embed);
@@ -144,6 +147,7 @@ impl<'a, D: Device> DeviceSession<'a, D> {
                 dev.zeros(c.n_ff.max(c.n_heads))?,
                 dev.zeros(c.n_ff.max(c.n_heads))?,
             ],
+            exact: dev.zeros(plan.output.as_ref().map_or(1, |o| o.candidates))?,
             logits: dev.zeros(c.vocab_size)?,
         };
         let step_bytes = step_bytes(model, &plan);
@@ -362,7 +366,23 @@ impl<'a, D: Device> DeviceSession<'a, D> {
             }
             None => head_in,
         };
-        dev.matvec(m.head(), Rows::All, head_in, None, &mut s.logits, false)?;
+        match &mut self.plan.output {
+            None => dev.matvec(m.head(), Rows::All, head_in, None, &mut s.logits, false)?,
+            Some(o) => {
+                // The preview scores every token; the top candidates get exact logits.
+                let vocab = m.config.vocab_size;
+                dev.matvec(&o.proj, Rows::All, head_in, None, &mut s.z[0], false)?;
+                dev.matvec(&o.table, Rows::All, &s.z[0], None, &mut s.logits, false)?;
+                dev.top_k(&s.logits, vocab, o.candidates, &mut o.idx)?;
+                let cand = Rows::Sel {
+                    idx: &o.idx,
+                    count: o.candidates,
+                    group: 1,
+                };
+                dev.matvec(m.head(), cand, head_in, None, &mut s.exact, false)?;
+                dev.scatter(&s.exact, &o.idx, o.candidates, &mut s.logits)?;
+            }
+        }
         lap(clock, dev, |t| &mut t.output)
     }
 
@@ -573,6 +593,11 @@ fn step_bytes<D: Device>(m: &DeviceModel<D>, p: &DevicePlan<D>) -> usize {
         let (nm, nh) = (p.mlp[l].count(c.n_ff), p.heads[l].count(c.n_heads));
         let per_head = per_head + if p.lazy_kv { kv_per_head } else { 0 };
         bytes -= (c.n_ff - nm) * per_neuron + (c.n_heads - nh) * per_head;
+    }
+    if let Some(o) = &p.output {
+        // A share of the head's rows (the candidates), plus the preview.
+        let vocab = c.vocab_size.max(1);
+        bytes = bytes.saturating_sub(m.head_bytes) + m.head_bytes / vocab * o.candidates + o.bytes;
     }
     bytes
         + (p.mlp_pred.iter().chain(&p.head_pred))

@@ -10,6 +10,12 @@ extern "C" __global__ void copy_f32(const float* x, float* y, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] = x[i];
 }
+// dst[idx[j]] = src[j] for j < n; an index at or past len writes nothing.
+extern "C" __global__ void scatter_f32(const float* src, const u32* idx, int n, float* dst,
+                                       int len) {
+    int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j < n && idx[j] < (u32)len) dst[idx[j]] = src[j];
+}
 extern "C" __global__ void add_f32(float* x, const float* y, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] += y[i];
