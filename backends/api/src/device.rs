@@ -128,8 +128,8 @@ pub struct AttnGeom {
     pub n_ctx: usize,
 }
 
-/// Verbs of a device-resident decode step. Every verb is enqueued in order on the device's one
-/// stream and may return before it ran; errors of a launch are reported by the next call that
+/// Verbs of a device-resident decode step. Every verb is enqueued in order on the device's lane
+/// (one, unless [`Device::fork`] opened a second) and may return before it ran; errors of a launch are reported by the next call that
 /// synchronizes ([`Device::download`]). Lengths are checked at every entry (an `Err`, never an
 /// out-of-bounds access): `Buf`s are at least as long as the verb reads or writes.
 pub trait Device: Send + Sync {

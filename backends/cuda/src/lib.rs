@@ -124,7 +124,8 @@ pub fn compile(arch: &str) -> Result<cudarc::nvrtc::Ptx, BackendError> {
     })
 }
 
-/// One GPU, one stream, the compiled kernels and the step's `{token, pos}` in device memory.
+/// One GPU, its main stream and a second lane (lookahead), the compiled kernels and the step's
+/// `{token, pos}` in device memory.
 pub struct CudaDevice {
     stream: Arc<CudaStream>,
     /// The second lane (`Device::fork`), with the events that order it against the first, and
@@ -209,8 +210,11 @@ impl CudaDevice {
             _ => {}
         }
         let ctx = CudaContext::new(ordinal).map_err(dev_err)?;
-        // SAFETY: this device uses one stream, so the order of its launches is the order of the
-        // stream; cudarc's per-buffer events (which graph capture cannot record) are not needed.
+        // SAFETY: this device orders its launches itself: one main stream, and a second lane
+        // whose work is ordered against the main one only by `fork`/`join` events, whose callers
+        // keep to the contract of `Device::fork` (the second lane reads what was written before
+        // the fork; the main lane reads its writes after the join); `synchronize` waits for
+        // both. cudarc's per-buffer events (which graph capture cannot record) are not needed.
         unsafe { ctx.disable_event_tracking() };
         let (major, minor) = ctx.compute_capability().map_err(dev_err)?;
         let ptx = compile(&format!("compute_{major}{minor}"))?;
