@@ -126,6 +126,9 @@ pub fn compile(arch: &str) -> Result<cudarc::nvrtc::Ptx, BackendError> {
 
 /// One GPU, its main stream and a second lane (lookahead), the compiled kernels and the step's
 /// `{token, pos}` in device memory.
+///
+/// One sequence at a time: its streams, lane switch and top-k scratch are shared by every
+/// caller, so sessions decoding at once from several threads need a `CudaDevice` each.
 pub struct CudaDevice {
     stream: Arc<CudaStream>,
     /// The second lane (`Device::fork`), with the events that order it against the first, and
