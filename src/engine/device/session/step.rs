@@ -1,0 +1,263 @@
+//! The verbs of one decode step: embedding, each layer's predictors, attention and MLP under
+//! the plan, and the output head (dense or contextual).
+use super::{lap, Clock, DeviceSession, Scratch};
+use crate::engine::config::{ModelConfig, NormKind, Positions};
+use crate::engine::device::model::Norm;
+use crate::engine::device::plan::{Predictor, Sel};
+use crate::Result;
+use dejavu_backend_api::{AttnGeom, Device, LazyKv, Product, Rows, StepRow, TopK};
+
+impl<D: Device> DeviceSession<'_, D> {
+    /// The verbs of one step; with a clock, each block timed.
+    pub(super) fn run_step(&mut self, clock: &mut Option<Clock>) -> Result<()> {
+        let (dev, m) = (self.dev, self.model);
+        let c = &m.config;
+        let s = &mut self.s;
+        match &m.proj_in {
+            None => dev.embed(&m.token_embd, StepRow::Token, false, &mut s.x)?,
+            Some(p) => {
+                dev.embed(&m.token_embd, StepRow::Token, false, &mut s.e)?;
+                dev.matvec(p, Rows::All, &s.e, None, &mut s.x, false)?;
+            }
+        }
+        if let (Positions::Learned { offset }, Some(pe)) = (c.positions, &m.pos_embd) {
+            dev.embed(pe, StepRow::Position { offset }, true, &mut s.x)?;
+        }
+        lap(clock, dev, |t| &mut t.embed)?;
+        for l in 0..c.n_layers {
+            self.attention(l, clock)?;
+            self.mlp(l)?;
+            lap(clock, dev, |t| &mut t.mlp)?;
+        }
+        let (m, s) = (self.model, &mut self.s);
+        let head_in = match &m.output_norm {
+            Some(n) => {
+                norm(dev, c, n, &s.x, &mut s.h)?;
+                &s.h
+            }
+            None => &s.x,
+        };
+        let head_in = match &m.proj_out {
+            Some(p) => {
+                dev.matvec(p, Rows::All, head_in, None, &mut s.e, false)?;
+                &s.e
+            }
+            None => head_in,
+        };
+        match &mut self.plan.output {
+            None => dev.matvec(m.head(), Rows::All, head_in, None, &mut s.logits, false)?,
+            Some(o) => {
+                // The preview scores every token; the top candidates get exact logits.
+                let vocab = m.config.vocab_size;
+                dev.matvec(&o.proj, Rows::All, head_in, None, &mut s.z[0], false)?;
+                dev.matvec(&o.table, Rows::All, &s.z[0], None, &mut s.logits, false)?;
+                dev.top_k(&s.logits, vocab, o.candidates, &mut o.idx)?;
+                let cand = Rows::Sel {
+                    idx: &o.idx,
+                    count: o.candidates,
+                    group: 1,
+                };
+                dev.matvec(m.head(), cand, head_in, None, &mut s.exact, false)?;
+                dev.scatter(&s.exact, &o.idx, o.candidates, &mut s.logits)?;
+            }
+        }
+        lap(clock, dev, |t| &mut t.output)
+    }
+
+    /// The predictors that run at layer `l`'s attention input `s.h`: layer l's MLP, the heads
+    /// of layer l + 1 (and of layer 0 at layer 0); each of their layers, and their top-k, in
+    /// one launch.
+    fn predict(&mut self, l: usize) -> Result<()> {
+        let (dev, p) = (self.dev, &mut self.plan);
+        let Scratch { h, z, scores, .. } = &mut self.s;
+        let first = if l == 0 { 0 } else { l + 1 };
+        let mut runs: Vec<(&Predictor<D>, &mut D::Idx, usize)> = Vec::new();
+        if let (Some(pred), Sel::Predicted { idx, k }) = (&p.mlp_pred[l], &mut p.mlp[l]) {
+            runs.push((pred, idx, *k));
+        }
+        let heads = p.head_pred.iter().zip(p.heads.iter_mut()).enumerate();
+        for (_, (pred, sel)) in heads.filter(|(t, _)| (first..=l + 1).contains(t)) {
+            if let (Some(pred), Sel::Predicted { idx, k }) = (pred, sel) {
+                runs.push((pred, idx, *k));
+            }
+        }
+        if runs.is_empty() {
+            return Ok(());
+        }
+        let mut w1: Vec<Product<D>> = (runs.iter().zip(z.iter_mut()))
+            .map(|((pred, ..), z)| Product::new(&pred.w1, Rows::All, z))
+            .collect();
+        dev.matvecs(h, &mut w1)?;
+        let mut w2: Vec<Product<D>> = (runs.iter().zip(z.iter()).zip(scores.iter_mut()))
+            .map(|(((pred, ..), z), sc)| Product::new(&pred.w2, Rows::All, sc).input(z))
+            .collect();
+        dev.matvecs(h, &mut w2)?;
+        let mut top: Vec<TopK<D>> = (runs.into_iter().zip(scores.iter()))
+            .map(|((pred, out, k), scores)| TopK {
+                scores,
+                n: pred.n_out,
+                k,
+                out,
+            })
+            .collect();
+        dev.top_ks(&mut top)?;
+        Ok(())
+    }
+
+    fn attention(&mut self, l: usize, clock: &mut Option<Clock>) -> Result<()> {
+        let (dev, m) = (self.dev, self.model);
+        let (c, lw) = (&m.config, &m.layers[l]);
+        let hd = c.head_dim;
+        block_input(dev, c, &lw.attn_norm, &self.s.x, &mut self.s.h)?;
+        lap(clock, dev, |t| &mut t.attention)?;
+        // Lookahead: the predictors on a second lane while this layer's attention runs, unless
+        // they pick this layer's own heads (layer 0) or the blocks are being timed.
+        let own_heads = l == 0 && matches!(self.plan.heads[0], Sel::Predicted { .. });
+        let side = self.plan.lookahead && clock.is_none() && !own_heads;
+        if side {
+            dev.fork()?;
+        }
+        self.predict(l)?;
+        if side {
+            dev.back()?;
+        }
+        lap(clock, dev, |t| &mut t.predict)?;
+        let (s, heads) = (&mut self.s, &self.plan.heads[l]);
+        let n_sel = heads.count(c.n_heads);
+        let q = Product::new(&lw.wq, heads.rows(hd), &mut s.q).bias(lw.bq.as_ref());
+        match &mut self.lazy[l] {
+            Some((inputs, valid)) => {
+                // Keys and values of the selected heads only, from the kept inputs.
+                dev.store_row(&s.h, inputs)?;
+                dev.matvecs(&s.h, &mut [q])?;
+                if let Some((theta, style)) = c.rope() {
+                    dev.rope(&mut s.q, n_sel, hd, theta, style)?;
+                }
+                let job = LazyKv {
+                    wk: &lw.wk,
+                    wv: &lw.wv,
+                    bk: lw.bk.as_ref(),
+                    bv: lw.bv.as_ref(),
+                    inputs,
+                    heads: heads.rows(1),
+                    head_dim: hd,
+                    rope: c.rope(),
+                };
+                dev.kv_fill(job, valid, &mut self.k[l], &mut self.v[l])?;
+            }
+            None => {
+                let k = Product::new(&lw.wk, Rows::All, &mut s.k).bias(lw.bk.as_ref());
+                let v = Product::new(&lw.wv, Rows::All, &mut s.v).bias(lw.bv.as_ref());
+                dev.matvecs(&s.h, &mut [q, k, v])?;
+                if let Some((theta, style)) = c.rope() {
+                    dev.rope_qk(&mut s.q, n_sel, &mut s.k, c.n_kv_heads, hd, theta, style)?;
+                }
+                dev.store(&s.k, &s.v, &mut self.k[l], &mut self.v[l])?;
+            }
+        }
+        let geom = AttnGeom {
+            n_heads: c.n_heads,
+            n_kv_heads: c.n_kv_heads,
+            head_dim: hd,
+            n_ctx: self.n_ctx,
+        };
+        dev.attention(
+            &s.q,
+            &self.k[l],
+            &self.v[l],
+            heads.rows(1),
+            geom,
+            &mut s.att,
+        )?;
+        match (heads.is_all(), &m.sparse) {
+            (false, Some(sp)) => {
+                dev.axpy(&sp[l].1, heads.rows(hd), &s.att, lw.bo.as_ref(), &mut s.x)?;
+            }
+            _ => dev.matvec(&lw.wo, Rows::All, &s.att, lw.bo.as_ref(), &mut s.x, true)?,
+        }
+        // The predictors read `s.h` and write the MLP's selection: done before either changes.
+        if side {
+            dev.join()?;
+        }
+        post_norm(dev, c, &lw.attn_norm, &mut s.x, &mut s.h)?;
+        lap(clock, dev, |t| &mut t.attention)
+    }
+
+    fn mlp(&mut self, l: usize) -> Result<()> {
+        let (dev, m) = (self.dev, self.model);
+        let (c, lw, s) = (&m.config, &m.layers[l], &mut self.s);
+        let sel = &self.plan.mlp[l];
+        let n = sel.count(c.n_ff);
+        block_input(dev, c, &lw.ffn_norm, &s.x, &mut s.h)?;
+        let act = c.mlp.activation();
+        let a = match &lw.w_gate {
+            Some(wg) => {
+                dev.matvecs(
+                    &s.h,
+                    &mut [
+                        Product::new(wg, sel.rows(1), &mut s.gate),
+                        Product::new(&lw.w_up, sel.rows(1), &mut s.up),
+                    ],
+                )?;
+                dev.glu(act, &mut s.gate, &s.up, n)?;
+                &s.gate
+            }
+            None => {
+                let fc1 = Product::new(&lw.w_up, sel.rows(1), &mut s.up);
+                dev.matvecs(&s.h, &mut [fc1.bias(lw.b_up.as_ref()).act(act)])?;
+                &s.up
+            }
+        };
+        match (sel.is_all(), &m.sparse) {
+            (false, Some(sp)) => {
+                dev.axpy(&sp[l].0, sel.rows(1), a, lw.b_down.as_ref(), &mut s.x)?;
+            }
+            _ => dev.matvec(&lw.w_down, Rows::All, a, lw.b_down.as_ref(), &mut s.x, true)?,
+        }
+        post_norm(dev, c, &lw.ffn_norm, &mut s.x, &mut s.h)
+    }
+}
+
+/// The model's norm of `x` into `out`.
+fn norm<D: Device>(
+    dev: &D,
+    c: &ModelConfig,
+    n: &Norm<D>,
+    x: &D::Buf,
+    out: &mut D::Buf,
+) -> Result<()> {
+    match c.norm {
+        NormKind::Rms => dev.rmsnorm(x, &n.w, c.norm_eps, out)?,
+        NormKind::Layer => dev.layernorm(x, &n.w, n.b.as_ref(), c.norm_eps, out)?,
+    }
+    Ok(())
+}
+
+/// A block's input: `norm(x)` (pre-norm) or `x`.
+fn block_input<D: Device>(
+    dev: &D,
+    c: &ModelConfig,
+    n: &Norm<D>,
+    x: &D::Buf,
+    h: &mut D::Buf,
+) -> Result<()> {
+    match c.pre_norm {
+        true => norm(dev, c, n, x, h),
+        false => Ok(dev.copy(x, h, c.d_model)?),
+    }
+}
+
+/// Post-norm models: `x = norm(x)` through `tmp` after the residual add.
+fn post_norm<D: Device>(
+    dev: &D,
+    c: &ModelConfig,
+    n: &Norm<D>,
+    x: &mut D::Buf,
+    tmp: &mut D::Buf,
+) -> Result<()> {
+    if !c.pre_norm {
+        norm(dev, c, n, x, tmp)?;
+        dev.copy(tmp, x, c.d_model)?;
+    }
+    Ok(())
+}
