@@ -82,6 +82,11 @@ fn rows_of(rows: Rows<'_, Vec<u32>>, n: usize) -> Result<Vec<usize>, BackendErro
     }
 }
 
+/// `dst[i] = src[i]` rounded to f16, over the shorter of the two (a cache row).
+fn put_f16(dst: &mut [f16], src: &[f32]) {
+    (dst.iter_mut().zip(src)).for_each(|(d, &v)| *d = f16::from_f32(v));
+}
+
 impl HostDevice {
     pub fn new() -> Self {
         Self::default()
@@ -339,23 +344,17 @@ impl Device for HostDevice {
         kc: &mut HostCache,
         vc: &mut HostCache,
     ) -> Result<(), BackendError> {
-        let p = self.pos();
-        for (x, c) in [(k, kc), (v, vc)] {
-            need("store", x.len(), c.width)?;
-            if p < c.n_ctx {
-                let dst = &mut c.data[p * c.width..(p + 1) * c.width];
-                (dst.iter_mut().zip(x)).for_each(|(d, &v)| *d = f16::from_f32(v));
-            }
-        }
-        Ok(())
+        need("store", k.len(), kc.width)?;
+        need("store", v.len(), vc.width)?;
+        self.store_row(k, kc)?;
+        self.store_row(v, vc)
     }
 
     fn store_row(&self, x: &Vec<f32>, c: &mut HostCache) -> Result<(), BackendError> {
         let p = self.pos();
         need("store_row", x.len(), c.width)?;
         if p < c.n_ctx {
-            let dst = &mut c.data[p * c.width..(p + 1) * c.width];
-            (dst.iter_mut().zip(x)).for_each(|(d, &v)| *d = f16::from_f32(v));
+            put_f16(&mut c.data[p * c.width..(p + 1) * c.width], x);
         }
         Ok(())
     }
@@ -407,7 +406,7 @@ impl Device for HostDevice {
                         ops::rope(&mut out, 1, hd, p, theta, style);
                     }
                     let dst = &mut c.data[p * c.width + h * hd..p * c.width + (h + 1) * hd];
-                    (dst.iter_mut().zip(&out)).for_each(|(d, &v)| *d = f16::from_f32(v));
+                    put_f16(dst, &out);
                 }
             }
             valid[h] = pos as u32 + 1;
