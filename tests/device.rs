@@ -189,10 +189,114 @@ fn check_smollm2<D: Device>(g: &D) {
         assert_eq!(same_top1, checked, "{what}: greedy tokens");
         eprintln!("{} SmolLM2 {what}: worst |logit error| / largest |logit| {worst:.2e} over 24 steps; greedy token equal at {same_top1}/{checked} clear steps", g.name());
     }
+    // A prompt as one batch, then steps after it, against the host's batch and steps (dense).
+    let dense = SparsePlan::dense(&eng.model.config);
+    let mut exec = Executor::new(&eng.model, &reference).unwrap();
+    exec.layout = Some(eng.sparse_layout().unwrap());
+    let mut cache = KvCache::new(&eng.model, 64, KvType::F16);
+    let dplan = DevicePlan::fixed(g, &eng.model.config, &dense, "dense").unwrap();
+    let mut sess = DeviceSession::new(g, &dm, dplan, 64).unwrap();
+    let text = "The engine reads only the rows the predictors select, so a step costs less";
+    let prompt = eng.tokenizer.encode_prompt(text).unwrap();
+    let mut worst = 0f32;
+    for (i, t) in std::iter::once(&prompt[..])
+        .chain(prompt.chunks(1).take(4))
+        .enumerate()
+    {
+        let host = (exec.run(t, &mut cache, Plan::Fixed(&dense), Logits::Last))
+            .unwrap()
+            .to_vec();
+        let got = sess.forward(t).unwrap().to_vec();
+        let scale = host.iter().fold(1f32, |m, v| m.max(v.abs()));
+        for (j, (d, h)) in got.iter().zip(&host).enumerate() {
+            let err = (d - h).abs() / scale;
+            assert!(err <= 4e-3, "batch {i}: logit {j}: device {d}, host {h}");
+            worst = worst.max(err);
+        }
+    }
+    eprintln!(
+        "{} SmolLM2: a {}-token prompt in one batch, then 4 steps: worst |logit error| / largest |logit| {worst:.2e}",
+        g.name(),
+        prompt.len()
+    );
 }
 
 fn argmax(x: &[f32]) -> usize {
     (0..x.len()).max_by(|&a, &b| x[a].total_cmp(&x[b])).unwrap()
+}
+
+/// `tokens` as one forward on the device session and on the host executor (a batch on both
+/// where there are several), the last logits compared; returns the error.
+fn forward_both<D: Device>(
+    sess: &mut DeviceSession<'_, D>,
+    exec: &Executor,
+    cache: &mut KvCache,
+    plan: &SparsePlan,
+    tokens: &[u32],
+    what: &str,
+) -> f32 {
+    let host = exec
+        .run(tokens, cache, Plan::Fixed(plan), Logits::Last)
+        .unwrap()
+        .to_vec();
+    let got = sess.forward(tokens).unwrap();
+    assert_close(what, got, &host)
+}
+
+/// A prompt runs in batches (every neuron and head at once; at most `MAX_ROWS` rows a batch)
+/// and gives the host executor's batch logits; so do the steps after it, and a batch after a
+/// truncation (dense, on every fixture: learned and rotary positions, post-norm, projections).
+/// A prompt longer than one batch runs as several; a fixed sparse plan's prompt runs token by
+/// token (the same as the host's batch under that plan). Returns the worst error.
+fn prompts_in_batches_match_the_host_executor<D: Device>(dev: &D) -> f32 {
+    let reference = CpuBackend::f32_reference(2);
+    let mut worst = 0f32;
+    for name in FIXTURES {
+        let eng = load(name);
+        let c = &eng.model.config;
+        let layout = eng.sparse_layout().unwrap();
+        let dm = DeviceModel::upload(dev, &eng.model, Some(layout)).unwrap();
+        let mut exec = Executor::new(&eng.model, &reference).unwrap();
+        exec.layout = Some(layout);
+        for plan in [SparsePlan::dense(c), random_plan(&eng, 0.4, 3)] {
+            let dplan = DevicePlan::fixed(dev, c, &plan, "p").unwrap();
+            let mut sess = DeviceSession::new(dev, &dm, dplan, 64).unwrap();
+            let mut cache = KvCache::new(&eng.model, 64, KvType::F16);
+            let mut both = |sess: &mut DeviceSession<'_, D>, cache: &mut KvCache, t: &[u32]| {
+                let what = format!("{name} batch of {} at {}", t.len(), sess.len());
+                let err = forward_both(sess, &exec, cache, &plan, t, &what);
+                worst = worst.max(err);
+            };
+            both(&mut sess, &mut cache, &TOKENS[..6]);
+            both(&mut sess, &mut cache, &TOKENS[6..7]);
+            both(&mut sess, &mut cache, &TOKENS[7..]);
+            sess.truncate(3);
+            cache.truncate(3);
+            both(&mut sess, &mut cache, &TOKENS[1..8]);
+        }
+    }
+    // Longer than one batch: two, the second ragged.
+    let eng = load("llama-silu");
+    let c = &eng.model.config;
+    let n = dejavu_backend_api::MAX_ROWS + 37;
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+    let tokens: Vec<u32> = (0..n)
+        .map(|_| r.gen_range(0..c.vocab_size as u32))
+        .collect();
+    let dm = DeviceModel::upload(dev, &eng.model, None).unwrap();
+    let dense = SparsePlan::dense(c);
+    let dplan = DevicePlan::fixed(dev, c, &dense, "dense").unwrap();
+    let mut sess = DeviceSession::new(dev, &dm, dplan, n + 4).unwrap();
+    let exec = Executor::new(&eng.model, &reference).unwrap();
+    let mut cache = KvCache::new(&eng.model, n + 4, KvType::F16);
+    let what = format!("a prompt of {n}");
+    let err = forward_both(&mut sess, &exec, &mut cache, &dense, &tokens, &what);
+    worst.max(err)
+}
+
+#[test]
+fn prompts_on_the_reference_device_run_in_batches() {
+    prompts_in_batches_match_the_host_executor(&HostDevice::new());
 }
 
 #[test]
@@ -246,8 +350,9 @@ fn perplexity_on_the_reference_device_matches_the_host() {
 /// each step's selections, read back and given to the host executor as a fixed plan, give the
 /// same logits (synthetic:opt-125m, random predictors, multi-head). With `+lazy-kv` the host
 /// computes every head's keys and values where the device recomputes the missed ones from
-/// the f16-kept inputs; the cache is truncated to 4 after `TOKENS` and three more steps run.
-/// Returns how many selected heads had missed positions to recompute.
+/// the f16-kept inputs; the cache is truncated to 4 after `TOKENS`, then a batch of two runs
+/// (every unit: under lazy K/V it fills what every head missed, as the host's batch does) and
+/// two more steps. Returns how many selected heads had missed positions to recompute.
 fn policy_runs_its_selection<D: Device>(dev: &D, spec: &str) -> usize {
     let opts = EngineOptions {
         keep_file_layout: true,
@@ -268,10 +373,14 @@ fn policy_runs_its_selection<D: Device>(dev: &D, spec: &str) -> usize {
     let mut cache = KvCache::new(&eng.model, 16, KvType::F16);
     let (mut missed, mut before): (usize, Option<Vec<dejavu::engine::device::Selections>>) =
         (0, None);
-    for (i, &t) in TOKENS.iter().chain(&TOKENS[4..7]).enumerate() {
+    for (i, &t) in TOKENS.iter().chain(&TOKENS[6..8]).enumerate() {
         if i == TOKENS.len() {
             sess.truncate(4);
             cache.truncate(4);
+            let (batch, dense) = (&TOKENS[4..6], SparsePlan::dense(c));
+            let what = format!("{spec} batch after the truncation");
+            forward_both(&mut sess, &exec, &mut cache, &dense, batch, &what);
+            before = None;
         }
         let got = sess.forward(&[t]).unwrap().to_vec();
         let sels = sess.selections().unwrap();
@@ -439,7 +548,19 @@ mod cuda {
             "{}: Deja Vu policies (full and lazy K/V, lookahead) run their own selections, {} \
              steps each; {missed} selected heads recomputed missed positions",
             g.name(),
-            TOKENS.len() + 3
+            TOKENS.len() + 2
+        );
+    }
+
+    /// Prompts in batches on the GPU (see `prompts_in_batches_match_the_host_executor`).
+    #[test]
+    fn prompts_on_the_gpu_run_in_batches() {
+        let Some(g) = gpu() else { return };
+        let worst = prompts_in_batches_match_the_host_executor(&g);
+        eprintln!(
+            "{}: prompts in batches match the host executor's batches, worst |logit error| \
+             {worst:.2e}",
+            g.name()
         );
     }
 

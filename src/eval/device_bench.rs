@@ -1,14 +1,16 @@
-//! `dejavu bench --backend cuda`: decode speed of the device-resident decoder
+//! `dejavu bench --backend cuda`: prefill and decode speed of the device-resident decoder
 //! (`engine::device`) under each policy, alternated as the CPU bench does: one warm-up run per
 //! policy (which also records its step), then `repetitions` rounds, each running every policy
-//! once. `tg<N>` decodes N tokens from an empty cache, reading the logits back after every token
-//! as generation does. Weight bytes per token are the plan's (predictors included).
+//! once. `pp<P>` runs a P-token prompt from an empty cache (in batches: every unit, whatever
+//! the policy) and reads its last logits back; `tg<N>` decodes N tokens from an empty cache,
+//! reading the logits back after every token as generation does. Weight bytes per token are the
+//! plan's (predictors included); a prompt's batch reads the dense model once.
 use crate::engine::device::{BlockTimes, DeviceModel, DevicePlan, DeviceSession};
 use crate::engine::Engine;
 use crate::eval::bench::median_sd;
 use crate::sparsity::policy::Policy;
 use crate::Result;
-use dejavu_backend_api::Device;
+use dejavu_backend_api::{Device, MAX_ROWS};
 use serde::Serialize;
 use std::time::Instant;
 
@@ -33,11 +35,13 @@ pub struct DeviceBenchRow {
     pub samples: Vec<f64>,
 }
 
-/// Decode `n_gen` tokens under each policy, `reps` alternated rounds after a warm-up.
-pub fn decode<D: Device>(
+/// A `n_prompt`-token prefill (0: none) and a `n_gen`-token decode under each policy, `reps`
+/// alternated rounds after a warm-up; the prefill rows first.
+pub fn bench<D: Device>(
     dev: &D,
     eng: &Engine,
     policies: &[Policy],
+    n_prompt: usize,
     n_gen: usize,
     reps: usize,
 ) -> Result<Vec<DeviceBenchRow>> {
@@ -48,7 +52,7 @@ pub fn decode<D: Device>(
         false => None,
     };
     let model = DeviceModel::upload(dev, &eng.model, layout)?;
-    let n_ctx = n_gen + 1;
+    let n_ctx = (n_gen + 1).max(n_prompt);
     let mut sessions = specs
         .iter()
         .map(|p| {
@@ -56,29 +60,52 @@ pub fn decode<D: Device>(
             DeviceSession::new(dev, &model, plan, n_ctx)
         })
         .collect::<Result<Vec<_>>>()?;
-    let tokens: Vec<u32> = (0..n_gen as u32)
+    let tokens: Vec<u32> = (0..n_gen.max(n_prompt) as u32)
         .map(|i| (i * 7919 + 13) % eng.model.config.vocab_size as u32)
         .collect();
-    let run = |s: &mut DeviceSession<'_, D>| -> Result<f64> {
+    let mut rows = Vec::new();
+    if n_prompt > 0 {
+        let prompt = &tokens[..n_prompt];
+        let samples = alternate(&mut sessions, reps, "prefill runs", |s| {
+            s.truncate(0);
+            let t0 = Instant::now();
+            s.forward(prompt)?;
+            Ok(n_prompt as f64 / t0.elapsed().as_secs_f64())
+        })?;
+        let bytes = model.dense_bytes() as f64 * n_prompt.div_ceil(MAX_ROWS) as f64;
+        for (s, samples) in sessions.iter().zip(samples) {
+            let (med, sd) = median_sd(&samples);
+            let (mlp_density, head_density) = (1.0, 1.0);
+            rows.push(DeviceBenchRow {
+                model: eng.model.label(),
+                backend: dev.name(),
+                sparsity: s.plan_name().to_string(),
+                test: format!("pp{n_prompt}"),
+                tok_per_s_median: med,
+                tok_per_s_stddev: sd,
+                ms_per_token: 1e3 / med,
+                speedup_vs_dense: None,
+                weight_bytes_per_token: bytes / n_prompt as f64,
+                weight_gb_per_s: bytes / n_prompt as f64 * med / 1e9,
+                mlp_density,
+                head_density,
+                blocks_ms: BlockTimes::default(),
+                samples,
+            });
+        }
+    }
+    if n_gen == 0 {
+        return Ok(rows);
+    }
+    let tokens = &tokens[..n_gen];
+    let samples = alternate(&mut sessions, reps, "decode runs", |s| {
         s.truncate(0);
         let t0 = Instant::now();
-        for &t in &tokens {
+        for &t in tokens {
             s.forward(&[t])?;
         }
         Ok(n_gen as f64 / t0.elapsed().as_secs_f64())
-    };
-    let bar = crate::progress::bar(((reps + 1) * specs.len()) as u64, "decode runs");
-    let mut samples = vec![Vec::new(); specs.len()];
-    for rep in 0..=reps {
-        for (i, s) in sessions.iter_mut().enumerate() {
-            let tps = run(s)?;
-            if rep > 0 {
-                samples[i].push(tps);
-            }
-            bar.inc(1);
-        }
-    }
-    bar.finish_and_clear();
+    })?;
     let mut blocks = Vec::new();
     for s in sessions.iter_mut() {
         s.truncate(0);
@@ -95,32 +122,57 @@ pub fn decode<D: Device>(
         });
     }
     let dense = (specs.iter().position(|p| p.is_dense())).map(|i| median_sd(&samples[i]).0);
-    Ok(sessions
-        .iter()
-        .zip(samples)
-        .zip(blocks)
-        .map(|((s, samples), blocks_ms)| {
-            let (med, sd) = median_sd(&samples);
-            let bytes = s.step_bytes() as f64;
-            let (mlp_density, head_density) = s.densities();
-            DeviceBenchRow {
-                model: eng.model.label(),
-                backend: dev.name(),
-                sparsity: s.plan_name().to_string(),
-                test: format!("tg{n_gen}"),
-                tok_per_s_median: med,
-                tok_per_s_stddev: sd,
-                ms_per_token: 1e3 / med,
-                speedup_vs_dense: dense.map(|d| med / d),
-                weight_bytes_per_token: bytes,
-                weight_gb_per_s: bytes * med / 1e9,
-                mlp_density,
-                head_density,
-                blocks_ms,
-                samples,
+    rows.extend(
+        sessions
+            .iter()
+            .zip(samples)
+            .zip(blocks)
+            .map(|((s, samples), blocks_ms)| {
+                let (med, sd) = median_sd(&samples);
+                let bytes = s.step_bytes() as f64;
+                let (mlp_density, head_density) = s.densities();
+                DeviceBenchRow {
+                    model: eng.model.label(),
+                    backend: dev.name(),
+                    sparsity: s.plan_name().to_string(),
+                    test: format!("tg{n_gen}"),
+                    tok_per_s_median: med,
+                    tok_per_s_stddev: sd,
+                    ms_per_token: 1e3 / med,
+                    speedup_vs_dense: dense.map(|d| med / d),
+                    weight_bytes_per_token: bytes,
+                    weight_gb_per_s: bytes * med / 1e9,
+                    mlp_density,
+                    head_density,
+                    blocks_ms,
+                    samples,
+                }
+            }),
+    );
+    Ok(rows)
+}
+
+/// `reps` rounds of `run` over every session (after one warm-up round, not kept): each
+/// session's samples.
+fn alternate<D: Device>(
+    sessions: &mut [DeviceSession<'_, D>],
+    reps: usize,
+    what: &str,
+    mut run: impl FnMut(&mut DeviceSession<'_, D>) -> Result<f64>,
+) -> Result<Vec<Vec<f64>>> {
+    let bar = crate::progress::bar(((reps + 1) * sessions.len()) as u64, what);
+    let mut samples = vec![Vec::new(); sessions.len()];
+    for rep in 0..=reps {
+        for (i, s) in sessions.iter_mut().enumerate() {
+            let tps = run(s)?;
+            if rep > 0 {
+                samples[i].push(tps);
             }
-        })
-        .collect())
+            bar.inc(1);
+        }
+    }
+    bar.finish_and_clear();
+    Ok(samples)
 }
 
 /// The rows as a markdown table.
@@ -130,7 +182,7 @@ pub fn markdown(rows: &[DeviceBenchRow]) -> String {
     );
     for r in rows {
         out += &format!(
-            "| {} | {} | {} | {} | {:.1} ± {:.1} | {:.3} | {} | {:.1} | {:.0} | {:.2} / {:.2} / {:.2} / {:.2} |\n",
+            "| {} | {} | {} | {} | {:.1} ± {:.1} | {:.3} | {} | {:.1} | {:.0} | {} |\n",
             r.model,
             r.backend,
             r.sparsity,
@@ -138,13 +190,17 @@ pub fn markdown(rows: &[DeviceBenchRow]) -> String {
             r.tok_per_s_median,
             r.tok_per_s_stddev,
             r.ms_per_token,
-            r.speedup_vs_dense.map_or("-".into(), |s| format!("{s:.2}x")),
+            r.speedup_vs_dense
+                .map_or("-".into(), |s| format!("{s:.2}x")),
             r.weight_bytes_per_token / 1e6,
             r.weight_gb_per_s,
-            r.blocks_ms.attention,
-            r.blocks_ms.mlp,
-            r.blocks_ms.predict,
-            r.blocks_ms.output,
+            match r.blocks_ms.steps {
+                0 => "-".to_string(),
+                _ => format!(
+                    "{:.2} / {:.2} / {:.2} / {:.2}",
+                    r.blocks_ms.attention, r.blocks_ms.mlp, r.blocks_ms.predict, r.blocks_ms.output
+                ),
+            },
         );
     }
     out
@@ -176,16 +232,20 @@ pub fn gains(cpu: &[crate::eval::bench::BenchResult], gpu: &[DeviceBenchRow]) ->
             })
         })
         .collect();
-    out.extend(gpu.iter().filter_map(|r| {
-        Some(GainRow {
-            backend: r.backend.clone(),
-            sparsity: r.sparsity.clone(),
-            mlp_density: r.mlp_density,
-            head_density: r.head_density,
-            tok_per_s: r.tok_per_s_median,
-            speedup_vs_dense: r.speedup_vs_dense?,
-        })
-    }));
+    out.extend(
+        gpu.iter()
+            .filter(|r| r.test.starts_with("tg"))
+            .filter_map(|r| {
+                Some(GainRow {
+                    backend: r.backend.clone(),
+                    sparsity: r.sparsity.clone(),
+                    mlp_density: r.mlp_density,
+                    head_density: r.head_density,
+                    tok_per_s: r.tok_per_s_median,
+                    speedup_vs_dense: r.speedup_vs_dense?,
+                })
+            }),
+    );
     out
 }
 

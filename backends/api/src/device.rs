@@ -12,7 +12,15 @@
 //! Selections are *compact*: a product over `Rows::Sel` writes output `j` for the `j`-th
 //! selected row, and the verbs after it (activation, attention, [`Device::axpy`]) read the same
 //! compact order. The dense plan is the same verbs with `Rows::All`.
+//!
+//! A step is a *batch* of `rows` tokens at consecutive positions ([`Device::set_step`]): a
+//! decode step is one row; a prompt runs as batches of up to [`MAX_ROWS`] (its products through
+//! [`Device::matmul`]). Row-wise verbs take the batch's `rows`; buffers hold their rows one after
+//! another (row `r` at `r * width`), and row `r` is at position `pos + r`.
 use crate::{Activation, BackendError, QuantType, RopeStyle, Weight};
+
+/// The most rows one batch ([`Device::set_step`]) holds.
+pub const MAX_ROWS: usize = 512;
 
 /// Which rows a product reads. `All`: rows `0..n` (output `j` is row `j`). `Sel`: `count *
 /// group` outputs, output `j` being row `idx[j / group] * group + j % group` (`group` > 1
@@ -95,6 +103,7 @@ pub struct TopK<'a, D: Device + ?Sized> {
 /// One layer's lazy K/V ([`Device::kv_fill`], multi-head attention): its key and value
 /// projections, the heads selected at this step, and the layer's kept attention inputs
 /// (`inputs` row `p`: the input at position `p`, [`Device::store_row`]).
+/// The batch's `rows` (its last position `pos + rows - 1` is the last one filled).
 pub struct LazyKv<'a, D: Device + ?Sized> {
     pub wk: &'a D::Mat,
     pub wv: &'a D::Mat,
@@ -106,26 +115,30 @@ pub struct LazyKv<'a, D: Device + ?Sized> {
     pub head_dim: usize,
     /// RoPE of the keys, at each filled position.
     pub rope: Option<(f32, RopeStyle)>,
+    /// The batch's rows.
+    pub rows: usize,
 }
 
 /// Which step value selects the row of an embedding lookup.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StepRow {
-    /// The step's token id.
+    /// The row's token id.
     Token,
-    /// The step's position plus an offset (OPT's learned positions start at 2).
+    /// The row's position plus an offset (OPT's learned positions start at 2).
     Position { offset: usize },
 }
 
-/// The shape of one layer's decode-step attention: the query heads (compact, as the `Rows` of
-/// the call name them) attend causally to cache positions `0..=pos`; query head `h` reads KV head
-/// `h / (n_heads / n_kv_heads)`. `n_ctx` is the caches' capacity.
+/// The shape of one layer's attention over a batch: the query heads of row `r` (compact, as the
+/// `Rows` of the call name them) attend causally to cache positions `0..=pos + r`; query head `h`
+/// reads KV head `h / (n_heads / n_kv_heads)`. `n_ctx` is the caches' capacity.
 #[derive(Debug, Clone, Copy)]
 pub struct AttnGeom {
     pub n_heads: usize,
     pub n_kv_heads: usize,
     pub head_dim: usize,
     pub n_ctx: usize,
+    /// The batch's rows.
+    pub rows: usize,
 }
 
 /// Verbs of a device-resident decode step. Every verb is enqueued in order on the device's lane
@@ -162,23 +175,35 @@ pub trait Device: Send + Sync {
     /// keeps its place). Not while recording.
     fn write_idx(&self, x: &mut Self::Idx, v: &[u32]) -> Result<(), BackendError>;
 
-    /// The token and position that the next step's verbs read (set before a replay too).
-    fn set_step(&self, token: u32, pos: usize) -> Result<(), BackendError>;
+    /// The batch that the next verbs read (set before a replay too): `tokens[r]` at position
+    /// `pos + r`, 1 to [`MAX_ROWS`] rows.
+    fn set_step(&self, tokens: &[u32], pos: usize) -> Result<(), BackendError>;
 
-    /// `x = table[row]` (`accumulate`: `x += table[row]`), the row chosen by `which`; a row
-    /// outside the table writes nothing and is the caller's to rule out.
+    /// For each of the batch's `rows`: `x[r] = table[row]` (`accumulate`: `+=`), the row chosen
+    /// by `which`; a row outside the table writes nothing and is the caller's to rule out.
     fn embed(
         &self,
         table: &Self::Mat,
         which: StepRow,
         accumulate: bool,
         x: &mut Self::Buf,
+        rows: usize,
     ) -> Result<(), BackendError>;
 
     /// Several products of the input `x` (Q, K and V; gate and up) or of their own inputs, as if
     /// each ran alone (see [`Product`]; at most 3), in one launch where the device can. Every
     /// `w.cols` is its input's width.
     fn matvecs(&self, x: &Self::Buf, jobs: &mut [Product<'_, Self>]) -> Result<(), BackendError>;
+
+    /// [`Device::matvecs`] of each of `rows` rows of the inputs (row `r` of a product's input at
+    /// `r * w.cols`, of its output at `r * w.rows`): the products of a prompt's batch. Every
+    /// product's rows are `Rows::All` (a batch runs the dense plan).
+    fn matmul(
+        &self,
+        x: &Self::Buf,
+        rows: usize,
+        jobs: &mut [Product<'_, Self>],
+    ) -> Result<(), BackendError>;
 
     /// `y[j] = dot(W[row(j)], x) (+ bias[row(j)])`, or with `accumulate` `y[j] +=` that, for
     /// the outputs of `rows` (see [`Rows`]). `x`: `w.cols`.
@@ -209,16 +234,17 @@ pub trait Device: Send + Sync {
         y: &mut Self::Buf,
     ) -> Result<(), BackendError>;
 
-    /// `out = x / sqrt(mean(x^2) + eps) * w` over the first `w`'s length of `x`.
+    /// `out = x / sqrt(mean(x^2) + eps) * w` for each of `rows` rows of `w`'s length.
     fn rmsnorm(
         &self,
         x: &Self::Buf,
         w: &Self::Buf,
         eps: f32,
         out: &mut Self::Buf,
+        rows: usize,
     ) -> Result<(), BackendError>;
 
-    /// `out = (x - mean) / sqrt(var + eps) * w + b`.
+    /// `out = (x - mean) / sqrt(var + eps) * w + b` for each of `rows` rows of `w`'s length.
     fn layernorm(
         &self,
         x: &Self::Buf,
@@ -226,6 +252,7 @@ pub trait Device: Send + Sync {
         b: Option<&Self::Buf>,
         eps: f32,
         out: &mut Self::Buf,
+        rows: usize,
     ) -> Result<(), BackendError>;
 
     /// `x[..n] += y[..n]` (a bias added after a sparse down projection).
@@ -234,8 +261,18 @@ pub trait Device: Send + Sync {
     /// `y[..n] = x[..n]`.
     fn copy(&self, x: &Self::Buf, y: &mut Self::Buf, n: usize) -> Result<(), BackendError>;
 
+    /// `y[..width] = x[r * width..(r + 1) * width]`: row `r` of a batch (its last, whose
+    /// logits a prompt wants).
+    fn take_row(
+        &self,
+        x: &Self::Buf,
+        r: usize,
+        width: usize,
+        y: &mut Self::Buf,
+    ) -> Result<(), BackendError>;
+
     /// `dst[idx[j]] = src[j]` for `j < n` (the exact logits of the contextual head's
-    /// candidates); an index past `dst` writes nothing.
+    /// candidates), the indices distinct; an index past `dst` writes nothing.
     fn scatter(
         &self,
         src: &Self::Buf,
@@ -243,7 +280,7 @@ pub trait Device: Send + Sync {
         n: usize,
         dst: &mut Self::Buf,
     ) -> Result<(), BackendError>;
-    /// Rotate `n_heads` heads of `x` at the step's position.
+    /// Rotate `n_heads` heads of each of `rows` rows of `x`, row `r` at position `pos + r`.
     fn rope(
         &self,
         x: &mut Self::Buf,
@@ -251,6 +288,7 @@ pub trait Device: Send + Sync {
         head_dim: usize,
         theta: f32,
         style: RopeStyle,
+        rows: usize,
     ) -> Result<(), BackendError>;
 
     /// [`Device::rope`] of `q` (`n_q` heads) and of `k` (`n_k` heads), in one launch where the
@@ -265,9 +303,10 @@ pub trait Device: Send + Sync {
         head_dim: usize,
         theta: f32,
         style: RopeStyle,
+        rows: usize,
     ) -> Result<(), BackendError> {
-        self.rope(q, n_q, head_dim, theta, style)?;
-        self.rope(k, n_k, head_dim, theta, style)
+        self.rope(q, n_q, head_dim, theta, style, rows)?;
+        self.rope(k, n_k, head_dim, theta, style, rows)
     }
     /// `gate[i] = act(gate[i]) * up[i]` for `i < n`.
     fn glu(
@@ -281,23 +320,31 @@ pub trait Device: Send + Sync {
     /// `x[i] = act(x[i])` for `i < n`.
     fn activate(&self, act: Activation, x: &mut Self::Buf, n: usize) -> Result<(), BackendError>;
 
-    /// Store `k` and `v` (`width` values each) as the step's position of `kc` and `vc`.
+    /// Store row `r` of `k` and of `v` (`width` values each) as position `pos + r` of `kc` and
+    /// `vc`, for each of `rows` rows.
     fn store(
         &self,
         k: &Self::Buf,
         v: &Self::Buf,
         kc: &mut Self::Cache,
         vc: &mut Self::Cache,
+        rows: usize,
     ) -> Result<(), BackendError>;
 
-    /// `c[pos] = x[..c.width]` in f16, at the step's position (a layer's attention input, kept
-    /// for lazy K/V).
-    fn store_row(&self, x: &Self::Buf, c: &mut Self::Cache) -> Result<(), BackendError>;
+    /// `c[pos + r] = x[r]` (`c.width` values) in f16 for each of `rows` rows (a layer's
+    /// attention inputs, kept for lazy K/V).
+    fn store_row(
+        &self,
+        x: &Self::Buf,
+        c: &mut Self::Cache,
+        rows: usize,
+    ) -> Result<(), BackendError>;
     /// Lazy K/V (the paper's recompute): for each selected head `h`, the keys and values of the
-    /// positions `valid[h]..=pos` it is missing, from the kept inputs:
+    /// positions `valid[h]..=last` it is missing (`last = pos + job.rows - 1`), from the kept
+    /// inputs:
     /// `k[p][h] = rope_p(W_k[h] inputs[p] + b_k[h])`, `v[p][h] = W_v[h] inputs[p] + b_v[h]`
-    /// (`W_k[h]`: the head's `head_dim` rows); then `valid[h] = pos + 1`. `valid` holds one
-    /// entry per head, each at most `pos + 1`.
+    /// (`W_k[h]`: the head's `head_dim` rows); then `valid[h] = last + 1`. `valid` holds one
+    /// entry per head, each at most `last + 1`.
     fn kv_fill(
         &self,
         job: LazyKv<'_, Self>,
@@ -305,8 +352,9 @@ pub trait Device: Send + Sync {
         k: &mut Self::Cache,
         v: &mut Self::Cache,
     ) -> Result<(), BackendError>;
-    /// Attention of the selected query heads at the step's position: `q` and `out` are compact
-    /// (the heads `heads` names, `head_dim` each), keys and values positions `0..=pos`.
+    /// Attention of the selected query heads of each of the batch's `geom.rows` rows: `q` and
+    /// `out` are compact (per row, the heads `heads` names, `head_dim` each), row `r` over keys
+    /// and values at positions `0..=pos + r`.
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,

@@ -9,14 +9,14 @@ use crate::pool::SpinPool;
 use crate::{attention, dequant, ops};
 use dejavu_backend_api::{
     Activation, AttnGeom, AttnShape, BackendError, Device, IndexSet, KvSlice, LazyKv, Product,
-    QuantType, RopeStyle, Rows, StepRow, Weight,
+    QuantType, RopeStyle, Rows, StepRow, Weight, MAX_ROWS,
 };
 use half::f16;
 use std::sync::Mutex;
 
 pub struct HostDevice {
-    /// The step's `(token, position)`.
-    step: Mutex<(u32, usize)>,
+    /// The batch's tokens and first position.
+    step: Mutex<(Vec<u32>, usize)>,
     /// The scalar tier and one thread, for the attention reference.
     kernels: Kernels,
     pool: SpinPool,
@@ -25,7 +25,7 @@ pub struct HostDevice {
 impl Default for HostDevice {
     fn default() -> Self {
         Self {
-            step: Mutex::default(),
+            step: Mutex::new((vec![0], 0)),
             kernels: Kernels::for_isa(Isa::Scalar).expect("the scalar tier runs everywhere"),
             pool: SpinPool::new(1),
         }
@@ -94,6 +94,42 @@ impl HostDevice {
     fn pos(&self) -> usize {
         self.step.lock().expect("step lock").1
     }
+    /// The batch set has at least `rows` rows (and `rows` > 0).
+    fn rows(&self, what: &str, rows: usize) -> Result<(), BackendError> {
+        let have = self.step.lock().expect("step lock").0.len();
+        match rows > 0 && rows <= have {
+            true => Ok(()),
+            false => Err(shape(format!("{what} of {rows} rows in a batch of {have}"))),
+        }
+    }
+    /// [`Self::rows`], and a buffer of `x` values holds `rows` rows of `width`.
+    fn batch(&self, what: &str, x: usize, width: usize, rows: usize) -> Result<(), BackendError> {
+        self.rows(what, rows)?;
+        need(what, x, rows * width)
+    }
+}
+
+/// `y[j] = act(dot(W[row(j)], x) + bias)` (or `+=`) for one row of one product.
+fn product_row(
+    w: &HostMat,
+    rs: &[usize],
+    x: &[f32],
+    bias: Option<&Vec<f32>>,
+    act: Option<Activation>,
+    accumulate: bool,
+    y: &mut [f32],
+) {
+    let mut row = vec![0.0; w.cols];
+    for (j, &r) in rs.iter().enumerate() {
+        w.row(r, &mut row);
+        let dot = row.iter().zip(x).map(|(a, b)| a * b).sum::<f32>();
+        let s = dot + bias.map_or(0.0, |b| b[r]);
+        y[j] = match (accumulate, act) {
+            (true, _) => y[j] + s,
+            (false, Some(a)) => a.apply(s),
+            (false, None) => s,
+        };
+    }
 }
 
 impl Device for HostDevice {
@@ -155,8 +191,11 @@ impl Device for HostDevice {
         x[..v.len()].copy_from_slice(v);
         Ok(())
     }
-    fn set_step(&self, token: u32, pos: usize) -> Result<(), BackendError> {
-        *self.step.lock().expect("step lock") = (token, pos);
+    fn set_step(&self, tokens: &[u32], pos: usize) -> Result<(), BackendError> {
+        if tokens.is_empty() || tokens.len() > MAX_ROWS {
+            return Err(shape(format!("a batch of {} rows", tokens.len())));
+        }
+        *self.step.lock().expect("step lock") = (tokens.to_vec(), pos);
         Ok(())
     }
 
@@ -166,20 +205,23 @@ impl Device for HostDevice {
         which: StepRow,
         acc: bool,
         x: &mut Vec<f32>,
+        rows: usize,
     ) -> Result<(), BackendError> {
-        need("embed output", x.len(), t.cols)?;
-        let (token, pos) = *self.step.lock().expect("step lock");
-        let r = match which {
-            StepRow::Token => token as usize,
-            StepRow::Position { offset } => pos + offset,
-        };
-        if r >= t.rows {
-            return Ok(());
-        }
+        self.batch("embed output", x.len(), t.cols, rows)?;
+        let (tokens, pos) = self.step.lock().expect("step lock").clone();
         let mut row = vec![0.0; t.cols];
-        t.row(r, &mut row);
-        for (x, v) in x.iter_mut().zip(row) {
-            *x = if acc { *x + v } else { v };
+        for (i, xr) in x.chunks_exact_mut(t.cols).take(rows).enumerate() {
+            let r = match which {
+                StepRow::Token => tokens[i] as usize,
+                StepRow::Position { offset } => pos + i + offset,
+            };
+            if r >= t.rows {
+                continue;
+            }
+            t.row(r, &mut row);
+            for (x, &v) in xr.iter_mut().zip(&row) {
+                *x = if acc { *x + v } else { v };
+            }
         }
         Ok(())
     }
@@ -193,16 +235,31 @@ impl Device for HostDevice {
             if let Some(b) = p.bias {
                 need("matvec bias", b.len(), w.rows)?;
             }
-            let mut row = vec![0.0; w.cols];
-            for (j, &r) in rs.iter().enumerate() {
-                w.row(r, &mut row);
-                let dot = row.iter().zip(x).map(|(a, b)| a * b).sum::<f32>();
-                let s = dot + p.bias.map_or(0.0, |b| b[r]);
-                p.y[j] = match (p.accumulate, p.act) {
-                    (true, _) => p.y[j] + s,
-                    (false, Some(a)) => a.apply(s),
-                    (false, None) => s,
-                };
+            product_row(w, &rs, &x[..w.cols], p.bias, p.act, p.accumulate, p.y);
+        }
+        Ok(())
+    }
+
+    fn matmul(
+        &self,
+        x: &Vec<f32>,
+        rows: usize,
+        jobs: &mut [Product<'_, Self>],
+    ) -> Result<(), BackendError> {
+        for p in jobs.iter_mut() {
+            let (w, x) = (p.w, p.x.unwrap_or(x));
+            if !matches!(p.rows, Rows::All) {
+                return Err(shape("a batch's products read every row".into()));
+            }
+            let rs: Vec<usize> = (0..w.rows).collect();
+            self.batch("matmul input", x.len(), w.cols, rows)?;
+            self.batch("matmul output", p.y.len(), w.rows, rows)?;
+            if let Some(b) = p.bias {
+                need("matmul bias", b.len(), w.rows)?;
+            }
+            let ys = p.y.chunks_exact_mut(w.rows);
+            for (xr, yr) in x.chunks_exact(w.cols).zip(ys).take(rows) {
+                product_row(w, &rs, xr, p.bias, p.act, p.accumulate, yr);
             }
         }
         Ok(())
@@ -239,11 +296,14 @@ impl Device for HostDevice {
         w: &Vec<f32>,
         eps: f32,
         out: &mut Vec<f32>,
+        rows: usize,
     ) -> Result<(), BackendError> {
         let n = w.len();
-        need("rmsnorm input", x.len(), n)?;
-        need("rmsnorm output", out.len(), n)?;
-        ops::rmsnorm(&x[..n], w, eps, &mut out[..n]);
+        self.batch("rmsnorm input", x.len(), n, rows)?;
+        self.batch("rmsnorm output", out.len(), n, rows)?;
+        for r in 0..rows {
+            ops::rmsnorm(&x[r * n..(r + 1) * n], w, eps, &mut out[r * n..(r + 1) * n]);
+        }
         Ok(())
     }
 
@@ -254,15 +314,19 @@ impl Device for HostDevice {
         b: Option<&Vec<f32>>,
         eps: f32,
         out: &mut Vec<f32>,
+        rows: usize,
     ) -> Result<(), BackendError> {
         let n = w.len();
-        need("layernorm input", x.len(), n)?;
-        need("layernorm output", out.len(), n)?;
+        self.batch("layernorm input", x.len(), n, rows)?;
+        self.batch("layernorm output", out.len(), n, rows)?;
         if let Some(b) = b {
             need("layernorm bias", b.len(), n)?;
         }
         let b = b.map(|b| &b[..n]);
-        ops::layernorm(&x[..n], w, b, eps, &mut out[..n]);
+        for r in 0..rows {
+            let o = &mut out[r * n..(r + 1) * n];
+            ops::layernorm(&x[r * n..(r + 1) * n], w, b, eps, o);
+        }
         Ok(())
     }
 
@@ -297,6 +361,19 @@ impl Device for HostDevice {
         Ok(())
     }
 
+    fn take_row(
+        &self,
+        x: &Vec<f32>,
+        r: usize,
+        width: usize,
+        y: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        need("take_row input", x.len(), (r + 1) * width)?;
+        need("take_row output", y.len(), width)?;
+        y[..width].copy_from_slice(&x[r * width..(r + 1) * width]);
+        Ok(())
+    }
+
     fn rope(
         &self,
         x: &mut Vec<f32>,
@@ -304,17 +381,14 @@ impl Device for HostDevice {
         head_dim: usize,
         theta: f32,
         style: RopeStyle,
+        rows: usize,
     ) -> Result<(), BackendError> {
-        need("rope", x.len(), n_heads * head_dim)?;
+        let w = n_heads * head_dim;
+        self.batch("rope", x.len(), w, rows)?;
         let pos = self.pos();
-        ops::rope(
-            &mut x[..n_heads * head_dim],
-            n_heads,
-            head_dim,
-            pos,
-            theta,
-            style,
-        );
+        for (r, xr) in x.chunks_exact_mut(w.max(1)).take(rows).enumerate() {
+            ops::rope(xr, n_heads, head_dim, pos + r, theta, style);
+        }
         Ok(())
     }
 
@@ -343,18 +417,19 @@ impl Device for HostDevice {
         v: &Vec<f32>,
         kc: &mut HostCache,
         vc: &mut HostCache,
+        rows: usize,
     ) -> Result<(), BackendError> {
-        need("store", k.len(), kc.width)?;
-        need("store", v.len(), vc.width)?;
-        self.store_row(k, kc)?;
-        self.store_row(v, vc)
+        self.batch("store", k.len(), kc.width, rows)?;
+        self.batch("store", v.len(), vc.width, rows)?;
+        self.store_row(k, kc, rows)?;
+        self.store_row(v, vc, rows)
     }
 
-    fn store_row(&self, x: &Vec<f32>, c: &mut HostCache) -> Result<(), BackendError> {
-        let p = self.pos();
-        need("store_row", x.len(), c.width)?;
-        if p < c.n_ctx {
-            put_f16(&mut c.data[p * c.width..(p + 1) * c.width], x);
+    fn store_row(&self, x: &Vec<f32>, c: &mut HostCache, rows: usize) -> Result<(), BackendError> {
+        self.batch("store_row", x.len(), c.width, rows)?;
+        let w = c.width;
+        for (p, xr) in (self.pos()..c.n_ctx).zip(x.chunks_exact(w.max(1)).take(rows)) {
+            put_f16(&mut c.data[p * w..(p + 1) * w], xr);
         }
         Ok(())
     }
@@ -366,7 +441,8 @@ impl Device for HostDevice {
         kc: &mut HostCache,
         vc: &mut HostCache,
     ) -> Result<(), BackendError> {
-        let (pos, hd) = (self.pos(), job.head_dim);
+        self.rows("kv_fill", job.rows)?;
+        let (pos, hd) = (self.pos() + job.rows - 1, job.head_dim);
         let n_heads = job.wk.rows / hd.max(1);
         let d = job.inputs.width;
         let fits = hd > 0
@@ -423,9 +499,10 @@ impl Device for HostDevice {
         g: AttnGeom,
         out: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
-        let (hd, pos) = (g.head_dim, self.pos());
+        let (hd, pos, rows) = (g.head_dim, self.pos(), g.rows);
         let width = g.n_kv_heads * hd;
-        if g.n_kv_heads == 0 || !g.n_heads.is_multiple_of(g.n_kv_heads) || pos >= g.n_ctx {
+        self.rows("attention", rows)?;
+        if g.n_kv_heads == 0 || !g.n_heads.is_multiple_of(g.n_kv_heads) || pos + rows > g.n_ctx {
             return Err(shape(format!(
                 "attention of {} heads over {} KV heads at position {pos} of {}",
                 g.n_heads, g.n_kv_heads, g.n_ctx
@@ -437,23 +514,27 @@ impl Device for HostDevice {
             }
         }
         let hs = rows_of(heads, g.n_heads)?;
-        need("attention queries", q.len(), hs.len() * hd)?;
-        need("attention output", out.len(), hs.len() * hd)?;
+        let (cw, fw) = (hs.len() * hd, g.n_heads * hd);
+        need("attention queries", q.len(), rows * cw)?;
+        need("attention output", out.len(), rows * cw)?;
         // The CPU reference over full-width queries, then the selected heads back to compact.
-        let mut qf = vec![0.0; g.n_heads * hd];
-        for (j, &h) in hs.iter().enumerate() {
-            qf[h * hd..(h + 1) * hd].copy_from_slice(&q[j * hd..(j + 1) * hd]);
+        let mut qf = vec![0.0; rows * fw];
+        for r in 0..rows {
+            for (j, &h) in hs.iter().enumerate() {
+                let src = &q[r * cw + j * hd..r * cw + (j + 1) * hd];
+                qf[r * fw + h * hd..r * fw + (h + 1) * hd].copy_from_slice(src);
+            }
         }
         let set = IndexSet::from_unsorted(g.n_heads, hs.iter().map(|&h| h as u32).collect())
             .map_err(|e| shape(e.to_string()))?;
-        let mut of = vec![0.0; g.n_heads * hd];
-        let n = (pos + 1) * width;
+        let mut of = vec![0.0; rows * fw];
+        let n = (pos + rows) * width;
         let shape = AttnShape {
             n_heads: g.n_heads,
             n_kv_heads: g.n_kv_heads,
             head_dim: hd,
             pos0: pos,
-            n_tokens: 1,
+            n_tokens: rows,
         };
         attention::attention(
             &self.kernels,
@@ -465,8 +546,11 @@ impl Device for HostDevice {
             shape,
             &mut of,
         );
-        for (j, &h) in hs.iter().enumerate() {
-            out[j * hd..(j + 1) * hd].copy_from_slice(&of[h * hd..(h + 1) * hd]);
+        for r in 0..rows {
+            for (j, &h) in hs.iter().enumerate() {
+                let src = &of[r * fw + h * hd..r * fw + (h + 1) * hd];
+                out[r * cw + j * hd..r * cw + (j + 1) * hd].copy_from_slice(src);
+            }
         }
         Ok(())
     }

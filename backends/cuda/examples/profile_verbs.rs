@@ -222,12 +222,13 @@ fn main() {
         },
     );
     let (kc, vc) = (dev.cache(1024, d).unwrap(), dev.cache(1024, d).unwrap());
-    dev.set_step(0, 128).unwrap();
+    dev.set_step(&[0], 128).unwrap();
     let g = AttnGeom {
         n_heads: nh,
         n_kv_heads: nh,
         head_dim: hd,
         n_ctx: 1024,
+        rows: 1,
     };
     time(
         &dev,
@@ -288,14 +289,35 @@ fn main() {
                 heads: hsel1,
                 head_dim: hd,
                 rope: None,
+                rows: 1,
             };
             dev.kv_fill(job, &mut valid, &mut kc2, &mut vc2).unwrap()
         },
     );
     let nw: Buf = dev.upload(&vec![1.0; d]).unwrap();
     time(&dev, &format!("layernorm {d}"), 0, || {
-        dev.layernorm(&x, &nw, Some(&nw), 1e-5, &mut y)
+        dev.layernorm(&x, &nw, Some(&nw), 1e-5, &mut y, 1)
     });
+    // A prompt's batch of 128 rows through the square matrix (a tiled product).
+    let rows = 128;
+    dev.set_step(&vec![0; rows], 0).unwrap();
+    let (xs, mut ys): (Buf, Buf) = (
+        dev.upload(&vec![0.01; rows * d]).unwrap(),
+        dev.zeros(rows * d).unwrap(),
+    );
+    let t0 = Instant::now();
+    for _ in 0..REPS {
+        dev.matmul(&xs, rows, &mut [Product::new(&sq, Rows::All, &mut ys)])
+            .unwrap();
+    }
+    dev.synchronize().unwrap();
+    let us = t0.elapsed().as_secs_f64() * 1e6 / REPS as f64;
+    let tflops = 2.0 * (rows * d * d) as f64 / us / 1e6;
+    println!(
+        "{:<44} {us:9.2} us  {tflops:7.1} TFLOP/s (eager)",
+        format!("matmul {d}x{d} of {rows} rows")
+    );
+    dev.set_step(&[0], 128).unwrap();
     let one: Buf = dev.upload(&[1.0]).unwrap();
     time(&dev, "one graph node (add of 1 element)", 0, || {
         dev.add(&mut y, &one, 1)

@@ -1,4 +1,5 @@
-//! The launch of attention.cu: one block per selected query head over the f16 caches.
+//! The launch of attention.cu: one block per selected query head and batch row over the f16
+//! caches.
 use crate::{launch, need, shape, Buf, Cache, CudaDevice, Idx};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use dejavu_backend_api::{AttnGeom, BackendError, Device, Rows};
@@ -29,13 +30,14 @@ impl CudaDevice {
                 )));
             }
         }
+        self.batch_rows("attention", g.rows)?;
         let (ip, _, _, n_sel) = self.sel(heads, g.n_heads)?;
         if n_sel == 0 {
             return Ok(()); // no head selected: nothing to write
         }
         // One block per selected head (`n_sel` heads: the selection's group is 1).
-        need("attention queries", q.0.len(), n_sel * g.head_dim)?;
-        need("attention output", out.0.len(), n_sel * g.head_dim)?;
+        need("attention queries", q.0.len(), g.rows * n_sel * g.head_dim)?;
+        need("attention output", out.0.len(), g.rows * n_sel * g.head_dim)?;
         if !g.head_dim.is_multiple_of(8) || g.head_dim > 256 {
             return Err(BackendError::Unsupported {
                 backend: self.name(),
@@ -69,7 +71,7 @@ impl CudaDevice {
             .arg(&nc);
         b.arg(&sp).arg(&op);
         let cfg = LaunchConfig {
-            grid_dim: (n_sel.max(1) as u32, 1, 1),
+            grid_dim: (n_sel.max(1) as u32, g.rows as u32, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: smem as u32,
         };

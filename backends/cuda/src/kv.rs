@@ -6,13 +6,19 @@ use dejavu_backend_api::{BackendError, LazyKv, RopeStyle};
 
 impl CudaDevice {
     /// `Device::store_row`.
-    pub(crate) fn launch_store_row(&self, x: &Buf, c: &mut Cache) -> Result<(), BackendError> {
-        need("store_row", x.0.len(), c.width)?;
+    pub(crate) fn launch_store_row(
+        &self,
+        x: &Buf,
+        c: &mut Cache,
+        rows: usize,
+    ) -> Result<(), BackendError> {
+        self.batch_rows("store_row", rows)?;
+        need("store_row", x.0.len(), rows * c.width)?;
         let (xp, cp, sp) = (self.ptr(&x.0), self.ptr(&c.data), self.ptr(&self.step));
         let (w, n) = (c.width as i32, c.n_ctx as i32);
         let mut b = self.lane().launch_builder(self.func("store_row_f16"));
         b.arg(&xp).arg(&cp).arg(&w).arg(&n).arg(&sp);
-        launch::run(b, launch::grid(c.width, 256))
+        launch::run(b, launch::rows(launch::grid(c.width, 256), rows))
     }
 
     /// `Device::kv_fill`: `kv_fill_T` (a warp per row pair of K or V of a selected head), then
@@ -25,6 +31,7 @@ impl CudaDevice {
         vc: &mut Cache,
     ) -> Result<(), BackendError> {
         let hd = job.head_dim;
+        self.batch_rows("kv_fill", job.rows)?;
         let n_heads = job.wk.rows / hd.max(1);
         let d = job.inputs.width;
         let fits = hd > 0
@@ -73,6 +80,7 @@ impl CudaDevice {
             self.ptr(&vc.data),
         );
         let (di, hdi, wi, nc) = (d as i32, hd as i32, kc.width as i32, kc.n_ctx as i32);
+        let rows = job.rows as i32;
         let f = self.func(&format!("kv_fill_{}", type_suffix(job.wk.qtype)));
         let mut b = self.lane().launch_builder(f);
         for p in &ptrs {
@@ -84,6 +92,7 @@ impl CudaDevice {
             .arg(&hdi)
             .arg(&vp)
             .arg(&sp)
+            .arg(&rows)
             .arg(&nc);
         b.arg(&theta).arg(&rope).arg(&kp).arg(&vcp).arg(&wi);
         // A warp per row pair of K or V of each selected head (n_sel * hd warps) and chunk of
@@ -96,7 +105,7 @@ impl CudaDevice {
         launch::run(b, cfg)?;
         let mut b = self.lane().launch_builder(self.func("kv_mark"));
         let nh = n_heads as i32;
-        b.arg(&ip).arg(&n_sel).arg(&nh).arg(&vp).arg(&sp);
+        b.arg(&ip).arg(&n_sel).arg(&nh).arg(&vp).arg(&sp).arg(&rows);
         launch::run(b, launch::grid(n_sel as usize, 256))
     }
 }

@@ -21,6 +21,22 @@ pub(crate) fn grid(n: usize, block: u32) -> LaunchConfig {
     }
 }
 
+/// `cfg` once for each of `rows` batch rows (`blockIdx.y`).
+pub(crate) fn rows(cfg: LaunchConfig, rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (cfg.grid_dim.0, rows.max(1) as u32, 1),
+        ..cfg
+    }
+}
+
+/// `cfg`'s one block once for each of `rows` batch rows (`blockIdx.x`).
+pub(crate) fn blocks(cfg: LaunchConfig, rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows.max(1) as u32, 1, 1),
+        ..cfg
+    }
+}
+
 /// One block for a reduction over `n` elements: up to 1024 threads, a multiple of 32.
 pub(crate) fn one_block(n: usize) -> LaunchConfig {
     let t = (n.div_ceil(32) * 32).clamp(32, 1024) as u32;

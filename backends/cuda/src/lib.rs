@@ -2,7 +2,8 @@
 //! Weights are uploaded once ([`Device::upload_mat`], in the file's block layout), activations
 //! and the f16 KV cache stay in GPU memory, selections are index lists in GPU memory, and a step
 //! is recorded once as a CUDA graph and replayed at every position (the token and position are
-//! read from device memory, [`Device::set_step`]).
+//! read from device memory, [`Device::set_step`]). A prompt runs as batches of rows through the
+//! same verbs, its products tiled (matmul.cu).
 //!
 //! The kernels (`src/kernels/*.cu`, one file per operation, each checked against the CPU scalar
 //! reference by `tests/kernels.rs`) are compiled at run time by NVRTC for the device's compute
@@ -14,22 +15,24 @@ use cudarc::driver::{
 };
 use dejavu_backend_api::{
     Activation, AttnGeom, BackendError, Device, LazyKv, Product, QuantType, RopeStyle, Rows,
-    StepRow, TopK, Weight,
+    StepRow, TopK, Weight, MAX_ROWS,
 };
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 mod attention;
 mod kv;
 mod launch;
+mod matmul;
 mod products;
 use products::act_code;
 
 /// The kernel sources, in the order NVRTC compiles them (the header first).
-const SOURCES: [&str; 10] = [
+const SOURCES: [&str; 11] = [
     include_str!("kernels/common.cuh"),
     include_str!("kernels/matvec.cu"),
+    include_str!("kernels/matmul.cu"),
     include_str!("kernels/axpy.cu"),
     include_str!("kernels/embed.cu"),
     include_str!("kernels/norm.cu"),
@@ -125,7 +128,7 @@ pub fn compile(arch: &str) -> Result<cudarc::nvrtc::Ptx, BackendError> {
 }
 
 /// One GPU, its main stream and a second lane (lookahead), the compiled kernels and the step's
-/// `{token, pos}` in device memory.
+/// `{pos, token of each row}` in device memory.
 ///
 /// One sequence at a time: its streams, lane switch and top-k scratch are shared by every
 /// caller, so sessions decoding at once from several threads need a `CudaDevice` each.
@@ -141,6 +144,8 @@ pub struct CudaDevice {
     _module: Arc<CudaModule>,
     funcs: HashMap<String, CudaFunction>,
     step: CudaSlice<i32>,
+    /// The rows of the batch last set (`Device::set_step`).
+    batch: AtomicUsize,
     n_sm: usize,
     /// Rows per warp of the matvec kernels, and the blocks per SM under which they split rows:
     /// products of every row, and gathers over a selection (see `tuning`).
@@ -241,7 +246,7 @@ impl CudaDevice {
         .map(String::from)
         .to_vec();
         for q in QuantType::ALL {
-            for op in ["matvec", "axpy", "embed", "kv_fill"] {
+            for op in ["matvec", "matmul", "axpy", "embed", "kv_fill"] {
                 names.push(format!("{op}_{}", type_suffix(q)));
             }
         }
@@ -256,7 +261,7 @@ impl CudaDevice {
             ctx.new_event(None).map_err(dev_err)?,
             ctx.new_event(None).map_err(dev_err)?,
         );
-        let step = stream.alloc_zeros::<i32>(2).map_err(dev_err)?;
+        let step = stream.alloc_zeros::<i32>(1 + MAX_ROWS).map_err(dev_err)?;
         let tk_scratch = (stream.alloc_zeros::<u32>(3 * products::TK_SCRATCH)).map_err(dev_err)?;
         let n_sm = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
@@ -272,6 +277,7 @@ impl CudaDevice {
             _module: module,
             funcs,
             step,
+            batch: AtomicUsize::new(1),
             tk_scratch,
             n_sm,
             mv_rows: mv_rows(),
@@ -290,7 +296,17 @@ impl CudaDevice {
         self.stream.synchronize().map_err(dev_err)
     }
 
-    /// rope.cu over `nx` heads at `x` and `ny` at `y` (lengths checked by the caller).
+    /// `rows` is 1 up to the rows of the batch set (the step buffer holds their tokens).
+    fn batch_rows(&self, what: &str, rows: usize) -> Result<(), BackendError> {
+        let have = self.batch.load(Ordering::Relaxed);
+        match rows > 0 && rows <= have {
+            true => Ok(()),
+            false => Err(shape(format!("{what} of {rows} rows in a batch of {have}"))),
+        }
+    }
+
+    /// rope.cu over `nx` heads at `x` and `ny` at `y`, each of `rows` rows (lengths checked by
+    /// the caller).
     #[allow(clippy::too_many_arguments)]
     fn launch_rope(
         &self,
@@ -301,13 +317,15 @@ impl CudaDevice {
         hd: usize,
         theta: f32,
         style: RopeStyle,
+        rows: usize,
     ) -> Result<(), BackendError> {
+        self.batch_rows("rope", rows)?;
         let neox = (style == RopeStyle::Neox) as i32;
         let (nxi, nyi, hdi, sp) = (nx as i32, ny as i32, hd as i32, self.ptr(&self.step));
         let mut b = self.lane().launch_builder(self.func("rope"));
         b.arg(&x).arg(&nxi).arg(&y).arg(&nyi).arg(&hdi).arg(&sp);
         b.arg(&theta).arg(&neox);
-        launch::run(b, launch::grid((nx + ny) * hd / 2, 128))
+        launch::run(b, launch::rows(launch::grid((nx + ny) * hd / 2, 128), rows))
     }
 
     /// The stream that verbs go to now (see `Device::fork`).
@@ -449,36 +467,62 @@ impl Device for CudaDevice {
         let mut dst = x.0.slice_mut(..v.len());
         self.stream.memcpy_htod(v, &mut dst).map_err(dev_err)
     }
-    fn set_step(&self, token: u32, pos: usize) -> Result<(), BackendError> {
-        if token > i32::MAX as u32 || pos > i32::MAX as usize {
-            return Err(shape(format!("step token {token} at position {pos}")));
+    fn set_step(&self, tokens: &[u32], pos: usize) -> Result<(), BackendError> {
+        let big = tokens.iter().any(|&t| t > i32::MAX as u32);
+        if tokens.is_empty() || tokens.len() > MAX_ROWS || big || pos > i32::MAX as usize / 2 {
+            return Err(shape(format!(
+                "a batch of {} rows at position {pos}",
+                tokens.len()
+            )));
         }
-        launch::htod(&self.stream, &self.step, &[token as i32, pos as i32])
+        let step: Vec<i32> = std::iter::once(pos as i32)
+            .chain(tokens.iter().map(|&t| t as i32))
+            .collect();
+        launch::htod(&self.stream, &self.step, &step)?;
+        self.batch.store(tokens.len(), Ordering::Relaxed);
+        Ok(())
     }
 
-    fn embed(&self, t: &Mat, which: StepRow, acc: bool, x: &mut Buf) -> Result<(), BackendError> {
-        need("embed output", x.0.len(), t.cols)?;
+    fn embed(
+        &self,
+        t: &Mat,
+        which: StepRow,
+        acc: bool,
+        x: &mut Buf,
+        rows: usize,
+    ) -> Result<(), BackendError> {
+        self.batch_rows("embed", rows)?;
+        need("embed output", x.0.len(), rows * t.cols)?;
         let (w, off) = match which {
             StepRow::Token => (0i32, 0i32),
             StepRow::Position { offset } => (1, offset as i32),
         };
         let f = self.func(&format!("embed_{}", type_suffix(t.qtype)));
-        let (rows, cols, acc) = (t.rows as i32, t.cols as i32, acc as i32);
+        let (t_rows, cols, acc) = (t.rows as i32, t.cols as i32, acc as i32);
         let (wp, sp, xp) = (self.ptr(&t.data), self.ptr(&self.step), self.ptr(&x.0));
         let mut b = self.lane().launch_builder(f);
         b.arg(&wp)
-            .arg(&rows)
+            .arg(&t_rows)
             .arg(&cols)
             .arg(&sp)
             .arg(&w)
             .arg(&off)
             .arg(&acc)
             .arg(&xp);
-        launch::run(b, launch::grid(t.cols.div_ceil(8), 256))
+        launch::run(b, launch::rows(launch::grid(t.cols.div_ceil(8), 256), rows))
     }
 
     fn matvecs(&self, x: &Buf, jobs: &mut [Product<'_, Self>]) -> Result<(), BackendError> {
         self.launch_matvecs(x, jobs)
+    }
+
+    fn matmul(
+        &self,
+        x: &Buf,
+        rows: usize,
+        jobs: &mut [Product<'_, Self>],
+    ) -> Result<(), BackendError> {
+        self.launch_matmul(x, rows, jobs)
     }
 
     fn axpy(
@@ -492,14 +536,22 @@ impl Device for CudaDevice {
         self.launch_axpy(w, rows, a, bias, y)
     }
 
-    fn rmsnorm(&self, x: &Buf, w: &Buf, eps: f32, out: &mut Buf) -> Result<(), BackendError> {
+    fn rmsnorm(
+        &self,
+        x: &Buf,
+        w: &Buf,
+        eps: f32,
+        out: &mut Buf,
+        rows: usize,
+    ) -> Result<(), BackendError> {
         let n = w.0.len();
-        need("rmsnorm input", x.0.len(), n)?;
-        need("rmsnorm output", out.0.len(), n)?;
+        self.batch_rows("rmsnorm", rows)?;
+        need("rmsnorm input", x.0.len(), rows * n)?;
+        need("rmsnorm output", out.0.len(), rows * n)?;
         let (xp, wp, op, ni) = (self.ptr(&x.0), self.ptr(&w.0), self.ptr(&out.0), n as i32);
         let mut b = self.lane().launch_builder(self.func("rmsnorm"));
         b.arg(&xp).arg(&wp).arg(&ni).arg(&eps).arg(&op);
-        launch::run(b, launch::one_block(n))
+        launch::run(b, launch::blocks(launch::one_block(n), rows))
     }
 
     fn layernorm(
@@ -509,10 +561,12 @@ impl Device for CudaDevice {
         bias: Option<&Buf>,
         eps: f32,
         out: &mut Buf,
+        rows: usize,
     ) -> Result<(), BackendError> {
         let n = w.0.len();
-        need("layernorm input", x.0.len(), n)?;
-        need("layernorm output", out.0.len(), n)?;
+        self.batch_rows("layernorm", rows)?;
+        need("layernorm input", x.0.len(), rows * n)?;
+        need("layernorm output", out.0.len(), rows * n)?;
         if let Some(bb) = bias {
             need("layernorm bias", bb.0.len(), n)?;
         }
@@ -520,7 +574,7 @@ impl Device for CudaDevice {
         let bp = bias.map_or(0, |bb| self.ptr(&bb.0));
         let mut b = self.lane().launch_builder(self.func("layernorm"));
         b.arg(&xp).arg(&wp).arg(&bp).arg(&ni).arg(&eps).arg(&op);
-        launch::run(b, launch::one_block(n))
+        launch::run(b, launch::blocks(launch::one_block(n), rows))
     }
 
     fn add(&self, x: &mut Buf, y: &Buf, n: usize) -> Result<(), BackendError> {
@@ -554,6 +608,16 @@ impl Device for CudaDevice {
         launch::run(b, launch::grid(n, 256))
     }
 
+    fn take_row(&self, x: &Buf, r: usize, width: usize, y: &mut Buf) -> Result<(), BackendError> {
+        need("take_row input", x.0.len(), (r + 1) * width)?;
+        need("take_row output", y.0.len(), width)?;
+        let xp = self.ptr(&x.0) + (r * width * 4) as u64;
+        let (yp, ni) = (self.ptr(&y.0), width as i32);
+        let mut b = self.lane().launch_builder(self.func("copy_f32"));
+        b.arg(&xp).arg(&yp).arg(&ni);
+        launch::run(b, launch::grid(width, 256))
+    }
+
     fn rope(
         &self,
         x: &mut Buf,
@@ -561,9 +625,11 @@ impl Device for CudaDevice {
         head_dim: usize,
         theta: f32,
         style: RopeStyle,
+        rows: usize,
     ) -> Result<(), BackendError> {
-        need("rope", x.0.len(), n_heads * head_dim)?;
-        self.launch_rope(self.ptr(&x.0), n_heads, 0, 0, head_dim, theta, style)
+        need("rope", x.0.len(), rows * n_heads * head_dim)?;
+        let xp = self.ptr(&x.0);
+        self.launch_rope(xp, n_heads, 0, 0, head_dim, theta, style, rows)
     }
 
     fn rope_qk(
@@ -575,11 +641,12 @@ impl Device for CudaDevice {
         head_dim: usize,
         theta: f32,
         style: RopeStyle,
+        rows: usize,
     ) -> Result<(), BackendError> {
-        need("rope queries", q.0.len(), n_q * head_dim)?;
-        need("rope keys", k.0.len(), n_k * head_dim)?;
+        need("rope queries", q.0.len(), rows * n_q * head_dim)?;
+        need("rope keys", k.0.len(), rows * n_k * head_dim)?;
         let (qp, kp) = (self.ptr(&q.0), self.ptr(&k.0));
-        self.launch_rope(qp, n_q, kp, n_k, head_dim, theta, style)
+        self.launch_rope(qp, n_q, kp, n_k, head_dim, theta, style, rows)
     }
 
     fn glu(&self, act: Activation, gate: &mut Buf, up: &Buf, n: usize) -> Result<(), BackendError> {
@@ -599,8 +666,8 @@ impl Device for CudaDevice {
         launch::run(b, launch::grid(n, 256))
     }
 
-    fn store_row(&self, x: &Buf, c: &mut Cache) -> Result<(), BackendError> {
-        self.launch_store_row(x, c)
+    fn store_row(&self, x: &Buf, c: &mut Cache, rows: usize) -> Result<(), BackendError> {
+        self.launch_store_row(x, c, rows)
     }
 
     fn kv_fill(
@@ -613,12 +680,20 @@ impl Device for CudaDevice {
         self.launch_kv_fill(job, valid, k, v)
     }
 
-    fn store(&self, k: &Buf, v: &Buf, kc: &mut Cache, vc: &mut Cache) -> Result<(), BackendError> {
+    fn store(
+        &self,
+        k: &Buf,
+        v: &Buf,
+        kc: &mut Cache,
+        vc: &mut Cache,
+        rows: usize,
+    ) -> Result<(), BackendError> {
         if kc.width != vc.width || kc.n_ctx != vc.n_ctx {
             return Err(shape("key and value caches of different shapes".into()));
         }
-        need("store keys", k.0.len(), kc.width)?;
-        need("store values", v.0.len(), vc.width)?;
+        self.batch_rows("store", rows)?;
+        need("store keys", k.0.len(), rows * kc.width)?;
+        need("store values", v.0.len(), rows * vc.width)?;
         let (kp, vp, kcp, vcp, sp) = (
             self.ptr(&k.0),
             self.ptr(&v.0),
@@ -635,7 +710,7 @@ impl Device for CudaDevice {
             .arg(&w)
             .arg(&n)
             .arg(&sp);
-        launch::run(b, launch::grid(kc.width, 256))
+        launch::run(b, launch::rows(launch::grid(kc.width, 256), rows))
     }
 
     fn attention(

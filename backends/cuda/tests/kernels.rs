@@ -198,8 +198,48 @@ fn products_match_the_scalar_reference_for_every_type() {
             let want = embed_on(&host, &w, rows);
             let got = embed_on(&gpu, &w, rows);
             close(&format!("embed {q:?}"), &got, &want, |_| 1e-5);
+
+            // A batch's products: batches of one, of a few and past one 64-row tile.
+            for nt in [1, 5, 70] {
+                let xs = randv(&mut r, nt * cols);
+                let want = matmul_on(&host, &w, &xs, nt);
+                let got = matmul_on(&gpu, &w, &xs, nt);
+                let mags: Vec<f32> = (0..nt * rows)
+                    .map(|i| {
+                        let (t, row) = (i / rows, i % rows);
+                        dejavu_backend_cpu::dequant::dequantize_row(q, w.row(row), &mut deq);
+                        magnitude(&deq, &xs[t * cols..(t + 1) * cols])
+                    })
+                    .collect();
+                let tol = |i: usize| 1e-4 * (2.0 + mags[i % (nt * rows)]);
+                close(
+                    &format!("matmul {q:?} {rows}x{cols} of {nt}"),
+                    &got,
+                    &want,
+                    tol,
+                );
+            }
         }
     }
+}
+
+/// A batch of `nt` rows through two products in one launch: plain with ReLU, and accumulated
+/// onto ones with a bias. Both outputs, `[nt][rows]` each.
+fn matmul_on<D: Device>(d: &D, w: &Weight, xs: &[f32], nt: usize) -> Vec<f32> {
+    let m = d.upload_mat(w).unwrap();
+    d.set_step(&vec![0; nt], 0).unwrap();
+    let xb = d.upload(xs).unwrap();
+    let bias = d.upload(&vec![0.25; w.rows]).unwrap();
+    let (mut y0, mut y1) = (
+        d.zeros(nt * w.rows).unwrap(),
+        d.upload(&vec![1.0; nt * w.rows]).unwrap(),
+    );
+    let p0 = Product::new(&m, Rows::All, &mut y0).act(Activation::Relu);
+    let p1 = Product::new(&m, Rows::All, &mut y1).bias(Some(&bias));
+    d.matmul(&xb, nt, &mut [p0, p1.accumulate()]).unwrap();
+    let mut out = down(d, &y0, nt * w.rows);
+    out.extend(down(d, &y1, nt * w.rows));
+    out
 }
 
 /// Three products of mixed types in one launch: a selection with a bias and ReLU, a SiLU, an
@@ -256,19 +296,23 @@ fn several_products_of_mixed_types_in_one_launch() {
     });
 }
 
+/// A batch of 3 rows: token rows, then position rows (offset 1) added.
 fn embed_on<D: Device>(d: &D, w: &Weight, rows: usize) -> Vec<f32> {
     let m = d.upload_mat(w).unwrap();
-    let mut x = d.zeros(w.cols).unwrap();
-    d.set_step((rows - 1) as u32, rows / 2 - 1).unwrap();
-    d.embed(&m, StepRow::Token, false, &mut x).unwrap();
-    d.embed(&m, StepRow::Position { offset: 1 }, true, &mut x)
+    let mut x = d.zeros(3 * w.cols).unwrap();
+    let tokens = [(rows - 1) as u32, 0, (rows / 2) as u32];
+    d.set_step(&tokens, rows / 2 - 2).unwrap();
+    d.embed(&m, StepRow::Token, false, &mut x, 3).unwrap();
+    d.embed(&m, StepRow::Position { offset: 1 }, true, &mut x, 3)
         .unwrap();
-    down(d, &x, w.cols)
+    down(d, &x, 3 * w.cols)
 }
 
-/// Norms, RoPE (both styles), GLU, activations, add and copy on one random vector.
+/// Norms and RoPE (both styles) over a batch of rows of one random vector (2 rows where its
+/// heads split evenly), then GLU, activations, scatter, add and copy.
 fn elementwise_on<D: Device>(d: &D, x: &[f32], w: &[f32], b: &[f32], hd: usize) -> Vec<f32> {
     let n = x.len();
+    let rows = if (n / hd).is_multiple_of(2) { 2 } else { 1 };
     let (xb, wb, bb) = (
         d.upload(x).unwrap(),
         d.upload(w).unwrap(),
@@ -276,25 +320,33 @@ fn elementwise_on<D: Device>(d: &D, x: &[f32], w: &[f32], b: &[f32], hd: usize) 
     );
     let mut out = Vec::new();
     let mut y = d.zeros(n).unwrap();
-    d.rmsnorm(&xb, &wb, 1e-5, &mut y).unwrap();
+    d.set_step(&vec![0; rows], 1234).unwrap();
+    let (wr, br) = (
+        d.upload(&w[..n / rows]).unwrap(),
+        d.upload(&b[..n / rows]).unwrap(),
+    );
+    d.rmsnorm(&xb, &wr, 1e-5, &mut y, rows).unwrap();
     out.extend(down(d, &y, n));
-    d.layernorm(&xb, &wb, Some(&bb), 1e-5, &mut y).unwrap();
+    d.layernorm(&xb, &wr, Some(&br), 1e-5, &mut y, rows)
+        .unwrap();
     out.extend(down(d, &y, n));
-    d.set_step(0, 1234).unwrap();
+    let heads = n / hd / rows;
     for style in [RopeStyle::Interleaved, RopeStyle::Neox] {
         let mut z = d.upload(x).unwrap();
-        d.rope(&mut z, n / hd, hd, 10000.0, style).unwrap();
+        d.rope(&mut z, heads, hd, 10000.0, style, rows).unwrap();
         out.extend(down(d, &z, n));
         // Queries and keys in one launch: some heads of x, and all of w.
         let (mut q, mut k) = (d.upload(x).unwrap(), d.upload(w).unwrap());
-        d.rope_qk(&mut q, n / hd - 1, &mut k, n / hd, hd, 500.0, style)
+        d.rope_qk(&mut q, heads - 1, &mut k, heads, hd, 500.0, style, rows)
             .unwrap();
         out.extend(down(d, &q, n));
         out.extend(down(d, &k, n));
     }
-    // Scatter into a copy of b: indices in any order, one past the end (writes nothing).
+    // Scatter into a copy of b: distinct indices in any order, one past the end (writes
+    // nothing).
     let idx: Vec<u32> = (0..n as u32 / 3)
-        .map(|i| (i * 7) % n as u32)
+        .rev()
+        .map(|i| 3 * i + 1)
         .chain([n as u32])
         .collect();
     let mut dst = d.upload(b).unwrap();
@@ -313,6 +365,8 @@ fn elementwise_on<D: Device>(d: &D, x: &[f32], w: &[f32], b: &[f32], hd: usize) 
     let mut g = d.upload(x).unwrap();
     d.add(&mut g, &wb, n - 2).unwrap();
     d.copy(&bb, &mut g, 3).unwrap();
+    out.extend(down(d, &g, n));
+    d.take_row(&xb, 2, n / 4, &mut g).unwrap();
     out.extend(down(d, &g, n));
     out
 }
@@ -339,7 +393,9 @@ fn elementwise_ops_match_the_scalar_reference() {
     }
 }
 
-/// Store `n_pos` positions of keys and values, then attend with a head selection at the last.
+/// Store `n_pos` positions of keys and values (the first as one batch, the last alone), then
+/// attend with a head selection and with every head over a batch of the last `g.rows`
+/// positions (row `r`'s queries: `q` times `1 + r`).
 fn attention_on<D: Device>(
     d: &D,
     g: AttnGeom,
@@ -352,30 +408,40 @@ fn attention_on<D: Device>(
         d.cache(g.n_ctx, width).unwrap(),
         d.cache(g.n_ctx, width).unwrap(),
     );
-    for (p, row) in kv.iter().enumerate() {
-        d.set_step(0, p).unwrap();
-        let (k, v) = (
-            d.upload(&row[..width]).unwrap(),
-            d.upload(&row[width..]).unwrap(),
+    let (n_pos, rows) = (kv.len(), g.rows);
+    for (p0, chunk) in [(0, &kv[..n_pos - 1]), (n_pos - 1, &kv[n_pos - 1..])] {
+        if chunk.is_empty() {
+            continue;
+        }
+        d.set_step(&vec![0; chunk.len()], p0).unwrap();
+        let (k, v): (Vec<f32>, Vec<f32>) = (
+            chunk.iter().flat_map(|r| r[..width].to_vec()).collect(),
+            chunk.iter().flat_map(|r| r[width..].to_vec()).collect(),
         );
-        d.store(&k, &v, &mut kc, &mut vc).unwrap();
+        let (k, v) = (d.upload(&k).unwrap(), d.upload(&v).unwrap());
+        d.store(&k, &v, &mut kc, &mut vc, chunk.len()).unwrap();
     }
+    let scaled = |q: &[f32]| -> Vec<f32> {
+        (0..rows)
+            .flat_map(|r| q.iter().map(move |v| v * (1.0 + r as f32)))
+            .collect()
+    };
+    d.set_step(&vec![0; rows], n_pos - rows).unwrap();
     let idx = d.upload_idx(heads).unwrap();
-    let qb = d.upload(q).unwrap();
-    let mut out = d.zeros(q.len()).unwrap();
-    let rows = Rows::Sel {
+    let qb = d.upload(&scaled(q)).unwrap();
+    let mut out = d.zeros(rows * q.len()).unwrap();
+    let sel = Rows::Sel {
         idx: &idx,
         count: heads.len(),
         group: 1,
     };
-    d.attention(&qb, &kc, &vc, rows, g, &mut out).unwrap();
-    let mut all = d.zeros(g.n_heads * g.head_dim).unwrap();
-    let qa = d
-        .upload(&[q, q].concat()[..g.n_heads * g.head_dim])
-        .unwrap();
+    d.attention(&qb, &kc, &vc, sel, g, &mut out).unwrap();
+    let full = g.n_heads * g.head_dim;
+    let mut all = d.zeros(rows * full).unwrap();
+    let qa = d.upload(&scaled(&[q, q].concat()[..full])).unwrap();
     d.attention(&qa, &kc, &vc, Rows::All, g, &mut all).unwrap();
-    let mut res = down(d, &out, q.len());
-    res.extend(down(d, &all, g.n_heads * g.head_dim));
+    let mut res = down(d, &out, rows * q.len());
+    res.extend(down(d, &all, rows * full));
     res
 }
 
@@ -384,17 +450,19 @@ fn attention_matches_the_scalar_reference() {
     let Some(gpu) = gpu() else { return };
     let host = HostDevice::new();
     let mut r = rng(3);
-    // Multi-head and grouped-query; contexts short, ragged and beyond 48 KiB of scores.
-    for (nh, nkv, hd, n_pos, n_ctx) in [
-        (4, 4, 64, 1, 8),
-        (14, 2, 64, 37, 64),
-        (8, 8, 128, 300, 20000),
+    // Multi-head and grouped-query; contexts short, ragged and beyond 48 KiB of scores;
+    // batches of one row and of several.
+    for (nh, nkv, hd, n_pos, n_ctx, rows) in [
+        (4, 4, 64, 1, 8, 1),
+        (14, 2, 64, 37, 64, 5),
+        (8, 8, 128, 300, 20000, 3),
     ] {
         let g = AttnGeom {
             n_heads: nh,
             n_kv_heads: nkv,
             head_dim: hd,
             n_ctx,
+            rows,
         };
         let kv: Vec<Vec<f32>> = (0..n_pos).map(|_| randv(&mut r, 2 * nkv * hd)).collect();
         let heads: Vec<u32> = (0..nh as u32).rev().filter(|h| h % 3 != 0).collect();
@@ -488,11 +556,16 @@ fn kv_fill_on<D: Device>(
     let bias = d
         .upload(&(0..nh * hd).map(|i| i as f32 * 0.01).collect::<Vec<_>>())
         .unwrap();
+    // The inputs as one batch; the fill at a batch of the last 3 positions.
     let mut kept = d.cache(n_ctx, dm).unwrap();
-    for (p, x) in inputs.iter().enumerate() {
-        d.set_step(0, p).unwrap();
-        d.store_row(&d.upload(x).unwrap(), &mut kept).unwrap();
-    }
+    d.set_step(&vec![0; inputs.len()], 0).unwrap();
+    d.store_row(
+        &d.upload(&inputs.concat()).unwrap(),
+        &mut kept,
+        inputs.len(),
+    )
+    .unwrap();
+    d.set_step(&[0; 3], inputs.len() - 3).unwrap();
     let (mut kc, mut vc) = (
         d.cache(n_ctx, nh * hd).unwrap(),
         d.cache(n_ctx, nh * hd).unwrap(),
@@ -512,13 +585,16 @@ fn kv_fill_on<D: Device>(
         },
         head_dim: hd,
         rope,
+        rows: 3,
     };
     d.kv_fill(job, &mut valid, &mut kc, &mut vc).unwrap();
+    d.set_step(&[0], inputs.len() - 1).unwrap();
     let g = AttnGeom {
         n_heads: nh,
         n_kv_heads: nh,
         head_dim: hd,
         n_ctx,
+        rows: 1,
     };
     let rows = Rows::Sel {
         idx: &idx,

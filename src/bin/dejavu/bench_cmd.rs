@@ -119,15 +119,7 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
         let policies = (a.sparsity.iter())
             .map(|spec| policy_for(&engine, spec, a.predictors.as_deref()))
             .collect::<Result<Vec<_>>>()?;
-        if a.n_prompt > 0 {
-            // Said, not silently skipped: the device decoder has no batched prompt kernels.
-            eprintln!(
-                "note: --backend cuda measures decoding only; a prompt runs there one token per \
-                 step (no batched prefill kernels yet), so no pp{} row",
-                a.n_prompt
-            );
-        }
-        let rows = cuda_bench(&engine, &policies, a.n_gen, a.repetitions)?;
+        let rows = cuda_bench(&engine, &policies, a.n_prompt, a.n_gen, a.repetitions)?;
         print!("{}", dejavu::eval::device_bench::markdown(&rows));
         if let Some(p) = &a.json {
             let p = p.with_extension("cuda.json");
@@ -244,16 +236,13 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
 fn cuda_bench(
     engine: &Engine,
     policies: &[dejavu::sparsity::policy::Policy],
+    n_prompt: usize,
     n_gen: usize,
     reps: usize,
 ) -> Result<Vec<dejavu::eval::device_bench::DeviceBenchRow>> {
     let dev = dejavu_backend_cuda::CudaDevice::new(0)?;
-    Ok(dejavu::eval::device_bench::decode(
-        &dev,
-        engine,
-        policies,
-        n_gen.max(1),
-        reps,
+    Ok(dejavu::eval::device_bench::bench(
+        &dev, engine, policies, n_prompt, n_gen, reps,
     )?)
 }
 
@@ -261,6 +250,7 @@ fn cuda_bench(
 fn cuda_bench(
     _: &Engine,
     _: &[dejavu::sparsity::policy::Policy],
+    _: usize,
     _: usize,
     _: usize,
 ) -> Result<Vec<dejavu::eval::device_bench::DeviceBenchRow>> {

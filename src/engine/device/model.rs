@@ -56,6 +56,11 @@ pub struct DeviceModel<D: Device> {
 }
 
 impl<D: Device> DeviceModel<D> {
+    /// Weight bytes a dense step reads (every matrix, one embedding row).
+    pub fn dense_bytes(&self) -> usize {
+        self.dense_bytes
+    }
+
     /// The output head's matrix.
     pub(super) fn head(&self) -> &D::Mat {
         self.output.as_ref().unwrap_or(&self.token_embd)

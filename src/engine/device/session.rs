@@ -5,6 +5,7 @@ use crate::engine::config::Positions;
 use crate::{Error, Result};
 use dejavu_backend_api::Device;
 
+mod batch;
 mod step;
 
 /// The activations of one step.
@@ -102,6 +103,8 @@ pub struct DeviceSession<'a, D: Device> {
     /// A truncation whose lazy K/V validity the next batch clamps first.
     truncated: bool,
     graph: Option<D::Graph>,
+    /// A prompt's activations, made at the first batch.
+    batch: Option<batch::BatchScratch<D>>,
     logits: Vec<f32>,
     /// Weight bytes one step reads under the plan.
     step_bytes: usize,
@@ -174,6 +177,7 @@ impl<'a, D: Device> DeviceSession<'a, D> {
             lazy,
             truncated: false,
             graph: None,
+            batch: None,
             logits: vec![0.0; c.vocab_size],
             step_bytes,
         })
@@ -247,20 +251,43 @@ impl<'a, D: Device> DeviceSession<'a, D> {
         )
     }
 
-    /// Run `tokens` one position at a time; returns the logits of the last.
+    /// Run `tokens` at the next positions; returns the logits of the last. A prompt (more than
+    /// one token) runs in batches where the plan allows ([`Self::batchable`]), else one
+    /// position at a time, as decode steps do.
     pub fn forward(&mut self, tokens: &[u32]) -> Result<&mut [f32]> {
         self.check(tokens)?;
         self.clamp_lazy()?;
-        for &t in tokens {
-            self.step(t)?;
+        match tokens.len() > 1 && self.batchable() {
+            true => self.prefill(tokens)?,
+            false => tokens.iter().try_for_each(|&t| self.step(t))?,
         }
         self.dev.download(&self.s.logits, &mut self.logits)?;
         Ok(&mut self.logits)
     }
 
+    /// `tokens` in batches of the batch scratch's rows, the last one's logits left on the
+    /// device.
+    fn prefill(&mut self, tokens: &[u32]) -> Result<()> {
+        let mut b = match self.batch.take() {
+            Some(b) => b,
+            None => batch::BatchScratch::new(self.dev, &self.model.config, self.n_ctx)?,
+        };
+        let n_chunks = tokens.len().div_ceil(b.rows);
+        let run = tokens
+            .chunks(b.rows)
+            .enumerate()
+            .try_for_each(|(i, chunk)| {
+                self.run_batch(&mut b, chunk, i + 1 == n_chunks)?;
+                self.len += chunk.len();
+                Ok(())
+            });
+        self.batch = Some(b);
+        run
+    }
+
     /// One token at the next position, its logits left on the device.
     fn step(&mut self, token: u32) -> Result<()> {
-        self.dev.set_step(token, self.len)?;
+        self.dev.set_step(&[token], self.len)?;
         if self.graph.is_none() && self.dev.begin_capture()? {
             let recorded = self.encode();
             let graph = self.dev.end_capture();
@@ -314,7 +341,7 @@ impl<'a, D: Device> DeviceSession<'a, D> {
         self.check(tokens)?;
         self.clamp_lazy()?;
         for &t in tokens {
-            self.dev.set_step(t, self.len)?;
+            self.dev.set_step(&[t], self.len)?;
             self.dev.sync()?;
             let mut clock = Some(Clock {
                 times: &mut *times,

@@ -1,10 +1,10 @@
-// Decode-step attention, one block (256 threads) per selected query head j (head idx[j], or
-// j), keys and values of positions 0..=pos (pos = step[1], below n_ctx):
+// Attention, one block (256 threads) per selected query head j (head idx[j], or j) and batch
+// row r = blockIdx.y, keys and values of positions 0..=pos (pos = step[0] + r, below n_ctx):
 // 1. scores: thread p (and p + 256, ...) the dot of q with key p, 8 dims per 128-bit load;
 // 2. softmax over the block;
 // 3. out: thread t owns 8 dims (t % (hd/8)) of one position group (t / (hd/8)); groups take
 //    positions in turn and meet in shared memory.
-// q and out are compact (head j at j*hd); hd a multiple of 8, at most 256. Dynamic shared
+// q and out are compact (head j of row r at (r * gridDim.x + j) * hd); hd a multiple of 8, at most 256. Dynamic shared
 // memory: hd + n_ctx floats.
 extern "C" __global__ void attention_f16(const float* q, const u16* kc, const u16* vc,
                                          const u32* idx, int n_heads, int n_kv_heads, int hd,
@@ -17,7 +17,9 @@ extern "C" __global__ void attention_f16(const float* q, const u16* kc, const u1
     int j = blockIdx.x, h = idx ? (int)idx[j] : j;
     if (h >= n_heads || hd % 8 != 0 || hd > 256) return;
     int kvh = h / (n_heads / n_kv_heads), width = n_kv_heads * hd;
-    int n = min(step[1] + 1, n_ctx);
+    int n = min(step[0] + (int)blockIdx.y + 1, n_ctx);
+    q += (size_t)blockIdx.y * gridDim.x * hd;
+    out += (size_t)blockIdx.y * gridDim.x * hd;
     float scale = rsqrtf((float)hd);
     for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = q[(size_t)j * hd + d];
     __syncthreads();

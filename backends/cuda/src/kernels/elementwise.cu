@@ -20,12 +20,14 @@ extern "C" __global__ void add_f32(float* x, const float* y, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] += y[i];
 }
-// kc[pos][..width] = k and vc[pos][..width] = v, in f16 (pos = step[1], below n_ctx).
+// kc[pos][..width] = k[r] and vc[pos][..width] = v[r], in f16, for batch row r = blockIdx.y
+// (pos = step[0] + r, below n_ctx).
 extern "C" __global__ void store_f16(const float* k, const float* v, u16* kc, u16* vc, int width,
                                      int n_ctx, const int* step) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x, p = step[1];
+    int i = blockIdx.x * blockDim.x + threadIdx.x, r = blockIdx.y, p = step[0] + r;
+    size_t at = (size_t)r * width + i;
     if (i < width && p >= 0 && p < n_ctx) {
-        kc[(size_t)p * width + i] = f32_to_f16(k[i]);
-        vc[(size_t)p * width + i] = f32_to_f16(v[i]);
+        kc[(size_t)p * width + i] = f32_to_f16(k[at]);
+        vc[(size_t)p * width + i] = f32_to_f16(v[at]);
     }
 }

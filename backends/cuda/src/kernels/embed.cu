@@ -1,10 +1,12 @@
-// x (+)= table[row], the row the step names: its token (which = 0) or its position plus
-// `offset` (which = 1). step = {token, pos}. A row outside the table writes nothing.
+// x[b] (+)= table[row] for batch row b = blockIdx.y, the row its step names: its token
+// (which = 0) or its position plus `offset` (which = 1). step = {pos, token of each batch row}.
+// A row outside the table writes nothing.
 template <int T>
 __device__ void embed(const u8* w, int rows, int cols, const int* step, int which, int offset,
                       int accumulate, float* x) {
-    int r = which == 0 ? step[0] : step[1] + offset;
+    int r = which == 0 ? step[1 + blockIdx.y] : step[0] + (int)blockIdx.y + offset;
     if (r < 0 || r >= rows) return;
+    x += (size_t)blockIdx.y * cols;
     const u8* row = w + (size_t)r * row_bytes<T>(cols);
     bool vec = cols % 8 == 0;
     for (int e = (blockIdx.x * blockDim.x + threadIdx.x) * 8; e < cols; e += gridDim.x * blockDim.x * 8) {

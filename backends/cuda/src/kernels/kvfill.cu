@@ -3,7 +3,8 @@
 //
 // One warp per (K or V, selected head j, row pair i): the rows a and b of head h = idx[j] that
 // RoPE rotates together ((2i, 2i+1) interleaved, (i, i + hd/2) neox; the same pairs without
-// RoPE). For the missing positions p = valid[h] ..= pos, KV_POS at a time (past the last, the
+// RoPE). For the missing positions p = valid[h] ..= last (the batch's last position,
+// step[0] + rows - 1), KV_POS at a time (past the last, the
 // last one again, unused; the chunks shared among gridDim.y warps), each lane dots 8 columns of
 // both rows with those inputs (the rows read once per KV_POS positions), a warp sum,
 // then lane 0 adds the biases, rotates keys at position p (angles in f64, as rope.cu) and
@@ -16,8 +17,8 @@
 template <int T>
 __device__ void kv_fill(const u8* wk, const u8* wv, const float* bk, const float* bv,
                         const u16* inputs, int d, const u32* idx, int n_sel, int hd,
-                        const u32* valid, const int* step, int n_ctx, float theta, int rope,
-                        u16* kc, u16* vc, int width) {
+                        const u32* valid, const int* step, int rows, int n_ctx, float theta,
+                        int rope, u16* kc, u16* vc, int width) {
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, half = hd / 2;
     int g = blockIdx.x * 8 + warp, per = n_sel * half;
     if (g >= 2 * per) return;
@@ -30,7 +31,7 @@ __device__ void kv_fill(const u8* wk, const u8* wv, const float* bk, const float
     u16* c = is_v ? vc : kc;
     size_t rb = row_bytes<T>(d);
     const u8 *row_a = w + (size_t)a * rb, *row_b = w + (size_t)b * rb;
-    int last = step[1];
+    int last = step[0] + rows - 1;
     if (last >= n_ctx) return;  // a position past the caches: nothing written
     // Block row y takes the position chunks y, y + gridDim.y, ... (a head that missed many
     // positions, after a long gap, is spread over several warps, not left to one).
@@ -81,25 +82,26 @@ __device__ void kv_fill(const u8* wk, const u8* wv, const float* bk, const float
 #define KV_FILL(name, T)                                                                         \
     extern "C" __global__ void kv_fill_##name(                                                   \
         const u8* wk, const u8* wv, const float* bk, const float* bv, const u16* inputs, int d,  \
-        const u32* idx, int n_sel, int hd, const u32* valid, const int* step, int n_ctx,         \
-        float theta, int rope, u16* kc, u16* vc, int width) {                                    \
-        kv_fill<T>(wk, wv, bk, bv, inputs, d, idx, n_sel, hd, valid, step, n_ctx, theta, rope,    \
-                   kc, vc, width);                                                               \
+        const u32* idx, int n_sel, int hd, const u32* valid, const int* step, int rows,          \
+        int n_ctx, float theta, int rope, u16* kc, u16* vc, int width) {                         \
+        kv_fill<T>(wk, wv, bk, bv, inputs, d, idx, n_sel, hd, valid, step, rows, n_ctx, theta,    \
+                   rope, kc, vc, width);                                                         \
     }
 FOR_TYPES(KV_FILL)
 
-// valid[h] = pos + 1 for the selected heads (after kv_fill: a launch of its own, so that no
+// valid[h] = last + 1 (= step[0] + rows) for the selected heads (after kv_fill: a launch of its own, so that no
 // warp of kv_fill still reads the old value).
 extern "C" __global__ void kv_mark(const u32* idx, int n_sel, int n_heads, u32* valid,
-                                   const int* step) {
+                                   const int* step, int rows) {
     int j = blockIdx.x * blockDim.x + threadIdx.x;
     int h = j < n_sel ? (idx ? (int)idx[j] : j) : n_heads;
-    if (h < n_heads) valid[h] = (u32)step[1] + 1;
+    if (h < n_heads) valid[h] = (u32)(step[0] + rows);
 }
 
-// c[pos][0..width) = x in f16 (a layer's attention input, kept for lazy K/V).
+// c[pos][0..width) = x[r] in f16 for batch row r = blockIdx.y at pos = step[0] + r (a layer's
+// attention inputs, kept for lazy K/V).
 extern "C" __global__ void store_row_f16(const float* x, u16* c, int width, int n_ctx,
                                          const int* step) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x, p = step[1];
-    if (i < width && p < n_ctx) c[(size_t)p * width + i] = f32_to_f16(x[i]);
+    int i = blockIdx.x * blockDim.x + threadIdx.x, r = blockIdx.y, p = step[0] + r;
+    if (i < width && p < n_ctx) c[(size_t)p * width + i] = f32_to_f16(x[(size_t)r * width + i]);
 }

@@ -1,4 +1,4 @@
-// One block over the whole vector (n elements). out may be x: every thread reads its own
+// One block per row (blockIdx.x) of n elements (x and out: rows of n, one after another). out may be x: every thread reads its own
 // elements before writing them, after the reductions. Up to NORM_REGS * blockDim elements are
 // kept in registers between the passes (one read of x), with their weights and biases, loaded
 // before the first reduction so that their latency overlaps it; past that they are read again.
@@ -32,6 +32,8 @@ __device__ __forceinline__ void norm_load(const float* x, const float* w, const 
 extern "C" __global__ void __launch_bounds__(1024)
 rmsnorm(const float* x, const float* w, int n, float eps, float* out) {
     __shared__ float red[32];
+    x += (size_t)blockIdx.x * n;
+    out += (size_t)blockIdx.x * n;
     const float* b = nullptr;
     float v[NORM_REGS], wv[NORM_REGS], bv[NORM_REGS], s = 0.f;
     norm_load(x, w, b, n, v, wv, bv);
@@ -42,6 +44,8 @@ rmsnorm(const float* x, const float* w, int n, float eps, float* out) {
 extern "C" __global__ void __launch_bounds__(1024)
 layernorm(const float* x, const float* w, const float* b, int n, float eps, float* out) {
     __shared__ float red[32];
+    x += (size_t)blockIdx.x * n;
+    out += (size_t)blockIdx.x * n;
     float v[NORM_REGS], wv[NORM_REGS], bv[NORM_REGS], s = 0.f, q = 0.f;
     norm_load(x, w, b, n, v, wv, bv);
     NORM_EACH(s += e)

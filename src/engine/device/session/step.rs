@@ -14,14 +14,14 @@ impl<D: Device> DeviceSession<'_, D> {
         let c = &m.config;
         let s = &mut self.s;
         match &m.proj_in {
-            None => dev.embed(&m.token_embd, StepRow::Token, false, &mut s.x)?,
+            None => dev.embed(&m.token_embd, StepRow::Token, false, &mut s.x, 1)?,
             Some(p) => {
-                dev.embed(&m.token_embd, StepRow::Token, false, &mut s.e)?;
+                dev.embed(&m.token_embd, StepRow::Token, false, &mut s.e, 1)?;
                 dev.matvec(p, Rows::All, &s.e, None, &mut s.x, false)?;
             }
         }
         if let (Positions::Learned { offset }, Some(pe)) = (c.positions, &m.pos_embd) {
-            dev.embed(pe, StepRow::Position { offset }, true, &mut s.x)?;
+            dev.embed(pe, StepRow::Position { offset }, true, &mut s.x, 1)?;
         }
         lap(clock, dev, |t| &mut t.embed)?;
         for l in 0..c.n_layers {
@@ -29,10 +29,17 @@ impl<D: Device> DeviceSession<'_, D> {
             self.mlp(l)?;
             lap(clock, dev, |t| &mut t.mlp)?;
         }
-        let (m, s) = (self.model, &mut self.s);
+        self.output()?;
+        lap(clock, dev, |t| &mut t.output)
+    }
+
+    /// The output head of `s.x` (one row) into `s.logits`: dense, or contextual.
+    pub(super) fn output(&mut self) -> Result<()> {
+        let (dev, m, s) = (self.dev, self.model, &mut self.s);
+        let c = &m.config;
         let head_in = match &m.output_norm {
             Some(n) => {
-                norm(dev, c, n, &s.x, &mut s.h)?;
+                norm(dev, c, n, &s.x, &mut s.h, 1)?;
                 &s.h
             }
             None => &s.x,
@@ -61,7 +68,7 @@ impl<D: Device> DeviceSession<'_, D> {
                 dev.scatter(&s.exact, &o.idx, o.candidates, &mut s.logits)?;
             }
         }
-        lap(clock, dev, |t| &mut t.output)
+        Ok(())
     }
 
     /// The predictors that run at layer `l`'s attention input `s.h`: layer l's MLP, the heads
@@ -108,7 +115,7 @@ impl<D: Device> DeviceSession<'_, D> {
         let (dev, m) = (self.dev, self.model);
         let (c, lw) = (&m.config, &m.layers[l]);
         let hd = c.head_dim;
-        block_input(dev, c, &lw.attn_norm, &self.s.x, &mut self.s.h)?;
+        block_input(dev, c, &lw.attn_norm, &self.s.x, &mut self.s.h, 1)?;
         lap(clock, dev, |t| &mut t.attention)?;
         // Lookahead: the predictors on a second lane while this layer's attention runs, unless
         // they pick this layer's own heads (layer 0) or the blocks are being timed.
@@ -128,10 +135,10 @@ impl<D: Device> DeviceSession<'_, D> {
         match &mut self.lazy[l] {
             Some((inputs, valid)) => {
                 // Keys and values of the selected heads only, from the kept inputs.
-                dev.store_row(&s.h, inputs)?;
+                dev.store_row(&s.h, inputs, 1)?;
                 dev.matvecs(&s.h, &mut [q])?;
                 if let Some((theta, style)) = c.rope() {
-                    dev.rope(&mut s.q, n_sel, hd, theta, style)?;
+                    dev.rope(&mut s.q, n_sel, hd, theta, style, 1)?;
                 }
                 let job = LazyKv {
                     wk: &lw.wk,
@@ -142,6 +149,7 @@ impl<D: Device> DeviceSession<'_, D> {
                     heads: heads.rows(1),
                     head_dim: hd,
                     rope: c.rope(),
+                    rows: 1,
                 };
                 dev.kv_fill(job, valid, &mut self.k[l], &mut self.v[l])?;
             }
@@ -150,9 +158,9 @@ impl<D: Device> DeviceSession<'_, D> {
                 let v = Product::new(&lw.wv, Rows::All, &mut s.v).bias(lw.bv.as_ref());
                 dev.matvecs(&s.h, &mut [q, k, v])?;
                 if let Some((theta, style)) = c.rope() {
-                    dev.rope_qk(&mut s.q, n_sel, &mut s.k, c.n_kv_heads, hd, theta, style)?;
+                    dev.rope_qk(&mut s.q, n_sel, &mut s.k, c.n_kv_heads, hd, theta, style, 1)?;
                 }
-                dev.store(&s.k, &s.v, &mut self.k[l], &mut self.v[l])?;
+                dev.store(&s.k, &s.v, &mut self.k[l], &mut self.v[l], 1)?;
             }
         }
         let geom = AttnGeom {
@@ -160,6 +168,7 @@ impl<D: Device> DeviceSession<'_, D> {
             n_kv_heads: c.n_kv_heads,
             head_dim: hd,
             n_ctx: self.n_ctx,
+            rows: 1,
         };
         dev.attention(
             &s.q,
@@ -179,7 +188,7 @@ impl<D: Device> DeviceSession<'_, D> {
         if side {
             dev.join()?;
         }
-        post_norm(dev, c, &lw.attn_norm, &mut s.x, &mut s.h)?;
+        post_norm(dev, c, &lw.attn_norm, &mut s.x, &mut s.h, 1)?;
         lap(clock, dev, |t| &mut t.attention)
     }
 
@@ -188,7 +197,7 @@ impl<D: Device> DeviceSession<'_, D> {
         let (c, lw, s) = (&m.config, &m.layers[l], &mut self.s);
         let sel = &self.plan.mlp[l];
         let n = sel.count(c.n_ff);
-        block_input(dev, c, &lw.ffn_norm, &s.x, &mut s.h)?;
+        block_input(dev, c, &lw.ffn_norm, &s.x, &mut s.h, 1)?;
         let act = c.mlp.activation();
         let a = match &lw.w_gate {
             Some(wg) => {
@@ -214,50 +223,53 @@ impl<D: Device> DeviceSession<'_, D> {
             }
             _ => dev.matvec(&lw.w_down, Rows::All, a, lw.b_down.as_ref(), &mut s.x, true)?,
         }
-        post_norm(dev, c, &lw.ffn_norm, &mut s.x, &mut s.h)
+        post_norm(dev, c, &lw.ffn_norm, &mut s.x, &mut s.h, 1)
     }
 }
 
-/// The model's norm of `x` into `out`.
-fn norm<D: Device>(
+/// The model's norm of each of `rows` rows of `x` into `out`.
+pub(super) fn norm<D: Device>(
     dev: &D,
     c: &ModelConfig,
     n: &Norm<D>,
     x: &D::Buf,
     out: &mut D::Buf,
+    rows: usize,
 ) -> Result<()> {
     match c.norm {
-        NormKind::Rms => dev.rmsnorm(x, &n.w, c.norm_eps, out)?,
-        NormKind::Layer => dev.layernorm(x, &n.w, n.b.as_ref(), c.norm_eps, out)?,
+        NormKind::Rms => dev.rmsnorm(x, &n.w, c.norm_eps, out, rows)?,
+        NormKind::Layer => dev.layernorm(x, &n.w, n.b.as_ref(), c.norm_eps, out, rows)?,
     }
     Ok(())
 }
 
-/// A block's input: `norm(x)` (pre-norm) or `x`.
-fn block_input<D: Device>(
+/// A block's input: `norm(x)` (pre-norm) or `x`, for `rows` rows.
+pub(super) fn block_input<D: Device>(
     dev: &D,
     c: &ModelConfig,
     n: &Norm<D>,
     x: &D::Buf,
     h: &mut D::Buf,
+    rows: usize,
 ) -> Result<()> {
     match c.pre_norm {
-        true => norm(dev, c, n, x, h),
-        false => Ok(dev.copy(x, h, c.d_model)?),
+        true => norm(dev, c, n, x, h, rows),
+        false => Ok(dev.copy(x, h, rows * c.d_model)?),
     }
 }
 
-/// Post-norm models: `x = norm(x)` through `tmp` after the residual add.
-fn post_norm<D: Device>(
+/// Post-norm models: `x = norm(x)` through `tmp` after the residual add, for `rows` rows.
+pub(super) fn post_norm<D: Device>(
     dev: &D,
     c: &ModelConfig,
     n: &Norm<D>,
     x: &mut D::Buf,
     tmp: &mut D::Buf,
+    rows: usize,
 ) -> Result<()> {
     if !c.pre_norm {
-        norm(dev, c, n, x, tmp)?;
-        dev.copy(tmp, x, c.d_model)?;
+        norm(dev, c, n, x, tmp, rows)?;
+        dev.copy(tmp, x, rows * c.d_model)?;
     }
     Ok(())
 }

@@ -1,0 +1,97 @@
+//! The launch of matmul.cu: a prompt's products over a batch of rows, in 64 x 64 tiles.
+use crate::products::act_code;
+use crate::{launch, need, shape, type_suffix, Buf, CudaDevice};
+use cudarc::driver::PushKernelArg;
+use dejavu_backend_api::{BackendError, Product, Rows};
+
+/// Weight rows and batch rows per tile (`MM_T` in matmul.cu).
+const TILE: usize = 64;
+
+/// One product of `matmul_T` (`MmJob` in matmul.cu: same fields, same order).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct MmJob {
+    w: u64,
+    bias: u64,
+    x: u64,
+    y: u64,
+    n: i32,
+    k: i32,
+    accumulate: i32,
+    act: i32,
+    tiles_n: i32,
+    first_block: i32,
+    _pad: [i32; 2],
+}
+
+/// `MmJobs` in matmul.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct MmJobs {
+    job: [MmJob; 3],
+    n_jobs: i32,
+    nt: i32,
+}
+
+// SAFETY: plain `repr(C)` data laid out as the kernel's struct: 8-byte pointers, then 4-byte
+// ints (an even number per job, so no padding anywhere; 200 bytes in all).
+unsafe impl cudarc::driver::DeviceRepr for MmJobs {}
+
+impl CudaDevice {
+    /// `Device::matmul`: one launch per weight type, a block per tile of each job.
+    pub(crate) fn launch_matmul(
+        &self,
+        x: &Buf,
+        rows: usize,
+        jobs: &mut [Product<'_, Self>],
+    ) -> Result<(), BackendError> {
+        self.batch_rows("matmul", rows)?;
+        if jobs.is_empty() || jobs.len() > 3 {
+            return Err(shape(format!(
+                "{} products in one launch (1 to 3)",
+                jobs.len()
+            )));
+        }
+        if jobs.iter().any(|p| p.w.qtype != jobs[0].w.qtype) {
+            return (jobs.iter_mut())
+                .try_for_each(|p| self.launch_matmul(x, rows, std::slice::from_mut(p)));
+        }
+        let mut mm = MmJobs {
+            n_jobs: jobs.len() as i32,
+            nt: rows as i32,
+            ..Default::default()
+        };
+        let tiles_t = rows.div_ceil(TILE);
+        let mut blocks = 0;
+        for (i, p) in jobs.iter().enumerate() {
+            let (w, px) = (p.w, p.x.unwrap_or(x));
+            if !matches!(p.rows, Rows::All) {
+                return Err(shape("a batch's products read every row".into()));
+            }
+            need("matmul input", px.0.len(), rows * w.cols)?;
+            need("matmul output", p.y.0.len(), rows * w.rows)?;
+            if let Some(b) = p.bias {
+                need("matmul bias", b.0.len(), w.rows)?;
+            }
+            let tiles_n = w.rows.div_ceil(TILE);
+            mm.job[i] = MmJob {
+                w: self.ptr(&w.data),
+                bias: p.bias.map_or(0, |b| self.ptr(&b.0)),
+                x: self.ptr(&px.0),
+                y: self.ptr(&p.y.0),
+                n: w.rows as i32,
+                k: w.cols as i32,
+                accumulate: p.accumulate as i32,
+                act: p.act.map_or(-1, act_code),
+                tiles_n: tiles_n as i32,
+                first_block: blocks as i32,
+                _pad: [0; 2],
+            };
+            blocks += tiles_n * tiles_t;
+        }
+        let f = self.func(&format!("matmul_{}", type_suffix(jobs[0].w.qtype)));
+        let mut b = self.lane().launch_builder(f);
+        b.arg(&mm);
+        launch::run(b, launch::grid(blocks * 256, 256))
+    }
+}

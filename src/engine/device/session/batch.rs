@@ -1,0 +1,164 @@
+//! A prompt's batch: up to [`MAX_ROWS`] tokens through the same layer verbs at once, each
+//! product over every row at once ([`Device::matmul`]), so the weights are read once per batch
+//! rather than once per token.
+//!
+//! A batch runs every neuron and head, as the host executor's batches do: a policy selects per
+//! token, at decode steps. A fixed sparse plan runs its prompt token by token (the host
+//! executor's batches under a fixed plan compute the same thing). Layers under lazy K/V keep the
+//! batch's inputs and fill every head's keys and values from them, those a head missed before
+//! the batch included.
+use super::step::{block_input, post_norm};
+use super::DeviceSession;
+use crate::engine::config::{ModelConfig, Positions};
+use crate::engine::device::plan::Sel;
+use crate::Result;
+use dejavu_backend_api::{AttnGeom, Device, LazyKv, Product, Rows, StepRow, MAX_ROWS};
+
+/// The activations of a batch of up to `rows` rows (row `r` of each at `r * width`).
+pub(super) struct BatchScratch<D: Device> {
+    pub(super) rows: usize,
+    x: D::Buf,
+    h: D::Buf,
+    e: D::Buf,
+    q: D::Buf,
+    k: D::Buf,
+    v: D::Buf,
+    att: D::Buf,
+    gate: D::Buf,
+    up: D::Buf,
+}
+
+impl<D: Device> BatchScratch<D> {
+    /// Room for batches of `min(MAX_ROWS, n_ctx)` rows.
+    pub(super) fn new(dev: &D, c: &ModelConfig, n_ctx: usize) -> Result<Self> {
+        let rows = MAX_ROWS.min(n_ctx).max(1);
+        let z = |w: usize| dev.zeros(rows * w);
+        Ok(Self {
+            rows,
+            x: z(c.d_model)?,
+            h: z(c.d_model)?,
+            e: z(c.d_embed)?,
+            q: z(c.n_heads * c.head_dim)?,
+            k: z(c.kv_dim())?,
+            v: z(c.kv_dim())?,
+            att: z(c.n_heads * c.head_dim)?,
+            gate: z(if c.mlp.gated() { c.n_ff } else { 1 })?,
+            up: z(c.n_ff)?,
+        })
+    }
+}
+
+impl<D: Device> DeviceSession<'_, D> {
+    /// Can the prompt run in batches? Every selection is every unit or predicted per token (a
+    /// batch then runs every unit); a fixed sparse selection runs token by token.
+    pub(super) fn batchable(&self) -> bool {
+        let free = |s: &Sel<D>| !matches!(s, Sel::Fixed { .. });
+        self.plan.mlp.iter().chain(&self.plan.heads).all(free)
+    }
+
+    /// `tokens` (1 to the scratch's rows) at the next positions as one batch; with `logits`, the
+    /// last row's logits into `s.logits`.
+    pub(super) fn run_batch(
+        &mut self,
+        b: &mut BatchScratch<D>,
+        tokens: &[u32],
+        logits: bool,
+    ) -> Result<()> {
+        let (dev, m, n) = (self.dev, self.model, tokens.len());
+        let c = &m.config;
+        dev.set_step(tokens, self.len)?;
+        match &m.proj_in {
+            None => dev.embed(&m.token_embd, StepRow::Token, false, &mut b.x, n)?,
+            Some(p) => {
+                dev.embed(&m.token_embd, StepRow::Token, false, &mut b.e, n)?;
+                dev.matmul(&b.e, n, &mut [Product::new(p, Rows::All, &mut b.x)])?;
+            }
+        }
+        if let (Positions::Learned { offset }, Some(pe)) = (c.positions, &m.pos_embd) {
+            dev.embed(pe, StepRow::Position { offset }, true, &mut b.x, n)?;
+        }
+        for l in 0..c.n_layers {
+            self.batch_attention(b, l, n)?;
+            self.batch_mlp(b, l, n)?;
+        }
+        if logits {
+            dev.take_row(&b.x, n - 1, c.d_model, &mut self.s.x)?;
+            self.output()?;
+        }
+        Ok(())
+    }
+
+    fn batch_attention(&mut self, b: &mut BatchScratch<D>, l: usize, n: usize) -> Result<()> {
+        let (dev, m) = (self.dev, self.model);
+        let (c, lw, hd) = (&m.config, &m.layers[l], m.config.head_dim);
+        block_input(dev, c, &lw.attn_norm, &b.x, &mut b.h, n)?;
+        let q = Product::new(&lw.wq, Rows::All, &mut b.q).bias(lw.bq.as_ref());
+        match &mut self.lazy[l] {
+            Some((inputs, valid)) => {
+                dev.store_row(&b.h, inputs, n)?;
+                dev.matmul(&b.h, n, &mut [q])?;
+                if let Some((theta, style)) = c.rope() {
+                    dev.rope(&mut b.q, c.n_heads, hd, theta, style, n)?;
+                }
+                let job = LazyKv {
+                    wk: &lw.wk,
+                    wv: &lw.wv,
+                    bk: lw.bk.as_ref(),
+                    bv: lw.bv.as_ref(),
+                    inputs,
+                    heads: Rows::All,
+                    head_dim: hd,
+                    rope: c.rope(),
+                    rows: n,
+                };
+                dev.kv_fill(job, valid, &mut self.k[l], &mut self.v[l])?;
+            }
+            None => {
+                let k = Product::new(&lw.wk, Rows::All, &mut b.k).bias(lw.bk.as_ref());
+                let v = Product::new(&lw.wv, Rows::All, &mut b.v).bias(lw.bv.as_ref());
+                dev.matmul(&b.h, n, &mut [q, k, v])?;
+                if let Some((theta, style)) = c.rope() {
+                    let (nh, nkv) = (c.n_heads, c.n_kv_heads);
+                    dev.rope_qk(&mut b.q, nh, &mut b.k, nkv, hd, theta, style, n)?;
+                }
+                dev.store(&b.k, &b.v, &mut self.k[l], &mut self.v[l], n)?;
+            }
+        }
+        let geom = AttnGeom {
+            n_heads: c.n_heads,
+            n_kv_heads: c.n_kv_heads,
+            head_dim: hd,
+            n_ctx: self.n_ctx,
+            rows: n,
+        };
+        let (kc, vc) = (&self.k[l], &self.v[l]);
+        dev.attention(&b.q, kc, vc, Rows::All, geom, &mut b.att)?;
+        let o = Product::new(&lw.wo, Rows::All, &mut b.x).bias(lw.bo.as_ref());
+        dev.matmul(&b.att, n, &mut [o.accumulate()])?;
+        post_norm(dev, c, &lw.attn_norm, &mut b.x, &mut b.h, n)
+    }
+
+    fn batch_mlp(&mut self, b: &mut BatchScratch<D>, l: usize, n: usize) -> Result<()> {
+        let (dev, m) = (self.dev, self.model);
+        let (c, lw) = (&m.config, &m.layers[l]);
+        block_input(dev, c, &lw.ffn_norm, &b.x, &mut b.h, n)?;
+        let act = c.mlp.activation();
+        let a = match &lw.w_gate {
+            Some(wg) => {
+                let gate = Product::new(wg, Rows::All, &mut b.gate);
+                let up = Product::new(&lw.w_up, Rows::All, &mut b.up);
+                dev.matmul(&b.h, n, &mut [gate, up])?;
+                dev.glu(act, &mut b.gate, &b.up, n * c.n_ff)?;
+                &b.gate
+            }
+            None => {
+                let fc1 = Product::new(&lw.w_up, Rows::All, &mut b.up).bias(lw.b_up.as_ref());
+                dev.matmul(&b.h, n, &mut [fc1.act(act)])?;
+                &b.up
+            }
+        };
+        let down = Product::new(&lw.w_down, Rows::All, &mut b.x).bias(lw.b_down.as_ref());
+        dev.matmul(a, n, &mut [down.accumulate()])?;
+        post_norm(dev, c, &lw.ffn_norm, &mut b.x, &mut b.h, n)
+    }
+}
