@@ -246,7 +246,14 @@ impl CudaDevice {
         .map(String::from)
         .to_vec();
         for q in QuantType::ALL {
-            for op in ["matvec", "matmul", "axpy", "embed", "kv_fill"] {
+            for op in [
+                "matvec",
+                "matmul",
+                "matmul_small",
+                "axpy",
+                "embed",
+                "kv_fill",
+            ] {
                 names.push(format!("{op}_{}", type_suffix(q)));
             }
         }

@@ -1,11 +1,12 @@
-//! The launch of matmul.cu: a prompt's products over a batch of rows, in 64 x 64 tiles.
+//! The launch of matmul.cu: a prompt's products over a batch of rows, in 64 x 64 tiles, or
+//! 32 x 32 where those would not fill the GPU twice over.
 use crate::products::act_code;
 use crate::{launch, need, shape, type_suffix, Buf, CudaDevice};
 use cudarc::driver::PushKernelArg;
 use dejavu_backend_api::{BackendError, Product, Rows};
 
-/// Weight rows and batch rows per tile (`MM_T` in matmul.cu).
-const TILE: usize = 64;
+/// Weight rows and batch rows per tile: `matmul_T`'s, `matmul_small_T`'s.
+const TILES: [usize; 2] = [64, 32];
 
 /// One product of `matmul_T` (`MmJob` in matmul.cu: same fields, same order).
 #[repr(C)]
@@ -61,19 +62,27 @@ impl CudaDevice {
             nt: rows as i32,
             ..Default::default()
         };
-        let tiles_t = rows.div_ceil(TILE);
+        let blocks_of = |t: usize| -> usize {
+            let per = |p: &Product<'_, Self>| p.w.rows.div_ceil(t) * rows.div_ceil(t);
+            jobs.iter().map(per).sum()
+        };
+        let small = blocks_of(TILES[0]) < 2 * self.n_sm;
+        let tile = TILES[small as usize];
+        let tiles_t = rows.div_ceil(tile);
         let mut blocks = 0;
         for (i, p) in jobs.iter().enumerate() {
             let (w, px) = (p.w, p.x.unwrap_or(x));
-            if !matches!(p.rows, Rows::All) {
-                return Err(shape("a batch's products read every row".into()));
+            if !matches!(p.rows, Rows::All) || p.glu.is_some() {
+                return Err(shape(
+                    "a batch's products read every row, of their input".into(),
+                ));
             }
             need("matmul input", px.0.len(), rows * w.cols)?;
             need("matmul output", p.y.0.len(), rows * w.rows)?;
             if let Some(b) = p.bias {
                 need("matmul bias", b.0.len(), w.rows)?;
             }
-            let tiles_n = w.rows.div_ceil(TILE);
+            let tiles_n = w.rows.div_ceil(tile);
             mm.job[i] = MmJob {
                 w: self.ptr(&w.data),
                 bias: p.bias.map_or(0, |b| self.ptr(&b.0)),
@@ -89,7 +98,8 @@ impl CudaDevice {
             };
             blocks += tiles_n * tiles_t;
         }
-        let f = self.func(&format!("matmul_{}", type_suffix(jobs[0].w.qtype)));
+        let kind = if small { "matmul_small" } else { "matmul" };
+        let f = self.func(&format!("{kind}_{}", type_suffix(jobs[0].w.qtype)));
         let mut b = self.lane().launch_builder(f);
         b.arg(&mm);
         launch::run(b, launch::grid(blocks * 256, 256))

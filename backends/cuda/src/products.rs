@@ -13,6 +13,7 @@ struct MvJob {
     bias: u64,
     y: u64,
     x: u64,
+    up: u64,
     rows: i32,
     cols: i32,
     n_out: i32,
@@ -20,7 +21,7 @@ struct MvJob {
     accumulate: i32,
     act: i32,
     first_block: i32,
-    _pad: i32,
+    x_act: i32,
 }
 
 /// `MvJobs` in matvec.cu.
@@ -33,7 +34,7 @@ struct MvJobs {
 }
 
 // SAFETY: plain `repr(C)` data of integers, laid out as the kernel's struct (8-byte pointers
-// first, then 4-byte ints: no padding inside; 224 bytes in all).
+// first, then 4-byte ints: no padding inside; 248 bytes in all).
 unsafe impl cudarc::driver::DeviceRepr for MvJobs {}
 
 /// One selection of `top_k_jobs` (`TkJob` in topk.cu).
@@ -87,6 +88,9 @@ impl CudaDevice {
             let (ip, n_out, group, o) = self.sel(p.rows, w.rows)?;
             need("matvec input", px.0.len(), w.cols)?;
             need("matvec output", p.y.0.len(), o)?;
+            if let Some((_, up)) = p.glu {
+                need("matvec glu input", up.0.len(), w.cols)?;
+            }
             if let Some(b) = p.bias {
                 need("matvec bias", b.0.len(), w.rows)?;
             }
@@ -97,6 +101,7 @@ impl CudaDevice {
                 bias: p.bias.map_or(0, |b| self.ptr(&b.0)),
                 y: self.ptr(&p.y.0),
                 x: self.ptr(&px.0),
+                up: p.glu.map_or(0, |(_, u)| self.ptr(&u.0)),
                 rows: w.rows as i32,
                 cols: w.cols as i32,
                 n_out,
@@ -104,7 +109,7 @@ impl CudaDevice {
                 accumulate: p.accumulate as i32,
                 act: p.act.map_or(-1, act_code),
                 first_block: 0,
-                _pad: 0,
+                x_act: p.glu.map_or(-1, |(a, _)| act_code(a)),
             };
         }
         // Warps per output: 1 when the outputs fill the GPU `mv_fill` times over (`mv_fill_sel`

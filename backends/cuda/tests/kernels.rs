@@ -223,6 +223,32 @@ fn products_match_the_scalar_reference_for_every_type() {
     }
 }
 
+/// Products of batches large enough for the 64-row tiles (the other cases above take the
+/// 32-row ones): ragged rows, batch rows, and columns not a multiple of a k-step.
+#[test]
+fn large_batch_products_match_the_scalar_reference() {
+    let Some(gpu) = gpu() else { return };
+    let host = HostDevice::new();
+    let mut r = rng(8);
+    for (q, rows, cols, nt) in [
+        (QuantType::Q4_1, 4096, 256, 300),
+        (QuantType::F16, 4100, 264, 261),
+    ] {
+        let bytes = random_matrix(&mut r, q, rows, cols);
+        let w = Weight::new(q, rows, cols, &bytes).unwrap();
+        let xs = randv(&mut r, nt * cols);
+        let want = matmul_on(&host, &w, &xs, nt);
+        let got = matmul_on(&gpu, &w, &xs, nt);
+        // |w| <= 1 and |x| <= 1 elementwise, so a dot's rounding is below ~1e-6 of cols.
+        close(
+            &format!("matmul {q:?} {rows}x{cols} of {nt}"),
+            &got,
+            &want,
+            |i| 1e-4 * (2.0 + want[i].abs()) + 1e-5 * cols as f32,
+        );
+    }
+}
+
 /// A batch of `nt` rows through two products in one launch: plain with ReLU, and accumulated
 /// onto ones with a bias. Both outputs, `[nt][rows]` each.
 fn matmul_on<D: Device>(d: &D, w: &Weight, xs: &[f32], nt: usize) -> Vec<f32> {
@@ -243,7 +269,7 @@ fn matmul_on<D: Device>(d: &D, w: &Weight, xs: &[f32], nt: usize) -> Vec<f32> {
 }
 
 /// Three products of mixed types in one launch: a selection with a bias and ReLU, a SiLU, an
-/// accumulation.
+/// accumulation over a gated input (`silu(x) * up`).
 fn products_on<D: Device>(d: &D, ws: &[Weight], x: &[f32], sel: &[u32], y0: &[f32]) -> Vec<f32> {
     let m: Vec<D::Mat> = ws.iter().map(|w| d.upload_mat(w).unwrap()).collect();
     let (xb, idx) = (d.upload(x).unwrap(), d.upload_idx(sel).unwrap());
@@ -264,7 +290,11 @@ fn products_on<D: Device>(d: &D, ws: &[Weight], x: &[f32], sel: &[u32], y0: &[f3
         .bias(Some(&bias))
         .act(Activation::Relu);
     let p1 = Product::new(&m[1], Rows::All, y1b).act(Activation::Silu);
-    let p2 = Product::new(&m[2], Rows::All, y2b).accumulate();
+    let up: Vec<f32> = x.iter().rev().copied().collect();
+    let up = d.upload(&up).unwrap();
+    let p2 = Product::new(&m[2], Rows::All, y2b)
+        .accumulate()
+        .glu(Activation::Silu, &up);
     d.matvecs(&xb, &mut [p0, p1, p2]).unwrap();
     let mut out = down(d, &ys[0], sel.len());
     out.extend(down(d, &ys[1], ws[1].rows));

@@ -2,13 +2,12 @@
 // job i's Y[t][j] = act(dot(W[j], X[t]) + bias[j]), or Y[t][j] += dot + bias (accumulate), for
 // every row j < n of W (n x k, ggml layout) and batch row t < nt (X rows of k, Y rows of n).
 //
-// A block of 256 threads computes a tile of MM_T (64) weight rows by MM_T batch rows, k in
-// steps of 32: each step dequantizes the weight tile (8 elements a thread, load8) and copies the
-// input tile into shared memory, both stored k-major, then each thread accumulates 4 weight rows
-// by 4 batch rows from float4 reads of them. Tiles past n or nt compute on clamped rows and do
-// not write.
-#define MM_T 64
-#define MM_K 32
+// A block of 256 threads computes a tile of TS weight rows by TS batch rows (TS 64, or 32 for
+// products of few tiles: 4 times the blocks, each with a quarter of the work per step), k in
+// steps of 2048 / TS: each step dequantizes the weight tile (8 elements a thread, load8) and
+// copies the input tile into shared memory, both stored k-major, then each thread accumulates
+// TS/16 weight rows by TS/16 batch rows from vector reads of them. Tiles past n or nt compute on
+// clamped rows and do not write.
 struct MmJob {
     const u8* w;
     const float* bias;
@@ -21,24 +20,36 @@ struct MmJobs {
     int n_jobs, nt;
 };
 
-template <int T>
+// v[0..M) = p[0..M) from shared memory in one vector read (p aligned to M floats).
+template <int M> __device__ __forceinline__ void lds(const float* p, float* v);
+template <> __device__ __forceinline__ void lds<4>(const float* p, float* v) {
+    float4 a = *(const float4*)p;
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+}
+template <> __device__ __forceinline__ void lds<2>(const float* p, float* v) {
+    float2 a = *(const float2*)p;
+    v[0] = a.x; v[1] = a.y;
+}
+
+template <int T, int TS>
 __device__ __forceinline__ void matmul(const u8* w, const float* bias, const float* x, float* y,
                                        int n, int k, int accumulate, int act, int tiles_n,
                                        int blk, int nt) {
-    __shared__ __align__(16) float ws[MM_K][MM_T + 4];
-    __shared__ __align__(16) float xs[MM_K][MM_T + 4];
-    int j0 = (blk % tiles_n) * MM_T, t0 = (blk / tiles_n) * MM_T;
-    int tid = threadIdx.x, lr = tid / 4, lk = (tid % 4) * 8;
+    constexpr int KS = 2048 / TS, M = TS / 16, LPR = KS / 8;  // k-step, micro-tile, loaders/row
+    __shared__ __align__(16) float ws[KS][TS + 4];
+    __shared__ __align__(16) float xs[KS][TS + 4];
+    int j0 = (blk % tiles_n) * TS, t0 = (blk / tiles_n) * TS;
+    int tid = threadIdx.x, lr = tid / LPR, lk = (tid % LPR) * 8;
     const u8* wrow = w + (size_t)min(j0 + lr, n - 1) * row_bytes<T>(k);
     const float* xrow = x + (size_t)min(t0 + lr, nt - 1) * k;
     bool vec = k % 8 == 0;
     int ty = tid / 16, tx = tid % 16;
-    float c[4][4];
+    float c[M][M];
 #pragma unroll
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < M; i++)
 #pragma unroll
-        for (int t = 0; t < 4; t++) c[i][t] = 0.f;
-    for (int k0 = 0; k0 < k; k0 += MM_K) {
+        for (int t = 0; t < M; t++) c[i][t] = 0.f;
+    for (int k0 = 0; k0 < k; k0 += KS) {
         int e = k0 + lk;
         float v[8], xv[8];
         if (e < k) {
@@ -55,24 +66,24 @@ __device__ __forceinline__ void matmul(const u8* w, const float* bias, const flo
         }
         __syncthreads();
 #pragma unroll 8
-        for (int kk = 0; kk < MM_K; kk++) {
-            float4 a = *(const float4*)&ws[kk][ty * 4];
-            float4 b = *(const float4*)&xs[kk][tx * 4];
-            float av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+        for (int kk = 0; kk < KS; kk++) {
+            float av[M], bv[M];
+            lds<M>(&ws[kk][ty * M], av);
+            lds<M>(&xs[kk][tx * M], bv);
 #pragma unroll
-            for (int i = 0; i < 4; i++)
+            for (int i = 0; i < M; i++)
 #pragma unroll
-                for (int t = 0; t < 4; t++) c[i][t] += av[i] * bv[t];
+                for (int t = 0; t < M; t++) c[i][t] += av[i] * bv[t];
         }
     }
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        int j = j0 + ty * 4 + i;
+    for (int i = 0; i < M; i++) {
+        int j = j0 + ty * M + i;
         if (j >= n) continue;
         float bj = bias ? bias[j] : 0.f;
 #pragma unroll
-        for (int t = 0; t < 4; t++) {
-            int r = t0 + tx * 4 + t;
+        for (int t = 0; t < M; t++) {
+            int r = t0 + tx * M + t;
             if (r >= nt) continue;
             float s = c[i][t] + bj;
             float* o = y + (size_t)r * n + j;
@@ -82,18 +93,22 @@ __device__ __forceinline__ void matmul(const u8* w, const float* bias, const flo
 }
 
 // The job of this block, its fields read by constant indices (as matvec.cu).
-#define MM_CALL(q) matmul<T>(jobs.job[q].w, jobs.job[q].bias, jobs.job[q].x, jobs.job[q].y,      \
+#define MM_CALL(q) matmul<T, TS>(jobs.job[q].w, jobs.job[q].bias, jobs.job[q].x, jobs.job[q].y,  \
     jobs.job[q].n, jobs.job[q].k, jobs.job[q].accumulate, jobs.job[q].act, jobs.job[q].tiles_n, \
     b - jobs.job[q].first_block, jobs.nt)
-template <int T>
+template <int T, int TS>
 __device__ __forceinline__ void matmul_jobs(const MmJobs& jobs) {
     int b = blockIdx.x;
     if (jobs.n_jobs > 2 && b >= jobs.job[2].first_block) MM_CALL(2);
     else if (jobs.n_jobs > 1 && b >= jobs.job[1].first_block) MM_CALL(1);
     else MM_CALL(0);
 }
+// matmul_T: 64-row tiles; matmul_small_T: 32-row tiles.
 #define MATMUL(name, T)                                                                          \
     extern "C" __global__ void __launch_bounds__(256) matmul_##name(MmJobs jobs) {             \
-        matmul_jobs<T>(jobs);                                                                     \
+        matmul_jobs<T, 64>(jobs);                                                                 \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(256) matmul_small_##name(MmJobs jobs) {       \
+        matmul_jobs<T, 32>(jobs);                                                                 \
     }
 FOR_TYPES(MATMUL)
