@@ -1,5 +1,8 @@
 //! The launch of matmul.cu: a prompt's products over a batch of rows, in 64 x 64 tiles, or
-//! 32 x 32 where those would not fill the GPU twice over.
+//! 32 x 32 where those would leave SMs idle (fewer blocks than SMs). Measured on the H200: a
+//! 128-row batch through a 7168 x 7168 f16 matrix (224 tiles of 64) ran at 17.3 TFLOP/s in 64-row
+//! tiles, 10.2 in 32-row ones; SmolLM2's products (18 to 96 tiles of 64) took pp128 from 16.4k
+//! to 23.0k tok/s in 32-row tiles.
 use crate::products::act_code;
 use crate::{launch, need, shape, type_suffix, Buf, CudaDevice};
 use cudarc::driver::PushKernelArg;
@@ -66,7 +69,7 @@ impl CudaDevice {
             let per = |p: &Product<'_, Self>| p.w.rows.div_ceil(t) * rows.div_ceil(t);
             jobs.iter().map(per).sum()
         };
-        let small = blocks_of(TILES[0]) < 2 * self.n_sm;
+        let small = blocks_of(TILES[0]) < self.n_sm;
         let tile = TILES[small as usize];
         let tiles_t = rows.div_ceil(tile);
         let mut blocks = 0;

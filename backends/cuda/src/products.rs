@@ -144,7 +144,11 @@ impl CudaDevice {
             blocks += o.div_ceil(per_block);
         }
         mv.split = split as i32;
-        let f = self.func(&format!("matvec_{}", type_suffix(jobs[0].w.qtype)));
+        let kind = match jobs.iter().any(|p| p.glu.is_some()) {
+            true => "matvec_glu",
+            false => "matvec",
+        };
+        let f = self.func(&format!("{kind}_{}", type_suffix(jobs[0].w.qtype)));
         let mut b = self.lane().launch_builder(f);
         b.arg(&mv);
         launch::run(b, launch::grid(blocks * 256, 256))
