@@ -44,12 +44,10 @@ impl<I> Copy for Rows<'_, I> {}
 
 /// One product of [`Device::matvecs`]: `y[j] = act(dot(W[row(j)], x) + bias[row(j)])` over
 /// the outputs of `rows`, or with `accumulate` `y[j] += dot(..) + bias[..]` (no activation).
-/// `x` is the call's input unless the product names its own ([`Product::input`]); with `glu`,
-/// the product reads `act(x[i]) * up[i]` in place of `x[i]` ([`Product::glu`]).
+/// `x` is the call's input unless the product names its own ([`Product::input`]).
 pub struct Product<'a, D: Device + ?Sized> {
     pub w: &'a D::Mat,
     pub x: Option<&'a D::Buf>,
-    pub glu: Option<(Activation, &'a D::Buf)>,
     pub rows: Rows<'a, D::Idx>,
     pub bias: Option<&'a D::Buf>,
     pub act: Option<Activation>,
@@ -63,7 +61,6 @@ impl<'a, D: Device + ?Sized> Product<'a, D> {
         Self {
             w,
             x: None,
-            glu: None,
             rows,
             bias: None,
             act: None,
@@ -75,14 +72,6 @@ impl<'a, D: Device + ?Sized> Product<'a, D> {
     /// predictors' second layers).
     pub fn input(self, x: &'a D::Buf) -> Self {
         Self { x: Some(x), ..self }
-    }
-    /// Read `act(x) * up`, elementwise, as the input (the gated MLP's down projection over its
-    /// gate and up outputs, without a launch of its own for the product of the two).
-    pub fn glu(self, act: Activation, up: &'a D::Buf) -> Self {
-        Self {
-            glu: Some((act, up)),
-            ..self
-        }
     }
     pub fn bias(self, bias: Option<&'a D::Buf>) -> Self {
         Self { bias, ..self }

@@ -235,17 +235,7 @@ impl Device for HostDevice {
             if let Some(b) = p.bias {
                 need("matvec bias", b.len(), w.rows)?;
             }
-            let x: Vec<f32> = match p.glu {
-                None => x[..w.cols].to_vec(),
-                Some((act, up)) => {
-                    need("matvec glu input", up.len(), w.cols)?;
-                    (x.iter().zip(up.iter()))
-                        .map(|(&g, &u)| act.apply(g) * u)
-                        .take(w.cols)
-                        .collect()
-                }
-            };
-            product_row(w, &rs, &x, p.bias, p.act, p.accumulate, p.y);
+            product_row(w, &rs, &x[..w.cols], p.bias, p.act, p.accumulate, p.y);
         }
         Ok(())
     }
@@ -258,10 +248,8 @@ impl Device for HostDevice {
     ) -> Result<(), BackendError> {
         for p in jobs.iter_mut() {
             let (w, x) = (p.w, p.x.unwrap_or(x));
-            if !matches!(p.rows, Rows::All) || p.glu.is_some() {
-                return Err(shape(
-                    "a batch's products read every row, of their input".into(),
-                ));
+            if !matches!(p.rows, Rows::All) {
+                return Err(shape("a batch's products read every row".into()));
             }
             let rs: Vec<usize> = (0..w.rows).collect();
             self.batch("matmul input", x.len(), w.cols, rows)?;

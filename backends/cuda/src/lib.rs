@@ -248,7 +248,6 @@ impl CudaDevice {
         for q in QuantType::ALL {
             for op in [
                 "matvec",
-                "matvec_glu",
                 "matmul",
                 "matmul_small",
                 "axpy",

@@ -75,10 +75,8 @@ impl CudaDevice {
         let mut blocks = 0;
         for (i, p) in jobs.iter().enumerate() {
             let (w, px) = (p.w, p.x.unwrap_or(x));
-            if !matches!(p.rows, Rows::All) || p.glu.is_some() {
-                return Err(shape(
-                    "a batch's products read every row, of their input".into(),
-                ));
+            if !matches!(p.rows, Rows::All) {
+                return Err(shape("a batch's products read every row".into()));
             }
             need("matmul input", px.0.len(), rows * w.cols)?;
             need("matmul output", p.y.0.len(), rows * w.rows)?;

@@ -13,7 +13,6 @@ struct MvJob {
     bias: u64,
     y: u64,
     x: u64,
-    up: u64,
     rows: i32,
     cols: i32,
     n_out: i32,
@@ -21,7 +20,7 @@ struct MvJob {
     accumulate: i32,
     act: i32,
     first_block: i32,
-    x_act: i32,
+    _pad: i32,
 }
 
 /// `MvJobs` in matvec.cu.
@@ -34,7 +33,7 @@ struct MvJobs {
 }
 
 // SAFETY: plain `repr(C)` data of integers, laid out as the kernel's struct (8-byte pointers
-// first, then 4-byte ints: no padding inside; 248 bytes in all).
+// first, then 4-byte ints: no padding inside; 224 bytes in all).
 unsafe impl cudarc::driver::DeviceRepr for MvJobs {}
 
 /// One selection of `top_k_jobs` (`TkJob` in topk.cu).
@@ -88,9 +87,6 @@ impl CudaDevice {
             let (ip, n_out, group, o) = self.sel(p.rows, w.rows)?;
             need("matvec input", px.0.len(), w.cols)?;
             need("matvec output", p.y.0.len(), o)?;
-            if let Some((_, up)) = p.glu {
-                need("matvec glu input", up.0.len(), w.cols)?;
-            }
             if let Some(b) = p.bias {
                 need("matvec bias", b.0.len(), w.rows)?;
             }
@@ -101,7 +97,6 @@ impl CudaDevice {
                 bias: p.bias.map_or(0, |b| self.ptr(&b.0)),
                 y: self.ptr(&p.y.0),
                 x: self.ptr(&px.0),
-                up: p.glu.map_or(0, |(_, u)| self.ptr(&u.0)),
                 rows: w.rows as i32,
                 cols: w.cols as i32,
                 n_out,
@@ -109,7 +104,7 @@ impl CudaDevice {
                 accumulate: p.accumulate as i32,
                 act: p.act.map_or(-1, act_code),
                 first_block: 0,
-                x_act: p.glu.map_or(-1, |(a, _)| act_code(a)),
+                _pad: 0,
             };
         }
         // Warps per output: 1 when the outputs fill the GPU `mv_fill` times over (`mv_fill_sel`
@@ -144,11 +139,7 @@ impl CudaDevice {
             blocks += o.div_ceil(per_block);
         }
         mv.split = split as i32;
-        let kind = match jobs.iter().any(|p| p.glu.is_some()) {
-            true => "matvec_glu",
-            false => "matvec",
-        };
-        let f = self.func(&format!("{kind}_{}", type_suffix(jobs[0].w.qtype)));
+        let f = self.func(&format!("matvec_{}", type_suffix(jobs[0].w.qtype)));
         let mut b = self.lane().launch_builder(f);
         b.arg(&mv);
         launch::run(b, launch::grid(blocks * 256, 256))

@@ -269,7 +269,7 @@ fn matmul_on<D: Device>(d: &D, w: &Weight, xs: &[f32], nt: usize) -> Vec<f32> {
 }
 
 /// Three products of mixed types in one launch: a selection with a bias and ReLU, a SiLU, an
-/// accumulation over a gated input (`silu(x) * up`).
+/// accumulation.
 fn products_on<D: Device>(d: &D, ws: &[Weight], x: &[f32], sel: &[u32], y0: &[f32]) -> Vec<f32> {
     let m: Vec<D::Mat> = ws.iter().map(|w| d.upload_mat(w).unwrap()).collect();
     let (xb, idx) = (d.upload(x).unwrap(), d.upload_idx(sel).unwrap());
@@ -290,11 +290,7 @@ fn products_on<D: Device>(d: &D, ws: &[Weight], x: &[f32], sel: &[u32], y0: &[f3
         .bias(Some(&bias))
         .act(Activation::Relu);
     let p1 = Product::new(&m[1], Rows::All, y1b).act(Activation::Silu);
-    let up: Vec<f32> = x.iter().rev().copied().collect();
-    let up = d.upload(&up).unwrap();
-    let p2 = Product::new(&m[2], Rows::All, y2b)
-        .accumulate()
-        .glu(Activation::Silu, &up);
+    let p2 = Product::new(&m[2], Rows::All, y2b).accumulate();
     d.matvecs(&xb, &mut [p0, p1, p2]).unwrap();
     let mut out = down(d, &ys[0], sel.len());
     out.extend(down(d, &ys[1], ws[1].rows));

@@ -1,10 +1,7 @@
 // Up to 3 products of one weight type in one launch (Q, K and V; gate and up; the predictors'
 // layers), each of its own input x (often the same one). Job i's outputs j:
 // y[j] = act(dot(W[row(j)], x) + bias[row(j)]), or y[j] += dot + bias (accumulate), for the
-// outputs of a selection; in the _glu kernels, a job with `up` reads act_x(x[e]) * up[e] in
-// place of x[e] (the gated MLP's down projection over its gate and up outputs; a kernel of its
-// own, since the branch slows the others' loop: measured on the H200, a Q4_0 7168x7168 product
-// took 39.0 us with it, against 29.4 without). A block of 8 warps computes 8 * MV_ROWS outputs of one job (each
+// outputs of a selection. A block of 8 warps computes 8 * MV_ROWS outputs of one job (each
 // warp MV_ROWS rows, sharing its loads of x), or with split-K (products of few rows) 8 / split
 // outputs, `split` warps sharing one. Each lane dequantizes 8 elements at a time (128-bit loads
 // for the 16-bit types); a warp sum and a sum over an output's warps finish. Rows outside the
@@ -18,19 +15,17 @@ struct MvJob {
     const float* bias;
     float* y;
     const float* x;
-    const float* up;
-    int rows, cols, n_out, group, accumulate, act, first_block, x_act;
+    int rows, cols, n_out, group, accumulate, act, first_block, pad;
 };
 struct MvJobs {
     MvJob job[3];
     int n, split;
 };
 
-template <int T, bool GLU>
+template <int T>
 __device__ __forceinline__ void matvec(const u8* w, const u32* idx, const float* bias, float* y,
                                        int rows, int cols, int n_out, int group, int accumulate,
-                                       int act, int blk, const float* x, int split,
-                                       const float* up, int x_act) {
+                                       int act, int blk, const float* x, int split) {
     __shared__ float part[8 * MV_ROWS];
     // split == 1: each warp computes MV_ROWS outputs (sharing the loads of x); else `split`
     // warps compute one output.
@@ -61,10 +56,6 @@ __device__ __forceinline__ void matvec(const u8* w, const u32* idx, const float*
             xv[4] = b.x; xv[5] = b.y; xv[6] = b.z; xv[7] = b.w;
         } else {
             for (int i = 0; i < 8; i++) xv[i] = e + i < cols ? x[e + i] : 0.f;
-        }
-        if (GLU && up) {
-            for (int i = 0; i < 8; i++)
-                xv[i] = e + i < cols ? act_apply(x_act, xv[i]) * up[e + i] : 0.f;
         }
 #pragma unroll
         for (int q = 0; q < MV_ROWS; q++) {
@@ -97,11 +88,11 @@ __device__ __forceinline__ void matvec(const u8* w, const u32* idx, const float*
 // run at the occupancy of the most register-hungry one.
 // The job of this block, its fields read by constant indices (a dynamic index would copy the
 // whole struct to local memory and cost registers).
-#define MV_CALL(n) matvec<T, GLU>(jobs.job[n].w, jobs.job[n].idx, jobs.job[n].bias, jobs.job[n].y,    \
+#define MV_CALL(n) matvec<T>(jobs.job[n].w, jobs.job[n].idx, jobs.job[n].bias, jobs.job[n].y,    \
     jobs.job[n].rows, jobs.job[n].cols, jobs.job[n].n_out, jobs.job[n].group,                  \
     jobs.job[n].accumulate, jobs.job[n].act, b - jobs.job[n].first_block, jobs.job[n].x,       \
-    jobs.split, jobs.job[n].up, jobs.job[n].x_act)
-template <int T, bool GLU>
+    jobs.split)
+template <int T>
 __device__ __forceinline__ void matvec_jobs(const MvJobs& jobs) {
     int b = blockIdx.x;
     if (jobs.n > 2 && b >= jobs.job[2].first_block) MV_CALL(2);
@@ -110,9 +101,6 @@ __device__ __forceinline__ void matvec_jobs(const MvJobs& jobs) {
 }
 #define MATVEC(name, T)                                                                          \
     extern "C" __global__ void __launch_bounds__(256) matvec_##name(MvJobs jobs) {             \
-        matvec_jobs<T, false>(jobs);                                                              \
-    }                                                                                            \
-    extern "C" __global__ void __launch_bounds__(256) matvec_glu_##name(MvJobs jobs) {         \
-        matvec_jobs<T, true>(jobs);                                                               \
+        matvec_jobs<T>(jobs);                                                                     \
     }
 FOR_TYPES(MATVEC)

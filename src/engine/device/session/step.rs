@@ -199,13 +199,7 @@ impl<D: Device> DeviceSession<'_, D> {
         let n = sel.count(c.n_ff);
         block_input(dev, c, &lw.ffn_norm, &s.x, &mut s.h, 1)?;
         let act = c.mlp.activation();
-        let sparse = match (sel.is_all(), &m.sparse) {
-            (false, Some(sp)) => Some(&sp[l].0),
-            _ => None,
-        };
-        // A gated MLP's down projection over every row reads act(gate) * up itself; the sparse
-        // one (axpy) reads their product, made first.
-        let (a, glu) = match &lw.w_gate {
+        let a = match &lw.w_gate {
             Some(wg) => {
                 dev.matvecs(
                     &s.h,
@@ -214,30 +208,20 @@ impl<D: Device> DeviceSession<'_, D> {
                         Product::new(&lw.w_up, sel.rows(1), &mut s.up),
                     ],
                 )?;
-                match sparse {
-                    Some(_) => {
-                        dev.glu(act, &mut s.gate, &s.up, n)?;
-                        (&s.gate, None)
-                    }
-                    None => (&s.gate, Some((act, &s.up))),
-                }
+                dev.glu(act, &mut s.gate, &s.up, n)?;
+                &s.gate
             }
             None => {
                 let fc1 = Product::new(&lw.w_up, sel.rows(1), &mut s.up);
                 dev.matvecs(&s.h, &mut [fc1.bias(lw.b_up.as_ref()).act(act)])?;
-                (&s.up, None)
+                &s.up
             }
         };
-        match sparse {
-            Some(wt) => dev.axpy(wt, sel.rows(1), a, lw.b_down.as_ref(), &mut s.x)?,
-            None => {
-                let down = Product::new(&lw.w_down, Rows::All, &mut s.x).bias(lw.b_down.as_ref());
-                let down = match glu {
-                    Some((act, up)) => down.glu(act, up),
-                    None => down,
-                };
-                dev.matvecs(a, &mut [down.accumulate()])?;
+        match (sel.is_all(), &m.sparse) {
+            (false, Some(sp)) => {
+                dev.axpy(&sp[l].0, sel.rows(1), a, lw.b_down.as_ref(), &mut s.x)?;
             }
+            _ => dev.matvec(&lw.w_down, Rows::All, a, lw.b_down.as_ref(), &mut s.x, true)?,
         }
         post_norm(dev, c, &lw.ffn_norm, &mut s.x, &mut s.h, 1)
     }
