@@ -19,6 +19,7 @@ pub mod eval;
 pub mod fetch;
 pub mod progress;
 pub mod quantize;
+pub mod serve;
 pub mod sparsity;
 pub mod text;
 

@@ -76,6 +76,11 @@ impl Policy {
         }
     }
 
+    /// The mean fraction of a layer's `n_ff` neurons the policy keeps (1 for dense rules).
+    pub fn mean_mlp_density(&self, n_ff: usize) -> f64 {
+        let kept = |r: &MlpRule| r.kept(n_ff.max(1)) as f64 / n_ff.max(1) as f64;
+        self.mlp.iter().map(kept).sum::<f64>() / self.mlp.len().max(1) as f64
+    }
     pub fn is_dense(&self) -> bool {
         self.output.is_none() && !self.sparse_mlp() && !self.sparse_heads()
     }

@@ -19,6 +19,7 @@ use backend_choice::{with_decoder, BackendKind};
 mod bench_cmd;
 mod inspect_cmd;
 mod quantize_cmd;
+mod serve_cmd;
 mod sparsity_cmd;
 
 #[derive(Parser)]
@@ -49,6 +50,9 @@ enum Command {
     Calibrate(sparsity_cmd::CalibrateArgs),
     /// The quality/speed frontier of sparsity policies on a text: markdown, JSON and a PNG plot.
     Report(sparsity_cmd::ReportArgs),
+    /// An OpenAI-compatible HTTP server (chat and text completions, streamed or whole) with a
+    /// chat page at `/`.
+    Serve(serve_cmd::ServeArgs),
     /// Convert a Hugging Face directory or a GGUF into a GGUF of one weight type.
     Quantize(quantize_cmd::QuantizeArgs),
     /// Print a model's config and tensor table (GGUF: also its metadata).
@@ -300,6 +304,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Perplexity(a) => cmd_perplexity(a),
         Command::Inspect { path } => inspect_cmd::print_out(&inspect_cmd::cmd_inspect(&path)?),
         Command::Quantize(a) => quantize_cmd::cmd_quantize(a),
+        Command::Serve(a) => serve_cmd::cmd_serve(a),
         Command::Calibrate(a) => sparsity_cmd::cmd_calibrate(a),
         Command::Report(a) => sparsity_cmd::cmd_report(a),
         Command::Fetch { name } => {

@@ -1,0 +1,135 @@
+//! `dejavu serve`: the OpenAI-compatible server (`dejavu::serve`) over `--parallel` engine
+//! slots, each an engine of its own with `threads / parallel` threads and its own KV cache.
+use super::{ModelArgs, SparsityArgs};
+use crate::backend_choice::with_decoder;
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use dejavu::serve::{self, ServeOptions, Slot};
+use std::net::SocketAddr;
+use std::time::Duration;
+
+#[derive(Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Address to bind (loopback by default; any other needs an API key).
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Engine slots generating at once, each with its own KV cache.
+    #[arg(long, default_value_t = 1)]
+    parallel: usize,
+    /// Context window of each slot in tokens (default: min(model's, 4096)).
+    #[arg(long)]
+    ctx: Option<usize>,
+    /// Require `Authorization: Bearer KEY` on /v1 routes (or set DEJAVU_API_KEY).
+    #[arg(long, env = "DEJAVU_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// Requests that may wait for a free slot (more get a 503 at once).
+    #[arg(long, default_value_t = 64)]
+    queue: usize,
+    /// Seconds a request may wait for a slot (then a 503).
+    #[arg(long, default_value_t = 60)]
+    queue_timeout: u64,
+    /// `max_tokens` of a request that names none.
+    #[arg(long, default_value_t = 512)]
+    max_tokens: usize,
+    #[command(flatten)]
+    sparsity: SparsityArgs,
+}
+
+pub fn cmd_serve(a: ServeArgs) -> Result<()> {
+    let addr: SocketAddr = format!("{}:{}", a.host, a.port)
+        .parse()
+        .or_else(|_| {
+            use std::net::ToSocketAddrs;
+            (a.host.as_str(), a.port)
+                .to_socket_addrs()?
+                .next()
+                .context("no address")
+        })
+        .with_context(|| format!("bad --host/--port `{}:{}`", a.host, a.port))?;
+    if !serve::is_loopback(&addr) && a.api_key.as_deref().is_none_or(str::is_empty) {
+        bail!("binding {addr} (not loopback) needs --api-key or DEJAVU_API_KEY");
+    }
+    if a.parallel == 0 {
+        bail!("--parallel must be at least 1");
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut model = a.model;
+    let threads = model.threads.unwrap_or(cores);
+    model.threads = Some((threads / a.parallel).max(1));
+    let mut slots: Vec<Slot> = Vec::new();
+    let mut opts = None;
+    for i in 0..a.parallel {
+        let engine = model
+            .load(a.ctx)
+            .with_context(|| format!("loading slot {i}"))?;
+        let policy = a.sparsity.policy(&engine)?;
+        if opts.is_none() {
+            opts = Some(ServeOptions {
+                model_id: engine.model.label(),
+                api_key: a.api_key.clone().filter(|k| !k.is_empty()),
+                queue: a.queue,
+                queue_timeout: Duration::from_secs(a.queue_timeout),
+                max_body: 1 << 20,
+                default_max_tokens: a.max_tokens,
+                sparsity: policy.name.clone(),
+                mlp_density: policy.mean_mlp_density(engine.model.config.n_ff),
+            });
+        }
+        let (backend, timeout) = (model.backend, Duration::from_secs(a.queue_timeout));
+        slots.push(Box::new(move |jobs, metrics| {
+            let run = with_decoder(&engine, backend, &policy, |dec| {
+                serve::worker::run_slot(&engine, dec, &jobs, timeout, &metrics);
+                Ok(())
+            });
+            if let Err(e) = run {
+                eprintln!("error: slot {i}: {e:#}");
+            }
+        }));
+    }
+    let opts = opts.context("no slots")?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("binding {addr}"))?;
+        eprintln!(
+            "serving {} on http://{} ({} slot(s), sparsity {}); Ctrl-C or SIGTERM stops",
+            opts.model_id,
+            listener.local_addr()?,
+            a.parallel,
+            opts.sparsity
+        );
+        serve::serve(listener, opts, slots, shutdown_signal()).await?;
+        eprintln!("stopped");
+        Ok(())
+    })
+}
+
+/// Ctrl-C, or SIGTERM where there are signals.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}

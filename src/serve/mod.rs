@@ -1,0 +1,446 @@
+//! `dejavu serve`: an OpenAI-compatible HTTP server (axum on tokio) over engine slots.
+//!
+//! Routes: `POST /v1/chat/completions` and `POST /v1/completions` (streamed as server-sent
+//! events ending in `data: [DONE]`, or whole), `GET /v1/models`, `GET /health`, `GET /metrics`
+//! (Prometheus text) and the chat page at `/`. Requests wait in one bounded queue for the first
+//! free slot ([`worker::run_slot`]); a full queue is a 503 at once, a request that waited past
+//! the timeout a 503 too. Errors are OpenAI's JSON shape ([`api::ApiError`]). With an API key
+//! every `/v1` route needs `Authorization: Bearer KEY`. Shutdown (SIGTERM, Ctrl-C) stops
+//! accepting, lets in-flight replies finish, and returns.
+pub mod api;
+pub mod worker;
+
+use api::{ApiError, Request, Usage};
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{Html, IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures_util::stream::{self, Stream, StreamExt};
+use serde_json::{json, Value};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use worker::{Event, Finish, Job, Jobs};
+
+/// How the server runs (the CLI's flags).
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    /// The id `/v1/models` lists and requests may name.
+    pub model_id: String,
+    pub api_key: Option<String>,
+    /// Requests that may wait for a slot.
+    pub queue: usize,
+    /// How long a request may wait for a slot.
+    pub queue_timeout: Duration,
+    /// The largest request body, in bytes (413 past it).
+    pub max_body: usize,
+    /// `max_tokens` when a request names none.
+    pub default_max_tokens: usize,
+    /// The policy's name and its mean MLP density, for `/metrics`.
+    pub sparsity: String,
+    pub mlp_density: f64,
+}
+
+/// Counters behind `/metrics`.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    pub requests: AtomicU64,
+    pub failed: AtomicU64,
+    /// Replies stopped because their client went away.
+    pub cancelled: AtomicU64,
+    pub prompt_tokens: AtomicU64,
+    pub generated: AtomicU64,
+    /// Wall time of generation in the slots, for the mean tok/s.
+    pub gen_micros: AtomicU64,
+    pub queued: AtomicU64,
+    pub busy: AtomicU64,
+}
+
+struct AppState {
+    opts: ServeOptions,
+    queue: SyncSender<Job>,
+    metrics: Arc<Metrics>,
+    slots: usize,
+    started: Instant,
+}
+
+type Shared = Arc<AppState>;
+
+/// One engine slot: given the queue, it runs jobs until the queue closes (it calls
+/// [`worker::run_slot`] with its own decoder).
+pub type Slot = Box<dyn FnOnce(Jobs, Arc<Metrics>) + Send>;
+
+/// Is this address a loopback one (no API key needed to bind it)?
+pub fn is_loopback(addr: &SocketAddr) -> bool {
+    addr.ip().is_loopback()
+}
+
+/// Serve on `listener` until `shutdown` resolves, then let in-flight replies finish and return.
+/// Each of `slots` runs on a thread of its own.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    opts: ServeOptions,
+    slots: Vec<Slot>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let (tx, rx) = sync_channel::<Job>(opts.queue.max(1));
+    let jobs: Jobs = Arc::new(Mutex::new(rx));
+    let metrics = Arc::new(Metrics::default());
+    let n_slots = slots.len();
+    let handles: Vec<_> = (slots.into_iter().enumerate())
+        .map(|(i, slot)| {
+            let (jobs, metrics) = (jobs.clone(), metrics.clone());
+            std::thread::Builder::new()
+                .name(format!("slot-{i}"))
+                .spawn(move || slot(jobs, metrics))
+        })
+        .collect::<std::io::Result<_>>()?;
+    let max_body = opts.max_body;
+    let state = Arc::new(AppState {
+        opts,
+        queue: tx,
+        metrics,
+        slots: n_slots,
+        started: Instant::now(),
+    });
+    let app = router(state.clone()).layer(DefaultBodyLimit::max(max_body));
+    let served = axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await;
+    // Closing the queue ends the slots once their jobs are done.
+    drop(state);
+    for h in handles {
+        let _ = h.join();
+    }
+    served
+}
+
+fn router(state: Shared) -> Router {
+    Router::new()
+        .route("/", get(page))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/v1/models", get(models))
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .fallback(|| async { error(ApiError::not_found("no such route", "unknown_route")) })
+        .method_not_allowed_fallback(|| async {
+            error(ApiError {
+                status: 405,
+                ..ApiError::invalid("method not allowed on this route", None)
+            })
+        })
+        .with_state(state)
+}
+
+fn error(e: ApiError) -> Response {
+    let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    (status, Json(e.body())).into_response()
+}
+
+async fn page() -> Html<&'static str> {
+    Html(include_str!("page.html"))
+}
+
+async fn health(State(s): State<Shared>) -> Json<Value> {
+    Json(json!({
+        "status": "ok",
+        "slots": s.slots,
+        "slots_busy": s.metrics.busy.load(Ordering::Relaxed),
+        "queued": s.metrics.queued.load(Ordering::Relaxed),
+    }))
+}
+
+async fn metrics(State(s): State<Shared>) -> impl IntoResponse {
+    let m = &s.metrics;
+    let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    let tok_s = get(&m.generated) as f64 / (get(&m.gen_micros).max(1) as f64 / 1e6);
+    let text = format!(
+        "# HELP dejavu_requests_total Generation requests received.\n\
+         # TYPE dejavu_requests_total counter\ndejavu_requests_total {}\n\
+         # HELP dejavu_requests_failed_total Requests that ended in an error after queueing.\n\
+         # TYPE dejavu_requests_failed_total counter\ndejavu_requests_failed_total {}\n\
+         # HELP dejavu_requests_cancelled_total Replies stopped because the client went away.\n\
+         # TYPE dejavu_requests_cancelled_total counter\ndejavu_requests_cancelled_total {}\n\
+         # HELP dejavu_prompt_tokens_total Prompt tokens of started replies.\n\
+         # TYPE dejavu_prompt_tokens_total counter\ndejavu_prompt_tokens_total {}\n\
+         # HELP dejavu_generated_tokens_total Tokens generated.\n\
+         # TYPE dejavu_generated_tokens_total counter\ndejavu_generated_tokens_total {}\n\
+         # HELP dejavu_queue_depth Requests waiting for a slot.\n\
+         # TYPE dejavu_queue_depth gauge\ndejavu_queue_depth {}\n\
+         # HELP dejavu_slots_busy Slots generating.\n\
+         # TYPE dejavu_slots_busy gauge\ndejavu_slots_busy {}\n\
+         # HELP dejavu_slots Engine slots.\n\
+         # TYPE dejavu_slots gauge\ndejavu_slots {}\n\
+         # HELP dejavu_tokens_per_second Generated tokens per second of slot time, since start.\n\
+         # TYPE dejavu_tokens_per_second gauge\ndejavu_tokens_per_second {tok_s:.3}\n\
+         # HELP dejavu_mlp_density Mean fraction of MLP neurons the sparsity policy computes.\n\
+         # TYPE dejavu_mlp_density gauge\ndejavu_mlp_density{{policy=\"{}\"}} {:.4}\n\
+         # HELP dejavu_uptime_seconds Seconds since the server started.\n\
+         # TYPE dejavu_uptime_seconds gauge\ndejavu_uptime_seconds {:.1}\n",
+        get(&m.requests),
+        get(&m.failed),
+        get(&m.cancelled),
+        get(&m.prompt_tokens),
+        get(&m.generated),
+        get(&m.queued),
+        get(&m.busy),
+        s.slots,
+        s.opts.sparsity.replace('"', "'"),
+        s.opts.mlp_density,
+        s.started.elapsed().as_secs_f64(),
+    );
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text)
+}
+
+/// `Authorization: Bearer KEY`, when the server has a key.
+fn authorized(s: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(key) = &s.opts.api_key else {
+        return Ok(());
+    };
+    let sent = (headers.get(header::AUTHORIZATION))
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    // Compared in time independent of where they differ.
+    let same = sent.is_some_and(|t| {
+        t.len() == key.len() && t.bytes().zip(key.bytes()).fold(0, |d, (a, b)| d | (a ^ b)) == 0
+    });
+    match same {
+        true => Ok(()),
+        false => Err(ApiError::unauthorized()),
+    }
+}
+
+async fn models(State(s): State<Shared>, headers: HeaderMap) -> Response {
+    if let Err(e) = authorized(&s, &headers) {
+        return error(e);
+    }
+    Json(json!({"object": "list", "data": [{
+        "id": s.opts.model_id, "object": "model", "created": 0, "owned_by": "dejavu",
+    }]}))
+    .into_response()
+}
+
+/// A body, or why there is none (too large: 413; unreadable: 400), as OpenAI errors.
+type Body = Result<Bytes, BytesRejection>;
+
+async fn chat(State(s): State<Shared>, headers: HeaderMap, body: Body) -> Response {
+    generate(s, headers, body, true).await
+}
+
+async fn completions(State(s): State<Shared>, headers: HeaderMap, body: Body) -> Response {
+    generate(s, headers, body, false).await
+}
+
+/// Check, queue, and answer one request (streamed or whole).
+async fn generate(s: Shared, headers: HeaderMap, body: Body, chat: bool) -> Response {
+    s.metrics.requests.fetch_add(1, Ordering::Relaxed);
+    let body = match body {
+        Ok(b) => b,
+        Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => {
+            let limit = s.opts.max_body;
+            return error(ApiError {
+                status: 413,
+                ..ApiError::invalid(format!("the body is larger than {limit} bytes"), None)
+            });
+        }
+        Err(e) => return error(ApiError::invalid(format!("reading the body: {e}"), None)),
+    };
+    let parsed = authorized(&s, &headers).and_then(|_| {
+        let r = Request::parse(&body)?;
+        match r.model.as_deref() {
+            None | Some("") => {}
+            Some(m) if m == s.opts.model_id => {}
+            Some(m) => {
+                return Err(ApiError::not_found(
+                    format!("model `{m}` is not served here (GET /v1/models)"),
+                    "model_not_found",
+                ))
+            }
+        }
+        r.validate(chat, s.opts.default_max_tokens)
+    });
+    let req = match parsed {
+        Ok(r) => r,
+        Err(e) => return error(e),
+    };
+    let (stream, usage_chunk) = (req.stream, req.include_usage);
+    let (tx, mut rx) = mpsc::channel(64);
+    let job = Job {
+        req,
+        tx,
+        queued: Instant::now(),
+    };
+    s.metrics.queued.fetch_add(1, Ordering::Relaxed);
+    if let Err(e) = s.queue.try_send(job) {
+        s.metrics.queued.fetch_sub(1, Ordering::Relaxed);
+        return error(match e {
+            TrySendError::Full(_) => ApiError::busy("the queue is full: retry later"),
+            TrySendError::Disconnected(_) => ApiError::busy("the server is shutting down"),
+        });
+    }
+    // The first event says whether the reply starts (so errors keep their status).
+    let wait = s.opts.queue_timeout + Duration::from_secs(5);
+    let prompt_tokens = match tokio::time::timeout(wait, rx.recv()).await {
+        Ok(Some(Event::Started { prompt_tokens })) => prompt_tokens,
+        Ok(Some(Event::Error(e))) => return error(e),
+        Ok(_) => {
+            return error(ApiError::internal(
+                "the slot ended the reply before it started",
+            ))
+        }
+        Err(_) => return error(ApiError::busy("timed out waiting for a slot")),
+    };
+    s.metrics
+        .prompt_tokens
+        .fetch_add(prompt_tokens as u64, Ordering::Relaxed);
+    let reply = Reply {
+        id: format!("{}-{}", if chat { "chatcmpl" } else { "cmpl" }, unique()),
+        created: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+        model: s.opts.model_id.clone(),
+        chat,
+        prompt_tokens,
+    };
+    match stream {
+        true => streamed(reply, rx, usage_chunk).into_response(),
+        false => whole(reply, rx).await,
+    }
+}
+
+/// What every chunk or reply of one request repeats.
+#[derive(Clone)]
+struct Reply {
+    id: String,
+    created: u64,
+    model: String,
+    chat: bool,
+    prompt_tokens: usize,
+}
+
+impl Reply {
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.chat, chunk) {
+            (true, true) => "chat.completion.chunk",
+            (true, false) => "chat.completion",
+            (false, _) => "text_completion",
+        }
+    }
+
+    /// One choice: the whole message, a chunk's delta, or a completion's text.
+    fn choice(&self, text: Option<&str>, finish: Option<Finish>, chunk: bool) -> Value {
+        let finish = finish.map(Finish::as_str);
+        match (self.chat, chunk) {
+            (true, false) => json!({"index": 0, "finish_reason": finish,
+                "message": {"role": "assistant", "content": text.unwrap_or("")}}),
+            (true, true) => {
+                let delta = match text {
+                    Some(t) => json!({"content": t}),
+                    None if finish.is_none() => json!({"role": "assistant", "content": ""}),
+                    None => json!({}),
+                };
+                json!({"index": 0, "delta": delta, "finish_reason": finish})
+            }
+            (false, _) => json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null,
+                "finish_reason": finish}),
+        }
+    }
+
+    fn body(&self, choices: Vec<Value>, usage: Option<Usage>, chunk: bool) -> Value {
+        let mut v = json!({"id": self.id, "object": self.object(chunk), "created": self.created,
+            "model": self.model, "choices": choices});
+        if let Some(u) = usage {
+            v["usage"] = json!(u);
+        }
+        v
+    }
+}
+
+/// A reply collected whole.
+async fn whole(reply: Reply, mut rx: mpsc::Receiver<Event>) -> Response {
+    let mut text = String::new();
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            Event::Text(t) => text += &t,
+            Event::Done {
+                finish,
+                completion_tokens,
+            } => {
+                let choice = reply.choice(Some(&text), Some(finish), false);
+                let usage = Usage::new(reply.prompt_tokens, completion_tokens);
+                return Json(reply.body(vec![choice], Some(usage), false)).into_response();
+            }
+            Event::Error(e) => return error(e),
+            Event::Started { .. } => {}
+        }
+    }
+    error(ApiError::internal("the slot ended the reply early"))
+}
+
+/// A reply as server-sent events: a role chunk (chat), text chunks, a finishing chunk, usage if
+/// asked, `[DONE]`. Dropping the stream (the client went away) drops the receiver, which stops
+/// the slot's generation at its next token.
+fn streamed(
+    reply: Reply,
+    rx: mpsc::Receiver<Event>,
+    usage_chunk: bool,
+) -> Sse<impl Stream<Item = Result<SseEvent, std::convert::Infallible>>> {
+    let data = |v: Value| SseEvent::default().data(v.to_string());
+    let first = match reply.chat {
+        true => vec![data(reply.body(
+            vec![reply.choice(None, None, true)],
+            None,
+            true,
+        ))],
+        false => Vec::new(),
+    };
+    let r = reply.clone();
+    let events = ReceiverStream::new(rx).map(move |ev| match ev {
+        Event::Text(t) => vec![data(r.body(
+            vec![r.choice(Some(&t), None, true)],
+            None,
+            true,
+        ))],
+        Event::Done {
+            finish,
+            completion_tokens,
+        } => {
+            let mut out = vec![data(r.body(
+                vec![r.choice(None, Some(finish), true)],
+                None,
+                true,
+            ))];
+            if usage_chunk {
+                let u = Usage::new(r.prompt_tokens, completion_tokens);
+                out.push(data(r.body(Vec::new(), Some(u), true)));
+            }
+            out.push(SseEvent::default().data("[DONE]"));
+            out
+        }
+        Event::Error(e) => vec![data(e.body()), SseEvent::default().data("[DONE]")],
+        Event::Started { .. } => Vec::new(),
+    });
+    let all = stream::iter(first)
+        .chain(events.flat_map(stream::iter))
+        .map(Ok);
+    Sse::new(all)
+}
+
+/// A process-unique id suffix.
+fn unique() -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let t = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("{:x}{n:x}", t & 0xffff_ffff)
+}

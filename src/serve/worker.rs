@@ -1,0 +1,277 @@
+//! Engine slots: each runs on its own thread with its own decoder (KV cache), taking jobs from
+//! the shared bounded queue. A job streams [`Event`]s back; a client that goes away (its
+//! receiver dropped) cancels its job at the next token, freeing the slot.
+use super::api::{ApiError, GenRequest, Input};
+use super::Metrics;
+use crate::engine::Engine;
+use crate::text::generate::{Decoder, TextStream};
+use crate::text::sampling::Sampler;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::Receiver;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc::Sender;
+
+/// Why a reply ended (OpenAI's `finish_reason`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    /// An end-of-generation token or a stop sequence.
+    Stop,
+    /// `max_tokens`, or the context window is full.
+    Length,
+}
+
+impl Finish {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Finish::Stop => "stop",
+            Finish::Length => "length",
+        }
+    }
+}
+
+/// What a job sends back, in order: `Started` (or one `Error`), `Text`s, then `Done`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    Error(ApiError),
+    Started {
+        prompt_tokens: usize,
+    },
+    Text(String),
+    Done {
+        finish: Finish,
+        completion_tokens: usize,
+    },
+}
+
+/// One request in the queue.
+pub struct Job {
+    pub req: GenRequest,
+    pub tx: Sender<Event>,
+    pub queued: Instant,
+}
+
+/// The shared queue's receiving end.
+pub type Jobs = Arc<Mutex<Receiver<Job>>>;
+
+/// Take jobs until the queue closes; each runs on `dec`. Jobs that waited past `timeout` get a
+/// 503 instead.
+pub fn run_slot(
+    engine: &Engine,
+    dec: &mut dyn Decoder,
+    jobs: &Jobs,
+    timeout: Duration,
+    metrics: &Metrics,
+) {
+    loop {
+        let job = match jobs.lock().map(|rx| rx.recv()) {
+            Ok(Ok(job)) => job,
+            _ => return, // the queue closed (shutdown), or a slot panicked holding it
+        };
+        metrics.queued.fetch_sub(1, Ordering::Relaxed);
+        if job.tx.is_closed() {
+            continue; // the client went away while queued
+        }
+        if job.queued.elapsed() > timeout {
+            let e = ApiError::busy(format!("timed out after {timeout:?} in the queue"));
+            let _ = job.tx.blocking_send(Event::Error(e));
+            continue;
+        }
+        metrics.busy.fetch_add(1, Ordering::Relaxed);
+        let t0 = Instant::now();
+        let done = run_job(engine, dec, &job);
+        metrics.busy.fetch_sub(1, Ordering::Relaxed);
+        match done {
+            Ok((n, cancelled)) => {
+                if cancelled {
+                    metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+                }
+                metrics.generated.fetch_add(n as u64, Ordering::Relaxed);
+                let us = t0.elapsed().as_micros().max(1) as u64;
+                metrics.gen_micros.fetch_add(us, Ordering::Relaxed);
+            }
+            Err(e) => {
+                metrics.failed.fetch_add(1, Ordering::Relaxed);
+                let _ = job.tx.blocking_send(Event::Error(e));
+            }
+        }
+    }
+}
+
+/// The prompt's tokens: a conversation through the model's chat template (which places its own
+/// BOS), or a plain prompt with the model's BOS.
+pub fn prompt_tokens(engine: &Engine, input: &Input) -> Result<Vec<u32>, ApiError> {
+    let t = &engine.tokenizer;
+    let ids = match input {
+        Input::Chat(messages) => {
+            if !t.has_chat_template() {
+                return Err(ApiError::invalid(
+                    "this model has no chat template: use /v1/completions",
+                    Some("messages"),
+                ));
+            }
+            let text = t.apply_chat_template(messages);
+            t.encode(&text.map_err(|e| ApiError::invalid(e.to_string(), Some("messages")))?)
+        }
+        Input::Text(s) => t.encode_prompt(s),
+    };
+    ids.map_err(|e| ApiError::invalid(e.to_string(), None))
+}
+
+/// Generate one reply, sending its events; the completion tokens on success, and whether it
+/// stopped early because the client is gone.
+fn run_job(engine: &Engine, dec: &mut dyn Decoder, job: &Job) -> Result<(usize, bool), ApiError> {
+    let req = &job.req;
+    let ids = prompt_tokens(engine, &req.input)?;
+    if ids.is_empty() {
+        return Err(ApiError::invalid("the prompt is empty", None));
+    }
+    if ids.len() + 1 > dec.n_ctx() {
+        return Err(ApiError::invalid(
+            format!(
+                "the prompt has {} tokens; the context window holds {} (prompt and reply)",
+                ids.len(),
+                dec.n_ctx()
+            ),
+            None,
+        ));
+    }
+    let send = |e: Event| job.tx.blocking_send(e).is_ok();
+    if !send(Event::Started {
+        prompt_tokens: ids.len(),
+    }) {
+        return Ok((0, true));
+    }
+    dec.truncate(0);
+    let mut sampler = Sampler::new(req.sampling.clone());
+    let eog = &engine.tokenizer.end_of_generation;
+    let mut stops = StopFilter::new(&req.stop);
+    let (mut history, mut n, mut stream) = (ids.clone(), 0, TextStream::default());
+    let mut logits = dec.decode(&ids).map_err(internal)?;
+    let finish = loop {
+        if n == req.max_tokens {
+            break Finish::Length;
+        }
+        let next = sampler.sample(logits, &history);
+        if eog.contains(&next) {
+            break Finish::Stop;
+        }
+        n += 1;
+        history.push(next);
+        let piece = stream.push(engine, next).map_err(internal)?;
+        let (text, stopped) = stops.push(piece.as_deref().unwrap_or(""));
+        if !text.is_empty() && !send(Event::Text(text)) {
+            return Ok((n, true));
+        }
+        if stopped {
+            break Finish::Stop;
+        }
+        if job.tx.is_closed() {
+            return Ok((n, true));
+        }
+        if dec.len() + 1 >= dec.n_ctx() {
+            break Finish::Length;
+        }
+        logits = dec.decode(&[next]).map_err(internal)?;
+    };
+    if finish == Finish::Length || !stops.stopped {
+        let rest = stream.finish(engine).map_err(internal)?.unwrap_or_default();
+        let (text, _) = stops.push(&rest);
+        let tail = text + &stops.flush();
+        if !tail.is_empty() {
+            send(Event::Text(tail));
+        }
+    }
+    send(Event::Done {
+        finish,
+        completion_tokens: n,
+    });
+    Ok((n, false))
+}
+
+fn internal(e: crate::Error) -> ApiError {
+    ApiError::internal(format!("generation failed: {e}"))
+}
+
+/// Stop sequences over streamed text: text is released once no stop sequence can begin in it,
+/// and a stop sequence ends the reply, itself and what follows left out.
+pub struct StopFilter<'a> {
+    stops: &'a [String],
+    held: String,
+    pub stopped: bool,
+}
+
+impl<'a> StopFilter<'a> {
+    pub fn new(stops: &'a [String]) -> Self {
+        Self {
+            stops,
+            held: String::new(),
+            stopped: false,
+        }
+    }
+
+    /// Add `piece`; returns the text safe to send, and whether a stop sequence was reached.
+    pub fn push(&mut self, piece: &str) -> (String, bool) {
+        if self.stopped {
+            return (String::new(), true);
+        }
+        self.held.push_str(piece);
+        let first = (self.stops.iter())
+            .filter_map(|s| self.held.find(s.as_str()))
+            .min();
+        if let Some(at) = first {
+            self.stopped = true;
+            let out = self.held[..at].to_string();
+            self.held.clear();
+            return (out, true);
+        }
+        // Keep the longest tail that is a prefix of some stop sequence.
+        let keep = (self.stops.iter())
+            .flat_map(|s| {
+                (1..s.len())
+                    .filter(|&k| s.is_char_boundary(k))
+                    .map(move |k| &s[..k])
+            })
+            .filter(|p| self.held.ends_with(p))
+            .map(str::len)
+            .max()
+            .unwrap_or(0);
+        let cut = self.held.len() - keep;
+        let out = self.held[..cut].to_string();
+        self.held.drain(..cut);
+        (out, false)
+    }
+
+    /// What is held back, at the end of the reply.
+    pub fn flush(&mut self) -> String {
+        std::mem::take(&mut self.held)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StopFilter;
+
+    fn run(stops: &[&str], pieces: &[&str]) -> (String, bool) {
+        let stops: Vec<String> = stops.iter().map(|s| s.to_string()).collect();
+        let mut f = StopFilter::new(&stops);
+        let mut out = String::new();
+        for p in pieces {
+            let (t, s) = f.push(p);
+            out += &t;
+            if s {
+                return (out, true);
+            }
+        }
+        (out + &f.flush(), false)
+    }
+
+    #[test]
+    fn stop_sequences_cut_the_reply_across_pieces() {
+        assert_eq!(run(&["\n\n"], &["a", "b\n", "\nc"]), ("ab".into(), true));
+        assert_eq!(run(&["END"], &["xE", "N", "y"]), ("xENy".into(), false));
+        assert_eq!(run(&["END", "x"], &["aEN", "Dx"]), ("a".into(), true));
+        assert_eq!(run(&[], &["a", "b"]), ("ab".into(), false));
+        assert_eq!(run(&["é!"], &["café", "!"]), ("caf".into(), true));
+    }
+}

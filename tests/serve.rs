@@ -1,0 +1,372 @@
+//! `dejavu serve` in-process on loopback (a tiny Hugging Face fixture, one slot): the routes,
+//! greedy replies equal to `generate` with the same settings (whole and streamed), stop
+//! sequences, errors in OpenAI's shape with their status, the API key, a client that hangs up
+//! mid-stream (its slot comes back), and a shutdown that lets an in-flight stream finish.
+use dejavu::engine::executor::Plan;
+use dejavu::engine::{Engine, EngineOptions};
+use dejavu::serve::{self, ServeOptions, Slot};
+use dejavu::sparsity::policy::Policy;
+use dejavu::text::generate::{generate_on, Decoder, HostDecoder};
+use dejavu::text::sampling::{Sampler, SamplerConfig};
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+const N_CTX: usize = 96;
+
+fn engine() -> Engine {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/llama-silu");
+    let opts = EngineOptions {
+        threads: Some(1),
+        n_ctx: Some(N_CTX),
+        ..Default::default()
+    };
+    Engine::load(dir, &opts).unwrap()
+}
+
+/// A running server and what stops it.
+struct Server {
+    addr: SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    done: std::sync::mpsc::Receiver<std::io::Result<()>>,
+}
+
+impl Server {
+    /// `slow`: each decode call of the slot sleeps 5 ms first (a slow model, so a reply of
+    /// hundreds of tokens takes seconds).
+    fn start(api_key: Option<&str>, slow: bool) -> Self {
+        let eng = engine();
+        let opts = ServeOptions {
+            model_id: "tiny".into(),
+            api_key: api_key.map(String::from),
+            queue: 4,
+            queue_timeout: Duration::from_secs(30),
+            max_body: 4096,
+            default_max_tokens: 8,
+            sparsity: "dense".into(),
+            mlp_density: 1.0,
+        };
+        let slot: Slot = Box::new(move |jobs, metrics| {
+            let mut cache = eng.new_cache();
+            let policy = Policy::dense(&eng.model.config);
+            let mut dec = Slow {
+                inner: HostDecoder {
+                    engine: &eng,
+                    cache: &mut cache,
+                    plan: Plan::Policy(&policy),
+                },
+                delay: Duration::from_millis(if slow { 5 } else { 0 }),
+            };
+            serve::worker::run_slot(&eng, &mut dec, &jobs, Duration::from_secs(30), &metrics);
+        });
+        let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+        let (done_tx, done) = std::sync::mpsc::channel();
+        let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .unwrap();
+            let r = rt.block_on(async move {
+                let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+                addr_tx.send(l.local_addr()?).unwrap();
+                let shutdown = async move {
+                    let _ = stop_rx.await;
+                };
+                serve::serve(l, opts, vec![slot], shutdown).await
+            });
+            let _ = done_tx.send(r);
+        });
+        let addr = addr_rx.recv_timeout(Duration::from_secs(30)).unwrap();
+        Self {
+            addr,
+            stop: Some(stop),
+            done,
+        }
+    }
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+    /// POST `body`; the status and the JSON (or text) answer.
+    fn post(&self, path: &str, body: &str, key: Option<&str>) -> (u16, Value) {
+        let mut r = ureq::post(&self.url(path)).set("Content-Type", "application/json");
+        if let Some(k) = key {
+            r = r.set("Authorization", &format!("Bearer {k}"));
+        }
+        let resp = match r.send_string(body) {
+            Ok(resp) => resp,
+            Err(ureq::Error::Status(_, resp)) => resp,
+            Err(e) => panic!("POST {path}: {e}"),
+        };
+        let status = resp.status();
+        let text = resp.into_string().unwrap();
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        )
+    }
+    fn get(&self, path: &str) -> (u16, String) {
+        match ureq::get(&self.url(path)).call() {
+            Ok(r) => (r.status(), r.into_string().unwrap()),
+            Err(ureq::Error::Status(s, r)) => (s, r.into_string().unwrap()),
+            Err(e) => panic!("GET {path}: {e}"),
+        }
+    }
+    /// Stop accepting; wait for the server to return.
+    fn shutdown(mut self) -> std::io::Result<()> {
+        let _ = self.stop.take().unwrap().send(());
+        self.done.recv_timeout(Duration::from_secs(60)).unwrap()
+    }
+}
+
+/// A decoder that waits before each call.
+struct Slow<'a> {
+    inner: HostDecoder<'a>,
+    delay: Duration,
+}
+
+impl Decoder for Slow<'_> {
+    fn decode(&mut self, tokens: &[u32]) -> dejavu::Result<&mut [f32]> {
+        std::thread::sleep(self.delay);
+        self.inner.decode(tokens)
+    }
+    fn len(&self) -> usize {
+        self.inner.len()
+    }
+    fn n_ctx(&self) -> usize {
+        self.inner.n_ctx()
+    }
+    fn truncate(&mut self, len: usize) {
+        self.inner.truncate(len)
+    }
+}
+
+/// The value of a counter in `/metrics`.
+fn counter(s: &Server, name: &str) -> u64 {
+    let (_, m) = s.get("/metrics");
+    let line = m.lines().find(|l| l.starts_with(&format!("{name} ")));
+    line.and_then(|l| l.split(' ').nth(1)?.parse().ok())
+        .unwrap_or_else(|| panic!("{name}: {m}"))
+}
+
+/// `generate` on a fresh cache of another engine, greedy: the reply the server must give.
+fn reference(messages: &[(&str, &str)], max_tokens: usize) -> (String, usize) {
+    let eng = engine();
+    let owned: Vec<(String, String)> = messages
+        .iter()
+        .map(|(r, c)| (r.to_string(), c.to_string()))
+        .collect();
+    let ids = eng
+        .tokenizer
+        .encode(&eng.tokenizer.apply_chat_template(&owned).unwrap())
+        .unwrap();
+    let mut cache = eng.new_cache();
+    let policy = Policy::dense(&eng.model.config);
+    let mut dec = HostDecoder {
+        engine: &eng,
+        cache: &mut cache,
+        plan: Plan::Policy(&policy),
+    };
+    let mut text = String::new();
+    let mut sampler = Sampler::new(SamplerConfig::greedy());
+    let (out, _) = generate_on(&eng, &mut dec, &ids, max_tokens, &mut sampler, |t| {
+        text += t
+    })
+    .unwrap();
+    (text, out.len())
+}
+
+/// The `data:` payloads of a streamed reply read from `r`, up to `[DONE]`.
+fn sse_events(r: impl Read) -> Vec<String> {
+    let mut out = Vec::new();
+    for line in BufReader::new(r).lines() {
+        let line = line.unwrap();
+        if let Some(d) = line.strip_prefix("data: ") {
+            out.push(d.to_string());
+            if d == "[DONE]" {
+                break;
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn the_server_answers_like_generate_and_refuses_bad_requests() {
+    let s = Server::start(None, false);
+    let (st, health) = s.get("/health");
+    assert_eq!(st, 200, "{health}");
+    let (st, models) = s.get("/v1/models");
+    assert!(st == 200 && models.contains("\"tiny\""), "{models}");
+    let (st, page) = s.get("/");
+    assert!(
+        st == 200 && page.contains("/v1/chat/completions"),
+        "the chat page"
+    );
+
+    // A greedy chat reply equals `generate`'s, whole and streamed.
+    let msgs = [("user", "Tell me a story")];
+    let (want, n) = reference(&msgs, 12);
+    let body = json!({"model": "tiny", "messages": [{"role": "user", "content": "Tell me a story"}],
+        "max_tokens": 12, "temperature": 0});
+    let (st, v) = s.post("/v1/chat/completions", &body.to_string(), None);
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], want.as_str());
+    assert_eq!(v["usage"]["completion_tokens"], n);
+    let finish = if n == 12 { "length" } else { "stop" };
+    assert_eq!(v["choices"][0]["finish_reason"], finish);
+    let mut sb = body.clone();
+    sb["stream"] = json!(true);
+    sb["stream_options"] = json!({"include_usage": true});
+    let resp = ureq::post(&s.url("/v1/chat/completions"))
+        .send_string(&sb.to_string())
+        .unwrap();
+    assert!(resp.content_type().contains("text/event-stream"));
+    let events = sse_events(resp.into_reader());
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = (events.iter().rev().skip(1).rev())
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let text: String = (chunks.iter())
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(text, want, "streamed text");
+    assert_eq!(
+        chunks[chunks.len() - 2]["choices"][0]["finish_reason"],
+        finish
+    );
+    assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], n);
+
+    // A completion with a stop sequence: the text before it, finish_reason `stop`.
+    let c = json!({"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0});
+    let (st, v) = s.post("/v1/completions", &c.to_string(), None);
+    assert_eq!((st, &v["object"]), (200, &json!("text_completion")), "{v}");
+    let full = v["choices"][0]["text"].as_str().unwrap().to_string();
+    assert!(full.chars().count() > 4, "a reply to cut: {full:?}");
+    let stop: String = full.chars().skip(2).take(2).collect();
+    let at = full.find(&stop).unwrap();
+    let mut cs = c.clone();
+    cs["stop"] = json!([stop, "\u{1}never"]);
+    let (st, v) = s.post("/v1/completions", &cs.to_string(), None);
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["choices"][0]["text"], &full[..at]);
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+
+    // Errors: OpenAI's shape, the right status.
+    let long = "word ".repeat(N_CTX * 2);
+    for (path, body, status) in [
+        ("/v1/chat/completions", "{not json".to_string(), 400),
+        ("/v1/chat/completions", "\u{feff}".to_string(), 400),
+        (
+            "/v1/chat/completions",
+            json!({"messages": []}).to_string(),
+            400,
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "x"}], "n": 2}).to_string(),
+            400,
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "other", "messages": [{"role": "user", "content": "x"}]}).to_string(),
+            404,
+        ),
+        ("/v1/completions", json!({"prompt": long}).to_string(), 400),
+        ("/v1/completions", "x".repeat(5000), 413),
+        ("/v1/nowhere", "{}".to_string(), 404),
+    ] {
+        let (st, v) = s.post(path, &body, None);
+        assert_eq!(st, status, "{path} {}: {v}", &body[..body.len().min(60)]);
+        assert!(v["error"]["message"].is_string(), "{v}");
+    }
+    let raw = {
+        let mut c = TcpStream::connect(s.addr).unwrap();
+        let body = b"{\"prompt\": \"\xff\xfe\"}";
+        write!(c, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len()).unwrap();
+        c.write_all(body).unwrap();
+        let mut out = String::new();
+        c.read_to_string(&mut out).unwrap();
+        out
+    };
+    assert!(raw.starts_with("HTTP/1.1 400"), "invalid UTF-8: {raw}");
+    let (st, m) = s.get("/metrics");
+    assert!(st == 200 && m.contains("dejavu_requests_total"), "{m}");
+
+    // Shutdown with a stream in flight: the stream ends with [DONE], the server returns.
+    let mut long_req = sb.clone();
+    long_req["max_tokens"] = json!(60);
+    long_req["temperature"] = json!(0.8);
+    let reader = ureq::post(&s.url("/v1/chat/completions"))
+        .send_string(&long_req.to_string())
+        .unwrap()
+        .into_reader();
+    let stopper = std::thread::spawn(move || s.shutdown());
+    let events = sse_events(reader);
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "the in-flight stream ended whole"
+    );
+    stopper.join().unwrap().unwrap();
+}
+
+/// A client that hangs up mid-stream cancels its reply (of up to 80 tokens at >= 5 ms each):
+/// the slot comes back at once, counted as cancelled, and serves the next request.
+#[test]
+fn a_client_that_hangs_up_frees_its_slot() {
+    // Greedy, this prompt's reply runs past 80 tokens (no end token to stop it sooner).
+    assert_eq!(
+        reference(&[("user", "Count")], 80).1,
+        80,
+        "a reply long enough to cut"
+    );
+    let s = Server::start(None, true);
+    let t0 = Instant::now();
+    {
+        let mut c = TcpStream::connect(s.addr).unwrap();
+        let body = json!({"messages": [{"role": "user", "content": "Count"}], "max_tokens": 80, "temperature": 0, "stream": true})
+        .to_string();
+        write!(c, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+        let mut buf = [0u8; 256];
+        let _ = c.read(&mut buf).unwrap();
+    }
+    loop {
+        if counter(&s, "dejavu_requests_cancelled_total") == 1 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the reply was never cancelled"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(counter(&s, "dejavu_slots_busy"), 0);
+    assert!(
+        t0.elapsed() < Duration::from_millis(80 * 5),
+        "cancelled after {:?}: sooner than the whole reply would take",
+        t0.elapsed()
+    );
+    let body =
+        json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}).to_string();
+    assert_eq!(s.post("/v1/chat/completions", &body, None).0, 200);
+    s.shutdown().unwrap();
+}
+
+#[test]
+fn an_api_key_guards_the_v1_routes() {
+    let s = Server::start(Some("sesame"), false);
+    let body =
+        json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).to_string();
+    let (st, v) = s.post("/v1/chat/completions", &body, None);
+    assert_eq!(st, 401, "{v}");
+    assert_eq!(v["error"]["type"], "authentication_error");
+    assert_eq!(s.post("/v1/chat/completions", &body, Some("wrong")).0, 401);
+    assert_eq!(s.post("/v1/chat/completions", &body, Some("sesame")).0, 200);
+    assert_eq!(s.get("/v1/models").0, 401);
+    assert_eq!(s.get("/health").0, 200, "health needs no key");
+    s.shutdown().unwrap();
+}
