@@ -7,12 +7,12 @@
 //! executor's batches under a fixed plan compute the same thing). Layers under lazy K/V keep the
 //! batch's inputs and fill every head's keys and values from them, those a head missed before
 //! the batch included.
-use super::step::{block_input, post_norm};
+use super::step::{block_input, lazy_kv, post_norm};
 use super::DeviceSession;
 use crate::engine::config::{ModelConfig, Positions};
 use crate::engine::device::plan::Sel;
 use crate::Result;
-use dejavu_backend_api::{AttnGeom, Device, LazyKv, Product, Rows, StepRow, MAX_ROWS};
+use dejavu_backend_api::{AttnGeom, Device, Product, Rows, StepRow, MAX_ROWS};
 
 /// The activations of a batch of up to `rows` rows (row `r` of each at `r * width`).
 pub(super) struct BatchScratch<D: Device> {
@@ -100,17 +100,7 @@ impl<D: Device> DeviceSession<'_, D> {
                 if let Some((theta, style)) = c.rope() {
                     dev.rope(&mut b.q, c.n_heads, hd, theta, style, n)?;
                 }
-                let job = LazyKv {
-                    wk: &lw.wk,
-                    wv: &lw.wv,
-                    bk: lw.bk.as_ref(),
-                    bv: lw.bv.as_ref(),
-                    inputs,
-                    heads: Rows::All,
-                    head_dim: hd,
-                    rope: c.rope(),
-                    rows: n,
-                };
+                let job = lazy_kv(c, lw, inputs, Rows::All, n);
                 dev.kv_fill(job, valid, &mut self.k[l], &mut self.v[l])?;
             }
             None => {

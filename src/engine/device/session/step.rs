@@ -2,7 +2,7 @@
 //! the plan, and the output head (dense or contextual).
 use super::{lap, Clock, DeviceSession, Scratch};
 use crate::engine::config::{ModelConfig, NormKind, Positions};
-use crate::engine::device::model::Norm;
+use crate::engine::device::model::{Layer, Norm};
 use crate::engine::device::plan::{Predictor, Sel};
 use crate::Result;
 use dejavu_backend_api::{AttnGeom, Device, LazyKv, Product, Rows, StepRow, TopK};
@@ -140,17 +140,7 @@ impl<D: Device> DeviceSession<'_, D> {
                 if let Some((theta, style)) = c.rope() {
                     dev.rope(&mut s.q, n_sel, hd, theta, style, 1)?;
                 }
-                let job = LazyKv {
-                    wk: &lw.wk,
-                    wv: &lw.wv,
-                    bk: lw.bk.as_ref(),
-                    bv: lw.bv.as_ref(),
-                    inputs,
-                    heads: heads.rows(1),
-                    head_dim: hd,
-                    rope: c.rope(),
-                    rows: 1,
-                };
+                let job = lazy_kv(c, lw, inputs, heads.rows(1), 1);
                 dev.kv_fill(job, valid, &mut self.k[l], &mut self.v[l])?;
             }
             None => {
@@ -224,6 +214,27 @@ impl<D: Device> DeviceSession<'_, D> {
             _ => dev.matvec(&lw.w_down, Rows::All, a, lw.b_down.as_ref(), &mut s.x, true)?,
         }
         post_norm(dev, c, &lw.ffn_norm, &mut s.x, &mut s.h, 1)
+    }
+}
+
+/// Layer `lw`'s lazy K/V fill of `heads` from the kept `inputs`, through a batch of `rows`.
+pub(super) fn lazy_kv<'a, D: Device>(
+    c: &ModelConfig,
+    lw: &'a Layer<D>,
+    inputs: &'a D::Cache,
+    heads: Rows<'a, D::Idx>,
+    rows: usize,
+) -> LazyKv<'a, D> {
+    LazyKv {
+        wk: &lw.wk,
+        wv: &lw.wv,
+        bk: lw.bk.as_ref(),
+        bv: lw.bv.as_ref(),
+        inputs,
+        heads,
+        head_dim: c.head_dim,
+        rope: c.rope(),
+        rows,
     }
 }
 
