@@ -74,24 +74,19 @@ pub fn bench<D: Device>(
         })?;
         let bytes = model.dense_bytes() as f64 * n_prompt.div_ceil(MAX_ROWS) as f64;
         for (s, samples) in sessions.iter().zip(samples) {
-            let (med, sd) = median_sd(&samples);
-            let (mlp_density, head_density) = (1.0, 1.0);
-            rows.push(DeviceBenchRow {
-                model: eng.model.label(),
-                backend: dev.name(),
-                sparsity: s.plan_name().to_string(),
-                test: format!("pp{n_prompt}"),
-                tok_per_s_median: med,
-                tok_per_s_stddev: sd,
-                ms_per_token: 1e3 / med,
-                speedup_vs_dense: None,
-                weight_bytes_per_token: bytes / n_prompt as f64,
-                weight_gb_per_s: bytes / n_prompt as f64 * med / 1e9,
-                mlp_density,
-                head_density,
-                blocks_ms: BlockTimes::default(),
+            let per_token = bytes / n_prompt as f64;
+            let test = format!("pp{n_prompt}");
+            let blocks = BlockTimes::default();
+            rows.push(row(
+                eng,
+                dev,
+                s,
+                test,
                 samples,
-            });
+                per_token,
+                (1.0, 1.0),
+                blocks,
+            ));
         }
     }
     if n_gen == 0 {
@@ -122,34 +117,45 @@ pub fn bench<D: Device>(
         });
     }
     let dense = (specs.iter().position(|p| p.is_dense())).map(|i| median_sd(&samples[i]).0);
-    rows.extend(
-        sessions
-            .iter()
-            .zip(samples)
-            .zip(blocks)
-            .map(|((s, samples), blocks_ms)| {
-                let (med, sd) = median_sd(&samples);
-                let bytes = s.step_bytes() as f64;
-                let (mlp_density, head_density) = s.densities();
-                DeviceBenchRow {
-                    model: eng.model.label(),
-                    backend: dev.name(),
-                    sparsity: s.plan_name().to_string(),
-                    test: format!("tg{n_gen}"),
-                    tok_per_s_median: med,
-                    tok_per_s_stddev: sd,
-                    ms_per_token: 1e3 / med,
-                    speedup_vs_dense: dense.map(|d| med / d),
-                    weight_bytes_per_token: bytes,
-                    weight_gb_per_s: bytes * med / 1e9,
-                    mlp_density,
-                    head_density,
-                    blocks_ms,
-                    samples,
-                }
-            }),
-    );
+    for ((s, samples), blocks) in sessions.iter().zip(samples).zip(blocks) {
+        let (bytes, test) = (s.step_bytes() as f64, format!("tg{n_gen}"));
+        let mut r = row(eng, dev, s, test, samples, bytes, s.densities(), blocks);
+        r.speedup_vs_dense = dense.map(|d| r.tok_per_s_median / d);
+        rows.push(r);
+    }
     Ok(rows)
+}
+
+/// One session's row of `test` from its tok/s samples and the weight bytes a token reads (no
+/// speedup: the caller knows the dense run).
+#[allow(clippy::too_many_arguments)]
+fn row<D: Device>(
+    eng: &Engine,
+    dev: &D,
+    s: &DeviceSession<'_, D>,
+    test: String,
+    samples: Vec<f64>,
+    bytes_per_token: f64,
+    (mlp_density, head_density): (f64, f64),
+    blocks_ms: BlockTimes,
+) -> DeviceBenchRow {
+    let (med, sd) = median_sd(&samples);
+    DeviceBenchRow {
+        model: eng.model.label(),
+        backend: dev.name(),
+        sparsity: s.plan_name().to_string(),
+        test,
+        tok_per_s_median: med,
+        tok_per_s_stddev: sd,
+        ms_per_token: 1e3 / med,
+        speedup_vs_dense: None,
+        weight_bytes_per_token: bytes_per_token,
+        weight_gb_per_s: bytes_per_token * med / 1e9,
+        mlp_density,
+        head_density,
+        blocks_ms,
+        samples,
+    }
 }
 
 /// `reps` rounds of `run` over every session (after one warm-up round, not kept): each

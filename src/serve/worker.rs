@@ -174,7 +174,8 @@ fn run_job(engine: &Engine, dec: &mut dyn Decoder, job: &Job) -> Result<(usize, 
         }
         logits = dec.decode(&[next]).map_err(internal)?;
     };
-    if finish == Finish::Length || !stops.stopped {
+    // The held-back text and the detokenizer's rest, unless a stop sequence ended the reply.
+    if !stops.stopped {
         let rest = stream.finish(engine).map_err(internal)?.unwrap_or_default();
         let (text, _) = stops.push(&rest);
         let tail = text + &stops.flush();
