@@ -11,20 +11,9 @@ use dejavu_backend_api::{
     Weight,
 };
 use dejavu_backend_cpu::device::HostDevice;
-use dejavu_backend_cuda::CudaDevice;
-use half::f16;
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
 
-fn gpu() -> Option<CudaDevice> {
-    match CudaDevice::new(0) {
-        Ok(d) => Some(d),
-        Err(e) => {
-            eprintln!("skipped: no usable GPU ({e})");
-            None
-        }
-    }
-}
+mod common;
+use common::{close, down, gpu, magnitude, random_matrix, randv, rng};
 
 /// The kernels compile wherever NVRTC is (a GPU is not needed); skipped without it.
 #[test]
@@ -36,69 +25,6 @@ fn kernels_compile() {
     if let Err(e) = dejavu_backend_cuda::compile("compute_90") {
         panic!("{e}");
     }
-}
-
-fn rng(seed: u64) -> ChaCha8Rng {
-    ChaCha8Rng::seed_from_u64(seed)
-}
-
-fn randv(r: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
-    (0..n).map(|_| r.gen_range(-1.0..1.0)).collect()
-}
-
-/// A random `rows x cols` matrix of `q`: random bytes, its f16 scales set to small values.
-fn random_matrix(r: &mut ChaCha8Rng, q: QuantType, rows: usize, cols: usize) -> Vec<u8> {
-    let n = rows * q.row_bytes(cols);
-    let mut b: Vec<u8> = (0..n).map(|_| r.gen()).collect();
-    let put = |b: &mut [u8], at: usize, v: f32| {
-        b[at..at + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes())
-    };
-    let scale_at: &[usize] = match q {
-        QuantType::F32 => {
-            for (i, v) in randv(r, rows * cols).into_iter().enumerate() {
-                b[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes());
-            }
-            &[]
-        }
-        QuantType::F16 => {
-            for (i, v) in randv(r, rows * cols).into_iter().enumerate() {
-                put(&mut b, 2 * i, v);
-            }
-            &[]
-        }
-        QuantType::BF16 => {
-            for (i, v) in randv(r, rows * cols).into_iter().enumerate() {
-                let h = half::bf16::from_f32(v).to_le_bytes();
-                b[2 * i..2 * i + 2].copy_from_slice(&h);
-            }
-            &[]
-        }
-        QuantType::Q4_1 | QuantType::Q4K => &[0, 2],
-        QuantType::Q6K => &[208],
-        _ => &[0],
-    };
-    for blk in b.chunks_exact_mut(q.block_bytes()) {
-        for &at in scale_at {
-            put(blk, at, r.gen_range(-0.05..0.05));
-        }
-    }
-    b
-}
-
-fn close(what: &str, got: &[f32], want: &[f32], tol: impl Fn(usize) -> f32) {
-    assert_eq!(got.len(), want.len(), "{what}: lengths");
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!(
-            (g - w).abs() <= tol(i),
-            "{what}[{i}]: gpu {g} against reference {w}"
-        );
-    }
-}
-
-fn down<D: Device>(d: &D, b: &D::Buf, n: usize) -> Vec<f32> {
-    let mut out = vec![0.0; n];
-    d.download(b, &mut out).unwrap();
-    out
 }
 
 /// matvec over all rows and over a grouped selection, with bias and accumulation.
@@ -135,11 +61,6 @@ fn axpy_on<D: Device>(d: &D, w: &Weight, a: &[f32], sel: &[u32], y0: &[f32]) -> 
     };
     d.axpy(&m, rows, &ab, Some(&bias), &mut y).unwrap();
     down(d, &y, w.cols)
-}
-
-/// Sum of |w| |x| over a row (the scale of a dot's rounding).
-fn magnitude(w: &[f32], x: &[f32]) -> f32 {
-    w.iter().zip(x).map(|(a, b)| (a * b).abs()).sum()
 }
 
 #[test]
