@@ -1,10 +1,12 @@
 //! `dejavu serve` in-process on loopback (a tiny Hugging Face fixture, one slot): the routes,
 //! greedy replies equal to `generate` with the same settings (whole and streamed), stop
 //! sequences, errors in OpenAI's shape with their status, the API key, a client that hangs up
-//! mid-stream (its slot comes back), and a shutdown that lets an in-flight stream finish.
+//! mid-stream (its slot comes back), a shutdown that lets an in-flight stream finish, and faults:
+//! slow headers and bodies, oversize and deeply nested JSON, a connection flood, and a shutdown
+//! whose grace runs out.
 use dejavu::engine::executor::Plan;
 use dejavu::engine::{Engine, EngineOptions};
-use dejavu::serve::{self, ServeOptions, Slot};
+use dejavu::serve::{self, Limits, ServeOptions, Slot};
 use dejavu::sparsity::policy::Policy;
 use dejavu::text::generate::{generate_on, Decoder, HostDecoder};
 use dejavu::text::sampling::{Sampler, SamplerConfig};
@@ -37,6 +39,10 @@ impl Server {
     /// `slow`: each decode call of the slot sleeps 5 ms first (a slow model, so a reply of
     /// hundreds of tokens takes seconds).
     fn start(api_key: Option<&str>, slow: bool) -> Self {
+        Self::with_limits(api_key, slow, Limits::default())
+    }
+
+    fn with_limits(api_key: Option<&str>, slow: bool, limits: Limits) -> Self {
         let eng = engine();
         let opts = ServeOptions {
             model_id: "tiny".into(),
@@ -47,6 +53,7 @@ impl Server {
             default_max_tokens: 8,
             sparsity: "dense".into(),
             mlp_density: 1.0,
+            limits,
         };
         let slot: Slot = Box::new(move |jobs, metrics| {
             let mut cache = eng.new_cache();
@@ -59,7 +66,7 @@ impl Server {
                 },
                 delay: Duration::from_millis(if slow { 5 } else { 0 }),
             };
-            serve::worker::run_slot(&eng, &mut dec, &jobs, Duration::from_secs(30), &metrics);
+            serve::worker::run_slot(&eng, &mut dec, &jobs, &metrics);
         });
         let (addr_tx, addr_rx) = std::sync::mpsc::channel();
         let (done_tx, done) = std::sync::mpsc::channel();
@@ -369,4 +376,132 @@ fn an_api_key_guards_the_v1_routes() {
     assert_eq!(s.get("/v1/models").0, 401);
     assert_eq!(s.get("/health").0, 200, "health needs no key");
     s.shutdown().unwrap();
+}
+
+/// Write `sent` on a fresh connection, then read until the server closes it (at most `wait`):
+/// what came back, and when the connection ended (`None`: still open at `wait`).
+fn raw(addr: SocketAddr, sent: &[u8], wait: Duration) -> (String, Option<Duration>) {
+    let t0 = Instant::now();
+    let mut c = TcpStream::connect(addr).unwrap();
+    c.set_read_timeout(Some(wait)).unwrap();
+    c.write_all(sent).unwrap();
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    let ended = loop {
+        match c.read(&mut buf) {
+            Ok(0) => break Some(t0.elapsed()),
+            Ok(n) => out.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => break Some(t0.elapsed()),
+            Err(_) => break None,
+        }
+    };
+    (String::from_utf8_lossy(&out).into_owned(), ended)
+}
+
+/// Faults a server on an edge box meets, each with a bound: the server keeps serving the next
+/// client after every one, and its slot is free at the end.
+#[test]
+fn faults_are_bounded_and_the_server_keeps_serving() {
+    let limits = Limits {
+        max_connections: 6,
+        read_timeout: Duration::from_millis(800),
+        stall_timeout: Duration::from_secs(1),
+        shutdown_grace: Duration::from_millis(300),
+    };
+    let s = Server::with_limits(None, true, limits);
+    let ok = |s: &Server| {
+        let body =
+            json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).to_string();
+        let (st, v) = s.post("/v1/chat/completions", &body, None);
+        assert_eq!(st, 200, "still serving: {v}");
+    };
+    let wait = Duration::from_secs(10);
+
+    // Slowloris: headers that never end are cut at the read timeout.
+    let (_, ended) = raw(
+        s.addr,
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n",
+        wait,
+    );
+    let ended = ended.expect("a connection with unfinished headers is closed");
+    assert!(
+        ended >= Duration::from_millis(700) && ended < Duration::from_secs(5),
+        "{ended:?}"
+    );
+    // A body that stops short of its length: 408 at the read timeout.
+    let head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"pro";
+    let (out, ended) = raw(s.addr, head.as_bytes(), wait);
+    assert!(out.starts_with("HTTP/1.1 408"), "slow body: {out}");
+    assert!(ended.is_some(), "the slow body's connection closes");
+    // A body announced as huge: 413 before anything is read.
+    let head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000000\r\n\r\n";
+    let (out, _) = raw(s.addr, head.as_bytes(), wait);
+    assert!(
+        out.starts_with("HTTP/1.1 413"),
+        "huge Content-Length: {out}"
+    );
+    // Deeply nested JSON and a wrong Content-Type are 400s, not crashes.
+    let nested = format!("{{\"prompt\": {}1{}}}", "[".repeat(1500), "]".repeat(1500));
+    let (st, v) = s.post("/v1/completions", &nested, None);
+    assert_eq!(st, 400, "{v}");
+    let (st, v) = s.post(
+        "/v1/completions",
+        r#"{"prompt": 5, "max_tokens": 1e999}"#,
+        None,
+    );
+    assert_eq!(st, 400, "{v}");
+    ok(&s);
+
+    // A flood of idle connections: past the limit they are closed at once, and once the
+    // idle ones time out the server serves again.
+    let idle: Vec<TcpStream> = (0..limits.max_connections)
+        .map(|_| TcpStream::connect(s.addr).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_millis(100));
+    let (out, ended) = raw(s.addr, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", wait);
+    assert!(out.is_empty(), "over the limit: {out}");
+    assert!(
+        ended.is_some_and(|e| e < Duration::from_millis(500)),
+        "{ended:?}"
+    );
+    std::thread::sleep(limits.read_timeout + Duration::from_millis(300));
+    ok(&s);
+    drop(idle);
+
+    // A client that hangs up while a whole (not streamed) reply is generated cancels it.
+    let cancelled = counter(&s, "dejavu_requests_cancelled_total");
+    let body = json!({"messages": [{"role": "user", "content": "Count"}], "max_tokens": 80,
+        "temperature": 0})
+    .to_string();
+    let req = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let (_, ended) = raw(s.addr, req.as_bytes(), Duration::from_millis(100));
+    assert!(ended.is_none(), "still generating when the client leaves");
+    let t0 = Instant::now();
+    while counter(&s, "dejavu_requests_cancelled_total") == cancelled {
+        assert!(t0.elapsed() < Duration::from_secs(10), "never cancelled");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    ok(&s);
+    assert_eq!(counter(&s, "dejavu_slots_busy"), 0);
+
+    // Shutdown whose grace runs out: a long stream ends with an error chunk and [DONE], and
+    // the server returns.
+    let long = json!({"messages": [{"role": "user", "content": "Count"}], "max_tokens": 80,
+        "temperature": 0, "stream": true})
+    .to_string();
+    let reader = ureq::post(&s.url("/v1/chat/completions"))
+        .send_string(&long)
+        .unwrap()
+        .into_reader();
+    let t0 = Instant::now();
+    let stopper = std::thread::spawn(move || s.shutdown());
+    let events = sse_events(reader);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let last: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert_eq!(last["error"]["code"], "server_busy", "{last}");
+    stopper.join().unwrap().unwrap();
+    assert!(t0.elapsed() < Duration::from_secs(8), "{:?}", t0.elapsed());
 }

@@ -8,12 +8,12 @@
 //! every `/v1` route needs `Authorization: Bearer KEY`. Shutdown (SIGTERM, Ctrl-C) stops
 //! accepting, lets in-flight replies finish, and returns.
 pub mod api;
+mod connections;
 pub mod worker;
 
 use api::{ApiError, Request, Usage};
 use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{Html, IntoResponse, Response};
@@ -24,7 +24,7 @@ use serde_json::{json, Value};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -47,6 +47,32 @@ pub struct ServeOptions {
     /// The policy's name and its mean MLP density, for `/metrics`.
     pub sparsity: String,
     pub mlp_density: f64,
+    pub limits: Limits,
+}
+
+/// What bounds a client's hold on the server (slowloris, slow readers, shutdown).
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Open connections; more are closed at once.
+    pub max_connections: usize,
+    /// Time to send a request's headers, and again its body (then the connection closes, or a
+    /// 408).
+    pub read_timeout: Duration,
+    /// Time a reply may wait on a client that reads nothing before it is dropped.
+    pub stall_timeout: Duration,
+    /// On shutdown, time in-flight replies get to finish before they are ended with an error.
+    pub shutdown_grace: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_connections: 256,
+            read_timeout: Duration::from_secs(10),
+            stall_timeout: Duration::from_secs(30),
+            shutdown_grace: Duration::from_secs(30),
+        }
+    }
 }
 
 /// Counters behind `/metrics`.
@@ -76,23 +102,25 @@ type Shared = Arc<AppState>;
 
 /// One engine slot: given the queue, it runs jobs until the queue closes (it calls
 /// [`worker::run_slot`] with its own decoder).
-pub type Slot = Box<dyn FnOnce(Jobs, Arc<Metrics>) + Send>;
+pub type Slot = Box<dyn FnOnce(Arc<Jobs>, Arc<Metrics>) + Send>;
 
 /// Is this address a loopback one (no API key needed to bind it)?
 pub fn is_loopback(addr: &SocketAddr) -> bool {
     addr.ip().is_loopback()
 }
 
-/// Serve on `listener` until `shutdown` resolves, then let in-flight replies finish and return.
-/// Each of `slots` runs on a thread of its own.
+/// Serve on `listener` until `shutdown` resolves; then stop accepting, give in-flight replies
+/// the shutdown grace to finish, end the rest with an error, and return once the slots are
+/// done. Each of `slots` runs on a thread of its own.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     opts: ServeOptions,
     slots: Vec<Slot>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    let limits = opts.limits;
     let (tx, rx) = sync_channel::<Job>(opts.queue.max(1));
-    let jobs: Jobs = Arc::new(Mutex::new(rx));
+    let jobs = Arc::new(Jobs::new(rx, opts.queue_timeout, limits.stall_timeout));
     let metrics = Arc::new(Metrics::default());
     let n_slots = slots.len();
     let handles: Vec<_> = (slots.into_iter().enumerate())
@@ -103,7 +131,6 @@ pub async fn serve(
                 .spawn(move || slot(jobs, metrics))
         })
         .collect::<std::io::Result<_>>()?;
-    let max_body = opts.max_body;
     let state = Arc::new(AppState {
         opts,
         queue: tx,
@@ -111,26 +138,38 @@ pub async fn serve(
         slots: n_slots,
         started: Instant::now(),
     });
-    let app = router(state.clone()).layer(DefaultBodyLimit::max(max_body));
-    let served = axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await;
-    // Closing the queue ends the slots once their jobs are done.
+    let app = router(state.clone());
     drop(state);
-    for h in handles {
-        let _ = h.join();
+    let conns = connections::accept(listener, app, limits, shutdown).await;
+    // In-flight replies get the grace; then the slots end theirs, and the connections close.
+    let closed = conns.shutdown();
+    tokio::pin!(closed);
+    if tokio::time::timeout(limits.shutdown_grace, &mut closed)
+        .await
+        .is_err()
+    {
+        jobs.stop();
+        let _ = tokio::time::timeout(Duration::from_secs(5), &mut closed).await;
     }
-    served
+    jobs.stop();
+    let joined = tokio::task::spawn_blocking(move || {
+        for h in handles {
+            let _ = h.join();
+        }
+    });
+    let _ = joined.await;
+    Ok(())
 }
 
 fn router(state: Shared) -> Router {
+    let read_body = || axum::middleware::from_fn_with_state(state.clone(), buffered);
     Router::new()
         .route("/", get(page))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/v1/models", get(models))
-        .route("/v1/chat/completions", post(chat))
-        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat).layer(read_body()))
+        .route("/v1/completions", post(completions).layer(read_body()))
         .fallback(|| async { error(ApiError::not_found("no such route", "unknown_route")) })
         .method_not_allowed_fallback(|| async {
             error(ApiError {
@@ -139,6 +178,48 @@ fn router(state: Shared) -> Router {
             })
         })
         .with_state(state)
+}
+
+/// Middleware of the generation routes: the whole body is read before the handler runs, in
+/// the read timeout (408 past it) and up to the body limit (413 past it).
+async fn buffered(
+    State(s): State<Shared>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let (parts, body) = req.into_parts();
+    let (limit, wait) = (s.opts.max_body, s.opts.limits.read_timeout);
+    let too_large = || ApiError {
+        status: 413,
+        ..ApiError::invalid(format!("the body is larger than {limit} bytes"), None)
+    };
+    // An announced length past the limit is refused before any of it is read.
+    if http_body::Body::size_hint(&body).lower() > limit as u64 {
+        s.metrics.requests.fetch_add(1, Ordering::Relaxed);
+        return error(too_large());
+    }
+    let bytes = match tokio::time::timeout(wait, axum::body::to_bytes(body, limit)).await {
+        Ok(Ok(b)) => b,
+        Ok(Err(e)) => {
+            let over = (e.into_inner())
+                .downcast::<http_body_util::LengthLimitError>()
+                .is_ok();
+            s.metrics.requests.fetch_add(1, Ordering::Relaxed);
+            return error(match over {
+                true => too_large(),
+                false => ApiError::invalid("the body could not be read", None),
+            });
+        }
+        Err(_) => {
+            s.metrics.requests.fetch_add(1, Ordering::Relaxed);
+            return error(ApiError {
+                status: 408,
+                ..ApiError::invalid(format!("the body did not arrive within {wait:?}"), None)
+            });
+        }
+    };
+    let req = axum::extract::Request::from_parts(parts, axum::body::Body::from(bytes));
+    next.run(req).await
 }
 
 fn error(e: ApiError) -> Response {
@@ -229,31 +310,18 @@ async fn models(State(s): State<Shared>, headers: HeaderMap) -> Response {
     .into_response()
 }
 
-/// A body, or why there is none (too large: 413; unreadable: 400), as OpenAI errors.
-type Body = Result<Bytes, BytesRejection>;
-
-async fn chat(State(s): State<Shared>, headers: HeaderMap, body: Body) -> Response {
+// The bodies were read whole by `read_body`.
+async fn chat(State(s): State<Shared>, headers: HeaderMap, body: Bytes) -> Response {
     generate(s, headers, body, true).await
 }
 
-async fn completions(State(s): State<Shared>, headers: HeaderMap, body: Body) -> Response {
+async fn completions(State(s): State<Shared>, headers: HeaderMap, body: Bytes) -> Response {
     generate(s, headers, body, false).await
 }
 
 /// Check, queue, and answer one request (streamed or whole).
-async fn generate(s: Shared, headers: HeaderMap, body: Body, chat: bool) -> Response {
+async fn generate(s: Shared, headers: HeaderMap, body: Bytes, chat: bool) -> Response {
     s.metrics.requests.fetch_add(1, Ordering::Relaxed);
-    let body = match body {
-        Ok(b) => b,
-        Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => {
-            let limit = s.opts.max_body;
-            return error(ApiError {
-                status: 413,
-                ..ApiError::invalid(format!("the body is larger than {limit} bytes"), None)
-            });
-        }
-        Err(e) => return error(ApiError::invalid(format!("reading the body: {e}"), None)),
-    };
     let parsed = authorized(&s, &headers).and_then(|_| {
         let r = Request::parse(&body)?;
         match r.model.as_deref() {

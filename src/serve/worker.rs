@@ -1,15 +1,17 @@
 //! Engine slots: each runs on its own thread with its own decoder (KV cache), taking jobs from
 //! the shared bounded queue. A job streams [`Event`]s back; a client that goes away (its
-//! receiver dropped) cancels its job at the next token, freeing the slot.
+//! receiver dropped), or reads nothing for the stall timeout, cancels its job at the next token,
+//! freeing the slot.
 use super::api::{ApiError, GenRequest, Input};
 use super::Metrics;
 use crate::engine::Engine;
 use crate::text::generate::{Decoder, TextStream};
 use crate::text::sampling::Sampler;
-use std::sync::atomic::Ordering;
-use std::sync::mpsc::Receiver;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
+use tokio::sync::mpsc::error::TrySendError;
 use tokio::sync::mpsc::Sender;
 
 /// Why a reply ended (OpenAI's `finish_reason`).
@@ -51,35 +53,98 @@ pub struct Job {
     pub queued: Instant,
 }
 
-/// The shared queue's receiving end.
-pub type Jobs = Arc<Mutex<Receiver<Job>>>;
+/// The queue the slots share, and the server's word to them.
+pub struct Jobs {
+    rx: Mutex<Receiver<Job>>,
+    /// Jobs that waited longer get a 503 instead of a reply.
+    pub queue_timeout: Duration,
+    /// How long a send may wait on a client that reads nothing before its reply is dropped
+    /// as cancelled (a slow reader must not hold a slot).
+    pub stall_timeout: Duration,
+    /// Set when shutdown's grace has run out: replies end with a 503 error at their next token
+    /// and waiting jobs are refused.
+    stopping: AtomicBool,
+}
 
-/// Take jobs until the queue closes; each runs on `dec`. Jobs that waited past `timeout` get a
-/// 503 instead.
-pub fn run_slot(
-    engine: &Engine,
-    dec: &mut dyn Decoder,
-    jobs: &Jobs,
-    timeout: Duration,
-    metrics: &Metrics,
-) {
+impl Jobs {
+    pub fn new(rx: Receiver<Job>, queue_timeout: Duration, stall_timeout: Duration) -> Self {
+        Self {
+            rx: Mutex::new(rx),
+            queue_timeout,
+            stall_timeout,
+            stopping: AtomicBool::new(false),
+        }
+    }
+
+    pub fn stop(&self) {
+        self.stopping.store(true, Ordering::SeqCst);
+    }
+
+    pub fn stopping(&self) -> bool {
+        self.stopping.load(Ordering::SeqCst)
+    }
+
+    /// The next job; `None` once the queue has closed (or a slot panicked holding it).
+    fn next(&self) -> Option<Job> {
+        loop {
+            let rx = self.rx.lock().ok()?;
+            match rx.recv_timeout(Duration::from_millis(100)) {
+                Ok(job) => return Some(job),
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => return None,
+            }
+            drop(rx);
+            if self.stopping() {
+                // Shutdown: refuse what still waits, then end.
+                while let Ok(job) = self.rx.lock().ok()?.try_recv() {
+                    let _ = job.tx.try_send(Event::Error(shutting_down()));
+                }
+                return None;
+            }
+        }
+    }
+}
+
+fn shutting_down() -> ApiError {
+    ApiError::busy("the server is shutting down")
+}
+
+/// Send `e` unless the client is gone or has read nothing for `stall` (then `false`).
+fn send(tx: &Sender<Event>, mut e: Event, stall: Duration) -> bool {
+    let t0 = Instant::now();
     loop {
-        let job = match jobs.lock().map(|rx| rx.recv()) {
-            Ok(Ok(job)) => job,
-            _ => return, // the queue closed (shutdown), or a slot panicked holding it
-        };
+        match tx.try_send(e) {
+            Ok(()) => return true,
+            Err(TrySendError::Closed(_)) => return false,
+            Err(TrySendError::Full(back)) if t0.elapsed() < stall => {
+                e = back;
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Err(TrySendError::Full(_)) => return false,
+        }
+    }
+}
+
+/// Take jobs until the queue closes or shutdown stops the slots; each runs on `dec`.
+pub fn run_slot(engine: &Engine, dec: &mut dyn Decoder, jobs: &Jobs, metrics: &Metrics) {
+    while let Some(job) = jobs.next() {
         metrics.queued.fetch_sub(1, Ordering::Relaxed);
         if job.tx.is_closed() {
             continue; // the client went away while queued
         }
-        if job.queued.elapsed() > timeout {
+        if jobs.stopping() {
+            send(&job.tx, Event::Error(shutting_down()), jobs.stall_timeout);
+            continue;
+        }
+        if job.queued.elapsed() > jobs.queue_timeout {
+            let timeout = jobs.queue_timeout;
             let e = ApiError::busy(format!("timed out after {timeout:?} in the queue"));
-            let _ = job.tx.blocking_send(Event::Error(e));
+            send(&job.tx, Event::Error(e), jobs.stall_timeout);
             continue;
         }
         metrics.busy.fetch_add(1, Ordering::Relaxed);
         let t0 = Instant::now();
-        let done = run_job(engine, dec, &job);
+        let done = run_job(engine, dec, &job, jobs);
         metrics.busy.fetch_sub(1, Ordering::Relaxed);
         match done {
             Ok((n, cancelled)) => {
@@ -92,7 +157,7 @@ pub fn run_slot(
             }
             Err(e) => {
                 metrics.failed.fetch_add(1, Ordering::Relaxed);
-                let _ = job.tx.blocking_send(Event::Error(e));
+                send(&job.tx, Event::Error(e), jobs.stall_timeout);
             }
         }
     }
@@ -120,7 +185,12 @@ pub fn prompt_tokens(engine: &Engine, input: &Input) -> Result<Vec<u32>, ApiErro
 
 /// Generate one reply, sending its events; the completion tokens on success, and whether it
 /// stopped early because the client is gone.
-fn run_job(engine: &Engine, dec: &mut dyn Decoder, job: &Job) -> Result<(usize, bool), ApiError> {
+fn run_job(
+    engine: &Engine,
+    dec: &mut dyn Decoder,
+    job: &Job,
+    jobs: &Jobs,
+) -> Result<(usize, bool), ApiError> {
     let req = &job.req;
     let ids = prompt_tokens(engine, &req.input)?;
     if ids.is_empty() {
@@ -136,7 +206,7 @@ fn run_job(engine: &Engine, dec: &mut dyn Decoder, job: &Job) -> Result<(usize, 
             None,
         ));
     }
-    let send = |e: Event| job.tx.blocking_send(e).is_ok();
+    let send = |e: Event| send(&job.tx, e, jobs.stall_timeout);
     if !send(Event::Started {
         prompt_tokens: ids.len(),
     }) {
@@ -168,6 +238,9 @@ fn run_job(engine: &Engine, dec: &mut dyn Decoder, job: &Job) -> Result<(usize, 
         }
         if job.tx.is_closed() {
             return Ok((n, true));
+        }
+        if jobs.stopping() {
+            return Err(shutting_down());
         }
         if dec.len() + 1 >= dec.n_ctx() {
             break Finish::Length;
@@ -251,7 +324,33 @@ impl<'a> StopFilter<'a> {
 
 #[cfg(test)]
 mod tests {
-    use super::StopFilter;
+    use super::{send, Event, StopFilter};
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn a_client_that_reads_nothing_stalls_a_send_only_for_the_stall_timeout() {
+        let (tx, mut rx) = tokio::sync::mpsc::channel(1);
+        let stall = Duration::from_millis(60);
+        assert!(send(&tx, Event::Text("a".into()), stall), "room for one");
+        let t0 = Instant::now();
+        assert!(!send(&tx, Event::Text("b".into()), stall), "full: given up");
+        assert!(t0.elapsed() >= stall && t0.elapsed() < stall * 10);
+        assert_eq!(rx.try_recv(), Ok(Event::Text("a".into())));
+        let reader = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(10));
+            (rx.blocking_recv(), rx.blocking_recv())
+        });
+        assert!(send(&tx, Event::Text("c".into()), Duration::from_secs(5)));
+        assert!(
+            send(&tx, Event::Text("d".into()), Duration::from_secs(5)),
+            "read in time"
+        );
+        let got = reader.join().unwrap();
+        assert_eq!(
+            got,
+            (Some(Event::Text("c".into())), Some(Event::Text("d".into())))
+        );
+    }
 
     fn run(stops: &[&str], pieces: &[&str]) -> (String, bool) {
         let stops: Vec<String> = stops.iter().map(|s| s.to_string()).collect();

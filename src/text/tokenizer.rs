@@ -391,35 +391,53 @@ impl Tokenizer {
             .chat_template
             .as_deref()
             .ok_or_else(|| Error::Template("the model has no chat template".into()))?;
-        let mut env = minijinja::Environment::new();
-        minijinja_contrib::add_to_environment(&mut env);
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function(
-            "raise_exception",
-            |msg: String| -> std::result::Result<String, minijinja::Error> {
-                Err(minijinja::Error::new(
-                    minijinja::ErrorKind::InvalidOperation,
-                    msg,
-                ))
-            },
-        );
-        env.add_template("chat", tpl)
-            .map_err(|e| Error::Template(e.to_string()))?;
-        let msgs: Vec<_> = messages
-            .iter()
-            .map(|(r, c)| minijinja::context! { role => r, content => c })
-            .collect();
-        let tok = |i: Option<u32>| i.and_then(|i| self.token_text(i)).unwrap_or("").to_string();
-        let ctx = minijinja::context! {
-            messages => msgs,
-            add_generation_prompt => true,
-            bos_token => tok(self.bos),
-            eos_token => tok(self.eos),
-        };
-        env.get_template("chat")
-            .and_then(|t| t.render(ctx))
-            .map_err(|e| Error::Template(e.to_string()))
+        let tok = |i: Option<u32>| i.and_then(|i| self.token_text(i)).unwrap_or("");
+        render_chat_template(tpl, messages, tok(self.bos), tok(self.eos))
     }
+}
+
+/// Instructions a chat template may run per rendering (minijinja's fuel). Real templates use
+/// a few thousand for a long conversation; a template from a model file that loops without end
+/// stops with an error here instead of holding its slot.
+pub const TEMPLATE_FUEL: u64 = 2_000_000;
+
+/// Render a Jinja chat template (Hugging Face's `chat_template`) for `messages` (role, content)
+/// with `add_generation_prompt`, `bos_token` and `eos_token`, as `transformers` does. Any
+/// template text is accepted: a bad one is an `Error::Template`, never a panic or a hang.
+pub fn render_chat_template(
+    tpl: &str,
+    messages: &[(String, String)],
+    bos: &str,
+    eos: &str,
+) -> Result<String> {
+    let mut env = minijinja::Environment::new();
+    minijinja_contrib::add_to_environment(&mut env);
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.set_fuel(Some(TEMPLATE_FUEL));
+    env.add_function(
+        "raise_exception",
+        |msg: String| -> std::result::Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(
+                minijinja::ErrorKind::InvalidOperation,
+                msg,
+            ))
+        },
+    );
+    env.add_template("chat", tpl)
+        .map_err(|e| Error::Template(e.to_string()))?;
+    let msgs: Vec<_> = messages
+        .iter()
+        .map(|(r, c)| minijinja::context! { role => r, content => c })
+        .collect();
+    let ctx = minijinja::context! {
+        messages => msgs,
+        add_generation_prompt => true,
+        bos_token => bos,
+        eos_token => eos,
+    };
+    env.get_template("chat")
+        .and_then(|t| t.render(ctx))
+        .map_err(|e| Error::Template(e.to_string()))
 }
 
 fn meta_str<'a>(h: &'a GgufHeader, key: &str) -> Result<&'a str> {

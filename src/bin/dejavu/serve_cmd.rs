@@ -4,7 +4,7 @@ use super::{ModelArgs, SparsityArgs};
 use crate::backend_choice::with_decoder;
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use dejavu::serve::{self, ServeOptions, Slot};
+use dejavu::serve::{self, Limits, ServeOptions, Slot};
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -32,6 +32,18 @@ pub struct ServeArgs {
     /// Seconds a request may wait for a slot (then a 503).
     #[arg(long, default_value_t = 60)]
     queue_timeout: u64,
+    /// Open connections at most (more are closed at once).
+    #[arg(long, default_value_t = 256)]
+    max_connections: usize,
+    /// Seconds a client has to send a request's headers, and again its body.
+    #[arg(long, default_value_t = 10)]
+    read_timeout: u64,
+    /// Seconds a reply may wait on a client that reads nothing before it is dropped.
+    #[arg(long, default_value_t = 30)]
+    stall_timeout: u64,
+    /// On SIGTERM, seconds in-flight replies get to finish before they end with an error.
+    #[arg(long, default_value_t = 30)]
+    shutdown_grace: u64,
     /// `max_tokens` of a request that names none.
     #[arg(long, default_value_t = 512)]
     max_tokens: usize,
@@ -77,12 +89,18 @@ pub fn cmd_serve(a: ServeArgs) -> Result<()> {
                 default_max_tokens: a.max_tokens,
                 sparsity: policy.name.clone(),
                 mlp_density: policy.mean_mlp_density(engine.model.config.n_ff),
+                limits: Limits {
+                    max_connections: a.max_connections,
+                    read_timeout: Duration::from_secs(a.read_timeout.max(1)),
+                    stall_timeout: Duration::from_secs(a.stall_timeout.max(1)),
+                    shutdown_grace: Duration::from_secs(a.shutdown_grace),
+                },
             });
         }
-        let (backend, timeout) = (model.backend, Duration::from_secs(a.queue_timeout));
+        let backend = model.backend;
         slots.push(Box::new(move |jobs, metrics| {
             let run = with_decoder(&engine, backend, &policy, |dec| {
-                serve::worker::run_slot(&engine, dec, &jobs, timeout, &metrics);
+                serve::worker::run_slot(&engine, dec, &jobs, &metrics);
                 Ok(())
             });
             if let Err(e) = run {
