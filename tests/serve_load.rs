@@ -5,10 +5,13 @@
 //! streams in flight: each ends with `[DONE]`, and the process exits 0.
 //!
 //! It prints the p50/p99 latency and the aggregate tok/s: bench figures, not asserted.
+mod common;
+
+use common::server::ServerProcess;
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -40,19 +43,13 @@ const PROMPTS: [[&str; 2]; 8] = [
     ],
 ];
 
-/// The server process, killed if the test fails before it stops it.
-struct Kill(std::process::Child);
-
-impl Drop for Kill {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// Request `i` of client `c`: which prompt, through the chat template or not, streamed or not.
 fn case(c: usize, i: usize) -> (usize, bool, bool) {
-    ((c + i) % PROMPTS.len(), (c / 2 + i) % 2 == 0, c % 2 == 1)
+    (
+        (c + i) % PROMPTS.len(),
+        (c / 2 + i).is_multiple_of(2),
+        c % 2 == 1,
+    )
 }
 
 /// What `dejavu generate` prints for a prompt (its closing newline taken off).
@@ -147,32 +144,9 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
 #[test]
 fn thirty_two_clients_get_every_reply_whole_and_equal_to_generate() {
     let model = dejavu::fetch::fetch(dejavu::fetch::DEFAULT_MODEL).unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .unwrap()
-        .port();
-    let mut server = Kill(
-        Command::new(env!("CARGO_BIN_EXE_dejavu"))
-            .args(["serve", "--parallel", "2", "-t", "2", "--ctx", CTX])
-            .args(["--port", &port.to_string(), "-m"])
-            .arg(&model)
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    );
-    let pid = server.0.id();
-    let mut err = BufReader::new(server.0.stderr.take().unwrap());
-    let mut line = String::new();
-    while !line.starts_with("serving") {
-        line.clear();
-        assert!(
-            err.read_line(&mut line).unwrap() > 0,
-            "the server did not start"
-        );
-    }
-    // Keep reading the server's stderr so it never blocks on a full pipe.
-    std::thread::spawn(move || std::io::copy(&mut err, &mut std::io::sink()));
-    let base = format!("http://127.0.0.1:{port}");
+    let mut server = ServerProcess::start(&model, &["--parallel", "2", "-t", "2", "--ctx", CTX]);
+    let pid = server.child.id();
+    let base = server.base();
 
     // The references, while the server warms up.
     let want: Arc<Vec<[String; 2]>> = Arc::new(
@@ -266,29 +240,14 @@ fn thirty_two_clients_get_every_reply_whole_and_equal_to_generate() {
         );
         std::thread::sleep(Duration::from_millis(10));
     }
-    assert!(Command::new("kill")
-        .arg(pid.to_string())
-        .status()
-        .unwrap()
-        .success());
+    let status = server.terminate(Duration::from_secs(60));
     for (s, expected) in streams {
         let text = s.join().expect("a stream in flight at SIGTERM ended whole");
         assert_eq!(&text, expected, "a reply finished in the shutdown grace");
     }
-    let t = Instant::now();
-    let status = loop {
-        if let Some(s) = server.0.try_wait().unwrap() {
-            break s;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(60),
-            "no exit after SIGTERM"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
     assert!(status.success(), "exit status after SIGTERM: {status}");
     assert!(
-        std::net::TcpStream::connect(("127.0.0.1", port)).is_err(),
+        std::net::TcpStream::connect(("127.0.0.1", server.port)).is_err(),
         "closed"
     );
 }

@@ -7,6 +7,8 @@ use rand::{Rng, SeedableRng};
 use serde::Deserialize;
 use std::path::PathBuf;
 
+pub mod server;
+
 pub const SMOLLM2: &str = "smollm2-135m-instruct";
 pub const QWEN: &str = "qwen2.5-coder-0.5b-instruct";
 
