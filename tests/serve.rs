@@ -53,6 +53,7 @@ impl Server {
             default_max_tokens: 8,
             sparsity: "dense".into(),
             mlp_density: 1.0,
+            reuse_prefix: true,
             limits,
         };
         let slot: Slot = Box::new(move |jobs, metrics| {
@@ -504,4 +505,33 @@ fn faults_are_bounded_and_the_server_keeps_serving() {
     assert_eq!(last["error"]["code"], "server_busy", "{last}");
     stopper.join().unwrap().unwrap();
     assert!(t0.elapsed() < Duration::from_secs(8), "{:?}", t0.elapsed());
+}
+
+/// A chat that continues finds its history in the slot's cache: only the new turn is computed,
+/// and the reply is still the one a fresh `generate` gives.
+#[test]
+fn a_continued_chat_reuses_its_history() {
+    let s = Server::start(None, false);
+    let chat = |msgs: &[(&str, &str)]| {
+        let m: Vec<Value> = (msgs.iter())
+            .map(|(r, c)| json!({"role": r, "content": c}))
+            .collect();
+        let body = json!({"messages": m, "max_tokens": 10, "temperature": 0});
+        let (st, v) = s.post("/v1/chat/completions", &body.to_string(), None);
+        assert_eq!(st, 200, "{v}");
+        v["choices"][0]["message"]["content"].as_str().unwrap().to_string()
+    };
+    let first = [("user", "Tell me a story")];
+    let a = chat(&first);
+    assert_eq!(a, reference(&first, 10).0);
+    assert_eq!(counter(&s, "dejavu_prompt_tokens_reused_total"), 0);
+    let second = [("user", "Tell me a story"), ("assistant", &a), ("user", "And then?")];
+    let b = chat(&second);
+    assert_eq!(b, reference(&second, 10).0, "the reply on a reused prefix");
+    let reused = counter(&s, "dejavu_prompt_tokens_reused_total");
+    assert!(reused >= 5, "the first turn's tokens came from the cache: {reused}");
+    // Another conversation shares only the template's start; it is still answered right.
+    let other = [("user", "Count")];
+    assert_eq!(chat(&other), reference(&other, 10).0);
+    s.shutdown().unwrap();
 }

@@ -47,6 +47,8 @@ pub struct ServeOptions {
     /// The policy's name and its mean MLP density, for `/metrics`.
     pub sparsity: String,
     pub mlp_density: f64,
+    /// Reuse the prompt prefix a slot's KV cache already holds (see [`worker::Jobs`]).
+    pub reuse_prefix: bool,
     pub limits: Limits,
 }
 
@@ -83,6 +85,8 @@ pub struct Metrics {
     /// Replies stopped because their client went away.
     pub cancelled: AtomicU64,
     pub prompt_tokens: AtomicU64,
+    /// Prompt tokens found in a slot's cache (not computed again).
+    pub prompt_reused: AtomicU64,
     pub generated: AtomicU64,
     /// Wall time of generation in the slots, for the mean tok/s.
     pub gen_micros: AtomicU64,
@@ -120,7 +124,12 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let limits = opts.limits;
     let (tx, rx) = sync_channel::<Job>(opts.queue.max(1));
-    let jobs = Arc::new(Jobs::new(rx, opts.queue_timeout, limits.stall_timeout));
+    let jobs = Arc::new(Jobs::new(
+        rx,
+        opts.queue_timeout,
+        limits.stall_timeout,
+        opts.reuse_prefix,
+    ));
     let metrics = Arc::new(Metrics::default());
     let n_slots = slots.len();
     let handles: Vec<_> = (slots.into_iter().enumerate())
@@ -253,6 +262,8 @@ async fn metrics(State(s): State<Shared>) -> impl IntoResponse {
          # TYPE dejavu_requests_cancelled_total counter\ndejavu_requests_cancelled_total {}\n\
          # HELP dejavu_prompt_tokens_total Prompt tokens of started replies.\n\
          # TYPE dejavu_prompt_tokens_total counter\ndejavu_prompt_tokens_total {}\n\
+         # HELP dejavu_prompt_tokens_reused_total Prompt tokens found in a slot's KV cache.\n\
+         # TYPE dejavu_prompt_tokens_reused_total counter\ndejavu_prompt_tokens_reused_total {}\n\
          # HELP dejavu_generated_tokens_total Tokens generated.\n\
          # TYPE dejavu_generated_tokens_total counter\ndejavu_generated_tokens_total {}\n\
          # HELP dejavu_queue_depth Requests waiting for a slot.\n\
@@ -271,6 +282,7 @@ async fn metrics(State(s): State<Shared>) -> impl IntoResponse {
         get(&m.failed),
         get(&m.cancelled),
         get(&m.prompt_tokens),
+        get(&m.prompt_reused),
         get(&m.generated),
         get(&m.queued),
         get(&m.busy),

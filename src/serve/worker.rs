@@ -61,17 +61,26 @@ pub struct Jobs {
     /// How long a send may wait on a client that reads nothing before its reply is dropped
     /// as cancelled (a slow reader must not hold a slot).
     pub stall_timeout: Duration,
+    /// Keep each slot's KV cache between jobs and compute only what a new prompt does not share
+    /// with it (a chat that continues does not recompute its history).
+    pub reuse_prefix: bool,
     /// Set when shutdown's grace has run out: replies end with a 503 error at their next token
     /// and waiting jobs are refused.
     stopping: AtomicBool,
 }
 
 impl Jobs {
-    pub fn new(rx: Receiver<Job>, queue_timeout: Duration, stall_timeout: Duration) -> Self {
+    pub fn new(
+        rx: Receiver<Job>,
+        queue_timeout: Duration,
+        stall_timeout: Duration,
+        reuse_prefix: bool,
+    ) -> Self {
         Self {
             rx: Mutex::new(rx),
             queue_timeout,
             stall_timeout,
+            reuse_prefix,
             stopping: AtomicBool::new(false),
         }
     }
@@ -127,6 +136,8 @@ fn send(tx: &Sender<Event>, mut e: Event, stall: Duration) -> bool {
 
 /// Take jobs until the queue closes or shutdown stops the slots; each runs on `dec`.
 pub fn run_slot(engine: &Engine, dec: &mut dyn Decoder, jobs: &Jobs, metrics: &Metrics) {
+    // The tokens whose keys and values the decoder's cache holds, in order.
+    let mut cached: Vec<u32> = Vec::new();
     while let Some(job) = jobs.next() {
         metrics.queued.fetch_sub(1, Ordering::Relaxed);
         if job.tx.is_closed() {
@@ -144,10 +155,11 @@ pub fn run_slot(engine: &Engine, dec: &mut dyn Decoder, jobs: &Jobs, metrics: &M
         }
         metrics.busy.fetch_add(1, Ordering::Relaxed);
         let t0 = Instant::now();
-        let done = run_job(engine, dec, &job, jobs);
+        let done = run_job(engine, dec, &job, jobs, &mut cached);
         metrics.busy.fetch_sub(1, Ordering::Relaxed);
         match done {
-            Ok((n, cancelled)) => {
+            Ok(Ran { n, cancelled, reused }) => {
+                metrics.prompt_reused.fetch_add(reused as u64, Ordering::Relaxed);
                 if cancelled {
                     metrics.cancelled.fetch_add(1, Ordering::Relaxed);
                 }
@@ -183,14 +195,30 @@ pub fn prompt_tokens(engine: &Engine, input: &Input) -> Result<Vec<u32>, ApiErro
     ids.map_err(|e| ApiError::invalid(e.to_string(), None))
 }
 
-/// Generate one reply, sending its events; the completion tokens on success, and whether it
-/// stopped early because the client is gone.
+/// How a job went.
+struct Ran {
+    /// Completion tokens.
+    n: usize,
+    /// It stopped early because the client is gone.
+    cancelled: bool,
+    /// Prompt tokens found in the cache.
+    reused: usize,
+}
+
+/// The length of the longest common prefix.
+fn shared_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+/// Generate one reply, sending its events. `cached` is what the decoder's cache holds; it is
+/// kept up to date with every token decoded.
 fn run_job(
     engine: &Engine,
     dec: &mut dyn Decoder,
     job: &Job,
     jobs: &Jobs,
-) -> Result<(usize, bool), ApiError> {
+    cached: &mut Vec<u32>,
+) -> Result<Ran, ApiError> {
     let req = &job.req;
     let ids = prompt_tokens(engine, &req.input)?;
     if ids.is_empty() {
@@ -210,14 +238,26 @@ fn run_job(
     if !send(Event::Started {
         prompt_tokens: ids.len(),
     }) {
-        return Ok((0, true));
+        return Ok(Ran {
+            n: 0,
+            cancelled: true,
+            reused: 0,
+        });
     }
-    dec.truncate(0);
+    // At least the prompt's last token is decoded, for its logits.
+    let reused = match jobs.reuse_prefix {
+        true => shared_prefix(cached, &ids).min(ids.len() - 1),
+        false => 0,
+    };
+    cached.truncate(reused.min(dec.len()));
+    dec.truncate(cached.len());
+    let reused = cached.len();
     let mut sampler = Sampler::new(req.sampling.clone());
     let eog = &engine.tokenizer.end_of_generation;
     let mut stops = StopFilter::new(&req.stop);
     let (mut history, mut n, mut stream) = (ids.clone(), 0, TextStream::default());
-    let mut logits = dec.decode(&ids).map_err(internal)?;
+    let mut logits = dec.decode(&ids[reused..]).map_err(internal)?;
+    cached.extend_from_slice(&ids[reused..]);
     let finish = loop {
         if n == req.max_tokens {
             break Finish::Length;
@@ -231,13 +271,21 @@ fn run_job(
         let piece = stream.push(engine, next).map_err(internal)?;
         let (text, stopped) = stops.push(piece.as_deref().unwrap_or(""));
         if !text.is_empty() && !send(Event::Text(text)) {
-            return Ok((n, true));
+            return Ok(Ran {
+                n,
+                cancelled: true,
+                reused,
+            });
         }
         if stopped {
             break Finish::Stop;
         }
         if job.tx.is_closed() {
-            return Ok((n, true));
+            return Ok(Ran {
+                n,
+                cancelled: true,
+                reused,
+            });
         }
         if jobs.stopping() {
             return Err(shutting_down());
@@ -246,6 +294,7 @@ fn run_job(
             break Finish::Length;
         }
         logits = dec.decode(&[next]).map_err(internal)?;
+        cached.push(next);
     };
     // The held-back text and the detokenizer's rest, unless a stop sequence ended the reply.
     if !stops.stopped {
@@ -260,7 +309,11 @@ fn run_job(
         finish,
         completion_tokens: n,
     });
-    Ok((n, false))
+    Ok(Ran {
+        n,
+        cancelled: false,
+        reused,
+    })
 }
 
 fn internal(e: crate::Error) -> ApiError {

@@ -44,6 +44,9 @@ pub struct ServeArgs {
     /// On SIGTERM, seconds in-flight replies get to finish before they end with an error.
     #[arg(long, default_value_t = 30)]
     shutdown_grace: u64,
+    /// Recompute every prompt whole: no reuse of the prefix a slot's KV cache holds.
+    #[arg(long)]
+    no_prefix_reuse: bool,
     /// `max_tokens` of a request that names none.
     #[arg(long, default_value_t = 512)]
     max_tokens: usize,
@@ -89,6 +92,7 @@ pub fn cmd_serve(a: ServeArgs) -> Result<()> {
                 default_max_tokens: a.max_tokens,
                 sparsity: policy.name.clone(),
                 mlp_density: policy.mean_mlp_density(engine.model.config.n_ff),
+                reuse_prefix: !a.no_prefix_reuse,
                 limits: Limits {
                     max_connections: a.max_connections,
                     read_timeout: Duration::from_secs(a.read_timeout.max(1)),
