@@ -212,3 +212,23 @@ fn unknown_quant_type_in_a_model_file() {
     bytes[at..at + 4].copy_from_slice(&99u32.to_le_bytes());
     generate_on(&bytes, "unknown ggml type id 99");
 }
+
+/// A GGUF may set `general.alignment` to 1: a tensor whose data then starts at an odd offset
+/// cannot be read as blocks in place, and is refused at load (not a panic in a kernel).
+#[test]
+fn misaligned_tensor_data_is_refused() {
+    let misaligned = (0..64)
+        .find_map(|pad| {
+            let mut bytes = tiny_llama_gguf(|meta, _| {
+                meta.push(("general.alignment".into(), MetaValue::U32(1)));
+                meta.push(("pad".into(), MetaValue::String("x".repeat(pad))));
+            });
+            // The writer pads data to 32 bytes; read with alignment 1 it starts earlier, so
+            // keep the last tensor inside the file.
+            bytes.extend([0u8; 64]);
+            let h = dejavu_formats::gguf::parse(&bytes).ok()?;
+            (h.data_start % 2 == 1).then_some(bytes)
+        })
+        .expect("some padding puts the data at an odd offset");
+    generate_on(&misaligned, "not aligned");
+}

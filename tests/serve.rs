@@ -519,17 +519,27 @@ fn a_continued_chat_reuses_its_history() {
         let body = json!({"messages": m, "max_tokens": 10, "temperature": 0});
         let (st, v) = s.post("/v1/chat/completions", &body.to_string(), None);
         assert_eq!(st, 200, "{v}");
-        v["choices"][0]["message"]["content"].as_str().unwrap().to_string()
+        v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_string()
     };
     let first = [("user", "Tell me a story")];
     let a = chat(&first);
     assert_eq!(a, reference(&first, 10).0);
     assert_eq!(counter(&s, "dejavu_prompt_tokens_reused_total"), 0);
-    let second = [("user", "Tell me a story"), ("assistant", &a), ("user", "And then?")];
+    let second = [
+        ("user", "Tell me a story"),
+        ("assistant", &a),
+        ("user", "And then?"),
+    ];
     let b = chat(&second);
     assert_eq!(b, reference(&second, 10).0, "the reply on a reused prefix");
     let reused = counter(&s, "dejavu_prompt_tokens_reused_total");
-    assert!(reused >= 5, "the first turn's tokens came from the cache: {reused}");
+    assert!(
+        reused >= 5,
+        "the first turn's tokens came from the cache: {reused}"
+    );
     // Another conversation shares only the template's start; it is still answered right.
     let other = [("user", "Count")];
     assert_eq!(chat(&other), reference(&other, 10).0);

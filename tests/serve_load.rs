@@ -147,7 +147,15 @@ fn thirty_two_clients_get_every_reply_whole_and_equal_to_generate() {
     // Prefix reuse off: a prompt computed on cached keys and values of another batch split is
     // the same math in another rounding order, and greedy replies could then part from
     // `generate`'s at near-ties (tests/serve.rs checks reuse itself).
-    let args = ["--parallel", "2", "-t", "2", "--ctx", CTX, "--no-prefix-reuse"];
+    let args = [
+        "--parallel",
+        "2",
+        "-t",
+        "2",
+        "--ctx",
+        CTX,
+        "--no-prefix-reuse",
+    ];
     let mut server = ServerProcess::start(&model, &args);
     let pid = server.child.id();
     let base = server.base();

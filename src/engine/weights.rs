@@ -556,6 +556,18 @@ impl Table<'_> {
                 reason: "data lies outside its file".into(),
             });
         }
+        let addr = self.files[e.file].as_ptr() as usize + e.start;
+        if !addr.is_multiple_of(w.qtype.align()) {
+            return Err(Error::BadTensor {
+                tensor: name.into(),
+                reason: format!(
+                    "its data starts at byte {} of its file, not aligned to the {} bytes {:?} needs",
+                    e.start,
+                    w.qtype.align(),
+                    w.qtype
+                ),
+            });
+        }
         Ok(w)
     }
 

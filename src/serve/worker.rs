@@ -158,8 +158,14 @@ pub fn run_slot(engine: &Engine, dec: &mut dyn Decoder, jobs: &Jobs, metrics: &M
         let done = run_job(engine, dec, &job, jobs, &mut cached);
         metrics.busy.fetch_sub(1, Ordering::Relaxed);
         match done {
-            Ok(Ran { n, cancelled, reused }) => {
-                metrics.prompt_reused.fetch_add(reused as u64, Ordering::Relaxed);
+            Ok(Ran {
+                n,
+                cancelled,
+                reused,
+            }) => {
+                metrics
+                    .prompt_reused
+                    .fetch_add(reused as u64, Ordering::Relaxed);
                 if cancelled {
                     metrics.cancelled.fetch_add(1, Ordering::Relaxed);
                 }

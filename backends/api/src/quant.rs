@@ -52,6 +52,21 @@ impl QuantType {
             QuantType::Q6K => size_of::<BlockQ6K>(),
         }
     }
+    /// The alignment in bytes a row's data must have: the kernels read the blocks as typed
+    /// slices, and weights are mapped from files, so a tensor at a misaligned file offset is
+    /// refused at load.
+    pub const fn align(self) -> usize {
+        match self {
+            QuantType::F32 => align_of::<f32>(),
+            QuantType::F16 | QuantType::BF16 => align_of::<half::f16>(),
+            QuantType::Q8_0 => align_of::<BlockQ8_0>(),
+            QuantType::Q4_0 => align_of::<BlockQ4_0>(),
+            QuantType::Q4_1 => align_of::<BlockQ4_1>(),
+            QuantType::Q5_0 => align_of::<BlockQ5_0>(),
+            QuantType::Q4K => align_of::<BlockQ4K>(),
+            QuantType::Q6K => align_of::<BlockQ6K>(),
+        }
+    }
     /// Bytes of a row of `n` elements (`n` a multiple of `block_len`).
     #[inline]
     pub const fn row_bytes(self, n: usize) -> usize {
