@@ -7,8 +7,8 @@ use dejavu_backend_api::quant::{BlockQ4_0, BlockQ8A, QK};
 
 select_q8a_kernel!();
 
-fn blocks(row: &[u8]) -> &[BlockQ4_0] {
-    bytemuck::cast_slice(row)
+fn blocks(row: &[u8]) -> std::borrow::Cow<'_, [BlockQ4_0]> {
+    super::as_blocks(row)
 }
 
 fn unpack(b: &BlockQ4_0) -> [i8; QK] {
@@ -47,13 +47,13 @@ pub fn portable(row: &[u8], act: &[BlockQ8A]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 fn avx2<const PF: bool>(row: &[u8], act: &[BlockQ8A]) -> f32 {
     // SAFETY: handed out by `select` only for tiers whose features this CPU has.
-    unsafe { avx2_impl::<PF>(blocks(row), act) }
+    unsafe { avx2_impl::<PF>(&blocks(row), act) }
 }
 
 #[cfg(target_arch = "x86_64")]
 fn avx512<const PF: bool>(row: &[u8], act: &[BlockQ8A]) -> f32 {
     // SAFETY: handed out by `select` only for tiers whose features this CPU has.
-    unsafe { avx512_impl::<PF>(blocks(row), act) }
+    unsafe { avx512_impl::<PF>(&blocks(row), act) }
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -6,8 +6,8 @@ use dejavu_backend_api::quant::{BlockQ8A, BlockQ8_0, QK};
 
 select_q8a_kernel!();
 
-fn blocks(row: &[u8]) -> &[BlockQ8_0] {
-    bytemuck::cast_slice(row)
+fn blocks(row: &[u8]) -> std::borrow::Cow<'_, [BlockQ8_0]> {
+    super::as_blocks(row)
 }
 
 pub fn scalar(row: &[u8], act: &[BlockQ8A]) -> f32 {
@@ -46,13 +46,13 @@ pub fn portable(row: &[u8], act: &[BlockQ8A]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 fn avx2<const PF: bool>(row: &[u8], act: &[BlockQ8A]) -> f32 {
     // SAFETY: handed out by `select` only for tiers whose features this CPU has.
-    unsafe { avx2_impl::<PF>(blocks(row), act) }
+    unsafe { avx2_impl::<PF>(&blocks(row), act) }
 }
 
 #[cfg(target_arch = "x86_64")]
 fn avx512<const PF: bool>(row: &[u8], act: &[BlockQ8A]) -> f32 {
     // SAFETY: handed out by `select` only for tiers whose features this CPU has.
-    unsafe { avx512_impl::<PF>(blocks(row), act) }
+    unsafe { avx512_impl::<PF>(&blocks(row), act) }
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -44,6 +44,16 @@ pub(crate) mod testutil;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
+/// `row` as blocks of `B`: borrowed when it is aligned for them (as loaded weights always are:
+/// the loader refuses misaligned tensors), else copied, so a misaligned row is read right and
+/// never makes a kernel panic.
+pub(crate) fn as_blocks<B: bytemuck::Pod>(row: &[u8]) -> std::borrow::Cow<'_, [B]> {
+    match bytemuck::try_cast_slice(row) {
+        Ok(blocks) => std::borrow::Cow::Borrowed(blocks),
+        Err(_) => std::borrow::Cow::Owned(bytemuck::pod_collect_to_vec(row)),
+    }
+}
+
 /// An element of the rows that `dot_rows` and `axpy` read: f32, or f16 (an f16 KV cache),
 /// widened to f32 exactly.
 pub trait RowElem: Copy + Send + Sync + 'static {
