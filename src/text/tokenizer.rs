@@ -99,7 +99,10 @@ impl Tokenizer {
         };
         let has_tokenizer_json = dir.join("tokenizer.json").is_file();
         let mut inner = if has_tokenizer_json {
-            tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).map_err(tok_err)?
+            let path = dir.join("tokenizer.json");
+            let text = std::fs::read_to_string(&path)
+                .map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))?;
+            parse_hf_json(&text, "tokenizer.json")?
         } else if dir.join("vocab.json").is_file() && dir.join("merges.txt").is_file() {
             let (v, m) = (dir.join("vocab.json"), dir.join("merges.txt"));
             let bpe = BPE::from_file(&v.to_string_lossy(), &m.to_string_lossy())
@@ -337,9 +340,7 @@ impl Tokenizer {
     /// as `dejavu quantize` writes): built from it exactly, post-processor included; ids of
     /// BOS/EOS and the chat template from the usual keys.
     fn from_gguf_hf_json(h: &GgufHeader, json: &str) -> Result<Self> {
-        let inner: tokenizers::Tokenizer = json
-            .parse()
-            .map_err(|e| Error::Tokenizer(format!("{TOK_HF_JSON}: {e}")))?;
+        let inner = parse_hf_json(json, TOK_HF_JSON)?;
         let n = inner.get_vocab_size(true);
         let tokens: Vec<String> = (0..n as u32)
             .map(|i| inner.id_to_token(i).unwrap_or_default())
@@ -438,6 +439,16 @@ pub fn render_chat_template(
     env.get_template("chat")
         .and_then(|t| t.render(ctx))
         .map_err(|e| Error::Template(e.to_string()))
+}
+
+/// A Hugging Face `tokenizer.json` (from a file or a GGUF's metadata: either may come from a
+/// stranger). The text is checked to be JSON first: the `tokenizers` crate panics (an `expect`
+/// in its decoder parsing) on a document that is not.
+fn parse_hf_json(text: &str, what: &str) -> Result<tokenizers::Tokenizer> {
+    let bad = |e: String| Error::Tokenizer(format!("{what}: {e}"));
+    serde_json::from_str::<serde::de::IgnoredAny>(text).map_err(|e| bad(e.to_string()))?;
+    text.parse()
+        .map_err(|e: tokenizers::Error| bad(e.to_string()))
 }
 
 fn meta_str<'a>(h: &'a GgufHeader, key: &str) -> Result<&'a str> {
