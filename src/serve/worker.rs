@@ -5,7 +5,7 @@
 use super::api::{ApiError, GenRequest, Input};
 use super::Metrics;
 use crate::engine::Engine;
-use crate::text::generate::{Decoder, TextStream};
+use crate::text::generate::{reusable, Decoder, TextStream};
 use crate::text::sampling::Sampler;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
@@ -211,11 +211,6 @@ struct Ran {
     reused: usize,
 }
 
-/// The length of the longest common prefix.
-fn shared_prefix(a: &[u32], b: &[u32]) -> usize {
-    a.iter().zip(b).take_while(|(x, y)| x == y).count()
-}
-
 /// Generate one reply, sending its events. `cached` is what the decoder's cache holds; it is
 /// kept up to date with every token decoded.
 fn run_job(
@@ -250,9 +245,8 @@ fn run_job(
             reused: 0,
         });
     }
-    // At least the prompt's last token is decoded, for its logits.
     let reused = match jobs.reuse_prefix {
-        true => shared_prefix(cached, &ids).min(ids.len() - 1),
+        true => reusable(cached, &ids),
         false => 0,
     };
     cached.truncate(reused.min(dec.len()));

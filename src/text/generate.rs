@@ -103,6 +103,14 @@ pub fn generate(
     generate_on(engine, &mut dec, new_tokens, max_tokens, sampler, on_text)
 }
 
+/// How many leading tokens of `ids` a cache holding `cached` can keep: their shared prefix, but
+/// never all of `ids` (its last token is decoded again, for its logits). A chat that continues
+/// feeds only `ids[reusable(..)..]` after `Decoder::truncate`.
+pub fn reusable(cached: &[u32], ids: &[u32]) -> usize {
+    let shared = cached.iter().zip(ids).take_while(|(a, b)| a == b).count();
+    shared.min(ids.len().saturating_sub(1))
+}
+
 /// [`generate`] on any [`Decoder`] (`engine` gives the tokenizer).
 pub fn generate_on(
     engine: &Engine,

@@ -493,12 +493,7 @@ fn chat_loop(
             continue;
         };
         // Reuse the cached prefix of the conversation; feed only what is new.
-        let common = cached
-            .iter()
-            .zip(&ids)
-            .take_while(|(a, b)| a == b)
-            .count()
-            .min(ids.len() - 1);
+        let common = dejavu::text::generate::reusable(&cached, &ids);
         dec.truncate(common);
         let mut stdout = std::io::stdout().lock();
         let (reply, stats) = generate_on(
