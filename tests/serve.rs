@@ -31,6 +31,8 @@ fn engine() -> Engine {
 /// A running server and what stops it.
 struct Server {
     addr: SocketAddr,
+    /// Keeps no idle connection, so the server's open connections are the test's own.
+    agent: ureq::Agent,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     done: std::sync::mpsc::Receiver<std::io::Result<()>>,
 }
@@ -91,6 +93,10 @@ impl Server {
         let addr = addr_rx.recv_timeout(Duration::from_secs(30)).unwrap();
         Self {
             addr,
+            agent: ureq::AgentBuilder::new()
+                .max_idle_connections(0)
+                .max_idle_connections_per_host(0)
+                .build(),
             stop: Some(stop),
             done,
         }
@@ -100,7 +106,10 @@ impl Server {
     }
     /// POST `body`; the status and the JSON (or text) answer.
     fn post(&self, path: &str, body: &str, key: Option<&str>) -> (u16, Value) {
-        let mut r = ureq::post(&self.url(path)).set("Content-Type", "application/json");
+        let mut r = self
+            .agent
+            .post(&self.url(path))
+            .set("Content-Type", "application/json");
         if let Some(k) = key {
             r = r.set("Authorization", &format!("Bearer {k}"));
         }
@@ -117,7 +126,7 @@ impl Server {
         )
     }
     fn get(&self, path: &str) -> (u16, String) {
-        match ureq::get(&self.url(path)).call() {
+        match self.agent.get(&self.url(path)).call() {
             Ok(r) => (r.status(), r.into_string().unwrap()),
             Err(ureq::Error::Status(s, r)) => (s, r.into_string().unwrap()),
             Err(e) => panic!("GET {path}: {e}"),
@@ -158,6 +167,19 @@ fn counter(s: &Server, name: &str) -> u64 {
     let line = m.lines().find(|l| l.starts_with(&format!("{name} ")));
     line.and_then(|l| l.split(' ').nth(1)?.parse().ok())
         .unwrap_or_else(|| panic!("{name}: {m}"))
+}
+
+/// Wait (10 s at most) for the metric `name` to read `want`: a slot frees itself just after
+/// its reply is sent, so a client can see the reply before the gauge moves.
+fn settles(s: &Server, name: &str, want: u64) {
+    let t0 = Instant::now();
+    while counter(s, name) != want {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "{name} never read {want}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }
 
 /// `generate` on a fresh cache of another engine, greedy: the reply the server must give.
@@ -229,7 +251,9 @@ fn the_server_answers_like_generate_and_refuses_bad_requests() {
     let mut sb = body.clone();
     sb["stream"] = json!(true);
     sb["stream_options"] = json!({"include_usage": true});
-    let resp = ureq::post(&s.url("/v1/chat/completions"))
+    let resp = s
+        .agent
+        .post(&s.url("/v1/chat/completions"))
         .send_string(&sb.to_string())
         .unwrap();
     assert!(resp.content_type().contains("text/event-stream"));
@@ -308,7 +332,9 @@ fn the_server_answers_like_generate_and_refuses_bad_requests() {
     let mut long_req = sb.clone();
     long_req["max_tokens"] = json!(60);
     long_req["temperature"] = json!(0.8);
-    let reader = ureq::post(&s.url("/v1/chat/completions"))
+    let reader = s
+        .agent
+        .post(&s.url("/v1/chat/completions"))
         .send_string(&long_req.to_string())
         .unwrap()
         .into_reader();
@@ -352,7 +378,7 @@ fn a_client_that_hangs_up_frees_its_slot() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    assert_eq!(counter(&s, "dejavu_slots_busy"), 0);
+    settles(&s, "dejavu_slots_busy", 0);
     assert!(
         t0.elapsed() < Duration::from_millis(80 * 5),
         "cancelled after {:?}: sooner than the whole reply would take",
@@ -399,6 +425,24 @@ fn raw(addr: SocketAddr, sent: &[u8], wait: Duration) -> (String, Option<Duratio
     (String::from_utf8_lossy(&out).into_owned(), ended)
 }
 
+/// Whether the server closes `c` within `wait` (it sent nothing); `Duration::ZERO` asks
+/// without waiting.
+fn closed_within(c: &mut TcpStream, wait: Duration) -> bool {
+    let mut buf = [0u8; 64];
+    if wait.is_zero() {
+        c.set_nonblocking(true).unwrap();
+    } else {
+        c.set_read_timeout(Some(wait)).unwrap();
+    }
+    let closed = match c.read(&mut buf) {
+        Ok(0) => true,
+        Ok(_) => panic!("the server sent bytes to an idle connection"),
+        Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
+    };
+    c.set_nonblocking(false).unwrap();
+    closed
+}
+
 /// Faults a server on an edge box meets, each with a bound: the server keeps serving the next
 /// client after every one, and its slot is free at the end.
 #[test]
@@ -407,7 +451,7 @@ fn faults_are_bounded_and_the_server_keeps_serving() {
         max_connections: 6,
         // Long enough that the idle connections of the flood below still hold their places
         // when the one past the limit arrives, on a busy machine too.
-        read_timeout: Duration::from_secs(2),
+        read_timeout: Duration::from_secs(3),
         stall_timeout: Duration::from_secs(1),
         shutdown_grace: Duration::from_millis(300),
     };
@@ -456,18 +500,37 @@ fn faults_are_bounded_and_the_server_keeps_serving() {
     assert_eq!(st, 400, "{v}");
     ok(&s);
 
-    // A flood of idle connections: past the limit they are closed at once, and once the
-    // idle ones time out the server serves again.
-    let idle: Vec<TcpStream> = (0..limits.max_connections)
-        .map(|_| TcpStream::connect(s.addr).unwrap())
-        .collect();
-    std::thread::sleep(Duration::from_millis(100));
+    // A flood of idle connections: while `max_connections` are open, each one past them is
+    // closed at once, and once the idle ones time out the server serves again. The test's
+    // agent keeps no connection, so the open ones are the flood's.
+    let probe = Duration::from_millis(150);
+    let mut idle = Vec::new();
+    let refused = loop {
+        let mut c = TcpStream::connect(s.addr).unwrap();
+        if closed_within(&mut c, probe) {
+            break idle.len();
+        }
+        idle.push(c);
+        assert!(
+            idle.len() <= limits.max_connections,
+            "past the limit, still open"
+        );
+    };
+    assert_eq!(refused, limits.max_connections, "refused before the limit");
     let (out, ended) = raw(s.addr, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", wait);
     assert!(out.is_empty(), "over the limit: {out}");
     assert!(
         ended.is_some_and(|e| e < Duration::from_millis(500)),
         "{ended:?}"
     );
+    // The flood was still open while the ones past it were refused (a stalled machine would
+    // have let the read timeout close it first, and the check above would prove nothing).
+    for c in &mut idle {
+        assert!(
+            !closed_within(c, Duration::ZERO),
+            "an idle connection closed early"
+        );
+    }
     std::thread::sleep(limits.read_timeout + Duration::from_millis(300));
     ok(&s);
     drop(idle);
@@ -489,14 +552,16 @@ fn faults_are_bounded_and_the_server_keeps_serving() {
         std::thread::sleep(Duration::from_millis(20));
     }
     ok(&s);
-    assert_eq!(counter(&s, "dejavu_slots_busy"), 0);
+    settles(&s, "dejavu_slots_busy", 0);
 
     // Shutdown whose grace runs out: a long stream ends with an error chunk and [DONE], and
     // the server returns.
     let long = json!({"messages": [{"role": "user", "content": "Count"}], "max_tokens": 80,
         "temperature": 0, "stream": true})
     .to_string();
-    let reader = ureq::post(&s.url("/v1/chat/completions"))
+    let reader = s
+        .agent
+        .post(&s.url("/v1/chat/completions"))
         .send_string(&long)
         .unwrap()
         .into_reader();
