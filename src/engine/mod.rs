@@ -7,6 +7,7 @@ pub mod device;
 pub mod executor;
 pub mod kv_cache;
 pub mod names;
+pub mod parallel;
 pub mod repack;
 pub mod synthetic;
 pub mod weights;

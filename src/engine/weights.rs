@@ -382,7 +382,7 @@ impl Model {
         v
     }
 
-    fn projections(&self) -> impl Iterator<Item = &WeightRef> {
+    pub(crate) fn projections(&self) -> impl Iterator<Item = &WeightRef> {
         self.proj_in.iter().chain(&self.proj_out)
     }
 

@@ -84,6 +84,54 @@ impl<'a> Weight<'a> {
         let rb = self.qtype.row_bytes(self.cols);
         &self.data[r * rb..(r + 1) * rb]
     }
+
+    /// Rows `rows` of the matrix, borrowed (a column-parallel shard: some heads' or neurons'
+    /// rows).
+    pub fn row_range(&self, rows: std::ops::Range<usize>) -> Result<Weight<'a>, BackendError> {
+        if rows.start > rows.end || rows.end > self.rows {
+            return Err(BackendError::Shape(format!(
+                "rows {rows:?} of a {}-row matrix",
+                self.rows
+            )));
+        }
+        let rb = self.qtype.row_bytes(self.cols);
+        Ok(Weight {
+            rows: rows.len(),
+            data: &self.data[rows.start * rb..rows.end * rb],
+            ..*self
+        })
+    }
+
+    /// Columns `cols` of every row, copied into bytes of `rows x cols.len()` in the same type
+    /// (a row-parallel shard: W_o's columns of some heads, fc2's of some neurons). The range
+    /// must fall on the type's block boundaries, and the rows be in the file's layout.
+    pub fn col_range(&self, cols: std::ops::Range<usize>) -> Result<Vec<u8>, BackendError> {
+        let bl = self.qtype.block_len();
+        if cols.start > cols.end || cols.end > self.cols {
+            return Err(BackendError::Shape(format!(
+                "columns {cols:?} of a {}-column matrix",
+                self.cols
+            )));
+        }
+        if !cols.start.is_multiple_of(bl) || !cols.end.is_multiple_of(bl) {
+            return Err(BackendError::Shape(format!(
+                "columns {cols:?} do not fall on {:?}'s blocks of {bl}",
+                self.qtype
+            )));
+        }
+        if self.layout != RowLayout::Ggml {
+            return Err(BackendError::Shape("columns of a repacked matrix".into()));
+        }
+        let (lo, hi) = (
+            self.qtype.row_bytes(cols.start),
+            self.qtype.row_bytes(cols.end),
+        );
+        let mut out = Vec::with_capacity(self.rows * (hi - lo));
+        for r in 0..self.rows {
+            out.extend_from_slice(&self.row(r)[lo..hi]);
+        }
+        Ok(out)
+    }
 }
 
 /// One product of [`Backend::matmul_shared_input`]: `y = x W^T` over `rows`, 0 elsewhere.

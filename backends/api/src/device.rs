@@ -122,8 +122,9 @@ pub struct LazyKv<'a, D: Device + ?Sized> {
 /// Which step value selects the row of an embedding lookup.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StepRow {
-    /// The row's token id.
-    Token,
+    /// The row's token id less `first`: a table that holds the vocabulary's rows from `first`
+    /// on (one rank's share under tensor parallelism; 0 for the whole table).
+    Token { first: usize },
     /// The row's position plus an offset (OPT's learned positions start at 2).
     Position { offset: usize },
 }
@@ -180,7 +181,8 @@ pub trait Device: Send + Sync {
     fn set_step(&self, tokens: &[u32], pos: usize) -> Result<(), BackendError>;
 
     /// For each of the batch's `rows`: `x[r] = table[row]` (`accumulate`: `+=`), the row chosen
-    /// by `which`; a row outside the table writes nothing and is the caller's to rule out.
+    /// by `which`; a row outside the table writes zeros (`accumulate`: adds nothing), so the
+    /// ranks' lookups in their shares of a table sum to the whole table's.
     fn embed(
         &self,
         table: &Self::Mat,
@@ -400,6 +402,35 @@ pub trait Device: Send + Sync {
     }
     /// Wait until every queued verb has run.
     fn sync(&self) -> Result<(), BackendError>;
+
+    /// This device's place in a tensor-parallel world, `(rank, size)`: `(0, 1)` alone. Every
+    /// rank of a world runs the same verbs in the same order, the collectives included.
+    fn world(&self) -> (usize, usize) {
+        (0, 1)
+    }
+    /// `x[..n]` = the sum over the world's ranks of their `x[..n]`, in order with the queued
+    /// verbs of the main lane (not between `fork` and `back`). Alone: nothing to do.
+    fn all_reduce(&self, x: &mut Self::Buf, n: usize) -> Result<(), BackendError> {
+        let _ = (x, n);
+        match self.world().1 {
+            1 => Ok(()),
+            w => Err(BackendError::Unsupported {
+                backend: self.name(),
+                what: format!("an all-reduce over {w} ranks"),
+            }),
+        }
+    }
+    /// `out[r * n..(r + 1) * n]` = rank `r`'s `x[..n]`, for every rank `r` of the world, on the
+    /// main lane. Alone: `out[..n] = x[..n]`.
+    fn all_gather(&self, x: &Self::Buf, n: usize, out: &mut Self::Buf) -> Result<(), BackendError> {
+        match self.world().1 {
+            1 => self.copy(x, out, n),
+            w => Err(BackendError::Unsupported {
+                backend: self.name(),
+                what: format!("an all-gather over {w} ranks"),
+            }),
+        }
+    }
 
     /// Start recording the verbs that follow instead of running them; `false` if this device
     /// does not record (its verbs then run as they are called).

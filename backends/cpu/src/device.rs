@@ -6,13 +6,14 @@
 use crate::isa::Isa;
 use crate::kernels::table::Kernels;
 use crate::pool::SpinPool;
+use crate::world::HostWorld;
 use crate::{attention, dequant, ops};
 use dejavu_backend_api::{
     Activation, AttnGeom, AttnShape, BackendError, Device, IndexSet, KvSlice, LazyKv, Product,
     QuantType, RopeStyle, Rows, StepRow, Weight, MAX_ROWS,
 };
 use half::f16;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 pub struct HostDevice {
     /// The batch's tokens and first position.
@@ -20,6 +21,8 @@ pub struct HostDevice {
     /// The scalar tier and one thread, for the attention reference.
     kernels: Kernels,
     pool: SpinPool,
+    /// This device's rank in a tensor-parallel world of host threads, if any.
+    world: Option<(usize, Arc<HostWorld>)>,
 }
 
 impl Default for HostDevice {
@@ -28,7 +31,21 @@ impl Default for HostDevice {
             step: Mutex::new((vec![0], 0)),
             kernels: Kernels::for_isa(Isa::Scalar).expect("the scalar tier runs everywhere"),
             pool: SpinPool::new(1),
+            world: None,
         }
+    }
+}
+
+impl HostDevice {
+    /// Rank `rank` of `world` (its other ranks are other threads' devices).
+    pub fn rank(rank: usize, world: Arc<HostWorld>) -> Result<Self, BackendError> {
+        if rank >= world.size() {
+            return Err(shape(format!("rank {rank} of a world of {}", world.size())));
+        }
+        Ok(Self {
+            world: Some((rank, world)),
+            ..Self::default()
+        })
     }
 }
 
@@ -212,13 +229,14 @@ impl Device for HostDevice {
         let mut row = vec![0.0; t.cols];
         for (i, xr) in x.chunks_exact_mut(t.cols).take(rows).enumerate() {
             let r = match which {
-                StepRow::Token => tokens[i] as usize,
-                StepRow::Position { offset } => pos + i + offset,
+                StepRow::Token { first } => (tokens[i] as usize).checked_sub(first),
+                StepRow::Position { offset } => Some(pos + i + offset),
             };
-            if r >= t.rows {
-                continue;
+            match r {
+                Some(r) if r < t.rows => t.row(r, &mut row),
+                _ if acc => continue,
+                _ => row.fill(0.0),
             }
-            t.row(r, &mut row);
             for (x, &v) in xr.iter_mut().zip(&row) {
                 *x = if acc { *x + v } else { v };
             }
@@ -579,6 +597,25 @@ impl Device for HostDevice {
 
     fn sync(&self) -> Result<(), BackendError> {
         Ok(())
+    }
+    fn world(&self) -> (usize, usize) {
+        self.world.as_ref().map_or((0, 1), |(r, w)| (*r, w.size()))
+    }
+    fn all_reduce(&self, x: &mut Vec<f32>, n: usize) -> Result<(), BackendError> {
+        need("all-reduce buffer", x.len(), n)?;
+        match &self.world {
+            Some((rank, w)) => w.all_reduce(*rank, &mut x[..n]),
+            None => Ok(()),
+        }
+    }
+    fn all_gather(&self, x: &Vec<f32>, n: usize, out: &mut Vec<f32>) -> Result<(), BackendError> {
+        need("all-gather input", x.len(), n)?;
+        let size = self.world().1;
+        need("all-gather output", out.len(), n * size)?;
+        match &self.world {
+            Some((rank, w)) => w.all_gather(*rank, &x[..n], &mut out[..n * size]),
+            None => self.copy(x, out, n),
+        }
     }
     fn begin_capture(&self) -> Result<bool, BackendError> {
         Ok(false)

@@ -12,6 +12,7 @@ pub mod ops;
 pub mod pool;
 pub mod prefetch;
 pub mod vec_dot;
+pub mod world;
 
 use dejavu_backend_api::{
     Activation, AttnShape, Backend, BackendError, IndexSet, KvSlice, MatmulJob, QuantType,

@@ -501,7 +501,7 @@ impl Device for CudaDevice {
         self.batch_rows("embed", rows)?;
         need("embed output", x.0.len(), rows * t.cols)?;
         let (w, off) = match which {
-            StepRow::Token => (0i32, 0i32),
+            StepRow::Token { first } => (0i32, -(first as i32)),
             StepRow::Position { offset } => (1, offset as i32),
         };
         let f = self.func(&format!("embed_{}", type_suffix(t.qtype)));

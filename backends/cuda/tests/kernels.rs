@@ -243,16 +243,25 @@ fn several_products_of_mixed_types_in_one_launch() {
     });
 }
 
-/// A batch of 3 rows: token rows, then position rows (offset 1) added.
+/// A batch of 3 rows: token rows, then position rows (offset 1) added; then the same tokens
+/// looked up as in a vocabulary shard from row `rows / 2` on (token 0 falls outside: zeros),
+/// over a buffer of ones.
 fn embed_on<D: Device>(d: &D, w: &Weight, rows: usize) -> Vec<f32> {
     let m = d.upload_mat(w).unwrap();
     let mut x = d.zeros(3 * w.cols).unwrap();
     let tokens = [(rows - 1) as u32, 0, (rows / 2) as u32];
     d.set_step(&tokens, rows / 2 - 2).unwrap();
-    d.embed(&m, StepRow::Token, false, &mut x, 3).unwrap();
+    d.embed(&m, StepRow::Token { first: 0 }, false, &mut x, 3)
+        .unwrap();
     d.embed(&m, StepRow::Position { offset: 1 }, true, &mut x, 3)
         .unwrap();
-    down(d, &x, 3 * w.cols)
+    let mut shard = d.upload(&vec![1.0; 3 * w.cols]).unwrap();
+    let first = rows / 2;
+    d.embed(&m, StepRow::Token { first }, false, &mut shard, 3)
+        .unwrap();
+    let mut out = down(d, &x, 3 * w.cols);
+    out.extend(down(d, &shard, 3 * w.cols));
+    out
 }
 
 /// Norms and RoPE (both styles) over a batch of rows of one random vector (2 rows where its

@@ -1,9 +1,11 @@
 //! Every weight of a model on the device.
 use crate::engine::config::ModelConfig;
+use crate::engine::parallel::Shard;
 use crate::engine::weights::{Model, NormWeights, WeightRef};
 use crate::sparsity::layout::SparseLayout;
 use crate::{Error, Result};
-use dejavu_backend_api::Device;
+use dejavu_backend_api::{Device, Weight};
+use std::ops::Range;
 
 /// A norm's gain and bias on the device.
 pub(super) struct Norm<D: Device> {
@@ -30,9 +32,15 @@ pub(super) struct Layer<D: Device> {
 }
 
 /// Every weight of a model on the device (plus, for sparse plans, the neuron-major down
-/// projections and head-major W_o of the [`SparseLayout`]).
+/// projections and head-major W_o of the [`SparseLayout`]); under tensor parallelism, one
+/// rank's [`Shard`] of them.
 pub struct DeviceModel<D: Device> {
+    /// The whole model's config.
     pub config: ModelConfig,
+    /// The shapes of the layers held here: `config` for the whole model, a rank's share of the
+    /// heads and neurons for a shard ([`Shard::local_config`]).
+    pub(super) local: ModelConfig,
+    pub(super) shard: Shard,
     pub(super) token_embd: D::Mat,
     pub(super) pos_embd: Option<D::Mat>,
     /// Rows of the learned position table (0 without one).
@@ -69,6 +77,18 @@ impl<D: Device> DeviceModel<D> {
     /// Upload `model` (in its file's row layout: load it without repacking) and, when given,
     /// the sparse layout that sparse plans read.
     pub fn upload(dev: &D, model: &Model, layout: Option<&SparseLayout>) -> Result<Self> {
+        Self::upload_shard(dev, model, layout, Shard::WHOLE)
+    }
+
+    /// Upload rank `shard.rank`'s share of `model` (see [`crate::engine::parallel`]): its heads'
+    /// rows of W_q, W_k and W_v and columns of W_o, its neurons' rows of fc1 and columns of fc2,
+    /// its vocabulary rows of the embedding and the head; W_o's and fc2's biases on rank 0.
+    pub fn upload_shard(
+        dev: &D,
+        model: &Model,
+        layout: Option<&SparseLayout>,
+        shard: Shard,
+    ) -> Result<Self> {
         if let Some(w) = model
             .matrices()
             .into_iter()
@@ -79,8 +99,49 @@ impl<D: Device> DeviceModel<D> {
                 qtype: format!("{} on {}", w.qtype.name(), dev.name()),
             });
         }
+        if dev.world() != (shard.rank, shard.world) {
+            return Err(Error::Invalid(format!(
+                "rank {} of {} uploaded to a device of rank {:?}",
+                shard.rank,
+                shard.world,
+                dev.world()
+            )));
+        }
+        let c = &model.config;
+        let local = shard.local_config(c)?;
+        let hd = c.head_dim;
+        let (heads, kv) = (shard.part(c.n_heads), shard.part(c.n_kv_heads));
+        let (q_rows, kv_rows) = (heads.start * hd..heads.end * hd, kv.start * hd..kv.end * hd);
+        let (neurons, vocab) = (shard.part(c.n_ff), shard.vocab(c.vocab_size));
+        // Bytes of the matrices a dense step reads here (layers and head).
+        let read = std::cell::Cell::new(0usize);
         let mat = |w: &WeightRef| Ok::<_, Error>(dev.upload_mat(&model.weight(w))?);
+        let rows = |w: &WeightRef, r: &Range<usize>| {
+            let part = model.weight(w).row_range(r.clone())?;
+            read.set(read.get() + part.data.len());
+            Ok::<_, Error>(dev.upload_mat(&part)?)
+        };
+        let cols = |w: &WeightRef, r: &Range<usize>| {
+            let whole = model.weight(w);
+            read.set(read.get() + whole.qtype.row_bytes(r.len()) * whole.rows);
+            if r.len() == whole.cols {
+                return Ok::<_, Error>(dev.upload_mat(&whole)?);
+            }
+            let bytes = whole.col_range(r.clone()).map_err(|e| {
+                Error::Invalid(format!("{} split over {} ranks: {e}", w.name, shard.world))
+            })?;
+            let part = Weight::new(whole.qtype, whole.rows, r.len(), &bytes)?;
+            Ok(dev.upload_mat(&part)?)
+        };
         let vec = |v: &Option<Vec<f32>>| v.as_deref().map(|v| dev.upload(v)).transpose();
+        let part = |v: &Option<Vec<f32>>, r: &Range<usize>| {
+            (v.as_deref().map(|v| dev.upload(&v[r.clone()]))).transpose()
+        };
+        // Row-parallel outputs: the bias once, on rank 0.
+        let once = |v: &Option<Vec<f32>>| match shard.rank {
+            0 => vec(v),
+            _ => Ok(None),
+        };
         let norm = |n: &NormWeights| {
             Ok::<_, Error>(Norm {
                 w: dev.upload(&n.weight)?,
@@ -92,20 +153,20 @@ impl<D: Device> DeviceModel<D> {
         for lw in &model.layers {
             layers.push(Layer {
                 attn_norm: norm(&lw.attn_norm)?,
-                wq: mat(&lw.wq)?,
-                wk: mat(&lw.wk)?,
-                wv: mat(&lw.wv)?,
-                bq: vec(&lw.bq)?,
-                bk: vec(&lw.bk)?,
-                bv: vec(&lw.bv)?,
-                wo: mat(&lw.wo)?,
-                bo: vec(&lw.bo)?,
+                wq: rows(&lw.wq, &q_rows)?,
+                wk: rows(&lw.wk, &kv_rows)?,
+                wv: rows(&lw.wv, &kv_rows)?,
+                bq: part(&lw.bq, &q_rows)?,
+                bk: part(&lw.bk, &kv_rows)?,
+                bv: part(&lw.bv, &kv_rows)?,
+                wo: cols(&lw.wo, &q_rows)?,
+                bo: once(&lw.bo)?,
                 ffn_norm: norm(&lw.ffn_norm)?,
-                w_gate: lw.w_gate.as_ref().map(mat).transpose()?,
-                w_up: mat(&lw.w_up)?,
-                b_up: vec(&lw.b_up)?,
-                w_down: mat(&lw.w_down)?,
-                b_down: vec(&lw.b_down)?,
+                w_gate: (lw.w_gate.as_ref().map(|w| rows(w, &neurons))).transpose()?,
+                w_up: rows(&lw.w_up, &neurons)?,
+                b_up: part(&lw.b_up, &neurons)?,
+                w_down: cols(&lw.w_down, &neurons)?,
+                b_down: once(&lw.b_down)?,
             });
             progress.inc(1);
         }
@@ -114,8 +175,8 @@ impl<D: Device> DeviceModel<D> {
                 (0..model.layers.len())
                     .map(|l| {
                         Ok((
-                            dev.upload_mat(&lay.down_t(l))?,
-                            dev.upload_mat(&lay.wo_t(l))?,
+                            dev.upload_mat(&lay.down_t(l).row_range(neurons.clone())?)?,
+                            dev.upload_mat(&lay.wo_t(l).row_range(q_rows.clone())?)?,
                         ))
                     })
                     .collect::<Result<Vec<_>>>()?,
@@ -123,22 +184,38 @@ impl<D: Device> DeviceModel<D> {
             None => None,
         };
         progress.finish_and_clear();
+        let tied = model.output.location() == model.token_embd.location();
+        let layer_bytes = read.replace(0);
+        let token_embd = rows(&model.token_embd, &vocab)?;
+        let output = match tied {
+            true => None,
+            false => Some(rows(&model.output, &vocab)?),
+        };
+        let head_bytes = match tied {
+            true => read.get(),
+            false => read.get() - model.token_embd.qtype.row_bytes(c.d_embed) * vocab.len(),
+        };
+        let projections: usize = model.projections().map(|w| w.n_bytes()).sum();
+        let row = |w: &WeightRef| w.qtype.row_bytes(w.cols);
         Ok(Self {
-            config: model.config.clone(),
-            token_embd: mat(&model.token_embd)?,
+            config: c.clone(),
+            local,
+            shard,
+            token_embd,
             pos_embd: model.pos_embd.as_ref().map(mat).transpose()?,
             pos_rows: model.pos_embd.as_ref().map_or(0, |p| p.rows),
             proj_in: model.proj_in.as_ref().map(mat).transpose()?,
             proj_out: model.proj_out.as_ref().map(mat).transpose()?,
             output_norm: model.output_norm.as_ref().map(norm).transpose()?,
-            head_bytes: model.output.n_bytes(),
-            output: match model.output.location() == model.token_embd.location() {
-                true => None,
-                false => Some(mat(&model.output)?),
-            },
+            head_bytes,
+            output,
             layers,
             sparse,
-            dense_bytes: model.dense_bytes_per_token(),
+            dense_bytes: layer_bytes
+                + head_bytes
+                + projections
+                + row(&model.token_embd)
+                + model.pos_embd.as_ref().map_or(0, row),
             unit_bytes: model
                 .layers
                 .iter()

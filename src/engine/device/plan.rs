@@ -1,21 +1,25 @@
 //! A plan on the device: fixed index lists, or predictors and their top-k.
 use crate::engine::config::ModelConfig;
+use crate::engine::parallel::Shard;
 use crate::sparsity::policy::Policy;
 use crate::sparsity::predictor::LowRankPredictor;
 use crate::sparsity::{HeadRule, KvRule, MlpRule, SparsePlan};
 use crate::{Error, Result};
 use dejavu_backend_api::{Device, Rows};
+use std::ops::Range;
 
-/// The selection `pred` writes (its top `k`, an index list on the device) and the predictor.
+/// The selection `pred` writes (its top `k` of the units `units`, an index list on the device)
+/// and the predictor, its scores cut to those units.
 fn predicted<D: Device>(
     dev: &D,
     pred: &LowRankPredictor,
+    units: Range<usize>,
     k: usize,
 ) -> Result<(Sel<D>, Option<Predictor<D>>)> {
     let idx = dev.upload_idx(&vec![0; k])?;
     Ok((
         Sel::Predicted { idx, k },
-        Some(Predictor::upload(dev, pred)?),
+        Some(Predictor::upload(dev, pred, units)?),
     ))
 }
 
@@ -34,13 +38,22 @@ pub(super) struct Predictor<D: Device> {
 }
 
 impl<D: Device> Predictor<D> {
-    fn upload(dev: &D, p: &LowRankPredictor) -> Result<Self> {
+    /// `p` scoring the units `units` only (every unit on a whole model; a rank's own under
+    /// tensor parallelism, its first layer replicated).
+    fn upload(dev: &D, p: &LowRankPredictor, units: Range<usize>) -> Result<Self> {
+        if units.end > p.n_out {
+            return Err(Error::BadPlan(format!(
+                "a predictor of {} units asked for units {units:?}",
+                p.n_out
+            )));
+        }
+        let w2 = p.w2().row_range(units.clone())?;
         Ok(Self {
             w1: dev.upload_mat(&p.w1())?,
-            w2: dev.upload_mat(&p.w2())?,
+            w2: dev.upload_mat(&w2)?,
             rank: p.rank,
-            n_out: p.n_out,
-            bytes: p.bytes(),
+            n_out: units.len(),
+            bytes: p.w1().data.len() + w2.data.len(),
         })
     }
 }
@@ -122,6 +135,18 @@ pub struct DevicePlan<D: Device> {
 impl<D: Device> DevicePlan<D> {
     /// A fixed plan: its sets uploaded once.
     pub fn fixed(dev: &D, cfg: &ModelConfig, plan: &SparsePlan, name: &str) -> Result<Self> {
+        Self::fixed_shard(dev, cfg, Shard::WHOLE, plan, name)
+    }
+
+    /// A fixed plan over rank `shard`'s units: each set's members among them, renumbered from
+    /// the rank's first (see [`crate::engine::parallel`]).
+    pub fn fixed_shard(
+        dev: &D,
+        cfg: &ModelConfig,
+        shard: Shard,
+        plan: &SparsePlan,
+        name: &str,
+    ) -> Result<Self> {
         if plan.layers.len() != cfg.n_layers {
             return Err(Error::BadPlan(format!(
                 "{} layer plans for {} layers",
@@ -129,22 +154,24 @@ impl<D: Device> DevicePlan<D> {
                 cfg.n_layers
             )));
         }
-        let sel = |s: &dejavu_backend_api::IndexSet| -> Result<Sel<D>> {
-            Ok(match s.is_full() {
+        let sel = |s: &dejavu_backend_api::IndexSet, n: usize| -> Result<Sel<D>> {
+            let own = shard.part(n);
+            let v: Vec<u32> = (s.iter().filter(|i| own.contains(i)))
+                .map(|i| (i - own.start) as u32)
+                .collect();
+            Ok(match v.len() == own.len() {
                 true => Sel::All,
-                false => {
-                    let v: Vec<u32> = s.iter().map(|i| i as u32).collect();
-                    Sel::Fixed {
-                        idx: dev.upload_idx(&v)?,
-                        count: v.len(),
-                    }
-                }
+                false => Sel::Fixed {
+                    // An empty list is still a list (the step skips its products).
+                    idx: dev.upload_idx(if v.is_empty() { &[0] } else { &v })?,
+                    count: v.len(),
+                },
             })
         };
         let (mut mlp, mut heads) = (Vec::new(), Vec::new());
         for lp in &plan.layers {
-            mlp.push(sel(&lp.mlp)?);
-            heads.push(sel(&lp.heads)?);
+            mlp.push(sel(&lp.mlp, cfg.n_ff)?);
+            heads.push(sel(&lp.heads, cfg.n_heads)?);
         }
         let none = || (0..cfg.n_layers).map(|_| None).collect();
         Ok(Self {
@@ -164,6 +191,13 @@ impl<D: Device> DevicePlan<D> {
     /// attention), `lazy-kv` and the contextual output head (`head:`). Rules that need the
     /// host's view of the activations are refused.
     pub fn policy(dev: &D, cfg: &ModelConfig, p: &Policy) -> Result<Self> {
+        Self::policy_shard(dev, cfg, Shard::WHOLE, p)
+    }
+
+    /// A policy's rules over rank `shard`'s units: each predicted selection keeps its share of
+    /// K (K / world) among the rank's own units, by the replicated predictor's scores of them.
+    pub fn policy_shard(dev: &D, cfg: &ModelConfig, shard: Shard, p: &Policy) -> Result<Self> {
+        let local = shard.local_config(cfg)?;
         let unsupported = |what: String| {
             Error::Backend(dejavu_backend_api::BackendError::Unsupported {
                 backend: dev.name(),
@@ -194,7 +228,7 @@ impl<D: Device> DevicePlan<D> {
                 MlpRule::Dense => (Sel::All, None),
                 r @ MlpRule::LowRank { .. } => {
                     let pred = p.mlp_predictors.get(l).ok_or_else(|| missing("MLP", l))?;
-                    predicted(dev, pred, r.kept(cfg.n_ff))?
+                    predicted(dev, pred, shard.part(cfg.n_ff), r.kept(local.n_ff))?
                 }
                 r => return Err(unsupported(format!("the MLP rule {r:?}"))),
             };
@@ -202,7 +236,7 @@ impl<D: Device> DevicePlan<D> {
                 HeadRule::Dense => (Sel::All, None),
                 r @ HeadRule::LowRank { .. } => {
                     let pred = p.head_predictors.get(l).ok_or_else(|| missing("head", l))?;
-                    predicted(dev, pred, r.kept(cfg.n_heads))?
+                    predicted(dev, pred, shard.part(cfg.n_heads), r.kept(local.n_heads))?
                 }
                 r => return Err(unsupported(format!("the head rule {r:?}"))),
             };

@@ -25,6 +25,12 @@ struct Scratch<D: Device> {
     /// The contextual head's exact logits of its candidates (compact).
     exact: D::Buf,
     logits: D::Buf,
+    /// Tensor parallelism: a row-parallel product's partial output (before the all-reduce),
+    /// zeros to start a sparse one from, and the logits of this rank's vocabulary rows (before
+    /// the all-gather into `logits`). One value each for a whole model.
+    part: D::Buf,
+    zero: D::Buf,
+    part_logits: D::Buf,
 }
 
 impl<D: Device> crate::text::generate::Decoder for DeviceSession<'_, D> {
@@ -117,7 +123,12 @@ impl<'a, D: Device> DeviceSession<'a, D> {
         plan: DevicePlan<D>,
         n_ctx: usize,
     ) -> Result<Self> {
-        let c = &model.config;
+        let c = &model.local;
+        if plan.output.is_some() && !model.shard.is_whole() {
+            return Err(Error::Invalid(
+                "the contextual output head does not run under tensor parallelism".into(),
+            ));
+        }
         if !plan.is_dense() && model.sparse.is_none() {
             return Err(Error::Invalid(
                 "a sparse plan on the device needs the model uploaded with its sparse layout"
@@ -136,6 +147,8 @@ impl<'a, D: Device> DeviceSession<'a, D> {
             .max()
             .unwrap_or(1);
         let wide = c.d_model.max(c.d_embed);
+        let tp = !model.shard.is_whole();
+        let per_rank = model.shard.vocab_per_rank(c.vocab_size);
         let s = Scratch {
             x: dev.zeros(wide)?,
             h: dev.zeros(wide)?,
@@ -153,7 +166,10 @@ impl<'a, D: Device> DeviceSession<'a, D> {
                 dev.zeros(c.n_ff.max(c.n_heads))?,
             ],
             exact: dev.zeros(plan.output.as_ref().map_or(1, |o| o.candidates))?,
-            logits: dev.zeros(c.vocab_size)?,
+            logits: dev.zeros(per_rank * model.shard.world)?,
+            part: dev.zeros(if tp { wide } else { 1 })?,
+            zero: dev.zeros(if tp { wide } else { 1 })?,
+            part_logits: dev.zeros(if tp { per_rank } else { 1 })?,
         };
         let step_bytes = step_bytes(model, &plan);
         let lazy = (plan.heads.iter())
@@ -183,22 +199,28 @@ impl<'a, D: Device> DeviceSession<'a, D> {
         })
     }
 
-    /// The last step's selections per layer, `(neurons, heads)`, each sorted (`None`: every
-    /// unit); read back from the device (for tests and reports).
+    /// The last step's selections per layer, `(neurons, heads)`, each sorted, in the whole
+    /// model's numbering (`None`: every unit held here); read back from the device (for tests
+    /// and reports).
     pub fn selections(&self) -> Result<Vec<Selections>> {
-        let read = |sel: &Sel<D>| -> Result<Option<Vec<u32>>> {
+        let (c, shard) = (&self.model.config, self.model.shard);
+        let read = |sel: &Sel<D>, first: usize| -> Result<Option<Vec<u32>>> {
             let (idx, n) = match sel {
                 Sel::All => return Ok(None),
                 Sel::Fixed { idx, count } => (idx, *count),
                 Sel::Predicted { idx, k } => (idx, *k),
             };
             let mut v = vec![0; n];
-            self.dev.download_idx(idx, &mut v)?;
+            if n > 0 {
+                self.dev.download_idx(idx, &mut v)?;
+            }
+            v.iter_mut().for_each(|i| *i += first as u32);
             v.sort_unstable();
             Ok(Some(v))
         };
+        let (n0, h0) = (shard.part(c.n_ff).start, shard.part(c.n_heads).start);
         (self.plan.mlp.iter().zip(&self.plan.heads))
-            .map(|(m, h)| Ok((read(m)?, read(h)?)))
+            .map(|(m, h)| Ok((read(m, n0)?, read(h, h0)?)))
             .collect()
     }
 
@@ -221,7 +243,7 @@ impl<'a, D: Device> DeviceSession<'a, D> {
         if !std::mem::take(&mut self.truncated) || self.lazy.iter().all(Option::is_none) {
             return Ok(());
         }
-        let mut v = vec![0u32; self.model.config.n_heads];
+        let mut v = vec![0u32; self.model.local.n_heads];
         for (_, valid) in self.lazy.iter_mut().flatten() {
             self.dev.download_idx(valid, &mut v)?;
             v.iter_mut().for_each(|x| *x = (*x).min(self.len as u32));
@@ -238,7 +260,7 @@ impl<'a, D: Device> DeviceSession<'a, D> {
     }
     /// Mean fraction of MLP neurons and of heads the plan computes per layer.
     pub fn densities(&self) -> (f64, f64) {
-        let c = &self.model.config;
+        let c = &self.model.local;
         let mean = |sels: &[Sel<D>], n: usize| {
             sels.iter()
                 .map(|s| s.count(n) as f64 / n as f64)
@@ -270,7 +292,7 @@ impl<'a, D: Device> DeviceSession<'a, D> {
     fn prefill(&mut self, tokens: &[u32]) -> Result<()> {
         let mut b = match self.batch.take() {
             Some(b) => b,
-            None => batch::BatchScratch::new(self.dev, &self.model.config, self.n_ctx)?,
+            None => batch::BatchScratch::new(self.dev, self.model, self.n_ctx)?,
         };
         let n_chunks = tokens.len().div_ceil(b.rows);
         let run = tokens
@@ -305,7 +327,7 @@ impl<'a, D: Device> DeviceSession<'a, D> {
     /// `tokens` (at least one) fit the context and the position table after what the cache
     /// holds, and are in the vocabulary: checked before any runs, so a bad batch changes nothing.
     fn check(&self, tokens: &[u32]) -> Result<()> {
-        let c = &self.model.config;
+        let c = &self.model.local;
         if tokens.is_empty() {
             return Err(Error::Invalid("forward called with no tokens".into()));
         }
@@ -363,7 +385,7 @@ impl<'a, D: Device> DeviceSession<'a, D> {
 /// Weight bytes one step reads under `plan`: the dense model's, less the skipped neurons' and
 /// heads' rows, plus the predictors.
 fn step_bytes<D: Device>(m: &DeviceModel<D>, p: &DevicePlan<D>) -> usize {
-    let c = &m.config;
+    let c = &m.local;
     let mut bytes = m.dense_bytes;
     for (l, &(per_neuron, per_head, kv_per_head)) in m.unit_bytes.iter().enumerate() {
         let (nm, nh) = (p.mlp[l].count(c.n_ff), p.heads[l].count(c.n_heads));

@@ -10,6 +10,7 @@
 use super::step::{block_input, lazy_kv, post_norm};
 use super::DeviceSession;
 use crate::engine::config::{ModelConfig, Positions};
+use crate::engine::device::model::DeviceModel;
 use crate::engine::device::plan::Sel;
 use crate::Result;
 use dejavu_backend_api::{AttnGeom, Device, Product, Rows, StepRow, MAX_ROWS};
@@ -26,11 +27,14 @@ pub(super) struct BatchScratch<D: Device> {
     att: D::Buf,
     gate: D::Buf,
     up: D::Buf,
+    /// Under tensor parallelism, a row-parallel product's partial output (one value else).
+    part: D::Buf,
 }
 
 impl<D: Device> BatchScratch<D> {
     /// Room for batches of `min(MAX_ROWS, n_ctx)` rows.
-    pub(super) fn new(dev: &D, c: &ModelConfig, n_ctx: usize) -> Result<Self> {
+    pub(super) fn new(dev: &D, m: &DeviceModel<D>, n_ctx: usize) -> Result<Self> {
+        let c = &m.local;
         let rows = MAX_ROWS.min(n_ctx).max(1);
         let z = |w: usize| dev.zeros(rows * w);
         Ok(Self {
@@ -44,6 +48,10 @@ impl<D: Device> BatchScratch<D> {
             att: z(c.n_heads * c.head_dim)?,
             gate: z(if c.mlp.gated() { c.n_ff } else { 1 })?,
             up: z(c.n_ff)?,
+            part: match m.shard.is_whole() {
+                true => dev.zeros(1)?,
+                false => z(c.d_model)?,
+            },
         })
     }
 }
@@ -65,12 +73,19 @@ impl<D: Device> DeviceSession<'_, D> {
         logits: bool,
     ) -> Result<()> {
         let (dev, m, n) = (self.dev, self.model, tokens.len());
-        let c = &m.config;
+        let c = &m.local;
         dev.set_step(tokens, self.len)?;
+        let token = StepRow::Token {
+            first: m.shard.vocab(c.vocab_size).start,
+        };
         match &m.proj_in {
-            None => dev.embed(&m.token_embd, StepRow::Token, false, &mut b.x, n)?,
+            None => {
+                dev.embed(&m.token_embd, token, false, &mut b.x, n)?;
+                dev.all_reduce(&mut b.x, n * c.d_model)?;
+            }
             Some(p) => {
-                dev.embed(&m.token_embd, StepRow::Token, false, &mut b.e, n)?;
+                dev.embed(&m.token_embd, token, false, &mut b.e, n)?;
+                dev.all_reduce(&mut b.e, n * c.d_embed)?;
                 dev.matmul(&b.e, n, &mut [Product::new(p, Rows::All, &mut b.x)])?;
             }
         }
@@ -90,7 +105,7 @@ impl<D: Device> DeviceSession<'_, D> {
 
     fn batch_attention(&mut self, b: &mut BatchScratch<D>, l: usize, n: usize) -> Result<()> {
         let (dev, m) = (self.dev, self.model);
-        let (c, lw, hd) = (&m.config, &m.layers[l], m.config.head_dim);
+        let (c, lw, hd) = (&m.local, &m.layers[l], m.local.head_dim);
         block_input(dev, c, &lw.attn_norm, &b.x, &mut b.h, n)?;
         let q = Product::new(&lw.wq, Rows::All, &mut b.q).bias(lw.bq.as_ref());
         match &mut self.lazy[l] {
@@ -123,14 +138,23 @@ impl<D: Device> DeviceSession<'_, D> {
         };
         let (kc, vc) = (&self.k[l], &self.v[l]);
         dev.attention(&b.q, kc, vc, Rows::All, geom, &mut b.att)?;
-        let o = Product::new(&lw.wo, Rows::All, &mut b.x).bias(lw.bo.as_ref());
-        dev.matmul(&b.att, n, &mut [o.accumulate()])?;
+        match m.shard.is_whole() {
+            true => {
+                let o = Product::new(&lw.wo, Rows::All, &mut b.x).bias(lw.bo.as_ref());
+                dev.matmul(&b.att, n, &mut [o.accumulate()])?;
+            }
+            false => {
+                let o = Product::new(&lw.wo, Rows::All, &mut b.part).bias(lw.bo.as_ref());
+                dev.matmul(&b.att, n, &mut [o])?;
+                reduce_rows(dev, c, &mut b.part, &mut b.x, n)?;
+            }
+        }
         post_norm(dev, c, &lw.attn_norm, &mut b.x, &mut b.h, n)
     }
 
     fn batch_mlp(&mut self, b: &mut BatchScratch<D>, l: usize, n: usize) -> Result<()> {
         let (dev, m) = (self.dev, self.model);
-        let (c, lw) = (&m.config, &m.layers[l]);
+        let (c, lw) = (&m.local, &m.layers[l]);
         block_input(dev, c, &lw.ffn_norm, &b.x, &mut b.h, n)?;
         let act = c.mlp.activation();
         let a = match &lw.w_gate {
@@ -147,8 +171,30 @@ impl<D: Device> DeviceSession<'_, D> {
                 &b.up
             }
         };
-        let down = Product::new(&lw.w_down, Rows::All, &mut b.x).bias(lw.b_down.as_ref());
-        dev.matmul(a, n, &mut [down.accumulate()])?;
+        match m.shard.is_whole() {
+            true => {
+                let down = Product::new(&lw.w_down, Rows::All, &mut b.x).bias(lw.b_down.as_ref());
+                dev.matmul(a, n, &mut [down.accumulate()])?;
+            }
+            false => {
+                let down = Product::new(&lw.w_down, Rows::All, &mut b.part);
+                dev.matmul(a, n, &mut [down.bias(lw.b_down.as_ref())])?;
+                reduce_rows(dev, c, &mut b.part, &mut b.x, n)?;
+            }
+        }
         post_norm(dev, c, &lw.ffn_norm, &mut b.x, &mut b.h, n)
     }
+}
+
+/// Tensor parallelism: the ranks' partial outputs of `rows` rows summed, then added to the
+/// residual `x`.
+fn reduce_rows<D: Device>(
+    dev: &D,
+    c: &ModelConfig,
+    part: &mut D::Buf,
+    x: &mut D::Buf,
+    rows: usize,
+) -> Result<()> {
+    dev.all_reduce(part, rows * c.d_model)?;
+    Ok(dev.add(x, part, rows * c.d_model)?)
 }

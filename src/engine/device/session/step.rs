@@ -2,7 +2,7 @@
 //! the plan, and the output head (dense or contextual).
 use super::{lap, Clock, DeviceSession, Scratch};
 use crate::engine::config::{ModelConfig, NormKind, Positions};
-use crate::engine::device::model::{Layer, Norm};
+use crate::engine::device::model::{DeviceModel, Layer, Norm};
 use crate::engine::device::plan::{Predictor, Sel};
 use crate::Result;
 use dejavu_backend_api::{AttnGeom, Device, LazyKv, Product, Rows, StepRow, TopK};
@@ -11,12 +11,20 @@ impl<D: Device> DeviceSession<'_, D> {
     /// The verbs of one step; with a clock, each block timed.
     pub(super) fn run_step(&mut self, clock: &mut Option<Clock>) -> Result<()> {
         let (dev, m) = (self.dev, self.model);
-        let c = &m.config;
+        let c = &m.local;
         let s = &mut self.s;
+        // The rank's vocabulary rows look up zeros for other tokens; the sum is the row.
+        let token = StepRow::Token {
+            first: m.shard.vocab(c.vocab_size).start,
+        };
         match &m.proj_in {
-            None => dev.embed(&m.token_embd, StepRow::Token, false, &mut s.x, 1)?,
+            None => {
+                dev.embed(&m.token_embd, token, false, &mut s.x, 1)?;
+                dev.all_reduce(&mut s.x, c.d_model)?;
+            }
             Some(p) => {
-                dev.embed(&m.token_embd, StepRow::Token, false, &mut s.e, 1)?;
+                dev.embed(&m.token_embd, token, false, &mut s.e, 1)?;
+                dev.all_reduce(&mut s.e, c.d_embed)?;
                 dev.matvec(p, Rows::All, &s.e, None, &mut s.x, false)?;
             }
         }
@@ -33,10 +41,11 @@ impl<D: Device> DeviceSession<'_, D> {
         lap(clock, dev, |t| &mut t.output)
     }
 
-    /// The output head of `s.x` (one row) into `s.logits`: dense, or contextual.
+    /// The output head of `s.x` (one row) into `s.logits`: dense, or contextual. Under tensor
+    /// parallelism each rank's logits of its vocabulary rows are gathered.
     pub(super) fn output(&mut self) -> Result<()> {
         let (dev, m, s) = (self.dev, self.model, &mut self.s);
-        let c = &m.config;
+        let c = &m.local;
         let head_in = match &m.output_norm {
             Some(n) => {
                 norm(dev, c, n, &s.x, &mut s.h, 1)?;
@@ -52,10 +61,22 @@ impl<D: Device> DeviceSession<'_, D> {
             None => head_in,
         };
         match &mut self.plan.output {
+            None if !m.shard.is_whole() => {
+                let per = m.shard.vocab_per_rank(c.vocab_size);
+                dev.matvec(
+                    m.head(),
+                    Rows::All,
+                    head_in,
+                    None,
+                    &mut s.part_logits,
+                    false,
+                )?;
+                dev.all_gather(&s.part_logits, per, &mut s.logits)?;
+            }
             None => dev.matvec(m.head(), Rows::All, head_in, None, &mut s.logits, false)?,
             Some(o) => {
                 // The preview scores every token; the top candidates get exact logits.
-                let vocab = m.config.vocab_size;
+                let vocab = c.vocab_size;
                 dev.matvec(&o.proj, Rows::All, head_in, None, &mut s.z[0], false)?;
                 dev.matvec(&o.table, Rows::All, &s.z[0], None, &mut s.logits, false)?;
                 dev.top_k(&s.logits, vocab, o.candidates, &mut o.idx)?;
@@ -113,12 +134,13 @@ impl<D: Device> DeviceSession<'_, D> {
 
     fn attention(&mut self, l: usize, clock: &mut Option<Clock>) -> Result<()> {
         let (dev, m) = (self.dev, self.model);
-        let (c, lw) = (&m.config, &m.layers[l]);
+        let (c, lw) = (&m.local, &m.layers[l]);
         let hd = c.head_dim;
         block_input(dev, c, &lw.attn_norm, &self.s.x, &mut self.s.h, 1)?;
         lap(clock, dev, |t| &mut t.attention)?;
-        // Lookahead: the predictors on a second lane while this layer's attention runs, unless
-        // they pick this layer's own heads (layer 0) or the blocks are being timed.
+        // Lookahead: the predictors on a second lane while this layer's attention (and its
+        // all-reduce) runs, unless they pick this layer's own heads (layer 0) or the blocks are
+        // being timed.
         let own_heads = l == 0 && matches!(self.plan.heads[0], Sel::Predicted { .. });
         let side = self.plan.lookahead && clock.is_none() && !own_heads;
         if side {
@@ -136,17 +158,22 @@ impl<D: Device> DeviceSession<'_, D> {
             Some((inputs, valid)) => {
                 // Keys and values of the selected heads only, from the kept inputs.
                 dev.store_row(&s.h, inputs, 1)?;
-                dev.matvecs(&s.h, &mut [q])?;
-                if let Some((theta, style)) = c.rope() {
-                    dev.rope(&mut s.q, n_sel, hd, theta, style, 1)?;
+                if n_sel > 0 {
+                    dev.matvecs(&s.h, &mut [q])?;
+                    if let Some((theta, style)) = c.rope() {
+                        dev.rope(&mut s.q, n_sel, hd, theta, style, 1)?;
+                    }
+                    let job = lazy_kv(c, lw, inputs, heads.rows(1), 1);
+                    dev.kv_fill(job, valid, &mut self.k[l], &mut self.v[l])?;
                 }
-                let job = lazy_kv(c, lw, inputs, heads.rows(1), 1);
-                dev.kv_fill(job, valid, &mut self.k[l], &mut self.v[l])?;
             }
             None => {
                 let k = Product::new(&lw.wk, Rows::All, &mut s.k).bias(lw.bk.as_ref());
                 let v = Product::new(&lw.wv, Rows::All, &mut s.v).bias(lw.bv.as_ref());
-                dev.matvecs(&s.h, &mut [q, k, v])?;
+                match n_sel {
+                    0 => dev.matvecs(&s.h, &mut [k, v])?,
+                    _ => dev.matvecs(&s.h, &mut [q, k, v])?,
+                }
                 if let Some((theta, style)) = c.rope() {
                     dev.rope_qk(&mut s.q, n_sel, &mut s.k, c.n_kv_heads, hd, theta, style, 1)?;
                 }
@@ -160,20 +187,21 @@ impl<D: Device> DeviceSession<'_, D> {
             n_ctx: self.n_ctx,
             rows: 1,
         };
-        dev.attention(
-            &s.q,
-            &self.k[l],
-            &self.v[l],
-            heads.rows(1),
-            geom,
-            &mut s.att,
-        )?;
-        match (heads.is_all(), &m.sparse) {
-            (false, Some(sp)) => {
-                dev.axpy(&sp[l].1, heads.rows(hd), &s.att, lw.bo.as_ref(), &mut s.x)?;
+        let out = residual_out(dev, m, s)?;
+        if n_sel > 0 {
+            let (kc, vc) = (&self.k[l], &self.v[l]);
+            dev.attention(&s.q, kc, vc, heads.rows(1), geom, &mut s.att)?;
+            let y = if out { &mut s.part } else { &mut s.x };
+            match (heads.is_all(), &m.sparse) {
+                (false, Some(sp)) => {
+                    dev.axpy(&sp[l].1, heads.rows(hd), &s.att, lw.bo.as_ref(), y)?;
+                }
+                _ => dev.matvec(&lw.wo, Rows::All, &s.att, lw.bo.as_ref(), y, true)?,
             }
-            _ => dev.matvec(&lw.wo, Rows::All, &s.att, lw.bo.as_ref(), &mut s.x, true)?,
+        } else if let Some(b) = &lw.bo {
+            dev.add(if out { &mut s.part } else { &mut s.x }, b, c.d_model)?;
         }
+        reduce_residual(dev, m, s)?;
         // The predictors read `s.h` and write the MLP's selection: done before either changes.
         if side {
             dev.join()?;
@@ -184,10 +212,18 @@ impl<D: Device> DeviceSession<'_, D> {
 
     fn mlp(&mut self, l: usize) -> Result<()> {
         let (dev, m) = (self.dev, self.model);
-        let (c, lw, s) = (&m.config, &m.layers[l], &mut self.s);
+        let (c, lw, s) = (&m.local, &m.layers[l], &mut self.s);
         let sel = &self.plan.mlp[l];
         let n = sel.count(c.n_ff);
         block_input(dev, c, &lw.ffn_norm, &s.x, &mut s.h, 1)?;
+        let out = residual_out(dev, m, s)?;
+        if n == 0 {
+            if let Some(b) = &lw.b_down {
+                dev.add(if out { &mut s.part } else { &mut s.x }, b, c.d_model)?;
+            }
+            reduce_residual(dev, m, s)?;
+            return post_norm(dev, c, &lw.ffn_norm, &mut s.x, &mut s.h, 1);
+        }
         let act = c.mlp.activation();
         let a = match &lw.w_gate {
             Some(wg) => {
@@ -207,14 +243,36 @@ impl<D: Device> DeviceSession<'_, D> {
                 &s.up
             }
         };
+        let y = if out { &mut s.part } else { &mut s.x };
         match (sel.is_all(), &m.sparse) {
             (false, Some(sp)) => {
-                dev.axpy(&sp[l].0, sel.rows(1), a, lw.b_down.as_ref(), &mut s.x)?;
+                dev.axpy(&sp[l].0, sel.rows(1), a, lw.b_down.as_ref(), y)?;
             }
-            _ => dev.matvec(&lw.w_down, Rows::All, a, lw.b_down.as_ref(), &mut s.x, true)?,
+            _ => dev.matvec(&lw.w_down, Rows::All, a, lw.b_down.as_ref(), y, true)?,
         }
+        reduce_residual(dev, m, s)?;
         post_norm(dev, c, &lw.ffn_norm, &mut s.x, &mut s.h, 1)
     }
+}
+
+/// Where a row-parallel product (W_o, fc2) adds its output: the residual `s.x` itself on a
+/// whole model (`false`); under tensor parallelism the partial `s.part`, zeroed here (`true`).
+fn residual_out<D: Device>(dev: &D, m: &DeviceModel<D>, s: &mut Scratch<D>) -> Result<bool> {
+    if m.shard.is_whole() {
+        return Ok(false);
+    }
+    dev.copy(&s.zero, &mut s.part, m.local.d_model)?;
+    Ok(true)
+}
+
+/// Under tensor parallelism: the ranks' partials summed, then added to the residual.
+fn reduce_residual<D: Device>(dev: &D, m: &DeviceModel<D>, s: &mut Scratch<D>) -> Result<()> {
+    if !m.shard.is_whole() {
+        let d = m.local.d_model;
+        dev.all_reduce(&mut s.part, d)?;
+        dev.add(&mut s.x, &s.part, d)?;
+    }
+    Ok(())
 }
 
 /// Layer `lw`'s lazy K/V fill of `heads` from the kept `inputs`, through a batch of `rows`.

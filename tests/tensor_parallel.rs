@@ -1,0 +1,203 @@
+//! Tensor parallelism (`engine::parallel`) on the scalar reference: ranks are threads with a
+//! `HostDevice` each, summing through `HostWorld` (the collectives' reference; NCCL on GPUs).
+//! World sizes 2, 3 and 4 give the whole model's logits, step by step, over a prompt batch and
+//! decode steps; a fixed sparse plan gives the same selections and logits at every world size.
+//!
+//! Tolerance: the ranks compute the same f32 products over a split of their sums (one partial
+//! per rank, added in rank order), so only the order of summation differs from the whole model:
+//! |tp - whole| <= 1e-3 + 1e-4 |whole| on every logit (the fixtures' logits are at most ~30).
+mod common;
+use dejavu::engine::device::{DeviceModel, DevicePlan, DeviceSession};
+use dejavu::engine::parallel::{self, ParallelDecoder, Shard, WorldSpec};
+use dejavu::engine::{Engine, EngineOptions};
+use dejavu::sparsity::{LayerPlan, SparsePlan};
+use dejavu::text::generate::Decoder;
+use dejavu_backend_api::IndexSet;
+use dejavu_backend_cpu::device::HostDevice;
+use dejavu_backend_cpu::world::HostWorld;
+use std::path::PathBuf;
+
+const PROMPT: [u32; 5] = [1, 17, 42, 99, 5];
+const STEPS: [u32; 3] = [23, 64, 7];
+
+fn load(name: &str) -> Engine {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/hf")
+        .join(name);
+    let opts = EngineOptions {
+        keep_file_layout: true,
+        ..Default::default()
+    };
+    Engine::load(dir, &opts).unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+fn close(what: &str, got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len(), "{what}");
+    let mut worst = 0f32;
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let err = (g - w).abs();
+        assert!(
+            err <= 1e-3 + 1e-4 * w.abs(),
+            "{what}: logit {i}: {g} against {w}"
+        );
+        worst = worst.max(err);
+    }
+    worst
+}
+
+/// The logits of the prompt (one batch) and of each decode step after it.
+fn steps(dec: &mut dyn Decoder) -> Vec<Vec<f32>> {
+    let mut out = vec![dec.decode(&PROMPT).unwrap().to_vec()];
+    for t in STEPS {
+        out.push(dec.decode(&[t]).unwrap().to_vec());
+    }
+    out
+}
+
+/// The whole model under `plan` on one host device.
+fn whole(eng: &Engine, plan: &SparsePlan) -> Vec<Vec<f32>> {
+    let dev = HostDevice::default();
+    let layout = eng.sparse_layout().unwrap();
+    let dm = DeviceModel::upload(&dev, &eng.model, Some(layout)).unwrap();
+    let dp = DevicePlan::fixed(&dev, &eng.model.config, plan, "p").unwrap();
+    let mut s = DeviceSession::new(&dev, &dm, dp, 32).unwrap();
+    steps(&mut s)
+}
+
+/// `body` on a world of `world` host ranks running `plan`.
+fn on_world<R>(
+    eng: &Engine,
+    world: usize,
+    plan: &SparsePlan,
+    body: impl FnOnce(&mut ParallelDecoder) -> R,
+) -> R {
+    let hw = HostWorld::new(world);
+    let spec = WorldSpec {
+        world,
+        device: |s: Shard| Ok(HostDevice::rank(s.rank, hw.clone())?),
+        plan: |d: &HostDevice, _: &DeviceModel<HostDevice>, s: Shard| {
+            DevicePlan::fixed_shard(d, &eng.model.config, s, plan, "p")
+        },
+        model: &eng.model,
+        layout: Some(eng.sparse_layout().unwrap()),
+        n_ctx: 32,
+    };
+    parallel::run(spec, |dec| Ok(body(dec))).unwrap()
+}
+
+#[test]
+fn every_world_size_gives_the_whole_models_logits() {
+    for (name, worlds) in [
+        ("llama-silu", &[2][..]),
+        ("qwen2", &[2]),
+        ("opt-relu", &[2, 3]),
+        ("opt-postln-proj", &[3]),
+        ("opt-noaffine", &[2]),
+    ] {
+        let eng = load(name);
+        let dense = SparsePlan::dense(&eng.model.config);
+        let want = whole(&eng, &dense);
+        for &w in worlds {
+            let got = on_world(&eng, w, &dense, |d| steps(d));
+            let mut worst = 0f32;
+            for (i, (g, r)) in got.iter().zip(&want).enumerate() {
+                worst = worst.max(close(&format!("{name} world {w} step {i}"), g, r));
+            }
+            println!("{name}: world {w}: worst |tp - whole| = {worst:.2e}");
+        }
+    }
+}
+
+/// A fixed plan whose sets fall unevenly on the ranks (some rank holds none of a layer's
+/// heads, or all of them).
+fn uneven_plan(eng: &Engine) -> SparsePlan {
+    let c = &eng.model.config;
+    let set = |n: usize, v: Vec<u32>| IndexSet::new(n, v).unwrap();
+    let layers = (0..c.n_layers)
+        .map(|l| {
+            let (ff, h) = (c.n_ff as u32, c.n_heads as u32);
+            let neurons = match l % 2 {
+                0 => (0..ff).filter(|i| i % 3 == 0).collect(),
+                _ => (0..ff / 2).collect(),
+            };
+            let heads = match l % 2 {
+                0 => vec![0, h - 1],
+                _ => (0..h / 2).collect(),
+            };
+            LayerPlan::new(c, set(c.n_ff, neurons), set(c.n_heads, heads)).unwrap()
+        })
+        .collect();
+    SparsePlan::new(c, layers).unwrap()
+}
+
+#[test]
+fn an_explicit_sparse_plan_is_the_same_at_every_world_size() {
+    let eng = load("opt-relu");
+    let c = &eng.model.config;
+    let plan = uneven_plan(&eng);
+    let want = whole(&eng, &plan);
+    for w in [2, 3] {
+        let (got, sel) = on_world(&eng, w, &plan, |d| {
+            let got = steps(d);
+            (got, d.selections(c).unwrap())
+        });
+        for (i, (g, r)) in got.iter().zip(&want).enumerate() {
+            close(&format!("world {w} step {i}"), g, r);
+        }
+        for (l, (lp, (m, h))) in plan.layers.iter().zip(sel).enumerate() {
+            let all = |s: &IndexSet| s.iter().map(|i| i as u32).collect::<Vec<_>>();
+            assert_eq!(
+                m.unwrap_or_else(|| (0..c.n_ff as u32).collect()),
+                all(&lp.mlp),
+                "layer {l}"
+            );
+            assert_eq!(
+                h.unwrap_or_else(|| (0..c.n_heads as u32).collect()),
+                all(&lp.heads),
+                "layer {l}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_world_that_does_not_divide_the_model_is_refused() {
+    let eng = load("llama-silu"); // 4 heads, 2 KV heads
+    let dense = SparsePlan::dense(&eng.model.config);
+    let hw = HostWorld::new(4);
+    let spec = WorldSpec {
+        world: 4,
+        device: |s: Shard| Ok(HostDevice::rank(s.rank, hw.clone())?),
+        plan: |d: &HostDevice, _: &DeviceModel<HostDevice>, s: Shard| {
+            DevicePlan::fixed_shard(d, &eng.model.config, s, &dense, "p")
+        },
+        model: &eng.model,
+        layout: None,
+        n_ctx: 8,
+    };
+    let err = parallel::run(spec, |_| Ok(())).unwrap_err().to_string();
+    assert!(err.contains("do not split evenly"), "{err}");
+}
+
+/// OPT-125M's shape with seeded random weights (12 heads: world 4 divides it), and the
+/// predictors it comes with.
+#[test]
+fn a_synthetic_opt_over_four_ranks_gives_the_whole_models_logits() {
+    let opts = EngineOptions {
+        keep_file_layout: true,
+        synthetic: dejavu::engine::synthetic::SyntheticOptions {
+            seed: 7,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let eng = Engine::load("synthetic:opt-125m", &opts).unwrap();
+    let dense = SparsePlan::dense(&eng.model.config);
+    let want = whole(&eng, &dense);
+    let got = on_world(&eng, 4, &dense, |d| steps(d));
+    let mut worst = 0f32;
+    for (i, (g, r)) in got.iter().zip(&want).enumerate() {
+        worst = worst.max(close(&format!("synthetic opt-125m world 4 step {i}"), g, r));
+    }
+    println!("synthetic opt-125m: world 4: worst |tp - whole| = {worst:.2e}");
+}
