@@ -630,4 +630,133 @@ mod cuda {
         eprintln!("{}: the policy's sets agree with the host reference's on {found}/{total} units ({:.4})", g.name(), share);
         assert!(share >= 0.99, "agreement {share}");
     }
+
+    /// Two processes on the one GPU as NCCL ranks 0 and 1 give the single GPU's logits, over a
+    /// prompt batch and decode steps, with the steps recorded as CUDA graphs (NCCL calls
+    /// included) and run eagerly. NCCL refuses two ranks on one GPU of one host, so each process
+    /// gets its own `NCCL_HOSTID` and NCCL's socket transport over loopback: a test setup.
+    /// Tolerance: `assert_close`'s (the ranks' partial sums are added in another order).
+    #[test]
+    fn two_processes_on_one_gpu_give_the_single_gpus_logits() {
+        if let Ok(rank) = std::env::var("DEJAVU_TP_CHILD") {
+            return tp_child(rank.parse().unwrap());
+        }
+        let Some(g) = gpu() else { return };
+        if let Err(e) = dejavu_backend_cuda::nccl_id() {
+            return eprintln!("skipped: {e}");
+        }
+        for name in ["llama-silu", "opt-relu"] {
+            let eng = load(name);
+            let dm = DeviceModel::upload(&g, &eng.model, None).unwrap();
+            let dense = SparsePlan::dense(&eng.model.config);
+            let plan = DevicePlan::fixed(&g, &eng.model.config, &dense, "dense").unwrap();
+            let mut sess = DeviceSession::new(&g, &dm, plan, 64).unwrap();
+            let want = tp_steps(&mut sess);
+            for graphs in [true, false] {
+                let got = tp_world(name, graphs);
+                let mut worst = 0f32;
+                for (rank, logits) in got.iter().enumerate() {
+                    for (i, (d, w)) in logits.chunks(want[0].len()).zip(&want).enumerate() {
+                        let what = format!("{name} rank {rank} step {i} graphs {graphs}");
+                        worst = worst.max(assert_close(&what, d, w));
+                    }
+                }
+                eprintln!(
+                    "{name}: 2 processes on one GPU (graphs {graphs}): logits equal the single \
+                     GPU's, worst |error| {worst:.2e}"
+                );
+            }
+        }
+    }
+
+    /// The prompt's logits (one batch of 5), then 4 decode steps'.
+    fn tp_steps(d: &mut dyn dejavu::text::generate::Decoder) -> Vec<Vec<f32>> {
+        let mut out = vec![d.decode(&TOKENS[..5]).unwrap().to_vec()];
+        for &t in &TOKENS[5..] {
+            out.push(d.decode(&[t]).unwrap().to_vec());
+        }
+        out
+    }
+
+    /// Run the world of 2 processes on fixture `name`; each rank's logits, all steps.
+    fn tp_world(name: &str, graphs: bool) -> Vec<Vec<f32>> {
+        let id = dejavu_backend_cuda::nccl_id().unwrap();
+        let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
+        let dir = std::env::temp_dir().join(format!("dejavu-tp-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let exe = std::env::current_exe().unwrap();
+        let children: Vec<_> = (0..2)
+            .map(|rank| {
+                let mut c = std::process::Command::new(&exe);
+                c.args([
+                    "cuda::two_processes_on_one_gpu_give_the_single_gpus_logits",
+                    "--exact",
+                    "--nocapture",
+                ])
+                .env("DEJAVU_TP_CHILD", rank.to_string())
+                .env("DEJAVU_TP_ID", &hex)
+                .env("DEJAVU_TP_MODEL", name)
+                .env("DEJAVU_TP_OUT", dir.join(format!("rank{rank}")))
+                .env("NCCL_HOSTID", format!("dejavu-tp-test-{rank}"))
+                .env("NCCL_NVLS_ENABLE", "0")
+                .env("NCCL_SOCKET_IFNAME", "lo")
+                .env("NCCL_IB_DISABLE", "1");
+                if !graphs {
+                    c.env("DEJAVU_TP_GRAPHS", "0");
+                }
+                c.stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        let outs: Vec<_> = children
+            .into_iter()
+            .map(|c| c.wait_with_output().unwrap())
+            .collect();
+        for (rank, o) in outs.iter().enumerate() {
+            let err = String::from_utf8_lossy(&o.stderr);
+            for line in err.lines().filter(|l| l.starts_with("rank ")) {
+                eprintln!("{name}: {line}");
+            }
+            assert!(o.status.success(), "rank {rank}: {}\n{err}", o.status);
+        }
+        (0..2)
+            .map(|rank| {
+                let bytes = std::fs::read(dir.join(format!("rank{rank}"))).unwrap();
+                (bytes.chunks_exact(4))
+                    .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// A rank of [`tp_world`]: its shard on the GPU, the steps, its logits to a file; then the
+    /// mean time of 32 more decode steps.
+    fn tp_child(rank: usize) {
+        use dejavu::engine::parallel::Shard;
+        let var = |k: &str| std::env::var(k).unwrap();
+        let hex = var("DEJAVU_TP_ID");
+        let mut id = [0u8; dejavu_backend_cuda::ID_BYTES];
+        for (i, b) in id.iter_mut().enumerate() {
+            *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
+        }
+        let dev = CudaDevice::in_world(0, rank, 2, &id).unwrap();
+        let eng = load(&var("DEJAVU_TP_MODEL"));
+        let shard = Shard::new(rank, 2).unwrap();
+        let dm = DeviceModel::upload_shard(&dev, &eng.model, None, shard).unwrap();
+        let dense = SparsePlan::dense(&eng.model.config);
+        let plan = DevicePlan::fixed_shard(&dev, &eng.model.config, shard, &dense, "d").unwrap();
+        let mut sess = DeviceSession::new(&dev, &dm, plan, 64).unwrap();
+        let logits: Vec<u8> = (tp_steps(&mut sess).concat().iter())
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        std::fs::write(var("DEJAVU_TP_OUT"), logits).unwrap();
+        let t0 = std::time::Instant::now();
+        for i in 0..32 {
+            sess.forward(&[TOKENS[i % TOKENS.len()]]).unwrap();
+        }
+        let ms = t0.elapsed().as_secs_f64() * 1e3 / 32.0;
+        eprintln!("rank {rank}: {ms:.3} ms per decode step (socket transport, one GPU)");
+    }
 }

@@ -201,3 +201,96 @@ fn a_synthetic_opt_over_four_ranks_gives_the_whole_models_logits() {
     }
     println!("synthetic opt-125m: world 4: worst |tp - whole| = {worst:.2e}");
 }
+
+/// `--tensor-parallel N` / `-tp N` on the command line: 1 is the whole model; more ranks on
+/// the CPU, or none, are clear errors with a non-zero exit.
+#[test]
+fn the_tensor_parallel_flag_is_checked() {
+    let model = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/llama-silu");
+    let run = |extra: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_dejavu"))
+            .args([
+                "generate",
+                "-m",
+                model.to_str().unwrap(),
+                "-p",
+                "hi",
+                "-n",
+                "2",
+            ])
+            .args(extra)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, err) = run(&["-tp", "1"]);
+    assert_eq!(code, Some(0), "{err}");
+    let (code, err) = run(&["-tp", "2"]);
+    assert!(
+        code == Some(1) && err.contains("--backend cuda"),
+        "{code:?} {err}"
+    );
+    let (code, err) = run(&["--tensor-parallel=0"]);
+    assert!(
+        code == Some(2) && err.contains("not in 1..=64"),
+        "{code:?} {err}"
+    );
+}
+
+/// A Deja Vu policy over 2 ranks (synthetic OPT-125M and its random predictors): each rank
+/// keeps its share of K among its own neurons and heads, by the replicated predictors' scores.
+#[test]
+fn a_policy_over_two_ranks_selects_k_over_world_on_each() {
+    let opts = EngineOptions {
+        keep_file_layout: true,
+        ..Default::default()
+    };
+    let eng = Engine::load("synthetic:opt-125m", &opts).unwrap();
+    let c = &eng.model.config;
+    let preds = eng.predictors(None).unwrap();
+    let policy = eng
+        .policy("dejavu:0.1+dejavu-attn:0.5", preds.as_ref())
+        .unwrap();
+    let hw = HostWorld::new(2);
+    let spec = WorldSpec {
+        world: 2,
+        device: |s: Shard| Ok(HostDevice::rank(s.rank, hw.clone())?),
+        plan: |d: &HostDevice, _: &DeviceModel<HostDevice>, s: Shard| {
+            DevicePlan::policy_shard(d, c, s, &policy)
+        },
+        model: &eng.model,
+        layout: Some(eng.sparse_layout().unwrap()),
+        n_ctx: 16,
+    };
+    let sel = parallel::run(spec, |d| {
+        let logits = d.decode(&PROMPT).unwrap();
+        assert!(logits.iter().all(|x| x.is_finite()));
+        d.decode(&[STEPS[0]]).unwrap();
+        d.selections(c)
+    })
+    .unwrap();
+    let per_rank = |n: usize, keep: f64| ((keep * (n / 2) as f64).round() as usize).max(1);
+    for (l, (m, h)) in sel.iter().enumerate() {
+        for (set, n, keep) in [(m, c.n_ff, 0.1), (h, c.n_heads, 0.5)] {
+            let set = set.as_ref().expect("a predicted selection");
+            let half = n as u32 / 2;
+            let (lo, hi): (Vec<u32>, Vec<u32>) = set.iter().partition(|&&i| i < half);
+            assert_eq!(
+                lo.len(),
+                per_rank(n, keep),
+                "layer {l}: rank 0's share of {n}"
+            );
+            assert_eq!(
+                hi.len(),
+                per_rank(n, keep),
+                "layer {l}: rank 1's share of {n}"
+            );
+            let mut distinct = set.clone();
+            distinct.dedup();
+            assert!(distinct.len() == set.len() && set.iter().all(|&i| i < n as u32));
+        }
+    }
+}

@@ -26,7 +26,9 @@ mod kv;
 mod launch;
 mod matmul;
 mod products;
+mod world;
 use products::act_code;
+pub use world::{nccl_id, ID_BYTES};
 
 /// The kernel sources, in the order NVRTC compiles them (the header first).
 const SOURCES: [&str; 11] = [
@@ -89,6 +91,18 @@ fn mv_rows() -> usize {
 /// H200, against 1.9 for 2 and 1.3 for 1).
 fn ax_vec() -> usize {
     tuning("AX_VEC", 4, 1..=4)
+}
+
+/// How many GPUs the driver sees (an error where there is no driver).
+pub fn device_count() -> Result<usize, BackendError> {
+    // SAFETY: only tries to open the library (dlopen), and closes it again.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(BackendError::Device(
+            "the CUDA driver (libcuda.so) was not found: is an NVIDIA driver installed?".into(),
+        ));
+    }
+    let n = CudaContext::device_count().map_err(dev_err)?;
+    Ok(n.max(0) as usize)
 }
 
 /// Can NVRTC be loaded?
@@ -162,6 +176,8 @@ pub struct CudaDevice {
     /// The dynamic shared memory each kernel is allowed beyond the default 48 KiB (raised on
     /// demand, before any capture that needs it).
     smem: Mutex<HashMap<&'static str, usize>>,
+    /// This GPU's communicator in a tensor-parallel world ([`CudaDevice::in_world`]).
+    world: Option<world::Nccl>,
 }
 
 /// An f32 vector in GPU memory.
@@ -294,6 +310,7 @@ impl CudaDevice {
             ax_fill: tuning("AX_FILL", 2, 1..=64),
             name,
             smem: Mutex::default(),
+            world: None,
         })
     }
 
@@ -767,7 +784,20 @@ impl Device for CudaDevice {
     fn sync(&self) -> Result<(), BackendError> {
         self.synchronize()
     }
+    fn world(&self) -> (usize, usize) {
+        self.world.as_ref().map_or((0, 1), |w| (w.rank, w.size))
+    }
+    fn all_reduce(&self, x: &mut Buf, n: usize) -> Result<(), BackendError> {
+        self.nccl_all_reduce(x, n)
+    }
+    fn all_gather(&self, x: &Buf, n: usize, out: &mut Buf) -> Result<(), BackendError> {
+        self.nccl_all_gather(x, n, out)
+    }
     fn begin_capture(&self) -> Result<bool, BackendError> {
+        // `DEJAVU_TP_GRAPHS=0`: a world's steps run eagerly (NCCL calls not recorded).
+        if self.world.is_some() && std::env::var("DEJAVU_TP_GRAPHS").is_ok_and(|v| v == "0") {
+            return Ok(false);
+        }
         use sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL as MODE;
         self.synchronize()?;
         self.on_side.store(false, Ordering::Relaxed);

@@ -15,15 +15,23 @@ pub enum BackendKind {
     Cuda,
 }
 
-/// Run `f` on a fresh decoder of `engine` under `policy`, on `backend`.
+/// Where a command's model runs: a backend, and the ranks it is split over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Placement {
+    pub backend: BackendKind,
+    /// Tensor-parallel ranks (`--tensor-parallel`; 1: the whole model on one device).
+    pub tensor_parallel: usize,
+}
+
+/// Run `f` on a fresh decoder of `engine` under `policy`, where `at` says.
 pub fn with_decoder<R>(
     engine: &Engine,
-    backend: BackendKind,
+    at: Placement,
     policy: &Policy,
     f: impl FnOnce(&mut dyn Decoder) -> Result<R>,
 ) -> Result<R> {
-    match backend {
-        BackendKind::Cpu => {
+    match (at.backend, at.tensor_parallel) {
+        (BackendKind::Cpu, 1) => {
             let mut cache = engine.new_cache();
             f(&mut HostDecoder {
                 engine,
@@ -31,8 +39,24 @@ pub fn with_decoder<R>(
                 plan: Plan::Policy(policy),
             })
         }
-        BackendKind::Cuda => cuda(engine, policy, f),
+        (BackendKind::Cpu, _) => {
+            bail!("tensor parallelism splits a model over GPUs: add --backend cuda")
+        }
+        (BackendKind::Cuda, 1) => cuda(engine, policy, f),
+        (BackendKind::Cuda, n) => cuda_parallel(engine, policy, n, f),
     }
+}
+
+/// The sparse layout a policy's plan reads (none for a dense one).
+#[cfg(feature = "cuda")]
+fn layout_for<'e>(
+    engine: &'e Engine,
+    policy: &Policy,
+) -> Result<Option<&'e dejavu::sparsity::layout::SparseLayout>> {
+    Ok(match policy.is_dense() {
+        true => None,
+        false => Some(engine.sparse_layout()?),
+    })
 }
 
 #[cfg(feature = "cuda")]
@@ -43,14 +67,44 @@ fn cuda<R>(
 ) -> Result<R> {
     use dejavu::engine::device::{DeviceModel, DevicePlan, DeviceSession};
     let dev = dejavu_backend_cuda::CudaDevice::new(0)?;
-    let layout = match policy.is_dense() {
-        true => None,
-        false => Some(engine.sparse_layout()?),
-    };
+    let layout = layout_for(engine, policy)?;
     let model = DeviceModel::upload(&dev, &engine.model, layout)?;
     let plan = DevicePlan::policy(&dev, &engine.model.config, policy)?;
     let mut session = DeviceSession::new(&dev, &model, plan, engine.n_ctx)?;
     f(&mut session)
+}
+
+/// `f` on a world of `n` GPUs (0 to n - 1), a thread and an NCCL rank each.
+#[cfg(feature = "cuda")]
+fn cuda_parallel<R>(
+    engine: &Engine,
+    policy: &Policy,
+    n: usize,
+    f: impl FnOnce(&mut dyn Decoder) -> Result<R>,
+) -> Result<R> {
+    use dejavu::engine::device::DevicePlan;
+    use dejavu::engine::parallel::{self, Shard, WorldSpec};
+    use dejavu_backend_cuda::CudaDevice;
+    let gpus = dejavu_backend_cuda::device_count()?;
+    if gpus < n {
+        bail!("--tensor-parallel {n} needs {n} GPUs; this machine has {gpus}");
+    }
+    let id = dejavu_backend_cuda::nccl_id()?;
+    let cfg = &engine.model.config;
+    let spec = WorldSpec {
+        world: n,
+        device: |s: Shard| Ok(CudaDevice::in_world(s.rank, s.rank, n, &id)?),
+        plan: |d: &CudaDevice, _: &_, s: Shard| DevicePlan::policy_shard(d, cfg, s, policy),
+        model: &engine.model,
+        layout: layout_for(engine, policy)?,
+        n_ctx: engine.n_ctx,
+    };
+    let mut out = None;
+    parallel::run(spec, |dec| {
+        out = Some(f(dec));
+        Ok(())
+    })?;
+    out.expect("the world ran its body")
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -58,10 +112,21 @@ fn cuda<R>(_: &Engine, _: &Policy, _: impl FnOnce(&mut dyn Decoder) -> Result<R>
     bail!("this build has no CUDA backend: build with `cargo build --release --features cuda`")
 }
 
-/// Refuse `cuda` for a command that does not run on it yet.
-pub fn cpu_only(backend: BackendKind, command: &str) -> Result<()> {
-    match backend {
-        BackendKind::Cpu => Ok(()),
-        BackendKind::Cuda => bail!("`{command}` runs on the CPU only for now (--backend cpu)"),
+#[cfg(not(feature = "cuda"))]
+fn cuda_parallel<R>(
+    e: &Engine,
+    p: &Policy,
+    _: usize,
+    f: impl FnOnce(&mut dyn Decoder) -> Result<R>,
+) -> Result<R> {
+    cuda(e, p, f)
+}
+
+/// Refuse `cuda` (and tensor parallelism) for a command that does not run on it yet.
+pub fn cpu_only(at: Placement, command: &str) -> Result<()> {
+    match (at.backend, at.tensor_parallel) {
+        (BackendKind::Cpu, 1) => Ok(()),
+        (BackendKind::Cpu, _) => bail!("`{command}` runs on the CPU only: no --tensor-parallel"),
+        (BackendKind::Cuda, _) => bail!("`{command}` runs on the CPU only for now (--backend cpu)"),
     }
 }

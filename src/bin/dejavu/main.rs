@@ -14,7 +14,7 @@ use dejavu_backend_api::QuantType;
 use std::io::{BufRead, Write};
 
 mod backend_choice;
-use backend_choice::{with_decoder, BackendKind};
+use backend_choice::{with_decoder, BackendKind, Placement};
 
 mod bench_cmd;
 mod inspect_cmd;
@@ -87,6 +87,10 @@ struct ModelArgs {
     /// Where to run: cpu, or cuda (a build with `--features cuda`).
     #[arg(long, value_enum, default_value = "cpu")]
     backend: BackendKind,
+    /// Tensor parallelism: split the model over this many GPUs (`-tp N`; with `--backend cuda`,
+    /// one GPU per rank, NCCL between them).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    tensor_parallel: u16,
 }
 
 /// How a `--model synthetic:NAME` is built (random weights at a published shape, for speed only).
@@ -121,6 +125,14 @@ fn parse_kv_type(s: &str) -> std::result::Result<KvType, String> {
 }
 
 impl ModelArgs {
+    /// Where the model runs: the backend, over how many ranks.
+    fn placement(&self) -> Placement {
+        Placement {
+            backend: self.backend,
+            tensor_parallel: self.tensor_parallel as usize,
+        }
+    }
+
     fn load(&self, n_ctx: Option<usize>) -> Result<Engine> {
         let path = fetch::resolve_model(self.model.as_deref())?;
         let engine = load_engine(
@@ -286,7 +298,14 @@ struct PerplexityArgs {
 }
 
 fn main() {
-    let cli = Cli::parse();
+    // `-tp N` (vLLM's spelling) is `--tensor-parallel N`: clap's short flags are one letter, and
+    // `-t` is the thread count.
+    let args = std::env::args().map(|a| match a.strip_prefix("-tp") {
+        Some("") => "--tensor-parallel".to_string(),
+        Some(v) if v.starts_with('=') => format!("--tensor-parallel{v}"),
+        _ => a,
+    });
+    let cli = Cli::parse_from(args);
     VERBOSE.store(cli.verbose, std::sync::atomic::Ordering::Relaxed);
     if let Err(e) = run(cli) {
         eprintln!("error: {e:#}");
@@ -377,7 +396,7 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
     };
     let policy = a.sparsity.policy(&engine)?;
     let mut stdout = std::io::stdout().lock();
-    let (stats, last) = with_decoder(&engine, a.model.backend, &policy, |dec| {
+    let (stats, last) = with_decoder(&engine, a.model.placement(), &policy, |dec| {
         let (_, stats) = generate_on(
             &engine,
             dec,
@@ -460,7 +479,7 @@ fn cmd_chat(a: ChatArgs) -> Result<()> {
     }
     let mut sampler = a.sampling.sampler()?;
     let policy = a.sparsity.policy(&engine)?;
-    with_decoder(&engine, a.model.backend, &policy, |dec| {
+    with_decoder(&engine, a.model.placement(), &policy, |dec| {
         chat_loop(&engine, dec, &a, &mut sampler)
     })
 }
@@ -534,7 +553,7 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
     let t0 = std::time::Instant::now();
     if a.model.backend == BackendKind::Cuda {
         // On a device: token by token under the policy (no dense comparison in the same pass).
-        let r = with_decoder(&engine, a.model.backend, &policy, |dec| {
+        let r = with_decoder(&engine, a.model.placement(), &policy, |dec| {
             Ok(dejavu::eval::perplexity::perplexity_on(
                 &engine,
                 dec,

@@ -101,7 +101,7 @@ pub fn cmd_serve(a: ServeArgs) -> Result<()> {
                 },
             });
         }
-        let backend = model.backend;
+        let backend = model.placement();
         slots.push(Box::new(move |jobs, metrics| {
             let run = with_decoder(&engine, backend, &policy, |dec| {
                 serve::worker::run_slot(&engine, dec, &jobs, &metrics);

@@ -92,7 +92,7 @@ pub fn cmd_calibrate(a: CalibrateArgs) -> Result<()> {
     if a.ctx < 4 {
         anyhow::bail!("--ctx {} is too small (at least 4)", a.ctx);
     }
-    crate::backend_choice::cpu_only(a.model.backend, "calibrate")?;
+    crate::backend_choice::cpu_only(a.model.placement(), "calibrate")?;
     let engine = a.model.load(None)?;
     let mut docs = Vec::new();
     let mut sources = Vec::new();
@@ -147,7 +147,7 @@ pub fn cmd_report(a: ReportArgs) -> Result<()> {
     let path = a.file.clone().unwrap_or_default();
     let text =
         std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-    crate::backend_choice::cpu_only(a.model.backend, "report")?;
+    crate::backend_choice::cpu_only(a.model.placement(), "report")?;
     let engine = a.model.load(Some(a.ctx))?;
     let name = engine
         .model
@@ -300,7 +300,7 @@ fn cmd_speed(a: &ReportArgs) -> Result<()> {
     if a.densities.iter().any(|d| !(*d > 0.0 && *d < 1.0)) || a.n_gen == 0 {
         anyhow::bail!("--densities must lie in (0, 1) and --n-gen be positive");
     }
-    crate::backend_choice::cpu_only(a.model.backend, "report --speed")?;
+    crate::backend_choice::cpu_only(a.model.placement(), "report --speed")?;
     let engine = a.model.load(Some(a.n_gen + 2))?;
     let label = engine.model.label();
     let stem = label
