@@ -75,8 +75,14 @@ fn on_world<R>(
     let spec = WorldSpec {
         world,
         device: |s: Shard| Ok(HostDevice::rank(s.rank, hw.clone())?),
-        plan: |d: &HostDevice, _: &DeviceModel<HostDevice>, s: Shard| {
-            DevicePlan::fixed_shard(d, &eng.model.config, s, plan, "p")
+        plans: |d: &HostDevice, _: &DeviceModel<HostDevice>, s: Shard| {
+            Ok(vec![DevicePlan::fixed_shard(
+                d,
+                &eng.model.config,
+                s,
+                plan,
+                "p",
+            )?])
         },
         model: &eng.model,
         layout: Some(eng.sparse_layout().unwrap()),
@@ -168,8 +174,14 @@ fn a_world_that_does_not_divide_the_model_is_refused() {
     let spec = WorldSpec {
         world: 4,
         device: |s: Shard| Ok(HostDevice::rank(s.rank, hw.clone())?),
-        plan: |d: &HostDevice, _: &DeviceModel<HostDevice>, s: Shard| {
-            DevicePlan::fixed_shard(d, &eng.model.config, s, &dense, "p")
+        plans: |d: &HostDevice, _: &DeviceModel<HostDevice>, s: Shard| {
+            Ok(vec![DevicePlan::fixed_shard(
+                d,
+                &eng.model.config,
+                s,
+                &dense,
+                "p",
+            )?])
         },
         model: &eng.model,
         layout: None,
@@ -258,8 +270,8 @@ fn a_policy_over_two_ranks_selects_k_over_world_on_each() {
     let spec = WorldSpec {
         world: 2,
         device: |s: Shard| Ok(HostDevice::rank(s.rank, hw.clone())?),
-        plan: |d: &HostDevice, _: &DeviceModel<HostDevice>, s: Shard| {
-            DevicePlan::policy_shard(d, c, s, &policy)
+        plans: |d: &HostDevice, _: &DeviceModel<HostDevice>, s: Shard| {
+            Ok(vec![DevicePlan::policy_shard(d, c, s, &policy)?])
         },
         model: &eng.model,
         layout: Some(eng.sparse_layout().unwrap()),
@@ -293,4 +305,46 @@ fn a_policy_over_two_ranks_selects_k_over_world_on_each() {
             assert!(distinct.len() == set.len() && set.iter().all(|&i| i < n as u32));
         }
     }
+}
+
+/// `dejavu bench --tensor-parallel` on the host reference: each policy's rows over 2 ranks,
+/// their bytes summed over the ranks, and the collectives timed on their own.
+#[test]
+fn the_bench_runs_over_a_world() {
+    use dejavu::eval::device_bench;
+    let opts = EngineOptions {
+        keep_file_layout: true,
+        ..Default::default()
+    };
+    let eng = Engine::load("synthetic:opt-125m", &opts).unwrap();
+    let preds = eng.predictors(None).unwrap();
+    let policies = ["dense", "dejavu:0.25"].map(|p| eng.policy(p, preds.as_ref()).unwrap());
+    let hw = HostWorld::new(2);
+    let device = |s: Shard| Ok(HostDevice::rank(s.rank, hw.clone())?);
+    let rows = device_bench::bench_parallel(2, device, &eng, &policies, 4, 3, 1).unwrap();
+    assert_eq!(rows.len(), 4, "pp and tg of each policy");
+    let whole = DeviceModel::upload(&HostDevice::default(), &eng.model, None)
+        .unwrap()
+        .dense_bytes();
+    for r in &rows {
+        assert!(r.backend.ends_with("x2 (tensor parallel)"), "{}", r.backend);
+        assert!(r.tok_per_s_median > 0.0);
+    }
+    let (dense, sparse) = (&rows[2], &rows[3]);
+    // Each rank reads its share of the layers and the head, and a whole embedding row and
+    // position row (under 8 KiB here).
+    let slack = 8 << 10;
+    assert!(
+        dense.weight_bytes_per_token as usize <= whole + slack,
+        "{} against the whole model's {whole}",
+        dense.weight_bytes_per_token
+    );
+    assert!(
+        dense.weight_bytes_per_token as usize >= whole,
+        "{}",
+        dense.weight_bytes_per_token
+    );
+    assert!(sparse.weight_bytes_per_token < dense.weight_bytes_per_token);
+    assert!(dense.blocks_ms.all_reduce > 0.0 && sparse.blocks_ms.all_reduce > 0.0);
+    print!("{}", device_bench::markdown(&rows));
 }

@@ -6,9 +6,12 @@
 //! reading the logits back after every token as generation does. Weight bytes per token are the
 //! plan's (predictors included); a prompt's batch reads the dense model once.
 use crate::engine::device::{BlockTimes, DeviceModel, DevicePlan, DeviceSession};
+use crate::engine::parallel::{self, ParallelDecoder, SessionInfo, Shard, WorldSpec};
 use crate::engine::Engine;
 use crate::eval::bench::median_sd;
+use crate::sparsity::layout::SparseLayout;
 use crate::sparsity::policy::Policy;
+use crate::text::generate::Decoder;
 use crate::Result;
 use dejavu_backend_api::{Device, MAX_ROWS};
 use serde::Serialize;
@@ -35,6 +38,85 @@ pub struct DeviceBenchRow {
     pub samples: Vec<f64>,
 }
 
+/// The sequences a bench times, one per policy: one device's sessions, or those of a
+/// tensor-parallel world (every rank runs each step).
+pub trait BenchSessions {
+    fn count(&self) -> usize;
+    fn forward(&mut self, i: usize, tokens: &[u32]) -> Result<()>;
+    /// Empty session `i`'s cache.
+    fn reset(&mut self, i: usize);
+    fn profile(&mut self, i: usize, tokens: &[u32], times: &mut BlockTimes) -> Result<()>;
+    /// Session `i`'s plan and bytes, over the world.
+    fn info(&mut self, i: usize) -> Result<SessionInfo>;
+}
+
+/// One device's sessions.
+pub struct OnDevice<'a, D: Device> {
+    pub dev: &'a D,
+    pub sessions: Vec<DeviceSession<'a, D>>,
+    pub model: &'a DeviceModel<D>,
+}
+
+impl<D: Device> BenchSessions for OnDevice<'_, D> {
+    fn count(&self) -> usize {
+        self.sessions.len()
+    }
+    fn forward(&mut self, i: usize, tokens: &[u32]) -> Result<()> {
+        self.sessions[i].forward(tokens).map(drop)
+    }
+    fn reset(&mut self, i: usize) {
+        self.sessions[i].truncate(0)
+    }
+    fn profile(&mut self, i: usize, tokens: &[u32], times: &mut BlockTimes) -> Result<()> {
+        self.sessions[i].profile(tokens, times)
+    }
+    fn info(&mut self, i: usize) -> Result<SessionInfo> {
+        let s = &self.sessions[i];
+        Ok(SessionInfo {
+            plan: s.plan_name().to_string(),
+            device: self.dev.name(),
+            step_bytes: s.step_bytes(),
+            dense_bytes: self.model.dense_bytes(),
+            densities: s.densities(),
+        })
+    }
+}
+
+/// A tensor-parallel world's sessions: bytes summed over the ranks, densities their mean.
+impl BenchSessions for ParallelDecoder {
+    fn count(&self) -> usize {
+        self.sessions()
+    }
+    fn forward(&mut self, i: usize, tokens: &[u32]) -> Result<()> {
+        self.select(i)?;
+        self.decode(tokens).map(drop)
+    }
+    fn reset(&mut self, i: usize) {
+        if self.select(i).is_ok() {
+            self.truncate(0)
+        }
+    }
+    fn profile(&mut self, i: usize, tokens: &[u32], times: &mut BlockTimes) -> Result<()> {
+        self.select(i)?;
+        ParallelDecoder::profile(self, tokens, times)
+    }
+    fn info(&mut self, i: usize) -> Result<SessionInfo> {
+        self.select(i)?;
+        let ranks = ParallelDecoder::info(self)?;
+        let n = ranks.len() as f64;
+        Ok(SessionInfo {
+            plan: ranks[0].plan.clone(),
+            device: format!("{} x{} (tensor parallel)", ranks[0].device, ranks.len()),
+            step_bytes: ranks.iter().map(|r| r.step_bytes).sum(),
+            dense_bytes: ranks.iter().map(|r| r.dense_bytes).sum(),
+            densities: (
+                ranks.iter().map(|r| r.densities.0).sum::<f64>() / n,
+                ranks.iter().map(|r| r.densities.1).sum::<f64>() / n,
+            ),
+        })
+    }
+}
+
 /// A `n_prompt`-token prefill (0: none) and a `n_gen`-token decode under each policy, `reps`
 /// alternated rounds after a warm-up; the prefill rows first.
 pub fn bench<D: Device>(
@@ -45,67 +127,109 @@ pub fn bench<D: Device>(
     n_gen: usize,
     reps: usize,
 ) -> Result<Vec<DeviceBenchRow>> {
-    let specs = policies;
-    let sparse = policies.iter().any(|p| !p.is_dense());
-    let layout = match sparse {
-        true => Some(eng.sparse_layout()?),
-        false => None,
-    };
-    let model = DeviceModel::upload(dev, &eng.model, layout)?;
+    let model = DeviceModel::upload(dev, &eng.model, layout_for(eng, policies)?)?;
     let n_ctx = (n_gen + 1).max(n_prompt);
-    let mut sessions = specs
+    let sessions = policies
         .iter()
         .map(|p| {
             let plan = DevicePlan::policy(dev, &eng.model.config, p)?;
             DeviceSession::new(dev, &model, plan, n_ctx)
         })
         .collect::<Result<Vec<_>>>()?;
+    let mut on = OnDevice {
+        dev,
+        sessions,
+        model: &model,
+    };
+    bench_sessions(&mut on, eng, policies, n_prompt, n_gen, reps)
+}
+
+/// [`bench`] on a world of `world` ranks, rank `r` on `device(shard)`: every policy's plan over
+/// each rank's units (`DevicePlan::policy_shard`).
+pub fn bench_parallel<D: Device>(
+    world: usize,
+    device: impl Fn(Shard) -> Result<D> + Sync,
+    eng: &Engine,
+    policies: &[Policy],
+    n_prompt: usize,
+    n_gen: usize,
+    reps: usize,
+) -> Result<Vec<DeviceBenchRow>> {
+    let cfg = &eng.model.config;
+    let spec = WorldSpec {
+        world,
+        device,
+        plans: |d: &D, _: &DeviceModel<D>, s: Shard| {
+            (policies.iter())
+                .map(|p| DevicePlan::policy_shard(d, cfg, s, p))
+                .collect()
+        },
+        model: &eng.model,
+        layout: layout_for(eng, policies)?,
+        n_ctx: (n_gen + 1).max(n_prompt),
+    };
+    parallel::run(spec, |dec| {
+        bench_sessions(dec, eng, policies, n_prompt, n_gen, reps)
+    })
+}
+
+/// The sparse layout the policies' plans read (none when all are dense).
+fn layout_for<'e>(eng: &'e Engine, policies: &[Policy]) -> Result<Option<&'e SparseLayout>> {
+    match policies.iter().any(|p| !p.is_dense()) {
+        true => Ok(Some(eng.sparse_layout()?)),
+        false => Ok(None),
+    }
+}
+
+/// The bench of [`bench`] over `sessions` (one per policy, in order).
+fn bench_sessions(
+    sessions: &mut impl BenchSessions,
+    eng: &Engine,
+    policies: &[Policy],
+    n_prompt: usize,
+    n_gen: usize,
+    reps: usize,
+) -> Result<Vec<DeviceBenchRow>> {
     let tokens: Vec<u32> = (0..n_gen.max(n_prompt) as u32)
         .map(|i| (i * 7919 + 13) % eng.model.config.vocab_size as u32)
         .collect();
+    let infos = (0..sessions.count())
+        .map(|i| sessions.info(i))
+        .collect::<Result<Vec<_>>>()?;
     let mut rows = Vec::new();
     if n_prompt > 0 {
         let prompt = &tokens[..n_prompt];
-        let samples = alternate(&mut sessions, reps, "prefill runs", |s| {
-            s.truncate(0);
+        let samples = alternate(sessions, reps, "prefill runs", |s, i| {
+            s.reset(i);
             let t0 = Instant::now();
-            s.forward(prompt)?;
+            s.forward(i, prompt)?;
             Ok(n_prompt as f64 / t0.elapsed().as_secs_f64())
         })?;
-        let bytes = model.dense_bytes() as f64 * n_prompt.div_ceil(MAX_ROWS) as f64;
-        for (s, samples) in sessions.iter().zip(samples) {
+        for (info, samples) in infos.iter().zip(samples) {
+            let bytes = info.dense_bytes as f64 * n_prompt.div_ceil(MAX_ROWS) as f64;
             let per_token = bytes / n_prompt as f64;
             let test = format!("pp{n_prompt}");
             let blocks = BlockTimes::default();
-            rows.push(row(
-                eng,
-                dev,
-                s,
-                test,
-                samples,
-                per_token,
-                (1.0, 1.0),
-                blocks,
-            ));
+            rows.push(row(eng, info, test, samples, per_token, (1.0, 1.0), blocks));
         }
     }
     if n_gen == 0 {
         return Ok(rows);
     }
     let tokens = &tokens[..n_gen];
-    let samples = alternate(&mut sessions, reps, "decode runs", |s| {
-        s.truncate(0);
+    let samples = alternate(sessions, reps, "decode runs", |s, i| {
+        s.reset(i);
         let t0 = Instant::now();
         for &t in tokens {
-            s.forward(&[t])?;
+            s.forward(i, &[t])?;
         }
         Ok(n_gen as f64 / t0.elapsed().as_secs_f64())
     })?;
     let mut blocks = Vec::new();
-    for s in sessions.iter_mut() {
-        s.truncate(0);
+    for i in 0..sessions.count() {
+        sessions.reset(i);
         let mut t = BlockTimes::default();
-        s.profile(&tokens[..n_gen.min(16)], &mut t)?;
+        sessions.profile(i, &tokens[..n_gen.min(16)], &mut t)?;
         let ms = |v: f64| v * 1e3 / t.steps as f64;
         blocks.push(BlockTimes {
             steps: t.steps,
@@ -114,12 +238,13 @@ pub fn bench<D: Device>(
             attention: ms(t.attention),
             mlp: ms(t.mlp),
             output: ms(t.output),
+            all_reduce: ms(t.all_reduce),
         });
     }
-    let dense = (specs.iter().position(|p| p.is_dense())).map(|i| median_sd(&samples[i]).0);
-    for ((s, samples), blocks) in sessions.iter().zip(samples).zip(blocks) {
-        let (bytes, test) = (s.step_bytes() as f64, format!("tg{n_gen}"));
-        let mut r = row(eng, dev, s, test, samples, bytes, s.densities(), blocks);
+    let dense = (policies.iter().position(|p| p.is_dense())).map(|i| median_sd(&samples[i]).0);
+    for ((info, samples), blocks) in infos.iter().zip(samples).zip(blocks) {
+        let (bytes, test) = (info.step_bytes as f64, format!("tg{n_gen}"));
+        let mut r = row(eng, info, test, samples, bytes, info.densities, blocks);
         r.speedup_vs_dense = dense.map(|d| r.tok_per_s_median / d);
         rows.push(r);
     }
@@ -128,11 +253,9 @@ pub fn bench<D: Device>(
 
 /// One session's row of `test` from its tok/s samples and the weight bytes a token reads (no
 /// speedup: the caller knows the dense run).
-#[allow(clippy::too_many_arguments)]
-fn row<D: Device>(
+fn row(
     eng: &Engine,
-    dev: &D,
-    s: &DeviceSession<'_, D>,
+    info: &SessionInfo,
     test: String,
     samples: Vec<f64>,
     bytes_per_token: f64,
@@ -142,8 +265,8 @@ fn row<D: Device>(
     let (med, sd) = median_sd(&samples);
     DeviceBenchRow {
         model: eng.model.label(),
-        backend: dev.name(),
-        sparsity: s.plan_name().to_string(),
+        backend: info.device.clone(),
+        sparsity: info.plan.clone(),
         test,
         tok_per_s_median: med,
         tok_per_s_stddev: sd,
@@ -160,19 +283,20 @@ fn row<D: Device>(
 
 /// `reps` rounds of `run` over every session (after one warm-up round, not kept): each
 /// session's samples.
-fn alternate<D: Device>(
-    sessions: &mut [DeviceSession<'_, D>],
+fn alternate<S: BenchSessions>(
+    sessions: &mut S,
     reps: usize,
     what: &str,
-    mut run: impl FnMut(&mut DeviceSession<'_, D>) -> Result<f64>,
+    mut run: impl FnMut(&mut S, usize) -> Result<f64>,
 ) -> Result<Vec<Vec<f64>>> {
-    let bar = crate::progress::bar(((reps + 1) * sessions.len()) as u64, what);
-    let mut samples = vec![Vec::new(); sessions.len()];
+    let n = sessions.count();
+    let bar = crate::progress::bar(((reps + 1) * n) as u64, what);
+    let mut samples = vec![Vec::new(); n];
     for rep in 0..=reps {
-        for (i, s) in sessions.iter_mut().enumerate() {
-            let tps = run(s)?;
+        for (i, out) in samples.iter_mut().enumerate() {
+            let tps = run(sessions, i)?;
             if rep > 0 {
-                samples[i].push(tps);
+                out.push(tps);
             }
             bar.inc(1);
         }
@@ -200,11 +324,18 @@ pub fn markdown(rows: &[DeviceBenchRow]) -> String {
                 .map_or("-".into(), |s| format!("{s:.2}x")),
             r.weight_bytes_per_token / 1e6,
             r.weight_gb_per_s,
-            match r.blocks_ms.steps {
-                0 => "-".to_string(),
-                _ => format!(
-                    "{:.2} / {:.2} / {:.2} / {:.2}",
-                    r.blocks_ms.attention, r.blocks_ms.mlp, r.blocks_ms.predict, r.blocks_ms.output
+            match (r.blocks_ms.steps, r.blocks_ms.all_reduce > 0.0) {
+                (0, _) => "-".to_string(),
+                (_, ar) => format!(
+                    "{:.2} / {:.2} / {:.2} / {:.2}{}",
+                    r.blocks_ms.attention,
+                    r.blocks_ms.mlp,
+                    r.blocks_ms.predict,
+                    r.blocks_ms.output,
+                    match ar {
+                        true => format!(" (all-reduce {:.2})", r.blocks_ms.all_reduce),
+                        false => String::new(),
+                    }
                 ),
             },
         );

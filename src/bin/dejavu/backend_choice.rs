@@ -94,7 +94,9 @@ fn cuda_parallel<R>(
     let spec = WorldSpec {
         world: n,
         device: |s: Shard| Ok(CudaDevice::in_world(s.rank, s.rank, n, &id)?),
-        plan: |d: &CudaDevice, _: &_, s: Shard| DevicePlan::policy_shard(d, cfg, s, policy),
+        plans: |d: &CudaDevice, _: &_, s: Shard| {
+            Ok(vec![DevicePlan::policy_shard(d, cfg, s, policy)?])
+        },
         model: &engine.model,
         layout: layout_for(engine, policy)?,
         n_ctx: engine.n_ctx,

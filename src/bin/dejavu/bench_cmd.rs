@@ -24,6 +24,9 @@ pub struct BenchArgs {
     /// model then keeps its file's row layout on the CPU too).
     #[arg(long, value_delimiter = ',', default_value = "cpu")]
     pub backend: Vec<String>,
+    /// Tensor parallelism of the `cuda` runs: the model split over this many GPUs (`-tp N`).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub tensor_parallel: u16,
     /// Thread counts to test, comma-separated.
     #[arg(long, short, value_delimiter = ',', default_value = "1,2")]
     pub threads: Vec<usize>,
@@ -87,6 +90,9 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
     }
     let cuda = a.backend.iter().any(|b| b == "cuda");
     let cpu = a.backend.iter().any(|b| b == "cpu");
+    if a.tensor_parallel > 1 && !cuda {
+        bail!("tensor parallelism splits a model over GPUs: add --backend cuda");
+    }
 
     let tests: Vec<(bool, usize)> = [(true, a.n_prompt), (false, a.n_gen)]
         .into_iter()
@@ -119,7 +125,8 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
         let policies = (a.sparsity.iter())
             .map(|spec| policy_for(&engine, spec, a.predictors.as_deref()))
             .collect::<Result<Vec<_>>>()?;
-        let rows = cuda_bench(&engine, &policies, a.n_prompt, a.n_gen, a.repetitions)?;
+        let tp = a.tensor_parallel as usize;
+        let rows = cuda_bench(&engine, &policies, tp, a.n_prompt, a.n_gen, a.repetitions)?;
         print!("{}", dejavu::eval::device_bench::markdown(&rows));
         if let Some(p) = &a.json {
             let p = p.with_extension("cuda.json");
@@ -231,18 +238,33 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
     Ok(())
 }
 
-/// The decode bench on the GPU (`--backend cuda`).
+/// The decode bench on the GPU (`--backend cuda`), over `tp` GPUs.
 #[cfg(feature = "cuda")]
 fn cuda_bench(
     engine: &Engine,
     policies: &[dejavu::sparsity::policy::Policy],
+    tp: usize,
     n_prompt: usize,
     n_gen: usize,
     reps: usize,
 ) -> Result<Vec<dejavu::eval::device_bench::DeviceBenchRow>> {
-    let dev = dejavu_backend_cuda::CudaDevice::new(0)?;
-    Ok(dejavu::eval::device_bench::bench(
-        &dev, engine, policies, n_prompt, n_gen, reps,
+    use dejavu::eval::device_bench;
+    use dejavu_backend_cuda::CudaDevice;
+    if tp == 1 {
+        let dev = CudaDevice::new(0)?;
+        return Ok(device_bench::bench(
+            &dev, engine, policies, n_prompt, n_gen, reps,
+        )?);
+    }
+    let gpus = dejavu_backend_cuda::device_count()?;
+    if gpus < tp {
+        bail!("--tensor-parallel {tp} needs {tp} GPUs; this machine has {gpus}");
+    }
+    let id = dejavu_backend_cuda::nccl_id()?;
+    let device =
+        |s: dejavu::engine::parallel::Shard| Ok(CudaDevice::in_world(s.rank, s.rank, tp, &id)?);
+    Ok(device_bench::bench_parallel(
+        tp, device, engine, policies, n_prompt, n_gen, reps,
     )?)
 }
 
@@ -250,6 +272,7 @@ fn cuda_bench(
 fn cuda_bench(
     _: &Engine,
     _: &[dejavu::sparsity::policy::Policy],
+    _: usize,
     _: usize,
     _: usize,
     _: usize,

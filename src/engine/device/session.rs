@@ -61,6 +61,9 @@ pub struct BlockTimes {
     pub mlp: f64,
     /// The final norm and the output head.
     pub output: f64,
+    /// Tensor parallelism: the collectives (the all-reduces after W_o and fc2 and of the
+    /// embedding row, the all-gather of the logits).
+    pub all_reduce: f64,
 }
 
 /// Times the blocks of a step: the device is synchronized at every block's end.
@@ -88,6 +91,22 @@ fn lap<D: Device>(
         Some(c) => c.lap(dev, block),
         None => Ok(()),
     }
+}
+
+/// The collective `f`, timed on its own when the blocks are (under tensor parallelism): the
+/// block `before` it is lapped first.
+fn collective<D: Device>(
+    clock: &mut Option<Clock>,
+    dev: &D,
+    before: fn(&mut BlockTimes) -> &mut f64,
+    f: impl FnOnce() -> Result<()>,
+) -> Result<()> {
+    if clock.is_none() || dev.world().1 == 1 {
+        return f();
+    }
+    lap(clock, dev, before)?;
+    f()?;
+    lap(clock, dev, |t| &mut t.all_reduce)
 }
 
 /// One layer's selected `(neurons, heads)`, each sorted (`None`: every unit).

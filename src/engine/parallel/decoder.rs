@@ -1,9 +1,11 @@
 //! A tensor-parallel world in one process: a thread per rank, each with its own device, its
-//! [`Shard`] of the model and its session, driven in lock step by a [`ParallelDecoder`] (every
-//! rank runs every step, so every rank reaches the same collectives in the same order). The
-//! logits are the world's (each rank holds them after the all-gather); rank 0's are returned.
+//! [`Shard`] of the model and its sessions (one per plan), driven in lock step by a
+//! [`ParallelDecoder`] (every rank runs every step, so every rank reaches the same collectives
+//! in the same order). The logits are the world's (each rank holds them after the all-gather);
+//! rank 0's are returned.
 use super::Shard;
-use crate::engine::device::{DeviceModel, DevicePlan, DeviceSession, Selections};
+use crate::engine::config::ModelConfig;
+use crate::engine::device::{BlockTimes, DeviceModel, DevicePlan, DeviceSession, Selections};
 use crate::engine::weights::Model;
 use crate::sparsity::layout::SparseLayout;
 use crate::text::generate::Decoder;
@@ -11,36 +13,56 @@ use crate::{Error, Result};
 use dejavu_backend_api::Device;
 use std::sync::mpsc::{channel, Receiver, Sender};
 
-/// What the rank threads are asked to do.
+/// What the rank threads are asked to do, each of one of their sessions.
 enum Cmd {
-    Forward(Vec<u32>),
-    Truncate(usize),
-    Selections,
+    Forward(usize, Vec<u32>),
+    Truncate(usize, usize),
+    Selections(usize),
+    Profile(usize, Vec<u32>),
+    Info(usize),
 }
 
 /// A rank's answer to a command (`Truncate` has none).
 enum Reply {
     Logits(Result<Vec<f32>>),
     Selections(Result<Vec<Selections>>),
+    Profile(Result<BlockTimes>),
+    Info(SessionInfo),
 }
 
-/// How the ranks are made: each rank's device, and its plan on that device.
+/// What one rank's session reads and computes per step.
+#[derive(Debug, Clone)]
+pub struct SessionInfo {
+    pub plan: String,
+    /// The rank's device.
+    pub device: String,
+    /// Weight bytes of a decode step under the plan, and of a dense one.
+    pub step_bytes: usize,
+    pub dense_bytes: usize,
+    /// Mean fraction of the rank's MLP neurons and heads computed.
+    pub densities: (f64, f64),
+}
+
+/// How the ranks are made: each rank's device, and its plans on that device (a session each).
 pub struct WorldSpec<'m, F, P> {
     pub world: usize,
     /// The device of a rank (its GPU, with its place in the world's communicator).
     pub device: F,
-    /// The plan of a rank on its device (e.g. `DevicePlan::policy_shard`).
-    pub plan: P,
+    /// The plans of a rank on its device (e.g. `DevicePlan::policy_shard`), the same number on
+    /// every rank.
+    pub plans: P,
     pub model: &'m Model,
     pub layout: Option<&'m SparseLayout>,
     pub n_ctx: usize,
 }
 
-/// The world's sequence, as one [`Decoder`].
+/// The world's sequences, one per plan, as one [`Decoder`] over the one [`Self::select`]ed.
 pub struct ParallelDecoder {
     cmds: Vec<Sender<Cmd>>,
     replies: Receiver<(usize, Reply)>,
-    len: usize,
+    /// Tokens in each session's cache, and the session the decoder runs.
+    lens: Vec<usize>,
+    current: usize,
     n_ctx: usize,
     logits: Vec<f32>,
 }
@@ -54,7 +76,7 @@ pub fn run<D, F, P, R>(
 where
     D: Device,
     F: Fn(Shard) -> Result<D> + Sync,
-    P: Fn(&D, &DeviceModel<D>, Shard) -> Result<DevicePlan<D>> + Sync,
+    P: Fn(&D, &DeviceModel<D>, Shard) -> Result<Vec<DevicePlan<D>>> + Sync,
 {
     let shards = (0..spec.world)
         .map(|r| Shard::new(r, spec.world))
@@ -72,10 +94,12 @@ where
                 .map_err(|e| Error::Invalid(format!("starting rank {}: {e}", shard.rank)))?;
         }
         drop(reply_tx);
-        // Every rank reports once it has started (or why it could not).
+        // Every rank reports once it has started, with its sessions' count (or why it could
+        // not start).
+        let mut n_sessions = 0;
         for _ in &shards {
             match replies.recv() {
-                Ok((_, Reply::Logits(Ok(_)))) => {}
+                Ok((_, Reply::Logits(Ok(n)))) => n_sessions = n.len(),
                 Ok((_, Reply::Logits(Err(e)))) => return Err(e),
                 _ => return Err(Error::Invalid("a rank stopped while starting".into())),
             }
@@ -83,7 +107,8 @@ where
         let mut dec = ParallelDecoder {
             cmds,
             replies,
-            len: 0,
+            lens: vec![0; n_sessions],
+            current: 0,
             n_ctx: spec.n_ctx,
             logits: vec![0.0; spec.model.config.vocab_size],
         };
@@ -102,7 +127,7 @@ fn rank<D, F, P>(
 ) where
     D: Device,
     F: Fn(Shard) -> Result<D> + Sync,
-    P: Fn(&D, &DeviceModel<D>, Shard) -> Result<DevicePlan<D>> + Sync,
+    P: Fn(&D, &DeviceModel<D>, Shard) -> Result<Vec<DevicePlan<D>>> + Sync,
 {
     let r = shard.rank;
     let started = (spec.device)(shard).and_then(|dev| {
@@ -113,26 +138,50 @@ fn rank<D, F, P>(
         Ok(x) => x,
         Err(e) => return drop(out.send((r, Reply::Logits(Err(e))))),
     };
-    let session = (spec.plan)(&dev, &model, shard)
-        .and_then(|plan| DeviceSession::new(&dev, &model, plan, spec.n_ctx));
-    let mut session = match session {
+    let sessions = (spec.plans)(&dev, &model, shard).and_then(|plans| {
+        (plans.into_iter())
+            .map(|plan| DeviceSession::new(&dev, &model, plan, spec.n_ctx))
+            .collect::<Result<Vec<_>>>()
+    });
+    let sessions = sessions.and_then(|s| match s.is_empty() {
+        true => Err(Error::Invalid("a tensor-parallel world of no plan".into())),
+        false => Ok(s),
+    });
+    let mut sessions = match sessions {
         Ok(s) => s,
         Err(e) => return drop(out.send((r, Reply::Logits(Err(e))))),
     };
-    if out.send((r, Reply::Logits(Ok(Vec::new())))).is_err() {
+    // Started: the sessions' count, as that many (empty) logits.
+    if out
+        .send((r, Reply::Logits(Ok(vec![0.0; sessions.len()]))))
+        .is_err()
+    {
         return;
     }
     for cmd in cmds {
         let reply = match cmd {
-            Cmd::Forward(tokens) => Reply::Logits(session.forward(&tokens).map(|l| match r {
-                0 => l.to_vec(),
-                _ => Vec::new(),
-            })),
-            Cmd::Truncate(len) => {
-                session.truncate(len);
+            Cmd::Forward(i, tokens) => {
+                Reply::Logits(sessions[i].forward(&tokens).map(|l| match r {
+                    0 => l.to_vec(),
+                    _ => Vec::new(),
+                }))
+            }
+            Cmd::Truncate(i, len) => {
+                sessions[i].truncate(len);
                 continue;
             }
-            Cmd::Selections => Reply::Selections(session.selections()),
+            Cmd::Selections(i) => Reply::Selections(sessions[i].selections()),
+            Cmd::Profile(i, tokens) => {
+                let mut t = BlockTimes::default();
+                Reply::Profile(sessions[i].profile(&tokens, &mut t).map(|_| t))
+            }
+            Cmd::Info(i) => Reply::Info(SessionInfo {
+                plan: sessions[i].plan_name().to_string(),
+                device: dev.name(),
+                step_bytes: sessions[i].step_bytes(),
+                dense_bytes: model.dense_bytes(),
+                densities: sessions[i].densities(),
+            }),
         };
         if out.send((r, reply)).is_err() {
             return;
@@ -143,6 +192,23 @@ fn rank<D, F, P>(
 impl ParallelDecoder {
     pub fn world(&self) -> usize {
         self.cmds.len()
+    }
+
+    /// Sessions (plans) on every rank.
+    pub fn sessions(&self) -> usize {
+        self.lens.len()
+    }
+
+    /// Run session `i` from now on.
+    pub fn select(&mut self, i: usize) -> Result<()> {
+        if i >= self.sessions() {
+            return Err(Error::Invalid(format!(
+                "session {i} of a world of {} sessions",
+                self.sessions()
+            )));
+        }
+        self.current = i;
+        Ok(())
     }
 
     fn send(&self, cmd: impl Fn() -> Cmd) -> Result<()> {
@@ -168,17 +234,13 @@ impl ParallelDecoder {
 
     /// The last step's selections of the world, per layer, in the whole model's numbering: each
     /// rank's, joined (`None`: every unit on every rank).
-    pub fn selections(
-        &mut self,
-        c: &crate::engine::config::ModelConfig,
-    ) -> Result<Vec<Selections>> {
-        self.send(|| Cmd::Selections)?;
-        let per_rank = self
-            .gather()?
-            .into_iter()
+    pub fn selections(&mut self, c: &ModelConfig) -> Result<Vec<Selections>> {
+        let i = self.current;
+        self.send(|| Cmd::Selections(i))?;
+        let per_rank = (self.gather()?.into_iter())
             .map(|r| match r {
                 Reply::Selections(s) => s,
-                Reply::Logits(_) => Err(Error::Invalid("a rank answered out of turn".into())),
+                _ => Err(out_of_turn()),
             })
             .collect::<Result<Vec<_>>>()?;
         let world = self.world();
@@ -200,39 +262,82 @@ impl ParallelDecoder {
             })
             .collect())
     }
+
+    /// `DeviceSession::profile` of `tokens` on every rank; rank 0's block times added to
+    /// `times`.
+    pub fn profile(&mut self, tokens: &[u32], times: &mut BlockTimes) -> Result<()> {
+        let i = self.current;
+        self.send(|| Cmd::Profile(i, tokens.to_vec()))?;
+        let mut first = None;
+        for (r, reply) in self.gather()?.into_iter().enumerate() {
+            match reply {
+                Reply::Profile(Ok(t)) if r == 0 => first = Some(t),
+                Reply::Profile(Ok(_)) => {}
+                Reply::Profile(Err(e)) => return Err(e),
+                _ => return Err(out_of_turn()),
+            }
+        }
+        let t = first.ok_or_else(out_of_turn)?;
+        times.steps += t.steps;
+        times.embed += t.embed;
+        times.predict += t.predict;
+        times.attention += t.attention;
+        times.mlp += t.mlp;
+        times.output += t.output;
+        times.all_reduce += t.all_reduce;
+        self.lens[i] += tokens.len();
+        Ok(())
+    }
+
+    /// Each rank's view of the current session, by rank.
+    pub fn info(&mut self) -> Result<Vec<SessionInfo>> {
+        let i = self.current;
+        self.send(|| Cmd::Info(i))?;
+        (self.gather()?.into_iter())
+            .map(|r| match r {
+                Reply::Info(info) => Ok(info),
+                _ => Err(out_of_turn()),
+            })
+            .collect()
+    }
+}
+
+fn out_of_turn() -> Error {
+    Error::Invalid("a tensor-parallel rank answered out of turn".into())
 }
 
 impl Decoder for ParallelDecoder {
     fn decode(&mut self, tokens: &[u32]) -> Result<&mut [f32]> {
-        self.send(|| Cmd::Forward(tokens.to_vec()))?;
-        let mut replies = self.gather()?.into_iter();
+        let i = self.current;
+        self.send(|| Cmd::Forward(i, tokens.to_vec()))?;
         let mut first_err = None;
-        for (r, reply) in replies.by_ref().enumerate() {
+        for (r, reply) in self.gather()?.into_iter().enumerate() {
             match reply {
                 Reply::Logits(Ok(l)) if r == 0 => self.logits = l,
                 Reply::Logits(Ok(_)) => {}
                 Reply::Logits(Err(e)) => {
                     first_err.get_or_insert(e);
                 }
-                Reply::Selections(_) => {
-                    first_err.get_or_insert(Error::Invalid("a rank answered out of turn".into()));
+                _ => {
+                    first_err.get_or_insert(out_of_turn());
                 }
             }
         }
         if let Some(e) = first_err {
             return Err(e);
         }
-        self.len += tokens.len();
+        self.lens[i] += tokens.len();
         Ok(&mut self.logits)
     }
     fn len(&self) -> usize {
-        self.len
+        self.lens[self.current]
     }
     fn n_ctx(&self) -> usize {
         self.n_ctx
     }
     fn truncate(&mut self, len: usize) {
-        self.len = self.len.min(len);
-        let _ = self.send(|| Cmd::Truncate(len));
+        let i = self.current;
+        self.lens[i] = self.lens[i].min(len);
+        let _ = self.send(|| Cmd::Truncate(i, len));
     }
 }

@@ -98,7 +98,7 @@ impl<D: Device> DeviceSession<'_, D> {
         }
         if logits {
             dev.take_row(&b.x, n - 1, c.d_model, &mut self.s.x)?;
-            self.output()?;
+            self.output(&mut None)?;
         }
         Ok(())
     }

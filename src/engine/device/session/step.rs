@@ -1,6 +1,6 @@
 //! The verbs of one decode step: embedding, each layer's predictors, attention and MLP under
 //! the plan, and the output head (dense or contextual).
-use super::{lap, Clock, DeviceSession, Scratch};
+use super::{collective, lap, BlockTimes, Clock, DeviceSession, Scratch};
 use crate::engine::config::{ModelConfig, NormKind, Positions};
 use crate::engine::device::model::{DeviceModel, Layer, Norm};
 use crate::engine::device::plan::{Predictor, Sel};
@@ -20,11 +20,21 @@ impl<D: Device> DeviceSession<'_, D> {
         match &m.proj_in {
             None => {
                 dev.embed(&m.token_embd, token, false, &mut s.x, 1)?;
-                dev.all_reduce(&mut s.x, c.d_model)?;
+                collective(
+                    clock,
+                    dev,
+                    |t| &mut t.embed,
+                    || Ok(dev.all_reduce(&mut s.x, c.d_model)?),
+                )?;
             }
             Some(p) => {
                 dev.embed(&m.token_embd, token, false, &mut s.e, 1)?;
-                dev.all_reduce(&mut s.e, c.d_embed)?;
+                collective(
+                    clock,
+                    dev,
+                    |t| &mut t.embed,
+                    || Ok(dev.all_reduce(&mut s.e, c.d_embed)?),
+                )?;
                 dev.matvec(p, Rows::All, &s.e, None, &mut s.x, false)?;
             }
         }
@@ -34,16 +44,16 @@ impl<D: Device> DeviceSession<'_, D> {
         lap(clock, dev, |t| &mut t.embed)?;
         for l in 0..c.n_layers {
             self.attention(l, clock)?;
-            self.mlp(l)?;
+            self.mlp(l, clock)?;
             lap(clock, dev, |t| &mut t.mlp)?;
         }
-        self.output()?;
+        self.output(clock)?;
         lap(clock, dev, |t| &mut t.output)
     }
 
     /// The output head of `s.x` (one row) into `s.logits`: dense, or contextual. Under tensor
     /// parallelism each rank's logits of its vocabulary rows are gathered.
-    pub(super) fn output(&mut self) -> Result<()> {
+    pub(super) fn output(&mut self, clock: &mut Option<Clock>) -> Result<()> {
         let (dev, m, s) = (self.dev, self.model, &mut self.s);
         let c = &m.local;
         let head_in = match &m.output_norm {
@@ -71,7 +81,12 @@ impl<D: Device> DeviceSession<'_, D> {
                     &mut s.part_logits,
                     false,
                 )?;
-                dev.all_gather(&s.part_logits, per, &mut s.logits)?;
+                collective(
+                    clock,
+                    dev,
+                    |t| &mut t.output,
+                    || Ok(dev.all_gather(&s.part_logits, per, &mut s.logits)?),
+                )?;
             }
             None => dev.matvec(m.head(), Rows::All, head_in, None, &mut s.logits, false)?,
             Some(o) => {
@@ -201,7 +216,7 @@ impl<D: Device> DeviceSession<'_, D> {
         } else if let Some(b) = &lw.bo {
             dev.add(if out { &mut s.part } else { &mut s.x }, b, c.d_model)?;
         }
-        reduce_residual(dev, m, s)?;
+        reduce_residual(dev, m, s, clock, |t| &mut t.attention)?;
         // The predictors read `s.h` and write the MLP's selection: done before either changes.
         if side {
             dev.join()?;
@@ -210,7 +225,7 @@ impl<D: Device> DeviceSession<'_, D> {
         lap(clock, dev, |t| &mut t.attention)
     }
 
-    fn mlp(&mut self, l: usize) -> Result<()> {
+    fn mlp(&mut self, l: usize, clock: &mut Option<Clock>) -> Result<()> {
         let (dev, m) = (self.dev, self.model);
         let (c, lw, s) = (&m.local, &m.layers[l], &mut self.s);
         let sel = &self.plan.mlp[l];
@@ -221,7 +236,7 @@ impl<D: Device> DeviceSession<'_, D> {
             if let Some(b) = &lw.b_down {
                 dev.add(if out { &mut s.part } else { &mut s.x }, b, c.d_model)?;
             }
-            reduce_residual(dev, m, s)?;
+            reduce_residual(dev, m, s, clock, |t| &mut t.mlp)?;
             return post_norm(dev, c, &lw.ffn_norm, &mut s.x, &mut s.h, 1);
         }
         let act = c.mlp.activation();
@@ -250,7 +265,7 @@ impl<D: Device> DeviceSession<'_, D> {
             }
             _ => dev.matvec(&lw.w_down, Rows::All, a, lw.b_down.as_ref(), y, true)?,
         }
-        reduce_residual(dev, m, s)?;
+        reduce_residual(dev, m, s, clock, |t| &mut t.mlp)?;
         post_norm(dev, c, &lw.ffn_norm, &mut s.x, &mut s.h, 1)
     }
 }
@@ -265,11 +280,18 @@ fn residual_out<D: Device>(dev: &D, m: &DeviceModel<D>, s: &mut Scratch<D>) -> R
     Ok(true)
 }
 
-/// Under tensor parallelism: the ranks' partials summed, then added to the residual.
-fn reduce_residual<D: Device>(dev: &D, m: &DeviceModel<D>, s: &mut Scratch<D>) -> Result<()> {
+/// Under tensor parallelism: the ranks' partials summed, then added to the residual (the
+/// all-reduce timed on its own when the blocks are, after the block `before`).
+fn reduce_residual<D: Device>(
+    dev: &D,
+    m: &DeviceModel<D>,
+    s: &mut Scratch<D>,
+    clock: &mut Option<Clock>,
+    before: fn(&mut BlockTimes) -> &mut f64,
+) -> Result<()> {
     if !m.shard.is_whole() {
         let d = m.local.d_model;
-        dev.all_reduce(&mut s.part, d)?;
+        collective(clock, dev, before, || Ok(dev.all_reduce(&mut s.part, d)?))?;
         dev.add(&mut s.x, &s.part, d)?;
     }
     Ok(())
