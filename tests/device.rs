@@ -645,27 +645,41 @@ mod cuda {
         if let Err(e) = dejavu_backend_cuda::nccl_id() {
             return eprintln!("skipped: {e}");
         }
-        for name in ["llama-silu", "opt-relu"] {
+        let runs = [
+            ("llama-silu", "dense", true),
+            ("llama-silu", "dense", false),
+            ("opt-relu", "dense", true),
+            ("opt-relu", "dense", false),
+            ("opt-relu", "uneven", true),
+        ];
+        for (name, which, graphs) in runs {
             let eng = load(name);
-            let dm = DeviceModel::upload(&g, &eng.model, None).unwrap();
-            let dense = SparsePlan::dense(&eng.model.config);
-            let plan = DevicePlan::fixed(&g, &eng.model.config, &dense, "dense").unwrap();
-            let mut sess = DeviceSession::new(&g, &dm, plan, 64).unwrap();
+            let layout = eng.sparse_layout().unwrap();
+            let dm = DeviceModel::upload(&g, &eng.model, Some(layout)).unwrap();
+            let plan = DevicePlan::fixed(&g, &eng.model.config, &tp_plan(&eng, which), which);
+            let mut sess = DeviceSession::new(&g, &dm, plan.unwrap(), 64).unwrap();
             let want = tp_steps(&mut sess);
-            for graphs in [true, false] {
-                let got = tp_world(name, graphs);
-                let mut worst = 0f32;
-                for (rank, logits) in got.iter().enumerate() {
-                    for (i, (d, w)) in logits.chunks(want[0].len()).zip(&want).enumerate() {
-                        let what = format!("{name} rank {rank} step {i} graphs {graphs}");
-                        worst = worst.max(assert_close(&what, d, w));
-                    }
+            let got = tp_world(name, which, graphs);
+            let mut worst = 0f32;
+            for (rank, logits) in got.iter().enumerate() {
+                for (i, (d, w)) in logits.chunks(want[0].len()).zip(&want).enumerate() {
+                    let what = format!("{name} {which} rank {rank} step {i} graphs {graphs}");
+                    worst = worst.max(assert_close(&what, d, w));
                 }
-                eprintln!(
-                    "{name}: 2 processes on one GPU (graphs {graphs}): logits equal the single \
-                     GPU's, worst |error| {worst:.2e}"
-                );
             }
+            eprintln!(
+                "{name}, {which} plan: 2 processes on one GPU (graphs {graphs}): logits equal the \
+                 single GPU's, worst |error| {worst:.2e}"
+            );
+        }
+    }
+
+    /// The plan `which` of [`tp_world`]: dense, or `common::uneven_plan` (some rank holds none
+    /// of a layer's heads).
+    fn tp_plan(eng: &Engine, which: &str) -> SparsePlan {
+        match which {
+            "dense" => SparsePlan::dense(&eng.model.config),
+            _ => common::uneven_plan(eng),
         }
     }
 
@@ -678,8 +692,9 @@ mod cuda {
         out
     }
 
-    /// Run the world of 2 processes on fixture `name`; each rank's logits, all steps.
-    fn tp_world(name: &str, graphs: bool) -> Vec<Vec<f32>> {
+    /// Run the world of 2 processes on fixture `name` under plan `which`; each rank's logits,
+    /// all steps.
+    fn tp_world(name: &str, which: &str, graphs: bool) -> Vec<Vec<f32>> {
         let id = dejavu_backend_cuda::nccl_id().unwrap();
         let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
         let dir = std::env::temp_dir().join(format!("dejavu-tp-{}", std::process::id()));
@@ -696,6 +711,7 @@ mod cuda {
                 .env("DEJAVU_TP_CHILD", rank.to_string())
                 .env("DEJAVU_TP_ID", &hex)
                 .env("DEJAVU_TP_MODEL", name)
+                .env("DEJAVU_TP_PLAN", which)
                 .env("DEJAVU_TP_OUT", dir.join(format!("rank{rank}")))
                 .env("NCCL_HOSTID", format!("dejavu-tp-test-{rank}"))
                 .env("NCCL_NVLS_ENABLE", "0")
@@ -744,9 +760,10 @@ mod cuda {
         let dev = CudaDevice::in_world(0, rank, 2, &id).unwrap();
         let eng = load(&var("DEJAVU_TP_MODEL"));
         let shard = Shard::new(rank, 2).unwrap();
-        let dm = DeviceModel::upload_shard(&dev, &eng.model, None, shard).unwrap();
-        let dense = SparsePlan::dense(&eng.model.config);
-        let plan = DevicePlan::fixed_shard(&dev, &eng.model.config, shard, &dense, "d").unwrap();
+        let layout = eng.sparse_layout().unwrap();
+        let dm = DeviceModel::upload_shard(&dev, &eng.model, Some(layout), shard).unwrap();
+        let sparse = tp_plan(&eng, &var("DEJAVU_TP_PLAN"));
+        let plan = DevicePlan::fixed_shard(&dev, &eng.model.config, shard, &sparse, "p").unwrap();
         let mut sess = DeviceSession::new(&dev, &dm, plan, 64).unwrap();
         let logits: Vec<u8> = (tp_steps(&mut sess).concat().iter())
             .flat_map(|x| x.to_le_bytes())

@@ -10,7 +10,7 @@ mod common;
 use dejavu::engine::device::{DeviceModel, DevicePlan, DeviceSession};
 use dejavu::engine::parallel::{self, ParallelDecoder, Shard, WorldSpec};
 use dejavu::engine::{Engine, EngineOptions};
-use dejavu::sparsity::{LayerPlan, SparsePlan};
+use dejavu::sparsity::SparsePlan;
 use dejavu::text::generate::Decoder;
 use dejavu_backend_api::IndexSet;
 use dejavu_backend_cpu::device::HostDevice;
@@ -114,33 +114,11 @@ fn every_world_size_gives_the_whole_models_logits() {
     }
 }
 
-/// A fixed plan whose sets fall unevenly on the ranks (some rank holds none of a layer's
-/// heads, or all of them).
-fn uneven_plan(eng: &Engine) -> SparsePlan {
-    let c = &eng.model.config;
-    let set = |n: usize, v: Vec<u32>| IndexSet::new(n, v).unwrap();
-    let layers = (0..c.n_layers)
-        .map(|l| {
-            let (ff, h) = (c.n_ff as u32, c.n_heads as u32);
-            let neurons = match l % 2 {
-                0 => (0..ff).filter(|i| i % 3 == 0).collect(),
-                _ => (0..ff / 2).collect(),
-            };
-            let heads = match l % 2 {
-                0 => vec![0, h - 1],
-                _ => (0..h / 2).collect(),
-            };
-            LayerPlan::new(c, set(c.n_ff, neurons), set(c.n_heads, heads)).unwrap()
-        })
-        .collect();
-    SparsePlan::new(c, layers).unwrap()
-}
-
 #[test]
 fn an_explicit_sparse_plan_is_the_same_at_every_world_size() {
     let eng = load("opt-relu");
     let c = &eng.model.config;
-    let plan = uneven_plan(&eng);
+    let plan = common::uneven_plan(&eng);
     let want = whole(&eng, &plan);
     for w in [2, 3] {
         let (got, sel) = on_world(&eng, w, &plan, |d| {

@@ -219,3 +219,26 @@ pub const HF_FIXTURES: [&str; 6] = [
     "llama-silu",
     "qwen2",
 ];
+
+/// A fixed plan whose sets fall unevenly on tensor-parallel ranks (some rank holds none of a layer's
+/// heads, or all of them).
+pub fn uneven_plan(eng: &Engine) -> dejavu::sparsity::SparsePlan {
+    let c = &eng.model.config;
+    let set = |n: usize, v: Vec<u32>| dejavu_backend_api::IndexSet::new(n, v).unwrap();
+    let layers = (0..c.n_layers)
+        .map(|l| {
+            let (ff, h) = (c.n_ff as u32, c.n_heads as u32);
+            let neurons = match l % 2 {
+                0 => (0..ff).filter(|i| i % 3 == 0).collect(),
+                _ => (0..ff / 2).collect(),
+            };
+            let heads = match l % 2 {
+                0 => vec![0, h - 1],
+                _ => (0..h / 2).collect(),
+            };
+            dejavu::sparsity::LayerPlan::new(c, set(c.n_ff, neurons), set(c.n_heads, heads))
+                .unwrap()
+        })
+        .collect();
+    dejavu::sparsity::SparsePlan::new(c, layers).unwrap()
+}
