@@ -45,6 +45,14 @@ fn close(what: &str, got: &[f32], want: &[f32]) -> f32 {
     worst
 }
 
+/// [`close`] at every step; the worst error.
+fn close_steps(what: &str, got: &[Vec<f32>], want: &[Vec<f32>]) -> f32 {
+    assert_eq!(got.len(), want.len(), "{what}: steps");
+    (got.iter().zip(want).enumerate())
+        .map(|(i, (g, w))| close(&format!("{what} step {i}"), g, w))
+        .fold(0.0, f32::max)
+}
+
 /// The logits of the prompt (one batch) and of each decode step after it.
 fn steps(dec: &mut dyn Decoder) -> Vec<Vec<f32>> {
     let mut out = vec![dec.decode(&PROMPT).unwrap().to_vec()];
@@ -64,31 +72,35 @@ fn whole(eng: &Engine, plan: &SparsePlan) -> Vec<Vec<f32>> {
     steps(&mut s)
 }
 
-/// `body` on a world of `world` host ranks running `plan`.
+/// `body` on a world of `world` host ranks, each running the plan `plan` makes for it.
+fn on_host_world<R>(
+    eng: &Engine,
+    world: usize,
+    plan: impl Fn(&HostDevice, Shard) -> dejavu::Result<DevicePlan<HostDevice>> + Sync,
+    body: impl FnOnce(&mut ParallelDecoder) -> R,
+) -> dejavu::Result<R> {
+    let hw = HostWorld::new(world);
+    let spec = WorldSpec {
+        world,
+        device: |s: Shard| Ok(HostDevice::rank(s.rank, hw.clone())?),
+        plans: |d: &HostDevice, _: &DeviceModel<HostDevice>, s: Shard| Ok(vec![plan(d, s)?]),
+        model: &eng.model,
+        layout: Some(eng.sparse_layout().unwrap()),
+        n_ctx: 32,
+    };
+    parallel::run(spec, |dec| Ok(body(dec)))
+}
+
+/// `body` on a world of `world` host ranks running the fixed `plan`.
 fn on_world<R>(
     eng: &Engine,
     world: usize,
     plan: &SparsePlan,
     body: impl FnOnce(&mut ParallelDecoder) -> R,
 ) -> R {
-    let hw = HostWorld::new(world);
-    let spec = WorldSpec {
-        world,
-        device: |s: Shard| Ok(HostDevice::rank(s.rank, hw.clone())?),
-        plans: |d: &HostDevice, _: &DeviceModel<HostDevice>, s: Shard| {
-            Ok(vec![DevicePlan::fixed_shard(
-                d,
-                &eng.model.config,
-                s,
-                plan,
-                "p",
-            )?])
-        },
-        model: &eng.model,
-        layout: Some(eng.sparse_layout().unwrap()),
-        n_ctx: 32,
-    };
-    parallel::run(spec, |dec| Ok(body(dec))).unwrap()
+    let c = &eng.model.config;
+    let fixed = |d: &HostDevice, s: Shard| DevicePlan::fixed_shard(d, c, s, plan, "p");
+    on_host_world(eng, world, fixed, body).unwrap()
 }
 
 #[test]
@@ -105,10 +117,7 @@ fn every_world_size_gives_the_whole_models_logits() {
         let want = whole(&eng, &dense);
         for &w in worlds {
             let got = on_world(&eng, w, &dense, |d| steps(d));
-            let mut worst = 0f32;
-            for (i, (g, r)) in got.iter().zip(&want).enumerate() {
-                worst = worst.max(close(&format!("{name} world {w} step {i}"), g, r));
-            }
+            let worst = close_steps(&format!("{name} world {w}"), &got, &want);
             println!("{name}: world {w}: worst |tp - whole| = {worst:.2e}");
         }
     }
@@ -125,9 +134,7 @@ fn an_explicit_sparse_plan_is_the_same_at_every_world_size() {
             let got = steps(d);
             (got, d.selections(c).unwrap())
         });
-        for (i, (g, r)) in got.iter().zip(&want).enumerate() {
-            close(&format!("world {w} step {i}"), g, r);
-        }
+        close_steps(&format!("world {w}"), &got, &want);
         for (l, (lp, (m, h))) in plan.layers.iter().zip(sel).enumerate() {
             let all = |s: &IndexSet| s.iter().map(|i| i as u32).collect::<Vec<_>>();
             assert_eq!(
@@ -148,24 +155,11 @@ fn an_explicit_sparse_plan_is_the_same_at_every_world_size() {
 fn a_world_that_does_not_divide_the_model_is_refused() {
     let eng = load("llama-silu"); // 4 heads, 2 KV heads
     let dense = SparsePlan::dense(&eng.model.config);
-    let hw = HostWorld::new(4);
-    let spec = WorldSpec {
-        world: 4,
-        device: |s: Shard| Ok(HostDevice::rank(s.rank, hw.clone())?),
-        plans: |d: &HostDevice, _: &DeviceModel<HostDevice>, s: Shard| {
-            Ok(vec![DevicePlan::fixed_shard(
-                d,
-                &eng.model.config,
-                s,
-                &dense,
-                "p",
-            )?])
-        },
-        model: &eng.model,
-        layout: None,
-        n_ctx: 8,
-    };
-    let err = parallel::run(spec, |_| Ok(())).unwrap_err().to_string();
+    let c = &eng.model.config;
+    let fixed = |d: &HostDevice, s: Shard| DevicePlan::fixed_shard(d, c, s, &dense, "p");
+    let err = on_host_world(&eng, 4, fixed, |_| ())
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("do not split evenly"), "{err}");
 }
 
@@ -185,10 +179,7 @@ fn a_synthetic_opt_over_four_ranks_gives_the_whole_models_logits() {
     let dense = SparsePlan::dense(&eng.model.config);
     let want = whole(&eng, &dense);
     let got = on_world(&eng, 4, &dense, |d| steps(d));
-    let mut worst = 0f32;
-    for (i, (g, r)) in got.iter().zip(&want).enumerate() {
-        worst = worst.max(close(&format!("synthetic opt-125m world 4 step {i}"), g, r));
-    }
+    let worst = close_steps("synthetic opt-125m world 4", &got, &want);
     println!("synthetic opt-125m: world 4: worst |tp - whole| = {worst:.2e}");
 }
 
@@ -244,22 +235,12 @@ fn a_policy_over_two_ranks_selects_k_over_world_on_each() {
     let policy = eng
         .policy("dejavu:0.1+dejavu-attn:0.5", preds.as_ref())
         .unwrap();
-    let hw = HostWorld::new(2);
-    let spec = WorldSpec {
-        world: 2,
-        device: |s: Shard| Ok(HostDevice::rank(s.rank, hw.clone())?),
-        plans: |d: &HostDevice, _: &DeviceModel<HostDevice>, s: Shard| {
-            Ok(vec![DevicePlan::policy_shard(d, c, s, &policy)?])
-        },
-        model: &eng.model,
-        layout: Some(eng.sparse_layout().unwrap()),
-        n_ctx: 16,
-    };
-    let sel = parallel::run(spec, |d| {
+    let predicted = |d: &HostDevice, s: Shard| DevicePlan::policy_shard(d, c, s, &policy);
+    let sel = on_host_world(&eng, 2, predicted, |d| {
         let logits = d.decode(&PROMPT).unwrap();
         assert!(logits.iter().all(|x| x.is_finite()));
         d.decode(&[STEPS[0]]).unwrap();
-        d.selections(c)
+        d.selections(c).unwrap()
     })
     .unwrap();
     let per_rank = |n: usize, keep: f64| ((keep * (n / 2) as f64).round() as usize).max(1);

@@ -230,16 +230,8 @@ fn bench_sessions(
         sessions.reset(i);
         let mut t = BlockTimes::default();
         sessions.profile(i, &tokens[..n_gen.min(16)], &mut t)?;
-        let ms = |v: f64| v * 1e3 / t.steps as f64;
-        blocks.push(BlockTimes {
-            steps: t.steps,
-            embed: ms(t.embed),
-            predict: ms(t.predict),
-            attention: ms(t.attention),
-            mlp: ms(t.mlp),
-            output: ms(t.output),
-            all_reduce: ms(t.all_reduce),
-        });
+        let steps = t.steps as f64;
+        blocks.push(t.map(|v| v * 1e3 / steps));
     }
     let dense = (policies.iter().position(|p| p.is_dense())).map(|i| median_sd(&samples[i]).0);
     for ((info, samples), blocks) in infos.iter().zip(samples).zip(blocks) {

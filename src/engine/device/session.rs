@@ -66,6 +66,32 @@ pub struct BlockTimes {
     pub all_reduce: f64,
 }
 
+impl BlockTimes {
+    /// Add `o`'s steps and times.
+    pub fn add(&mut self, o: &BlockTimes) {
+        self.steps += o.steps;
+        let mut o = *o;
+        for (a, b) in self.times_mut().into_iter().zip(o.times_mut()) {
+            *a += *b;
+        }
+    }
+    /// Each time through `f` (the steps kept).
+    pub fn map(mut self, f: impl Fn(f64) -> f64) -> Self {
+        self.times_mut().into_iter().for_each(|t| *t = f(*t));
+        self
+    }
+    fn times_mut(&mut self) -> [&mut f64; 6] {
+        [
+            &mut self.embed,
+            &mut self.predict,
+            &mut self.attention,
+            &mut self.mlp,
+            &mut self.output,
+            &mut self.all_reduce,
+        ]
+    }
+}
+
 /// Times the blocks of a step: the device is synchronized at every block's end.
 struct Clock<'t> {
     times: &'t mut BlockTimes,

@@ -278,13 +278,7 @@ impl ParallelDecoder {
             }
         }
         let t = first.ok_or_else(out_of_turn)?;
-        times.steps += t.steps;
-        times.embed += t.embed;
-        times.predict += t.predict;
-        times.attention += t.attention;
-        times.mlp += t.mlp;
-        times.output += t.output;
-        times.all_reduce += t.all_reduce;
+        times.add(&t);
         self.lens[i] += tokens.len();
         Ok(())
     }
