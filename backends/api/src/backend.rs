@@ -288,3 +288,28 @@ pub trait Backend: Send + Sync {
         out: &mut [f32],
     );
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn row_and_column_ranges_slice_the_blocks() {
+        let (q, rows, cols) = (QuantType::Q8_0, 3, 96);
+        let rb = q.row_bytes(cols);
+        let data: Vec<u8> = (0..rows * rb).map(|i| (i % 251) as u8).collect();
+        let w = Weight::new(q, rows, cols, &data).unwrap();
+        let r = w.row_range(1..3).unwrap();
+        assert_eq!((r.rows, r.cols, r.data), (2, cols, &data[rb..]));
+        let c = w.col_range(32..96).unwrap();
+        let bb = q.block_bytes();
+        let want: Vec<u8> = (0..rows)
+            .flat_map(|r| data[r * rb + bb..(r + 1) * rb].to_vec())
+            .collect();
+        assert_eq!(c, want);
+        assert!(w.col_range(16..48).is_err(), "not on a block boundary");
+        assert!(w.col_range(64..128).is_err() && w.row_range(2..4).is_err());
+        let f = Weight::new(QuantType::F32, 2, 3, &[0u8; 24]).unwrap();
+        assert_eq!(f.col_range(1..2).unwrap().len(), 8);
+    }
+}
