@@ -22,8 +22,10 @@ enum Cmd {
     Info(usize),
 }
 
-/// A rank's answer to a command (`Truncate` has none).
+/// A rank's answer to a command (`Truncate` has none), or its start.
 enum Reply {
+    /// Started, with this many sessions (or why not).
+    Started(Result<usize>),
     Logits(Result<Vec<f32>>),
     Selections(Result<Vec<Selections>>),
     Profile(Result<BlockTimes>),
@@ -99,8 +101,8 @@ where
         let mut n_sessions = 0;
         for _ in &shards {
             match replies.recv() {
-                Ok((_, Reply::Logits(Ok(n)))) => n_sessions = n.len(),
-                Ok((_, Reply::Logits(Err(e)))) => return Err(e),
+                Ok((_, Reply::Started(Ok(n)))) => n_sessions = n,
+                Ok((_, Reply::Started(Err(e)))) => return Err(e),
                 _ => return Err(Error::Invalid("a rank stopped while starting".into())),
             }
         }
@@ -136,7 +138,7 @@ fn rank<D, F, P>(
     });
     let (dev, model) = match started {
         Ok(x) => x,
-        Err(e) => return drop(out.send((r, Reply::Logits(Err(e))))),
+        Err(e) => return drop(out.send((r, Reply::Started(Err(e))))),
     };
     let sessions = (spec.plans)(&dev, &model, shard).and_then(|plans| {
         (plans.into_iter())
@@ -149,13 +151,9 @@ fn rank<D, F, P>(
     });
     let mut sessions = match sessions {
         Ok(s) => s,
-        Err(e) => return drop(out.send((r, Reply::Logits(Err(e))))),
+        Err(e) => return drop(out.send((r, Reply::Started(Err(e))))),
     };
-    // Started: the sessions' count, as that many (empty) logits.
-    if out
-        .send((r, Reply::Logits(Ok(vec![0.0; sessions.len()]))))
-        .is_err()
-    {
+    if out.send((r, Reply::Started(Ok(sessions.len())))).is_err() {
         return;
     }
     for cmd in cmds {
