@@ -85,15 +85,10 @@ fn cuda_parallel<R>(
     use dejavu::engine::device::DevicePlan;
     use dejavu::engine::parallel::{self, Shard, WorldSpec};
     use dejavu_backend_cuda::CudaDevice;
-    let gpus = dejavu_backend_cuda::device_count()?;
-    if gpus < n {
-        bail!("--tensor-parallel {n} needs {n} GPUs; this machine has {gpus}");
-    }
-    let id = dejavu_backend_cuda::nccl_id()?;
     let cfg = &engine.model.config;
     let spec = WorldSpec {
         world: n,
-        device: |s: Shard| Ok(CudaDevice::in_world(s.rank, s.rank, n, &id)?),
+        device: cuda_world(n)?,
         plans: |d: &CudaDevice, _: &_, s: Shard| {
             Ok(vec![DevicePlan::policy_shard(d, cfg, s, policy)?])
         },
@@ -107,6 +102,26 @@ fn cuda_parallel<R>(
         Ok(())
     })?;
     out.expect("the world ran its body")
+}
+
+/// The devices of a world of `n` GPUs: rank r on GPU r, all joined through one NCCL id made
+/// here. An error unless the machine has `n` GPUs and NCCL.
+#[cfg(feature = "cuda")]
+pub fn cuda_world(
+    n: usize,
+) -> Result<
+    impl Fn(dejavu::engine::parallel::Shard) -> dejavu::Result<dejavu_backend_cuda::CudaDevice> + Sync,
+> {
+    let gpus = dejavu_backend_cuda::device_count()?;
+    if gpus < n {
+        bail!("--tensor-parallel {n} needs {n} GPUs; this machine has {gpus}");
+    }
+    let id = dejavu_backend_cuda::nccl_id()?;
+    Ok(move |s: dejavu::engine::parallel::Shard| {
+        Ok(dejavu_backend_cuda::CudaDevice::in_world(
+            s.rank, s.rank, n, &id,
+        )?)
+    })
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -256,13 +256,7 @@ fn cuda_bench(
             &dev, engine, policies, n_prompt, n_gen, reps,
         )?);
     }
-    let gpus = dejavu_backend_cuda::device_count()?;
-    if gpus < tp {
-        bail!("--tensor-parallel {tp} needs {tp} GPUs; this machine has {gpus}");
-    }
-    let id = dejavu_backend_cuda::nccl_id()?;
-    let device =
-        |s: dejavu::engine::parallel::Shard| Ok(CudaDevice::in_world(s.rank, s.rank, tp, &id)?);
+    let device = crate::backend_choice::cuda_world(tp)?;
     Ok(device_bench::bench_parallel(
         tp, device, engine, policies, n_prompt, n_gen, reps,
     )?)

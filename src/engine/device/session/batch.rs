@@ -7,9 +7,9 @@
 //! executor's batches under a fixed plan compute the same thing). Layers under lazy K/V keep the
 //! batch's inputs and fill every head's keys and values from them, those a head missed before
 //! the batch included.
-use super::step::{block_input, lazy_kv, post_norm};
+use super::step::{block_input, lazy_kv, lookup, post_norm};
 use super::DeviceSession;
-use crate::engine::config::{ModelConfig, Positions};
+use crate::engine::config::Positions;
 use crate::engine::device::model::DeviceModel;
 use crate::engine::device::plan::Sel;
 use crate::Result;
@@ -75,19 +75,9 @@ impl<D: Device> DeviceSession<'_, D> {
         let (dev, m, n) = (self.dev, self.model, tokens.len());
         let c = &m.local;
         dev.set_step(tokens, self.len)?;
-        let token = StepRow::Token {
-            first: m.shard.vocab(c.vocab_size).start,
-        };
-        match &m.proj_in {
-            None => {
-                dev.embed(&m.token_embd, token, false, &mut b.x, n)?;
-                dev.all_reduce(&mut b.x, n * c.d_model)?;
-            }
-            Some(p) => {
-                dev.embed(&m.token_embd, token, false, &mut b.e, n)?;
-                dev.all_reduce(&mut b.e, n * c.d_embed)?;
-                dev.matmul(&b.e, n, &mut [Product::new(p, Rows::All, &mut b.x)])?;
-            }
+        lookup(dev, m, &mut b.x, &mut b.e, n, &mut None)?;
+        if let Some(p) = &m.proj_in {
+            dev.matmul(&b.e, n, &mut [Product::new(p, Rows::All, &mut b.x)])?;
         }
         if let (Positions::Learned { offset }, Some(pe)) = (c.positions, &m.pos_embd) {
             dev.embed(pe, StepRow::Position { offset }, true, &mut b.x, n)?;
@@ -138,17 +128,8 @@ impl<D: Device> DeviceSession<'_, D> {
         };
         let (kc, vc) = (&self.k[l], &self.v[l]);
         dev.attention(&b.q, kc, vc, Rows::All, geom, &mut b.att)?;
-        match m.shard.is_whole() {
-            true => {
-                let o = Product::new(&lw.wo, Rows::All, &mut b.x).bias(lw.bo.as_ref());
-                dev.matmul(&b.att, n, &mut [o.accumulate()])?;
-            }
-            false => {
-                let o = Product::new(&lw.wo, Rows::All, &mut b.part).bias(lw.bo.as_ref());
-                dev.matmul(&b.att, n, &mut [o])?;
-                reduce_rows(dev, c, &mut b.part, &mut b.x, n)?;
-            }
-        }
+        let (wo, bo) = (&lw.wo, lw.bo.as_ref());
+        add_row_parallel(dev, m, wo, bo, &b.att, &mut b.x, &mut b.part, n)?;
         post_norm(dev, c, &lw.attn_norm, &mut b.x, &mut b.h, n)
     }
 
@@ -171,30 +152,36 @@ impl<D: Device> DeviceSession<'_, D> {
                 &b.up
             }
         };
-        match m.shard.is_whole() {
-            true => {
-                let down = Product::new(&lw.w_down, Rows::All, &mut b.x).bias(lw.b_down.as_ref());
-                dev.matmul(a, n, &mut [down.accumulate()])?;
-            }
-            false => {
-                let down = Product::new(&lw.w_down, Rows::All, &mut b.part);
-                dev.matmul(a, n, &mut [down.bias(lw.b_down.as_ref())])?;
-                reduce_rows(dev, c, &mut b.part, &mut b.x, n)?;
-            }
-        }
+        let (wd, bd) = (&lw.w_down, lw.b_down.as_ref());
+        add_row_parallel(dev, m, wd, bd, a, &mut b.x, &mut b.part, n)?;
         post_norm(dev, c, &lw.ffn_norm, &mut b.x, &mut b.h, n)
     }
 }
 
-/// Tensor parallelism: the ranks' partial outputs of `rows` rows summed, then added to the
-/// residual `x`.
-fn reduce_rows<D: Device>(
+/// A row-parallel product (W_o, fc2) of `rows` rows of `input`, added to the residual `x`:
+/// straight in on a whole model; under tensor parallelism into `part`, summed over the ranks,
+/// then added.
+#[allow(clippy::too_many_arguments)]
+fn add_row_parallel<D: Device>(
     dev: &D,
-    c: &ModelConfig,
-    part: &mut D::Buf,
+    m: &DeviceModel<D>,
+    w: &D::Mat,
+    bias: Option<&D::Buf>,
+    input: &D::Buf,
     x: &mut D::Buf,
+    part: &mut D::Buf,
     rows: usize,
 ) -> Result<()> {
-    dev.all_reduce(part, rows * c.d_model)?;
-    Ok(dev.add(x, part, rows * c.d_model)?)
+    if m.shard.is_whole() {
+        let p = Product::new(w, Rows::All, x).bias(bias).accumulate();
+        return Ok(dev.matmul(input, rows, &mut [p])?);
+    }
+    dev.matmul(
+        input,
+        rows,
+        &mut [Product::new(w, Rows::All, part).bias(bias)],
+    )?;
+    let n = rows * m.local.d_model;
+    dev.all_reduce(part, n)?;
+    Ok(dev.add(x, part, n)?)
 }

@@ -13,30 +13,9 @@ impl<D: Device> DeviceSession<'_, D> {
         let (dev, m) = (self.dev, self.model);
         let c = &m.local;
         let s = &mut self.s;
-        // The rank's vocabulary rows look up zeros for other tokens; the sum is the row.
-        let token = StepRow::Token {
-            first: m.shard.vocab(c.vocab_size).start,
-        };
-        match &m.proj_in {
-            None => {
-                dev.embed(&m.token_embd, token, false, &mut s.x, 1)?;
-                collective(
-                    clock,
-                    dev,
-                    |t| &mut t.embed,
-                    || Ok(dev.all_reduce(&mut s.x, c.d_model)?),
-                )?;
-            }
-            Some(p) => {
-                dev.embed(&m.token_embd, token, false, &mut s.e, 1)?;
-                collective(
-                    clock,
-                    dev,
-                    |t| &mut t.embed,
-                    || Ok(dev.all_reduce(&mut s.e, c.d_embed)?),
-                )?;
-                dev.matvec(p, Rows::All, &s.e, None, &mut s.x, false)?;
-            }
+        lookup(dev, m, &mut s.x, &mut s.e, 1, clock)?;
+        if let Some(p) = &m.proj_in {
+            dev.matvec(p, Rows::All, &s.e, None, &mut s.x, false)?;
         }
         if let (Positions::Learned { offset }, Some(pe)) = (c.positions, &m.pos_embd) {
             dev.embed(pe, StepRow::Position { offset }, true, &mut s.x, 1)?;
@@ -295,6 +274,34 @@ fn reduce_residual<D: Device>(
         dev.add(&mut s.x, &s.part, d)?;
     }
     Ok(())
+}
+
+/// The token embeddings of the batch's `rows` rows into `x`, or into `e` when the model
+/// projects them (`proj_in`, the caller's to apply). Under tensor parallelism each rank looks
+/// up its vocabulary rows (zeros for the other tokens) and the world sums them into the row.
+pub(super) fn lookup<D: Device>(
+    dev: &D,
+    m: &DeviceModel<D>,
+    x: &mut D::Buf,
+    e: &mut D::Buf,
+    rows: usize,
+    clock: &mut Option<Clock>,
+) -> Result<()> {
+    let c = &m.local;
+    let (out, width) = match m.proj_in {
+        None => (x, c.d_model),
+        Some(_) => (e, c.d_embed),
+    };
+    let token = StepRow::Token {
+        first: m.shard.vocab(c.vocab_size).start,
+    };
+    dev.embed(&m.token_embd, token, false, out, rows)?;
+    collective(
+        clock,
+        dev,
+        |t| &mut t.embed,
+        || Ok(dev.all_reduce(out, rows * width)?),
+    )
 }
 
 /// Layer `lw`'s lazy K/V fill of `heads` from the kept `inputs`, through a batch of `rows`.
