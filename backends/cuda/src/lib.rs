@@ -22,28 +22,16 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 mod attention;
+mod compile;
 mod kv;
 mod launch;
 mod matmul;
 mod products;
 mod world;
+use compile::{ax_vec, mv_rows, tuning};
+pub use compile::{compile, nvrtc_present};
 use products::act_code;
 pub use world::{nccl_id, ID_BYTES};
-
-/// The kernel sources, in the order NVRTC compiles them (the header first).
-const SOURCES: [&str; 11] = [
-    include_str!("kernels/common.cuh"),
-    include_str!("kernels/matvec.cu"),
-    include_str!("kernels/matmul.cu"),
-    include_str!("kernels/axpy.cu"),
-    include_str!("kernels/embed.cu"),
-    include_str!("kernels/norm.cu"),
-    include_str!("kernels/rope.cu"),
-    include_str!("kernels/elementwise.cu"),
-    include_str!("kernels/attention.cu"),
-    include_str!("kernels/topk.cu"),
-    include_str!("kernels/kvfill.cu"),
-];
 
 /// The kernels' name suffix of each weight type (`FOR_TYPES` in common.cuh).
 fn type_suffix(q: QuantType) -> &'static str {
@@ -60,85 +48,22 @@ fn type_suffix(q: QuantType) -> &'static str {
     }
 }
 
-/// The `NAME=VALUE` pairs of `DEJAVU_CUDA_DEFINES` (kernel tuning constants).
-fn defines() -> Vec<(String, String)> {
-    let defs = std::env::var("DEJAVU_CUDA_DEFINES").unwrap_or_default();
-    (defs.split(',').filter_map(|d| d.split_once('=')))
-        .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
-        .collect()
-}
-
-/// A tuning constant of `DEJAVU_CUDA_DEFINES` that the host's launch shapes depend on too
-/// (`MV_ROWS`: rows per warp of matvec.cu; `MV_FILL`, `MV_FILL_SEL`: the blocks per SM under
-/// which a product of every row, or a gather over a selection, splits its rows; `AX_VEC`:
-/// 256-column chunks per block of axpy.cu; `AX_FILL`: axpy blocks per SM), or `default` when
-/// unset or outside `range`. Defaults measured on the H200: an `AX_FILL` of 2 ran the axpy over
-/// 10% of OPT-30B's fc2 rows at 3.2 TB/s, against 2.6 for 4; a fill of 8 the gather of 10% of
-/// its fc1 rows at 3.3 TB/s, against 2.5 for 2, but its dense step 2-3% slower than 2.
-fn tuning(name: &str, default: usize, range: std::ops::RangeInclusive<usize>) -> usize {
-    (defines().into_iter().find(|(k, _)| k == name))
-        .and_then(|(_, v)| v.parse().ok())
-        .filter(|r| range.contains(r))
-        .unwrap_or(default)
-}
-
-/// Rows per warp of matvec.cu.
-fn mv_rows() -> usize {
-    tuning("MV_ROWS", 1, 1..=8)
-}
-
-/// 256-column chunks per block of axpy.cu (4: 2.4 TB/s over 10% of OPT-30B's fc2 rows on the
-/// H200, against 1.9 for 2 and 1.3 for 1).
-fn ax_vec() -> usize {
-    tuning("AX_VEC", 4, 1..=4)
+/// The CUDA driver can be loaded, or why not (cudarc panics on a missing library).
+fn need_driver() -> Result<(), BackendError> {
+    // SAFETY: only tries to open the library (dlopen), and closes it again.
+    match unsafe { cudarc::driver::sys::is_culib_present() } {
+        true => Ok(()),
+        false => Err(BackendError::Device(
+            "the CUDA driver (libcuda.so) was not found: is an NVIDIA driver installed?".into(),
+        )),
+    }
 }
 
 /// How many GPUs the driver sees (an error where there is no driver).
 pub fn device_count() -> Result<usize, BackendError> {
-    // SAFETY: only tries to open the library (dlopen), and closes it again.
-    if !unsafe { cudarc::driver::sys::is_culib_present() } {
-        return Err(BackendError::Device(
-            "the CUDA driver (libcuda.so) was not found: is an NVIDIA driver installed?".into(),
-        ));
-    }
+    need_driver()?;
     let n = CudaContext::device_count().map_err(dev_err)?;
     Ok(n.max(0) as usize)
-}
-
-/// Can NVRTC be loaded?
-pub fn nvrtc_present() -> bool {
-    // SAFETY: only tries to open the library (dlopen), and closes it again.
-    unsafe { cudarc::nvrtc::sys::is_culib_present() }
-}
-
-/// The kernels compiled by NVRTC for `arch` (`compute_90`). Needs NVRTC only, no GPU.
-/// `DEJAVU_CUDA_DEFINES=MV_ROWS=2,AX_UNROLL=8` overrides the kernels' tuning constants.
-pub fn compile(arch: &str) -> Result<cudarc::nvrtc::Ptx, BackendError> {
-    let mut options = vec![format!("--gpu-architecture={arch}")];
-    // The constants the host's launch shapes depend on go in as the host reads them.
-    let host = ["MV_ROWS", "AX_VEC"];
-    options.extend(
-        (defines().into_iter())
-            .filter(|(k, _)| !host.contains(&k.as_str()))
-            .map(|(k, v)| format!("-D{k}={v}")),
-    );
-    options.push(format!("-DMV_ROWS={}", mv_rows()));
-    options.push(format!("-DAX_VEC={}", ax_vec()));
-    let opts = cudarc::nvrtc::CompileOptions {
-        options,
-        ..Default::default()
-    };
-    if !nvrtc_present() {
-        return Err(BackendError::Device(
-            "NVRTC (libnvrtc.so) was not found: install the CUDA toolkit's NVRTC".into(),
-        ));
-    }
-    cudarc::nvrtc::compile_ptx_with_opts(SOURCES.concat(), opts).map_err(|e| match e {
-        cudarc::nvrtc::CompileError::CompileError { log, .. } => {
-            BackendError::Device(format!("NVRTC: {}", log.to_string_lossy()))
-        }
-        e => BackendError::Device(format!("NVRTC: {e:?}")),
-    })
 }
 
 /// One GPU, its main stream and a second lane (lookahead), the compiled kernels and the step's
@@ -211,28 +136,8 @@ fn shape(what: String) -> BackendError {
 impl CudaDevice {
     /// GPU `ordinal`: loads the driver and NVRTC, compiles the kernels for its compute capability.
     pub fn new(ordinal: usize) -> Result<Self, BackendError> {
-        // cudarc panics on a missing library: look for both first.
-        // SAFETY: each only tries to open the library (dlopen), and closes it again.
-        let present = unsafe {
-            (
-                cudarc::driver::sys::is_culib_present(),
-                cudarc::nvrtc::sys::is_culib_present(),
-            )
-        };
-        match present {
-            (false, _) => {
-                return Err(BackendError::Device(
-                    "the CUDA driver (libcuda.so) was not found: is an NVIDIA driver installed?"
-                        .into(),
-                ))
-            }
-            (_, false) => {
-                return Err(BackendError::Device(
-                    "NVRTC (libnvrtc.so) was not found: install the CUDA toolkit's NVRTC".into(),
-                ))
-            }
-            _ => {}
-        }
+        need_driver()?;
+        compile::need_nvrtc()?;
         let ctx = CudaContext::new(ordinal).map_err(dev_err)?;
         // SAFETY: this device orders its launches itself: one main stream, and a second lane
         // whose work is ordered against the main one only by `fork`/`join` events, whose callers
