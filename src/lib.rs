@@ -17,6 +17,7 @@ pub mod engine;
 mod error;
 pub mod eval;
 pub mod fetch;
+pub mod fsio;
 pub mod progress;
 pub mod quantize;
 pub mod serve;

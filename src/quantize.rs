@@ -75,6 +75,7 @@ pub fn quantize(
             qtype.name()
         )));
     }
+    crate::fsio::refuse_overwrite("--out", out, &model.path)?;
     let meta = metadata(model, tokenizer)?;
     let tensors = plan(model, qtype);
     let infos: Vec<(&str, &[u64], GgmlType, usize)> = (tensors.iter())
@@ -89,21 +90,22 @@ pub fn quantize(
         .collect();
     let meta_refs: Vec<(&str, MetaValue)> =
         meta.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
-    let tmp = out.with_extension("partial");
-    let file = std::fs::File::create(&tmp)?;
-    let mut w = GgufWriter::start(std::io::BufWriter::new(file), &meta_refs, &infos)?;
     let total: u64 = tensors.iter().map(|t| t.n_bytes() as u64).sum();
     let bar = crate::progress::bytes_bar(total, &format!("quantize to {}", qtype.name()));
-    let mut bytes = Vec::new();
-    for t in &tensors {
-        bytes.clear();
-        encode(model, backend, t, &mut bytes)?;
-        w.push(&bytes)?;
-        bar.inc(bytes.len() as u64);
-    }
-    w.finish()?;
+    // A unique temporary file beside `out`, renamed over it once whole (crate::fsio).
+    crate::fsio::write_with(out, |file| {
+        let mut w = GgufWriter::start(file, &meta_refs, &infos)?;
+        let mut bytes = Vec::new();
+        for t in &tensors {
+            bytes.clear();
+            encode(model, backend, t, &mut bytes)?;
+            w.push(&bytes)?;
+            bar.inc(bytes.len() as u64);
+        }
+        w.finish()?;
+        Ok(())
+    })?;
     bar.finish_and_clear();
-    std::fs::rename(&tmp, out)?;
     Ok(Summary {
         tensors: tensors.len(),
         bytes: std::fs::metadata(out)?.len(),

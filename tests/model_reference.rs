@@ -1,4 +1,4 @@
-//! The engine on the real models against ../shared/reference (an independent mature engine, f32
+//! The engine on the real models against tests/reference (llama.cpp, an independent mature engine, f32
 //! weights): tokenizer ids, teacher-forced logits, incremental decoding, perplexity.
 //!
 //! Logit tolerances, derived:

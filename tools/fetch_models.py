@@ -96,6 +96,8 @@ def fetch(name):
                     with z.open(members[0]) as src:
                         shutil.copyfileobj(src, out, 1 << 20)
                 shutil.rmtree(wdir)
+            out.flush()
+            os.fsync(out.fileno())
         size = os.path.getsize(partial)
         if size != m["bytes"]:
             raise SystemExit(f"error: {name}: got {size} bytes, expected {m['bytes']}")

@@ -3,6 +3,7 @@
 //! GGUF [`names`]), and the [`executor`] that runs the layer loop.
 pub mod arch;
 pub mod config;
+pub mod content_key;
 pub mod device;
 pub mod executor;
 pub mod kv_cache;

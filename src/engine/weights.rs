@@ -174,7 +174,7 @@ pub struct Model {
     /// `output.weight`, or the token embedding when tied. `[vocab, d_embed]`
     pub output: WeightRef,
     pub layers: Vec<LayerWeights>,
-    fingerprint: String,
+    key: super::content_key::ContentKey,
     /// The repacked matrices of a mapped model (see `Model::repack`), in one anonymous buffer.
     pub(crate) converted: Option<memmap2::MmapMut>,
 }
@@ -324,12 +324,20 @@ impl Model {
         }
         // A checkpoint's config is part of what the model computes (GGUF metadata is in the
         // file's first MiB).
-        let config_text = match &source {
-            Source::Hf(c) => c.config.clone().into_bytes(),
-            Source::Gguf(_) => Vec::new(),
-            Source::Synthetic(s) => format!("{} seed {}", s.label(), s.options.seed).into_bytes(),
+        let (extra, paths) = match &source {
+            Source::Hf(c) => (
+                c.config.clone().into_bytes(),
+                std::iter::once(c.dir.join("config.json"))
+                    .chain(c.shards.iter().map(|s| s.path.clone()))
+                    .collect(),
+            ),
+            Source::Gguf(f) => (Vec::new(), vec![f.path.clone()]),
+            Source::Synthetic(s) => (
+                format!("{} seed {}", s.label(), s.options.seed).into_bytes(),
+                Vec::new(),
+            ),
         };
-        let fingerprint = fingerprint(&files, &config_text);
+        let key = super::content_key::ContentKey::new(paths, extra);
         Ok(Self {
             path: path.to_path_buf(),
             source,
@@ -341,7 +349,7 @@ impl Model {
             output_norm,
             output,
             layers,
-            fingerprint,
+            key,
             converted: None,
         })
     }
@@ -398,12 +406,29 @@ impl Model {
         whole + row(&self.token_embd) + self.pos_embd.as_ref().map_or(0, row)
     }
 
-    /// A content fingerprint of the weights (file sizes, the first MiB of each file and 256
-    /// samples spread over it, and a checkpoint's `config.json`): what caches derived from the model (the sparse layout, the
-    /// predictors file) are keyed on, so a same-size model with other weights is not mistaken
-    /// for this one.
+    /// The content hash of the weights (every byte of every file, and a checkpoint's
+    /// `config.json`; a synthetic model's label and seed): what files derived from the model are
+    /// keyed on (see `engine::content_key`). Computed on first use.
     pub fn fingerprint(&self) -> &str {
-        &self.fingerprint
+        self.key.hash(&self.key_bytes())
+    }
+
+    /// The files' stamp at load (see `engine::content_key`), recorded beside the fingerprint.
+    pub fn stamp(&self) -> &str {
+        self.key.stamp()
+    }
+
+    /// Whether a derived file that recorded (`fingerprint`, `stamp`) was built from these weights.
+    pub fn built_from_this(&self, fingerprint: &str, stamp: &str) -> bool {
+        self.key.matches(&self.key_bytes(), fingerprint, stamp)
+    }
+
+    fn key_bytes(&self) -> Vec<&[u8]> {
+        match &self.source {
+            // Generated from its label and seed, which the key's extra bytes hold.
+            Source::Synthetic(_) => Vec::new(),
+            s => s.files(),
+        }
     }
 
     /// Where a file derived from the model is cached: beside a GGUF (`model.gguf.<suffix>`), or
@@ -422,27 +447,6 @@ impl Model {
             }
         }
     }
-}
-
-/// FNV-1a over `extra`, file sizes, heads and samples (see [`Model::fingerprint`]).
-fn fingerprint(files: &[&[u8]], extra: &[u8]) -> String {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    let mut eat = |bytes: &[u8]| {
-        for &b in bytes {
-            h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
-        }
-    };
-    eat(extra);
-    for f in files {
-        eat(&(f.len() as u64).to_le_bytes());
-        eat(&f[..f.len().min(1 << 20)]);
-        const SAMPLES: usize = 256;
-        for i in 0..SAMPLES {
-            let at = f.len() / SAMPLES * i;
-            eat(&f[at..(at + 1024).min(f.len())]);
-        }
-    }
-    format!("{h:016x}")
 }
 
 /// The GGUF type of an engine type (the inverse of the loader's mapping).

@@ -1,4 +1,4 @@
-//! Perplexity exactly as llama.cpp's `llama-perplexity` computes it (see shared/reference):
+//! Perplexity exactly as llama.cpp's `llama-perplexity` computes it (tests/reference, made by tools/llama_reference.py):
 //! split the tokenized text into `floor(n / ctx)` chunks of `ctx` tokens, evaluate each from an
 //! empty cache, and score the second half: logits at positions `ctx/2 .. ctx-1` predict the tokens
 //! at `ctx/2 + 1 .. ctx`. `ppl = exp(mean NLL)`. For a model that takes a BOS, the text is

@@ -22,9 +22,14 @@ pub struct Axes<'a> {
     pub y_max: f64,
 }
 
-/// Draw `series` on `axes` into a 760x560 PNG at `path`, the legend at the upper right.
+/// Draw `series` on `axes` into a 760x560 PNG at `path` (written as `crate::fsio` writes), the
+/// legend at the upper right.
 pub fn line_chart(path: &Path, title: &str, axes: Axes, series: &[Series]) -> Result<()> {
     crate::eval::report::register_font()?;
+    crate::fsio::write_via_path(path, |tmp| draw(tmp, title, axes, series))
+}
+
+fn draw(path: &Path, title: &str, axes: Axes, series: &[Series]) -> Result<()> {
     let err = |e: &dyn std::fmt::Display| Error::Invalid(format!("plot: {e}"));
     let root = BitMapBackend::new(path, (760, 560)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;

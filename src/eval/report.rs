@@ -140,8 +140,12 @@ fn system_font() -> Option<&'static [u8]> {
 /// one colour per family, oracle points joined; and,
 /// when `recall` is not empty (learned predictors' held-out recall per layer), a fourth panel.
 pub fn plot(rows: &[FrontierRow], recall: &[Recall], title: &str, path: &Path) -> Result<()> {
-    use plotters::prelude::*;
     register_font()?;
+    crate::fsio::write_via_path(path, |tmp| draw(rows, recall, title, tmp))
+}
+
+fn draw(rows: &[FrontierRow], recall: &[Recall], title: &str, path: &Path) -> Result<()> {
+    use plotters::prelude::*;
     let err = |e: &dyn std::fmt::Display| Error::Invalid(format!("plot: {e}"));
     let n_panels: usize = if recall.is_empty() { 3 } else { 4 };
     let root = BitMapBackend::new(path, (500 * n_panels as u32, 520)).into_drawing_area();

@@ -193,8 +193,9 @@ pub fn prompt_tokens(engine: &Engine, input: &Input) -> Result<Vec<u32>, ApiErro
                     Some("messages"),
                 ));
             }
-            let text = t.apply_chat_template(messages);
-            t.encode(&text.map_err(|e| ApiError::invalid(e.to_string(), Some("messages")))?)
+            return t
+                .encode_chat(messages)
+                .map_err(|e| ApiError::invalid(e.to_string(), Some("messages")));
         }
         Input::Text(s) => t.encode_prompt(s),
     };

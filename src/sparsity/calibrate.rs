@@ -578,14 +578,11 @@ pub fn sample_texts(engine: &Engine, n_tokens: usize, seed: u64) -> Result<Vec<S
         if total >= n_tokens {
             break;
         }
-        let text = if engine.tokenizer.has_chat_template() {
-            engine
-                .tokenizer
-                .apply_chat_template(&[("user".into(), prompt.to_string())])?
+        let ids = if engine.tokenizer.has_chat_template() {
+            (engine.tokenizer).encode_chat(&[("user".into(), prompt.to_string())])?
         } else {
-            prompt.to_string()
+            engine.tokenizer.encode(prompt)?
         };
-        let ids = engine.tokenizer.encode(&text)?;
         let mut sampler = Sampler::new(SamplerConfig {
             temperature: 0.8,
             top_k: 40,

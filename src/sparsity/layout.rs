@@ -25,10 +25,11 @@ use dejavu_formats::GgufFile;
 use std::path::PathBuf;
 
 /// Bump when the conversion changes: older cache files are rebuilt.
-/// 2: W_o added.
-pub const LAYOUT_VERSION: u32 = 2;
+/// 2: W_o added. 3: keyed on the full content hash and the files' stamp (engine::content_key).
+pub const LAYOUT_VERSION: u32 = 3;
 const KEY_VERSION: &str = "dejavu.layout.version";
 const KEY_SOURCE: &str = "dejavu.layout.source_fingerprint";
+const KEY_STAMP: &str = "dejavu.layout.source_stamp";
 
 /// The type a neuron-major row of a down projection of type `src` is stored in: the rule above,
 /// or the type named by `DEJAVU_DOWN_T` (F32, F16, BF16, Q8_0, Q5_0, Q4_1) for every layer.
@@ -145,9 +146,7 @@ impl SparseLayout {
             }
         }
         let bytes = build(model, |l, part| transpose(model, backend, l, part))?;
-        let tmp = path.with_extension("tmp");
-        let written = std::fs::write(&tmp, &bytes).and_then(|_| std::fs::rename(&tmp, &path));
-        if written.is_ok() {
+        if crate::fsio::write(&path, &bytes).is_ok() {
             if let Ok(f) = GgufFile::open(&path) {
                 let tensors = check(model, &f)?;
                 return Ok(Self {
@@ -157,7 +156,6 @@ impl SparseLayout {
                 });
             }
         }
-        let _ = std::fs::remove_file(&tmp);
         Self::in_memory(model, &bytes)
     }
 
@@ -195,7 +193,8 @@ fn check(model: &Model, f: &GgufFile) -> Result<Vec<[WeightRef; 2]>> {
     if f.get(KEY_VERSION).and_then(MetaValue::as_u64) != Some(LAYOUT_VERSION as u64) {
         return Err(stale("version"));
     }
-    if f.get(KEY_SOURCE).and_then(MetaValue::as_str) != Some(model.fingerprint()) {
+    let recorded = |k| f.get(k).and_then(MetaValue::as_str).unwrap_or_default();
+    if !model.built_from_this(recorded(KEY_SOURCE), recorded(KEY_STAMP)) {
         return Err(stale("built from other weights"));
     }
     (0..model.config.n_layers)
@@ -294,6 +293,7 @@ fn build(model: &Model, convert: impl Fn(usize, Part) -> Vec<u8> + Sync) -> Resu
                 KEY_SOURCE,
                 MetaValue::String(model.fingerprint().to_string()),
             ),
+            (KEY_STAMP, MetaValue::String(model.stamp().to_string())),
         ],
         &tensors,
     ))

@@ -233,12 +233,14 @@ impl Predictors {
                 meta("version")
             )));
         }
-        let fp = model.fingerprint();
-        if meta("model_fingerprint") != Some(fp) {
+        let (fp, stamp) = (meta("model_fingerprint"), meta("model_stamp"));
+        if !model.built_from_this(fp.unwrap_or_default(), stamp.unwrap_or_default()) {
             return Err(bad(format!(
-                "calibrated for another model ({:?}, fingerprint {:?}); this one's fingerprint is {fp}",
+                "calibrated for another model or other weights ({:?}, fingerprint {:?}); this \
+                 one's fingerprint is {} (recalibrate with `dejavu calibrate`)",
                 meta("model"),
-                meta("model_fingerprint")
+                fp,
+                model.fingerprint()
             )));
         }
         let c = &model.config;
@@ -298,8 +300,9 @@ impl Predictors {
         })
     }
 
-    /// Serialize to `path` (written to a temporary name, then renamed).
+    /// Serialize to `path` (as `crate::fsio` writes; never over the model itself).
     pub fn save(&self, path: &Path, model: &crate::engine::weights::Model) -> Result<()> {
+        crate::fsio::refuse_overwrite("--out", path, &model.path)?;
         use safetensors::tensor::{Dtype, TensorView};
         let mut meta = self.metadata.clone();
         meta.insert("format".into(), FORMAT.into());
@@ -314,6 +317,7 @@ impl Predictors {
                 .into_owned(),
         );
         meta.insert("model_fingerprint".into(), model.fingerprint().to_string());
+        meta.insert("model_stamp".into(), model.stamp().to_string());
         let mut owned: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
         if let Some(o) = &self.output {
             owned.push((
@@ -344,9 +348,6 @@ impl Predictors {
             .collect::<Result<_>>()?;
         let bytes = safetensors::serialize(views, &Some(meta))
             .map_err(|e| Error::Invalid(format!("serializing predictors: {e}")))?;
-        let tmp = path.with_extension("tmp");
-        std::fs::write(&tmp, bytes)?;
-        std::fs::rename(&tmp, path)?;
-        Ok(())
+        crate::fsio::write(path, bytes)
     }
 }

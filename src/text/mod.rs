@@ -1,4 +1,5 @@
 //! Text in and out: the model's tokenizer and chat template, sampling, streaming generation.
+pub mod chat;
 pub mod generate;
 pub mod sampling;
 pub mod tokenizer;

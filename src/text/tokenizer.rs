@@ -44,6 +44,8 @@ pub struct Tokenizer {
     add_bos: Option<u32>,
     tokens: Vec<String>,
     chat_template: Option<String>,
+    /// A copy of `inner` that reads control tokens' text as plain text (message content).
+    plain: std::sync::OnceLock<tokenizers::Tokenizer>,
 }
 
 impl Tokenizer {
@@ -193,6 +195,7 @@ impl Tokenizer {
             add_bos,
             tokens,
             chat_template,
+            plain: std::sync::OnceLock::new(),
         }
     }
 
@@ -296,6 +299,26 @@ impl Tokenizer {
             .encode(text, false)
             .map_err(|e| Error::Tokenizer(e.to_string()))?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    /// Token ids of `text` as plain text: a control token's text (`<|im_end|>`) is read as its
+    /// characters, never as the token (message content of a chat).
+    pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>> {
+        let plain = self.plain.get_or_init(|| {
+            let mut t = self.inner.clone();
+            t.set_encode_special_tokens(true);
+            t
+        });
+        let enc = plain
+            .encode(text, false)
+            .map_err(|e| Error::Tokenizer(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Token ids of a conversation through the chat template: the template's control tokens,
+    /// the messages as plain text (see `text::chat`).
+    pub fn encode_chat(&self, messages: &[(String, String)]) -> Result<Vec<u32>> {
+        super::chat::encode_chat(self, messages)
     }
 
     /// Token ids of a prompt as the model expects it: with the special tokens its post-processor

@@ -1,5 +1,6 @@
-//! Shared helpers of the integration tests: the reference files in ../shared/reference, the real
-//! models (fetched into the cache on first use), and a tiny synthetic model for fast tests.
+//! Shared helpers of the integration tests: llama.cpp's reference outputs in tests/reference (made
+//! by tools/llama_reference.py), the evaluation text (tools/eval_text.py), the real models
+//! (fetched into the cache on first use), and a tiny synthetic model for fast tests.
 #![allow(dead_code)]
 use dejavu::engine::{Engine, EngineOptions};
 use dejavu_formats::gguf::{self, GgmlType, MetaValue};
@@ -12,15 +13,9 @@ pub mod server;
 pub const SMOLLM2: &str = "smollm2-135m-instruct";
 pub const QWEN: &str = "qwen2.5-coder-0.5b-instruct";
 
-pub fn shared_dir() -> PathBuf {
-    let here = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let dir = here.join("..").join("shared");
-    assert!(
-        dir.join("reference").is_dir(),
-        "../shared/reference not found beside the checkout at {}",
-        dir.display()
-    );
-    dir
+/// The directory of llama.cpp's reference outputs, one JSON per real model.
+pub fn reference_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests").join("reference")
 }
 
 #[derive(Deserialize)]
@@ -52,12 +47,29 @@ pub struct RefStep {
 }
 
 pub fn reference(model: &str) -> Reference {
-    let path = shared_dir().join("reference").join(format!("{model}.json"));
+    let path = reference_dir().join(format!("{model}.json"));
     serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
 }
 
+/// The evaluation text the references were measured on, as `tools/eval_text.py` assembles it from
+/// files of crates that Cargo.lock pins (the tool checks its SHA-256). Made once per test binary.
 pub fn public_eval() -> String {
-    std::fs::read_to_string(shared_dir().join("reference").join("public-eval.txt")).unwrap()
+    static TEXT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    TEXT.get_or_init(|| {
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+        let out = std::process::Command::new("python3")
+            .arg(root.join("tools").join("eval_text.py"))
+            .current_dir(&root)
+            .output()
+            .expect("python3 is needed for tools/eval_text.py");
+        assert!(
+            out.status.success(),
+            "tools/eval_text.py failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).expect("the evaluation text is UTF-8")
+    })
+    .clone()
 }
 
 pub fn model_path(name: &str) -> PathBuf {

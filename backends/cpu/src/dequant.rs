@@ -6,12 +6,25 @@ use half::{bf16, f16};
 
 /// Dequantize `out.len()` elements from `row` (exactly `qtype.row_bytes(out.len())` bytes).
 pub fn dequantize_row(qtype: QuantType, row: &[u8], out: &mut [f32]) {
-    debug_assert_eq!(row.len(), qtype.row_bytes(out.len()));
+    check(qtype, row, out);
     let bb = qtype.block_bytes();
     let bl = qtype.block_len();
     for (blk, y) in row.chunks_exact(bb).zip(out.chunks_exact_mut(bl)) {
         dequantize_block(qtype, blk, y);
     }
+}
+
+/// The length contract of a row dequantization, checked in release builds by every tier:
+/// `row` holds exactly the `out.len()` elements of `qtype`.
+#[inline]
+pub fn check(qtype: QuantType, row: &[u8], out: &[f32]) {
+    assert!(
+        out.len().is_multiple_of(qtype.block_len()) && row.len() == qtype.row_bytes(out.len()),
+        "{} dequantization: a row of {} bytes into {} values",
+        qtype.name(),
+        row.len(),
+        out.len()
+    );
 }
 
 /// Dequantize one block (`qtype.block_bytes()` bytes) into `y` (`qtype.block_len()` elements).

@@ -7,7 +7,13 @@ use crate::dequant::dequantize_block;
 use dejavu_backend_api::quant::{QuantType, QK_K};
 
 pub fn dot_row(qtype: QuantType, row: &[u8], x: &[f32]) -> f32 {
-    debug_assert_eq!(row.len(), qtype.row_bytes(x.len()));
+    assert!(
+        x.len().is_multiple_of(qtype.block_len()) && row.len() == qtype.row_bytes(x.len()),
+        "{} row dot: a row of {} bytes against {} activations",
+        qtype.name(),
+        row.len(),
+        x.len()
+    );
     if qtype == QuantType::F32 {
         let w: &[f32] = bytemuck::try_cast_slice(row).unwrap_or(&[]);
         if w.len() == x.len() {
@@ -32,7 +38,7 @@ pub fn dot_row(qtype: QuantType, row: &[u8], x: &[f32]) -> f32 {
 /// f32 dot product with 8 accumulators.
 #[inline]
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
-    debug_assert_eq!(a.len(), b.len());
+    assert_eq!(a.len(), b.len(), "dot_f32: slices of unequal length");
     let mut acc = [0f32; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
     let (ra, rb) = (ca.remainder(), cb.remainder());

@@ -66,6 +66,7 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
     use dejavu::eval::bench::{self, BenchResult};
     use dejavu::eval::device_bench::{gains, gains_markdown, plot_gains, GainRow};
     if let (Some(from), Some(png)) = (&a.replot, &a.plot) {
+        crate::refuse_overwrites(&[("--plot", Some(png))], &[from])?;
         let text =
             std::fs::read_to_string(from).with_context(|| format!("reading {}", from.display()))?;
         let (title, rows): (String, Vec<GainRow>) = serde_json::from_str(&text)
@@ -81,6 +82,18 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
         );
     }
     let path = fetch::resolve_model(a.model.as_deref())?;
+    let cuda_json = a.json.as_ref().map(|p| p.with_extension("cuda.json"));
+    let points = a.plot.as_ref().map(|p| p.with_extension("json"));
+    crate::refuse_overwrites(
+        &[
+            ("--json", a.json.as_deref()),
+            ("--json", cuda_json.as_deref()),
+            ("--csv", a.csv.as_deref()),
+            ("--plot", a.plot.as_deref()),
+            ("--plot", points.as_deref()),
+        ],
+        &[&path],
+    )?;
     if let Some(b) = a
         .backend
         .iter()
@@ -130,7 +143,7 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
         print!("{}", dejavu::eval::device_bench::markdown(&rows));
         if let Some(p) = &a.json {
             let p = p.with_extension("cuda.json");
-            std::fs::write(&p, serde_json::to_string_pretty(&rows)?)
+            dejavu::fsio::write(&p, serde_json::to_string_pretty(&rows)?)
                 .with_context(|| format!("writing {}", p.display()))?;
         }
         gpu_rows = rows;
@@ -214,7 +227,7 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
         print!("\n{}", gains_markdown(&g));
         let title = format!("{model_name}: sparsity gains, CPU and GPU");
         let points = p.with_extension("json");
-        std::fs::write(&points, serde_json::to_string_pretty(&(&title, &g))?)
+        dejavu::fsio::write(&points, serde_json::to_string_pretty(&(&title, &g))?)
             .with_context(|| format!("writing {}", points.display()))?;
         // A machine without fonts still keeps the points: `--replot` draws them elsewhere.
         match plot_gains(&g, &title, p) {
@@ -228,11 +241,11 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
         }
     }
     if let Some(p) = &a.json {
-        std::fs::write(p, serde_json::to_string_pretty(&results)?)
+        dejavu::fsio::write(p, serde_json::to_string_pretty(&results)?)
             .with_context(|| format!("writing {}", p.display()))?;
     }
     if let Some(p) = &a.csv {
-        std::fs::write(p, bench::csv(&results))
+        dejavu::fsio::write(p, bench::csv(&results))
             .with_context(|| format!("writing {}", p.display()))?;
     }
     Ok(())

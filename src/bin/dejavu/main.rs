@@ -382,17 +382,11 @@ fn load_engine(path: &std::path::Path, opts: EngineOptions) -> Result<Engine> {
 fn cmd_generate(a: GenerateArgs) -> Result<()> {
     let engine = a.model.load(a.ctx)?;
     let mut sampler = a.sampling.sampler()?;
-    let text = if a.chat {
-        engine
-            .tokenizer
-            .apply_chat_template(&[("user".into(), a.prompt.clone())])?
-    } else {
-        a.prompt.clone()
-    };
-    // A rendered chat template places its own BOS; a plain prompt gets the model's.
+    // A rendered chat template places its own BOS (and keeps the prompt's text plain); a plain
+    // prompt gets the model's.
     let ids = match a.chat {
-        true => engine.tokenizer.encode(&text)?,
-        false => engine.tokenizer.encode_prompt(&text)?,
+        true => (engine.tokenizer).encode_chat(&[("user".into(), a.prompt.clone())])?,
+        false => engine.tokenizer.encode_prompt(&a.prompt)?,
     };
     let policy = a.sparsity.policy(&engine)?;
     let mut stdout = std::io::stdout().lock();
@@ -454,9 +448,7 @@ fn fit_conversation(
     messages: &mut Vec<(String, String)>,
 ) -> Result<Option<Vec<u32>>> {
     loop {
-        let ids = engine
-            .tokenizer
-            .encode(&engine.tokenizer.apply_chat_template(messages)?)?;
+        let ids = engine.tokenizer.encode_chat(messages)?;
         // Leave at least a quarter of the window (and one token) for the reply.
         if ids.len() + (engine.n_ctx / 4).max(1) < engine.n_ctx {
             return Ok(Some(ids));
@@ -542,6 +534,10 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
     let text = std::fs::read_to_string(&a.file)
         .with_context(|| format!("reading {}", a.file.display()))?;
     let engine = a.model.load(Some(a.ctx))?;
+    refuse_overwrites(
+        &[("--json", a.json.as_deref())],
+        &[&engine.model.path, &a.file],
+    )?;
     let mut tokens = engine.tokenizer.encode_document(&text)?;
     if let Some(c) = a.chunks {
         tokens.truncate(c.saturating_mul(a.ctx));
@@ -583,7 +579,7 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
                 "n_scored": r.n_scored,
                 "ppl": r.ppl,
             });
-            std::fs::write(p, serde_json::to_string_pretty(&v)?)
+            dejavu::fsio::write(p, serde_json::to_string_pretty(&v)?)
                 .with_context(|| format!("writing {}", p.display()))?;
         }
         return Ok(());
@@ -688,7 +684,22 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
     Ok(())
 }
 
+/// Refuse, before any work, an output (flag, path) that would replace one of `inputs` (a model
+/// file or checkpoint directory, a text): outputs are renamed into place, which would lose it.
+pub(crate) fn refuse_overwrites(
+    outputs: &[(&str, Option<&std::path::Path>)],
+    inputs: &[&std::path::Path],
+) -> Result<()> {
+    for (flag, out) in outputs {
+        let Some(out) = out else { continue };
+        for input in inputs {
+            dejavu::fsio::refuse_overwrite(flag, out, input)?;
+        }
+    }
+    Ok(())
+}
+
 fn write_json(path: &std::path::Path, v: &serde_json::Value) -> Result<()> {
-    std::fs::write(path, serde_json::to_string_pretty(v)?)
+    dejavu::fsio::write(path, serde_json::to_string_pretty(v)?)
         .with_context(|| format!("writing {}", path.display()))
 }

@@ -94,6 +94,12 @@ pub fn cmd_calibrate(a: CalibrateArgs) -> Result<()> {
     }
     crate::backend_choice::cpu_only(a.model.placement(), "calibrate")?;
     let engine = a.model.load(None)?;
+    let out = a.out.clone().unwrap_or_else(|| {
+        dejavu::sparsity::predictors_file::Predictors::default_path(&engine.model)
+    });
+    let mut inputs: Vec<&std::path::Path> = vec![&engine.model.path];
+    inputs.extend(a.data.iter().map(|p| p.as_path()));
+    crate::refuse_overwrites(&[("--out", Some(&out))], &inputs)?;
     let mut docs = Vec::new();
     let mut sources = Vec::new();
     for f in &a.data {
@@ -129,9 +135,6 @@ pub fn cmd_calibrate(a: CalibrateArgs) -> Result<()> {
     let (preds, _) = calibrate::calibrate(&engine, &tokens, &sources.join("; "), &opts, |l| {
         eprintln!("{l}")
     })?;
-    let out = a.out.clone().unwrap_or_else(|| {
-        dejavu::sparsity::predictors_file::Predictors::default_path(&engine.model)
-    });
     preds.save(&out, &engine.model)?;
     println!("{}", out.display());
     if let Some(r) = preds.recommended() {
@@ -155,6 +158,11 @@ pub fn cmd_report(a: ReportArgs) -> Result<()> {
         .file_stem()
         .map_or("model".into(), |s| s.to_string_lossy().into_owned());
     let file = |ext: &str| a.out.join(format!("{name}.frontier.{ext}"));
+    let outputs = [file("md"), file("json"), file("png")];
+    crate::refuse_overwrites(
+        &outputs.each_ref().map(|p| ("--out", Some(p.as_path()))),
+        &[&engine.model.path, &path],
+    )?;
     let preds = engine.predictors(a.predictors.as_deref())?;
     // Held-out recall per layer of each kind of learned predictor, with its chance level (a
     // random choice of the same budget: the label fraction, or a ReLU layer's mean density).
@@ -283,8 +291,8 @@ pub fn cmd_report(a: ReportArgs) -> Result<()> {
         dejavu::eval::bench::COMMIT,
         dejavu::eval::report::markdown(&rows)
     );
-    std::fs::write(file("md"), &md)?;
-    std::fs::write(file("json"), serde_json::to_string_pretty(&rows)?)?;
+    dejavu::fsio::write(&file("md"), &md)?;
+    dejavu::fsio::write(&file("json"), serde_json::to_string_pretty(&rows)?)?;
     print!("{md}");
     let base = file("*");
     match dejavu::eval::report::plot(&rows, &recall, &name, &file("png")) {
@@ -309,6 +317,11 @@ fn cmd_speed(a: &ReportArgs) -> Result<()> {
         .unwrap_or("model")
         .replace([':', '/'], "-");
     let file = |ext: &str| a.out.join(format!("{stem}.speed.{ext}"));
+    let outputs = [file("md"), file("json"), file("png")];
+    crate::refuse_overwrites(
+        &outputs.each_ref().map(|p| ("--out", Some(p.as_path()))),
+        &[&engine.model.path],
+    )?;
     let rows = speed_frontier::measure(&engine, &a.densities, a.n_gen, 3)?;
     std::fs::create_dir_all(&a.out)?;
     let md = format!(
@@ -320,8 +333,8 @@ fn cmd_speed(a: &ReportArgs) -> Result<()> {
         dejavu::eval::bench::COMMIT,
         speed_frontier::markdown(&rows)
     );
-    std::fs::write(file("md"), &md)?;
-    std::fs::write(file("json"), serde_json::to_string_pretty(&rows)?)?;
+    dejavu::fsio::write(&file("md"), &md)?;
+    dejavu::fsio::write(&file("json"), serde_json::to_string_pretty(&rows)?)?;
     print!("{md}");
     match speed_frontier::plot(
         &rows,

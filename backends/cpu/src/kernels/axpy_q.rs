@@ -45,6 +45,9 @@ fn via_f32(
     axpy: super::axpy::AxpyRowsFn,
 ) {
     assert!(rows.len() <= MAX_ROWS && rows.len() == c.len());
+    for r in rows {
+        assert_eq!(r.len(), qtype.row_bytes(y.len()), "axpy_q: a row's length");
+    }
     let bl = qtype.block_len().max(QK);
     let step_bytes = qtype.row_bytes(bl);
     let mut tile = [0f32; MAX_ROWS * 256];

@@ -18,9 +18,10 @@ pub fn select(isa: Isa) -> DequantFn {
 
 #[cfg(target_arch = "x86_64")]
 fn avx2(qtype: QuantType, row: &[u8], out: &mut [f32]) {
+    crate::dequant::check(qtype, row, out);
     match qtype {
         // SAFETY: handed out by `select` only for tiers with AVX2/FMA/F16C; the row holds
-        // exactly `out.len()` elements of `qtype` (the caller's `Weight` checked it).
+        // exactly `out.len()` elements of `qtype` (checked above).
         QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q5_0 | QuantType::Q8_0 => unsafe {
             avx2_impl(qtype, row, out)
         },

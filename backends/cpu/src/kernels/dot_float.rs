@@ -30,7 +30,20 @@ pub fn select_bf16(isa: Isa) -> super::table::DotF32Fn {
     }
 }
 
+/// The length contract, checked by every tier in release builds: `row` holds exactly `x.len()`
+/// elements of `width` bytes.
+#[inline(always)]
+fn check(row: &[u8], x: &[f32], width: usize) {
+    assert!(
+        row.len() == x.len() * width,
+        "float row dot: a row of {} bytes against {} activations of {width}-byte weights",
+        row.len(),
+        x.len()
+    );
+}
+
 pub fn scalar(row: &[u8], x: &[f32], width: usize, load: impl Fn(&[u8]) -> f32) -> f32 {
+    check(row, x, width);
     row.chunks_exact(width)
         .zip(x)
         .map(|(b, &v)| load(b) * v)
@@ -38,6 +51,7 @@ pub fn scalar(row: &[u8], x: &[f32], width: usize, load: impl Fn(&[u8]) -> f32) 
 }
 
 pub fn portable(row: &[u8], x: &[f32], width: usize, load: impl Fn(&[u8]) -> f32) -> f32 {
+    check(row, x, width);
     use wide::f32x8;
     let mut acc = f32x8::ZERO;
     let (xc, xr) = (x.chunks_exact(8), x.chunks_exact(8).remainder());
@@ -107,7 +121,6 @@ mod x86 {
     /// holds `x.len()` elements of `L` and the CPU has AVX2, FMA and F16C.
     #[inline(always)]
     pub unsafe fn dot<L: Load8>(row: &[u8], x: &[f32]) -> f32 {
-        debug_assert!(row.len() >= x.len() * L::WIDTH);
         let (n, p) = (x.len(), row.as_ptr());
         let mut acc = [_mm256_setzero_ps(); 4];
         let mut i = 0;
@@ -147,21 +160,24 @@ mod x86 {
 }
 
 // SAFETY (all three): handed out only for tiers with AVX2/FMA/F16C; `row` holds `x.len()`
-// elements of the type (checked by the caller's `Weight`).
+// elements of the type (checked here, in release builds too).
 #[cfg(target_arch = "x86_64")]
 fn avx2_f32(row: &[u8], x: &[f32]) -> f32 {
+    check(row, x, 4);
     // SAFETY: see above.
     unsafe { x86::f32_impl(row, x) }
 }
 
 #[cfg(target_arch = "x86_64")]
 fn avx2_f16(row: &[u8], x: &[f32]) -> f32 {
+    check(row, x, 2);
     // SAFETY: see above.
     unsafe { x86::f16_impl(row, x) }
 }
 
 #[cfg(target_arch = "x86_64")]
 fn avx2_bf16(row: &[u8], x: &[f32]) -> f32 {
+    check(row, x, 2);
     // SAFETY: see above.
     unsafe { x86::bf16_impl(row, x) }
 }

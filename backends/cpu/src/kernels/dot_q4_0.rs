@@ -6,6 +6,7 @@ use crate::isa::Isa;
 use dejavu_backend_api::quant::{BlockQ4_0, BlockQ8A, QK};
 
 select_q8a_kernel!();
+const QTYPE: dejavu_backend_api::quant::QuantType = dejavu_backend_api::quant::QuantType::Q4_0;
 
 fn blocks(row: &[u8]) -> std::borrow::Cow<'_, [BlockQ4_0]> {
     super::as_blocks(row)
@@ -22,6 +23,7 @@ fn unpack(b: &BlockQ4_0) -> [i8; QK] {
 }
 
 pub fn scalar(row: &[u8], act: &[BlockQ8A]) -> f32 {
+    super::check_q8a(QTYPE, row, act);
     let mut acc = 0f32;
     for (b, a) in blocks(row).iter().zip(act) {
         let q = unpack(b);
@@ -36,6 +38,7 @@ pub fn scalar(row: &[u8], act: &[BlockQ8A]) -> f32 {
 }
 
 pub fn portable(row: &[u8], act: &[BlockQ8A]) -> f32 {
+    super::check_q8a(QTYPE, row, act);
     let mut acc = 0f32;
     for (b, a) in blocks(row).iter().zip(act) {
         let s = super::dot_q8_0::dot32_wide(&unpack(b), &a.qs);
@@ -46,12 +49,14 @@ pub fn portable(row: &[u8], act: &[BlockQ8A]) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 fn avx2<const PF: bool>(row: &[u8], act: &[BlockQ8A]) -> f32 {
+    super::check_q8a(QTYPE, row, act);
     // SAFETY: handed out by `select` only for tiers whose features this CPU has.
     unsafe { avx2_impl::<PF>(&blocks(row), act) }
 }
 
 #[cfg(target_arch = "x86_64")]
 fn avx512<const PF: bool>(row: &[u8], act: &[BlockQ8A]) -> f32 {
+    super::check_q8a(QTYPE, row, act);
     // SAFETY: handed out by `select` only for tiers whose features this CPU has.
     unsafe { avx512_impl::<PF>(&blocks(row), act) }
 }

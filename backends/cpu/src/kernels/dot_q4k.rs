@@ -7,6 +7,7 @@ use crate::isa::Isa;
 use dejavu_backend_api::quant::{q4k_scale_min, BlockQ4K, BlockQ8A, QK};
 
 select_q8a_kernel!();
+const QTYPE: dejavu_backend_api::quant::QuantType = dejavu_backend_api::quant::QuantType::Q4K;
 
 fn blocks(row: &[u8]) -> std::borrow::Cow<'_, [BlockQ4K]> {
     super::as_blocks(row)
@@ -38,23 +39,27 @@ fn generic(row: &[u8], act: &[BlockQ8A], dot32: impl Fn(&[i8; QK], &[i8; QK]) ->
 }
 
 pub fn scalar(row: &[u8], act: &[BlockQ8A]) -> f32 {
+    super::check_q8a(QTYPE, row, act);
     generic(row, act, |w, x| {
         w.iter().zip(x).map(|(&w, &x)| w as i32 * x as i32).sum()
     })
 }
 
 pub fn portable(row: &[u8], act: &[BlockQ8A]) -> f32 {
+    super::check_q8a(QTYPE, row, act);
     generic(row, act, super::dot_q8_0::dot32_wide)
 }
 
 #[cfg(target_arch = "x86_64")]
 fn avx2<const PF: bool>(row: &[u8], act: &[BlockQ8A]) -> f32 {
+    super::check_q8a(QTYPE, row, act);
     // SAFETY: handed out by `select` only for tiers whose features this CPU has.
     unsafe { avx2_impl::<PF>(&blocks(row), act) }
 }
 
 #[cfg(target_arch = "x86_64")]
 fn avx512<const PF: bool>(row: &[u8], act: &[BlockQ8A]) -> f32 {
+    super::check_q8a(QTYPE, row, act);
     // SAFETY: handed out by `select` only for tiers whose features this CPU has.
     unsafe { avx512_impl::<PF>(&blocks(row), act) }
 }

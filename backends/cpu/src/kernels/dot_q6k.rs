@@ -9,6 +9,7 @@ use crate::isa::Isa;
 use dejavu_backend_api::quant::{BlockQ6K, BlockQ8A, QK};
 
 select_q8a_kernel!();
+const QTYPE: dejavu_backend_api::quant::QuantType = dejavu_backend_api::quant::QuantType::Q6K;
 
 fn blocks(row: &[u8]) -> std::borrow::Cow<'_, [BlockQ6K]> {
     super::as_blocks(row)
@@ -43,12 +44,14 @@ fn generic(row: &[u8], act: &[BlockQ8A], dot16: impl Fn(&[i8], &[i8]) -> i32) ->
 }
 
 pub fn scalar(row: &[u8], act: &[BlockQ8A]) -> f32 {
+    super::check_q8a(QTYPE, row, act);
     generic(row, act, |w, x| {
         w.iter().zip(x).map(|(&w, &x)| w as i32 * x as i32).sum()
     })
 }
 
 pub fn portable(row: &[u8], act: &[BlockQ8A]) -> f32 {
+    super::check_q8a(QTYPE, row, act);
     use wide::{i16x16, i8x16};
     let wide16 =
         |x: &[i8]| i16x16::from_i8x16(i8x16::from(<[i8; 16]>::try_from(x).unwrap_or([0; 16])));
@@ -57,12 +60,14 @@ pub fn portable(row: &[u8], act: &[BlockQ8A]) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 fn avx2<const PF: bool>(row: &[u8], act: &[BlockQ8A]) -> f32 {
+    super::check_q8a(QTYPE, row, act);
     // SAFETY: handed out by `select` only for tiers whose features this CPU has.
     unsafe { avx2_impl::<PF>(&blocks(row), act) }
 }
 
 #[cfg(target_arch = "x86_64")]
 fn avx512<const PF: bool>(row: &[u8], act: &[BlockQ8A]) -> f32 {
+    super::check_q8a(QTYPE, row, act);
     // SAFETY: handed out by `select` only for tiers whose features this CPU has.
     unsafe { avx512_impl::<PF>(&blocks(row), act) }
 }

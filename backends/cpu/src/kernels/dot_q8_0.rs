@@ -5,12 +5,14 @@ use crate::isa::Isa;
 use dejavu_backend_api::quant::{BlockQ8A, BlockQ8_0, QK};
 
 select_q8a_kernel!();
+const QTYPE: dejavu_backend_api::quant::QuantType = dejavu_backend_api::quant::QuantType::Q8_0;
 
 fn blocks(row: &[u8]) -> std::borrow::Cow<'_, [BlockQ8_0]> {
     super::as_blocks(row)
 }
 
 pub fn scalar(row: &[u8], act: &[BlockQ8A]) -> f32 {
+    super::check_q8a(QTYPE, row, act);
     let mut acc = 0f32;
     for (b, a) in blocks(row).iter().zip(act) {
         let s: i32 =
@@ -36,6 +38,7 @@ pub fn dot32_wide(a: &[i8; QK], b: &[i8; QK]) -> i32 {
 }
 
 pub fn portable(row: &[u8], act: &[BlockQ8A]) -> f32 {
+    super::check_q8a(QTYPE, row, act);
     let mut acc = 0f32;
     for (b, a) in blocks(row).iter().zip(act) {
         acc += b.d.to_f32() * a.d * dot32_wide(&b.qs, &a.qs) as f32;
@@ -45,12 +48,14 @@ pub fn portable(row: &[u8], act: &[BlockQ8A]) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 fn avx2<const PF: bool>(row: &[u8], act: &[BlockQ8A]) -> f32 {
+    super::check_q8a(QTYPE, row, act);
     // SAFETY: handed out by `select` only for tiers whose features this CPU has.
     unsafe { avx2_impl::<PF>(&blocks(row), act) }
 }
 
 #[cfg(target_arch = "x86_64")]
 fn avx512<const PF: bool>(row: &[u8], act: &[BlockQ8A]) -> f32 {
+    super::check_q8a(QTYPE, row, act);
     // SAFETY: handed out by `select` only for tiers whose features this CPU has.
     unsafe { avx512_impl::<PF>(&blocks(row), act) }
 }

@@ -63,10 +63,22 @@ pub fn select(q: QuantType, isa: Isa, prefetch: bool) -> DotR8Fn {
 /// The scalar reference for repacked rows of `q`.
 pub fn scalar_of(q: QuantType) -> DotR8Fn {
     match q {
-        QuantType::Q8_0 => |r, a, _| scalar(QuantType::Q8_0, r, a),
-        QuantType::Q4_0 => |r, a, _| scalar(QuantType::Q4_0, r, a),
-        QuantType::Q4_1 => |r, a, _| scalar(QuantType::Q4_1, r, a),
-        QuantType::Q5_0 => |r, a, _| scalar(QuantType::Q5_0, r, a),
+        QuantType::Q8_0 => |r, a, g| {
+            check(QuantType::Q8_0, r, a, g);
+            scalar(QuantType::Q8_0, r, a)
+        },
+        QuantType::Q4_0 => |r, a, g| {
+            check(QuantType::Q4_0, r, a, g);
+            scalar(QuantType::Q4_0, r, a)
+        },
+        QuantType::Q4_1 => |r, a, g| {
+            check(QuantType::Q4_1, r, a, g);
+            scalar(QuantType::Q4_1, r, a)
+        },
+        QuantType::Q5_0 => |r, a, g| {
+            check(QuantType::Q5_0, r, a, g);
+            scalar(QuantType::Q5_0, r, a)
+        },
         _ => panic!("{q:?} rows are never repacked"),
     }
 }
@@ -81,7 +93,20 @@ fn ggml_scalar(q: QuantType) -> super::table::DotQ8AFn {
     }
 }
 
+/// The length contract, checked by every tier in release builds: `row` holds the
+/// `act.len() * 32` elements of `q`, and `groups` are `act`'s whole groups (`repack::act_groups`).
+fn check(q: QuantType, row: &[u8], act: &[BlockQ8A], groups: &[ActGroup]) {
+    super::check_q8a(q, row, act);
+    assert!(
+        groups.len() == act.len() / GROUP,
+        "repacked row dot: {} activation groups for {} blocks",
+        groups.len(),
+        act.len()
+    );
+}
+
 fn scalar(q: QuantType, row: &[u8], act: &[BlockQ8A]) -> f32 {
+    super::check_q8a(q, row, act);
     let gb = repack::layout(q).bytes;
     let groups = (row.len() / gb).min(act.len() / GROUP);
     let mut acc = 0f32;
@@ -112,6 +137,7 @@ fn scalar(q: QuantType, row: &[u8], act: &[BlockQ8A]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::super::x86::*;
+    use super::check;
     use super::repack::{layout, ActGroup, GROUP};
     use dejavu_backend_api::quant::{
         BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8A, BlockQ8_0, QuantType,
@@ -305,6 +331,7 @@ mod x86 {
     }
 
     pub fn avx2<G: Group, const PF: bool>(row: &[u8], act: &[BlockQ8A], g: &[ActGroup]) -> f32 {
+        check(G::Q, row, act, g);
         // SAFETY: handed out by `select` only for tiers whose features this CPU has; every
         // read lies inside `row`, `act` and `g` (whole groups and blocks of each, counted).
         unsafe { avx2_impl::<G, PF>(row, act, g) }
@@ -320,6 +347,7 @@ mod x86 {
     }
 
     pub fn avx512<G: Group, const PF: bool>(row: &[u8], act: &[BlockQ8A], g: &[ActGroup]) -> f32 {
+        check(G::Q, row, act, g);
         // SAFETY: as `avx2`.
         unsafe { avx512_impl::<G, PF>(row, act, g) }
     }

@@ -24,6 +24,26 @@ macro_rules! select_q8a_kernel {
     };
 }
 
+/// The length contract of a row dot against [`BlockQ8A`] activations, checked by every tier in
+/// release builds (the SIMD tiers read through raw pointers): `row` holds exactly the
+/// `act.len() * 32` elements of type `q`.
+#[inline(always)]
+pub(crate) fn check_q8a(
+    q: dejavu_backend_api::quant::QuantType,
+    row: &[u8],
+    act: &[dejavu_backend_api::quant::BlockQ8A],
+) {
+    let n = act.len() * dejavu_backend_api::quant::QK;
+    assert!(
+        n.is_multiple_of(q.block_len()) && row.len() == q.row_bytes(n),
+        "{} row dot: a row of {} bytes against {} activation blocks ({} bytes expected)",
+        q.name(),
+        row.len(),
+        act.len(),
+        q.row_bytes(n)
+    );
+}
+
 pub mod axpy;
 pub mod axpy_q;
 pub mod dequantize;

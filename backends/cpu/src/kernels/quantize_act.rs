@@ -17,8 +17,19 @@ pub fn select(isa: Isa) -> QuantizeFn {
     }
 }
 
+/// The length contract, checked by every tier in release builds: `x` fills `out` exactly.
+#[inline(always)]
+fn check(x: &[f32], out: &[BlockQ8A]) {
+    assert!(
+        x.len() == out.len() * QK,
+        "activation quantization: {} values into {} blocks of {QK}",
+        x.len(),
+        out.len()
+    );
+}
+
 pub fn scalar(x: &[f32], out: &mut [BlockQ8A]) {
-    debug_assert_eq!(x.len(), out.len() * QK);
+    check(x, out);
     for (xs, b) in x.chunks_exact(QK).zip(out.iter_mut()) {
         let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
         let d = amax / 127.0;
@@ -34,6 +45,7 @@ pub fn scalar(x: &[f32], out: &mut [BlockQ8A]) {
 }
 
 pub fn portable(x: &[f32], out: &mut [BlockQ8A]) {
+    check(x, out);
     use wide::f32x8;
     for (xs, b) in x.chunks_exact(QK).zip(out.iter_mut()) {
         let v: [f32x8; 4] = std::array::from_fn(|i| f32x8::from(&xs[8 * i..8 * i + 8]));
@@ -59,6 +71,7 @@ pub fn portable(x: &[f32], out: &mut [BlockQ8A]) {
 
 #[cfg(target_arch = "x86_64")]
 fn avx2(x: &[f32], out: &mut [BlockQ8A]) {
+    check(x, out);
     // SAFETY: `select` hands this out only for tiers whose features the CPU has (see Isa).
     unsafe { avx2_impl(x, out) }
 }

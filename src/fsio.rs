@@ -1,0 +1,205 @@
+//! How every file the project writes reaches the disk (GGUF, predictors, the sparse layout cache,
+//! JSON, CSV, Markdown and PNG reports).
+//!
+//! Contract:
+//! - the bytes go to a unique temporary file in the target's directory, created exclusively
+//!   (`tempfile`: `O_EXCL`, a random name), so two runs writing the same target never share a file;
+//! - the file is fsynced, then renamed over the target: a reader sees the old file or the whole
+//!   new one, and an interrupted run leaves only a `.dejavu-*.tmp` file that nothing reads (it is
+//!   removed on error and on drop);
+//! - an existing file is never opened for writing, and [`refuse_overwrite`] keeps a command's
+//!   output from replacing one of its inputs.
+use crate::{Error, Result};
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+/// A unique temporary file beside `target`, and the directory it lives in.
+fn temp_beside(target: &Path, suffix: &str) -> Result<tempfile::NamedTempFile> {
+    let dir = match target.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    tempfile::Builder::new()
+        .prefix(".dejavu-")
+        .suffix(suffix)
+        .tempfile_in(&dir)
+        .map_err(|e| io_error(target, "creating a temporary file beside", e))
+}
+
+fn io_error(path: &Path, what: &str, e: std::io::Error) -> Error {
+    Error::Invalid(format!("{what} {}: {e}", path.display()))
+}
+
+/// Write `target` through `fill`, which writes the whole content to the buffered writer.
+pub fn write_with(
+    target: &Path,
+    fill: impl FnOnce(&mut BufWriter<&File>) -> Result<()>,
+) -> Result<()> {
+    let tmp = temp_beside(target, ".tmp")?;
+    {
+        let mut w = BufWriter::new(tmp.as_file());
+        fill(&mut w)?;
+        w.flush().map_err(|e| io_error(target, "writing", e))?;
+    }
+    commit(tmp, target)
+}
+
+/// Write `bytes` to `target`.
+pub fn write(target: &Path, bytes: impl AsRef<[u8]>) -> Result<()> {
+    write_with(target, |w| {
+        w.write_all(bytes.as_ref())
+            .map_err(|e| io_error(target, "writing", e))
+    })
+}
+
+/// For writers that take a path (a plot's bitmap backend picks the format by the extension):
+/// `render` writes to a fresh unique path with `target`'s extension, which then replaces `target`.
+pub fn write_via_path(target: &Path, render: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    let ext = target
+        .extension()
+        .map(|e| format!(".{}", e.to_string_lossy()))
+        .unwrap_or_default();
+    let tmp = temp_beside(target, &ext)?;
+    render(tmp.path())?;
+    commit(tmp, target)
+}
+
+fn commit(tmp: tempfile::NamedTempFile, target: &Path) -> Result<()> {
+    // `render` may have replaced the file at the temporary path; sync what is there now.
+    File::open(tmp.path())
+        .and_then(|f| f.sync_all())
+        .map_err(|e| io_error(target, "syncing", e))?;
+    tmp.persist(target)
+        .map_err(|e| io_error(target, "renaming into place", e.error))?;
+    // The rename itself is durable once the directory is synced (best effort: not every
+    // platform can open a directory).
+    if let Some(dir) = target.parent().filter(|p| !p.as_os_str().is_empty()) {
+        if let Ok(d) = File::open(dir) {
+            let _ = d.sync_all();
+        }
+    }
+    Ok(())
+}
+
+/// Whether `a` and `b` name the same file (the same inode where both exist, else the same
+/// canonical path).
+pub fn same_file(a: &Path, b: &Path) -> bool {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        if let (Ok(x), Ok(y)) = (std::fs::metadata(a), std::fs::metadata(b)) {
+            return x.dev() == y.dev() && x.ino() == y.ino();
+        }
+    }
+    match (canonical(a), canonical(b)) {
+        (Some(x), Some(y)) => x == y,
+        _ => false,
+    }
+}
+
+/// The canonical path of `p`, or of its parent joined with its name when `p` does not exist.
+fn canonical(p: &Path) -> Option<PathBuf> {
+    if let Ok(c) = p.canonicalize() {
+        return Some(c);
+    }
+    let parent = match p.parent() {
+        Some(x) if !x.as_os_str().is_empty() => x.canonicalize().ok()?,
+        _ => std::env::current_dir().ok()?,
+    };
+    Some(parent.join(p.file_name()?))
+}
+
+/// Refuse an output (`flag` names it in the error) that would replace `input`: the same file, or,
+/// for an input directory (a checkpoint), the directory itself or an existing file inside it.
+pub fn refuse_overwrite(flag: &str, out: &Path, input: &Path) -> Result<()> {
+    let clash = if input.is_dir() {
+        same_file(out, input)
+            || (out.exists()
+                && out.parent().map(|p| canonical(p) == canonical(input)) == Some(true))
+    } else {
+        same_file(out, input)
+    };
+    if clash {
+        return Err(Error::Invalid(format!(
+            "{flag} {} would overwrite the input {}",
+            out.display(),
+            input.display()
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_write_replaces_the_target_whole_and_leaves_no_temporary_file() {
+        let d = tempfile::tempdir().unwrap();
+        let t = d.path().join("out.json");
+        std::fs::write(&t, b"old old old old").unwrap();
+        write(&t, b"new").unwrap();
+        assert_eq!(std::fs::read(&t).unwrap(), b"new");
+        let names: Vec<_> = std::fs::read_dir(d.path()).unwrap().collect();
+        assert_eq!(names.len(), 1, "only the target remains");
+    }
+
+    #[test]
+    fn a_failed_fill_keeps_the_old_file_and_removes_the_temporary_one() {
+        let d = tempfile::tempdir().unwrap();
+        let t = d.path().join("model.gguf");
+        std::fs::write(&t, b"precious").unwrap();
+        let r = write_with(&t, |w| {
+            w.write_all(b"half").unwrap();
+            Err(Error::Invalid("interrupted".into()))
+        });
+        assert!(r.is_err());
+        assert_eq!(std::fs::read(&t).unwrap(), b"precious");
+        assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn concurrent_writers_of_one_target_never_mix() {
+        let d = tempfile::tempdir().unwrap();
+        let t = d.path().join("out.bin");
+        std::thread::scope(|s| {
+            for k in 0..8u8 {
+                let t = &t;
+                s.spawn(move || {
+                    for _ in 0..20 {
+                        write(t, vec![k; 64 * 1024]).unwrap();
+                    }
+                });
+            }
+        });
+        let got = std::fs::read(&t).unwrap();
+        assert_eq!(got.len(), 64 * 1024);
+        assert!(got.iter().all(|&b| b == got[0]), "one writer's bytes only");
+    }
+
+    #[test]
+    fn outputs_that_replace_an_input_are_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let m = d.path().join("m.gguf");
+        std::fs::write(&m, b"x").unwrap();
+        assert!(refuse_overwrite("--out", &m, &m).is_err());
+        // Another spelling of the same file.
+        let other = d.path().join(".").join("m.gguf");
+        assert!(refuse_overwrite("--out", &other, &m).is_err());
+        #[cfg(unix)]
+        {
+            let link = d.path().join("link.gguf");
+            std::os::unix::fs::symlink(&m, &link).unwrap();
+            assert!(refuse_overwrite("--out", &link, &m).is_err());
+        }
+        assert!(refuse_overwrite("--out", &d.path().join("new.gguf"), &m).is_ok());
+        // A checkpoint directory: its own files are inputs; a new name beside them is not.
+        let ck = d.path().join("ck");
+        std::fs::create_dir(&ck).unwrap();
+        std::fs::write(ck.join("model.safetensors"), b"x").unwrap();
+        assert!(refuse_overwrite("--out", &ck.join("model.safetensors"), &ck).is_err());
+        assert!(refuse_overwrite("--out", &ck, &ck).is_err());
+        assert!(refuse_overwrite("--out", &ck.join("q8.gguf"), &ck).is_ok());
+    }
+}

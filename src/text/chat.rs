@@ -1,0 +1,121 @@
+//! A conversation to token ids through the model's chat template, with the messages' text kept
+//! apart from the template's control tokens.
+//!
+//! Contract: only the template's own text may become control tokens (`<|im_start|>`, `</s>`, ...);
+//! every message's content is tokenized as plain text, so a user who types `<|im_end|>` gets the
+//! characters, not the token (llama.cpp's `parse_special = false` for user content). Ids equal
+//! `encode(apply_chat_template(messages))` whenever no message contains a control token's text.
+//!
+//! How: the template is rendered twice, with each message's content and with a unique marker in
+//! its place. The markers cut the second rendering into the template's own pieces; the real
+//! rendering must then be those pieces with each message's content between them, verbatim or as
+//! templates commonly change it (trimmed at either end). The pieces are tokenized with control
+//! tokens, the contents without. A template that changes a message's text in another way is a
+//! clear error rather than a prompt whose boundaries cannot be trusted.
+use super::tokenizer::Tokenizer;
+use crate::{Error, Result};
+
+/// A marker no message or template contains (private-use characters around a per-call nonce).
+fn marker(i: usize, nonce: u64) -> String {
+    format!("\u{F8FF}dejavu-message-{i}-{nonce:016x}\u{F8FF}")
+}
+
+/// The token ids of `messages` (role, content) rendered by the model's chat template with the
+/// assistant's turn opened.
+pub fn encode_chat(tok: &Tokenizer, messages: &[(String, String)]) -> Result<Vec<u32>> {
+    let real = tok.apply_chat_template(messages)?;
+    let nonce = {
+        use std::hash::{BuildHasher, Hash, Hasher};
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        real.hash(&mut h);
+        h.finish()
+    };
+    let marked: Vec<(String, String)> = (messages.iter().enumerate())
+        .map(|(i, (role, _))| (role.clone(), marker(i, nonce)))
+        .collect();
+    let skeleton = tok.apply_chat_template(&marked)?;
+    let (pieces, order) = split_at_markers(&skeleton, messages.len(), nonce)?;
+    let mut ids = Vec::new();
+    let mut rest = real.as_str();
+    for (k, piece) in pieces.iter().enumerate() {
+        rest = rest.strip_prefix(piece.as_str()).ok_or_else(changed)?;
+        ids.extend(tok.encode(piece)?);
+        let Some(&m) = order.get(k) else { break };
+        let next = pieces[k + 1].as_str();
+        let content = rendered_content(&messages[m].1, rest, next).ok_or_else(changed)?;
+        ids.extend(tok.encode_plain(content)?);
+        rest = &rest[content.len()..];
+    }
+    if !rest.is_empty() {
+        return Err(changed());
+    }
+    Ok(ids)
+}
+
+fn changed() -> Error {
+    Error::Template(
+        "the chat template changes message text in a way that cannot be kept apart from its \
+         control tokens"
+            .into(),
+    )
+}
+
+/// The template's own pieces between the markers of `skeleton`, and which message each marker
+/// stands for (a template may drop or reorder messages, e.g. a system prompt moved first).
+fn split_at_markers(skeleton: &str, n: usize, nonce: u64) -> Result<(Vec<String>, Vec<usize>)> {
+    let mut found: Vec<(usize, usize)> = Vec::new(); // (byte offset, message)
+    for i in 0..n {
+        let m = marker(i, nonce);
+        let hits: Vec<usize> = skeleton.match_indices(&m).map(|(at, _)| at).collect();
+        match hits.as_slice() {
+            [] => {}
+            [at] => found.push((*at, i)),
+            _ => return Err(changed()),
+        }
+    }
+    found.sort_unstable();
+    let mut pieces = Vec::with_capacity(found.len() + 1);
+    let mut at = 0;
+    for &(start, i) in &found {
+        pieces.push(skeleton[at..start].to_string());
+        at = start + marker(i, nonce).len();
+    }
+    pieces.push(skeleton[at..].to_string());
+    Ok((pieces, found.into_iter().map(|(_, i)| i).collect()))
+}
+
+/// The message text as the real rendering holds it at the start of `rest`, followed by the next
+/// template piece: the content itself, or trimmed at either end.
+fn rendered_content<'a>(content: &str, rest: &'a str, next: &str) -> Option<&'a str> {
+    [
+        content,
+        content.trim(),
+        content.trim_start(),
+        content.trim_end(),
+    ]
+    .into_iter()
+    .find(|c| rest.starts_with(c) && rest[c.len()..].starts_with(next))
+    .map(|c| &rest[..c.len()])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn content_is_found_verbatim_or_trimmed() {
+        assert_eq!(rendered_content(" hi ", " hi <e>", "<e>"), Some(" hi "));
+        assert_eq!(rendered_content(" hi ", "hi<e>", "<e>"), Some("hi"));
+        assert_eq!(rendered_content("hi", "HI<e>", "<e>"), None);
+    }
+
+    #[test]
+    fn markers_split_the_skeleton_in_rendering_order() {
+        let (a, b) = (marker(0, 7), marker(1, 7));
+        let s = format!("<s>{b}|{a}</s>");
+        let (pieces, order) = split_at_markers(&s, 2, 7).unwrap();
+        assert_eq!(pieces, ["<s>", "|", "</s>"]);
+        assert_eq!(order, [1, 0]);
+        assert!(split_at_markers(&format!("{a}{a}"), 1, 7).is_err());
+    }
+}
