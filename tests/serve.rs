@@ -4,6 +4,7 @@
 //! mid-stream (its slot comes back), a shutdown that lets an in-flight stream finish, and faults:
 //! slow headers and bodies, oversize and deeply nested JSON, a connection flood, and a shutdown
 //! whose grace runs out.
+mod common;
 use dejavu::engine::executor::Plan;
 use dejavu::engine::{Engine, EngineOptions};
 use dejavu::serve::{self, Limits, ServeOptions, Slot};
@@ -48,6 +49,7 @@ impl Server {
         let eng = engine();
         let opts = ServeOptions {
             model_id: "tiny".into(),
+            model_names: vec!["tiny".into()],
             api_key: api_key.map(String::from),
             queue: 4,
             queue_timeout: Duration::from_secs(30),
@@ -403,6 +405,128 @@ fn an_api_key_guards_the_v1_routes() {
     assert_eq!(s.get("/v1/models").0, 401);
     assert_eq!(s.get("/health").0, 200, "health needs no key");
     s.shutdown().unwrap();
+}
+
+/// Item 7 of issue 23: the key is checked on the headers, before any body byte is read: a
+/// request that announces a 1 MiB body and sends none is answered 401 at once (not after the
+/// read timeout), and refused requests are not counted as requests.
+#[test]
+fn the_key_is_checked_before_the_body_is_read() {
+    let s = Server::start(Some("sesame"), false);
+    let before = counter(&s, "dejavu_requests_total");
+    let head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+                 Content-Length: 1000000\r\n\r\n";
+    let t0 = Instant::now();
+    let (reply, _) = raw(s.addr, head, Duration::from_secs(3));
+    assert!(reply.starts_with("HTTP/1.1 401"), "{reply}");
+    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).to_string();
+    for _ in 0..5 {
+        assert_eq!(s.post("/v1/chat/completions", &body, Some("wrong")).0, 401);
+    }
+    assert_eq!(counter(&s, "dejavu_requests_total"), before, "refused requests were counted");
+    assert_eq!(s.post("/v1/chat/completions", &body, Some("sesame")).0, 200);
+    assert_eq!(counter(&s, "dejavu_requests_total"), before + 1);
+    s.shutdown().unwrap();
+}
+
+/// Item 14: a field that asks for what the server does not do is a 400 naming it; the neutral
+/// values clients send by default are accepted.
+#[test]
+fn unsupported_fields_are_refused_by_name_unless_neutral() {
+    let s = Server::start(None, false);
+    let base = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1});
+    let with = |k: &str, v: Value| {
+        let mut b = base.clone();
+        b[k] = v;
+        s.post("/v1/chat/completions", &b.to_string(), None)
+    };
+    let asks = [
+        ("logprobs", json!(true)),
+        ("top_logprobs", json!(3)),
+        ("logit_bias", json!({"15": 100})),
+        ("tools", json!([{"type": "function", "function": {"name": "f"}}])),
+        ("tool_choice", json!("required")),
+        ("response_format", json!({"type": "json_object"})),
+        ("presence_penalty", json!(0.5)),
+        ("frequency_penalty", json!(-1.0)),
+    ];
+    for (k, v) in asks {
+        let (st, e) = with(k, v.clone());
+        assert_eq!(st, 400, "{k}: {v}: {e}");
+        assert_eq!(e["error"]["param"], k, "{e}");
+        assert!(e["error"]["message"].as_str().unwrap().contains(k), "{e}");
+    }
+    let neutral = [
+        ("logprobs", json!(false)),
+        ("top_logprobs", json!(0)),
+        ("logit_bias", json!({})),
+        ("tools", json!([])),
+        ("tool_choice", json!("none")),
+        ("response_format", json!({"type": "text"})),
+        ("presence_penalty", json!(0)),
+        ("frequency_penalty", json!(0.0)),
+        ("logprobs", Value::Null),
+    ];
+    for (k, v) in neutral {
+        let (st, e) = with(k, v.clone());
+        assert_eq!(st, 200, "{k}: {v}: {e}");
+    }
+    s.shutdown().unwrap();
+}
+
+/// Item 9: the model answers to every name it was launched or fetched by.
+#[test]
+fn the_model_answers_to_its_names() {
+    let names = dejavu::serve::model_names(
+        &["my-alias".into()],
+        "smollm2-135m-instruct",
+        std::path::Path::new("/models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    );
+    assert_eq!(
+        names,
+        [
+            "my-alias",
+            "smollm2-135m-instruct",
+            "SmolLM2-135M-Instruct.Q4_1.gguf",
+            "SmolLM2-135M-Instruct.Q4_1"
+        ]
+    );
+    // Through the binary: launched by its fetch name, asked for by each name.
+    let mut srv = common::server::ServerProcess::start_named(
+        "smollm2-135m-instruct",
+        &["--alias", "assistant"],
+    );
+    let agent = ureq::AgentBuilder::new().build();
+    let ask = |model: &str| {
+        let body = json!({"model": model, "prompt": "Hi", "max_tokens": 1});
+        match agent.post(&format!("{}/v1/completions", srv.base())).send_json(body) {
+            Ok(r) => r.status(),
+            Err(ureq::Error::Status(st, _)) => st,
+            Err(e) => panic!("{e}"),
+        }
+    };
+    for n in ["assistant", "smollm2-135m-instruct", "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct.Q4_1"] {
+        assert_eq!(ask(n), 200, "{n}");
+    }
+    assert_eq!(ask("gpt-4"), 404);
+    let listed: Value = agent.get(&format!("{}/v1/models", srv.base())).call().unwrap().into_json().unwrap();
+    assert_eq!(listed["data"][0]["id"], "assistant");
+    assert!(srv.terminate(Duration::from_secs(30)).success());
+}
+
+/// Item 8: a key no client can send is refused at start.
+#[test]
+fn a_whitespace_api_key_is_refused() {
+    for key in [" ", "\t", " sesame", "sesame "] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_dejavu"))
+            .args(["serve", "--host", "0.0.0.0", "--port", "0", "--api-key", key])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{key:?}: {err}");
+        assert!(err.contains("--api-key"), "{key:?}: {err}");
+    }
 }
 
 /// Write `sent` on a fresh connection, then read until the server closes it (at most `wait`):

@@ -90,7 +90,9 @@ pub enum Stop {
     Many(Vec<String>),
 }
 
-/// The fields of both endpoints' requests that we read (others are accepted and ignored).
+/// The fields of both endpoints' requests that we read. Fields that ask for what we do not do
+/// yet ([`UNSUPPORTED`]) are refused with a 400 naming them unless their value is neutral;
+/// other fields are accepted and ignored.
 #[derive(Debug, Clone, Deserialize)]
 pub struct Request {
     #[serde(default)]
@@ -122,6 +124,69 @@ pub struct Request {
     pub stream: Option<bool>,
     #[serde(default)]
     pub stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    logprobs: Option<Value>,
+    #[serde(default)]
+    top_logprobs: Option<Value>,
+    #[serde(default)]
+    logit_bias: Option<Value>,
+    #[serde(default)]
+    tools: Option<Value>,
+    #[serde(default)]
+    tool_choice: Option<Value>,
+    #[serde(default)]
+    functions: Option<Value>,
+    #[serde(default)]
+    function_call: Option<Value>,
+    #[serde(default)]
+    response_format: Option<Value>,
+    #[serde(default)]
+    presence_penalty: Option<Value>,
+    #[serde(default)]
+    frequency_penalty: Option<Value>,
+    #[serde(default)]
+    echo: Option<Value>,
+    #[serde(default)]
+    suffix: Option<Value>,
+    #[serde(default)]
+    best_of: Option<Value>,
+}
+
+/// Fields that ask for what the server does not do yet, and the values that ask for nothing
+/// (what clients send by default): a field is refused unless absent, null or neutral.
+pub const UNSUPPORTED: [&str; 13] = [
+    "logprobs",
+    "top_logprobs",
+    "logit_bias",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "response_format",
+    "presence_penalty",
+    "frequency_penalty",
+    "echo",
+    "suffix",
+    "best_of",
+];
+
+/// Whether `v`, the value of the unsupported field `name`, asks for nothing.
+fn neutral(name: &str, v: &Value) -> bool {
+    let zero = v.as_f64() == Some(0.0);
+    let empty = |v: &Value| {
+        v.as_array().is_some_and(|a| a.is_empty()) || v.as_object().is_some_and(|o| o.is_empty())
+    };
+    v.is_null()
+        || match name {
+            "logprobs" | "echo" => v == &Value::Bool(false) || zero,
+            "top_logprobs" | "presence_penalty" | "frequency_penalty" => zero,
+            "logit_bias" | "tools" | "functions" => empty(v),
+            "tool_choice" | "function_call" => v == "none" || v == "auto",
+            "response_format" => v.get("type").and_then(Value::as_str) == Some("text"),
+            "suffix" => v == "",
+            "best_of" => v.as_f64() == Some(1.0),
+            _ => false,
+        }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -161,6 +226,29 @@ impl Request {
     /// Check every field we read; `chat` says which endpoint this is. `default_max` applies
     /// when the request names none.
     pub fn validate(self, chat: bool, default_max: usize) -> Result<GenRequest, ApiError> {
+        let asked = [
+            &self.logprobs,
+            &self.top_logprobs,
+            &self.logit_bias,
+            &self.tools,
+            &self.tool_choice,
+            &self.functions,
+            &self.function_call,
+            &self.response_format,
+            &self.presence_penalty,
+            &self.frequency_penalty,
+            &self.echo,
+            &self.suffix,
+            &self.best_of,
+        ];
+        for (name, v) in UNSUPPORTED.into_iter().zip(asked) {
+            if let Some(v) = v.as_ref().filter(|v| !neutral(name, v)) {
+                return Err(ApiError::invalid(
+                    format!("`{name}`: {v} is not supported by this server yet"),
+                    Some(name),
+                ));
+            }
+        }
         if self.n.is_some_and(|n| n != 1) {
             return Err(ApiError::invalid("only n = 1 is supported", Some("n")));
         }

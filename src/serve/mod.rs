@@ -33,8 +33,10 @@ use worker::{Event, Finish, Job, Jobs};
 /// How the server runs (the CLI's flags).
 #[derive(Debug, Clone)]
 pub struct ServeOptions {
-    /// The id `/v1/models` lists and requests may name.
+    /// The id `/v1/models` lists and replies carry.
     pub model_id: String,
+    /// Every name a request may give the model (see [`model_names`]).
+    pub model_names: Vec<String>,
     pub api_key: Option<String>,
     /// Requests that may wait for a slot.
     pub queue: usize,
@@ -197,6 +199,11 @@ async fn buffered(
     next: axum::middleware::Next,
 ) -> Response {
     let (parts, body) = req.into_parts();
+    // The key is checked on the headers, before a byte of the body is read (and a refused
+    // request is not counted as a request).
+    if let Err(e) = authorized(&s, &parts.headers) {
+        return error(e);
+    }
     let (limit, wait) = (s.opts.max_body, s.opts.limits.read_timeout);
     let too_large = || ApiError {
         status: 413,
@@ -294,6 +301,36 @@ async fn metrics(State(s): State<Shared>) -> impl IntoResponse {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text)
 }
 
+/// The names the model is served under, the listed one first: each `--alias`, the `--model`
+/// argument as given, the file (or checkpoint directory) name and its stem.
+pub fn model_names(aliases: &[String], launched_as: &str, path: &std::path::Path) -> Vec<String> {
+    let file = path.file_name().map(|f| f.to_string_lossy().into_owned());
+    let stem = path.file_stem().map(|f| f.to_string_lossy().into_owned());
+    let mut names: Vec<String> = Vec::new();
+    let given = aliases.iter().cloned().chain([launched_as.to_string()]);
+    for n in given.chain(file).chain(stem) {
+        if !n.is_empty() && !names.contains(&n) {
+            names.push(n);
+        }
+    }
+    names
+}
+
+/// Refuse an API key no client could send: whitespace only, whitespace at either end (HTTP
+/// trims header values), or characters a header value cannot hold.
+pub fn check_api_key(key: &str) -> Result<(), String> {
+    if key.trim().is_empty() {
+        return Err("--api-key is only whitespace: no client could send it".into());
+    }
+    if key.trim() != key {
+        return Err("--api-key has whitespace at an end, which HTTP drops: no client could send it".into());
+    }
+    if !key.bytes().all(|b| (0x21..=0x7e).contains(&b) || b == b' ') {
+        return Err("--api-key must be printable ASCII (it travels in an HTTP header)".into());
+    }
+    Ok(())
+}
+
 /// `Authorization: Bearer KEY`, when the server has a key.
 fn authorized(s: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
     let Some(key) = &s.opts.api_key else {
@@ -333,12 +370,14 @@ async fn completions(State(s): State<Shared>, headers: HeaderMap, body: Bytes) -
 
 /// Check, queue, and answer one request (streamed or whole).
 async fn generate(s: Shared, headers: HeaderMap, body: Bytes, chat: bool) -> Response {
+    if let Err(e) = authorized(&s, &headers) {
+        return error(e);
+    }
     s.metrics.requests.fetch_add(1, Ordering::Relaxed);
-    let parsed = authorized(&s, &headers).and_then(|_| {
-        let r = Request::parse(&body)?;
+    let parsed = Request::parse(&body).and_then(|r| {
         match r.model.as_deref() {
             None | Some("") => {}
-            Some(m) if m == s.opts.model_id => {}
+            Some(m) if s.opts.model_names.iter().any(|n| n == m) => {}
             Some(m) => {
                 return Err(ApiError::not_found(
                     format!("model `{m}` is not served here (GET /v1/models)"),

@@ -16,6 +16,11 @@ pub struct ServerProcess {
 impl ServerProcess {
     /// Start `dejavu serve -m model --port P` with `args`; return once it is listening.
     pub fn start(model: &Path, args: &[&str]) -> Self {
+        Self::start_named(model.to_str().unwrap(), args)
+    }
+
+    /// The same with `-m NAME` as given (a known model name, or a path).
+    pub fn start_named(model: &str, args: &[&str]) -> Self {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .unwrap()

@@ -47,6 +47,10 @@ pub struct ServeArgs {
     /// Recompute every prompt whole: no reuse of the prefix a slot's KV cache holds.
     #[arg(long)]
     no_prefix_reuse: bool,
+    /// Another name requests may give the model (repeatable; the first is the name listed).
+    /// The model is also served under its file name, its stem and the `--model` argument.
+    #[arg(long)]
+    alias: Vec<String>,
     /// `max_tokens` of a request that names none.
     #[arg(long, default_value_t = 512)]
     max_tokens: usize,
@@ -65,7 +69,11 @@ pub fn cmd_serve(a: ServeArgs) -> Result<()> {
                 .context("no address")
         })
         .with_context(|| format!("bad --host/--port `{}:{}`", a.host, a.port))?;
-    if !serve::is_loopback(&addr) && a.api_key.as_deref().is_none_or(str::is_empty) {
+    let api_key = a.api_key.clone().filter(|k| !k.is_empty());
+    if let Some(k) = &api_key {
+        serve::check_api_key(k).map_err(anyhow::Error::msg)?;
+    }
+    if !serve::is_loopback(&addr) && api_key.is_none() {
         bail!("binding {addr} (not loopback) needs --api-key or DEJAVU_API_KEY");
     }
     if a.parallel == 0 {
@@ -73,6 +81,7 @@ pub fn cmd_serve(a: ServeArgs) -> Result<()> {
     }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let mut model = a.model;
+    let launched_as = (model.model.clone()).unwrap_or_else(|| dejavu::fetch::DEFAULT_MODEL.into());
     let threads = model.threads.unwrap_or(cores);
     model.threads = Some((threads / a.parallel).max(1));
     let mut slots: Vec<Slot> = Vec::new();
@@ -83,9 +92,11 @@ pub fn cmd_serve(a: ServeArgs) -> Result<()> {
             .with_context(|| format!("loading slot {i}"))?;
         let policy = a.sparsity.policy(&engine)?;
         if opts.is_none() {
+            let names = serve::model_names(&a.alias, &launched_as, &engine.model.path);
             opts = Some(ServeOptions {
-                model_id: engine.model.label(),
-                api_key: a.api_key.clone().filter(|k| !k.is_empty()),
+                model_id: names[0].clone(),
+                model_names: names,
+                api_key: api_key.clone(),
                 queue: a.queue,
                 queue_timeout: Duration::from_secs(a.queue_timeout),
                 max_body: 1 << 20,
