@@ -44,15 +44,18 @@ pub fn fetch(name: &str) -> Result<PathBuf> {
 
 /// The model a command should load: an explicit path (a GGUF file or a Hugging Face checkpoint
 /// directory, which must exist), a known model name, or the default model, fetched on first use.
-pub fn resolve_model(arg: Option<&str>) -> Result<PathBuf> {
-    match arg {
-        None => fetch(DEFAULT_MODEL),
+/// A path need not be UTF-8; names are.
+pub fn resolve_model(arg: Option<&std::ffi::OsStr>) -> Result<PathBuf> {
+    let Some(arg) = arg else {
+        return fetch(DEFAULT_MODEL);
+    };
+    match arg.to_str() {
         Some(name) if KNOWN_MODELS.contains(&name) && !std::path::Path::new(name).exists() => {
             fetch(name)
         }
         Some(p) if p.starts_with(crate::engine::synthetic::PREFIX) => Ok(PathBuf::from(p)),
-        Some(p) => {
-            let path = PathBuf::from(p);
+        _ => {
+            let path = PathBuf::from(arg);
             if path.exists() {
                 Ok(path)
             } else {

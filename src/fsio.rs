@@ -82,6 +82,38 @@ fn commit(tmp: tempfile::NamedTempFile, target: &Path) -> Result<()> {
     Ok(())
 }
 
+/// The largest text file a command reads whole (a corpus, an evaluation text).
+pub const MAX_TEXT_BYTES: u64 = 256 << 20;
+
+/// The UTF-8 text of `path`, reading at most `limit` bytes (a device like `/dev/zero` never
+/// ends). `truncate`: past `limit` the text is cut there (at a character boundary), for a
+/// reader that needs only a prefix; otherwise a longer file is an error.
+pub fn read_text(path: &Path, limit: u64, truncate: bool) -> Result<String> {
+    use std::io::Read;
+    let f = File::open(path).map_err(|e| io_error(path, "reading", e))?;
+    let mut bytes = Vec::new();
+    f.take(limit.saturating_add(1))
+        .read_to_end(&mut bytes)
+        .map_err(|e| io_error(path, "reading", e))?;
+    if bytes.len() as u64 > limit {
+        if !truncate {
+            return Err(Error::Invalid(format!(
+                "{} is larger than {limit} bytes, the most read as a text",
+                path.display()
+            )));
+        }
+        bytes.truncate(limit as usize);
+        let keep = match std::str::from_utf8(&bytes) {
+            Ok(_) => bytes.len(),
+            Err(e) if e.error_len().is_none() => e.valid_up_to(), // a cut character
+            Err(_) => bytes.len(),
+        };
+        bytes.truncate(keep);
+    }
+    String::from_utf8(bytes)
+        .map_err(|e| Error::Invalid(format!("{} is not UTF-8 text: {e}", path.display())))
+}
+
 /// Whether `a` and `b` name the same file (the same inode where both exist, else the same
 /// canonical path).
 pub fn same_file(a: &Path, b: &Path) -> bool {

@@ -6,6 +6,7 @@ pub mod config;
 pub mod content_key;
 pub mod device;
 pub mod executor;
+pub mod finite;
 pub mod kv_cache;
 pub mod names;
 pub mod parallel;
@@ -25,6 +26,9 @@ use crate::{Error, Result};
 use dejavu_backend_api::Backend;
 use dejavu_backend_cpu::CpuBackend;
 use std::path::Path;
+
+/// Embedding rows a checkpoint may have past its tokenizer's vocabulary (see `Engine::load`).
+pub const MAX_PADDING_ROWS: usize = 512;
 
 /// Context window used when the caller does not choose one (capped by the model's own).
 pub const DEFAULT_CTX: usize = 4096;
@@ -87,10 +91,12 @@ impl Engine {
         }
         release_free_heap();
         // A GGUF's vocabulary is the embedding's rows; a checkpoint's embedding may be padded
-        // beyond its tokenizer (facebook/opt-*: 50272 rows, 50265 tokens).
+        // beyond its tokenizer (facebook/opt-*: 50272 rows, 50265 tokens; Qwen2.5: 151936 rows,
+        // 151665 tokens), by at most MAX_PADDING_ROWS or 1/64 of the rows: a larger gap is
+        // another model's tokenizer. Padding rows are never sampled (generate::check_logits).
         let (nt, nv) = (tokenizer.vocab_size(), model.config.vocab_size);
         let gguf = model.gguf_header().is_some();
-        if (gguf && nt != nv) || nt > nv {
+        if (gguf && nt != nv) || nt > nv || nv - nt > (nv / 64).max(MAX_PADDING_ROWS) {
             return Err(Error::Tokenizer(format!(
                 "{nt} tokens in the vocabulary but the model has {nv} embedding rows"
             )));

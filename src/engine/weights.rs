@@ -253,10 +253,20 @@ impl Model {
     fn build(path: &Path, source: Source, config: ModelConfig, table: &Tensors) -> Result<Self> {
         let c = &config;
         let files = source.files();
+        // Counts from the file size allocations only once the file can hold them: a layer
+        // needs tensors of its own.
+        if c.n_layers > table.len() {
+            return Err(Error::Invalid(format!(
+                "the configuration has {} layers, but the file holds only {} tensors",
+                c.n_layers,
+                table.len()
+            )));
+        }
         let t = Table {
             table,
             files: &files,
             c,
+            used: Default::default(),
         };
         let (d, q_dim, kv, ff, vocab, de) = (
             c.d_model,
@@ -322,6 +332,11 @@ impl Model {
                 b_down: bias(c.mlp_bias, LayerTensor::FfnDownBias, d)?,
             });
         }
+        if c.tied_output {
+            // A tied checkpoint may still store its (equal) output matrix.
+            t.used.borrow_mut().insert(GlobalTensor::Output.name());
+        }
+        t.all_used()?;
         // A checkpoint's config is part of what the model computes (GGUF metadata is in the
         // file's first MiB).
         let (extra, paths) = match &source {
@@ -338,7 +353,8 @@ impl Model {
             ),
         };
         let key = super::content_key::ContentKey::new(paths, extra);
-        Ok(Self {
+        let synthetic = matches!(source, Source::Synthetic(_));
+        let model = Self {
             path: path.to_path_buf(),
             source,
             config,
@@ -351,7 +367,12 @@ impl Model {
             layers,
             key,
             converted: None,
-        })
+        };
+        // Random synthetic weights are finite by construction (and can be tens of GB).
+        if !synthetic {
+            model.check_finite()?;
+        }
+        Ok(model)
     }
 
     /// Borrow a weight's bytes from the mapping (range and size were checked at load).
@@ -541,13 +562,36 @@ struct Table<'a> {
     table: &'a Tensors,
     files: &'a [&'a [u8]],
     c: &'a ModelConfig,
+    /// The names looked up so far: every tensor of the file must be one of them.
+    used: std::cell::RefCell<std::collections::HashSet<String>>,
 }
 
 impl Table<'_> {
     fn entry(&self, name: &str) -> Result<&Entry> {
+        self.used.borrow_mut().insert(name.to_string());
         self.table
             .get(name)
             .ok_or_else(|| Error::MissingTensor(name.to_string()))
+    }
+
+    /// Refuse tensors the configuration does not use (a layer count smaller than the file's, a
+    /// tensor of another architecture), as llama.cpp does: computing without them would be
+    /// silently wrong.
+    fn all_used(&self) -> Result<()> {
+        let used = self.used.borrow();
+        let mut unused: Vec<&String> = self.table.keys().filter(|k| !used.contains(*k)).collect();
+        if unused.is_empty() {
+            return Ok(());
+        }
+        unused.sort();
+        let n = unused.len();
+        let shown: Vec<&str> = unused.iter().take(4).map(|s| s.as_str()).collect();
+        Err(Error::Invalid(format!(
+            "{n} tensor(s) the configuration ({} layers) does not use: {}{}",
+            self.c.n_layers,
+            shown.join(", "),
+            if n > 4 { ", ..." } else { "" }
+        )))
     }
 
     /// A matrix (or `[1, n]` vector) of shape `[rows, cols]`.
@@ -575,8 +619,14 @@ impl Table<'_> {
         Ok(w)
     }
 
-    /// A float vector of length `n`, converted to f32.
+    /// A float vector of length `n`, converted to f32; every value finite.
     fn vector(&self, name: &str, n: usize) -> Result<Vec<f32>> {
+        let v = self.vector_any(name, n)?;
+        super::finite::check_vector(name, &v)?;
+        Ok(v)
+    }
+
+    fn vector_any(&self, name: &str, n: usize) -> Result<Vec<f32>> {
         let w = self.weight(name, [1, n])?;
         let bytes = &self.files[w.file][w.start..w.start + w.n_bytes];
         match w.qtype {

@@ -19,15 +19,22 @@ pub struct PerplexityResult {
 }
 
 impl PerplexityResult {
-    /// From the summed NLL of `n_scored` tokens over `n_chunks` chunks.
-    fn of(nll_sum: f64, n_scored: usize, n_chunks: usize) -> Self {
+    /// From the summed NLL of `n_scored` tokens over `n_chunks` chunks; a non-finite result
+    /// (NaN or infinite logits) is an error, never a figure.
+    fn of(nll_sum: f64, n_scored: usize, n_chunks: usize) -> Result<Self> {
         let mean_nll = nll_sum / n_scored as f64;
-        Self {
+        if !mean_nll.is_finite() {
+            return Err(Error::Invalid(format!(
+                "perplexity is not finite (mean NLL {mean_nll} over {n_scored} tokens): the \
+                 model computed NaN or infinite logits"
+            )));
+        }
+        Ok(Self {
             ppl: mean_nll.exp(),
             n_chunks,
             n_scored,
             mean_nll,
-        }
+        })
     }
 }
 
@@ -80,7 +87,7 @@ pub fn perplexity(
         }
         on_chunk(i + 1, n_chunks, (nll_sum / n_scored as f64).exp());
     }
-    Ok(PerplexityResult::of(nll_sum, n_scored, n_chunks))
+    PerplexityResult::of(nll_sum, n_scored, n_chunks)
 }
 
 /// [`perplexity`] token by token on any [`Decoder`] (a device session): each chunk from an
@@ -115,7 +122,7 @@ pub fn perplexity_on(
         }
         on_chunk(i + 1, n_chunks, (nll_sum / n_scored as f64).exp());
     }
-    Ok(PerplexityResult::of(nll_sum, n_scored, n_chunks))
+    PerplexityResult::of(nll_sum, n_scored, n_chunks)
 }
 
 fn check_ctx(engine: &Engine, tokens: &[u32], ctx: usize) -> Result<()> {
@@ -262,19 +269,20 @@ pub fn compare_many(
         on_chunk(i + 1, n_chunks, (nd / n as f64).exp(), &ppls);
     }
     let result = |sum: f64| PerplexityResult::of(sum, n, n_chunks);
-    Ok(acc
-        .iter()
+    acc.iter()
         .zip(steps)
-        .map(|(a, steps)| Comparison {
-            dense: result(nd),
-            sparse: result(a.0),
-            kl: a.1 / n as f64,
-            top1_agreement: a.2 as f64 / n as f64,
-            steps,
-            dense_secs,
-            sparse_secs: a.3,
+        .map(|(a, steps)| {
+            Ok(Comparison {
+                dense: result(nd)?,
+                sparse: result(a.0)?,
+                kl: a.1 / n as f64,
+                top1_agreement: a.2 as f64 / n as f64,
+                steps,
+                dense_secs,
+                sparse_secs: a.3,
+            })
         })
-        .collect())
+        .collect()
 }
 
 /// [`compare_many`] for policy specs (`--sparsity` strings), with a progress bar labelled

@@ -263,6 +263,7 @@ fn run_job(
         if n == req.max_tokens {
             break Finish::Length;
         }
+        crate::text::generate::check_logits(engine, logits).map_err(internal)?;
         let next = sampler.sample(logits, &history);
         if eog.contains(&next) {
             break Finish::Stop;

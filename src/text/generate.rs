@@ -112,6 +112,21 @@ pub fn reusable(cached: &[u32], ids: &[u32]) -> usize {
 }
 
 /// [`generate`] on any [`Decoder`] (`engine` gives the tokenizer).
+/// Refuse logits that are not finite (NaN or infinite weights or activations would otherwise
+/// sample token 0 forever), and keep sampling inside the tokenizer's vocabulary (a checkpoint's
+/// embedding may have padding rows past it, which have no text).
+pub fn check_logits(engine: &Engine, logits: &mut [f32]) -> Result<()> {
+    if let Some(i) = logits.iter().position(|l| !l.is_finite()) {
+        return Err(Error::Invalid(format!(
+            "the model computed a non-finite logit (token {i}): its weights or activations are \
+             NaN or overflow"
+        )));
+    }
+    let n = engine.tokenizer.vocab_size().min(logits.len());
+    logits[n..].fill(f32::NEG_INFINITY);
+    Ok(())
+}
+
 pub fn generate_on(
     engine: &Engine,
     dec: &mut dyn Decoder,
@@ -147,6 +162,7 @@ pub fn generate_on(
     let t1 = Instant::now();
     stats.stop = Stop::MaxTokens;
     while out.len() < max_tokens {
+        check_logits(engine, logits)?;
         let next = sampler.sample(logits, &history);
         if eog.contains(&next) {
             stats.stop = Stop::EndOfGeneration;

@@ -159,6 +159,16 @@ impl Tokenizer {
             _ => ckpt.optional_text("chat_template.jinja")?,
         };
         let n = inner.get_vocab_size(true);
+        let named = [("bos_token_id", bos), ("eos_token_id", eos)];
+        let outside = (named.into_iter())
+            .filter_map(|(k, id)| Some((k, id?)))
+            .chain(eog.iter().map(|&i| ("eos_token_id", i)))
+            .find(|&(_, id)| id as usize >= n);
+        if let Some((key, id)) = outside {
+            return Err(Error::Tokenizer(format!(
+                "{key} {id} lies outside the tokenizer's {n} tokens"
+            )));
+        }
         let tokens = (0..n as u32)
             .map(|i| inner.id_to_token(i).unwrap_or_default())
             .collect();

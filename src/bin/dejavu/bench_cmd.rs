@@ -11,7 +11,7 @@ use dejavu::fetch;
 pub struct BenchArgs {
     /// GGUF file, checkpoint directory or known model name (default: smollm2-135m-instruct).
     #[arg(long, short)]
-    pub model: Option<String>,
+    pub model: Option<std::ffi::OsString>,
     /// KV cache element type: f32 or f16.
     #[arg(long, default_value = "f32", value_parser = parse_kv_type)]
     pub kv_type: KvType,
@@ -68,7 +68,7 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
     if let (Some(from), Some(png)) = (&a.replot, &a.plot) {
         crate::refuse_overwrites(&[("--plot", Some(png))], &[from])?;
         let text =
-            std::fs::read_to_string(from).with_context(|| format!("reading {}", from.display()))?;
+            dejavu::fsio::read_text(from.as_ref(), dejavu::fsio::MAX_TEXT_BYTES, false)?;
         let (title, rows): (String, Vec<GainRow>) = serde_json::from_str(&text)
             .with_context(|| format!("{}: not a gains file of `bench --plot`", from.display()))?;
         print!("{}", gains_markdown(&rows));

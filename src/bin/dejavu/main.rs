@@ -72,7 +72,7 @@ struct ModelArgs {
     /// GGUF file, Hugging Face checkpoint directory or known model name (default:
     /// smollm2-135m-instruct, fetched on first use).
     #[arg(long, short)]
-    model: Option<String>,
+    model: Option<std::ffi::OsString>,
     /// Worker threads (default: all cores).
     #[arg(long, short)]
     threads: Option<usize>,
@@ -300,9 +300,10 @@ struct PerplexityArgs {
 fn main() {
     // `-tp N` (vLLM's spelling) is `--tensor-parallel N`: clap's short flags are one letter, and
     // `-t` is the thread count.
-    let args = std::env::args().map(|a| match a.strip_prefix("-tp") {
-        Some("") => "--tensor-parallel".to_string(),
-        Some(v) if v.starts_with('=') => format!("--tensor-parallel{v}"),
+    // Arguments need not be UTF-8 (paths); clap says which one is where it must be.
+    let args = std::env::args_os().map(|a| match a.to_str().and_then(|s| s.strip_prefix("-tp")) {
+        Some("") => "--tensor-parallel".into(),
+        Some(v) if v.starts_with('=') => format!("--tensor-parallel{v}").into(),
         _ => a,
     });
     let cli = Cli::parse_from(args);
@@ -531,8 +532,13 @@ fn chat_loop(
 }
 
 fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
-    let text = std::fs::read_to_string(&a.file)
-        .with_context(|| format!("reading {}", a.file.display()))?;
+    // Read what --chunks of --ctx tokens can use (64 bytes a token is far more than any
+    // tokenizer takes), and never more than MAX_TEXT_BYTES.
+    let need = (a.chunks)
+        .map(|c| (c as u64).saturating_mul(a.ctx as u64).saturating_mul(64))
+        .unwrap_or(u64::MAX);
+    let cap = dejavu::fsio::MAX_TEXT_BYTES;
+    let text = dejavu::fsio::read_text(&a.file, need.min(cap), need < cap)?;
     let engine = a.model.load(Some(a.ctx))?;
     refuse_overwrites(
         &[("--json", a.json.as_deref())],

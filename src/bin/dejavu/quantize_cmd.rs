@@ -60,7 +60,7 @@ pub fn cmd_quantize(a: QuantizeArgs) -> Result<()> {
     drop(model);
     if let Some(text) = &a.ppl {
         let text =
-            std::fs::read_to_string(text).with_context(|| format!("reading {}", text.display()))?;
+            dejavu::fsio::read_text(text.as_ref(), dejavu::fsio::MAX_TEXT_BYTES, false)?;
         let src = ppl_of(&a.input, &text, a.ctx)?;
         let out = ppl_of(&a.out, &text, a.ctx)?;
         println!("ppl source: {src:.4}");

@@ -81,7 +81,9 @@ pub fn cmd_serve(a: ServeArgs) -> Result<()> {
     }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let mut model = a.model;
-    let launched_as = (model.model.clone()).unwrap_or_else(|| dejavu::fetch::DEFAULT_MODEL.into());
+    let launched_as = (model.model.as_ref()).map_or(dejavu::fetch::DEFAULT_MODEL.into(), |m| {
+        m.to_string_lossy().into_owned()
+    });
     let threads = model.threads.unwrap_or(cores);
     model.threads = Some((threads / a.parallel).max(1));
     let mut slots: Vec<Slot> = Vec::new();

@@ -104,7 +104,7 @@ pub fn cmd_calibrate(a: CalibrateArgs) -> Result<()> {
     let mut sources = Vec::new();
     for f in &a.data {
         let text =
-            std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
+            dejavu::fsio::read_text(f.as_ref(), dejavu::fsio::MAX_TEXT_BYTES, false)?;
         docs.extend(calibrate::split_documents(&text));
         sources.push(f.display().to_string());
     }
@@ -149,7 +149,7 @@ pub fn cmd_report(a: ReportArgs) -> Result<()> {
     }
     let path = a.file.clone().unwrap_or_default();
     let text =
-        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+        dejavu::fsio::read_text(path.as_ref(), dejavu::fsio::MAX_TEXT_BYTES, false)?;
     crate::backend_choice::cpu_only(a.model.placement(), "report")?;
     let engine = a.model.load(Some(a.ctx))?;
     let name = engine

@@ -1,0 +1,234 @@
+//! Models and inputs that used to give silent garbage or a crash (issue 23, items 10-13, 15, 16):
+//! each is now a clear error and exit 1. Through the `dejavu` binary.
+mod common;
+use common::*;
+use dejavu_formats::gguf::{GgmlType, MetaValue};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn run(args: &[&std::ffi::OsStr]) -> (Option<i32>, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_dejavu"))
+        .args(args)
+        .output()
+        .unwrap();
+    let s = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    (out.status.code(), s(&out.stdout), s(&out.stderr))
+}
+
+/// `dejavu args...` exits 1 with an `error:` line holding `needle`, and no panic.
+fn fails_with(args: &[&str], needle: &str) {
+    let os: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_ref()).collect();
+    let (code, _, err) = run(&os);
+    assert_eq!(code, Some(1), "{args:?}: {err}");
+    assert!(!err.contains("panicked"), "{args:?}: {err}");
+    assert!(err.contains("error:") && err.contains(needle), "{args:?}: want `{needle}` in {err}");
+}
+
+fn write(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, bytes).unwrap();
+    p
+}
+
+fn generate(model: &Path, needle: &str) {
+    fails_with(&["generate", "-m", model.to_str().unwrap(), "-p", "hi", "-n", "4"], needle);
+}
+
+/// A copy of a Hugging Face fixture with `edit` applied to its config.json, generation_config.json
+/// and tokenizer.json.
+fn hf_copy(name: &str, edit: impl FnOnce(&mut Value, &mut Value, &mut Value)) -> tempfile::TempDir {
+    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf").join(name);
+    let d = tempfile::tempdir().unwrap();
+    for f in std::fs::read_dir(&src).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, d.path().join(f.file_name().unwrap())).unwrap();
+    }
+    let read = |f: &str| serde_json::from_str::<Value>(&std::fs::read_to_string(d.path().join(f)).unwrap()).unwrap();
+    let (mut c, mut g, mut t) = (read("config.json"), read("generation_config.json"), read("tokenizer.json"));
+    edit(&mut c, &mut g, &mut t);
+    for (f, v) in [("config.json", c), ("generation_config.json", g), ("tokenizer.json", t)] {
+        std::fs::write(d.path().join(f), v.to_string()).unwrap();
+    }
+    d
+}
+
+/// Item 10: a layer count smaller than the file's is refused (it printed "ldldld...").
+#[test]
+fn fewer_layers_than_the_file_holds_are_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let m = write(
+        d.path(),
+        "one.gguf",
+        &tiny_llama_gguf(|meta, _| {
+            for (k, v) in meta.iter_mut() {
+                if k == "llama.block_count" {
+                    *v = MetaValue::U32(1);
+                }
+            }
+        }),
+    );
+    generate(&m, "does not use");
+    let ck = hf_copy("llama-silu", |c, _, _| c["num_hidden_layers"] = 1.into());
+    generate(ck.path(), "does not use");
+}
+
+/// Item 16: a layer count no file could hold is an error before anything is sized by it, also
+/// under a 4 GB address-space limit (it reserved 6.2 GB and aborted).
+#[test]
+fn an_absurd_layer_count_is_refused_before_any_allocation() {
+    let d = tempfile::tempdir().unwrap();
+    let m = write(
+        d.path(),
+        "many.gguf",
+        &tiny_llama_gguf(|meta, _| {
+            for (k, v) in meta.iter_mut() {
+                if k == "llama.block_count" {
+                    *v = MetaValue::U32(8_388_609);
+                }
+            }
+        }),
+    );
+    let cmd = format!(
+        "ulimit -v 4000000; exec '{}' generate -m '{}' -p hi -n 2",
+        env!("CARGO_BIN_EXE_dejavu"),
+        m.display()
+    );
+    let out = Command::new("sh").args(["-c", &cmd]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("8388609 layers"), "{err}");
+}
+
+/// Item 11: NaN or infinite norms, scales and embeddings are refused at load; weights that
+/// overflow at run time stop generation and perplexity with an error, never `ppl: NaN`.
+#[test]
+fn non_finite_weights_are_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let poison = |name: &'static str, at: usize, bytes: &'static [u8]| {
+        tiny_llama_gguf(move |_, tensors| {
+            let t = tensors.iter_mut().find(|t| t.0 == name).unwrap();
+            t.3[at..at + bytes.len()].copy_from_slice(bytes);
+        })
+    };
+    let nan32 = f32::NAN.to_le_bytes();
+    let nan32: &'static [u8] = Box::leak(Box::new(nan32));
+    let inf16: &'static [u8] = Box::leak(Box::new(half::f16::INFINITY.to_le_bytes()));
+    for (name, at, bytes) in [
+        ("blk.0.attn_norm.weight", 8, nan32),
+        ("output_norm.weight", 0, nan32),
+        ("token_embd.weight", 34 * 5, inf16),
+        ("blk.1.ffn_down.weight", 0, inf16),
+    ] {
+        let m = write(d.path(), "bad.gguf", &poison(name, at, bytes));
+        generate(&m, name);
+        generate(&m, "non-finite");
+    }
+    // A NaN the load check's samples miss (an f16 matrix of 16384 values, sampled every 4th):
+    // generation and perplexity stop with an error at run time, never `ppl: NaN`.
+    let sneaky = tiny_llama_gguf(|meta, tensors| {
+        let ff = 256usize;
+        for (k, v) in meta.iter_mut() {
+            if k == "llama.feed_forward_length" {
+                *v = MetaValue::U32(ff as u32);
+            }
+        }
+        for t in tensors.iter_mut().filter(|t| t.0.contains(".ffn_") && !t.0.contains("norm")) {
+            let down = t.0.contains("ffn_down");
+            let (rows, cols) = if down { (TINY.d, ff) } else { (ff, TINY.d) };
+            let vals: Vec<u8> = (0..rows * cols)
+                .flat_map(|i| half::f16::from_f32(((i * 7919) % 13) as f32 * 0.01 - 0.06).to_le_bytes())
+                .collect();
+            *t = (t.0.clone(), vec![cols as u64, rows as u64], GgmlType::F16, vals);
+        }
+        let up = tensors.iter_mut().find(|t| t.0 == "blk.0.ffn_up.weight").unwrap();
+        up.3[2..4].copy_from_slice(&half::f16::NAN.to_le_bytes()); // element 1
+    });
+    let m = write(d.path(), "sneaky.gguf", &sneaky);
+    generate(&m, "non-finite");
+    let text = write(d.path(), "t.txt", "some words to score. ".repeat(40).as_bytes());
+    fails_with(
+        &["perplexity", "-m", m.to_str().unwrap(), "--file", text.to_str().unwrap(), "--ctx", "32"],
+        "not finite",
+    );
+}
+
+/// Item 12: a checkpoint whose tokenizer covers far fewer ids than its embedding has rows, or
+/// whose BOS/EOS lie outside the vocabulary, is refused (the GGUF path already was).
+#[test]
+fn a_tokenizer_that_does_not_fit_the_model_is_refused() {
+    let small = hf_copy("llama-silu", |_, _, t| {
+        let keep = |id: u64| id < 300;
+        let vocab = t["model"]["vocab"].as_object().unwrap().clone();
+        let kept: serde_json::Map<String, Value> =
+            vocab.into_iter().filter(|(_, v)| keep(v.as_u64().unwrap())).collect();
+        let has = |s: &str| kept.contains_key(s);
+        let merges: Vec<Value> = (t["model"]["merges"].as_array().unwrap().iter())
+            .filter(|m| {
+                let (a, b) = match m {
+                    Value::String(s) => {
+                        let mut it = s.splitn(2, ' ');
+                        (it.next().unwrap_or("").to_string(), it.next().unwrap_or("").to_string())
+                    }
+                    Value::Array(p) => (p[0].as_str().unwrap().into(), p[1].as_str().unwrap().into()),
+                    _ => unreachable!(),
+                };
+                has(&a) && has(&b) && has(&format!("{a}{b}"))
+            })
+            .cloned()
+            .collect();
+        t["model"]["vocab"] = Value::Object(kept);
+        t["model"]["merges"] = Value::Array(merges);
+        let added: Vec<Value> = (t["added_tokens"].as_array().unwrap().iter())
+            .filter(|a| keep(a["id"].as_u64().unwrap()))
+            .cloned()
+            .collect();
+        t["added_tokens"] = Value::Array(added);
+    });
+    generate(small.path(), "embedding rows");
+    let eos = hf_copy("llama-silu", |c, g, _| {
+        c["eos_token_id"] = 100_000.into();
+        g["eos_token_id"] = 100_000.into();
+    });
+    generate(eos.path(), "outside the tokenizer");
+}
+
+/// Item 13: `perplexity` reads only what --chunks and --ctx need, and at most a bounded text:
+/// `/dev/zero` is an error or a prefix, never an endless read.
+#[test]
+fn perplexity_reads_a_bounded_text() {
+    if !Path::new("/dev/zero").exists() {
+        return;
+    }
+    let d = tempfile::tempdir().unwrap();
+    let m = write(d.path(), "m.gguf", &tiny_llama_gguf(|_, _| {}));
+    let ms = m.to_str().unwrap();
+    let t0 = std::time::Instant::now();
+    fails_with(&["perplexity", "-m", ms, "--file", "/dev/zero", "--ctx", "32"], "larger than");
+    let args = ["perplexity", "-m", ms, "--file", "/dev/zero", "--ctx", "32", "--chunks", "2"];
+    let os: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_ref()).collect();
+    let (code, out, err) = run(&os);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains("ppl: "), "{out}");
+    assert!(t0.elapsed() < std::time::Duration::from_secs(60));
+}
+
+/// Item 15: arguments that are not UTF-8: a path is accepted, a prompt is a clear error (exit 2,
+/// clap's usage error), never a panic.
+#[cfg(unix)]
+#[test]
+fn non_utf8_arguments() {
+    use std::os::unix::ffi::OsStrExt;
+    let d = tempfile::tempdir().unwrap();
+    let name = std::ffi::OsStr::from_bytes(b"mod\xffel.gguf");
+    let m = d.path().join(name);
+    std::fs::write(&m, tiny_llama_gguf(|_, _| {})).unwrap();
+    let args: Vec<&std::ffi::OsStr> = vec!["generate".as_ref(), "-m".as_ref(), m.as_os_str(), "-p".as_ref(), "hi".as_ref(), "-n".as_ref(), "2".as_ref()];
+    let (code, _, err) = run(&args);
+    assert_eq!(code, Some(0), "{err}");
+    let prompt = std::ffi::OsStr::from_bytes(b"caf\xe9");
+    let args: Vec<&std::ffi::OsStr> = vec!["generate".as_ref(), "-m".as_ref(), m.as_os_str(), "-p".as_ref(), prompt, "-n".as_ref(), "2".as_ref()];
+    let (code, _, err) = run(&args);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(!err.contains("panicked") && err.contains("UTF-8"), "{err}");
+}
