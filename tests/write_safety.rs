@@ -78,7 +78,7 @@ fn outputs_never_replace_inputs() {
         &["report", "-m", ms, "--ctx", "32", "--file", frontier_md.to_str().unwrap(), "--out", d.path().to_str().unwrap()],
         &frontier_md,
     );
-    refused(&["quantize", ms, "-t", "q8_0", "--out", ms], &m);
+    refused(&["quantize", ms, "--type", "q8_0", "--out", ms], &m);
     // A checkpoint directory: a file inside it is an input.
     let ck = tempfile::tempdir().unwrap();
     for f in std::fs::read_dir(fixture("llama-silu")).unwrap() {
@@ -87,7 +87,7 @@ fn outputs_never_replace_inputs() {
     }
     let shard = ck.path().join("model.safetensors");
     refused(
-        &["quantize", ck.path().to_str().unwrap(), "-t", "q8_0", "--out", shard.to_str().unwrap()],
+        &["quantize", ck.path().to_str().unwrap(), "--type", "q8_0", "--out", shard.to_str().unwrap()],
         &shard,
     );
 }
@@ -103,7 +103,7 @@ fn quantize_never_writes_into_an_existing_file() {
     let (code, err) = run(&[
         "quantize",
         input.to_str().unwrap(),
-        "-t",
+        "--type",
         "f16",
         "-o",
         out.to_str().unwrap(),
@@ -128,7 +128,7 @@ fn concurrent_quantize_runs_to_one_output_never_mix() {
     let input = fixture("llama-relu");
     let solo = |t: &str| {
         let p = d.path().join(format!("solo-{t}.gguf"));
-        let (code, err) = run(&["quantize", input.to_str().unwrap(), "-t", t, "-o", p.to_str().unwrap()]);
+        let (code, err) = run(&["quantize", input.to_str().unwrap(), "--type", t, "-o", p.to_str().unwrap()]);
         assert_eq!(code, Some(0), "{err}");
         std::fs::read(p).unwrap()
     };
@@ -137,7 +137,7 @@ fn concurrent_quantize_runs_to_one_output_never_mix() {
     for trial in 0..3 {
         let spawn = |t: &str| {
             Command::new(env!("CARGO_BIN_EXE_dejavu"))
-                .args(["quantize", input.to_str().unwrap(), "-t", t, "-o", out.to_str().unwrap()])
+                .args(["quantize", input.to_str().unwrap(), "--type", t, "-o", out.to_str().unwrap()])
                 .stderr(std::process::Stdio::null())
                 .spawn()
                 .unwrap()

@@ -296,6 +296,8 @@ impl Request {
             min_p: 0.0,
             repeat_penalty: 1.0,
             repeat_last_n: 64,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
             seed: self.seed.unwrap_or(0),
         };
         Ok(GenRequest {

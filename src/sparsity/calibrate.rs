@@ -590,6 +590,8 @@ pub fn sample_texts(engine: &Engine, n_tokens: usize, seed: u64) -> Result<Vec<S
             min_p: 0.05,
             repeat_penalty: 1.1,
             repeat_last_n: 64,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
             seed: seed.wrapping_add(i as u64),
         });
         cache.clear();

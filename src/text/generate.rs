@@ -17,6 +17,17 @@ pub enum Stop {
     MaxTokens,
     /// The context window is full.
     ContextFull,
+    /// A stop string appeared in the text.
+    StopString,
+}
+
+/// What ends generation besides `max_tokens` and the context window.
+#[derive(Debug, Clone, Default)]
+pub struct StopRules {
+    /// Text that ends the reply (itself not printed).
+    pub stop: Vec<String>,
+    /// Generate past end-of-generation tokens (they are never sampled).
+    pub ignore_eos: bool,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -133,6 +144,20 @@ pub fn generate_on(
     new_tokens: &[u32],
     max_tokens: usize,
     sampler: &mut Sampler,
+    on_text: impl FnMut(&str),
+) -> Result<(Vec<u32>, GenerateStats)> {
+    let rules = StopRules::default();
+    generate_with(engine, dec, new_tokens, max_tokens, sampler, &rules, on_text)
+}
+
+/// [`generate_on`] under `rules` (stop strings, `ignore_eos`).
+pub fn generate_with(
+    engine: &Engine,
+    dec: &mut dyn Decoder,
+    new_tokens: &[u32],
+    max_tokens: usize,
+    sampler: &mut Sampler,
+    rules: &StopRules,
     mut on_text: impl FnMut(&str),
 ) -> Result<(Vec<u32>, GenerateStats)> {
     if new_tokens.is_empty() {
@@ -159,10 +184,18 @@ pub fn generate_on(
 
     let mut out = Vec::new();
     let mut stream = TextStream::default();
+    let mut stops = super::stop::StopFilter::new(&rules.stop);
     let t1 = Instant::now();
     stats.stop = Stop::MaxTokens;
     while out.len() < max_tokens {
         check_logits(engine, logits)?;
+        if rules.ignore_eos {
+            for &e in eog {
+                if let Some(l) = logits.get_mut(e as usize) {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+        }
         let next = sampler.sample(logits, &history);
         if eog.contains(&next) {
             stats.stop = Stop::EndOfGeneration;
@@ -171,7 +204,14 @@ pub fn generate_on(
         out.push(next);
         history.push(next);
         if let Some(piece) = stream.push(engine, next)? {
-            on_text(&piece);
+            let (text, stopped) = stops.push(&piece);
+            if !text.is_empty() {
+                on_text(&text);
+            }
+            if stopped {
+                stats.stop = Stop::StopString;
+                break;
+            }
         }
         if out.len() == max_tokens {
             break;
@@ -184,8 +224,17 @@ pub fn generate_on(
     }
     stats.decode_secs = t1.elapsed().as_secs_f64();
     stats.generated_tokens = out.len();
-    if let Some(rest) = stream.finish(engine)? {
-        on_text(&rest);
+    if stats.stop != Stop::StopString {
+        let rest = stream.finish(engine)?.unwrap_or_default();
+        let (mut text, stopped) = stops.push(&rest);
+        if stopped {
+            stats.stop = Stop::StopString;
+        } else {
+            text.push_str(&stops.flush());
+        }
+        if !text.is_empty() {
+            on_text(&text);
+        }
     }
     Ok((out, stats))
 }

@@ -19,8 +19,13 @@ pub struct SamplerConfig {
     pub min_p: f32,
     /// Divide positive (multiply negative) logits of recently seen tokens by this (1.0 = off).
     pub repeat_penalty: f32,
-    /// How many recent tokens the penalty looks at.
+    /// How many recent tokens the penalties look at.
     pub repeat_last_n: usize,
+    /// Subtracted from the logit of every token seen in that window (OpenAI's and llama.cpp's
+    /// presence penalty; 0 = off).
+    pub presence_penalty: f32,
+    /// Subtracted once per occurrence in that window (frequency penalty; 0 = off).
+    pub frequency_penalty: f32,
     pub seed: u64,
 }
 
@@ -33,6 +38,8 @@ impl Default for SamplerConfig {
             min_p: 0.05,
             repeat_penalty: 1.0,
             repeat_last_n: 64,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
             seed: 0,
         }
     }
@@ -46,16 +53,28 @@ impl SamplerConfig {
         }
     }
     pub fn validate(&self) -> Result<(), String> {
-        let ok = self.temperature >= 0.0
-            && self.temperature.is_finite()
-            && (0.0..=1.0).contains(&self.top_p)
-            && (0.0..=1.0).contains(&self.min_p)
-            && self.repeat_penalty > 0.0;
-        if ok {
-            Ok(())
-        } else {
-            Err(format!("invalid sampling settings: {self:?} (temperature >= 0, top-p and min-p in [0, 1], repeat penalty > 0)"))
+        let bad = |what: &str, v: f32, want: &str| Err(format!("{what} {v} is out of range: {want}"));
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            return bad("the temperature", self.temperature, "it must be 0 (greedy) or more");
         }
+        if !(0.0..=1.0).contains(&self.top_p) {
+            return bad("top-p", self.top_p, "it must lie in [0, 1]");
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return bad("min-p", self.min_p, "it must lie in [0, 1]");
+        }
+        if !(self.repeat_penalty > 0.0 && self.repeat_penalty.is_finite()) {
+            return bad("the repeat penalty", self.repeat_penalty, "it must be above 0 (1 = off)");
+        }
+        for (what, v) in [
+            ("the presence penalty", self.presence_penalty),
+            ("the frequency penalty", self.frequency_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&v) {
+                return bad(what, v, "it must lie in [-2, 2]");
+            }
+        }
+        Ok(())
     }
 }
 
@@ -74,18 +93,19 @@ impl Sampler {
     /// tokens seen so far.
     pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
         let c = &self.cfg;
-        if c.repeat_penalty != 1.0 {
+        let penalized = c.repeat_penalty != 1.0 || c.presence_penalty != 0.0 || c.frequency_penalty != 0.0;
+        if penalized {
             let start = history.len().saturating_sub(c.repeat_last_n);
             let mut seen: Vec<u32> = history[start..].to_vec();
             seen.sort_unstable();
-            seen.dedup();
-            for &t in &seen {
-                if let Some(l) = logits.get_mut(t as usize) {
+            for run in seen.chunk_by(|a, b| a == b) {
+                if let Some(l) = logits.get_mut(run[0] as usize) {
                     *l = if *l > 0.0 {
                         *l / c.repeat_penalty
                     } else {
                         *l * c.repeat_penalty
                     };
+                    *l -= c.presence_penalty + c.frequency_penalty * run.len() as f32;
                 }
             }
         }

@@ -30,6 +30,10 @@ pub struct BenchArgs {
     /// Thread counts to test, comma-separated.
     #[arg(long, short, value_delimiter = ',', default_value = "1,2")]
     pub threads: Vec<usize>,
+    /// How long idle worker threads poll for work before sleeping, 0-100 (llama.cpp's `--poll`).
+    #[arg(long, default_value_t = dejavu_backend_cpu::pool::DEFAULT_POLL,
+          value_parser = clap::value_parser!(u32).range(0..=100))]
+    pub poll: u32,
     /// Prompt length of the prefill test pp<P> (0 = skip).
     #[arg(short = 'p', long = "n-prompt", default_value_t = 128)]
     pub n_prompt: usize,
@@ -81,6 +85,7 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
             "nothing to run: need --repetitions >= 1, at least one thread count, and -p or -n > 0"
         );
     }
+    dejavu_backend_cpu::pool::set_poll(a.poll);
     let path = fetch::resolve_model(a.model.as_deref())?;
     let cuda_json = a.json.as_ref().map(|p| p.with_extension("cuda.json"));
     let points = a.plot.as_ref().map(|p| p.with_extension("json"));

@@ -76,6 +76,11 @@ struct ModelArgs {
     /// Worker threads (default: all cores).
     #[arg(long, short)]
     threads: Option<usize>,
+    /// How long idle worker threads poll for work before sleeping, 0-100 (llama.cpp's
+    /// `--poll`): 0 sleeps at once (least CPU when idle), 100 spins longest.
+    #[arg(long, default_value_t = dejavu_backend_cpu::pool::DEFAULT_POLL,
+          value_parser = clap::value_parser!(u32).range(0..=100))]
+    poll: u32,
     /// KV cache element type: f32 (exact) or f16 (half the memory).
     #[arg(long, default_value = "f32", value_parser = parse_kv_type)]
     kv_type: KvType,
@@ -134,6 +139,7 @@ impl ModelArgs {
     }
 
     fn load(&self, n_ctx: Option<usize>) -> Result<Engine> {
+        dejavu_backend_cpu::pool::set_poll(self.poll);
         let path = fetch::resolve_model(self.model.as_deref())?;
         let engine = load_engine(
             &path,
@@ -194,7 +200,7 @@ fn policy_for(
 #[derive(Args)]
 struct SamplingArgs {
     /// Sampling temperature; 0 = greedy.
-    #[arg(long, default_value_t = 0.8)]
+    #[arg(long, visible_alias = "temp", default_value_t = 0.8, allow_negative_numbers = true)]
     temperature: f32,
     /// Keep only the K most likely tokens (0 = off).
     #[arg(long, default_value_t = 40)]
@@ -205,12 +211,35 @@ struct SamplingArgs {
     /// Drop tokens less likely than MIN_P times the most likely one.
     #[arg(long, default_value_t = 0.05)]
     min_p: f32,
-    /// Penalty for tokens seen in the last 64 (1.0 = off).
+    /// Penalty for tokens seen in the last `--repeat-last-n` (1.0 = off).
     #[arg(long, default_value_t = 1.0)]
     repeat_penalty: f32,
-    /// Random seed: the same seed gives the same text.
-    #[arg(long, default_value_t = 42)]
-    seed: u64,
+    /// How many recent tokens the penalties look at.
+    #[arg(long, default_value_t = 64)]
+    repeat_last_n: usize,
+    /// Subtract this from the logit of every token seen in that window (0 = off).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    presence_penalty: f32,
+    /// Subtract this once per occurrence in that window (0 = off).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    frequency_penalty: f32,
+    /// Random seed: the same seed gives the same text (default: a random one, printed with
+    /// --verbose).
+    #[arg(long, short = 's')]
+    seed: Option<u64>,
+}
+
+/// A seed from the clock and the process (the standard library's randomly keyed hasher).
+fn random_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.write_u32(std::process::id());
+    h.finish()
 }
 
 impl SamplingArgs {
@@ -221,9 +250,14 @@ impl SamplingArgs {
             top_p: self.top_p,
             min_p: self.min_p,
             repeat_penalty: self.repeat_penalty,
-            repeat_last_n: 64,
-            seed: self.seed,
+            repeat_last_n: self.repeat_last_n,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            seed: self.seed.unwrap_or_else(random_seed),
         };
+        if VERBOSE.load(std::sync::atomic::Ordering::Relaxed) {
+            eprintln!("seed: {}", cfg.seed);
+        }
         cfg.validate().map_err(anyhow::Error::msg)?;
         Ok(Sampler::new(cfg))
     }
@@ -233,17 +267,30 @@ impl SamplingArgs {
 struct GenerateArgs {
     #[command(flatten)]
     model: ModelArgs,
-    /// The prompt.
-    #[arg(long, short)]
-    prompt: String,
+    /// The prompt (`-` reads it from standard input).
+    #[arg(long, short, required_unless_present = "file", conflicts_with = "file")]
+    prompt: Option<String>,
+    /// Read the prompt from this file (`-`: standard input), as llama.cpp's `-f`.
+    #[arg(long, short = 'f')]
+    file: Option<std::path::PathBuf>,
+    /// Process escapes in the prompt (\n, \t, \\, \", \'), as llama.cpp's `-e`.
+    #[arg(short = 'e', long = "escape")]
+    escape: bool,
     /// Maximum number of tokens to generate.
-    #[arg(long, short = 'n', default_value_t = 128)]
+    #[arg(long, short = 'n', visible_alias = "n-predict", default_value_t = 128)]
     max_tokens: usize,
+    /// Stop when the text contains this string (repeatable; not printed), as llama.cpp's
+    /// `-r/--reverse-prompt`.
+    #[arg(long = "stop", short = 'r', visible_alias = "reverse-prompt")]
+    stop: Vec<String>,
+    /// Keep generating past end-of-generation tokens (up to --max-tokens).
+    #[arg(long)]
+    ignore_eos: bool,
     /// Wrap the prompt in the model's chat template as a user message.
     #[arg(long)]
     chat: bool,
     /// Context window in tokens (default: min(model's, 4096)).
-    #[arg(long)]
+    #[arg(long, short = 'c', visible_alias = "ctx-size")]
     ctx: Option<usize>,
     #[command(flatten)]
     sampling: SamplingArgs,
@@ -300,18 +347,55 @@ struct PerplexityArgs {
 fn main() {
     // `-tp N` (vLLM's spelling) is `--tensor-parallel N`: clap's short flags are one letter, and
     // `-t` is the thread count.
-    // Arguments need not be UTF-8 (paths); clap says which one is where it must be.
-    let args = std::env::args_os().map(|a| match a.to_str().and_then(|s| s.strip_prefix("-tp")) {
-        Some("") => "--tensor-parallel".into(),
-        Some(v) if v.starts_with('=') => format!("--tensor-parallel{v}").into(),
-        _ => a,
-    });
-    let cli = Cli::parse_from(args);
+    let cli = Cli::parse_from(llama_cpp_spellings(std::env::args_os().collect()));
     VERBOSE.store(cli.verbose, std::sync::atomic::Ordering::Relaxed);
     if let Err(e) = run(cli) {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }
+}
+
+/// The spellings llama.cpp and vLLM users type that clap cannot parse as they mean them (its
+/// short flags are one letter): `-tp N` is `--tensor-parallel N`, and `-ngl N` (or
+/// `--n-gpu-layers N`, `--gpu-layers N`) with N > 0 is `--backend cuda` (the whole model on the
+/// GPU; a build without CUDA says so and stays on the CPU), with 0 nothing. Arguments need not be
+/// UTF-8 (paths); clap says which one must be.
+fn llama_cpp_spellings(args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+    let mut out = Vec::with_capacity(args.len());
+    let mut it = args.into_iter().peekable();
+    while let Some(a) = it.next() {
+        let s = a.to_str().unwrap_or_default().to_string();
+        if let Some(v) = s.strip_prefix("-tp").filter(|v| v.is_empty() || v.starts_with('=')) {
+            out.push(format!("--tensor-parallel{v}").into());
+            continue;
+        }
+        let ngl = ["-ngl", "--n-gpu-layers", "--gpu-layers"];
+        let value = match s.split_once('=') {
+            Some((k, v)) if ngl.contains(&k) => Some(v.to_string()),
+            _ if ngl.contains(&s.as_str()) => it.next().map(|v| v.to_string_lossy().into_owned()),
+            _ => {
+                out.push(a);
+                continue;
+            }
+        };
+        match value.as_deref().map(str::parse::<u32>) {
+            Some(Ok(0)) => {}
+            Some(Ok(_)) if cfg!(feature = "cuda") => {
+                eprintln!("note: {s} runs the whole model on the GPU (--backend cuda)");
+                out.extend(["--backend".into(), "cuda".into()]);
+            }
+            Some(Ok(_)) => eprintln!(
+                "warning: {s}: this build has no GPU backend (build with --features cuda); \
+                 running on the CPU"
+            ),
+            _ => {
+                // Let clap report the bad value under the long name.
+                out.push("--n-gpu-layers".into());
+                out.extend(value.map(Into::into));
+            }
+        }
+    }
+    out
 }
 
 static VERBOSE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -380,29 +464,88 @@ fn load_engine(path: &std::path::Path, opts: EngineOptions) -> Result<Engine> {
     Ok(engine)
 }
 
+/// The prompt of `generate`: `-p TEXT`, `-p -` or `-f -` (standard input), or `-f FILE`, with
+/// escapes processed under `-e`.
+fn prompt_text(a: &GenerateArgs) -> Result<String> {
+    let stdin = || -> Result<String> {
+        let mut s = String::new();
+        std::io::Read::read_to_string(&mut std::io::stdin().lock(), &mut s)
+            .context("reading the prompt from standard input (it must be UTF-8)")?;
+        Ok(s)
+    };
+    let text = match (&a.prompt, &a.file) {
+        (Some(p), _) if p == "-" => stdin()?,
+        (Some(p), _) => p.clone(),
+        (None, Some(f)) if f.as_os_str() == "-" => stdin()?,
+        (None, Some(f)) => dejavu::fsio::read_text(f, dejavu::fsio::MAX_TEXT_BYTES, false)?,
+        (None, None) => bail!("give a prompt with -p TEXT or -f FILE"),
+    };
+    Ok(if a.escape { unescape(&text) } else { text })
+}
+
+/// llama.cpp's `-e`: \n, \r, \t, \\, \", \' and \0 become the characters; others stay.
+fn unescape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut it = s.chars();
+    while let Some(c) = it.next() {
+        if c != '\\' {
+            out.push(c);
+            continue;
+        }
+        match it.next() {
+            Some('n') => out.push('\n'),
+            Some('r') => out.push('\r'),
+            Some('t') => out.push('\t'),
+            Some('0') => out.push('\0'),
+            Some(c @ ('\\' | '"' | '\'')) => out.push(c),
+            Some(c) => {
+                out.push('\\');
+                out.push(c);
+            }
+            None => out.push('\\'),
+        }
+    }
+    out
+}
+
 fn cmd_generate(a: GenerateArgs) -> Result<()> {
+    let prompt = prompt_text(&a)?;
     let engine = a.model.load(a.ctx)?;
     let mut sampler = a.sampling.sampler()?;
     // A rendered chat template places its own BOS (and keeps the prompt's text plain); a plain
     // prompt gets the model's.
     let ids = match a.chat {
-        true => (engine.tokenizer).encode_chat(&[("user".into(), a.prompt.clone())])?,
-        false => engine.tokenizer.encode_prompt(&a.prompt)?,
+        true => (engine.tokenizer).encode_chat(&[("user".into(), prompt)])?,
+        false => engine.tokenizer.encode_prompt(&prompt)?,
     };
+    let rules = dejavu::text::generate::StopRules {
+        stop: a.stop.clone(),
+        ignore_eos: a.ignore_eos,
+    };
+    if rules.stop.iter().any(String::is_empty) {
+        bail!("--stop: an empty stop string would stop at once");
+    }
     let policy = a.sparsity.policy(&engine)?;
     let mut stdout = std::io::stdout().lock();
     let (stats, last) = with_decoder(&engine, a.model.placement(), &policy, |dec| {
-        let (_, stats) = generate_on(
+        let (_, stats) = dejavu::text::generate::generate_with(
             &engine,
             dec,
             &ids,
             a.max_tokens,
             &mut sampler,
+            &rules,
             stream_to(&mut stdout),
         )?;
         Ok((stats, dec.last_step()))
     })?;
-    writeln!(stdout)?;
+    // A reader that went away (`| head -c 5`) is not an error: end quietly.
+    if let Err(e) = writeln!(stdout).and_then(|_| stdout.flush()) {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            return Ok(());
+        }
+        return Err(e.into());
+    }
     if let (false, Some(s)) = (policy.is_dense(), last) {
         eprintln!(
             "sparsity: {} | last step: {:.1} MB of weights, MLP density {:.2}, head density {:.2}, {} exact logits",

@@ -14,9 +14,13 @@ use std::path::{Path, PathBuf};
 pub struct QuantizeArgs {
     /// A Hugging Face checkpoint directory or a GGUF file.
     input: PathBuf,
-    /// Weight type: q8_0, q4_0, q4_1, q5_0, f16 (or f32).
-    #[arg(long = "type", short = 't')]
+    /// Weight type: q8_0, q4_0, q4_1, q5_0, f16 (or f32). (`-t` is the thread count, as in
+    /// every other command.)
+    #[arg(long = "type")]
     qtype: String,
+    /// Threads of the `--ppl` check (default: all cores).
+    #[arg(long, short)]
+    threads: Option<usize>,
     /// Output GGUF file.
     #[arg(long, short)]
     out: PathBuf,
@@ -61,8 +65,8 @@ pub fn cmd_quantize(a: QuantizeArgs) -> Result<()> {
     if let Some(text) = &a.ppl {
         let text =
             dejavu::fsio::read_text(text.as_ref(), dejavu::fsio::MAX_TEXT_BYTES, false)?;
-        let src = ppl_of(&a.input, &text, a.ctx)?;
-        let out = ppl_of(&a.out, &text, a.ctx)?;
+        let src = ppl_of(&a.input, &text, a.ctx, a.threads)?;
+        let out = ppl_of(&a.out, &text, a.ctx, a.threads)?;
         println!("ppl source: {src:.4}");
         println!(
             "ppl {}: {out:.4} ({:+.2}%)",
@@ -75,9 +79,10 @@ pub fn cmd_quantize(a: QuantizeArgs) -> Result<()> {
 }
 
 /// Perplexity of `text` under the model at `path` (batched, llama.cpp's method).
-fn ppl_of(path: &Path, text: &str, ctx: usize) -> Result<f64> {
+fn ppl_of(path: &Path, text: &str, ctx: usize, threads: Option<usize>) -> Result<f64> {
     let opts = EngineOptions {
         n_ctx: Some(ctx),
+        threads,
         ..Default::default()
     };
     let engine =
