@@ -96,7 +96,9 @@ impl Engine {
         // another model's tokenizer. Padding rows are never sampled (generate::check_logits).
         let (nt, nv) = (tokenizer.vocab_size(), model.config.vocab_size);
         let gguf = model.gguf_header().is_some();
-        if (gguf && nt != nv) || nt > nv || nv - nt > (nv / 64).max(MAX_PADDING_ROWS) {
+        // A synthetic model's byte vocabulary means nothing (speed only).
+        let padded = nv - nt.min(nv) > (nv / 64).max(MAX_PADDING_ROWS);
+        if (gguf && nt != nv) || nt > nv || (padded && model.synthetic_source().is_none()) {
             return Err(Error::Tokenizer(format!(
                 "{nt} tokens in the vocabulary but the model has {nv} embedding rows"
             )));
