@@ -19,6 +19,8 @@ pub enum Stop {
     ContextFull,
     /// A stop string appeared in the text.
     StopString,
+    /// The caller's cancel flag was raised (Ctrl-C in `dejavu chat`).
+    Cancelled,
 }
 
 /// What ends generation besides `max_tokens` and the context window.
@@ -28,6 +30,9 @@ pub struct StopRules {
     pub stop: Vec<String>,
     /// Generate past end-of-generation tokens (they are never sampled).
     pub ignore_eos: bool,
+    /// Raised by another thread (a signal handler) to stop after the current token; lowered
+    /// again when seen.
+    pub cancel: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -188,6 +193,11 @@ pub fn generate_with(
     let t1 = Instant::now();
     stats.stop = Stop::MaxTokens;
     while out.len() < max_tokens {
+        let cancelled = rules.cancel.as_ref();
+        if cancelled.is_some_and(|c| c.swap(false, std::sync::atomic::Ordering::Relaxed)) {
+            stats.stop = Stop::Cancelled;
+            break;
+        }
         check_logits(engine, logits)?;
         if rules.ignore_eos {
             for &e in eog {

@@ -8,15 +8,16 @@ use dejavu::engine::{Engine, EngineOptions};
 use dejavu::eval::perplexity::{perplexity, Feed};
 use dejavu::fetch;
 use dejavu::sparsity::SparsePlan;
-use dejavu::text::generate::{generate_on, Decoder, Stop};
+use dejavu::text::generate::Stop;
 use dejavu::text::sampling::{Sampler, SamplerConfig};
 use dejavu_backend_api::QuantType;
-use std::io::{BufRead, Write};
+use std::io::Write;
 
 mod backend_choice;
 use backend_choice::{with_decoder, BackendKind, Placement};
 
 mod bench_cmd;
+mod chat_cmd;
 mod inspect_cmd;
 mod quantize_cmd;
 mod serve_cmd;
@@ -40,8 +41,8 @@ struct Cli {
 enum Command {
     /// Generate a continuation of a prompt; streams only the new text to stdout, timing to stderr.
     Generate(GenerateArgs),
-    /// Interactive chat with the model's chat template (one line per turn; empty line or EOF ends).
-    Chat(ChatArgs),
+    /// Interactive chat with the model's chat template (a line editor on a terminal; /exit ends).
+    Chat(chat_cmd::ChatArgs),
     /// Perplexity of a text file, computed as llama.cpp's llama-perplexity does.
     Perplexity(PerplexityArgs),
     /// Prefill and decode speed, llama-bench style (markdown to stdout; JSON/CSV on request).
@@ -299,26 +300,6 @@ struct GenerateArgs {
 }
 
 #[derive(Args)]
-struct ChatArgs {
-    #[command(flatten)]
-    model: ModelArgs,
-    /// System prompt (default: the template's own).
-    #[arg(long)]
-    system: Option<String>,
-    /// Maximum tokens per reply.
-    #[arg(long, short = 'n', default_value_t = 512)]
-    max_tokens: usize,
-    /// Context window in tokens (default: min(model's, 4096)); when a conversation outgrows
-    /// it, the oldest turns are dropped.
-    #[arg(long)]
-    ctx: Option<usize>,
-    #[command(flatten)]
-    sampling: SamplingArgs,
-    #[command(flatten)]
-    sparsity: SparsityArgs,
-}
-
-#[derive(Args)]
 struct PerplexityArgs {
     #[command(flatten)]
     model: ModelArgs,
@@ -404,7 +385,7 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Bench(a) => bench_cmd::cmd_bench(a),
         Command::Generate(a) => cmd_generate(a),
-        Command::Chat(a) => cmd_chat(a),
+        Command::Chat(a) => chat_cmd::cmd_chat(a),
         Command::Perplexity(a) => cmd_perplexity(a),
         Command::Inspect { path } => inspect_cmd::print_out(&inspect_cmd::cmd_inspect(&path)?),
         Command::Quantize(a) => quantize_cmd::cmd_quantize(a),
@@ -521,6 +502,7 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
     let rules = dejavu::text::generate::StopRules {
         stop: a.stop.clone(),
         ignore_eos: a.ignore_eos,
+        cancel: None,
     };
     if rules.stop.iter().any(String::is_empty) {
         bail!("--stop: an empty stop string would stop at once");
@@ -582,95 +564,6 @@ fn stream_to<'a>(out: &'a mut std::io::StdoutLock<'static>) -> impl FnMut(&str) 
     |s| {
         let _ = out.write_all(s.as_bytes());
         let _ = out.flush();
-    }
-}
-
-/// The conversation's tokens, dropping the oldest turns (system prompt kept) until the prompt
-/// leaves room for a reply; `None` when even the latest message alone does not fit.
-fn fit_conversation(
-    engine: &Engine,
-    messages: &mut Vec<(String, String)>,
-) -> Result<Option<Vec<u32>>> {
-    loop {
-        let ids = engine.tokenizer.encode_chat(messages)?;
-        // Leave at least a quarter of the window (and one token) for the reply.
-        if ids.len() + (engine.n_ctx / 4).max(1) < engine.n_ctx {
-            return Ok(Some(ids));
-        }
-        let first = messages.iter().position(|(r, _)| r != "system");
-        match first {
-            Some(i) if i + 1 < messages.len() => {
-                messages.remove(i);
-                eprintln!("(context full: dropped the oldest turn)");
-            }
-            _ => return Ok(None),
-        }
-    }
-}
-
-fn cmd_chat(a: ChatArgs) -> Result<()> {
-    let engine = a.model.load(a.ctx)?;
-    if !engine.tokenizer.has_chat_template() {
-        bail!("this model has no chat template; use `generate` instead");
-    }
-    let mut sampler = a.sampling.sampler()?;
-    let policy = a.sparsity.policy(&engine)?;
-    with_decoder(&engine, a.model.placement(), &policy, |dec| {
-        chat_loop(&engine, dec, &a, &mut sampler)
-    })
-}
-
-/// Read user turns from stdin until an empty line or end of input, replying to each on `dec`.
-fn chat_loop(
-    engine: &Engine,
-    dec: &mut dyn Decoder,
-    a: &ChatArgs,
-    sampler: &mut Sampler,
-) -> Result<()> {
-    let mut cached: Vec<u32> = Vec::new();
-    let mut messages: Vec<(String, String)> = a
-        .system
-        .iter()
-        .map(|s| ("system".into(), s.clone()))
-        .collect();
-    let stdin = std::io::stdin();
-    eprintln!("chat with the model; an empty line or end of input quits");
-    loop {
-        eprint!("> ");
-        let mut line = String::new();
-        if stdin.lock().read_line(&mut line)? == 0 || line.trim().is_empty() {
-            return Ok(());
-        }
-        messages.push(("user".into(), line.trim_end().to_string()));
-        let Some(ids) = fit_conversation(engine, &mut messages)? else {
-            eprintln!("error: this message alone does not fit the context of {} tokens (--ctx); try a shorter one", engine.n_ctx);
-            messages.pop();
-            continue;
-        };
-        // Reuse the cached prefix of the conversation; feed only what is new.
-        let common = dejavu::text::generate::reusable(&cached, &ids);
-        dec.truncate(common);
-        let mut stdout = std::io::stdout().lock();
-        let (reply, stats) = generate_on(
-            engine,
-            dec,
-            &ids[common..],
-            a.max_tokens,
-            sampler,
-            stream_to(&mut stdout),
-        )?;
-        writeln!(stdout)?;
-        if stats.stop == Stop::ContextFull {
-            eprintln!(
-                "(reply cut: the context window of {} tokens is full)",
-                engine.n_ctx
-            );
-        }
-        // What the cache holds now: the prompt and every reply token that was fed back.
-        cached = ids;
-        cached.extend(&reply);
-        cached.truncate(dec.len());
-        messages.push(("assistant".into(), engine.tokenizer.decode(&reply)?));
     }
 }
 
