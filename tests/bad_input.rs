@@ -152,7 +152,7 @@ fn prompt_longer_than_context() {
         &[
             "generate", "--model", path, "--prompt", "hi", "--top-p", "2",
         ],
-        "invalid sampling",
+        "top-p 2 is out of range",
     );
     // And the tiny model does generate within its window; --verbose names the kernel tier.
     let out = Command::new(env!("CARGO_BIN_EXE_dejavu"))
