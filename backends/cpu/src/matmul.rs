@@ -17,7 +17,9 @@ use std::cell::RefCell;
 /// From this many tokens on, a dense matmul goes through dequantized tiles and `gemm`.
 pub const GEMM_MIN_TOKENS: usize = 4;
 /// Target size of a thread's dequantized f32 tile on the prefill path: half of a 512 KiB L2.
-const TILE_BYTES: usize = 256 << 10;
+/// Rows of one prefill tile (see `matmul_gemm`): small enough that a layer's matrices split
+/// evenly over a few threads, large enough that packing the input stays a small cost.
+const GEMM_TILE_ROWS: usize = 32;
 
 thread_local! {
     /// Quantized activations of the calling thread, reused across calls (no per-call allocation
@@ -301,48 +303,45 @@ fn matmul_gemm(
     n_tok: usize,
 ) {
     let k = w.cols;
-    // Rows per tile: as many as fit TILE_BYTES of f32, at least 16 (wide rows), at most 512.
-    let tile_rows = (TILE_BYTES / (k * size_of::<f32>())).clamp(16, 512);
-    let threads = pool.threads();
-    let per = w.rows.div_ceil(threads);
+    // Fixed tiles of GEMM_TILE_ROWS rows (the last one shorter), taken by whichever thread is
+    // free: a row's product has the same tile shape, so the same summation order inside `gemm`,
+    // at any thread count (greedy output does not change with `-t`), and a thread that lost its
+    // core holds at most one tile. Each tile is dequantized, then multiplied while in cache.
+    let n_tiles = w.rows.div_ceil(GEMM_TILE_ROWS);
     let yp = SyncPtr::new(y.as_mut_ptr());
-    // Each thread owns a contiguous range of rows (= output columns) and walks it tile by tile:
-    // dequantize into its own tile, which is still in cache when `gemm` packs it.
-    pool.run(threads, &|t| {
-        let (r0, r1) = (t * per, ((t + 1) * per).min(w.rows));
+    pool.run(n_tiles, &|t| {
+        let a = t * GEMM_TILE_ROWS;
+        let nr = GEMM_TILE_ROWS.min(w.rows - a);
         TILE.with_borrow_mut(|tile| {
-            tile.resize(tile_rows * k, 0.0);
-            for a in (r0..r1).step_by(tile_rows) {
-                let nr = tile_rows.min(r1 - a);
-                for (j, out) in tile.chunks_exact_mut(k).take(nr).enumerate() {
-                    dequantize_row(kern, w, a + j, out);
-                }
-                // SAFETY: all pointers come from live slices with the stated extents: dst is y
-                // viewed as n_tok x w.rows (row stride w.rows), columns a..a+nr, written by this
-                // task alone; lhs is x (n_tok x k, row stride k); rhs(kk, j) = tile[j * k + kk].
-                unsafe {
-                    gemm::gemm(
-                        n_tok,
-                        nr,
-                        k,
-                        yp.get().add(a),
-                        1,
-                        w.rows as isize,
-                        false,
-                        x.as_ptr(),
-                        1,
-                        k as isize,
-                        tile.as_ptr(),
-                        k as isize,
-                        1,
-                        0.0,
-                        1.0,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::None,
-                    );
-                }
+            tile.resize(GEMM_TILE_ROWS * k, 0.0);
+            for (j, out) in tile.chunks_exact_mut(k).take(nr).enumerate() {
+                dequantize_row(kern, w, a + j, out);
+            }
+            // SAFETY: all pointers come from live slices with the stated extents: dst is y
+            // viewed as n_tok x w.rows (row stride w.rows), columns a..a+nr, written by this
+            // task alone; lhs is x (n_tok x k, row stride k); rhs(kk, j) = tile[j * k + kk].
+            unsafe {
+                gemm::gemm(
+                    n_tok,
+                    nr,
+                    k,
+                    yp.get().add(a),
+                    1,
+                    w.rows as isize,
+                    false,
+                    x.as_ptr(),
+                    1,
+                    k as isize,
+                    tile.as_ptr(),
+                    k as isize,
+                    1,
+                    0.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                );
             }
         });
     });
