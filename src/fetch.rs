@@ -64,3 +64,13 @@ pub fn resolve_model(arg: Option<&std::ffi::OsStr>) -> Result<PathBuf> {
         }
     }
 }
+
+/// dejavu's cache directory: `$DEJAVU_HOME`, else `~/.cache/dejavu` (where `fetch` puts models
+/// and `calibrate` its predictors).
+pub fn home_dir() -> PathBuf {
+    if let Some(h) = std::env::var_os("DEJAVU_HOME").filter(|h| !h.is_empty()) {
+        return PathBuf::from(h);
+    }
+    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
+    home.join(".cache").join("dejavu")
+}

@@ -156,3 +156,20 @@ fn a_closed_stdout_ends_quietly() {
     assert_eq!(o.status.code(), Some(0), "{err}");
     assert!(!err.contains("error") && !err.contains("panicked"), "{err}");
 }
+
+/// `inspect` takes a known model name as every other command does; `generate --help` lists every
+/// sparsity rule.
+#[test]
+fn inspect_by_name_and_the_policy_list() {
+    model();
+    let o = ok(&["inspect", SMOLLM2], None);
+    assert!(o.stdout.contains("general.architecture"), "{}", o.stdout);
+    let h = ok(&["generate", "--help"], None);
+    for rule in [
+        "dense", "recommended", "paper", "oracle:KEEP", "relu-exact", "gate-first", "up-first",
+        "dejavu:KEEP", "dejavu:auto", "attn-norm", "dejavu-attn", "lookahead", "lazy-kv",
+        "head:RANK:CANDIDATES",
+    ] {
+        assert!(h.stdout.contains(rule), "{rule} missing from --help");
+    }
+}

@@ -228,3 +228,40 @@ fn hash_cost() {
         assert_eq!(h.len(), 32);
     }
 }
+
+/// `calibrate` (and the sparse layout it builds) write to the cache directory, never into the
+/// model's own directory, unless `--out` says otherwise; `recommended` finds them there.
+#[test]
+fn derived_files_go_to_the_cache_directory() {
+    let home = tempfile::tempdir().unwrap();
+    let d = tempfile::tempdir().unwrap();
+    let m = tiny(d.path(), "m.gguf");
+    let text = d.path().join("t.txt");
+    std::fs::write(&text, "contextual sparsity skips the rows it does not need. ".repeat(100)).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_dejavu"))
+        .env("DEJAVU_HOME", home.path())
+        .args(["calibrate", "-m", m.to_str().unwrap(), "--data", text.to_str().unwrap()])
+        .args(["--no-search", "--sample-tokens", "0", "--ctx", "32", "--validation-tokens", "64"])
+        .args(["--mlp-tokens", "256", "--mlp-rank", "32", "--rank", "32"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let written = PathBuf::from(String::from_utf8_lossy(&out.stdout).lines().next().unwrap());
+    assert!(written.starts_with(home.path().join("predictors")), "{written:?}");
+    let mut names: Vec<_> = std::fs::read_dir(d.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["m.gguf", "t.txt"], "the model's directory was written to");
+    // A policy that reads the predictors finds them in the cache.
+    let gen = Command::new(env!("CARGO_BIN_EXE_dejavu"))
+        .env("DEJAVU_HOME", home.path())
+        .args(["generate", "-m", m.to_str().unwrap(), "-p", "hi", "-n", "2", "--sparsity", "dejavu:0.5"])
+        .output()
+        .unwrap();
+    assert!(gen.status.success(), "{}", String::from_utf8_lossy(&gen.stderr));
+    assert!(home.path().join("layouts").read_dir().unwrap().next().is_some(), "no cached layout");
+    assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 2);
+}

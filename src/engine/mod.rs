@@ -166,13 +166,20 @@ impl Engine {
     /// is one (`Ok(None)` when there is none).
     /// A synthetic model's are generated (see [`synthetic`]).
     pub fn predictors(&self, path: Option<&Path>) -> Result<Option<Predictors>> {
-        let default = Predictors::default_path(&self.model);
-        match path {
-            Some(p) => Predictors::load(p, &self.model).map(Some),
-            None if self.model.synthetic_source().is_some() => {
-                Predictors::synthetic(&self.model).map(Some)
-            }
-            None if default.exists() => Predictors::load(&default, &self.model).map(Some),
+        if let Some(p) = path {
+            return Predictors::load(p, &self.model).map(Some);
+        }
+        if self.model.synthetic_source().is_some() {
+            return Predictors::synthetic(&self.model).map(Some);
+        }
+        let found = [
+            Predictors::default_path(&self.model),
+            Predictors::legacy_path(&self.model),
+        ]
+        .into_iter()
+        .find(|p| p.exists());
+        match found {
+            Some(p) => Predictors::load(&p, &self.model).map(Some),
             None => Ok(None),
         }
     }

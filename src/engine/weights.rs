@@ -452,9 +452,26 @@ impl Model {
         }
     }
 
-    /// Where a file derived from the model is cached: beside a GGUF (`model.gguf.<suffix>`), or
-    /// inside a checkpoint directory (`dejavu.<suffix>`); for a synthetic model, in the temporary
+    /// Where a file derived from the model is cached: in dejavu's cache directory
+    /// (`$DEJAVU_HOME/<kind>/`), named by the model's file and a hash of its canonical path, never
+    /// in the model's own directory (which may be read-only or shared). Content is checked on
+    /// load, not trusted by name (`engine::content_key`). A synthetic model's go to the temporary
     /// directory (nothing is cached for one: its layout and predictors are generated).
+    pub fn cache_path(&self, kind: &str, suffix: &str) -> PathBuf {
+        if let Source::Synthetic(_) = &self.source {
+            return self.derived_path(suffix);
+        }
+        let canonical = self.path.canonicalize().unwrap_or_else(|_| self.path.clone());
+        let key = xxhash_rust::xxh3::xxh3_64(canonical.as_os_str().as_encoded_bytes());
+        let label = self.label().replace(['/', ':', ' '], "-");
+        crate::fetch::home_dir()
+            .join(kind)
+            .join(format!("{label}-{key:016x}.{suffix}"))
+    }
+
+    /// Where earlier versions cached a derived file: beside a GGUF (`model.gguf.<suffix>`), or
+    /// inside a checkpoint directory (`dejavu.<suffix>`); for a synthetic model, in the temporary
+    /// directory.
     pub fn derived_path(&self, suffix: &str) -> PathBuf {
         match &self.source {
             Source::Hf(_) => self.path.join(format!("dejavu.{suffix}")),

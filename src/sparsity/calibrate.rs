@@ -138,6 +138,8 @@ pub fn calibrate(
         let relu = c.mlp.activation() == dejavu_backend_api::Activation::Relu;
         let list = |v: &mut dyn Iterator<Item = String>| v.collect::<Vec<_>>().join(" ");
         let mlp_ranks = list(&mut t.mlp.iter().map(|p| p.rank.to_string()));
+        // The ranks the predictors were trained at (an option may ask for more than fits).
+        let head_ranks = list(&mut t.heads.iter().map(|p| p.rank.to_string()));
         let densities = list(&mut t.mlp_density.iter().map(|x| format!("{x:.3}")));
         log(&format!(
             "MLP density per layer (nonzero activations): {densities}"
@@ -156,7 +158,7 @@ pub fn calibrate(
             (
                 "head",
                 format!("the top {:.0}%", opts.heads.label_keep * 100.0),
-                opts.heads.rank.to_string(),
+                head_ranks,
                 &t.head_recall,
                 "head_recall",
             ),

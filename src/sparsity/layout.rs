@@ -13,9 +13,10 @@
 //! measured in docs/sparsity.md): 4-bit sources (Q4_0, Q4_1, Q4_K) and Q5_0 become Q5_0 (5.5
 //! bits, 0.69 bytes per weight); Q6_K and Q8_0 become Q8_0.
 //!
-//! The result is cached next to the model as `<model file>.sparse-<TYPE>.v2.gguf` (built once, checked
-//! against the source's content fingerprint and the shapes on every load, rebuilt when stale); where that
-//! directory is not writable, it is built in memory for the process.
+//! The result is cached in dejavu's cache directory as `layouts/<model file>-<path hash>.sparse-
+//! <TYPE>.v3.gguf` (built once, checked against the source's content hash (engine::content_key)
+//! and the shapes on every load, rebuilt when stale); where that directory is not writable, it is
+//! built in memory for the process.
 use crate::engine::synthetic;
 use crate::engine::weights::{ggml_type, weight_ref, Model, WeightRef};
 use crate::{Error, Result};
@@ -80,7 +81,7 @@ pub fn cache_path(model: &Model) -> PathBuf {
             .first()
             .map_or(QuantType::F32, |l| l.w_down.qtype),
     );
-    model.derived_path(&format!("sparse-{}.v{LAYOUT_VERSION}.gguf", qt.name()))
+    model.cache_path("layouts", &format!("sparse-{}.v{LAYOUT_VERSION}.gguf", qt.name()))
 }
 
 /// The converted file's bytes, copied into anonymous memory advised to use huge pages: the sparse
@@ -146,7 +147,8 @@ impl SparseLayout {
             }
         }
         let bytes = build(model, |l, part| transpose(model, backend, l, part))?;
-        if crate::fsio::write(&path, &bytes).is_ok() {
+        let dir_ok = path.parent().is_none_or(|d| std::fs::create_dir_all(d).is_ok());
+        if dir_ok && crate::fsio::write(&path, &bytes).is_ok() {
             if let Ok(f) = GgufFile::open(&path) {
                 let tensors = check(model, &f)?;
                 return Ok(Self {

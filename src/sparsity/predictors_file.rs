@@ -209,7 +209,16 @@ impl Predictors {
     }
 
     /// Where `dejavu calibrate` writes, and `--sparsity recommended` looks, for a model file.
+    /// Where `dejavu calibrate` writes a model's predictors and `--sparsity recommended` finds
+    /// them: the cache directory (`$DEJAVU_HOME/predictors`, see `Model::cache_path`), never the
+    /// model's own directory.
     pub fn default_path(model: &crate::engine::weights::Model) -> PathBuf {
+        model.cache_path("predictors", &format!("predictors.v{VERSION}.safetensors"))
+    }
+
+    /// Where earlier versions wrote them: beside a GGUF, inside a checkpoint directory (still
+    /// read when the cache has none).
+    pub fn legacy_path(model: &crate::engine::weights::Model) -> PathBuf {
         model.derived_path(&format!("predictors.v{VERSION}.safetensors"))
     }
 
@@ -303,6 +312,9 @@ impl Predictors {
     /// Serialize to `path` (as `crate::fsio` writes; never over the model itself).
     pub fn save(&self, path: &Path, model: &crate::engine::weights::Model) -> Result<()> {
         crate::fsio::refuse_overwrite("--out", path, &model.path)?;
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)?;
+        }
         use safetensors::tensor::{Dtype, TensorView};
         let mut meta = self.metadata.clone();
         meta.insert("format".into(), FORMAT.into());

@@ -58,8 +58,8 @@ enum Command {
     Quantize(quantize_cmd::QuantizeArgs),
     /// Print a model's config and tensor table (GGUF: also its metadata).
     Inspect {
-        /// The GGUF file or Hugging Face directory.
-        path: std::path::PathBuf,
+        /// The GGUF file, Hugging Face directory or known model name.
+        path: std::ffi::OsString,
     },
     /// Download a known model into the cache (default: the default model; `all` for every model).
     Fetch {
@@ -165,10 +165,24 @@ impl ModelArgs {
 
 #[derive(Args)]
 struct SparsityArgs {
-    /// Sparsity policy: `dense`, `recommended` (set by `dejavu calibrate`), or parts joined by
-    /// `+`: `gate-first:KEEP[:EDGE]`, `up-first:KEEP[:EDGE]`, `oracle:KEEP[:EDGE]` (MLP neurons,
-    /// KEEP in (0,1], EDGE first/last layers dense), `head:RANK:CANDIDATES` (output head).
-    #[arg(long, default_value = "dense")]
+    /// Sparsity policy. Whole policies:
+    ///   dense                    every neuron and head (the default)
+    ///   recommended              the setting `dejavu calibrate` chose for this model
+    ///   paper[...]               Deja Vu's recipe: dejavu:0.1+dejavu-attn:0.5+lookahead
+    /// or parts joined by `+` (KEEP in (0, 1]; EDGE: first/last layers kept dense):
+    ///   oracle:KEEP[:EDGE]       MLP: the KEEP fraction of neurons with the largest true output
+    ///   oracle                   MLP (ReLU models): exactly the nonzero neurons
+    ///   relu-exact               MLP (ReLU models): the nonzero neurons, found from fc1
+    ///   gate-first:KEEP[:EDGE]   MLP (gated): neurons by |gate| (CATS-style)
+    ///   up-first:KEEP[:EDGE]     MLP (gated): neurons by |up|
+    ///   dejavu:KEEP[:EDGE]       MLP: Deja Vu's low-rank predictor (needs calibrate)
+    ///   dejavu:auto[:SCALE]      MLP: the predictor at calibrated per-layer densities
+    ///   attn-norm:KEEP[:EDGE]    heads: by the norm of each head's output
+    ///   dejavu-attn:KEEP[:EDGE]  heads: Deja Vu's head predictor (needs calibrate)
+    ///   lookahead                predict layer l+1 while layer l runs
+    ///   lazy-kv                  recompute skipped heads' K/V only when needed (MHA models)
+    ///   head:RANK:CANDIDATES     output head: a rank-RANK preview picks CANDIDATES exact logits
+    #[arg(long, default_value = "dense", verbatim_doc_comment)]
     sparsity: String,
     /// Predictors file (default: the `dejavu calibrate` output next to the model, if present).
     #[arg(long)]
@@ -387,7 +401,10 @@ fn run(cli: Cli) -> Result<()> {
         Command::Generate(a) => cmd_generate(a),
         Command::Chat(a) => chat_cmd::cmd_chat(a),
         Command::Perplexity(a) => cmd_perplexity(a),
-        Command::Inspect { path } => inspect_cmd::print_out(&inspect_cmd::cmd_inspect(&path)?),
+        Command::Inspect { path } => {
+            let path = fetch::resolve_model(Some(&path))?;
+            inspect_cmd::print_out(&inspect_cmd::cmd_inspect(&path)?)
+        }
         Command::Quantize(a) => quantize_cmd::cmd_quantize(a),
         Command::Serve(a) => serve_cmd::cmd_serve(a),
         Command::Calibrate(a) => sparsity_cmd::cmd_calibrate(a),

@@ -13,8 +13,8 @@ pub struct CalibrateArgs {
     /// machine (tools/calibration_text.py), plus text sampled from the model.
     #[arg(long, num_args = 1..)]
     pub data: Vec<std::path::PathBuf>,
-    /// Where to write the predictors (default: next to the model, where `--sparsity
-    /// recommended` looks).
+    /// Where to write the predictors (default: the cache directory, `$DEJAVU_HOME/predictors`,
+    /// where `--sparsity recommended` looks).
     #[arg(long)]
     pub out: Option<std::path::PathBuf>,
     /// Tokens of text to sample from the model with varied prompts and add to the data.
@@ -79,8 +79,8 @@ pub struct ReportArgs {
     /// Predictors file (default: the `dejavu calibrate` output next to the model).
     #[arg(long)]
     pub predictors: Option<std::path::PathBuf>,
-    /// Directory for `<model>.frontier.{md,json,png}`.
-    #[arg(long, default_value = "docs")]
+    /// Directory for `<model>.frontier.{md,json,png}` (default: the current directory).
+    #[arg(long, default_value = ".")]
     pub out: std::path::PathBuf,
     /// Only redraw the plot from the JSON a previous run wrote in `--out`.
     #[arg(long)]
