@@ -13,6 +13,9 @@ use crate::{Error, Result};
 #[derive(Debug, Clone)]
 pub struct PerplexityResult {
     pub ppl: f64,
+    /// The standard error of `ppl` from the scored tokens' NLL spread (llama-perplexity's
+    /// "+/-"; 0 where not tracked).
+    pub ppl_err: f64,
     pub n_chunks: usize,
     pub n_scored: usize,
     pub mean_nll: f64,
@@ -31,6 +34,7 @@ impl PerplexityResult {
         }
         Ok(Self {
             ppl: mean_nll.exp(),
+            ppl_err: 0.0,
             n_chunks,
             n_scored,
             mean_nll,
@@ -64,7 +68,7 @@ pub fn perplexity(
     let first = ctx / 2;
     let mut cache = engine.new_cache();
     let mut rows = Vec::new();
-    let (mut nll_sum, mut n_scored) = (0f64, 0usize);
+    let (mut nll_sum, mut nll2_sum, mut n_scored) = (0f64, 0f64, 0usize);
     let mut chunk_buf = Vec::new();
     for i in 0..n_chunks {
         let chunk = chunk_of(engine, tokens, i, ctx, &mut chunk_buf);
@@ -82,12 +86,19 @@ pub fn perplexity(
         };
         for (j, row) in logits.chunks_exact(vocab).enumerate() {
             let target = chunk[first + j + 1] as usize;
-            nll_sum += nll(row, target);
+            let l = nll(row, target);
+            nll_sum += l;
+            nll2_sum += l * l;
             n_scored += 1;
         }
         on_chunk(i + 1, n_chunks, (nll_sum / n_scored as f64).exp());
     }
-    PerplexityResult::of(nll_sum, n_scored, n_chunks)
+    let mut r = PerplexityResult::of(nll_sum, n_scored, n_chunks)?;
+    // As llama-perplexity: the mean NLL's standard error, carried through exp().
+    let n = n_scored as f64;
+    let var = (nll2_sum / n - r.mean_nll * r.mean_nll).max(0.0);
+    r.ppl_err = r.ppl * (var / (n - 1.0).max(1.0)).sqrt();
+    Ok(r)
 }
 
 /// [`perplexity`] token by token on any [`Decoder`] (a device session): each chunk from an

@@ -715,17 +715,25 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
     } else {
         Feed::Batch
     };
-    let r = perplexity(&engine, &tokens, a.ctx, &plan, feed, |i, _, ppl| {
+    // Each chunk's running perplexity on its own line, as llama-perplexity prints `[i]ppl`.
+    let r = perplexity(&engine, &tokens, a.ctx, &plan, feed, |i, n, ppl| {
+        let line = format!("[{i}/{n}] ppl {ppl:.4}");
+        match bar.is_hidden() {
+            true => eprintln!("{line}"),
+            false => bar.println(line),
+        }
         bar.set_position(i as u64);
         bar.set_message(format!("ppl {ppl:.4}"));
     })?;
     bar.finish_and_clear();
     eprintln!(
-        "{} chunks, {} scored tokens, {:.1} s ({:.0} tok/s)",
+        "{} chunks, {} scored tokens, {:.1} s ({:.0} tok/s); final estimate: PPL = {:.4} +/- {:.4}",
         r.n_chunks,
         r.n_scored,
         t0.elapsed().as_secs_f64(),
-        (r.n_chunks * a.ctx) as f64 / t0.elapsed().as_secs_f64()
+        (r.n_chunks * a.ctx) as f64 / t0.elapsed().as_secs_f64(),
+        r.ppl,
+        r.ppl_err
     );
     if let Some(p) = &a.json {
         let v = serde_json::json!({
