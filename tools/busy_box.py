@@ -29,6 +29,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+import eval_text  # noqa: E402
 import fetch_models  # noqa: E402
 
 
@@ -162,13 +163,7 @@ def main():
               f"{', '.join(f'{x:.2f}' for x in r['ratios'])} |")
     print(f"\nidle `dejavu serve`: {out['serve_idle_cpu_percent']:.2f}% of a core")
     if a.json:
-        path = os.path.abspath(a.json)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".busy-", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(out, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        eval_text.write_atomic(a.json, json.dumps(out, indent=1).encode())
 
 
 if __name__ == "__main__":

@@ -87,6 +87,23 @@ def build():
     return b"\n\n".join(parts) + b"\n"
 
 
+def write_atomic(path, data):
+    """`data` (bytes) to `path` through a unique temporary file in its directory, fsynced, then
+    renamed over it: a reader sees the old file or the whole new one."""
+    path = os.path.abspath(path)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".dejavu-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
 def main():
     text = build()
     digest = hashlib.sha256(text).hexdigest()
@@ -99,18 +116,7 @@ def main():
             "dependency's files changed (Cargo.lock). Remake the references with "
             "tools/llama_reference.py and pin the new digest here.")
     if len(sys.argv) > 1:
-        out = os.path.abspath(sys.argv[1])
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(out), prefix=".eval-", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, out)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        write_atomic(sys.argv[1], text)
     else:
         sys.stdout.buffer.write(text)
 

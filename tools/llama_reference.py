@@ -29,7 +29,6 @@ import re
 import subprocess
 import sys
 import tarfile
-import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -51,21 +50,6 @@ def log(msg):
 def run(cmd, **kw):
     log("+ " + " ".join(cmd))
     return subprocess.run(cmd, check=True, **kw)
-
-
-def write_atomic(path, data):
-    """`data` to `path` through a unique temporary file in its directory, fsynced, renamed."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".ref-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def venv(work):
@@ -168,7 +152,7 @@ def reference(name, work, env_dir, src, bindir, text_path, threads):
     path = fetch_models.fetch(name)
     f32 = os.path.join(work, f"{name}.f32.gguf")
     if not os.path.exists(f32):
-        tmp = f32 + ".tmp"
+        tmp = f"{f32}.{os.getpid()}.tmp"  # unique to this run; renamed once whole
         run([os.path.join(bindir, "llama-quantize"), "--allow-requantize", path, tmp, "F32"],
             stdout=subprocess.DEVNULL)
         os.replace(tmp, f32)
@@ -211,13 +195,13 @@ def main():
     if hashlib.sha256(text).hexdigest() != eval_text.SHA256:
         raise SystemExit("error: the evaluation text does not match its pinned SHA-256")
     text_path = os.path.join(a.work, "eval.txt")
-    write_atomic(text_path, text)
+    eval_text.write_atomic(text_path, text)
     for name in a.models:
         if name not in fetch_models.MODELS:
             raise SystemExit(f"error: unknown model `{name}`")
         doc = reference(name, a.work, env_dir, src, bindir, text_path, a.threads)
         out = os.path.join(a.out, f"{name}.json")
-        write_atomic(out, (json.dumps(doc, indent=1) + "\n").encode())
+        eval_text.write_atomic(out, (json.dumps(doc, indent=1) + "\n").encode())
         log(f"wrote {out}")
 
 
