@@ -138,11 +138,13 @@ fn chat_loop(
     let mut messages = system.clone();
     let mut cached: Vec<u32> = Vec::new();
     let mut source = Source::open()?;
-    // Ctrl-C during a reply stops the reply, not the session (at the prompt, the line editor
-    // reads it as a key).
+    // On a terminal, Ctrl-C during a reply stops the reply, not the session (at the prompt,
+    // the line editor reads it as a key). From a pipe, Ctrl-C ends the process as usual.
     let cancel = Arc::new(AtomicBool::new(false));
-    let flag = cancel.clone();
-    let _ = ctrlc::set_handler(move || flag.store(true, Ordering::Relaxed));
+    if let Source::Editor(_) = source {
+        let flag = cancel.clone();
+        let _ = ctrlc::set_handler(move || flag.store(true, Ordering::Relaxed));
+    }
     let rules = StopRules {
         cancel: Some(cancel.clone()),
         ..Default::default()
