@@ -71,6 +71,8 @@ pub fn home_dir() -> PathBuf {
     if let Some(h) = std::env::var_os("DEJAVU_HOME").filter(|h| !h.is_empty()) {
         return PathBuf::from(h);
     }
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir);
     home.join(".cache").join("dejavu")
 }

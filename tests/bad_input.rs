@@ -62,7 +62,10 @@ fn file_level_errors() {
         ],
         "not found",
     );
-    fails_with(&["inspect", "/nonexistent/model.gguf"], "model file not found");
+    fails_with(
+        &["inspect", "/nonexistent/model.gguf"],
+        "model file not found",
+    );
     fails_with(
         &[
             "perplexity",

@@ -22,7 +22,10 @@ fn fails_with(args: &[&str], needle: &str) {
     let (code, _, err) = run(&os);
     assert_eq!(code, Some(1), "{args:?}: {err}");
     assert!(!err.contains("panicked"), "{args:?}: {err}");
-    assert!(err.contains("error:") && err.contains(needle), "{args:?}: want `{needle}` in {err}");
+    assert!(
+        err.contains("error:") && err.contains(needle),
+        "{args:?}: want `{needle}` in {err}"
+    );
 }
 
 fn write(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
@@ -32,22 +35,45 @@ fn write(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
 }
 
 fn generate(model: &Path, needle: &str) {
-    fails_with(&["generate", "-m", model.to_str().unwrap(), "-p", "hi", "-n", "4"], needle);
+    fails_with(
+        &[
+            "generate",
+            "-m",
+            model.to_str().unwrap(),
+            "-p",
+            "hi",
+            "-n",
+            "4",
+        ],
+        needle,
+    );
 }
 
 /// A copy of a Hugging Face fixture with `edit` applied to its config.json, generation_config.json
 /// and tokenizer.json.
 fn hf_copy(name: &str, edit: impl FnOnce(&mut Value, &mut Value, &mut Value)) -> tempfile::TempDir {
-    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf").join(name);
+    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/hf")
+        .join(name);
     let d = tempfile::tempdir().unwrap();
     for f in std::fs::read_dir(&src).unwrap() {
         let f = f.unwrap().path();
         std::fs::copy(&f, d.path().join(f.file_name().unwrap())).unwrap();
     }
-    let read = |f: &str| serde_json::from_str::<Value>(&std::fs::read_to_string(d.path().join(f)).unwrap()).unwrap();
-    let (mut c, mut g, mut t) = (read("config.json"), read("generation_config.json"), read("tokenizer.json"));
+    let read = |f: &str| {
+        serde_json::from_str::<Value>(&std::fs::read_to_string(d.path().join(f)).unwrap()).unwrap()
+    };
+    let (mut c, mut g, mut t) = (
+        read("config.json"),
+        read("generation_config.json"),
+        read("tokenizer.json"),
+    );
     edit(&mut c, &mut g, &mut t);
-    for (f, v) in [("config.json", c), ("generation_config.json", g), ("tokenizer.json", t)] {
+    for (f, v) in [
+        ("config.json", c),
+        ("generation_config.json", g),
+        ("tokenizer.json", t),
+    ] {
         std::fs::write(d.path().join(f), v.to_string()).unwrap();
     }
     d
@@ -133,22 +159,47 @@ fn non_finite_weights_are_refused() {
                 *v = MetaValue::U32(ff as u32);
             }
         }
-        for t in tensors.iter_mut().filter(|t| t.0.contains(".ffn_") && !t.0.contains("norm")) {
+        for t in tensors
+            .iter_mut()
+            .filter(|t| t.0.contains(".ffn_") && !t.0.contains("norm"))
+        {
             let down = t.0.contains("ffn_down");
             let (rows, cols) = if down { (TINY.d, ff) } else { (ff, TINY.d) };
             let vals: Vec<u8> = (0..rows * cols)
-                .flat_map(|i| half::f16::from_f32(((i * 7919) % 13) as f32 * 0.01 - 0.06).to_le_bytes())
+                .flat_map(|i| {
+                    half::f16::from_f32(((i * 7919) % 13) as f32 * 0.01 - 0.06).to_le_bytes()
+                })
                 .collect();
-            *t = (t.0.clone(), vec![cols as u64, rows as u64], GgmlType::F16, vals);
+            *t = (
+                t.0.clone(),
+                vec![cols as u64, rows as u64],
+                GgmlType::F16,
+                vals,
+            );
         }
-        let up = tensors.iter_mut().find(|t| t.0 == "blk.0.ffn_up.weight").unwrap();
+        let up = tensors
+            .iter_mut()
+            .find(|t| t.0 == "blk.0.ffn_up.weight")
+            .unwrap();
         up.3[2..4].copy_from_slice(&half::f16::NAN.to_le_bytes()); // element 1
     });
     let m = write(d.path(), "sneaky.gguf", &sneaky);
     generate(&m, "non-finite");
-    let text = write(d.path(), "t.txt", "some words to score. ".repeat(40).as_bytes());
+    let text = write(
+        d.path(),
+        "t.txt",
+        "some words to score. ".repeat(40).as_bytes(),
+    );
     fails_with(
-        &["perplexity", "-m", m.to_str().unwrap(), "--file", text.to_str().unwrap(), "--ctx", "32"],
+        &[
+            "perplexity",
+            "-m",
+            m.to_str().unwrap(),
+            "--file",
+            text.to_str().unwrap(),
+            "--ctx",
+            "32",
+        ],
         "not finite",
     );
 }
@@ -160,17 +211,24 @@ fn a_tokenizer_that_does_not_fit_the_model_is_refused() {
     let small = hf_copy("llama-silu", |_, _, t| {
         let keep = |id: u64| id < 300;
         let vocab = t["model"]["vocab"].as_object().unwrap().clone();
-        let kept: serde_json::Map<String, Value> =
-            vocab.into_iter().filter(|(_, v)| keep(v.as_u64().unwrap())).collect();
+        let kept: serde_json::Map<String, Value> = vocab
+            .into_iter()
+            .filter(|(_, v)| keep(v.as_u64().unwrap()))
+            .collect();
         let has = |s: &str| kept.contains_key(s);
         let merges: Vec<Value> = (t["model"]["merges"].as_array().unwrap().iter())
             .filter(|m| {
                 let (a, b) = match m {
                     Value::String(s) => {
                         let mut it = s.splitn(2, ' ');
-                        (it.next().unwrap_or("").to_string(), it.next().unwrap_or("").to_string())
+                        (
+                            it.next().unwrap_or("").to_string(),
+                            it.next().unwrap_or("").to_string(),
+                        )
                     }
-                    Value::Array(p) => (p[0].as_str().unwrap().into(), p[1].as_str().unwrap().into()),
+                    Value::Array(p) => {
+                        (p[0].as_str().unwrap().into(), p[1].as_str().unwrap().into())
+                    }
                     _ => unreachable!(),
                 };
                 has(&a) && has(&b) && has(&format!("{a}{b}"))
@@ -204,8 +262,21 @@ fn perplexity_reads_a_bounded_text() {
     let m = write(d.path(), "m.gguf", &tiny_llama_gguf(|_, _| {}));
     let ms = m.to_str().unwrap();
     let t0 = std::time::Instant::now();
-    fails_with(&["perplexity", "-m", ms, "--file", "/dev/zero", "--ctx", "32"], "larger than");
-    let args = ["perplexity", "-m", ms, "--file", "/dev/zero", "--ctx", "32", "--chunks", "2"];
+    fails_with(
+        &["perplexity", "-m", ms, "--file", "/dev/zero", "--ctx", "32"],
+        "larger than",
+    );
+    let args = [
+        "perplexity",
+        "-m",
+        ms,
+        "--file",
+        "/dev/zero",
+        "--ctx",
+        "32",
+        "--chunks",
+        "2",
+    ];
     let os: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_ref()).collect();
     let (code, out, err) = run(&os);
     assert_eq!(code, Some(0), "{err}");
@@ -223,11 +294,27 @@ fn non_utf8_arguments() {
     let name = std::ffi::OsStr::from_bytes(b"mod\xffel.gguf");
     let m = d.path().join(name);
     std::fs::write(&m, tiny_llama_gguf(|_, _| {})).unwrap();
-    let args: Vec<&std::ffi::OsStr> = vec!["generate".as_ref(), "-m".as_ref(), m.as_os_str(), "-p".as_ref(), "hi".as_ref(), "-n".as_ref(), "2".as_ref()];
+    let args: Vec<&std::ffi::OsStr> = vec![
+        "generate".as_ref(),
+        "-m".as_ref(),
+        m.as_os_str(),
+        "-p".as_ref(),
+        "hi".as_ref(),
+        "-n".as_ref(),
+        "2".as_ref(),
+    ];
     let (code, _, err) = run(&args);
     assert_eq!(code, Some(0), "{err}");
     let prompt = std::ffi::OsStr::from_bytes(b"caf\xe9");
-    let args: Vec<&std::ffi::OsStr> = vec!["generate".as_ref(), "-m".as_ref(), m.as_os_str(), "-p".as_ref(), prompt, "-n".as_ref(), "2".as_ref()];
+    let args: Vec<&std::ffi::OsStr> = vec![
+        "generate".as_ref(),
+        "-m".as_ref(),
+        m.as_os_str(),
+        "-p".as_ref(),
+        prompt,
+        "-n".as_ref(),
+        "2".as_ref(),
+    ];
     let (code, _, err) = run(&args);
     assert_eq!(code, Some(2), "{err}");
     assert!(!err.contains("panicked") && err.contains("UTF-8"), "{err}");

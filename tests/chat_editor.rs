@@ -12,7 +12,17 @@ impl Tmux {
     fn start(cmd: &str) -> Option<Self> {
         let name = format!("dejavu-chat-{}", std::process::id());
         let ok = Command::new("tmux")
-            .args(["new-session", "-d", "-s", &name, "-x", "160", "-y", "50", cmd])
+            .args([
+                "new-session",
+                "-d",
+                "-s",
+                &name,
+                "-x",
+                "160",
+                "-y",
+                "50",
+                cmd,
+            ])
             .status()
             .ok()?
             .success();
@@ -41,7 +51,10 @@ impl Tmux {
             if ok(&s) {
                 return s;
             }
-            assert!(t0.elapsed() < Duration::from_secs(60), "waiting for {what}; screen:\n{s}");
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "waiting for {what}; screen:\n{s}"
+            );
             std::thread::sleep(Duration::from_millis(100));
         }
     }
@@ -55,13 +68,19 @@ impl Tmux {
 
 impl Drop for Tmux {
     fn drop(&mut self) {
-        let _ = Command::new("tmux").args(["kill-session", "-t", &self.0]).status();
+        let _ = Command::new("tmux")
+            .args(["kill-session", "-t", &self.0])
+            .status();
     }
 }
 
 /// The last line of the screen that is not empty.
 fn last_line(s: &str) -> String {
-    s.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("").to_string()
+    s.lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("")
+        .to_string()
 }
 
 #[test]
@@ -86,7 +105,9 @@ fn the_chat_line_editor() {
     let after_first = s.len();
     // History: Up brings the last turn back.
     t.keys(&["Up"]);
-    t.until("the last turn from history", |s| last_line(s).trim() == "> Hello");
+    t.until("the last turn from history", |s| {
+        last_line(s).trim() == "> Hello"
+    });
     t.keys(&["C-u"]);
     // Continuation: a line ending in `\` asks for more.
     t.keys(&["Tell me a long story\\", "Enter"]);
@@ -95,7 +116,9 @@ fn the_chat_line_editor() {
     t.keys(&["about a dragon.", "Enter"]);
     std::thread::sleep(Duration::from_millis(1500));
     t.keys(&["C-c"]);
-    t.until("the reply stopped", |s| s.contains("(reply stopped)") && last_line(s).trim() == ">");
+    t.until("the reply stopped", |s| {
+        s.contains("(reply stopped)") && last_line(s).trim() == ">"
+    });
     assert!(t.alive());
     t.keys(&["/clear", "Enter"]);
     t.until("cleared", |s| s.contains("(conversation cleared)"));

@@ -125,6 +125,9 @@ fn chat_and_inspect_and_perplexity_forms() {
     assert!(ppl > 1.0 && ppl < 100.0, "{ppl}");
     assert!(err.contains("chunks"));
     // Each chunk's running perplexity, and the final estimate with its error, as llama.cpp.
-    assert!(err.contains("[1/") && err.contains("final estimate: PPL = "), "{err}");
+    assert!(
+        err.contains("[1/") && err.contains("final estimate: PPL = "),
+        "{err}"
+    );
     assert!(err.contains(" +/- "), "{err}");
 }

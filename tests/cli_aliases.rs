@@ -49,16 +49,49 @@ fn model() -> String {
 fn llama_cpp_names_mean_the_same_as_ours() {
     let m = model();
     let ours = ok(
-        &["generate", "--model", &m, "--prompt", PROMPT, "--max-tokens", "12", "--temperature", "0", "--seed", "3", "--ctx", "256", "--threads", "1"],
+        &[
+            "generate",
+            "--model",
+            &m,
+            "--prompt",
+            PROMPT,
+            "--max-tokens",
+            "12",
+            "--temperature",
+            "0",
+            "--seed",
+            "3",
+            "--ctx",
+            "256",
+            "--threads",
+            "1",
+        ],
         None,
     );
     let theirs = ok(
-        &["generate", "-m", &m, "-p", PROMPT, "-n", "12", "--temp", "0", "-s", "3", "-c", "256", "-t", "1"],
+        &[
+            "generate", "-m", &m, "-p", PROMPT, "-n", "12", "--temp", "0", "-s", "3", "-c", "256",
+            "-t", "1",
+        ],
         None,
     );
     assert_eq!(ours.stdout, theirs.stdout);
     let long = ok(
-        &["generate", "-m", &m, "-p", PROMPT, "--n-predict", "12", "--temp", "0", "--ctx-size", "256", "-t", "1"],
+        &[
+            "generate",
+            "-m",
+            &m,
+            "-p",
+            PROMPT,
+            "--n-predict",
+            "12",
+            "--temp",
+            "0",
+            "--ctx-size",
+            "256",
+            "-t",
+            "1",
+        ],
         None,
     );
     assert_eq!(ours.stdout, long.stdout);
@@ -75,7 +108,10 @@ fn llama_cpp_names_mean_the_same_as_ours() {
     }
     // `-e`: escapes in the prompt.
     let raw = ok(&[&base[..], &["-p", "Line one\nLine two"]].concat(), None);
-    let escaped = ok(&[&base[..], &["-e", "-p", "Line one\\nLine two"]].concat(), None);
+    let escaped = ok(
+        &[&base[..], &["-e", "-p", "Line one\\nLine two"]].concat(),
+        None,
+    );
     assert_eq!(raw.stdout, escaped.stdout);
     // `-ngl 0` is nothing; `-ngl 99` on a build without CUDA says so and runs on the CPU.
     let ngl0 = ok(&[&base[..], &["-p", PROMPT, "-ngl", "0"]].concat(), None);
@@ -97,8 +133,15 @@ fn stop_strings_and_ignore_eos() {
     let stop = words[3];
     let cut = full.stdout.find(stop).unwrap();
     for flag in ["-r", "--reverse-prompt", "--stop"] {
-        let o = ok(&[&base[..], &["-p", PROMPT, "-n", "24", flag, stop]].concat(), None);
-        assert_eq!(o.stdout.trim_end(), full.stdout[..cut].trim_end(), "{flag} {stop:?}");
+        let o = ok(
+            &[&base[..], &["-p", PROMPT, "-n", "24", flag, stop]].concat(),
+            None,
+        );
+        assert_eq!(
+            o.stdout.trim_end(),
+            full.stdout[..cut].trim_end(),
+            "{flag} {stop:?}"
+        );
     }
     // A chat reply ends with an end-of-turn token well before 96 tokens; --ignore-eos goes on.
     let chat = ["--chat", "-p", "Say hi.", "-n", "96"];
@@ -115,27 +158,65 @@ fn stop_strings_and_ignore_eos() {
 #[test]
 fn seeds_penalties_and_errors() {
     let m = model();
-    let base = ["generate", "-m", &m, "-p", PROMPT, "-n", "24", "--temp", "1.0", "-t", "1"];
+    let base = [
+        "generate", "-m", &m, "-p", PROMPT, "-n", "24", "--temp", "1.0", "-t", "1",
+    ];
     // The default seed is random: two runs differ; --verbose prints it, and -s repeats the run.
     let a = ok(&[&base[..], &["--verbose"]].concat(), None);
     let b = ok(&base, None);
     assert_ne!(a.stdout, b.stdout, "two unseeded runs gave the same text");
-    let seed = a.stderr.lines().find_map(|l| l.strip_prefix("seed: ")).expect("seed printed");
+    let seed = a
+        .stderr
+        .lines()
+        .find_map(|l| l.strip_prefix("seed: "))
+        .expect("seed printed");
     let again = ok(&[&base[..], &["-s", seed]].concat(), None);
     assert_eq!(again.stdout, a.stdout);
     ok(
-        &[&base[..], &["--repeat-last-n", "16", "--presence-penalty", "0.5", "--frequency-penalty", "0.5", "--repeat-penalty", "1.1"]].concat(),
+        &[
+            &base[..],
+            &[
+                "--repeat-last-n",
+                "16",
+                "--presence-penalty",
+                "0.5",
+                "--frequency-penalty",
+                "0.5",
+                "--repeat-penalty",
+                "1.1",
+            ],
+        ]
+        .concat(),
         None,
     );
-    for bad in [["--temperature=-1", ""], ["--presence-penalty", "5"], ["--top-p", "2"]] {
-        let args: Vec<&str> = ["generate", "-m", &m, "-p", "hi"].into_iter().chain(bad).filter(|s| !s.is_empty()).collect();
+    for bad in [
+        ["--temperature=-1", ""],
+        ["--presence-penalty", "5"],
+        ["--top-p", "2"],
+    ] {
+        let args: Vec<&str> = ["generate", "-m", &m, "-p", "hi"]
+            .into_iter()
+            .chain(bad)
+            .filter(|s| !s.is_empty())
+            .collect();
         let o = dejavu(&args, None);
         assert_eq!(o.code, Some(1), "{bad:?}: {}", o.stderr);
-        assert!(o.stderr.starts_with("error: ") || o.stderr.contains("\nerror: "), "{}", o.stderr);
-        assert!(!o.stderr.contains("SamplerConfig") && !o.stderr.contains('{'), "{}", o.stderr);
+        assert!(
+            o.stderr.starts_with("error: ") || o.stderr.contains("\nerror: "),
+            "{}",
+            o.stderr
+        );
+        assert!(
+            !o.stderr.contains("SamplerConfig") && !o.stderr.contains('{'),
+            "{}",
+            o.stderr
+        );
     }
     // quantize: `-t` is the thread count there too, the type is `--type`.
-    let q = dejavu(&["quantize", &m, "-t", "q8_0", "-o", "/nonexistent/x.gguf"], None);
+    let q = dejavu(
+        &["quantize", &m, "-t", "q8_0", "-o", "/nonexistent/x.gguf"],
+        None,
+    );
     assert_eq!(q.code, Some(2), "{}", q.stderr);
 }
 
@@ -144,7 +225,9 @@ fn seeds_penalties_and_errors() {
 fn a_closed_stdout_ends_quietly() {
     let m = model();
     let mut c = Command::new(env!("CARGO_BIN_EXE_dejavu"))
-        .args(["generate", "-m", &m, "-p", PROMPT, "-n", "48", "--temp", "0", "-t", "1"])
+        .args([
+            "generate", "-m", &m, "-p", PROMPT, "-n", "48", "--temp", "0", "-t", "1",
+        ])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -166,8 +249,19 @@ fn inspect_by_name_and_the_policy_list() {
     assert!(o.stdout.contains("general.architecture"), "{}", o.stdout);
     let h = ok(&["generate", "--help"], None);
     for rule in [
-        "dense", "recommended", "paper", "oracle:KEEP", "relu-exact", "gate-first", "up-first",
-        "dejavu:KEEP", "dejavu:auto", "attn-norm", "dejavu-attn", "lookahead", "lazy-kv",
+        "dense",
+        "recommended",
+        "paper",
+        "oracle:KEEP",
+        "relu-exact",
+        "gate-first",
+        "up-first",
+        "dejavu:KEEP",
+        "dejavu:auto",
+        "attn-norm",
+        "dejavu-attn",
+        "lookahead",
+        "lazy-kv",
         "head:RANK:CANDIDATES",
     ] {
         assert!(h.stdout.contains(rule), "{rule} missing from --help");

@@ -414,17 +414,23 @@ fn an_api_key_guards_the_v1_routes() {
 fn the_key_is_checked_before_the_body_is_read() {
     let s = Server::start(Some("sesame"), false);
     let before = counter(&s, "dejavu_requests_total");
-    let head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+    let head =
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
                  Content-Length: 1000000\r\n\r\n";
     let t0 = Instant::now();
     let (reply, _) = raw(s.addr, head, Duration::from_secs(3));
     assert!(reply.starts_with("HTTP/1.1 401"), "{reply}");
     assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
-    let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).to_string();
+    let body =
+        json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).to_string();
     for _ in 0..5 {
         assert_eq!(s.post("/v1/chat/completions", &body, Some("wrong")).0, 401);
     }
-    assert_eq!(counter(&s, "dejavu_requests_total"), before, "refused requests were counted");
+    assert_eq!(
+        counter(&s, "dejavu_requests_total"),
+        before,
+        "refused requests were counted"
+    );
     assert_eq!(s.post("/v1/chat/completions", &body, Some("sesame")).0, 200);
     assert_eq!(counter(&s, "dejavu_requests_total"), before + 1);
     s.shutdown().unwrap();
@@ -445,7 +451,10 @@ fn unsupported_fields_are_refused_by_name_unless_neutral() {
         ("logprobs", json!(true)),
         ("top_logprobs", json!(3)),
         ("logit_bias", json!({"15": 100})),
-        ("tools", json!([{"type": "function", "function": {"name": "f"}}])),
+        (
+            "tools",
+            json!([{"type": "function", "function": {"name": "f"}}]),
+        ),
         ("tool_choice", json!("required")),
         ("response_format", json!({"type": "json_object"})),
         ("presence_penalty", json!(0.5)),
@@ -500,17 +509,30 @@ fn the_model_answers_to_its_names() {
     let agent = ureq::AgentBuilder::new().build();
     let ask = |model: &str| {
         let body = json!({"model": model, "prompt": "Hi", "max_tokens": 1});
-        match agent.post(&format!("{}/v1/completions", srv.base())).send_json(body) {
+        match agent
+            .post(&format!("{}/v1/completions", srv.base()))
+            .send_json(body)
+        {
             Ok(r) => r.status(),
             Err(ureq::Error::Status(st, _)) => st,
             Err(e) => panic!("{e}"),
         }
     };
-    for n in ["assistant", "smollm2-135m-instruct", "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct.Q4_1"] {
+    for n in [
+        "assistant",
+        "smollm2-135m-instruct",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "SmolLM2-135M-Instruct.Q4_1",
+    ] {
         assert_eq!(ask(n), 200, "{n}");
     }
     assert_eq!(ask("gpt-4"), 404);
-    let listed: Value = agent.get(&format!("{}/v1/models", srv.base())).call().unwrap().into_json().unwrap();
+    let listed: Value = agent
+        .get(&format!("{}/v1/models", srv.base()))
+        .call()
+        .unwrap()
+        .into_json()
+        .unwrap();
     assert_eq!(listed["data"][0]["id"], "assistant");
     assert!(srv.terminate(Duration::from_secs(30)).success());
 }
@@ -520,7 +542,15 @@ fn the_model_answers_to_its_names() {
 fn a_whitespace_api_key_is_refused() {
     for key in [" ", "\t", " sesame", "sesame "] {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_dejavu"))
-            .args(["serve", "--host", "0.0.0.0", "--port", "0", "--api-key", key])
+            .args([
+                "serve",
+                "--host",
+                "0.0.0.0",
+                "--port",
+                "0",
+                "--api-key",
+                key,
+            ])
             .output()
             .unwrap();
         let err = String::from_utf8_lossy(&out.stderr);

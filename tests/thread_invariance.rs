@@ -47,7 +47,10 @@ fn logits_are_bit_identical_at_any_thread_count() {
                 let other = logits(&path, threads, prompt);
                 for (step, (a, b)) in one.iter().zip(&other).enumerate() {
                     let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-                    assert!(same, "{name}: {n} tokens, step {step} differs at 1 and {threads} threads");
+                    assert!(
+                        same,
+                        "{name}: {n} tokens, step {step} differs at 1 and {threads} threads"
+                    );
                 }
             }
         }

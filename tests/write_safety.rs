@@ -43,7 +43,11 @@ fn refused(args: &[&str], keep: &Path) {
     let (code, err) = run(args);
     assert_eq!(code, Some(1), "{args:?}: {err}");
     assert!(err.contains("would overwrite the input"), "{args:?}: {err}");
-    assert_eq!(std::fs::read(keep).unwrap(), before, "{args:?} changed {keep:?}");
+    assert_eq!(
+        std::fs::read(keep).unwrap(),
+        before,
+        "{args:?} changed {keep:?}"
+    );
 }
 
 /// Item 1: every command that writes refuses an output that is one of its inputs.
@@ -55,27 +59,97 @@ fn outputs_never_replace_inputs() {
     let text = d.path().join("t.txt");
     std::fs::write(&text, "some text to score and calibrate on. ".repeat(60)).unwrap();
     let ts = text.to_str().unwrap();
-    let calib = ["calibrate", "-m", ms, "--data", ts, "--no-search", "--sample-tokens", "0"];
-    refused(&[&calib[..], &["--mlp-tokens", "0", "--ctx", "32", "--out", ms]].concat(), &m);
-    refused(&[&calib[..], &["--mlp-tokens", "0", "--ctx", "32", "--out", ts]].concat(), &text);
+    let calib = [
+        "calibrate",
+        "-m",
+        ms,
+        "--data",
+        ts,
+        "--no-search",
+        "--sample-tokens",
+        "0",
+    ];
+    refused(
+        &[
+            &calib[..],
+            &["--mlp-tokens", "0", "--ctx", "32", "--out", ms],
+        ]
+        .concat(),
+        &m,
+    );
+    refused(
+        &[
+            &calib[..],
+            &["--mlp-tokens", "0", "--ctx", "32", "--out", ts],
+        ]
+        .concat(),
+        &text,
+    );
     // Another spelling of the same file.
     let dotted = d.path().join(".").join("m.gguf");
     refused(
-        &["calibrate", "-m", ms, "--data", ts, "--no-search", "--out", dotted.to_str().unwrap()],
+        &[
+            "calibrate",
+            "-m",
+            ms,
+            "--data",
+            ts,
+            "--no-search",
+            "--out",
+            dotted.to_str().unwrap(),
+        ],
         &m,
     );
-    let bench = ["bench", "-m", ms, "-p", "0", "-n", "1", "-r", "1", "-t", "1"];
+    let bench = [
+        "bench", "-m", ms, "-p", "0", "-n", "1", "-r", "1", "-t", "1",
+    ];
     refused(&[&bench[..], &["--json", ms]].concat(), &m);
     refused(&[&bench[..], &["--csv", ms]].concat(), &m);
     refused(&[&bench[..], &["--plot", ms]].concat(), &m);
-    refused(&["perplexity", "-m", ms, "--file", ts, "--ctx", "32", "--json", ms], &m);
-    refused(&["perplexity", "-m", ms, "--file", ts, "--ctx", "32", "--json", ts], &text);
+    refused(
+        &[
+            "perplexity",
+            "-m",
+            ms,
+            "--file",
+            ts,
+            "--ctx",
+            "32",
+            "--json",
+            ms,
+        ],
+        &m,
+    );
+    refused(
+        &[
+            "perplexity",
+            "-m",
+            ms,
+            "--file",
+            ts,
+            "--ctx",
+            "32",
+            "--json",
+            ts,
+        ],
+        &text,
+    );
     // `report` writes <model stem>.frontier.{md,json,png} into --out: a text of that name is an
     // input.
     let frontier_md = d.path().join("m.frontier.md");
     std::fs::write(&frontier_md, "text. ".repeat(100)).unwrap();
     refused(
-        &["report", "-m", ms, "--ctx", "32", "--file", frontier_md.to_str().unwrap(), "--out", d.path().to_str().unwrap()],
+        &[
+            "report",
+            "-m",
+            ms,
+            "--ctx",
+            "32",
+            "--file",
+            frontier_md.to_str().unwrap(),
+            "--out",
+            d.path().to_str().unwrap(),
+        ],
         &frontier_md,
     );
     refused(&["quantize", ms, "--type", "q8_0", "--out", ms], &m);
@@ -87,7 +161,14 @@ fn outputs_never_replace_inputs() {
     }
     let shard = ck.path().join("model.safetensors");
     refused(
-        &["quantize", ck.path().to_str().unwrap(), "--type", "q8_0", "--out", shard.to_str().unwrap()],
+        &[
+            "quantize",
+            ck.path().to_str().unwrap(),
+            "--type",
+            "q8_0",
+            "--out",
+            shard.to_str().unwrap(),
+        ],
         &shard,
     );
 }
@@ -109,7 +190,11 @@ fn quantize_never_writes_into_an_existing_file() {
         out.to_str().unwrap(),
     ]);
     assert_eq!(code, Some(0), "{err}");
-    assert_eq!(std::fs::read(&input).unwrap(), before, "the input was changed");
+    assert_eq!(
+        std::fs::read(&input).unwrap(),
+        before,
+        "the input was changed"
+    );
     Model::load(&out).unwrap();
     // Nothing is left behind but the input and the output.
     let mut names: Vec<_> = std::fs::read_dir(d.path())
@@ -128,7 +213,14 @@ fn concurrent_quantize_runs_to_one_output_never_mix() {
     let input = fixture("llama-relu");
     let solo = |t: &str| {
         let p = d.path().join(format!("solo-{t}.gguf"));
-        let (code, err) = run(&["quantize", input.to_str().unwrap(), "--type", t, "-o", p.to_str().unwrap()]);
+        let (code, err) = run(&[
+            "quantize",
+            input.to_str().unwrap(),
+            "--type",
+            t,
+            "-o",
+            p.to_str().unwrap(),
+        ]);
         assert_eq!(code, Some(0), "{err}");
         std::fs::read(p).unwrap()
     };
@@ -137,7 +229,14 @@ fn concurrent_quantize_runs_to_one_output_never_mix() {
     for trial in 0..3 {
         let spawn = |t: &str| {
             Command::new(env!("CARGO_BIN_EXE_dejavu"))
-                .args(["quantize", input.to_str().unwrap(), "--type", t, "-o", out.to_str().unwrap()])
+                .args([
+                    "quantize",
+                    input.to_str().unwrap(),
+                    "--type",
+                    t,
+                    "-o",
+                    out.to_str().unwrap(),
+                ])
                 .stderr(std::process::Stdio::null())
                 .spawn()
                 .unwrap()
@@ -145,7 +244,10 @@ fn concurrent_quantize_runs_to_one_output_never_mix() {
         let (mut a, mut b) = (spawn("q8_0"), spawn("f16"));
         assert!(a.wait().unwrap().success() && b.wait().unwrap().success());
         let got = std::fs::read(&out).unwrap();
-        assert!(got == q8 || got == f16, "trial {trial}: the output is neither run's file");
+        assert!(
+            got == q8 || got == f16,
+            "trial {trial}: the output is neither run's file"
+        );
     }
 }
 
@@ -170,15 +272,20 @@ fn an_edit_the_old_samples_missed_rebuilds_the_cache() {
     // samples (1 KiB each, spread evenly): the sampled fingerprint never read it.
     let len = std::fs::metadata(&shard).unwrap().len() as usize;
     let step = len / 256;
-    let t = &dejavu_formats::safetensors::SafetensorsFile::open(&shard).unwrap().tensors
-        ["model.layers.1.mlp.down_proj.weight"];
+    let t = &dejavu_formats::safetensors::SafetensorsFile::open(&shard)
+        .unwrap()
+        .tensors["model.layers.1.mlp.down_proj.weight"];
     let mut at = (t.start / step + 1) * step + step / 2;
     at -= (at - t.start) % 2; // an f16's first byte
     assert!(at > 1 << 20 && at + 2 <= t.start + t.n_bytes);
     let mtime = std::fs::metadata(&shard).unwrap().modified().unwrap();
     {
         use std::io::{Read, Seek, SeekFrom, Write};
-        let mut f = std::fs::OpenOptions::new().read(true).write(true).open(&shard).unwrap();
+        let mut f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&shard)
+            .unwrap();
         let mut b = [0u8; 2];
         f.seek(SeekFrom::Start(at as u64)).unwrap();
         f.read_exact(&mut b).unwrap();
@@ -195,7 +302,11 @@ fn an_edit_the_old_samples_missed_rebuilds_the_cache() {
         let other = tempfile::tempdir().unwrap();
         for f in std::fs::read_dir(d.path()).unwrap() {
             let f = f.unwrap().path();
-            if f.file_name().unwrap().to_string_lossy().starts_with("dejavu.") {
+            if f.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("dejavu.")
+            {
                 continue;
             }
             std::fs::copy(&f, other.path().join(f.file_name().unwrap())).unwrap();
@@ -206,7 +317,10 @@ fn an_edit_the_old_samples_missed_rebuilds_the_cache() {
     };
     assert!(layout != fresh, "the edit should change the layout");
     assert!(cached.path.is_some(), "the layout is cached on disk");
-    assert!(matrices(&cached, m.config.n_layers) == fresh, "a stale layout was used");
+    assert!(
+        matrices(&cached, m.config.n_layers) == fresh,
+        "a stale layout was used"
+    );
 }
 
 /// The cost of keying on every byte: the full hash of each real model (run with --nocapture;
@@ -237,31 +351,78 @@ fn derived_files_go_to_the_cache_directory() {
     let d = tempfile::tempdir().unwrap();
     let m = tiny(d.path(), "m.gguf");
     let text = d.path().join("t.txt");
-    std::fs::write(&text, "contextual sparsity skips the rows it does not need. ".repeat(100)).unwrap();
+    std::fs::write(
+        &text,
+        "contextual sparsity skips the rows it does not need. ".repeat(100),
+    )
+    .unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_dejavu"))
         .env("DEJAVU_HOME", home.path())
-        .args(["calibrate", "-m", m.to_str().unwrap(), "--data", text.to_str().unwrap()])
-        .args(["--no-search", "--sample-tokens", "0", "--ctx", "32", "--validation-tokens", "64"])
+        .args([
+            "calibrate",
+            "-m",
+            m.to_str().unwrap(),
+            "--data",
+            text.to_str().unwrap(),
+        ])
+        .args([
+            "--no-search",
+            "--sample-tokens",
+            "0",
+            "--ctx",
+            "32",
+            "--validation-tokens",
+            "64",
+        ])
         .args(["--mlp-tokens", "256", "--mlp-rank", "32", "--rank", "32"])
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
     let written = PathBuf::from(String::from_utf8_lossy(&out.stdout).lines().next().unwrap());
-    assert!(written.starts_with(home.path().join("predictors")), "{written:?}");
+    assert!(
+        written.starts_with(home.path().join("predictors")),
+        "{written:?}"
+    );
     let mut names: Vec<_> = std::fs::read_dir(d.path())
         .unwrap()
         .map(|e| e.unwrap().file_name().into_string().unwrap())
         .collect();
     names.sort();
-    assert_eq!(names, ["m.gguf", "t.txt"], "the model's directory was written to");
+    assert_eq!(
+        names,
+        ["m.gguf", "t.txt"],
+        "the model's directory was written to"
+    );
     // A policy that reads the predictors finds them in the cache.
     let gen = Command::new(env!("CARGO_BIN_EXE_dejavu"))
         .env("DEJAVU_HOME", home.path())
-        .args(["generate", "-m", m.to_str().unwrap(), "-p", "hi", "-n", "2", "--sparsity", "dejavu:0.5"])
+        .args([
+            "generate",
+            "-m",
+            m.to_str().unwrap(),
+            "-p",
+            "hi",
+            "-n",
+            "2",
+            "--sparsity",
+            "dejavu:0.5",
+        ])
         .output()
         .unwrap();
-    assert!(gen.status.success(), "{}", String::from_utf8_lossy(&gen.stderr));
-    assert!(home.path().join("layouts").read_dir().unwrap().next().is_some(), "no cached layout");
+    assert!(
+        gen.status.success(),
+        "{}",
+        String::from_utf8_lossy(&gen.stderr)
+    );
+    assert!(
+        home.path()
+            .join("layouts")
+            .read_dir()
+            .unwrap()
+            .next()
+            .is_some(),
+        "no cached layout"
+    );
     assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 2);
 }

@@ -63,7 +63,8 @@ pub fn hash_of(extra: &[u8], files: &[&[u8]]) -> String {
     for f in files {
         acc.extend_from_slice(&(f.len() as u64).to_le_bytes());
         let pieces: Vec<&[u8]> = f.chunks(PIECE).collect();
-        let hashes: Vec<std::sync::OnceLock<u128>> = pieces.iter().map(|_| Default::default()).collect();
+        let hashes: Vec<std::sync::OnceLock<u128>> =
+            pieces.iter().map(|_| Default::default()).collect();
         let next = std::sync::atomic::AtomicUsize::new(0);
         let workers = std::thread::available_parallelism().map_or(1, |n| n.get());
         std::thread::scope(|s| {
@@ -113,7 +114,11 @@ fn stat(p: &Path) -> Option<String> {
 #[cfg(not(unix))]
 fn stat(p: &Path) -> Option<String> {
     let m = std::fs::metadata(p).ok()?;
-    let t = m.modified().ok()?.duration_since(std::time::UNIX_EPOCH).ok()?;
+    let t = m
+        .modified()
+        .ok()?
+        .duration_since(std::time::UNIX_EPOCH)
+        .ok()?;
     Some(format!("{}:{}", m.len(), t.as_nanos()))
 }
 

@@ -39,8 +39,19 @@ impl Model {
     pub fn check_finite(&self) -> Result<()> {
         let full = [Some(&self.token_embd), Some(&self.output)];
         let mut all: Vec<(&WeightRef, bool)> = full.iter().flatten().map(|w| (*w, true)).collect();
-        all.extend(self.pos_embd.iter().chain(&self.proj_in).chain(&self.proj_out).map(|w| (w, false)));
-        all.extend(self.layers.iter().flat_map(|l| l.matrices()).map(|w| (w, false)));
+        all.extend(
+            self.pos_embd
+                .iter()
+                .chain(&self.proj_in)
+                .chain(&self.proj_out)
+                .map(|w| (w, false)),
+        );
+        all.extend(
+            self.layers
+                .iter()
+                .flat_map(|l| l.matrices())
+                .map(|w| (w, false)),
+        );
         for (w, whole) in all {
             let bytes = self.weight(w).data;
             let bb = w.qtype.block_bytes();

@@ -461,7 +461,10 @@ impl Model {
         if let Source::Synthetic(_) = &self.source {
             return self.derived_path(suffix);
         }
-        let canonical = self.path.canonicalize().unwrap_or_else(|_| self.path.clone());
+        let canonical = self
+            .path
+            .canonicalize()
+            .unwrap_or_else(|_| self.path.clone());
         let key = xxhash_rust::xxh3::xxh3_64(canonical.as_os_str().as_encoded_bytes());
         let label = self.label().replace(['/', ':', ' '], "-");
         crate::fetch::home_dir()

@@ -323,7 +323,9 @@ pub fn check_api_key(key: &str) -> Result<(), String> {
         return Err("--api-key is only whitespace: no client could send it".into());
     }
     if key.trim() != key {
-        return Err("--api-key has whitespace at an end, which HTTP drops: no client could send it".into());
+        return Err(
+            "--api-key has whitespace at an end, which HTTP drops: no client could send it".into(),
+        );
     }
     if !key.bytes().all(|b| (0x21..=0x7e).contains(&b) || b == b' ') {
         return Err("--api-key must be printable ASCII (it travels in an HTTP header)".into());

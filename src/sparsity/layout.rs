@@ -81,7 +81,10 @@ pub fn cache_path(model: &Model) -> PathBuf {
             .first()
             .map_or(QuantType::F32, |l| l.w_down.qtype),
     );
-    model.cache_path("layouts", &format!("sparse-{}.v{LAYOUT_VERSION}.gguf", qt.name()))
+    model.cache_path(
+        "layouts",
+        &format!("sparse-{}.v{LAYOUT_VERSION}.gguf", qt.name()),
+    )
 }
 
 /// The converted file's bytes, copied into anonymous memory advised to use huge pages: the sparse
@@ -147,7 +150,9 @@ impl SparseLayout {
             }
         }
         let bytes = build(model, |l, part| transpose(model, backend, l, part))?;
-        let dir_ok = path.parent().is_none_or(|d| std::fs::create_dir_all(d).is_ok());
+        let dir_ok = path
+            .parent()
+            .is_none_or(|d| std::fs::create_dir_all(d).is_ok());
         if dir_ok && crate::fsio::write(&path, &bytes).is_ok() {
             if let Ok(f) = GgufFile::open(&path) {
                 let tensors = check(model, &f)?;

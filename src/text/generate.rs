@@ -152,7 +152,9 @@ pub fn generate_on(
     on_text: impl FnMut(&str),
 ) -> Result<(Vec<u32>, GenerateStats)> {
     let rules = StopRules::default();
-    generate_with(engine, dec, new_tokens, max_tokens, sampler, &rules, on_text)
+    generate_with(
+        engine, dec, new_tokens, max_tokens, sampler, &rules, on_text,
+    )
 }
 
 /// [`generate_on`] under `rules` (stop strings, `ignore_eos`).

@@ -53,9 +53,14 @@ impl SamplerConfig {
         }
     }
     pub fn validate(&self) -> Result<(), String> {
-        let bad = |what: &str, v: f32, want: &str| Err(format!("{what} {v} is out of range: {want}"));
+        let bad =
+            |what: &str, v: f32, want: &str| Err(format!("{what} {v} is out of range: {want}"));
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
-            return bad("the temperature", self.temperature, "it must be 0 (greedy) or more");
+            return bad(
+                "the temperature",
+                self.temperature,
+                "it must be 0 (greedy) or more",
+            );
         }
         if !(0.0..=1.0).contains(&self.top_p) {
             return bad("top-p", self.top_p, "it must lie in [0, 1]");
@@ -64,7 +69,11 @@ impl SamplerConfig {
             return bad("min-p", self.min_p, "it must lie in [0, 1]");
         }
         if !(self.repeat_penalty > 0.0 && self.repeat_penalty.is_finite()) {
-            return bad("the repeat penalty", self.repeat_penalty, "it must be above 0 (1 = off)");
+            return bad(
+                "the repeat penalty",
+                self.repeat_penalty,
+                "it must be above 0 (1 = off)",
+            );
         }
         for (what, v) in [
             ("the presence penalty", self.presence_penalty),
@@ -93,7 +102,8 @@ impl Sampler {
     /// tokens seen so far.
     pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
         let c = &self.cfg;
-        let penalized = c.repeat_penalty != 1.0 || c.presence_penalty != 0.0 || c.frequency_penalty != 0.0;
+        let penalized =
+            c.repeat_penalty != 1.0 || c.presence_penalty != 0.0 || c.frequency_penalty != 0.0;
         if penalized {
             let start = history.len().saturating_sub(c.repeat_last_n);
             let mut seen: Vec<u32> = history[start..].to_vec();

@@ -15,7 +15,9 @@ pub const QWEN: &str = "qwen2.5-coder-0.5b-instruct";
 
 /// The directory of llama.cpp's reference outputs, one JSON per real model.
 pub fn reference_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests").join("reference")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests")
+        .join("reference")
 }
 
 #[derive(Deserialize)]

@@ -18,7 +18,9 @@ fn panics(what: &str, f: impl FnOnce()) {
     std::panic::set_hook(Box::new(|_| {}));
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
     std::panic::set_hook(prev);
-    let payload = r.err().unwrap_or_else(|| panic!("{what}: no panic on a bad length"));
+    let payload = r
+        .err()
+        .unwrap_or_else(|| panic!("{what}: no panic on a bad length"));
     let msg = payload
         .downcast_ref::<String>()
         .cloned()
@@ -91,7 +93,12 @@ fn quantized_row_dots() {
 #[test]
 fn repacked_row_dots() {
     for isa in Isa::supported() {
-        for q in [QuantType::Q4_0, QuantType::Q4_1, QuantType::Q5_0, QuantType::Q8_0] {
+        for q in [
+            QuantType::Q4_0,
+            QuantType::Q4_1,
+            QuantType::Q5_0,
+            QuantType::Q8_0,
+        ] {
             for pf in [false, true] {
                 let f = dot_repacked::select(q, isa, pf);
                 let a = act(1 << 12);
@@ -117,13 +124,17 @@ fn rows_kernels() {
         let (a, af) = (axpy::select(isa), axpy::select_f16(isa));
         let x = vec![1.0f32; 64];
         let mut out = vec![0.0f32; 1000];
-        panics(&format!("{isa:?} dot_rows"), || d(&x, &[0.0; 64], 64, &mut out));
+        panics(&format!("{isa:?} dot_rows"), || {
+            d(&x, &[0.0; 64], 64, &mut out)
+        });
         panics(&format!("{isa:?} dot_rows f16"), || {
             df(&x, &[f16::ZERO; 64], 64, &mut out)
         });
         let coef = vec![1.0f32; 1000];
         let mut y = vec![0.0f32; 64];
-        panics(&format!("{isa:?} axpy_rows"), || a(&coef, &[0.0; 64], 64, &mut y));
+        panics(&format!("{isa:?} axpy_rows"), || {
+            a(&coef, &[0.0; 64], 64, &mut y)
+        });
         panics(&format!("{isa:?} axpy_rows f16"), || {
             af(&coef, &[f16::ZERO; 64], 64, &mut y)
         });
@@ -142,10 +153,17 @@ fn conversions() {
     for isa in Isa::supported() {
         let quant = quantize_act::select(isa);
         let mut blocks = act(4);
-        panics(&format!("{isa:?} quantize"), || quant(&[1.0; 8], &mut blocks));
+        panics(&format!("{isa:?} quantize"), || {
+            quant(&[1.0; 8], &mut blocks)
+        });
         let deq = dequantize::select(isa);
         let mut out = vec![0.0f32; 1 << 16];
-        for q in [QuantType::Q8_0, QuantType::Q4_0, QuantType::Q6K, QuantType::F16] {
+        for q in [
+            QuantType::Q8_0,
+            QuantType::Q4_0,
+            QuantType::Q6K,
+            QuantType::F16,
+        ] {
             panics(&format!("{isa:?} dequantize {q:?}"), || {
                 deq(q, &[0u8; 34], &mut out)
             });

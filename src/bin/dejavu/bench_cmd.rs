@@ -71,8 +71,7 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
     use dejavu::eval::device_bench::{gains, gains_markdown, plot_gains, GainRow};
     if let (Some(from), Some(png)) = (&a.replot, &a.plot) {
         crate::refuse_overwrites(&[("--plot", Some(png))], &[from])?;
-        let text =
-            dejavu::fsio::read_text(from.as_ref(), dejavu::fsio::MAX_TEXT_BYTES, false)?;
+        let text = dejavu::fsio::read_text(from.as_ref(), dejavu::fsio::MAX_TEXT_BYTES, false)?;
         let (title, rows): (String, Vec<GainRow>) = serde_json::from_str(&text)
             .with_context(|| format!("{}: not a gains file of `bench --plot`", from.display()))?;
         print!("{}", gains_markdown(&rows));

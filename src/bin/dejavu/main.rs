@@ -215,7 +215,12 @@ fn policy_for(
 #[derive(Args)]
 struct SamplingArgs {
     /// Sampling temperature; 0 = greedy.
-    #[arg(long, visible_alias = "temp", default_value_t = 0.8, allow_negative_numbers = true)]
+    #[arg(
+        long,
+        visible_alias = "temp",
+        default_value_t = 0.8,
+        allow_negative_numbers = true
+    )]
     temperature: f32,
     /// Keep only the K most likely tokens (0 = off).
     #[arg(long, default_value_t = 40)]
@@ -360,7 +365,10 @@ fn llama_cpp_spellings(args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString>
     let mut it = args.into_iter().peekable();
     while let Some(a) = it.next() {
         let s = a.to_str().unwrap_or_default().to_string();
-        if let Some(v) = s.strip_prefix("-tp").filter(|v| v.is_empty() || v.starts_with('=')) {
+        if let Some(v) = s
+            .strip_prefix("-tp")
+            .filter(|v| v.is_empty() || v.starts_with('='))
+        {
             out.push(format!("--tensor-parallel{v}").into());
             continue;
         }

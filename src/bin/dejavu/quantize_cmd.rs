@@ -63,8 +63,7 @@ pub fn cmd_quantize(a: QuantizeArgs) -> Result<()> {
     );
     drop(model);
     if let Some(text) = &a.ppl {
-        let text =
-            dejavu::fsio::read_text(text.as_ref(), dejavu::fsio::MAX_TEXT_BYTES, false)?;
+        let text = dejavu::fsio::read_text(text.as_ref(), dejavu::fsio::MAX_TEXT_BYTES, false)?;
         let src = ppl_of(&a.input, &text, a.ctx, a.threads)?;
         let out = ppl_of(&a.out, &text, a.ctx, a.threads)?;
         println!("ppl source: {src:.4}");

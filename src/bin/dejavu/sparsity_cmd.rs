@@ -103,8 +103,7 @@ pub fn cmd_calibrate(a: CalibrateArgs) -> Result<()> {
     let mut docs = Vec::new();
     let mut sources = Vec::new();
     for f in &a.data {
-        let text =
-            dejavu::fsio::read_text(f.as_ref(), dejavu::fsio::MAX_TEXT_BYTES, false)?;
+        let text = dejavu::fsio::read_text(f.as_ref(), dejavu::fsio::MAX_TEXT_BYTES, false)?;
         docs.extend(calibrate::split_documents(&text));
         sources.push(f.display().to_string());
     }
@@ -148,8 +147,7 @@ pub fn cmd_report(a: ReportArgs) -> Result<()> {
         return cmd_speed(&a);
     }
     let path = a.file.clone().unwrap_or_default();
-    let text =
-        dejavu::fsio::read_text(path.as_ref(), dejavu::fsio::MAX_TEXT_BYTES, false)?;
+    let text = dejavu::fsio::read_text(path.as_ref(), dejavu::fsio::MAX_TEXT_BYTES, false)?;
     crate::backend_choice::cpu_only(a.model.placement(), "report")?;
     let engine = a.model.load(Some(a.ctx))?;
     let name = engine
