@@ -5,27 +5,6 @@ use common::*;
 use dejavu_formats::gguf::MetaValue;
 use std::process::Command;
 
-/// Run `dejavu args...`; assert a non-zero exit with an `error:` line containing `needle`.
-fn fails_with(args: &[&str], needle: &str) {
-    let out = Command::new(env!("CARGO_BIN_EXE_dejavu"))
-        .args(args)
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{args:?} succeeded");
-    assert_eq!(
-        out.status.code(),
-        Some(1),
-        "{args:?}: exit {:?}, stderr: {stderr}",
-        out.status
-    );
-    assert!(!stderr.contains("panicked"), "{args:?} panicked: {stderr}");
-    assert!(
-        stderr.contains("error:") && stderr.contains(needle),
-        "{args:?}: expected `{needle}` in: {stderr}"
-    );
-}
-
 fn generate_on(bytes: &[u8], needle: &str) {
     let f = temp_file(bytes);
     fails_with(

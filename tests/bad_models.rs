@@ -16,18 +16,6 @@ fn run(args: &[&std::ffi::OsStr]) -> (Option<i32>, String, String) {
     (out.status.code(), s(&out.stdout), s(&out.stderr))
 }
 
-/// `dejavu args...` exits 1 with an `error:` line holding `needle`, and no panic.
-fn fails_with(args: &[&str], needle: &str) {
-    let os: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_ref()).collect();
-    let (code, _, err) = run(&os);
-    assert_eq!(code, Some(1), "{args:?}: {err}");
-    assert!(!err.contains("panicked"), "{args:?}: {err}");
-    assert!(
-        err.contains("error:") && err.contains(needle),
-        "{args:?}: want `{needle}` in {err}"
-    );
-}
-
 fn write(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
     let p = dir.join(name);
     std::fs::write(&p, bytes).unwrap();

@@ -24,6 +24,16 @@ fn tiny(dir: &Path, name: &str) -> PathBuf {
     p
 }
 
+/// The names in `dir`, sorted.
+fn names_in(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    names
+}
+
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures/hf")
@@ -197,11 +207,7 @@ fn quantize_never_writes_into_an_existing_file() {
     );
     Model::load(&out).unwrap();
     // Nothing is left behind but the input and the output.
-    let mut names: Vec<_> = std::fs::read_dir(d.path())
-        .unwrap()
-        .map(|e| e.unwrap().file_name().into_string().unwrap())
-        .collect();
-    names.sort();
+    let names = names_in(d.path());
     assert_eq!(names, ["model.gguf", "model.partial"]);
 }
 
@@ -384,11 +390,7 @@ fn derived_files_go_to_the_cache_directory() {
         written.starts_with(home.path().join("predictors")),
         "{written:?}"
     );
-    let mut names: Vec<_> = std::fs::read_dir(d.path())
-        .unwrap()
-        .map(|e| e.unwrap().file_name().into_string().unwrap())
-        .collect();
-    names.sort();
+    let names = names_in(d.path());
     assert_eq!(
         names,
         ["m.gguf", "t.txt"],

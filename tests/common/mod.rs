@@ -10,6 +10,27 @@ use std::path::PathBuf;
 
 pub mod server;
 
+/// Run `dejavu args...`; assert a non-zero exit with an `error:` line containing `needle`.
+pub fn fails_with(args: &[&str], needle: &str) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dejavu"))
+        .args(args)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{args:?} succeeded");
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{args:?}: exit {:?}, stderr: {stderr}",
+        out.status
+    );
+    assert!(!stderr.contains("panicked"), "{args:?} panicked: {stderr}");
+    assert!(
+        stderr.contains("error:") && stderr.contains(needle),
+        "{args:?}: expected `{needle}` in: {stderr}"
+    );
+}
+
 pub const SMOLLM2: &str = "smollm2-135m-instruct";
 pub const QWEN: &str = "qwen2.5-coder-0.5b-instruct";
 

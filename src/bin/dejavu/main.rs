@@ -362,7 +362,7 @@ fn main() {
 /// UTF-8 (paths); clap says which one must be.
 fn llama_cpp_spellings(args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
     let mut out = Vec::with_capacity(args.len());
-    let mut it = args.into_iter().peekable();
+    let mut it = args.into_iter();
     while let Some(a) = it.next() {
         let s = a.to_str().unwrap_or_default().to_string();
         if let Some(v) = s

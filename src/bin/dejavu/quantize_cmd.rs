@@ -1,6 +1,6 @@
 //! `dejavu quantize`: any loadable model to a GGUF of one weight type, with an optional
 //! perplexity check of the result against its source.
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::Args;
 use dejavu::engine::weights::Model;
 use dejavu::engine::{Engine, EngineOptions};
@@ -41,9 +41,8 @@ pub fn cmd_quantize(a: QuantizeArgs) -> Result<()> {
                 a.qtype
             )
         })?;
-    if a.out.exists() && a.out.canonicalize().ok() == a.input.canonicalize().ok() {
-        bail!("--out would overwrite the input");
-    }
+    // Before any work (the library refuses it again for its other callers).
+    crate::refuse_overwrites(&[("--out", Some(&a.out))], &[&a.input])?;
     let load = || -> Result<(Model, Tokenizer)> {
         let m = Model::load(&a.input)?;
         let t = Tokenizer::from_model(&m)?;
