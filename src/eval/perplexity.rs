@@ -216,21 +216,23 @@ pub fn compare(
     policy: &crate::sparsity::policy::Policy,
     mut on_chunk: impl FnMut(usize, usize, f64, f64),
 ) -> Result<Comparison> {
-    let mut r = compare_many(engine, tokens, ctx, &[policy], |i, n, d, s| {
-        on_chunk(i, n, d, s[0])
-    })?;
+    let on_chunk = |i, n, d, s: &[f64]| on_chunk(i, n, d, s[0]);
+    let mut r = compare_many(engine, tokens, ctx, &[policy], on_chunk, |_, _| {})?;
     Ok(r.remove(0))
 }
 
 /// [`compare`] for several policies in one pass: every scored token is decoded once dense and
 /// once under each policy (each with its own cache), interleaved, so the timings of all policies
-/// see the same machine conditions. `on_chunk(i, n_chunks, dense_ppl, sparse_ppls)`.
+/// see the same machine conditions. `on_chunk(i, n_chunks, dense_ppl, sparse_ppls)` after each
+/// chunk; `on_token(done, total)` after each scored token (for progress: a chunk of a report with
+/// twenty policies takes minutes).
 pub fn compare_many(
     engine: &Engine,
     tokens: &[u32],
     ctx: usize,
     policies: &[&crate::sparsity::policy::Policy],
     mut on_chunk: impl FnMut(usize, usize, f64, &[f64]),
+    mut on_token: impl FnMut(usize, usize),
 ) -> Result<Vec<Comparison>> {
     use crate::engine::executor::Plan;
     check_ctx(engine, tokens, ctx)?;
@@ -239,6 +241,7 @@ pub fn compare_many(
     let vocab = engine.model.config.vocab_size;
     let dense_plan = SparsePlan::dense(&engine.model.config);
     let first = ctx / 2;
+    let total = n_chunks * (ctx - 1 - first);
     let np = policies.len();
     let mut cd = engine.new_cache();
     let mut caches: Vec<_> = (0..np).map(|_| engine.new_cache()).collect();
@@ -275,6 +278,7 @@ pub fn compare_many(
                 steps[k].add(caches[k].last_step());
             }
             n += 1;
+            on_token(n, total);
         }
         let ppls: Vec<f64> = acc.iter().map(|a| (a.0 / n as f64).exp()).collect();
         on_chunk(i + 1, n_chunks, (nd / n as f64).exp(), &ppls);
@@ -311,10 +315,13 @@ pub fn compare_specs(
         .map(|s| engine.policy(s, predictors))
         .collect::<Result<Vec<_>>>()?;
     let refs: Vec<&crate::sparsity::policy::Policy> = pols.iter().collect();
-    let bar = crate::progress::bar((tokens.len() / ctx) as u64, what);
-    let rs = compare_many(engine, tokens, ctx, &refs, |i, _, _, _| {
-        bar.set_position(i as u64)
-    })?;
+    // Scored tokens, each decoded once dense and once per policy.
+    let bar = crate::progress::bar(0, what);
+    let on_token = |done, total| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64)
+    };
+    let rs = compare_many(engine, tokens, ctx, &refs, |_, _, _, _| {}, on_token)?;
     bar.finish_and_clear();
     Ok(pols.into_iter().zip(rs).collect())
 }

@@ -66,7 +66,7 @@ pub fn frontier(
     specs: &[String],
     predictors: Option<&Predictors>,
 ) -> Result<Vec<FrontierRow>> {
-    let evaluated = compare_specs(engine, tokens, ctx, specs, predictors, "chunks")?;
+    let evaluated = compare_specs(engine, tokens, ctx, specs, predictors, "scored tokens")?;
     let dense_bytes = engine.model.dense_bytes_per_token() as f64;
     Ok(evaluated
         .into_iter()

@@ -239,11 +239,15 @@ pub fn train_predictors(
     let plan = SparsePlan::dense(c);
     let mut cache = engine.new_cache();
     cache.capture = Some(Default::default());
-    for chunk in tokens.chunks(ctx).filter(|ch| ch.len() >= 2) {
+    let chunks: Vec<&[u32]> = tokens.chunks(ctx).filter(|ch| ch.len() >= 2).collect();
+    let bar = crate::progress::bar(chunks.len() as u64, "activations for the predictors");
+    for chunk in chunks {
         cache.clear();
         let n = chunk.len();
         exec.forward(chunk, &mut cache, &plan, Logits::Hidden(n - 1, n))?;
+        bar.inc(1);
     }
+    bar.finish_and_clear();
     let cap = cache.capture.take().unwrap_or_default();
     let bar = crate::progress::bar(c.n_layers as u64, "MLP and head predictors");
     let mut t = Trained {
@@ -461,7 +465,14 @@ fn search(
                 tried: &mut Vec<Candidate>,
                 log: &mut dyn FnMut(&str)|
      -> Result<Vec<Candidate>> {
-        let rs = compare_specs(engine, val, ctx, specs, Some(preds), "search")?;
+        let rs = compare_specs(
+            engine,
+            val,
+            ctx,
+            specs,
+            Some(preds),
+            "scored tokens (search)",
+        )?;
         let mut out = Vec::new();
         for (spec, (_, r)) in specs.iter().zip(rs) {
             let cand = Candidate {

@@ -275,6 +275,17 @@ pub fn cmd_report(a: ReportArgs) -> Result<()> {
             specs.push("recommended".into());
         }
     }
+    let (n_chunks, scored) = (
+        tokens.len() / a.ctx.max(1),
+        a.ctx.saturating_sub(1 + a.ctx / 2),
+    );
+    eprintln!(
+        "report: {} policies against dense on {n_chunks} chunks of {} tokens; each of {} scored tokens is decoded {} times",
+        specs.len(),
+        a.ctx,
+        n_chunks * scored,
+        specs.len() + 1
+    );
     let rows = dejavu::eval::report::frontier(&engine, &tokens, a.ctx, &specs, preds.as_ref())?;
     std::fs::create_dir_all(&a.out)?;
     let md = format!(
