@@ -43,6 +43,32 @@ fn greedy_generate_streams_the_reference_continuation() {
     );
 }
 
+/// `--backend cpu-device` (the device engine on the CPU's kernels) streams the same reference
+/// continuation, and says where it ran.
+#[test]
+fn the_device_engine_on_the_cpu_streams_the_reference_continuation() {
+    let model = model_path(SMOLLM2);
+    let r = reference(SMOLLM2);
+    let case = &r.greedy.cases[0];
+    let (out, err) = dejavu(&[
+        "generate",
+        "-m",
+        model.to_str().unwrap(),
+        "--prompt",
+        &case.prompt,
+        "-n",
+        "12",
+        "--temp",
+        "0",
+        "--backend",
+        "cpu-device",
+    ]);
+    let eng = engine(SMOLLM2);
+    let want = eng.tokenizer.decode(&case.greedy_ids[..12]).unwrap();
+    assert_eq!(out.trim_end_matches('\n'), want);
+    assert!(err.contains("cpu-device"), "where it ran, on stderr: {err}");
+}
+
 #[test]
 fn same_seed_same_text() {
     let model = model_path(SMOLLM2);

@@ -1,5 +1,5 @@
 //! Tensor parallelism (`engine::parallel`) on the scalar reference: ranks are threads with a
-//! `HostDevice` each, summing through `HostWorld` (the collectives' reference; NCCL on GPUs).
+//! `CpuDevice` each, summing through `HostWorld` (the collectives' reference; NCCL on GPUs).
 //! World sizes 2, 3 and 4 give the whole model's logits, step by step, over a prompt batch and
 //! decode steps; a fixed sparse plan gives the same selections and logits at every world size.
 //!
@@ -13,7 +13,7 @@ use dejavu::engine::{Engine, EngineOptions};
 use dejavu::sparsity::SparsePlan;
 use dejavu::text::generate::Decoder;
 use dejavu_backend_api::IndexSet;
-use dejavu_backend_cpu::device::HostDevice;
+use dejavu_backend_cpu::device::CpuDevice;
 use dejavu_backend_cpu::world::HostWorld;
 use std::path::PathBuf;
 
@@ -64,7 +64,7 @@ fn steps(dec: &mut dyn Decoder) -> Vec<Vec<f32>> {
 
 /// The whole model under `plan` on one host device.
 fn whole(eng: &Engine, plan: &SparsePlan) -> Vec<Vec<f32>> {
-    let dev = HostDevice::default();
+    let dev = CpuDevice::reference();
     let layout = eng.sparse_layout().unwrap();
     let dm = DeviceModel::upload(&dev, &eng.model, Some(layout)).unwrap();
     let dp = DevicePlan::fixed(&dev, &eng.model.config, plan, "p").unwrap();
@@ -76,14 +76,14 @@ fn whole(eng: &Engine, plan: &SparsePlan) -> Vec<Vec<f32>> {
 fn on_host_world<R>(
     eng: &Engine,
     world: usize,
-    plan: impl Fn(&HostDevice, Shard) -> dejavu::Result<DevicePlan<HostDevice>> + Sync,
+    plan: impl Fn(&CpuDevice, Shard) -> dejavu::Result<DevicePlan<CpuDevice>> + Sync,
     body: impl FnOnce(&mut ParallelDecoder) -> R,
 ) -> dejavu::Result<R> {
     let hw = HostWorld::new(world);
     let spec = WorldSpec {
         world,
-        device: |s: Shard| Ok(HostDevice::rank(s.rank, hw.clone())?),
-        plans: |d: &HostDevice, _: &DeviceModel<HostDevice>, s: Shard| Ok(vec![plan(d, s)?]),
+        device: |s: Shard| Ok(CpuDevice::rank(s.rank, hw.clone())?),
+        plans: |d: &CpuDevice, _: &DeviceModel<CpuDevice>, s: Shard| Ok(vec![plan(d, s)?]),
         model: &eng.model,
         layout: Some(eng.sparse_layout().unwrap()),
         n_ctx: 32,
@@ -99,7 +99,7 @@ fn on_world<R>(
     body: impl FnOnce(&mut ParallelDecoder) -> R,
 ) -> R {
     let c = &eng.model.config;
-    let fixed = |d: &HostDevice, s: Shard| DevicePlan::fixed_shard(d, c, s, plan, "p");
+    let fixed = |d: &CpuDevice, s: Shard| DevicePlan::fixed_shard(d, c, s, plan, "p");
     on_host_world(eng, world, fixed, body).unwrap()
 }
 
@@ -156,7 +156,7 @@ fn a_world_that_does_not_divide_the_model_is_refused() {
     let eng = load("llama-silu"); // 4 heads, 2 KV heads
     let dense = SparsePlan::dense(&eng.model.config);
     let c = &eng.model.config;
-    let fixed = |d: &HostDevice, s: Shard| DevicePlan::fixed_shard(d, c, s, &dense, "p");
+    let fixed = |d: &CpuDevice, s: Shard| DevicePlan::fixed_shard(d, c, s, &dense, "p");
     let err = on_host_world(&eng, 4, fixed, |_| ())
         .unwrap_err()
         .to_string();
@@ -235,7 +235,7 @@ fn a_policy_over_two_ranks_selects_k_over_world_on_each() {
     let policy = eng
         .policy("dejavu:0.1+dejavu-attn:0.5", preds.as_ref())
         .unwrap();
-    let predicted = |d: &HostDevice, s: Shard| DevicePlan::policy_shard(d, c, s, &policy);
+    let predicted = |d: &CpuDevice, s: Shard| DevicePlan::policy_shard(d, c, s, &policy);
     let sel = on_host_world(&eng, 2, predicted, |d| {
         let logits = d.decode(&PROMPT).unwrap();
         assert!(logits.iter().all(|x| x.is_finite()));
@@ -279,10 +279,10 @@ fn the_bench_runs_over_a_world() {
     let preds = eng.predictors(None).unwrap();
     let policies = ["dense", "dejavu:0.25"].map(|p| eng.policy(p, preds.as_ref()).unwrap());
     let hw = HostWorld::new(2);
-    let device = |s: Shard| Ok(HostDevice::rank(s.rank, hw.clone())?);
+    let device = |s: Shard| Ok(CpuDevice::rank(s.rank, hw.clone())?);
     let rows = device_bench::bench_parallel(2, device, &eng, &policies, 4, 3, 1).unwrap();
     assert_eq!(rows.len(), 4, "pp and tg of each policy");
-    let whole = DeviceModel::upload(&HostDevice::default(), &eng.model, None)
+    let whole = DeviceModel::upload(&CpuDevice::reference(), &eng.model, None)
         .unwrap()
         .dense_bytes();
     for r in &rows {

@@ -1,71 +1,107 @@
-//! [`HostDevice`]: the [`Device`] verbs on host memory, each one the f32 scalar reference
-//! (rows dequantized by `dequant`, then plain dot products and sums). It runs the
-//! device-resident executor without a GPU, so that path is tested everywhere, and it is what the
-//! CUDA kernels are checked against. It does not record steps (`begin_capture` is `false`) and
-//! it is not fast: the CPU engine proper is [`crate::CpuBackend`].
+//! [`CpuDevice`]: the [`Device`] verbs on host memory, over the CPU backend's own kernels (the
+//! kernel table of one ISA tier and the thread pool), so the device-resident decoder runs on the
+//! CPU as it does on a GPU. [`CpuDevice::reference`] is the f32 reference (f32 activations dotted
+//! with dequantized rows, one thread): what the CUDA kernels and the SIMD tiers are checked
+//! against. [`CpuDevice::new`] runs the process's tier (`DEJAVU_ISA`) with 8-bit activations.
+//!
+//! Products compute the selected rows into a full-length scratch with the backend's `matmul`
+//! (unselected outputs untouched) and then gather them into the compact order the trait names;
+//! the sparse down projection expands the compact activations the other way for `axpy_matmul`.
+//! Matrices keep the file's (ggml) row layout. Steps are not recorded (`begin_capture` is
+//! `false`): a CPU step is its verbs.
 use crate::isa::Isa;
 use crate::kernels::table::Kernels;
 use crate::pool::SpinPool;
 use crate::world::HostWorld;
-use crate::{attention, dequant, ops};
+use crate::{attention, axpy_matmul, dequant, matmul, ops};
 use dejavu_backend_api::{
-    Activation, AttnGeom, AttnShape, BackendError, Device, IndexSet, KvSlice, LazyKv, Product,
-    QuantType, RopeStyle, Rows, StepRow, Weight, MAX_ROWS,
+    Activation, AttnGeom, AttnShape, BackendError, Device, IndexSet, KvSlice, LazyKv, MatmulJob,
+    Product, QuantType, RopeStyle, Rows, StepRow, Weight, MAX_ROWS,
 };
 use half::f16;
 use std::sync::{Arc, Mutex};
 
-pub struct HostDevice {
+pub struct CpuDevice {
     /// The batch's tokens and first position.
     step: Mutex<(Vec<u32>, usize)>,
-    /// The scalar tier and one thread, for the attention reference.
     kernels: Kernels,
     pool: SpinPool,
     /// This device's rank in a tensor-parallel world of host threads, if any.
     world: Option<(usize, Arc<HostWorld>)>,
 }
 
-impl Default for HostDevice {
+impl Default for CpuDevice {
+    /// [`CpuDevice::reference`].
     fn default() -> Self {
-        Self {
-            step: Mutex::new((vec![0], 0)),
-            kernels: Kernels::for_isa(Isa::Scalar).expect("the scalar tier runs everywhere"),
-            pool: SpinPool::new(1),
-            world: None,
-        }
+        Self::reference()
     }
 }
 
-impl HostDevice {
-    /// Rank `rank` of `world` (its other ranks are other threads' devices).
+impl CpuDevice {
+    /// The f32 reference: f32 activations dotted with dequantized rows, scalar, one thread.
+    pub fn reference() -> Self {
+        Self::of(Kernels::f32_reference(), 1)
+    }
+    /// The process's tier (`DEJAVU_ISA` if set, else the best this CPU has) on `threads` threads.
+    pub fn new(threads: usize) -> Result<Self, BackendError> {
+        let k = crate::kernels::table::kernels().map_err(|e| unsupported(e.to_string()))?;
+        Ok(Self::of(*k, threads))
+    }
+    /// A given tier (tests compare tiers); an error if this CPU lacks it.
+    pub fn with_isa(isa: Isa, threads: usize) -> Result<Self, BackendError> {
+        let k = Kernels::for_isa(isa).ok_or_else(|| unsupported(format!("ISA tier {isa}")))?;
+        Ok(Self::of(k, threads))
+    }
+    fn of(kernels: Kernels, threads: usize) -> Self {
+        Self {
+            step: Mutex::new((vec![0], 0)),
+            kernels,
+            pool: SpinPool::new(threads.max(1)),
+            world: None,
+        }
+    }
+    /// Rank `rank` of `world` (its other ranks are other threads' devices), on the reference.
     pub fn rank(rank: usize, world: Arc<HostWorld>) -> Result<Self, BackendError> {
         if rank >= world.size() {
             return Err(shape(format!("rank {rank} of a world of {}", world.size())));
         }
         Ok(Self {
             world: Some((rank, world)),
-            ..Self::default()
+            ..Self::reference()
         })
+    }
+    pub fn isa(&self) -> Isa {
+        self.kernels.isa
+    }
+}
+
+fn unsupported(what: String) -> BackendError {
+    BackendError::Unsupported {
+        backend: "cpu".into(),
+        what,
     }
 }
 
 /// A matrix copied into host memory (ggml layout).
-pub struct HostMat {
+pub struct CpuMat {
     qtype: QuantType,
     rows: usize,
     cols: usize,
     data: Vec<u8>,
 }
 
-impl HostMat {
+impl CpuMat {
     fn row(&self, r: usize, out: &mut [f32]) {
         let rb = self.qtype.row_bytes(self.cols);
         dequant::dequantize_row(self.qtype, &self.data[r * rb..(r + 1) * rb], out);
     }
+    fn weight(&self) -> Result<Weight<'_>, BackendError> {
+        Weight::new(self.qtype, self.rows, self.cols, &self.data)
+    }
 }
 
 /// One layer's keys or values, `[n_ctx][width]`.
-pub struct HostCache {
+pub struct CpuCache {
     data: Vec<f16>,
     n_ctx: usize,
     width: usize,
@@ -104,10 +140,7 @@ fn put_f16(dst: &mut [f16], src: &[f32]) {
     (dst.iter_mut().zip(src)).for_each(|(d, &v)| *d = f16::from_f32(v));
 }
 
-impl HostDevice {
-    pub fn new() -> Self {
-        Self::default()
-    }
+impl CpuDevice {
     fn pos(&self) -> usize {
         self.step.lock().expect("step lock").1
     }
@@ -126,38 +159,59 @@ impl HostDevice {
     }
 }
 
-/// `y[j] = act(dot(W[row(j)], x) + bias)` (or `+=`) for one row of one product.
-fn product_row(
-    w: &HostMat,
-    rs: &[usize],
-    x: &[f32],
+/// The rows a product reads as a set of the matrix's rows (for the backend's kernels), with the
+/// row of each compact output (`None`: every row, output `j` being row `j`).
+fn selection(
+    rows: Rows<'_, Vec<u32>>,
+    n: usize,
+) -> Result<(IndexSet, Option<Vec<usize>>), BackendError> {
+    match rows {
+        Rows::All => Ok((IndexSet::full(n), None)),
+        sel => {
+            let rs = rows_of(sel, n)?;
+            let idx = rs.iter().map(|&r| r as u32).collect();
+            let set = IndexSet::from_unsorted(n, idx).map_err(|e| shape(e.to_string()))?;
+            Ok((set, Some(rs)))
+        }
+    }
+}
+
+/// The outputs of a selection: its compact rows, or every row of `n`.
+fn count(rs: &Option<Vec<usize>>, n: usize) -> usize {
+    rs.as_ref().map_or(n, |rs| rs.len())
+}
+
+/// Finish one product: `y[j] = act(full[r] + bias[r])`, or with `accumulate`
+/// `y[j] += full[r] + bias[r]`, `r` the row of output `j` (`rs[j]`, or `j` for every row).
+/// `full = None`: the kernels wrote every row's dot into `y` itself.
+fn finish(
+    full: Option<&[f32]>,
+    rs: Option<&[usize]>,
     bias: Option<&Vec<f32>>,
     act: Option<Activation>,
     accumulate: bool,
     y: &mut [f32],
 ) {
-    let mut row = vec![0.0; w.cols];
-    for (j, &r) in rs.iter().enumerate() {
-        w.row(r, &mut row);
-        let dot = row.iter().zip(x).map(|(a, b)| a * b).sum::<f32>();
-        let s = dot + bias.map_or(0.0, |b| b[r]);
-        y[j] = match (accumulate, act) {
-            (true, _) => y[j] + s,
+    for (j, y) in y.iter_mut().enumerate() {
+        let r = rs.map_or(j, |rs| rs[j]);
+        let s = full.map_or(*y, |f| f[r]) + bias.map_or(0.0, |b| b[r]);
+        *y = match (accumulate, act) {
+            (true, _) => *y + s,
             (false, Some(a)) => a.apply(s),
             (false, None) => s,
         };
     }
 }
 
-impl Device for HostDevice {
+impl Device for CpuDevice {
     type Buf = Vec<f32>;
     type Idx = Vec<u32>;
-    type Mat = HostMat;
-    type Cache = HostCache;
+    type Mat = CpuMat;
+    type Cache = CpuCache;
     type Graph = ();
 
     fn name(&self) -> String {
-        "host (scalar reference)".into()
+        format!("cpu ({})", self.kernels.isa)
     }
     fn supports(&self, _qtype: QuantType) -> bool {
         true
@@ -171,7 +225,7 @@ impl Device for HostDevice {
     fn upload_idx(&self, idx: &[u32]) -> Result<Vec<u32>, BackendError> {
         Ok(idx.to_vec())
     }
-    fn upload_mat(&self, w: &Weight) -> Result<HostMat, BackendError> {
+    fn upload_mat(&self, w: &Weight) -> Result<CpuMat, BackendError> {
         w.check();
         if w.layout != dejavu_backend_api::RowLayout::Ggml {
             return Err(BackendError::Unsupported {
@@ -179,15 +233,15 @@ impl Device for HostDevice {
                 what: "repacked rows".into(),
             });
         }
-        Ok(HostMat {
+        Ok(CpuMat {
             qtype: w.qtype,
             rows: w.rows,
             cols: w.cols,
             data: w.data.to_vec(),
         })
     }
-    fn cache(&self, n_ctx: usize, width: usize) -> Result<HostCache, BackendError> {
-        Ok(HostCache {
+    fn cache(&self, n_ctx: usize, width: usize) -> Result<CpuCache, BackendError> {
+        Ok(CpuCache {
             data: vec![f16::ZERO; n_ctx * width],
             n_ctx,
             width,
@@ -218,7 +272,7 @@ impl Device for HostDevice {
 
     fn embed(
         &self,
-        t: &HostMat,
+        t: &CpuMat,
         which: StepRow,
         acc: bool,
         x: &mut Vec<f32>,
@@ -245,15 +299,62 @@ impl Device for HostDevice {
     }
 
     fn matvecs(&self, x: &Vec<f32>, jobs: &mut [Product<'_, Self>]) -> Result<(), BackendError> {
-        for p in jobs.iter_mut() {
-            let (w, x) = (p.w, p.x.unwrap_or(x));
-            let rs = rows_of(p.rows, w.rows)?;
-            need("matvec input", x.len(), w.cols)?;
-            need("matvec output", p.y.len(), rs.len())?;
+        // Checked first: the kernels assert their lengths.
+        let mut sels = Vec::with_capacity(jobs.len());
+        for p in jobs.iter() {
+            let w = p.w;
+            let (set, rs) = selection(p.rows, w.rows)?;
+            need("matvec input", p.x.unwrap_or(x).len(), w.cols)?;
+            need("matvec output", p.y.len(), count(&rs, w.rows))?;
             if let Some(b) = p.bias {
                 need("matvec bias", b.len(), w.rows)?;
             }
-            product_row(w, &rs, &x[..w.cols], p.bias, p.act, p.accumulate, p.y);
+            sels.push((set, rs));
+        }
+        // Every row, overwritten: the kernels write `y` itself; otherwise a row-indexed scratch.
+        let direct: Vec<bool> = (jobs.iter().zip(&sels))
+            .map(|(p, s)| s.1.is_none() && !p.accumulate)
+            .collect();
+        let mut scratch: Vec<Vec<f32>> = (jobs.iter().zip(&direct))
+            .map(|(p, &d)| if d { Vec::new() } else { vec![0f32; p.w.rows] })
+            .collect();
+        // Products of the call's input share one quantization of it and one pool dispatch
+        // (their widths agree); products of their own inputs run one by one.
+        let first = jobs.iter().find(|p| p.x.is_none()).map(|p| p.w.cols);
+        let weights = jobs
+            .iter()
+            .map(|p| p.w.weight())
+            .collect::<Result<Vec<_>, _>>()?;
+        {
+            let (mut shared, mut own) = (Vec::new(), Vec::new());
+            let all = jobs.iter_mut().zip(scratch.iter_mut()).zip(&weights);
+            for (i, ((p, sc), w)) in all.enumerate() {
+                let y: &mut [f32] = match direct[i] {
+                    true => &mut p.y[..w.rows],
+                    false => sc,
+                };
+                let job = MatmulJob {
+                    w: *w,
+                    rows: &sels[i].0,
+                    y,
+                };
+                match p.x {
+                    None if Some(w.cols) == first => shared.push(job),
+                    input => own.push((input.unwrap_or(x), job)),
+                }
+            }
+            if let Some(cols) = first {
+                matmul::matmul_shared(&self.kernels, &self.pool, &x[..cols], &mut shared);
+            }
+            for (xp, job) in own {
+                let cols = job.w.cols;
+                matmul::matmul_shared(&self.kernels, &self.pool, &xp[..cols], &mut [job]);
+            }
+        }
+        for (i, p) in jobs.iter_mut().enumerate() {
+            let full = (!direct[i]).then_some(&scratch[i][..]);
+            let y = &mut p.y[..count(&sels[i].1, p.w.rows)];
+            finish(full, sels[i].1.as_deref(), p.bias, p.act, p.accumulate, y);
         }
         Ok(())
     }
@@ -265,19 +366,32 @@ impl Device for HostDevice {
         jobs: &mut [Product<'_, Self>],
     ) -> Result<(), BackendError> {
         for p in jobs.iter_mut() {
-            let (w, x) = (p.w, p.x.unwrap_or(x));
+            let (w, xp) = (p.w, p.x.unwrap_or(x));
             if !matches!(p.rows, Rows::All) {
                 return Err(shape("a batch's products read every row".into()));
             }
-            let rs: Vec<usize> = (0..w.rows).collect();
-            self.batch("matmul input", x.len(), w.cols, rows)?;
+            self.batch("matmul input", xp.len(), w.cols, rows)?;
             self.batch("matmul output", p.y.len(), w.rows, rows)?;
             if let Some(b) = p.bias {
                 need("matmul bias", b.len(), w.rows)?;
             }
-            let ys = p.y.chunks_exact_mut(w.rows);
-            for (xr, yr) in x.chunks_exact(w.cols).zip(ys).take(rows) {
-                product_row(w, &rs, xr, p.bias, p.act, p.accumulate, yr);
+            let all = IndexSet::full(w.rows);
+            let wt = w.weight()?;
+            let xs = &xp[..rows * w.cols];
+            let n = rows * w.rows;
+            let mut full = match p.accumulate {
+                true => vec![0f32; n],
+                false => Vec::new(),
+            };
+            let out = match p.accumulate {
+                true => &mut full[..],
+                false => &mut p.y[..n],
+            };
+            matmul::matmul(&self.kernels, &self.pool, &wt, &all, xs, out);
+            let ys = p.y[..n].chunks_exact_mut(w.rows);
+            for (r, yr) in ys.enumerate() {
+                let fr = p.accumulate.then(|| &full[r * w.rows..(r + 1) * w.rows]);
+                finish(fr, None, p.bias, p.act, p.accumulate, yr);
             }
         }
         Ok(())
@@ -285,25 +399,33 @@ impl Device for HostDevice {
 
     fn axpy(
         &self,
-        w: &HostMat,
+        w: &CpuMat,
         rows: Rows<'_, Vec<u32>>,
         a: &Vec<f32>,
         bias: Option<&Vec<f32>>,
         y: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
-        let rs = rows_of(rows, w.rows)?;
-        need("axpy activations", a.len(), rs.len())?;
+        let (set, rs) = selection(rows, w.rows)?;
+        need("axpy activations", a.len(), count(&rs, w.rows))?;
         need("axpy output", y.len(), w.cols)?;
         if let Some(b) = bias {
             need("axpy bias", b.len(), w.cols)?;
         }
-        let mut row = vec![0.0; w.cols];
-        for (j, &r) in rs.iter().enumerate() {
-            w.row(r, &mut row);
-            (y.iter_mut().zip(&row)).for_each(|(y, v)| *y += a[j] * v);
-        }
+        // The compact activations back at their rows, for the kernel's row-indexed input.
+        let full = match &rs {
+            None => a[..w.rows].to_vec(),
+            Some(rs) => {
+                let mut full = vec![0f32; w.rows];
+                (rs.iter().zip(a.iter())).for_each(|(&r, &v)| full[r] += v);
+                full
+            }
+        };
+        let mut sum = vec![0f32; w.cols];
+        let wt = w.weight()?;
+        axpy_matmul::axpy_matmul(&self.kernels, &self.pool, &wt, &set, &full, &mut sum);
+        (y[..w.cols].iter_mut().zip(&sum)).for_each(|(y, s)| *y += s);
         if let Some(b) = bias {
-            y.iter_mut().zip(b).for_each(|(y, b)| *y += b);
+            y[..w.cols].iter_mut().zip(b).for_each(|(y, b)| *y += b);
         }
         Ok(())
     }
@@ -433,8 +555,8 @@ impl Device for HostDevice {
         &self,
         k: &Vec<f32>,
         v: &Vec<f32>,
-        kc: &mut HostCache,
-        vc: &mut HostCache,
+        kc: &mut CpuCache,
+        vc: &mut CpuCache,
         rows: usize,
     ) -> Result<(), BackendError> {
         self.batch("store", k.len(), kc.width, rows)?;
@@ -443,7 +565,7 @@ impl Device for HostDevice {
         self.store_row(v, vc, rows)
     }
 
-    fn store_row(&self, x: &Vec<f32>, c: &mut HostCache, rows: usize) -> Result<(), BackendError> {
+    fn store_row(&self, x: &Vec<f32>, c: &mut CpuCache, rows: usize) -> Result<(), BackendError> {
         self.batch("store_row", x.len(), c.width, rows)?;
         let w = c.width;
         for (p, xr) in (self.pos()..c.n_ctx).zip(x.chunks_exact(w.max(1)).take(rows)) {
@@ -456,8 +578,8 @@ impl Device for HostDevice {
         &self,
         job: LazyKv<'_, Self>,
         valid: &mut Vec<u32>,
-        kc: &mut HostCache,
-        vc: &mut HostCache,
+        kc: &mut CpuCache,
+        vc: &mut CpuCache,
     ) -> Result<(), BackendError> {
         self.rows("kv_fill", job.rows)?;
         let (pos, hd) = (self.pos() + job.rows - 1, job.head_dim);
@@ -511,8 +633,8 @@ impl Device for HostDevice {
     fn attention(
         &self,
         q: &Vec<f32>,
-        k: &HostCache,
-        v: &HostCache,
+        k: &CpuCache,
+        v: &CpuCache,
         heads: Rows<'_, Vec<u32>>,
         g: AttnGeom,
         out: &mut Vec<f32>,

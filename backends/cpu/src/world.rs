@@ -1,5 +1,5 @@
 //! [`HostWorld`]: the scalar reference of the collectives (`Device::all_reduce`,
-//! `Device::all_gather`) for [`crate::device::HostDevice`] ranks that are threads of one
+//! `Device::all_gather`) for [`crate::device::CpuDevice`] ranks that are threads of one
 //! process. It is what tensor parallelism is checked against on machines without GPUs (NCCL is
 //! the real transport on GPUs): every rank hands its vector in, waits for the others, and reads
 //! every rank's, so the sums are taken in rank order and are the same on every rank.

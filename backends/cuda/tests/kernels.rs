@@ -1,4 +1,4 @@
-//! Every CUDA verb against the CPU scalar reference ([`HostDevice`]) on random inputs of ragged
+//! Every CUDA verb against the CPU scalar reference ([`CpuDevice::reference`]) on random inputs of ragged
 //! sizes, every weight type. Skipped, with the reason printed, where no GPU is usable (CI).
 //!
 //! Tolerance: both sides dequantize the same blocks to f32 and compute in f32; only the order
@@ -10,7 +10,7 @@ use dejavu_backend_api::{
     Activation, AttnGeom, Device, LazyKv, Product, QuantType, RopeStyle, Rows, StepRow, TopK,
     Weight,
 };
-use dejavu_backend_cpu::device::HostDevice;
+use dejavu_backend_cpu::device::CpuDevice;
 
 mod common;
 use common::{close, down, gpu, magnitude, random_matrix, randv, rng};
@@ -66,7 +66,7 @@ fn axpy_on<D: Device>(d: &D, w: &Weight, a: &[f32], sel: &[u32], y0: &[f32]) -> 
 #[test]
 fn products_match_the_scalar_reference_for_every_type() {
     let Some(gpu) = gpu() else { return };
-    let host = HostDevice::new();
+    let host = CpuDevice::reference();
     let mut r = rng(1);
     for q in QuantType::ALL {
         let bl = q.block_len().max(8);
@@ -149,7 +149,7 @@ fn products_match_the_scalar_reference_for_every_type() {
 #[test]
 fn large_batch_products_match_the_scalar_reference() {
     let Some(gpu) = gpu() else { return };
-    let host = HostDevice::new();
+    let host = CpuDevice::reference();
     let mut r = rng(8);
     for (q, rows, cols, nt) in [
         (QuantType::Q4_1, 4096, 256, 300),
@@ -222,7 +222,7 @@ fn products_on<D: Device>(d: &D, ws: &[Weight], x: &[f32], sel: &[u32], y0: &[f3
 #[test]
 fn several_products_of_mixed_types_in_one_launch() {
     let Some(gpu) = gpu() else { return };
-    let host = HostDevice::new();
+    let host = CpuDevice::reference();
     let mut r = rng(5);
     let cols = 1024;
     let types = [QuantType::Q4K, QuantType::F16, QuantType::Q8_0];
@@ -330,7 +330,7 @@ fn elementwise_on<D: Device>(d: &D, x: &[f32], w: &[f32], b: &[f32], hd: usize) 
 #[test]
 fn elementwise_ops_match_the_scalar_reference() {
     let Some(gpu) = gpu() else { return };
-    let host = HostDevice::new();
+    let host = CpuDevice::reference();
     let mut r = rng(2);
     // 12288 and 20480: past the 8192 elements a norm keeps in registers.
     for (n, hd) in [
@@ -404,7 +404,7 @@ fn attention_on<D: Device>(
 #[test]
 fn attention_matches_the_scalar_reference() {
     let Some(gpu) = gpu() else { return };
-    let host = HostDevice::new();
+    let host = CpuDevice::reference();
     let mut r = rng(3);
     // Multi-head and grouped-query; contexts short, ragged and beyond 48 KiB of scores;
     // batches of one row and of several.
@@ -437,7 +437,7 @@ fn attention_matches_the_scalar_reference() {
 #[test]
 fn top_k_matches_the_scalar_reference() {
     let Some(gpu) = gpu() else { return };
-    let host = HostDevice::new();
+    let host = CpuDevice::reference();
     let mut r = rng(4);
     for (n, k) in [
         (7, 3),
@@ -567,7 +567,7 @@ fn kv_fill_on<D: Device>(
 #[test]
 fn lazy_kv_fill_matches_the_scalar_reference() {
     let Some(gpu) = gpu() else { return };
-    let host = HostDevice::new();
+    let host = CpuDevice::reference();
     let mut r = rng(6);
     let (nh, hd, dm, n_pos) = (6, 16, 288, 10);
     let inputs: Vec<Vec<f32>> = (0..n_pos).map(|_| randv(&mut r, dm)).collect();
@@ -611,7 +611,7 @@ fn lazy_kv_fill_matches_the_scalar_reference() {
 #[test]
 fn predictor_launches_match_the_scalar_reference() {
     let Some(gpu) = gpu() else { return };
-    let host = HostDevice::new();
+    let host = CpuDevice::reference();
     let mut r = rng(5);
     let (d, rank) = (992, 96);
     let outs = [(28672, 2867), (56, 28), (1500, 700)];

@@ -1,4 +1,4 @@
-//! `--backend cpu|cuda`: the one place a command's backend is chosen. The model code names no
+//! `--backend cpu|cpu-device|cuda`: the one place a command's backend is chosen. The model code names no
 //! backend; this builds the decoder (host executor or device session) a command runs on.
 use anyhow::{bail, Result};
 use dejavu::engine::executor::Plan;
@@ -13,6 +13,17 @@ pub enum BackendKind {
     Cpu,
     /// The GPU (a build with `--features cuda`; the model keeps its file's row layout).
     Cuda,
+    /// The device engine on the CPU backend's kernels (the one-engine migration: the GPU's
+    /// layer loop on the CPU; not yet as fast as `cpu`, and it runs the Deja Vu rules only).
+    #[value(name = "cpu-device")]
+    CpuDevice,
+}
+
+impl BackendKind {
+    /// Does this backend run the device engine, which uploads the file's row layout?
+    pub fn is_device(self) -> bool {
+        self != BackendKind::Cpu
+    }
 }
 
 /// Where a command's model runs: a backend, and the ranks it is split over.
@@ -44,11 +55,32 @@ pub fn with_decoder<R>(
         }
         (BackendKind::Cuda, 1) => cuda(engine, policy, f),
         (BackendKind::Cuda, n) => cuda_parallel(engine, policy, n, f),
+        (BackendKind::CpuDevice, 1) => {
+            let dev = dejavu_backend_cpu::device::CpuDevice::new(engine.threads())?;
+            on_device(&dev, engine, policy, f)
+        }
+        (BackendKind::CpuDevice, _) => {
+            bail!("tensor parallelism splits a model over GPUs: add --backend cuda")
+        }
     }
 }
 
+/// `f` on a session of the device engine on `dev`.
+fn on_device<D: dejavu_backend_api::Device, R>(
+    dev: &D,
+    engine: &Engine,
+    policy: &Policy,
+    f: impl FnOnce(&mut dyn Decoder) -> Result<R>,
+) -> Result<R> {
+    use dejavu::engine::device::{DeviceModel, DevicePlan, DeviceSession};
+    let layout = layout_for(engine, policy)?;
+    let model = DeviceModel::upload(dev, &engine.model, layout)?;
+    let plan = DevicePlan::policy(dev, &engine.model.config, policy)?;
+    let mut session = DeviceSession::new(dev, &model, plan, engine.n_ctx)?;
+    f(&mut session)
+}
+
 /// The sparse layout a policy's plan reads (none for a dense one).
-#[cfg(feature = "cuda")]
 fn layout_for<'e>(
     engine: &'e Engine,
     policy: &Policy,
@@ -65,13 +97,8 @@ fn cuda<R>(
     policy: &Policy,
     f: impl FnOnce(&mut dyn Decoder) -> Result<R>,
 ) -> Result<R> {
-    use dejavu::engine::device::{DeviceModel, DevicePlan, DeviceSession};
     let dev = dejavu_backend_cuda::CudaDevice::new(0)?;
-    let layout = layout_for(engine, policy)?;
-    let model = DeviceModel::upload(&dev, &engine.model, layout)?;
-    let plan = DevicePlan::policy(&dev, &engine.model.config, policy)?;
-    let mut session = DeviceSession::new(&dev, &model, plan, engine.n_ctx)?;
-    f(&mut session)
+    on_device(&dev, engine, policy, f)
 }
 
 /// `f` on a world of `n` GPUs (0 to n - 1), a thread and an NCCL rank each.
@@ -144,6 +171,6 @@ pub fn cpu_only(at: Placement, command: &str) -> Result<()> {
     match (at.backend, at.tensor_parallel) {
         (BackendKind::Cpu, 1) => Ok(()),
         (BackendKind::Cpu, _) => bail!("`{command}` runs on the CPU only: no --tensor-parallel"),
-        (BackendKind::Cuda, _) => bail!("`{command}` runs on the CPU only for now (--backend cpu)"),
+        (_, _) => bail!("`{command}` runs on the CPU only for now (--backend cpu)"),
     }
 }

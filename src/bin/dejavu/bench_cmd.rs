@@ -21,7 +21,8 @@ pub struct BenchArgs {
     #[arg(long)]
     pub no_repack: bool,
     /// Backends to measure, comma-separated: cpu, cuda (a build with `--features cuda`; the
-    /// model then keeps its file's row layout on the CPU too).
+    /// model then keeps its file's row layout on the CPU too), cpu-device (the device engine on
+    /// the CPU, at each `--threads`; keeps the file's row layout too).
     #[arg(long, value_delimiter = ',', default_value = "cpu")]
     pub backend: Vec<String>,
     /// Tensor parallelism of the `cuda` runs: the model split over this many GPUs (`-tp N`).
@@ -101,11 +102,12 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
     if let Some(b) = a
         .backend
         .iter()
-        .find(|b| !["cpu", "cuda"].contains(&b.as_str()))
+        .find(|b| !["cpu", "cuda", "cpu-device"].contains(&b.as_str()))
     {
-        bail!("unknown backend `{b}` (cpu, cuda)");
+        bail!("unknown backend `{b}` (cpu, cuda, cpu-device)");
     }
     let cuda = a.backend.iter().any(|b| b == "cuda");
+    let cpu_device = a.backend.iter().any(|b| b == "cpu-device");
     let cpu = a.backend.iter().any(|b| b == "cpu");
     if a.tensor_parallel > 1 && !cuda {
         bail!("tensor parallelism splits a model over GPUs: add --backend cuda");
@@ -133,7 +135,7 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
             n_ctx: Some(ctx),
             kv_type: a.kv_type,
             synthetic: a.synthetic.options(),
-            keep_file_layout: a.no_repack || cuda,
+            keep_file_layout: a.no_repack || cuda || cpu_device,
         },
     )?;
     let model_name = engine.model.label();
@@ -151,6 +153,24 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
                 .with_context(|| format!("writing {}", p.display()))?;
         }
         gpu_rows = rows;
+    }
+    if cpu_device {
+        let policies = (a.sparsity.iter())
+            .map(|spec| policy_for(&engine, spec, a.predictors.as_deref()))
+            .collect::<Result<Vec<_>>>()?;
+        for &threads in &a.threads {
+            let dev = dejavu_backend_cpu::device::CpuDevice::new(threads)?;
+            let rows = dejavu::eval::device_bench::bench(
+                &dev,
+                &engine,
+                &policies,
+                a.n_prompt,
+                a.n_gen,
+                a.repetitions,
+            )?;
+            println!("cpu-device, {threads} threads");
+            print!("{}", dejavu::eval::device_bench::markdown(&rows));
+        }
     }
     let threads_to_run = if cpu { a.threads.clone() } else { Vec::new() };
     for &threads in &threads_to_run {

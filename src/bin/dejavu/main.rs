@@ -150,7 +150,7 @@ impl ModelArgs {
                 kv_type: self.kv_type,
                 synthetic: self.synthetic.options(),
                 // A device uploads the file's layout (repacking is the CPU's).
-                keep_file_layout: self.no_repack || self.backend == BackendKind::Cuda,
+                keep_file_layout: self.no_repack || self.backend.is_device(),
             },
         )?;
         if engine.model.synthetic_source().is_some() {
@@ -572,6 +572,7 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
     let on = match a.model.backend {
         BackendKind::Cpu => format!("{} threads", engine.threads()),
         BackendKind::Cuda => "cuda".into(),
+        BackendKind::CpuDevice => format!("cpu-device, {} threads", engine.threads()),
     };
     eprintln!(
         "prompt: {} tokens, {:.1} tok/s | decode: {} tokens, {:.1} tok/s | {on}",
@@ -614,7 +615,7 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
     eprintln!("{} tokens, {n_chunks} chunks of {}", tokens.len(), a.ctx);
     let bar = dejavu::progress::bar(n_chunks as u64, "chunks");
     let t0 = std::time::Instant::now();
-    if a.model.backend == BackendKind::Cuda {
+    if a.model.backend.is_device() {
         // On a device: token by token under the policy (no dense comparison in the same pass).
         let r = with_decoder(&engine, a.model.placement(), &policy, |dec| {
             Ok(dejavu::eval::perplexity::perplexity_on(

@@ -2,8 +2,9 @@
 //! [`dejavu_backend_api::Device`], for backends whose memory is their own (CUDA). Weights are uploaded once
 //! ([`DeviceModel::upload`]); the KV cache, the activations and the plan's index lists stay on
 //! the device; a decode step is recorded once and replayed at every position; the host reads
-//! back only the logits. The code names no backend: `HostDevice` (the scalar reference) runs it
-//! on any machine, and the tests hold it to the host executor.
+//! back only the logits. The code names no backend: `CpuDevice` (the CPU backend's kernels; its
+//! f32 reference is what the GPU is checked against) runs it on any machine, and the tests hold
+//! it to the host executor.
 //!
 //! The plan ([`DevicePlan`]) is the host's, on the device: a fixed [`crate::sparsity::SparsePlan`] becomes index
 //! lists uploaded once; a [`crate::sparsity::policy::Policy`]'s Deja Vu rules become the low-rank predictors and a device
