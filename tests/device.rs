@@ -325,6 +325,26 @@ fn fixed_plans_on_the_reference_device_match_the_host_executor() {
     check_fixtures(&CpuDevice::reference());
 }
 
+/// The rules that select from a layer's own activations (`gate-first`, `up-first`, `oracle`,
+/// `relu-exact`, `attn-norm`) run on the device and give the logits of the sets they select,
+/// on gated and ungated, SiLU and ReLU, multi-head and grouped-query fixtures.
+#[test]
+fn rules_that_select_from_activations_run_on_the_reference_device() {
+    let dev = CpuDevice::reference();
+    for (name, spec) in [
+        ("llama-silu", "gate-first:0.5"),
+        ("llama-silu", "up-first:0.5+attn-norm:0.5"),
+        ("qwen2", "oracle:0.4+attn-norm:0.6"),
+        ("llama-relu", "relu-exact"),
+        ("llama-relu", "gate-first:0.3"),
+        ("opt-relu", "relu-exact"),
+        ("opt-relu", "oracle:0.3"),
+        ("opt-postln-proj", "oracle:0.5+attn-norm:0.5"),
+    ] {
+        policy_on_runs_its_selection(&dev, &load(name), spec);
+    }
+}
+
 /// The CPU device on every SIMD tier this machine has (2 threads, its 8-bit activations)
 /// against the host executor on the same tier: the same kernels in the same order, so the
 /// reference's tolerances hold with room to spare (the worst errors are printed).
@@ -393,6 +413,11 @@ fn policy_runs_its_selection<D: Device>(dev: &D, spec: &str) -> usize {
         ..Default::default()
     };
     let eng = Engine::load("synthetic:opt-125m", &opts).unwrap();
+    policy_on_runs_its_selection(dev, &eng, spec)
+}
+
+/// [`policy_runs_its_selection`] on `eng`.
+fn policy_on_runs_its_selection<D: Device>(dev: &D, eng: &Engine, spec: &str) -> usize {
     let c = &eng.model.config;
     let preds = eng.predictors(None).unwrap();
     let policy = eng.policy(spec, preds.as_ref()).unwrap();
@@ -425,7 +450,11 @@ fn policy_runs_its_selection<D: Device>(dev: &D, spec: &str) -> usize {
             .map(|(m, h)| LayerPlan::new(c, set(m, c.n_ff), set(h, c.n_heads)).unwrap())
             .collect();
         let fixed = SparsePlan::new(c, layers).unwrap();
-        assert!(!fixed.is_dense(), "the policy selects");
+        // `relu-exact` selects every neuron (its zeros go unread): the dense plan's logits.
+        assert!(
+            spec == "relu-exact" || !fixed.is_dense(),
+            "the policy selects"
+        );
         let host = exec
             .run(&[t], &mut cache, Plan::Fixed(&fixed), Logits::Last)
             .unwrap();
@@ -520,13 +549,6 @@ fn device_errors_are_errors() {
         "a bad token later in the batch"
     );
     assert_eq!(s.len(), 0, "failed steps leave the cache as it was");
-    // Rules that need the host's view of the activations are refused on a device, by name.
-    for spec in ["attn-norm:0.5", "gate-first:0.5"] {
-        let p = eng.policy(spec, None).unwrap();
-        let err = DevicePlan::policy(&dev, &eng.model.config, &p).err();
-        let msg = err.map(|e| e.to_string()).unwrap_or_default();
-        assert!(msg.contains("does not support"), "{spec}: {msg}");
-    }
     // Repacked rows cannot be uploaded.
     let packed = Engine::load(
         root().join("tests/fixtures/hf/llama-silu"),

@@ -282,6 +282,31 @@ pub trait Device: Send + Sync {
         n: usize,
         dst: &mut Self::Buf,
     ) -> Result<(), BackendError>;
+    /// `dst[j] = src[idx[j / group] * group + j % group]` for `j < count * group`: the compact
+    /// values of a selection, as its products would write them (the activations a rule that
+    /// computed every unit keeps). Each index is below `src.len() / group`.
+    fn gather(
+        &self,
+        src: &Self::Buf,
+        idx: &Self::Idx,
+        count: usize,
+        group: usize,
+        dst: &mut Self::Buf,
+    ) -> Result<(), BackendError>;
+
+    /// `x[i] = |x[i]|` for `i < n` (scores by magnitude, for [`Device::top_k`]).
+    fn abs(&self, x: &mut Self::Buf, n: usize) -> Result<(), BackendError>;
+
+    /// `out[g]` = the Euclidean norm of `x[g * width..(g + 1) * width]`, for `g < groups` (each
+    /// head's attention output, for selecting heads by it).
+    fn group_norms(
+        &self,
+        x: &Self::Buf,
+        groups: usize,
+        width: usize,
+        out: &mut Self::Buf,
+    ) -> Result<(), BackendError>;
+
     /// Rotate `n_heads` heads of each of `rows` rows of `x`, row `r` at position `pos + r`.
     fn rope(
         &self,

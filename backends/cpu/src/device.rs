@@ -26,6 +26,8 @@ pub struct CpuDevice {
     step: Mutex<(Vec<u32>, usize)>,
     kernels: Kernels,
     pool: SpinPool,
+    /// The f32 reference ([`CpuDevice::reference`]).
+    reference: bool,
     /// This device's rank in a tensor-parallel world of host threads, if any.
     world: Option<(usize, Arc<HostWorld>)>,
 }
@@ -40,7 +42,10 @@ impl Default for CpuDevice {
 impl CpuDevice {
     /// The f32 reference: f32 activations dotted with dequantized rows, scalar, one thread.
     pub fn reference() -> Self {
-        Self::of(Kernels::f32_reference(), 1)
+        Self {
+            reference: true,
+            ..Self::of(Kernels::f32_reference(), 1)
+        }
     }
     /// The process's tier (`DEJAVU_ISA` if set, else the best this CPU has) on `threads` threads.
     pub fn new(threads: usize) -> Result<Self, BackendError> {
@@ -57,6 +62,7 @@ impl CpuDevice {
             step: Mutex::new((vec![0], 0)),
             kernels,
             pool: SpinPool::new(threads.max(1)),
+            reference: false,
             world: None,
         }
     }
@@ -211,7 +217,10 @@ impl Device for CpuDevice {
     type Graph = ();
 
     fn name(&self) -> String {
-        format!("cpu ({})", self.kernels.isa)
+        match self.reference {
+            true => "cpu (f32 reference)".into(),
+            false => format!("cpu ({})", self.kernels.isa),
+        }
     }
     fn supports(&self, _qtype: QuantType) -> bool {
         true
@@ -405,13 +414,17 @@ impl Device for CpuDevice {
         bias: Option<&Vec<f32>>,
         y: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
-        let (set, rs) = selection(rows, w.rows)?;
+        let rs = match rows {
+            Rows::All => None,
+            sel => Some(rows_of(sel, w.rows)?),
+        };
         need("axpy activations", a.len(), count(&rs, w.rows))?;
         need("axpy output", y.len(), w.cols)?;
         if let Some(b) = bias {
             need("axpy bias", b.len(), w.cols)?;
         }
-        // The compact activations back at their rows, for the kernel's row-indexed input.
+        // The compact activations back at their rows, for the kernel's row-indexed input; the
+        // rows of zero activations go unread (the contract allows it: ReLU's zeros).
         let full = match &rs {
             None => a[..w.rows].to_vec(),
             Some(rs) => {
@@ -420,6 +433,10 @@ impl Device for CpuDevice {
                 full
             }
         };
+        let nonzero = (0..w.rows as u32)
+            .filter(|&r| full[r as usize] != 0.0)
+            .collect();
+        let set = IndexSet::new(w.rows, nonzero).map_err(|e| shape(e.to_string()))?;
         let mut sum = vec![0f32; w.cols];
         let wt = w.weight()?;
         axpy_matmul::axpy_matmul(&self.kernels, &self.pool, &wt, &set, &full, &mut sum);
@@ -490,6 +507,45 @@ impl Device for CpuDevice {
             if let Some(d) = dst.get_mut(i as usize) {
                 *d = v;
             }
+        }
+        Ok(())
+    }
+
+    fn gather(
+        &self,
+        src: &Vec<f32>,
+        idx: &Vec<u32>,
+        count: usize,
+        group: usize,
+        dst: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        let sel = Rows::Sel { idx, count, group };
+        let rs = rows_of(sel, src.len() / group.max(1) * group)?;
+        need("gather output", dst.len(), rs.len())?;
+        (dst.iter_mut().zip(&rs)).for_each(|(d, &r)| *d = src[r]);
+        Ok(())
+    }
+
+    fn abs(&self, x: &mut Vec<f32>, n: usize) -> Result<(), BackendError> {
+        need("abs", x.len(), n)?;
+        x[..n].iter_mut().for_each(|v| *v = v.abs());
+        Ok(())
+    }
+
+    fn group_norms(
+        &self,
+        x: &Vec<f32>,
+        groups: usize,
+        width: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        need("group_norms input", x.len(), groups * width)?;
+        need("group_norms output", out.len(), groups)?;
+        for (o, g) in out
+            .iter_mut()
+            .zip(x.chunks_exact(width.max(1)).take(groups))
+        {
+            *o = g.iter().map(|v| v * v).sum::<f32>().sqrt();
         }
         Ok(())
     }

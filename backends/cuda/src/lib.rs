@@ -157,6 +157,9 @@ impl CudaDevice {
             "copy_f32",
             "add_f32",
             "scatter_f32",
+            "gather_f32",
+            "abs_f32",
+            "group_norms",
             "store_f16",
             "attention_f16",
             "kv_mark",
@@ -526,6 +529,53 @@ impl Device for CudaDevice {
         let mut b = self.lane().launch_builder(self.func("scatter_f32"));
         b.arg(&sp).arg(&ip).arg(&ni).arg(&dp).arg(&len);
         launch::run(b, launch::grid(n, 256))
+    }
+
+    fn gather(
+        &self,
+        src: &Buf,
+        idx: &Idx,
+        count: usize,
+        group: usize,
+        dst: &mut Buf,
+    ) -> Result<(), BackendError> {
+        let n = count * group;
+        need("gather indices", idx.0.len(), count)?;
+        need("gather output", dst.0.len(), n)?;
+        if src.0.len() > i32::MAX as usize || n > i32::MAX as usize || group == 0 {
+            return Err(shape(format!("gather of {count} groups of {group}")));
+        }
+        let (sp, ip, dp) = (self.ptr(&src.0), self.ptr(&idx.0), self.ptr(&dst.0));
+        let (ci, gi, len) = (count as i32, group as i32, src.0.len() as i32);
+        let mut b = self.lane().launch_builder(self.func("gather_f32"));
+        b.arg(&sp).arg(&ip).arg(&ci).arg(&gi).arg(&dp).arg(&len);
+        launch::run(b, launch::grid(n, 256))
+    }
+
+    fn abs(&self, x: &mut Buf, n: usize) -> Result<(), BackendError> {
+        need("abs", x.0.len(), n)?;
+        let (xp, ni) = (self.ptr(&x.0), n as i32);
+        let mut b = self.lane().launch_builder(self.func("abs_f32"));
+        b.arg(&xp).arg(&ni);
+        launch::run(b, launch::grid(n, 256))
+    }
+
+    fn group_norms(
+        &self,
+        x: &Buf,
+        groups: usize,
+        width: usize,
+        out: &mut Buf,
+    ) -> Result<(), BackendError> {
+        need("group_norms input", x.0.len(), groups * width)?;
+        need("group_norms output", out.0.len(), groups)?;
+        if groups == 0 {
+            return Ok(());
+        }
+        let (xp, op, wi) = (self.ptr(&x.0), self.ptr(&out.0), width as i32);
+        let mut b = self.lane().launch_builder(self.func("group_norms"));
+        b.arg(&xp).arg(&wi).arg(&op);
+        launch::run(b, launch::blocks(launch::grid(32, 32), groups))
     }
 
     fn copy(&self, x: &Buf, y: &mut Buf, n: usize) -> Result<(), BackendError> {

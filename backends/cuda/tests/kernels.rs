@@ -265,7 +265,7 @@ fn embed_on<D: Device>(d: &D, w: &Weight, rows: usize) -> Vec<f32> {
 }
 
 /// Norms and RoPE (both styles) over a batch of rows of one random vector (2 rows where its
-/// heads split evenly), then GLU, activations, scatter, add and copy.
+/// heads split evenly), then GLU, activations, scatter, add and copy, gather, abs and head norms.
 fn elementwise_on<D: Device>(d: &D, x: &[f32], w: &[f32], b: &[f32], hd: usize) -> Vec<f32> {
     let n = x.len();
     let rows = if (n / hd).is_multiple_of(2) { 2 } else { 1 };
@@ -324,6 +324,19 @@ fn elementwise_on<D: Device>(d: &D, x: &[f32], w: &[f32], b: &[f32], hd: usize) 
     out.extend(down(d, &g, n));
     d.take_row(&xb, 2, n / 4, &mut g).unwrap();
     out.extend(down(d, &g, n));
+    // A selection's compact values (single units and whole heads), magnitudes, head norms.
+    let sel: Vec<u32> = (0..(n / hd) as u32).rev().step_by(2).collect();
+    let sel_idx = d.upload_idx(&sel).unwrap();
+    let mut dst = d.zeros(n).unwrap();
+    d.gather(&xb, &sel_idx, sel.len(), hd, &mut dst).unwrap();
+    out.extend(down(d, &dst, sel.len() * hd));
+    d.gather(&xb, &sel_idx, sel.len(), 1, &mut dst).unwrap();
+    out.extend(down(d, &dst, sel.len()));
+    let mut g = d.upload(x).unwrap();
+    d.abs(&mut g, n - 5).unwrap();
+    out.extend(down(d, &g, n));
+    d.group_norms(&xb, n / hd, hd, &mut g).unwrap();
+    out.extend(down(d, &g, n / hd));
     out
 }
 

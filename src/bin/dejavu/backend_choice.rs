@@ -14,7 +14,7 @@ pub enum BackendKind {
     /// The GPU (a build with `--features cuda`; the model keeps its file's row layout).
     Cuda,
     /// The device engine on the CPU backend's kernels (the one-engine migration: the GPU's
-    /// layer loop on the CPU; not yet as fast as `cpu`, and it runs the Deja Vu rules only).
+    /// layer loop on the CPU; not yet as fast as `cpu`).
     #[value(name = "cpu-device")]
     CpuDevice,
 }

@@ -60,7 +60,20 @@ pub struct DeviceModel<D: Device> {
     pub(super) dense_bytes: usize,
     /// ... and of one head's rows of W_k and W_v (read only for the selected heads under lazy
     /// K/V).
-    pub(super) unit_bytes: Vec<(usize, usize, usize)>,
+    pub(super) unit_bytes: Vec<UnitBytes>,
+}
+
+/// Weight bytes of one unit of a layer: a neuron's rows of every MLP matrix (and of the gate
+/// and up projections alone), a head's rows of W_q and W_o (and of W_q alone), and of W_k and
+/// W_v.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct UnitBytes {
+    pub(super) neuron: usize,
+    pub(super) gate: usize,
+    pub(super) up: usize,
+    pub(super) head: usize,
+    pub(super) q: usize,
+    pub(super) kv_head: usize,
 }
 
 impl<D: Device> DeviceModel<D> {
@@ -220,15 +233,17 @@ impl<D: Device> DeviceModel<D> {
                 .layers
                 .iter()
                 .map(|lw| {
-                    let mlp = lw.w_gate.as_ref().map_or(0, |w| w.n_bytes())
-                        + lw.w_up.n_bytes()
-                        + lw.w_down.n_bytes();
+                    let gate = lw.w_gate.as_ref().map_or(0, |w| w.n_bytes());
+                    let mlp = gate + lw.w_up.n_bytes() + lw.w_down.n_bytes();
                     let c = &model.config;
-                    (
-                        mlp / c.n_ff,
-                        (lw.wq.n_bytes() + lw.wo.n_bytes()) / c.n_heads,
-                        (lw.wk.n_bytes() + lw.wv.n_bytes()) / c.n_heads,
-                    )
+                    UnitBytes {
+                        neuron: mlp / c.n_ff,
+                        gate: gate / c.n_ff,
+                        up: lw.w_up.n_bytes() / c.n_ff,
+                        head: (lw.wq.n_bytes() + lw.wo.n_bytes()) / c.n_heads,
+                        q: lw.wq.n_bytes() / c.n_heads,
+                        kv_head: (lw.wk.n_bytes() + lw.wv.n_bytes()) / c.n_heads,
+                    }
                 })
                 .collect(),
         })

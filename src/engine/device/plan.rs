@@ -101,6 +101,25 @@ impl<D: Device> Sel<D> {
     }
 }
 
+/// A selection the step makes from the layer's own activations (the rules that read them), into
+/// the layer's `Sel::Predicted` list; `Given` for the rest (dense, fixed, predictors).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Computed {
+    Given,
+    /// `gate-first`: the gate in full, the top-k by `|act(gate)|`, up over those.
+    Gate,
+    /// `up-first`: the up projection in full, the top-k by `|up|`, gate over those.
+    Up,
+    /// `oracle:KEEP`: the first projections in full, the top-k by `|activation|`; the down
+    /// projection over those.
+    Oracle,
+    /// `relu-exact` and `oracle` of a ReLU model: the first projections in full (the selection
+    /// stays `Sel::All`); the down projection skips the rows of zero activations.
+    Nonzero,
+    /// `attn-norm`: every head's attention, then W_o over the top-k heads by output norm.
+    HeadNorm,
+}
+
 /// The contextual output head on the device: a rank-`r` preview of the output matrix
 /// (`proj`, r x d in f32; `table`, vocab x r in Q8_0) scores every token, and the top
 /// `candidates` (written to `idx`) get exact logits.
@@ -122,6 +141,9 @@ pub struct DevicePlan<D: Device> {
     pub(super) heads: Vec<Sel<D>>,
     pub(super) mlp_pred: Vec<Option<Predictor<D>>>,
     pub(super) head_pred: Vec<Option<Predictor<D>>>,
+    /// Per layer, how the step makes its MLP and head selections.
+    pub(super) mlp_rule: Vec<Computed>,
+    pub(super) head_rule: Vec<Computed>,
     /// Lazy K/V: layers with a head selection compute the keys and values of the selected heads
     /// only, and recompute the positions a head missed when it is selected again.
     pub(super) lazy_kv: bool,
@@ -174,12 +196,15 @@ impl<D: Device> DevicePlan<D> {
             heads.push(sel(&lp.heads, cfg.n_heads)?);
         }
         let none = || (0..cfg.n_layers).map(|_| None).collect();
+        let given = vec![Computed::Given; cfg.n_layers];
         Ok(Self {
             name: name.into(),
             mlp,
             heads,
             mlp_pred: none(),
             head_pred: none(),
+            mlp_rule: given.clone(),
+            head_rule: given,
             lazy_kv: false,
             lookahead: false,
             output: None,
@@ -188,8 +213,9 @@ impl<D: Device> DevicePlan<D> {
 
     /// A policy's rules on the device: dense layers, the Deja Vu predictors (`dejavu`,
     /// `dejavu-attn`; with `lookahead` they run on a second lane, overlapped with the layer's
-    /// attention), `lazy-kv` and the contextual output head (`head:`). Rules that need the
-    /// host's view of the activations are refused.
+    /// attention), the rules that select from the layer's own activations (`gate-first`,
+    /// `up-first`, `oracle`, `relu-exact`, `attn-norm`: [`Computed`]), `lazy-kv` and the
+    /// contextual output head (`head:`).
     pub fn policy(dev: &D, cfg: &ModelConfig, p: &Policy) -> Result<Self> {
         Self::policy_shard(dev, cfg, Shard::WHOLE, p)
     }
@@ -223,27 +249,53 @@ impl<D: Device> DevicePlan<D> {
         }
         let (mut mlp, mut heads, mut mlp_pred, mut head_pred) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut mlp_rule, mut head_rule) = (Vec::new(), Vec::new());
+        // A selection the step writes: its top-k list.
+        let computed = |k: usize| -> Result<Sel<D>> {
+            Ok(Sel::Predicted {
+                idx: dev.upload_idx(&vec![0; k])?,
+                k,
+            })
+        };
+        let gated = cfg.mlp.gated();
         for l in 0..cfg.n_layers {
-            let (m, mp) = match p.mlp[l] {
-                MlpRule::Dense => (Sel::All, None),
-                r @ MlpRule::LowRank { .. } => {
+            let kept = p.mlp[l].kept(local.n_ff);
+            let (m, mp, mr) = match p.mlp[l] {
+                MlpRule::Dense => (Sel::All, None, Computed::Given),
+                MlpRule::LowRank { .. } => {
                     let pred = p.mlp_predictors.get(l).ok_or_else(|| missing("MLP", l))?;
-                    predicted(dev, pred, shard.part(cfg.n_ff), r.kept(local.n_ff))?
+                    let (m, mp) = predicted(dev, pred, shard.part(cfg.n_ff), kept)?;
+                    (m, mp, Computed::Given)
                 }
-                r => return Err(unsupported(format!("the MLP rule {r:?}"))),
+                r @ (MlpRule::GateFirst { .. } | MlpRule::UpFirst { .. }) if !gated => {
+                    return Err(Error::BadPlan(format!("{r:?} needs a gated MLP")))
+                }
+                MlpRule::GateFirst { .. } => (computed(kept)?, None, Computed::Gate),
+                MlpRule::UpFirst { .. } => (computed(kept)?, None, Computed::Up),
+                MlpRule::Oracle { .. } => (computed(kept)?, None, Computed::Oracle),
+                MlpRule::ReluExact | MlpRule::OracleNonzero => (Sel::All, None, Computed::Nonzero),
             };
-            let (h, hp) = match p.heads[l] {
-                HeadRule::Dense => (Sel::All, None),
-                r @ HeadRule::LowRank { .. } => {
+            let kept = p.heads[l].kept(local.n_heads);
+            let (h, hp, hr) = match p.heads[l] {
+                HeadRule::Dense => (Sel::All, None, Computed::Given),
+                HeadRule::LowRank { .. } => {
                     let pred = p.head_predictors.get(l).ok_or_else(|| missing("head", l))?;
-                    predicted(dev, pred, shard.part(cfg.n_heads), r.kept(local.n_heads))?
+                    let (h, hp) = predicted(dev, pred, shard.part(cfg.n_heads), kept)?;
+                    (h, hp, Computed::Given)
                 }
-                r => return Err(unsupported(format!("the head rule {r:?}"))),
+                HeadRule::Norm { .. } => (computed(kept)?, None, Computed::HeadNorm),
             };
             mlp.push(m);
             heads.push(h);
             mlp_pred.push(mp);
             head_pred.push(hp);
+            mlp_rule.push(mr);
+            head_rule.push(hr);
+        }
+        if (mlp_rule.iter().chain(&head_rule)).any(|r| *r != Computed::Given) && !shard.is_whole() {
+            return Err(unsupported(
+                "rules that select from a layer's own activations under tensor parallelism".into(),
+            ));
         }
         Ok(Self {
             name: p.name.clone(),
@@ -251,6 +303,8 @@ impl<D: Device> DevicePlan<D> {
             heads,
             mlp_pred,
             head_pred,
+            mlp_rule,
+            head_rule,
             lazy_kv: p.kv == KvRule::Lazy,
             lookahead: p.lookahead,
             output,

@@ -1,6 +1,6 @@
 //! One sequence on the device: its KV cache, activations and recorded step.
 use super::model::DeviceModel;
-use super::plan::{DevicePlan, Sel};
+use super::plan::{Computed, DevicePlan, Sel};
 use crate::engine::config::Positions;
 use crate::{Error, Result};
 use dejavu_backend_api::Device;
@@ -22,6 +22,10 @@ struct Scratch<D: Device> {
     /// Per predictor run at one layer (at most 3): its hidden layer and its scores.
     z: [D::Buf; 3],
     scores: [D::Buf; 3],
+    /// The rules that select from a layer's own activations: a projection in full (or the
+    /// kept values, compact) and the scores of the units.
+    full: D::Buf,
+    score: D::Buf,
     /// The contextual head's exact logits of its candidates (compact).
     exact: D::Buf,
     logits: D::Buf,
@@ -210,6 +214,8 @@ impl<'a, D: Device> DeviceSession<'a, D> {
                 dev.zeros(c.n_ff.max(c.n_heads))?,
                 dev.zeros(c.n_ff.max(c.n_heads))?,
             ],
+            full: dev.zeros(c.n_ff.max(c.n_heads * c.head_dim))?,
+            score: dev.zeros(c.n_ff.max(c.n_heads))?,
             exact: dev.zeros(plan.output.as_ref().map_or(1, |o| o.candidates))?,
             logits: dev.zeros(per_rank * model.shard.world)?,
             part: dev.zeros(if tp { wide } else { 1 })?,
@@ -432,10 +438,22 @@ impl<'a, D: Device> DeviceSession<'a, D> {
 fn step_bytes<D: Device>(m: &DeviceModel<D>, p: &DevicePlan<D>) -> usize {
     let c = &m.local;
     let mut bytes = m.dense_bytes;
-    for (l, &(per_neuron, per_head, kv_per_head)) in m.unit_bytes.iter().enumerate() {
+    for (l, u) in m.unit_bytes.iter().enumerate() {
         let (nm, nh) = (p.mlp[l].count(c.n_ff), p.heads[l].count(c.n_heads));
-        let per_head = per_head + if p.lazy_kv { kv_per_head } else { 0 };
-        bytes -= (c.n_ff - nm) * per_neuron + (c.n_heads - nh) * per_head;
+        let per_head = u.head + if p.lazy_kv { u.kv_head } else { 0 };
+        // What a rule that selects from the layer's own activations reads in full.
+        let (read_neuron, read_head) = match (p.mlp_rule[l], p.head_rule[l]) {
+            (Computed::Gate, h) => (u.gate, h),
+            (Computed::Up, h) => (u.up, h),
+            (Computed::Oracle, h) => (u.gate + u.up, h),
+            (_, h) => (0, h),
+        };
+        let read_head = match read_head {
+            Computed::HeadNorm => u.q + if p.lazy_kv { u.kv_head } else { 0 },
+            _ => 0,
+        };
+        bytes -=
+            (c.n_ff - nm) * (u.neuron - read_neuron) + (c.n_heads - nh) * (per_head - read_head);
     }
     if let Some(o) = &p.output {
         // A share of the head's rows (the candidates), plus the preview.

@@ -16,6 +16,28 @@ extern "C" __global__ void scatter_f32(const float* src, const u32* idx, int n, 
     int j = blockIdx.x * blockDim.x + threadIdx.x;
     if (j < n && idx[j] < (u32)len) dst[idx[j]] = src[j];
 }
+// dst[j] = src[idx[j / group] * group + j % group] for j < count * group; an index at or past
+// len reads 0.
+extern "C" __global__ void gather_f32(const float* src, const u32* idx, int count, int group,
+                                      float* dst, int len) {
+    int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j < count * group) {
+        u32 r = idx[j / group] * (u32)group + (u32)(j % group);
+        dst[j] = r < (u32)len ? src[r] : 0.f;
+    }
+}
+extern "C" __global__ void abs_f32(float* x, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = fabsf(x[i]);
+}
+// out[g] = the norm of x[g * width ..][..width], one warp (blockIdx.x = g) per group.
+extern "C" __global__ void group_norms(const float* x, int width, float* out) {
+    const float* row = x + (size_t)blockIdx.x * width;
+    float acc = 0.f;
+    for (int t = threadIdx.x; t < width; t += 32) acc += row[t] * row[t];
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, o);
+    if (threadIdx.x == 0) out[blockIdx.x] = sqrtf(acc);
+}
 extern "C" __global__ void add_f32(float* x, const float* y, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] += y[i];

@@ -3,7 +3,7 @@
 use super::{collective, lap, BlockTimes, Clock, DeviceSession, Scratch};
 use crate::engine::config::{ModelConfig, NormKind, Positions};
 use crate::engine::device::model::{DeviceModel, Layer, Norm};
-use crate::engine::device::plan::{Predictor, Sel};
+use crate::engine::device::plan::{Computed, Predictor, Sel};
 use crate::Result;
 use dejavu_backend_api::{AttnGeom, Device, LazyKv, Product, Rows, StepRow, TopK};
 
@@ -145,9 +145,15 @@ impl<D: Device> DeviceSession<'_, D> {
             dev.back()?;
         }
         lap(clock, dev, |t| &mut t.predict)?;
+        // `attn-norm`: every head's attention, then W_o over the top heads by output norm.
+        let by_norm = self.plan.head_rule[l] == Computed::HeadNorm;
         let (s, heads) = (&mut self.s, &self.plan.heads[l]);
         let n_sel = heads.count(c.n_heads);
-        let q = Product::new(&lw.wq, heads.rows(hd), &mut s.q).bias(lw.bq.as_ref());
+        let (q_rows, n_q, attn_rows) = match by_norm {
+            true => (Rows::All, c.n_heads, Rows::All),
+            false => (heads.rows(hd), n_sel, heads.rows(1)),
+        };
+        let q = Product::new(&lw.wq, q_rows, &mut s.q).bias(lw.bq.as_ref());
         match &mut self.lazy[l] {
             Some((inputs, valid)) => {
                 // Keys and values of the selected heads only, from the kept inputs.
@@ -155,9 +161,9 @@ impl<D: Device> DeviceSession<'_, D> {
                 if n_sel > 0 {
                     dev.matvecs(&s.h, &mut [q])?;
                     if let Some((theta, style)) = c.rope() {
-                        dev.rope(&mut s.q, n_sel, hd, theta, style, 1)?;
+                        dev.rope(&mut s.q, n_q, hd, theta, style, 1)?;
                     }
-                    let job = lazy_kv(c, lw, inputs, heads.rows(1), 1);
+                    let job = lazy_kv(c, lw, inputs, attn_rows, 1);
                     dev.kv_fill(job, valid, &mut self.k[l], &mut self.v[l])?;
                 }
             }
@@ -169,7 +175,7 @@ impl<D: Device> DeviceSession<'_, D> {
                     _ => dev.matvecs(&s.h, &mut [q, k, v])?,
                 }
                 if let Some((theta, style)) = c.rope() {
-                    dev.rope_qk(&mut s.q, n_sel, &mut s.k, c.n_kv_heads, hd, theta, style, 1)?;
+                    dev.rope_qk(&mut s.q, n_q, &mut s.k, c.n_kv_heads, hd, theta, style, 1)?;
                 }
                 dev.store(&s.k, &s.v, &mut self.k[l], &mut self.v[l], 1)?;
             }
@@ -184,13 +190,23 @@ impl<D: Device> DeviceSession<'_, D> {
         let out = residual_out(dev, m, s)?;
         if n_sel > 0 {
             let (kc, vc) = (&self.k[l], &self.v[l]);
-            dev.attention(&s.q, kc, vc, heads.rows(1), geom, &mut s.att)?;
+            dev.attention(&s.q, kc, vc, attn_rows, geom, &mut s.att)?;
+            let att = match (by_norm, &mut self.plan.heads[l]) {
+                (true, Sel::Predicted { idx, k }) => {
+                    dev.group_norms(&s.att, c.n_heads, hd, &mut s.score)?;
+                    dev.top_k(&s.score, c.n_heads, *k, idx)?;
+                    dev.gather(&s.att, idx, *k, hd, &mut s.full)?;
+                    &s.full
+                }
+                _ => &s.att,
+            };
+            let heads = &self.plan.heads[l];
             let y = if out { &mut s.part } else { &mut s.x };
             match (heads.is_all(), &m.sparse) {
                 (false, Some(sp)) => {
-                    dev.axpy(&sp[l].1, heads.rows(hd), &s.att, lw.bo.as_ref(), y)?;
+                    dev.axpy(&sp[l].1, heads.rows(hd), att, lw.bo.as_ref(), y)?;
                 }
-                _ => dev.matvec(&lw.wo, Rows::All, &s.att, lw.bo.as_ref(), y, true)?,
+                _ => dev.matvec(&lw.wo, Rows::All, att, lw.bo.as_ref(), y, true)?,
             }
         } else if let Some(b) = &lw.bo {
             dev.add(if out { &mut s.part } else { &mut s.x }, b, c.d_model)?;
@@ -219,26 +235,59 @@ impl<D: Device> DeviceSession<'_, D> {
             return post_norm(dev, c, &lw.ffn_norm, &mut s.x, &mut s.h, 1);
         }
         let act = c.mlp.activation();
-        let a = match &lw.w_gate {
-            Some(wg) => {
-                dev.matvecs(
-                    &s.h,
-                    &mut [
-                        Product::new(wg, sel.rows(1), &mut s.gate),
-                        Product::new(&lw.w_up, sel.rows(1), &mut s.up),
-                    ],
-                )?;
-                dev.glu(act, &mut s.gate, &s.up, n)?;
+        let rule = self.plan.mlp_rule[l];
+        let a = match (rule, &mut self.plan.mlp[l], &lw.w_gate) {
+            // The first projection in full, the top-k by magnitude, the other over those.
+            (Computed::Gate | Computed::Up, Sel::Predicted { idx, k }, Some(wg)) => {
+                let (k, n_ff) = (*k, c.n_ff);
+                let (first, other) = match rule {
+                    Computed::Gate => (wg, &lw.w_up),
+                    _ => (&lw.w_up, wg),
+                };
+                dev.matvec(first, Rows::All, &s.h, None, &mut s.full, false)?;
+                dev.copy(&s.full, &mut s.score, n_ff)?;
+                if rule == Computed::Gate {
+                    dev.activate(act, &mut s.score, n_ff)?;
+                }
+                dev.abs(&mut s.score, n_ff)?;
+                dev.top_k(&s.score, n_ff, k, idx)?;
+                let rows = Rows::Sel {
+                    idx,
+                    count: k,
+                    group: 1,
+                };
+                let (kept, rest) = match rule {
+                    Computed::Gate => (&mut s.gate, &mut s.up),
+                    _ => (&mut s.up, &mut s.gate),
+                };
+                dev.gather(&s.full, idx, k, 1, kept)?;
+                dev.matvec(other, rows, &s.h, None, rest, false)?;
+                dev.glu(act, &mut s.gate, &s.up, k)?;
                 &s.gate
             }
-            None => {
-                let fc1 = Product::new(&lw.w_up, sel.rows(1), &mut s.up);
-                dev.matvecs(&s.h, &mut [fc1.bias(lw.b_up.as_ref()).act(act)])?;
-                &s.up
+            // Every activation, then the top-k of them by magnitude, kept compact.
+            (Computed::Oracle, Sel::Predicted { idx, k }, _) => {
+                let a = first_projections(dev, c, lw, Rows::All, c.n_ff, s)?;
+                let a = if a { &s.gate } else { &s.up };
+                dev.copy(a, &mut s.score, c.n_ff)?;
+                dev.abs(&mut s.score, c.n_ff)?;
+                dev.top_k(&s.score, c.n_ff, *k, idx)?;
+                dev.gather(a, idx, *k, 1, &mut s.full)?;
+                &s.full
+            }
+            (_, sel, _) => {
+                let a = first_projections(dev, c, lw, sel.rows(1), n, s)?;
+                if a {
+                    &s.gate
+                } else {
+                    &s.up
+                }
             }
         };
+        let sel = &self.plan.mlp[l];
         let y = if out { &mut s.part } else { &mut s.x };
-        match (sel.is_all(), &m.sparse) {
+        match (sel.is_all() && rule != Computed::Nonzero, &m.sparse) {
+            // A selection, or every neuron of which the zero ones go unread.
             (false, Some(sp)) => {
                 dev.axpy(&sp[l].0, sel.rows(1), a, lw.b_down.as_ref(), y)?;
             }
@@ -246,6 +295,32 @@ impl<D: Device> DeviceSession<'_, D> {
         }
         reduce_residual(dev, m, s, clock, |t| &mut t.mlp)?;
         post_norm(dev, c, &lw.ffn_norm, &mut s.x, &mut s.h, 1)
+    }
+}
+
+/// The MLP's first projections of `s.h` over `rows` (`n` outputs): `act(gate) * up` into
+/// `s.gate` (returns `true`), or `act(fc1 + b)` into `s.up` (`false`).
+fn first_projections<D: Device>(
+    dev: &D,
+    c: &ModelConfig,
+    lw: &Layer<D>,
+    rows: Rows<'_, D::Idx>,
+    n: usize,
+    s: &mut Scratch<D>,
+) -> Result<bool> {
+    let act = c.mlp.activation();
+    match &lw.w_gate {
+        Some(wg) => {
+            let gate = Product::new(wg, rows, &mut s.gate);
+            dev.matvecs(&s.h, &mut [gate, Product::new(&lw.w_up, rows, &mut s.up)])?;
+            dev.glu(act, &mut s.gate, &s.up, n)?;
+            Ok(true)
+        }
+        None => {
+            let fc1 = Product::new(&lw.w_up, rows, &mut s.up);
+            dev.matvecs(&s.h, &mut [fc1.bias(lw.b_up.as_ref()).act(act)])?;
+            Ok(false)
+        }
     }
 }
 
