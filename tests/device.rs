@@ -139,11 +139,12 @@ pub fn check_fixtures_against<D: Device>(dev: &D, host: &CpuBackend) -> f32 {
 /// steps; the device sums in another order, so its keys and values can round to the other
 /// neighbouring f16 value (measured on the H200: 2.7e-4 dense, 3.7e-3 sparse). The model is the file `DEJAVU_SMOLLM2` names, else the project's fetch (its cache).
 fn check_smollm2<D: Device>(g: &D) {
-    check_smollm2_against(g, &CpuBackend::f32_reference(2))
+    check_smollm2_against(g, &CpuBackend::f32_reference(2), true)
 }
 
-/// [`check_smollm2`] against the host executor on `reference`.
-fn check_smollm2_against<D: Device>(g: &D, reference: &CpuBackend) {
+/// [`check_smollm2`] against the host executor on `reference`, the model in its file's layout
+/// or (`keep_file_layout` false) in the CPU's repacked rows.
+fn check_smollm2_against<D: Device>(g: &D, reference: &CpuBackend, keep_file_layout: bool) {
     let path = match std::env::var("DEJAVU_SMOLLM2") {
         Ok(p) => PathBuf::from(p),
         Err(_) => match dejavu::fetch::fetch("smollm2-135m-instruct") {
@@ -155,7 +156,7 @@ fn check_smollm2_against<D: Device>(g: &D, reference: &CpuBackend) {
         return eprintln!("skipped: {} not found", path.display());
     }
     let opts = EngineOptions {
-        keep_file_layout: true,
+        keep_file_layout,
         n_ctx: Some(64),
         ..Default::default()
     };
@@ -330,7 +331,10 @@ fn fixed_plans_on_the_reference_device_match_the_host_executor() {
 /// on gated and ungated, SiLU and ReLU, multi-head and grouped-query fixtures.
 #[test]
 fn rules_that_select_from_activations_run_on_the_reference_device() {
-    let dev = CpuDevice::reference();
+    rules_that_select_from_activations_run(&CpuDevice::reference());
+}
+
+fn rules_that_select_from_activations_run<D: Device>(dev: &D) {
     for (name, spec) in [
         ("llama-silu", "gate-first:0.5"),
         ("llama-silu", "up-first:0.5+attn-norm:0.5"),
@@ -341,7 +345,7 @@ fn rules_that_select_from_activations_run_on_the_reference_device() {
         ("opt-relu", "oracle:0.3"),
         ("opt-postln-proj", "oracle:0.5+attn-norm:0.5"),
     ] {
-        policy_on_runs_its_selection(&dev, &load(name), spec);
+        policy_on_runs_its_selection(dev, &load(name), spec);
     }
 }
 
@@ -358,7 +362,9 @@ fn every_cpu_tier_runs_the_device_engine_as_the_host_engine() {
         // partial sums meet in another order (<= 3e-6).
         let worst = check_fixtures_against(&dev, &host);
         assert!(worst <= 1e-4, "{isa}: worst |logit error| {worst:.2e}");
-        check_smollm2_against(&dev, &host);
+        check_smollm2_against(&dev, &host, true);
+        // The engine's repacked rows, as `--backend cpu-device` runs them.
+        check_smollm2_against(&dev, &host, false);
     }
 }
 
@@ -549,20 +555,6 @@ fn device_errors_are_errors() {
         "a bad token later in the batch"
     );
     assert_eq!(s.len(), 0, "failed steps leave the cache as it was");
-    // Repacked rows cannot be uploaded.
-    let packed = Engine::load(
-        root().join("tests/fixtures/hf/llama-silu"),
-        &EngineOptions::default(),
-    )
-    .unwrap();
-    if packed
-        .model
-        .matrices()
-        .iter()
-        .any(|w| w.layout != Default::default())
-    {
-        assert!(DeviceModel::upload(&dev, &packed.model, None).is_err());
-    }
 }
 
 #[cfg(feature = "cuda")]
@@ -605,6 +597,15 @@ mod cuda {
             g.name(),
             TOKENS.len() + 2
         );
+    }
+
+    /// `gate-first`, `up-first`, `oracle`, `relu-exact` and `attn-norm` on the GPU run the plans
+    /// they select (see `rules_that_select_from_activations_run`).
+    #[test]
+    fn rules_that_select_from_activations_run_on_the_gpu() {
+        let Some(g) = gpu() else { return };
+        rules_that_select_from_activations_run(&g);
+        eprintln!("{}: gate-first, up-first, oracle, relu-exact and attn-norm run their own selections on 5 fixtures", g.name());
     }
 
     /// Prompts in batches on the GPU (see `prompts_in_batches_match_the_host_executor`).

@@ -7,16 +7,18 @@
 //! Products compute the selected rows into a full-length scratch with the backend's `matmul`
 //! (unselected outputs untouched) and then gather them into the compact order the trait names;
 //! the sparse down projection expands the compact activations the other way for `axpy_matmul`.
-//! Matrices keep the file's (ggml) row layout. Steps are not recorded (`begin_capture` is
-//! `false`): a CPU step is its verbs.
+//! Matrices keep the layout they are given: the engine's repacked rows, or the file's (the
+//! neuron-major matrices of the sparse layout, which `axpy` reads). Steps are not recorded
+//! (`begin_capture` is `false`): a CPU step is its verbs.
 use crate::isa::Isa;
+use crate::kernels::repack;
 use crate::kernels::table::Kernels;
 use crate::pool::SpinPool;
 use crate::world::HostWorld;
 use crate::{attention, axpy_matmul, dequant, matmul, ops};
 use dejavu_backend_api::{
     Activation, AttnGeom, AttnShape, BackendError, Device, IndexSet, KvSlice, LazyKv, MatmulJob,
-    Product, QuantType, RopeStyle, Rows, StepRow, Weight, MAX_ROWS,
+    Product, QuantType, RopeStyle, RowLayout, Rows, StepRow, Weight, MAX_ROWS,
 };
 use half::f16;
 use std::sync::{Arc, Mutex};
@@ -88,21 +90,31 @@ fn unsupported(what: String) -> BackendError {
     }
 }
 
-/// A matrix copied into host memory (ggml layout).
+/// A matrix copied into host memory, in the file's layout or the CPU's repacked one.
 pub struct CpuMat {
     qtype: QuantType,
     rows: usize,
     cols: usize,
+    layout: RowLayout,
     data: Vec<u8>,
 }
 
 impl CpuMat {
     fn row(&self, r: usize, out: &mut [f32]) {
         let rb = self.qtype.row_bytes(self.cols);
-        dequant::dequantize_row(self.qtype, &self.data[r * rb..(r + 1) * rb], out);
+        let row = &self.data[r * rb..(r + 1) * rb];
+        match self.layout {
+            RowLayout::Ggml => dequant::dequantize_row(self.qtype, row, out),
+            RowLayout::Repacked => {
+                let mut ggml = vec![0u8; rb];
+                repack::unpack_row(self.qtype, row, &mut ggml);
+                dequant::dequantize_row(self.qtype, &ggml, out)
+            }
+        }
     }
     fn weight(&self) -> Result<Weight<'_>, BackendError> {
-        Weight::new(self.qtype, self.rows, self.cols, &self.data)
+        let w = Weight::new(self.qtype, self.rows, self.cols, &self.data)?;
+        Ok(w.with_layout(self.layout))
     }
 }
 
@@ -234,18 +246,14 @@ impl Device for CpuDevice {
     fn upload_idx(&self, idx: &[u32]) -> Result<Vec<u32>, BackendError> {
         Ok(idx.to_vec())
     }
+    /// Either layout: the engine's repacked rows (any tier reads them) or the file's.
     fn upload_mat(&self, w: &Weight) -> Result<CpuMat, BackendError> {
         w.check();
-        if w.layout != dejavu_backend_api::RowLayout::Ggml {
-            return Err(BackendError::Unsupported {
-                backend: self.name(),
-                what: "repacked rows".into(),
-            });
-        }
         Ok(CpuMat {
             qtype: w.qtype,
             rows: w.rows,
             cols: w.cols,
+            layout: w.layout,
             data: w.data.to_vec(),
         })
     }
@@ -414,6 +422,11 @@ impl Device for CpuDevice {
         bias: Option<&Vec<f32>>,
         y: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
+        if w.layout != RowLayout::Ggml {
+            return Err(shape(
+                "axpy reads neuron-major rows in the file's layout".into(),
+            ));
+        }
         let rs = match rows {
             Rows::All => None,
             sel => Some(rows_of(sel, w.rows)?),

@@ -20,7 +20,7 @@ pub enum BackendKind {
 }
 
 impl BackendKind {
-    /// Does this backend run the device engine, which uploads the file's row layout?
+    /// Does this backend run the device engine?
     pub fn is_device(self) -> bool {
         self != BackendKind::Cpu
     }

@@ -22,7 +22,7 @@ pub struct BenchArgs {
     pub no_repack: bool,
     /// Backends to measure, comma-separated: cpu, cuda (a build with `--features cuda`; the
     /// model then keeps its file's row layout on the CPU too), cpu-device (the device engine on
-    /// the CPU, at each `--threads`; keeps the file's row layout too).
+    /// the CPU, at each `--threads`).
     #[arg(long, value_delimiter = ',', default_value = "cpu")]
     pub backend: Vec<String>,
     /// Tensor parallelism of the `cuda` runs: the model split over this many GPUs (`-tp N`).
@@ -135,7 +135,7 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
             n_ctx: Some(ctx),
             kv_type: a.kv_type,
             synthetic: a.synthetic.options(),
-            keep_file_layout: a.no_repack || cuda || cpu_device,
+            keep_file_layout: a.no_repack || cuda,
         },
     )?;
     let model_name = engine.model.label();

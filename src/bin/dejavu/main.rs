@@ -149,8 +149,8 @@ impl ModelArgs {
                 n_ctx,
                 kv_type: self.kv_type,
                 synthetic: self.synthetic.options(),
-                // A device uploads the file's layout (repacking is the CPU's).
-                keep_file_layout: self.no_repack || self.backend.is_device(),
+                // A GPU uploads the file's layout (repacking is the CPU's).
+                keep_file_layout: self.no_repack || self.backend == BackendKind::Cuda,
             },
         )?;
         if engine.model.synthetic_source().is_some() {
