@@ -25,10 +25,8 @@ fn marker(i: usize, nonce: u64) -> String {
 pub fn encode_chat(tok: &Tokenizer, messages: &[(String, String)]) -> Result<Vec<u32>> {
     let real = tok.apply_chat_template(messages)?;
     let nonce = {
-        use std::hash::{BuildHasher, Hash, Hasher};
-        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-        real.hash(&mut h);
-        h.finish()
+        use std::hash::BuildHasher;
+        std::collections::hash_map::RandomState::new().hash_one(&real)
     };
     let marked: Vec<(String, String)> = (messages.iter().enumerate())
         .map(|(i, (role, _))| (role.clone(), marker(i, nonce)))
