@@ -95,6 +95,7 @@ fn ggml_scalar(q: QuantType) -> super::table::DotQ8AFn {
 
 /// The length contract, checked by every tier in release builds: `row` holds the
 /// `act.len() * 32` elements of `q`, and `groups` are `act`'s whole groups (`repack::act_groups`).
+#[inline(always)] // per row: inlined, the type's sizes fold to constants
 fn check(q: QuantType, row: &[u8], act: &[BlockQ8A], groups: &[ActGroup]) {
     super::check_q8a(q, row, act);
     assert!(
