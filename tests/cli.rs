@@ -17,26 +17,35 @@ fn dejavu(args: &[&str]) -> (String, String) {
     (so, se)
 }
 
-#[test]
-fn greedy_generate_streams_the_reference_continuation() {
+/// `generate` greedy for 12 tokens of the reference's first case, with `extra` arguments;
+/// asserts stdout is the continuation (no prompt echo) that decodes the reference's greedy ids,
+/// and returns stderr.
+fn streams_the_reference_continuation(extra: &[&str]) -> String {
     let model = model_path(SMOLLM2);
     let r = reference(SMOLLM2);
     let case = &r.greedy.cases[0];
-    let (out, err) = dejavu(&[
+    let m = model.to_str().unwrap();
+    let args = [
         "generate",
         "-m",
-        model.to_str().unwrap(),
+        m,
         "--prompt",
         &case.prompt,
-        "--max-tokens",
+        "-n",
         "12",
-        "--temperature",
+        "--temp",
         "0",
-    ]);
-    // No prompt echo: stdout is the continuation, which decodes the reference's greedy ids.
+    ];
+    let (out, err) = dejavu(&[&args[..], extra].concat());
     let eng = engine(SMOLLM2);
     let want = eng.tokenizer.decode(&case.greedy_ids[..12]).unwrap();
-    assert_eq!(out.trim_end_matches('\n'), want);
+    assert_eq!(out.trim_end_matches('\n'), want, "{extra:?}");
+    err
+}
+
+#[test]
+fn greedy_generate_streams_the_reference_continuation() {
+    let err = streams_the_reference_continuation(&[]);
     assert!(
         err.contains("prompt:") && err.contains("decode:") && err.contains("tok/s"),
         "timing on stderr: {err}"
@@ -47,25 +56,7 @@ fn greedy_generate_streams_the_reference_continuation() {
 /// continuation, and says where it ran.
 #[test]
 fn the_device_engine_on_the_cpu_streams_the_reference_continuation() {
-    let model = model_path(SMOLLM2);
-    let r = reference(SMOLLM2);
-    let case = &r.greedy.cases[0];
-    let (out, err) = dejavu(&[
-        "generate",
-        "-m",
-        model.to_str().unwrap(),
-        "--prompt",
-        &case.prompt,
-        "-n",
-        "12",
-        "--temp",
-        "0",
-        "--backend",
-        "cpu-device",
-    ]);
-    let eng = engine(SMOLLM2);
-    let want = eng.tokenizer.decode(&case.greedy_ids[..12]).unwrap();
-    assert_eq!(out.trim_end_matches('\n'), want);
+    let err = streams_the_reference_continuation(&["--backend", "cpu-device"]);
     assert!(err.contains("cpu-device"), "where it ran, on stderr: {err}");
 }
 
