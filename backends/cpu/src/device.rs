@@ -231,7 +231,11 @@ impl Device for CpuDevice {
     fn name(&self) -> String {
         match self.reference {
             true => "cpu (f32 reference)".into(),
-            false => format!("cpu ({})", self.kernels.isa),
+            false => format!(
+                "cpu ({} threads, {})",
+                self.pool.threads(),
+                self.kernels.isa
+            ),
         }
     }
     fn supports(&self, _qtype: QuantType) -> bool {

@@ -158,6 +158,7 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
         let policies = (a.sparsity.iter())
             .map(|spec| policy_for(&engine, spec, a.predictors.as_deref()))
             .collect::<Result<Vec<_>>>()?;
+        let mut all = Vec::new();
         for &threads in &a.threads {
             let dev = dejavu_backend_cpu::device::CpuDevice::new(threads)?;
             let rows = dejavu::eval::device_bench::bench(
@@ -170,6 +171,12 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
             )?;
             println!("cpu-device, {threads} threads");
             print!("{}", dejavu::eval::device_bench::markdown(&rows));
+            all.extend(rows);
+        }
+        if let Some(p) = &a.json {
+            let p = p.with_extension("cpu-device.json");
+            dejavu::fsio::write(&p, serde_json::to_string_pretty(&all)?)
+                .with_context(|| format!("writing {}", p.display()))?;
         }
     }
     let threads_to_run = if cpu { a.threads.clone() } else { Vec::new() };
