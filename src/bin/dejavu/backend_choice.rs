@@ -1,5 +1,5 @@
-//! `--backend cpu|cpu-device|cuda`: the one place a command's backend is chosen. The model code names no
-//! backend; this builds the decoder (host executor or device session) a command runs on.
+//! `--backend cpu|cpu-device|cuda`: the one place a command's backend is chosen. The model code
+//! names no backend; this builds the decoder (host executor or device session) a command runs on.
 use anyhow::{bail, Result};
 use dejavu::engine::executor::Plan;
 use dejavu::engine::Engine;
