@@ -17,6 +17,7 @@ remake the references with tools/llama_reference.py).
 Usage: eval_text.py [OUT]      (default: stdout). OUT is written through a unique temporary file
 that is renamed into place.
 """
+import argparse
 import hashlib
 import os
 import re
@@ -105,6 +106,9 @@ def write_atomic(path, data):
 
 
 def main():
+    ap = argparse.ArgumentParser(description="Write the evaluation text (see this file's docstring).")
+    ap.add_argument("out", nargs="?", help="output file (default: stdout), written atomically")
+    args = ap.parse_args()
     text = build()
     digest = hashlib.sha256(text).hexdigest()
     if os.environ.get("EVAL_TEXT_PRINT_SHA"):
@@ -115,8 +119,8 @@ def main():
             f"error: the evaluation text's SHA-256 is {digest}, not the pinned {SHA256}: a "
             "dependency's files changed (Cargo.lock). Remake the references with "
             "tools/llama_reference.py and pin the new digest here.")
-    if len(sys.argv) > 1:
-        write_atomic(sys.argv[1], text)
+    if args.out:
+        write_atomic(args.out, text)
     else:
         sys.stdout.buffer.write(text)
 
