@@ -140,44 +140,46 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
     )?;
     let model_name = engine.model.label();
     let mut gpu_rows = Vec::new();
-    if cuda {
-        let policies = (a.sparsity.iter())
+    // The device engine's rows (GPU, or the CPU's device) go to `--json`'s stem `.<what>.json`.
+    let write_device_rows =
+        |what: &str, rows: &[dejavu::eval::device_bench::DeviceBenchRow]| match &a.json {
+            Some(p) => {
+                let p = p.with_extension(format!("{what}.json"));
+                dejavu::fsio::write(&p, serde_json::to_string_pretty(rows)?)
+                    .with_context(|| format!("writing {}", p.display()))
+            }
+            None => Ok(()),
+        };
+    let device_policies = match cuda || cpu_device {
+        true => (a.sparsity.iter())
             .map(|spec| policy_for(&engine, spec, a.predictors.as_deref()))
-            .collect::<Result<Vec<_>>>()?;
+            .collect::<Result<Vec<_>>>()?,
+        false => Vec::new(),
+    };
+    if cuda {
         let tp = a.tensor_parallel as usize;
-        let rows = cuda_bench(&engine, &policies, tp, a.n_prompt, a.n_gen, a.repetitions)?;
+        let rows = cuda_bench(
+            &engine,
+            &device_policies,
+            tp,
+            a.n_prompt,
+            a.n_gen,
+            a.repetitions,
+        )?;
         print!("{}", dejavu::eval::device_bench::markdown(&rows));
-        if let Some(p) = &a.json {
-            let p = p.with_extension("cuda.json");
-            dejavu::fsio::write(&p, serde_json::to_string_pretty(&rows)?)
-                .with_context(|| format!("writing {}", p.display()))?;
-        }
+        write_device_rows("cuda", &rows)?;
         gpu_rows = rows;
     }
     if cpu_device {
-        let policies = (a.sparsity.iter())
-            .map(|spec| policy_for(&engine, spec, a.predictors.as_deref()))
-            .collect::<Result<Vec<_>>>()?;
-        let mut all = Vec::new();
+        let mut rows = Vec::new();
         for &threads in &a.threads {
             let dev = dejavu_backend_cpu::device::CpuDevice::new(threads)?;
-            let rows = dejavu::eval::device_bench::bench(
-                &dev,
-                &engine,
-                &policies,
-                a.n_prompt,
-                a.n_gen,
-                a.repetitions,
-            )?;
-            println!("cpu-device, {threads} threads");
-            print!("{}", dejavu::eval::device_bench::markdown(&rows));
-            all.extend(rows);
+            let (p, g) = (a.n_prompt, a.n_gen);
+            let bench = dejavu::eval::device_bench::bench;
+            rows.extend(bench(&dev, &engine, &device_policies, p, g, a.repetitions)?);
         }
-        if let Some(p) = &a.json {
-            let p = p.with_extension("cpu-device.json");
-            dejavu::fsio::write(&p, serde_json::to_string_pretty(&all)?)
-                .with_context(|| format!("writing {}", p.display()))?;
-        }
+        print!("{}", dejavu::eval::device_bench::markdown(&rows));
+        write_device_rows("cpu-device", &rows)?;
     }
     let threads_to_run = if cpu { a.threads.clone() } else { Vec::new() };
     for &threads in &threads_to_run {

@@ -442,13 +442,13 @@ fn step_bytes<D: Device>(m: &DeviceModel<D>, p: &DevicePlan<D>) -> usize {
         let (nm, nh) = (p.mlp[l].count(c.n_ff), p.heads[l].count(c.n_heads));
         let per_head = u.head + if p.lazy_kv { u.kv_head } else { 0 };
         // What a rule that selects from the layer's own activations reads in full.
-        let (read_neuron, read_head) = match (p.mlp_rule[l], p.head_rule[l]) {
-            (Computed::Gate, h) => (u.gate, h),
-            (Computed::Up, h) => (u.up, h),
-            (Computed::Oracle, h) => (u.gate + u.up, h),
-            (_, h) => (0, h),
+        let read_neuron = match p.mlp_rule[l] {
+            Computed::Gate => u.gate,
+            Computed::Up => u.up,
+            Computed::Oracle => u.gate + u.up,
+            _ => 0,
         };
-        let read_head = match read_head {
+        let read_head = match p.head_rule[l] {
             Computed::HeadNorm => u.q + if p.lazy_kv { u.kv_head } else { 0 },
             _ => 0,
         };
