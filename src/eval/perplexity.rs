@@ -221,6 +221,12 @@ pub fn compare(
     Ok(r.remove(0))
 }
 
+/// How many tokens [`compare_many`] scores in `n_tokens` tokens cut into chunks of `ctx`: the
+/// second half of each whole chunk, less its last token.
+pub fn scored_tokens(n_tokens: usize, ctx: usize) -> usize {
+    n_tokens / ctx.max(1) * ctx.saturating_sub(1 + ctx / 2)
+}
+
 /// [`compare`] for several policies in one pass: every scored token is decoded once dense and
 /// once under each policy (each with its own cache), interleaved, so the timings of all policies
 /// see the same machine conditions. `on_chunk(i, n_chunks, dense_ppl, sparse_ppls)` after each
@@ -241,7 +247,7 @@ pub fn compare_many(
     let vocab = engine.model.config.vocab_size;
     let dense_plan = SparsePlan::dense(&engine.model.config);
     let first = ctx / 2;
-    let total = n_chunks * (ctx - 1 - first);
+    let total = scored_tokens(tokens.len(), ctx);
     let np = policies.len();
     let mut cd = engine.new_cache();
     let mut caches: Vec<_> = (0..np).map(|_| engine.new_cache()).collect();
@@ -316,11 +322,8 @@ pub fn compare_specs(
         .collect::<Result<Vec<_>>>()?;
     let refs: Vec<&crate::sparsity::policy::Policy> = pols.iter().collect();
     // Scored tokens, each decoded once dense and once per policy.
-    let bar = crate::progress::bar(0, what);
-    let on_token = |done, total| {
-        bar.set_length(total as u64);
-        bar.set_position(done as u64)
-    };
+    let bar = crate::progress::bar(scored_tokens(tokens.len(), ctx) as u64, what);
+    let on_token = |done, _| bar.set_position(done as u64);
     let rs = compare_many(engine, tokens, ctx, &refs, |_, _, _, _| {}, on_token)?;
     bar.finish_and_clear();
     Ok(pols.into_iter().zip(rs).collect())

@@ -275,15 +275,12 @@ pub fn cmd_report(a: ReportArgs) -> Result<()> {
             specs.push("recommended".into());
         }
     }
-    let (n_chunks, scored) = (
-        tokens.len() / a.ctx.max(1),
-        a.ctx.saturating_sub(1 + a.ctx / 2),
-    );
     eprintln!(
-        "report: {} policies against dense on {n_chunks} chunks of {} tokens; each of {} scored tokens is decoded {} times",
+        "report: {} policies against dense on {} chunks of {} tokens; each of {} scored tokens is decoded {} times",
         specs.len(),
+        tokens.len() / a.ctx.max(1),
         a.ctx,
-        n_chunks * scored,
+        dejavu::eval::perplexity::scored_tokens(tokens.len(), a.ctx),
         specs.len() + 1
     );
     let rows = dejavu::eval::report::frontier(&engine, &tokens, a.ctx, &specs, preds.as_ref())?;
