@@ -23,7 +23,7 @@ pub struct SafetensorsFile {
     pub path: PathBuf,
     pub tensors: HashMap<String, StTensor>,
     pub metadata: HashMap<String, String>,
-    mmap: memmap2::Mmap,
+    mmap: std::sync::Arc<memmap2::Mmap>,
 }
 
 impl SafetensorsFile {
@@ -44,7 +44,7 @@ impl SafetensorsFile {
             path,
             tensors,
             metadata,
-            mmap,
+            mmap: std::sync::Arc::new(mmap),
         })
     }
 
@@ -55,6 +55,10 @@ impl SafetensorsFile {
     /// The whole mapped file.
     pub fn bytes(&self) -> &[u8] {
         &self.mmap
+    }
+    /// The mapping itself, for a backend that reads the tensors in place.
+    pub fn shared(&self) -> std::sync::Arc<memmap2::Mmap> {
+        self.mmap.clone()
     }
 }
 

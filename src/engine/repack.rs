@@ -38,7 +38,11 @@ impl Model {
         let mut moved = BTreeMap::new();
         if let Source::Synthetic(s) = &mut self.source {
             for (&(file, start), w) in &todo {
-                let dst = &mut s.buffers[file][start..start + w.n_bytes()];
+                // Unshared while the model loads (no device holds it yet).
+                let buf = std::sync::Arc::get_mut(&mut s.buffers[file]).ok_or_else(|| {
+                    Error::Invalid("repacking a model whose weights a device holds".into())
+                })?;
+                let dst = &mut buf[start..start + w.n_bytes()];
                 let src = dst.to_vec();
                 let view = Weight::new(w.qtype, w.rows, w.cols, &src)
                     .map_err(|e| Error::Invalid(e.to_string()))?;
@@ -62,7 +66,7 @@ impl Model {
                     f.release(start, w.n_bytes());
                 }
             }
-            self.converted = Some(buf);
+            self.converted = Some(std::sync::Arc::new(buf));
         }
         bar.finish_and_clear();
         let refs = self

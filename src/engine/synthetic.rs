@@ -263,7 +263,7 @@ fn tensors(c: &ModelConfig, dtype: QuantType) -> Vec<TensorSpec> {
 pub struct Synthetic {
     pub shape: &'static Shape,
     pub options: SyntheticOptions,
-    pub(crate) buffers: Vec<MmapMut>,
+    pub(crate) buffers: Vec<std::sync::Arc<MmapMut>>,
     /// The MLP and head predictors of every layer, generated on first use (every policy of a
     /// run shares them).
     predictors: OnceLock<(PerLayer, PerLayer)>,
@@ -381,7 +381,7 @@ pub(crate) fn build(
             }
         }
         bar.inc(t.n_bytes() as u64);
-        buffers.push(m);
+        buffers.push(std::sync::Arc::new(m));
     }
     bar.finish_and_clear();
     let synth = Synthetic {

@@ -12,7 +12,7 @@ use crate::engine::config::{ModelConfig, NormKind, Positions};
 use crate::engine::names::{GlobalTensor, LayerTensor};
 use crate::engine::synthetic::{self, Shape, Synthetic, SyntheticOptions};
 use crate::{Error, Result};
-use dejavu_backend_api::{QuantType, RowLayout, Weight};
+use dejavu_backend_api::{QuantType, RowLayout, SharedBytes, Weight};
 use dejavu_formats::gguf::GgufHeader;
 use dejavu_formats::hf::HfCheckpoint;
 use dejavu_formats::safetensors::Dtype;
@@ -150,6 +150,13 @@ impl Source {
             Source::Synthetic(s) => &s.buffers[file],
         }
     }
+    fn owner(&self, file: usize) -> SharedBytes {
+        match self {
+            Source::Gguf(f) => f.shared(),
+            Source::Hf(c) => c.shards[file].shared(),
+            Source::Synthetic(s) => s.buffers[file].clone(),
+        }
+    }
     fn files(&self) -> Vec<&[u8]> {
         match self {
             Source::Gguf(f) => vec![f.bytes()],
@@ -176,7 +183,7 @@ pub struct Model {
     pub layers: Vec<LayerWeights>,
     key: super::content_key::ContentKey,
     /// The repacked matrices of a mapped model (see `Model::repack`), in one anonymous buffer.
-    pub(crate) converted: Option<memmap2::MmapMut>,
+    pub(crate) converted: Option<std::sync::Arc<memmap2::MmapMut>>,
 }
 
 impl Model {
@@ -380,6 +387,16 @@ impl Model {
         w.view(self.file_bytes(w.file))
     }
 
+    /// The mapped file or buffer that holds `w`'s bytes (for [`Device::share_mat`]).
+    ///
+    /// [`Device::share_mat`]: dejavu_backend_api::Device::share_mat
+    pub fn owner(&self, w: &WeightRef) -> SharedBytes {
+        match (&self.converted, w.file) {
+            (Some(c), CONVERTED) => c.clone(),
+            _ => self.source.owner(w.file),
+        }
+    }
+
     /// Mapped file `file`, or the converted buffer.
     pub(crate) fn file_bytes(&self, file: usize) -> &[u8] {
         match (&self.converted, file) {
@@ -391,7 +408,7 @@ impl Model {
     /// The mapped files (one GGUF, or the checkpoint's shards), and the converted buffer.
     pub fn mapped_files(&self) -> Vec<&[u8]> {
         let mut v = self.source.files();
-        v.extend(self.converted.as_deref());
+        v.extend(self.converted.as_deref().map(|c| &c[..]));
         v
     }
 

@@ -92,6 +92,12 @@ pub fn cache_path(model: &Model) -> PathBuf {
 /// mostly miss the TLB (measured: reading half the rows took longer than reading all of them).
 struct Storage(memmap2::MmapMut);
 
+impl AsRef<[u8]> for Storage {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
 impl Storage {
     fn copy_of(bytes: &[u8]) -> Result<Self> {
         let mut m = memmap2::MmapMut::map_anon(bytes.len().max(1))?;
@@ -105,7 +111,7 @@ impl Storage {
 /// The neuron-major down projections (`[n_ff][d_model]`) and head-major W_o (`[n_heads *
 /// head_dim][d_model]`) of every layer.
 pub struct SparseLayout {
-    storage: Storage,
+    storage: std::sync::Arc<Storage>,
     /// Per layer, one per [`PARTS`].
     tensors: Vec<[WeightRef; 2]>,
     /// Where it was loaded from or written to (`None`: in memory only).
@@ -113,6 +119,11 @@ pub struct SparseLayout {
 }
 
 impl SparseLayout {
+    /// The buffer that holds the layout (for [`dejavu_backend_api::Device::share_mat`]).
+    pub fn owner(&self) -> dejavu_backend_api::SharedBytes {
+        self.storage.clone()
+    }
+
     /// The whole layout in memory (for resident-memory accounting).
     pub fn bytes(&self) -> &[u8] {
         &self.storage.0
@@ -143,7 +154,7 @@ impl SparseLayout {
         if let Ok(f) = GgufFile::open(&path) {
             if let Ok(tensors) = check(model, &f) {
                 return Ok(Self {
-                    storage: Storage::copy_of(f.bytes())?,
+                    storage: std::sync::Arc::new(Storage::copy_of(f.bytes())?),
                     tensors,
                     path: Some(path),
                 });
@@ -157,7 +168,7 @@ impl SparseLayout {
             if let Ok(f) = GgufFile::open(&path) {
                 let tensors = check(model, &f)?;
                 return Ok(Self {
-                    storage: Storage::copy_of(f.bytes())?,
+                    storage: std::sync::Arc::new(Storage::copy_of(f.bytes())?),
                     tensors,
                     path: Some(path),
                 });
@@ -180,7 +191,7 @@ impl SparseLayout {
             })
             .collect::<Result<_>>()?;
         Ok(Self {
-            storage: Storage::copy_of(bytes)?,
+            storage: std::sync::Arc::new(Storage::copy_of(bytes)?),
             tensors,
             path: None,
         })

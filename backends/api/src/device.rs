@@ -19,6 +19,10 @@
 //! another (row `r` at `r * width`), and row `r` is at position `pos + r`.
 use crate::{Activation, BackendError, QuantType, RopeStyle, Weight};
 
+/// Bytes held by their owner (a mapped file, an anonymous buffer) that a host-memory device
+/// may keep a handle to instead of a copy ([`Device::share_mat`]).
+pub type SharedBytes = std::sync::Arc<dyn AsRef<[u8]> + Send + Sync>;
+
 /// The most rows one batch ([`Device::set_step`]) holds.
 pub const MAX_ROWS: usize = 512;
 
@@ -168,6 +172,13 @@ pub trait Device: Send + Sync {
     fn upload_idx(&self, idx: &[u32]) -> Result<Self::Idx, BackendError>;
     /// The matrix, in its file's (ggml) layout.
     fn upload_mat(&self, w: &Weight) -> Result<Self::Mat, BackendError>;
+    /// The matrix `w`, whose bytes lie inside `owner` (the mapped file or buffer that holds
+    /// them): a device that computes in host memory keeps a handle to `owner` and reads the
+    /// rows in place; the others upload them ([`Device::upload_mat`], the default).
+    fn share_mat(&self, w: &Weight, owner: &SharedBytes) -> Result<Self::Mat, BackendError> {
+        let _ = owner;
+        self.upload_mat(w)
+    }
     fn cache(&self, n_ctx: usize, width: usize) -> Result<Self::Cache, BackendError>;
     /// Wait for the queued work, then copy `out.len()` leading values of `x` to the host.
     fn download(&self, x: &Self::Buf, out: &mut [f32]) -> Result<(), BackendError>;

@@ -289,7 +289,7 @@ impl GgufHeader {
 pub struct GgufFile {
     pub path: PathBuf,
     pub header: GgufHeader,
-    mmap: memmap2::Mmap,
+    mmap: std::sync::Arc<memmap2::Mmap>,
 }
 
 impl GgufFile {
@@ -308,6 +308,7 @@ impl GgufFile {
         // loader we assume the file is not truncated or rewritten by another process while mapped.
         let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
         let header = parse(&mmap)?;
+        let mmap = std::sync::Arc::new(mmap);
         Ok(Self { path, header, mmap })
     }
 
@@ -327,6 +328,10 @@ impl GgufFile {
     /// The whole mapped file.
     pub fn bytes(&self) -> &[u8] {
         &self.mmap
+    }
+    /// The mapping itself, for a backend that reads the tensors in place.
+    pub fn shared(&self) -> std::sync::Arc<memmap2::Mmap> {
+        self.mmap.clone()
     }
     /// Drop this process's resident pages of `start..start + len` (a hint; the pages are read
     /// again from the file if touched later): for tensors the engine copied elsewhere.

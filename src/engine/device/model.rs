@@ -128,17 +128,19 @@ impl<D: Device> DeviceModel<D> {
         let (neurons, vocab) = (shard.part(c.n_ff), shard.vocab(c.vocab_size));
         // Bytes of the matrices a dense step reads here (layers and head).
         let read = std::cell::Cell::new(0usize);
-        let mat = |w: &WeightRef| Ok::<_, Error>(dev.upload_mat(&model.weight(w))?);
+        // Whole matrices and row ranges are read in place where the device can (host memory).
+        let share = |w: &WeightRef, part: &Weight| dev.share_mat(part, &model.owner(w));
+        let mat = |w: &WeightRef| Ok::<_, Error>(share(w, &model.weight(w))?);
         let rows = |w: &WeightRef, r: &Range<usize>| {
             let part = model.weight(w).row_range(r.clone())?;
             read.set(read.get() + part.data.len());
-            Ok::<_, Error>(dev.upload_mat(&part)?)
+            Ok::<_, Error>(share(w, &part)?)
         };
         let cols = |w: &WeightRef, r: &Range<usize>| {
             let whole = model.weight(w);
             read.set(read.get() + whole.qtype.row_bytes(r.len()) * whole.rows);
             if r.len() == whole.cols {
-                return Ok::<_, Error>(dev.upload_mat(&whole)?);
+                return Ok::<_, Error>(share(w, &whole)?);
             }
             let bytes = whole.col_range(r.clone()).map_err(|e| {
                 Error::Invalid(format!("{} split over {} ranks: {e}", w.name, shard.world))
@@ -187,10 +189,10 @@ impl<D: Device> DeviceModel<D> {
             Some(lay) => Some(
                 (0..model.layers.len())
                     .map(|l| {
-                        Ok((
-                            dev.upload_mat(&lay.down_t(l).row_range(neurons.clone())?)?,
-                            dev.upload_mat(&lay.wo_t(l).row_range(q_rows.clone())?)?,
-                        ))
+                        let owner = lay.owner();
+                        let down = lay.down_t(l).row_range(neurons.clone())?;
+                        let wo = lay.wo_t(l).row_range(q_rows.clone())?;
+                        Ok((dev.share_mat(&down, &owner)?, dev.share_mat(&wo, &owner)?))
                     })
                     .collect::<Result<Vec<_>>>()?,
             ),

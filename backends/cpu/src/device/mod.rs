@@ -11,17 +11,22 @@
 //! neuron-major matrices of the sparse layout, which `axpy` reads). Steps are not recorded
 //! (`begin_capture` is `false`): a CPU step is its verbs.
 use crate::isa::Isa;
-use crate::kernels::repack;
 use crate::kernels::table::Kernels;
 use crate::pool::SpinPool;
 use crate::world::HostWorld;
-use crate::{attention, axpy_matmul, dequant, matmul, ops};
+use crate::{attention, axpy_matmul, matmul, ops};
 use dejavu_backend_api::{
-    Activation, AttnGeom, AttnShape, BackendError, Device, IndexSet, KvSlice, LazyKv, MatmulJob,
-    Product, QuantType, RopeStyle, RowLayout, Rows, StepRow, Weight, MAX_ROWS,
+    Activation, AttnGeom, AttnShape, BackendError, Device, IndexSet, LazyKv, MatmulJob, Product,
+    QuantType, RopeStyle, RowLayout, Rows, SharedBytes, StepRow, Weight, MAX_ROWS,
 };
-use half::f16;
 use std::sync::{Arc, Mutex};
+
+mod cache;
+mod mat;
+
+pub use cache::CpuCache;
+pub use mat::CpuMat;
+use mat::{range_in, MatBytes};
 
 pub struct CpuDevice {
     /// The batch's tokens and first position.
@@ -32,6 +37,8 @@ pub struct CpuDevice {
     reference: bool,
     /// This device's rank in a tensor-parallel world of host threads, if any.
     world: Option<(usize, Arc<HostWorld>)>,
+    /// Caches hold f32 rather than f16 ([`CpuDevice::with_f32_cache`]).
+    f32_cache: bool,
 }
 
 impl Default for CpuDevice {
@@ -66,6 +73,7 @@ impl CpuDevice {
             pool: SpinPool::new(threads.max(1)),
             reference: false,
             world: None,
+            f32_cache: false,
         }
     }
     /// Rank `rank` of `world` (its other ranks are other threads' devices), on the reference.
@@ -78,6 +86,13 @@ impl CpuDevice {
             ..Self::reference()
         })
     }
+    /// Caches of f32 values from now on (the KV cache at full precision; f16 by default).
+    pub fn with_f32_cache(self) -> Self {
+        Self {
+            f32_cache: true,
+            ..self
+        }
+    }
     pub fn isa(&self) -> Isa {
         self.kernels.isa
     }
@@ -88,41 +103,6 @@ fn unsupported(what: String) -> BackendError {
         backend: "cpu".into(),
         what,
     }
-}
-
-/// A matrix copied into host memory, in the file's layout or the CPU's repacked one.
-pub struct CpuMat {
-    qtype: QuantType,
-    rows: usize,
-    cols: usize,
-    layout: RowLayout,
-    data: Vec<u8>,
-}
-
-impl CpuMat {
-    fn row(&self, r: usize, out: &mut [f32]) {
-        let rb = self.qtype.row_bytes(self.cols);
-        let row = &self.data[r * rb..(r + 1) * rb];
-        match self.layout {
-            RowLayout::Ggml => dequant::dequantize_row(self.qtype, row, out),
-            RowLayout::Repacked => {
-                let mut ggml = vec![0u8; rb];
-                repack::unpack_row(self.qtype, row, &mut ggml);
-                dequant::dequantize_row(self.qtype, &ggml, out)
-            }
-        }
-    }
-    fn weight(&self) -> Result<Weight<'_>, BackendError> {
-        let w = Weight::new(self.qtype, self.rows, self.cols, &self.data)?;
-        Ok(w.with_layout(self.layout))
-    }
-}
-
-/// One layer's keys or values, `[n_ctx][width]`.
-pub struct CpuCache {
-    data: Vec<f16>,
-    n_ctx: usize,
-    width: usize,
 }
 
 fn shape(what: String) -> BackendError {
@@ -151,11 +131,6 @@ fn rows_of(rows: Rows<'_, Vec<u32>>, n: usize) -> Result<Vec<usize>, BackendErro
             }
         }
     }
-}
-
-/// `dst[i] = src[i]` rounded to f16, over the shorter of the two (a cache row).
-fn put_f16(dst: &mut [f16], src: &[f32]) {
-    (dst.iter_mut().zip(src)).for_each(|(d, &v)| *d = f16::from_f32(v));
 }
 
 impl CpuDevice {
@@ -253,20 +228,18 @@ impl Device for CpuDevice {
     /// Either layout: the engine's repacked rows (any tier reads them) or the file's.
     fn upload_mat(&self, w: &Weight) -> Result<CpuMat, BackendError> {
         w.check();
-        Ok(CpuMat {
-            qtype: w.qtype,
-            rows: w.rows,
-            cols: w.cols,
-            layout: w.layout,
-            data: w.data.to_vec(),
-        })
+        Ok(CpuMat::of(w, MatBytes::Owned(w.data.to_vec())))
+    }
+    /// In place when `w`'s bytes lie inside `owner`'s; a copy otherwise.
+    fn share_mat(&self, w: &Weight, owner: &SharedBytes) -> Result<CpuMat, BackendError> {
+        w.check();
+        match range_in((**owner).as_ref(), w.data) {
+            Some(r) => Ok(CpuMat::of(w, MatBytes::Shared(owner.clone(), r))),
+            None => self.upload_mat(w),
+        }
     }
     fn cache(&self, n_ctx: usize, width: usize) -> Result<CpuCache, BackendError> {
-        Ok(CpuCache {
-            data: vec![f16::ZERO; n_ctx * width],
-            n_ctx,
-            width,
-        })
+        Ok(CpuCache::new(self.f32_cache, n_ctx, width))
     }
     fn download(&self, x: &Vec<f32>, out: &mut [f32]) -> Result<(), BackendError> {
         need("download", x.len(), out.len())?;
@@ -648,7 +621,7 @@ impl Device for CpuDevice {
         self.batch("store_row", x.len(), c.width, rows)?;
         let w = c.width;
         for (p, xr) in (self.pos()..c.n_ctx).zip(x.chunks_exact(w.max(1)).take(rows)) {
-            put_f16(&mut c.data[p * w..(p + 1) * w], xr);
+            c.put(p, 0, xr);
         }
         Ok(())
     }
@@ -684,8 +657,7 @@ impl Device for CpuDevice {
         let (mut row, mut input) = (vec![0.0; d], vec![0.0; d]);
         for h in rows_of(job.heads, n_heads)? {
             for p in valid[h] as usize..=pos {
-                let kept = &job.inputs.data[p * d..(p + 1) * d];
-                (input.iter_mut().zip(kept)).for_each(|(x, v)| *x = v.to_f32());
+                job.inputs.read(p, &mut input);
                 for (w, b, c, rope) in [
                     (job.wk, job.bk, &mut *kc, job.rope),
                     (job.wv, job.bv, &mut *vc, None),
@@ -700,8 +672,7 @@ impl Device for CpuDevice {
                     if let Some((theta, style)) = rope {
                         ops::rope(&mut out, 1, hd, p, theta, style);
                     }
-                    let dst = &mut c.data[p * c.width + h * hd..p * c.width + (h + 1) * hd];
-                    put_f16(dst, &out);
+                    c.put(p, h * hd, &out);
                 }
             }
             valid[h] = pos as u32 + 1;
@@ -759,8 +730,8 @@ impl Device for CpuDevice {
             &self.kernels,
             &self.pool,
             &qf,
-            KvSlice::F16(&k.data[..n]),
-            KvSlice::F16(&v.data[..n]),
+            k.slice(n),
+            v.slice(n),
             &set,
             shape,
             &mut of,
