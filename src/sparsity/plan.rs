@@ -189,67 +189,12 @@ pub fn head_rows(heads: &IndexSet, head_dim: usize) -> IndexSet {
     IndexSet::new(n, rows).expect("rows of distinct heads are distinct and below n")
 }
 
-/// The `k` indices of largest `score` as a set (ties in any order); `idx` is scratch space.
-///
-/// Two passes, no sort of the whole input: a histogram of the scores over 4096 bins finds the
-/// bin holding the k-th largest; every index above it is kept and the rest are chosen among the
-/// boundary bin's by value. (A full `select_nth` over a 150k vocabulary took ~1 ms per token.)
+/// The `k` indices of largest `score` as a set (ties in any order); `idx` is scratch space
+/// (see [`dejavu_backend_cpu::top_k`]).
 pub fn top_k(score: &[f32], k: usize, idx: &mut Vec<u32>) -> IndexSet {
-    const BINS: usize = 4096;
-    let n = score.len();
-    if k >= n {
-        return IndexSet::full(n);
-    }
-    let (lo, hi) = score
-        .iter()
-        .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &v| {
-            (a.min(v), b.max(v))
-        });
-    idx.clear();
-    if k == 0 {
-        return IndexSet::new(n, Vec::new()).expect("empty set");
-    }
-    if hi.partial_cmp(&lo) != Some(std::cmp::Ordering::Greater)
-        || !lo.is_finite()
-        || !hi.is_finite()
-    {
-        // Constant or non-finite scores: fall back to a plain selection (NaN sorts last).
-        idx.extend(0..n as u32);
-        idx.select_nth_unstable_by(k - 1, |&a, &b| {
-            score[b as usize].total_cmp(&score[a as usize])
-        });
-        let mut sel = idx[..k].to_vec();
-        sel.sort_unstable();
-        return IndexSet::new(n, sel).expect("distinct indices below n");
-    }
-    let scale = (BINS as f32 - 1.0) / (hi - lo);
-    let bin = |v: f32| (((v - lo) * scale) as usize).min(BINS - 1);
-    let mut hist = [0u32; BINS];
-    score.iter().for_each(|&v| hist[bin(v)] += 1);
-    // The boundary bin t: fewer than k scores lie above it, at least k at or above it.
-    let (mut t, mut above) = (BINS - 1, 0usize);
-    while above + (hist[t] as usize) < k {
-        above += hist[t] as usize;
-        t -= 1;
-    }
-    let mut sel: Vec<u32> = Vec::with_capacity(k);
-    for (i, &v) in score.iter().enumerate() {
-        let b = bin(v);
-        if b > t {
-            sel.push(i as u32);
-        } else if b == t {
-            idx.push(i as u32);
-        }
-    }
-    let need = k - sel.len();
-    if need < idx.len() {
-        idx.select_nth_unstable_by(need, |&a, &b| {
-            score[b as usize].total_cmp(&score[a as usize])
-        });
-    }
-    sel.extend_from_slice(&idx[..need]);
-    sel.sort_unstable();
-    IndexSet::new(n, sel).expect("distinct indices below n")
+    let mut sel = Vec::with_capacity(k.min(score.len()));
+    dejavu_backend_cpu::top_k::top_k(score, k, &mut sel, idx);
+    IndexSet::new(score.len(), sel).expect("distinct indices below n")
 }
 
 #[cfg(test)]
@@ -264,38 +209,6 @@ mod tests {
         assert!(top_k(&s, 6, &mut idx).is_full());
         assert!(top_k(&s, 0, &mut idx).is_empty());
         assert_eq!(top_k(&s, 1, &mut idx).iter().collect::<Vec<_>>(), [2]);
-    }
-
-    /// The histogram selection equals a full sort on random, tied and constant inputs.
-    #[test]
-    fn top_k_matches_sorting() {
-        let mut state = 7u64;
-        let mut rnd = || {
-            state = state.wrapping_mul(6364136223846793005).wrapping_add(1);
-            (state >> 40) as f32 / (1u64 << 24) as f32
-        };
-        let mut idx = Vec::new();
-        for n in [1usize, 5, 100, 5000] {
-            let cases: Vec<Vec<f32>> = vec![
-                (0..n).map(|_| rnd() * 10.0 - 5.0).collect(),
-                (0..n).map(|_| (rnd() * 4.0).floor()).collect(),
-                (0..n)
-                    .map(|_| if rnd() < 0.01 { 1e6 } else { rnd() })
-                    .collect(),
-                vec![2.5; n],
-            ];
-            for s in cases {
-                for k in [0, 1, n / 3, n.saturating_sub(1), n] {
-                    let got = top_k(&s, k, &mut idx);
-                    assert_eq!(got.len(), k.min(n));
-                    let mut sorted: Vec<f32> = s.clone();
-                    sorted.sort_by(|a, b| b.total_cmp(a));
-                    let mut kept: Vec<f32> = got.iter().map(|i| s[i]).collect();
-                    kept.sort_by(|a, b| b.total_cmp(a));
-                    assert_eq!(kept, sorted[..k.min(n)], "n {n} k {k}");
-                }
-            }
-        }
     }
 
     #[test]

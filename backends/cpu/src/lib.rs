@@ -11,6 +11,7 @@ pub mod matmul;
 pub mod ops;
 pub mod pool;
 pub mod prefetch;
+pub mod top_k;
 pub mod vec_dot;
 pub mod world;
 

@@ -759,11 +759,12 @@ impl Device for CpuDevice {
                 out.len()
             )));
         }
-        let mut idx: Vec<u32> = (0..n as u32).collect();
-        idx.sort_by(|&a, &b| s[b as usize].total_cmp(&s[a as usize]).then(a.cmp(&b)));
-        idx.truncate(k);
-        idx.sort_unstable();
-        out[..k].copy_from_slice(&idx);
+        let mut sel = Vec::with_capacity(k);
+        match self.reference {
+            true => sel = crate::top_k::top_k_reference(&s[..n], k),
+            false => crate::top_k::top_k(&s[..n], k, &mut sel, &mut Vec::new()),
+        }
+        out[..k].copy_from_slice(&sel);
         Ok(())
     }
 
