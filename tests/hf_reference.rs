@@ -12,7 +12,7 @@
 //! 0.5%.
 mod common;
 use common::*;
-use dejavu::engine::executor::{Executor, Logits};
+use dejavu::engine::device::Logits;
 use dejavu::engine::{Engine, EngineOptions};
 use dejavu::eval::perplexity::{perplexity, Feed};
 use dejavu::sparsity::SparsePlan;
@@ -40,8 +40,8 @@ fn load(name: &str) -> Engine {
     Engine::load(dir(name), &EngineOptions::default()).unwrap_or_else(|e| panic!("{name}: {e}"))
 }
 
-fn check_logits(name: &str, eng: &Engine, backend: &CpuBackend, batch: bool) -> (f32, usize) {
-    let exec = Executor::new(&eng.model, backend).unwrap();
+fn check_logits(name: &str, eng: &Engine, backend: CpuBackend, batch: bool) -> (f32, usize) {
+    let cpu = OnCpu::new(eng, backend, false);
     let plan = SparsePlan::dense(&eng.model.config);
     let vocab = eng.model.config.vocab_size;
     let (mut worst, mut top1) = (0f32, 0);
@@ -55,19 +55,14 @@ fn check_logits(name: &str, eng: &Engine, backend: &CpuBackend, batch: bool) -> 
         let mut seq = case.prompt_ids.clone();
         seq.extend(&case.greedy_ids[..case.steps.len() - 1]);
         let p = case.prompt_ids.len();
-        let mut cache = eng.new_cache();
+        let mut s = cpu.fixed(&plan, eng.n_ctx);
         let logits: Vec<f32> = if batch {
             let r = Logits::Range(p - 1, seq.len());
-            exec.forward(&seq, &mut cache, &plan, r).unwrap().to_vec()
+            s.run(&seq, r).unwrap().to_vec()
         } else {
-            exec.forward(&seq[..p - 1], &mut cache, &plan, Logits::Last)
-                .unwrap();
+            s.run(&seq[..p - 1], Logits::Last).unwrap();
             (seq[p - 1..].iter())
-                .flat_map(|&t| {
-                    exec.forward(&[t], &mut cache, &plan, Logits::Last)
-                        .unwrap()
-                        .to_vec()
-                })
+                .flat_map(|&t| s.run(&[t], Logits::Last).unwrap().to_vec())
                 .collect()
         };
         for (i, step) in case.steps.iter().enumerate() {
@@ -101,9 +96,9 @@ fn fixtures_match_hugging_face_logits() {
     for name in FIXTURES {
         let eng = load(name);
         for isa in Isa::supported() {
-            let backend = CpuBackend::with_isa(isa, 2).unwrap();
             for batch in [true, false] {
-                let (worst, top1) = check_logits(name, &eng, &backend, batch);
+                let backend = CpuBackend::with_isa(isa, 2).unwrap();
+                let (worst, top1) = check_logits(name, &eng, backend, batch);
                 eprintln!("{name} {isa} batch={batch}: worst top-5 logit error {worst:.5}, top-1 checked at {top1} steps");
             }
         }
@@ -145,15 +140,11 @@ fn dense_step_reads_every_weight_once() {
     for name in FIXTURES {
         let eng = load(name);
         let plan = SparsePlan::dense(&eng.model.config);
-        let mut cache = eng.new_cache();
-        eng.executor()
-            .forward(&[5, 6], &mut cache, &plan, Logits::Last)
-            .unwrap();
-        eng.executor()
-            .forward(&[7], &mut cache, &plan, Logits::Last)
-            .unwrap();
+        let mut s = eng.session(eng.fixed_plan(&plan).unwrap()).unwrap();
+        s.run(&[5, 6], Logits::Last).unwrap();
+        s.run(&[7], Logits::Last).unwrap();
         assert_eq!(
-            cache.last_step().weight_bytes,
+            s.last_step().unwrap().weight_bytes,
             eng.model.dense_bytes_per_token(),
             "{name}"
         );
@@ -165,7 +156,6 @@ fn dense_step_reads_every_weight_once() {
 /// transposed, so only summation order differs), fewer MLP neurons and fewer bytes read.
 #[test]
 fn relu_exact_is_exact_and_reads_less() {
-    use dejavu::engine::executor::Plan;
     for name in ["opt-relu", "llama-relu"] {
         let eng = load(name);
         let policy = eng.policy("relu-exact", None).unwrap();
@@ -173,25 +163,21 @@ fn relu_exact_is_exact_and_reads_less() {
         let case = &hf_reference(name).greedy.cases[0];
         let mut seq = case.prompt_ids.clone();
         seq.extend(&case.greedy_ids[..16]);
-        let (mut cd, mut cs) = (eng.new_cache(), eng.new_cache());
-        let exec = eng.executor();
+        let mut cd = eng.session(eng.fixed_plan(&dense).unwrap()).unwrap();
+        let mut cs = eng.decoder(&policy).unwrap();
         for &t in &seq {
-            let want = exec
-                .forward(&[t], &mut cd, &dense, Logits::Last)
-                .unwrap()
-                .to_vec();
-            let got = exec
-                .run(&[t], &mut cs, Plan::Policy(&policy), Logits::Last)
-                .unwrap();
+            let want = cd.run(&[t], Logits::Last).unwrap().to_vec();
+            let got = cs.run(&[t], Logits::Last).unwrap();
             let worst = got
                 .iter()
                 .zip(&want)
                 .map(|(a, b)| (a - b).abs())
                 .fold(0f32, f32::max);
             assert!(worst < 1e-3, "{name}: logits differ by {worst}");
-            let s = cs.last_step();
+            let s = cs.last_step().unwrap();
+            let dense = cd.last_step().unwrap();
             assert!(
-                s.mlp_kept < s.mlp_total && s.weight_bytes < cd.last_step().weight_bytes,
+                s.mlp_kept < s.mlp_total && s.weight_bytes < dense.weight_bytes,
                 "{name}: {s:?}"
             );
         }

@@ -21,7 +21,7 @@
 //!   and the perplexity tests below bound the average.
 mod common;
 use common::*;
-use dejavu::engine::executor::{Executor, Logits};
+use dejavu::engine::device::Logits;
 use dejavu::sparsity::SparsePlan;
 use dejavu::text::sampling::argmax;
 use dejavu_backend_cpu::isa::Isa;
@@ -38,8 +38,7 @@ enum Feed {
 fn check_model(name: &str, isa: Isa, feed: Feed, abs_tol: f32, rel_tol: f32, shift_tol: f32) {
     let eng = engine(name);
     let r = reference(name);
-    let backend = CpuBackend::with_isa(isa, 2).unwrap();
-    let exec = Executor::new(&eng.model, &backend).unwrap();
+    let cpu = OnCpu::new(&eng, CpuBackend::with_isa(isa, 2).unwrap(), false);
     let plan = SparsePlan::dense(&eng.model.config);
     let vocab = eng.model.config.vocab_size;
     let (mut worst, mut worst_rel) = (0f32, 0f32);
@@ -55,20 +54,15 @@ fn check_model(name: &str, isa: Isa, feed: Feed, abs_tol: f32, rel_tol: f32, shi
         let mut seq = case.prompt_ids.clone();
         seq.extend(&case.greedy_ids[..case.steps.len() - 1]);
         let p = case.prompt_ids.len();
-        let mut cache = eng.new_cache();
+        let mut s = cpu.fixed(&plan, eng.n_ctx);
         let logits: Vec<f32> = match feed {
-            Feed::Batch => exec
-                .forward(&seq, &mut cache, &plan, Logits::Range(p - 1, seq.len()))
+            Feed::Batch => s
+                .run(&seq, Logits::Range(p - 1, seq.len()))
                 .unwrap()
                 .to_vec(),
             Feed::TokenByToken => {
-                exec.forward(&seq[..p - 1], &mut cache, &plan, Logits::Last)
-                    .unwrap();
-                let mut step = |t: u32| {
-                    exec.forward(&[t], &mut cache, &plan, Logits::Last)
-                        .unwrap()
-                        .to_vec()
-                };
+                s.run(&seq[..p - 1], Logits::Last).unwrap();
+                let mut step = |t: u32| s.run(&[t], Logits::Last).unwrap().to_vec();
                 seq[p - 1..].iter().flat_map(|&t| step(t)).collect()
             }
         };
@@ -128,23 +122,21 @@ fn qwen_matches_reference() {
 /// dequantized gemm); the integer decode kernels are checked against the reference above.
 #[test]
 fn incremental_decode_matches_batch() {
-    let backend = CpuBackend::f32_reference(2);
     for name in [SMOLLM2, QWEN] {
         let eng = engine(name);
-        let exec = Executor::new(&eng.model, &backend).unwrap();
+        let cpu = OnCpu::new(&eng, CpuBackend::f32_reference(2), false);
         let plan = SparsePlan::dense(&eng.model.config);
         let vocab = eng.model.config.vocab_size;
         let case = &reference(name).greedy.cases[1];
         let mut seq = case.prompt_ids.clone();
         seq.extend(&case.greedy_ids[..8]);
-        let mut cache = eng.new_cache();
-        let batch = exec
-            .forward(&seq, &mut cache, &plan, Logits::Range(0, seq.len()))
+        let batch = (cpu.fixed(&plan, eng.n_ctx))
+            .run(&seq, Logits::Range(0, seq.len()))
             .unwrap()
             .to_vec();
-        let mut cache = eng.new_cache();
+        let mut s = cpu.fixed(&plan, eng.n_ctx);
         for (i, &t) in seq.iter().enumerate() {
-            let step = exec.forward(&[t], &mut cache, &plan, Logits::Last).unwrap();
+            let step = s.run(&[t], Logits::Last).unwrap();
             let want = &batch[i * vocab..(i + 1) * vocab];
             let worst = step
                 .iter()
@@ -156,7 +148,7 @@ fn incremental_decode_matches_batch() {
                 "{name} position {i}: max logit difference {worst}"
             );
         }
-        assert_eq!(cache.len(), seq.len());
+        assert_eq!(s.len(), seq.len());
     }
 }
 

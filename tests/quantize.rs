@@ -2,8 +2,9 @@
 //! tokenizes as the checkpoint does, runs on every kernel tier, and keeps the quality the issue
 //! asks for (Q8_0 within 0.5% and Q4_0 within 5% of the f16 checkpoint's perplexity).
 mod common;
+use common::OnCpu;
 use common::Reference;
-use dejavu::engine::executor::{Executor, Logits};
+use dejavu::engine::device::Logits;
 use dejavu::engine::weights::Model;
 use dejavu::engine::{Engine, EngineOptions};
 use dejavu::eval::perplexity::{perplexity, Feed};
@@ -113,19 +114,16 @@ fn quantized_files_run_on_every_tier() {
         let case = &r.greedy.cases[0];
         let mut seq = case.prompt_ids.clone();
         seq.extend(&case.greedy_ids[..16]);
-        let reference = CpuBackend::f32_reference(2);
-        let exec = Executor::new(&eng.model, &reference).unwrap();
-        let mut cache = eng.new_cache();
-        let want = exec
-            .forward(&seq, &mut cache, &plan, Logits::Range(0, seq.len()))
+        let reference = OnCpu::new(&eng, CpuBackend::f32_reference(2), false);
+        let want = (reference.fixed(&plan, eng.n_ctx))
+            .run(&seq, Logits::Range(0, seq.len()))
             .unwrap()
             .to_vec();
         for isa in Isa::supported() {
-            let b = CpuBackend::with_isa(isa, 2).unwrap();
-            let exec = Executor::new(&eng.model, &b).unwrap();
-            let mut cache = eng.new_cache();
+            let tier = OnCpu::new(&eng, CpuBackend::with_isa(isa, 2).unwrap(), false);
+            let mut s = tier.fixed(&plan, eng.n_ctx);
             for (i, &t) in seq.iter().enumerate() {
-                let got = exec.forward(&[t], &mut cache, &plan, Logits::Last).unwrap();
+                let got = s.run(&[t], Logits::Last).unwrap();
                 let w = &want[i * vocab..(i + 1) * vocab];
                 let top = argmax(w) as usize;
                 let mut sorted = w.to_vec();

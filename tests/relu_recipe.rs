@@ -1,7 +1,7 @@
 //! The Deja Vu recipe on the tiny trained ReLU OPT (tests/fixtures/hf/opt-relu): the oracle's
 //! nonzero set (exact, counting only selected rows), calibration with the paper's labels (the
 //! nonzero neurons), per-layer budgets from the measured densities, and the rules' errors.
-use dejavu::engine::executor::{Logits, Plan};
+use dejavu::engine::device::Logits;
 use dejavu::engine::{Engine, EngineOptions};
 use dejavu::sparsity::calibrate::{train_predictors, CalibrateOptions};
 use dejavu::sparsity::predictors_file::Predictors;
@@ -35,25 +35,18 @@ fn oracle_is_exact_and_counts_only_its_rows() {
     );
     assert!(oracle.mlp.iter().all(|r| *r == MlpRule::OracleNonzero));
     let dense = SparsePlan::dense(&e.model.config);
-    let exec = e.executor();
-    let (mut cd, mut co, mut ce) = (e.new_cache(), e.new_cache(), e.new_cache());
+    let mut cd = e.session(e.fixed_plan(&dense).unwrap()).unwrap();
+    let (mut co, mut ce) = (e.decoder(&oracle).unwrap(), e.decoder(&exact).unwrap());
     for &t in &eval_tokens(&e, 24) {
-        let want = exec
-            .forward(&[t], &mut cd, &dense, Logits::Last)
-            .unwrap()
-            .to_vec();
-        let got = exec
-            .run(&[t], &mut co, Plan::Policy(&oracle), Logits::Last)
-            .unwrap()
-            .to_vec();
-        exec.run(&[t], &mut ce, Plan::Policy(&exact), Logits::Last)
-            .unwrap();
+        let want = cd.run(&[t], Logits::Last).unwrap().to_vec();
+        let got = co.run(&[t], Logits::Last).unwrap().to_vec();
+        ce.run(&[t], Logits::Last).unwrap();
         let worst = got
             .iter()
             .zip(&want)
             .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
         assert!(worst < 1e-3, "logits differ by {worst}");
-        let (so, se) = (co.last_step(), ce.last_step());
+        let (so, se) = (co.last_step().unwrap(), ce.last_step().unwrap());
         assert_eq!(so.mlp_kept, se.mlp_kept);
         assert!(so.weight_bytes < se.weight_bytes, "{so:?} vs {se:?}");
     }
@@ -97,15 +90,12 @@ fn calibration_uses_relu_labels_and_per_layer_budgets() {
         let keep = (2.0 * t.mlp_density[l]).min(1.0) as f32;
         assert_eq!(*r, MlpRule::LowRank { keep }, "layer {l}");
     }
-    let mut cache = e.new_cache();
-    let exec = e.executor();
+    let mut session = e.decoder(&pol).unwrap();
     for &tok in &tokens[..8] {
-        let out = exec
-            .run(&[tok], &mut cache, Plan::Policy(&pol), Logits::Last)
-            .unwrap();
+        let out = session.run(&[tok], Logits::Last).unwrap();
         assert!(out.iter().all(|v| v.is_finite()));
     }
-    let st = cache.last_step();
+    let st = session.last_step().unwrap();
     let want: usize = (0..c.n_layers)
         .map(|l| {
             MlpRule::LowRank {

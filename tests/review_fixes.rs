@@ -248,13 +248,17 @@ fn add_bos_token_is_honoured_and_rope_scaling_refused() {
     assert!(err.contains("RoPE scaling"), "{err}");
 }
 
+/// A long context holds only what a sequence uses: the caches of a 32768-position window are
+/// zeroed allocations whose pages the OS maps as positions are written, so a 4-token sequence
+/// leaves resident memory far below the window's size.
 #[test]
 fn kv_cache_holds_what_is_used() {
+    const CTX: usize = 32768;
     let dir = tempfile::tempdir().unwrap();
     let m = tiny_file(dir.path(), "t.gguf", |meta, _| {
         for (k, v) in meta.iter_mut() {
             if k == "llama.context_length" {
-                *v = MetaValue::U32(8192);
+                *v = MetaValue::U32(CTX as u32);
             }
         }
     });
@@ -262,26 +266,27 @@ fn kv_cache_holds_what_is_used() {
         &m,
         &EngineOptions {
             threads: Some(1),
-            n_ctx: Some(8192),
+            n_ctx: Some(CTX),
             ..Default::default()
         },
     )
     .unwrap();
-    let mut cache = e.new_cache();
+    let rss = || dejavu::eval::memstat::resident(&[]).unwrap().total;
+    let full = (2 * TINY.layers * CTX * TINY.kv_heads * (TINY.d / TINY.heads) * 4) as u64;
     let plan = dejavu::sparsity::SparsePlan::dense(&e.model.config);
-    e.executor()
-        .forward(
-            &[1, 2, 3, 4],
-            &mut cache,
-            &plan,
-            dejavu::engine::executor::Logits::Last,
-        )
+    let before = rss();
+    let mut s = e.session(e.fixed_plan(&plan).unwrap()).unwrap();
+    s.run(&[1, 2, 3, 4], dejavu::engine::device::Logits::Last)
         .unwrap();
-    let full = 2 * TINY.layers * 8192 * TINY.kv_heads * (TINY.d / TINY.heads) * 4;
+    let grew = rss().saturating_sub(before);
     assert!(
-        cache.bytes_allocated() * 16 <= full,
-        "{} of {full} bytes",
-        cache.bytes_allocated()
+        grew * 4 <= full,
+        "{grew} of the window's {full} bytes resident"
+    );
+    assert_eq!(
+        e.kv_bytes(s.len()) * CTX,
+        full as usize * 4,
+        "the bytes in use"
     );
 }
 
@@ -472,7 +477,7 @@ fn bad_hugging_face_directories() {
 /// the bytes.
 #[test]
 fn f16_kv_cache_keeps_quality_at_half_the_bytes() {
-    use dejavu::engine::kv_cache::KvType;
+    use dejavu::engine::KvType;
     use dejavu::eval::perplexity::{perplexity, Feed};
     let text = std::fs::read_to_string(fixture("eval.txt")).unwrap();
     let mut ppl = Vec::new();
@@ -486,16 +491,7 @@ fn f16_kv_cache_keeps_quality_at_half_the_bytes() {
         tokens.truncate(4 * 512);
         let plan = dejavu::sparsity::SparsePlan::dense(&e.model.config);
         let r = perplexity(&e, &tokens, 512, &plan, Feed::TokenByToken, |_, _, _| {}).unwrap();
-        let mut cache = e.new_cache();
-        e.executor()
-            .forward(
-                &tokens[..100],
-                &mut cache,
-                &plan,
-                dejavu::engine::executor::Logits::Last,
-            )
-            .unwrap();
-        ppl.push((r.ppl, cache.bytes_in_use()));
+        ppl.push((r.ppl, e.kv_bytes(100)));
     }
     let ((p32, b32), (p16, b16)) = (ppl[0], ppl[1]);
     eprintln!("kv f32: ppl {p32:.4}, {b32} bytes; kv f16: ppl {p16:.4}, {b16} bytes");

@@ -5,12 +5,13 @@
 //! slow headers and bodies, oversize and deeply nested JSON, a connection flood, and a shutdown
 //! whose grace runs out.
 mod common;
-use dejavu::engine::executor::Plan;
+use dejavu::engine::device::DeviceSession;
 use dejavu::engine::{Engine, EngineOptions};
 use dejavu::serve::{self, Limits, ServeOptions, Slot};
 use dejavu::sparsity::policy::Policy;
-use dejavu::text::generate::{generate_on, Decoder, HostDecoder};
+use dejavu::text::generate::{generate_on, Decoder};
 use dejavu::text::sampling::{Sampler, SamplerConfig};
+use dejavu_backend_cpu::device::CpuDevice;
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -61,14 +62,9 @@ impl Server {
             limits,
         };
         let slot: Slot = Box::new(move |jobs, metrics| {
-            let mut cache = eng.new_cache();
             let policy = Policy::dense(&eng.model.config);
             let mut dec = Slow {
-                inner: HostDecoder {
-                    engine: &eng,
-                    cache: &mut cache,
-                    plan: Plan::Policy(&policy),
-                },
+                inner: eng.decoder(&policy).unwrap(),
                 delay: Duration::from_millis(if slow { 5 } else { 0 }),
             };
             serve::worker::run_slot(&eng, &mut dec, &jobs, &metrics);
@@ -143,7 +139,7 @@ impl Server {
 
 /// A decoder that waits before each call.
 struct Slow<'a> {
-    inner: HostDecoder<'a>,
+    inner: DeviceSession<'a, CpuDevice>,
     delay: Duration,
 }
 
@@ -195,13 +191,8 @@ fn reference(messages: &[(&str, &str)], max_tokens: usize) -> (String, usize) {
         .tokenizer
         .encode(&eng.tokenizer.apply_chat_template(&owned).unwrap())
         .unwrap();
-    let mut cache = eng.new_cache();
     let policy = Policy::dense(&eng.model.config);
-    let mut dec = HostDecoder {
-        engine: &eng,
-        cache: &mut cache,
-        plan: Plan::Policy(&policy),
-    };
+    let mut dec = eng.decoder(&policy).unwrap();
     let mut text = String::new();
     let mut sampler = Sampler::new(SamplerConfig::greedy());
     let (out, _) = generate_on(&eng, &mut dec, &ids, max_tokens, &mut sampler, |t| {

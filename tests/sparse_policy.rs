@@ -5,38 +5,17 @@
 //! are rejected.
 mod common;
 use common::*;
-use dejavu::engine::executor::{Executor, Logits, Plan};
+use dejavu::engine::device::{DevicePlan, Logits};
 use dejavu::engine::{Engine, EngineOptions};
 use dejavu::sparsity::calibrate::{calibrate, CalibrateOptions};
 use dejavu::sparsity::policy::Policy;
 use dejavu::sparsity::predictors_file::Predictors;
 use dejavu::sparsity::{LayerPlan, SparsePlan};
 use dejavu_backend_api::IndexSet;
-use dejavu_formats::gguf::GgmlType;
+use dejavu_backend_cpu::device::CpuDevice;
 use rand::{seq::index::sample, SeedableRng};
 
 const TOKENS: [u32; 8] = [72, 101, 108, 108, 111, 33, 10, 84];
-
-/// The tiny model with its down and attention output projections stored as F32 (the values of
-/// the Q8_0 original), so the sparse layout is an exact transposition.
-fn tiny_f32_down() -> Vec<u8> {
-    tiny_llama_gguf(|_, tensors| {
-        for (name, _, ty, bytes) in tensors.iter_mut() {
-            if name.ends_with("ffn_down.weight") || name.ends_with("attn_output.weight") {
-                let vals: Vec<u8> = bytes
-                    .chunks_exact(34)
-                    .flat_map(|b| {
-                        let d = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
-                        b[2..].iter().map(move |&q| d * q as i8 as f32)
-                    })
-                    .flat_map(|v| v.to_le_bytes())
-                    .collect();
-                *bytes = vals;
-                *ty = GgmlType::F32;
-            }
-        }
-    })
-}
 
 /// A model file in its own temporary directory (the layout cache is written beside it).
 fn tiny(bytes: &[u8]) -> (tempfile::TempDir, Engine) {
@@ -55,36 +34,38 @@ fn tiny(bytes: &[u8]) -> (tempfile::TempDir, Engine) {
     (dir, e)
 }
 
-fn decode(exec: &Executor, e: &Engine, plan: Plan) -> Vec<f32> {
-    let mut cache = e.new_cache();
-    TOKENS
-        .iter()
-        .flat_map(|&t| {
-            exec.run(&[t], &mut cache, plan, Logits::Last)
-                .unwrap()
-                .to_vec()
-        })
+/// The logits of every token of [`TOKENS`], fed one at a time, on `e`'s CPU device.
+fn decode(e: &Engine, plan: DevicePlan<CpuDevice>) -> Vec<f32> {
+    let mut s = e.session(plan).unwrap();
+    (TOKENS.iter())
+        .flat_map(|&t| s.run(&[t], Logits::Last).unwrap().to_vec())
         .collect()
+}
+
+fn fixed(e: &Engine, plan: &SparsePlan) -> DevicePlan<CpuDevice> {
+    e.fixed_plan(plan).unwrap()
 }
 
 #[test]
 fn dense_policy_is_the_dense_plan_bitwise() {
     let (_d, e) = tiny(&tiny_llama_gguf(|_, _| {}));
     let c = &e.model.config;
-    let exec = e.executor();
     let pol = e.policy("dense", None).unwrap();
     assert!(pol.is_dense());
     for spec in ["gate-first:1.0", "oracle:1", "up-first:1.0"] {
         assert!(e.policy(spec, None).unwrap().is_dense(), "{spec}");
     }
     assert_eq!(
-        decode(&exec, &e, Plan::Policy(&pol)),
-        decode(&exec, &e, Plan::Fixed(&SparsePlan::dense(c)))
+        decode(&e, e.plan(&pol).unwrap()),
+        decode(&e, fixed(&e, &SparsePlan::dense(c)))
     );
 }
 
+/// The sparse layout is converted once into dejavu's cache directory (never the model's own)
+/// and found there by the next engine; a random plan runs through it. (That a plan through the
+/// layout equals the masked dense model is tests/sparse_plan.rs.)
 #[test]
-fn sparse_layout_equals_masked_dense() {
+fn the_sparse_layout_is_cached_once_in_dejavus_directory() {
     let (dir, e) = tiny(&tiny_f32_down());
     let c = e.model.config.clone();
     let layout = e.sparse_layout().unwrap();
@@ -93,10 +74,6 @@ fn sparse_layout_equals_masked_dense() {
     let home = dejavu::fetch::home_dir().join("layouts");
     assert!(cached.starts_with(&home) && cached.exists(), "{cached:?}");
     assert!(!cached.starts_with(dir.path()));
-    let backend = dejavu_backend_cpu::CpuBackend::f32_reference(2);
-    let mut exec = Executor::new(&e.model, &backend).unwrap();
-    let without = Executor::new(&e.model, &backend).unwrap();
-    exec.layout = Some(layout);
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
     let mut subset = |n: usize, keep: usize| {
         let idx = sample(&mut rng, n, keep)
@@ -105,24 +82,11 @@ fn sparse_layout_equals_masked_dense() {
             .collect();
         IndexSet::from_unsorted(n, idx).unwrap()
     };
-    for (keep, heads) in [(1, 1), (c.n_ff / 3, c.n_heads / 2), (c.n_ff - 1, c.n_heads)] {
-        let layers = (0..c.n_layers)
-            .map(|_| {
-                let (mlp, heads) = (subset(c.n_ff, keep), subset(c.n_heads, heads));
-                LayerPlan::new(&c, mlp, heads).unwrap()
-            })
-            .collect();
-        let plan = SparsePlan::new(&c, layers).unwrap();
-        // Without a layout, a sparse set runs the dense down projection (and W_o) over zeroed
-        // activations: the masked dense model. With it, the rows of the transposed matrices: the
-        // same sums in another order (and split over two threads), so equal up to f32 rounding.
-        let via_layout = decode(&exec, &e, Plan::Fixed(&plan));
-        let masked = decode(&without, &e, Plan::Fixed(&plan));
-        let scale = masked.iter().fold(0f32, |m, v| m.max(v.abs()));
-        for (a, b) in via_layout.iter().zip(&masked) {
-            assert!((a - b).abs() <= 1e-5 * scale, "keep {keep}: {a} vs {b}");
-        }
-    }
+    let layers = (0..c.n_layers)
+        .map(|_| LayerPlan::new(&c, subset(c.n_ff, 1), subset(c.n_heads, 1)).unwrap())
+        .collect();
+    let plan = SparsePlan::new(&c, layers).unwrap();
+    assert!(decode(&e, fixed(&e, &plan)).iter().all(|v| v.is_finite()));
     // A second engine finds the cached layout instead of converting again.
     let (_d2, e2) = (
         dir,
@@ -135,8 +99,7 @@ fn sparse_layout_equals_masked_dense() {
 fn mlp_rules_keep_what_they_say() {
     let (_d, e) = tiny(&tiny_llama_gguf(|_, _| {}));
     let c = &e.model.config;
-    let exec = e.executor();
-    let dense = decode(&exec, &e, Plan::Fixed(&SparsePlan::dense(c)));
+    let dense = decode(&e, fixed(&e, &SparsePlan::dense(c)));
     for spec in [
         "gate-first:0.5",
         "up-first:0.5",
@@ -145,17 +108,13 @@ fn mlp_rules_keep_what_they_say() {
         "gate-first:0.5+attn-norm:0.5",
     ] {
         let pol = e.policy(spec, None).unwrap();
-        let exec = e.executor();
-        let mut cache = e.new_cache();
-        exec.run(&TOKENS[..3], &mut cache, Plan::Policy(&pol), Logits::Last)
-            .unwrap();
-        let batch = cache.last_step();
+        let mut session = e.decoder(&pol).unwrap();
+        session.run(&TOKENS[..3], Logits::Last).unwrap();
+        let batch = session.batch_step();
         assert_eq!(batch.mlp_kept, batch.mlp_total, "{spec}: batches run dense");
-        let logits = exec
-            .run(&[TOKENS[3]], &mut cache, Plan::Policy(&pol), Logits::Last)
-            .unwrap();
+        let logits = session.run(&[TOKENS[3]], Logits::Last).unwrap();
         assert!(logits.iter().all(|v| v.is_finite()));
-        let s = cache.last_step();
+        let s = session.last_step().unwrap();
         let sparse_layers = if spec.ends_with(":1") {
             c.n_layers - 2
         } else {
@@ -177,7 +136,7 @@ fn mlp_rules_keep_what_they_say() {
             "{spec}"
         );
         // The tiny model has 2 layers: EDGE 1 keeps both dense.
-        let same = decode(&exec, &e, Plan::Policy(&pol)) == dense;
+        let same = decode(&e, e.plan(&pol).unwrap()) == dense;
         assert_eq!(same, sparse_layers == 0, "{spec}");
     }
 }
@@ -204,12 +163,11 @@ fn full_rank_output_preview_reproduces_dense_logits() {
     preds.save(&out, &e.model).unwrap();
     let loaded = e.predictors(Some(&out)).unwrap().unwrap();
     assert_eq!(loaded.output.as_ref().unwrap().rank, 64);
-    let exec = e.executor();
-    let dense = decode(&exec, &e, Plan::Fixed(&SparsePlan::dense(c)));
+    let dense = decode(&e, fixed(&e, &SparsePlan::dense(c)));
     // Rank 64 = d_model: the preview is E itself up to its 8-bit table, so every logit is close
     // and the exact candidates are exact.
     let pol = e.policy("head:64:16", Some(&loaded)).unwrap();
-    let got = decode(&exec, &e, Plan::Policy(&pol));
+    let got = decode(&e, e.plan(&pol).unwrap());
     let scale = dense.iter().fold(0f32, |m, v| m.max(v.abs()));
     for (a, b) in got.iter().zip(&dense) {
         assert!((a - b).abs() <= 0.03 * scale, "{a} vs {b}");
@@ -471,37 +429,22 @@ fn dejavu_predictors_round_trip() {
         .policy(&format!("{spec}+lookahead"), Some(&loaded))
         .unwrap();
     assert!(pol.uses_predictors() && ahead.lookahead);
-    // The engine gives the executor its spare thread only when the pool leaves a core free; set
-    // both modes explicitly.
-    let one = dejavu_backend_cpu::CpuBackend::new(1).unwrap();
-    let mut exec = e.executor();
-    exec.spare = Some(&one);
-    let mut inline = exec;
-    inline.spare = None;
     // Prompt, then single-token steps; logits and kept counts of every step.
-    let steps = |exec: &Executor, pol: &Policy| {
-        let mut cache = e.new_cache();
+    let steps = |pol: &Policy| {
+        let mut session = e.decoder(pol).unwrap();
         let mut out = Vec::new();
-        exec.run(&TOKENS[..2], &mut cache, Plan::Policy(pol), Logits::Last)
-            .unwrap();
+        session.run(&TOKENS[..2], Logits::Last).unwrap();
         for &t in &TOKENS[2..] {
-            let l = exec.run(&[t], &mut cache, Plan::Policy(pol), Logits::Last);
-            out.push(l.unwrap().to_vec());
-            let s = cache.last_step();
+            out.push(session.run(&[t], Logits::Last).unwrap().to_vec());
+            let s = session.last_step().unwrap();
             assert_eq!(s.mlp_kept, c.n_layers * c.n_ff / 2);
             assert_eq!(s.heads_kept, c.n_layers * c.n_heads / 2);
-            assert!(s.predict_ns > 0);
+            assert!(s.bytes.predictors > 0);
             out.push(vec![s.weight_bytes as f32]);
         }
         out
     };
-    let base = steps(&exec, &pol);
-    assert_eq!(steps(&exec, &ahead), base, "lookahead on the spare thread");
-    assert_eq!(
-        steps(&inline, &ahead),
-        base,
-        "lookahead without a spare thread"
-    );
+    assert_eq!(steps(&ahead), steps(&pol), "lookahead");
     // Without the predictors the rules are refused; lookahead needs a learned rule.
     let mut none = loaded;
     none.mlp = Vec::new().into();

@@ -1,7 +1,7 @@
 //! Synthetic models (`synthetic:NAME`): built at the published shape, the sparse layout's
 //! transposes are the model's own matrices, every output says synthetic, quality commands refuse,
 //! and `--sparsity paper` runs its real selection path on them.
-use dejavu::engine::executor::{Logits, Plan};
+use dejavu::engine::device::{BlockTimes, Logits};
 use dejavu::engine::synthetic::SyntheticOptions;
 use dejavu::engine::{Engine, EngineOptions};
 use dejavu::sparsity::{HeadRule, MlpRule};
@@ -37,16 +37,11 @@ fn builds_at_the_published_shape_and_says_synthetic() {
     );
     assert!(e.model.label().contains("synthetic"), "{}", e.model.label());
     assert_eq!(e.model.layers[3].w_up.qtype, QuantType::Q8_0);
-    let mut cache = e.new_cache();
-    let logits = e
-        .executor()
-        .run(
-            &[5, 6, 7],
-            &mut cache,
-            Plan::Fixed(&dejavu::sparsity::SparsePlan::dense(c)),
-            Logits::Last,
-        )
+    let dense = e
+        .fixed_plan(&dejavu::sparsity::SparsePlan::dense(c))
         .unwrap();
+    let mut s = e.session(dense).unwrap();
+    let logits = s.run(&[5, 6, 7], Logits::Last).unwrap();
     assert!(logits.iter().all(|v| v.is_finite()));
     // Random weights at N(0, 0.02): not all logits equal.
     assert!(logits.iter().any(|&v| v != logits[0]));
@@ -105,20 +100,18 @@ fn paper_policy_runs_its_selection_on_synthetic_predictors() {
         assert_eq!(pol.mlp[l], MlpRule::LowRank { keep: 0.1 });
         assert_eq!(pol.heads[l], HeadRule::LowRank { keep: 0.5 });
     }
-    let mut cache = e.new_cache();
-    let exec = e.executor();
-    exec.run(&[1, 2], &mut cache, Plan::Policy(&pol), Logits::Last)
-        .unwrap();
-    let out = exec
-        .run(&[3], &mut cache, Plan::Policy(&pol), Logits::Last)
-        .unwrap();
+    let mut s = e.decoder(&pol).unwrap();
+    s.run(&[1, 2], Logits::Last).unwrap();
+    let out = s.run(&[3], Logits::Last).unwrap();
     assert!(out.iter().all(|v| v.is_finite()));
-    let st = cache.last_step();
+    let st = s.last_step().unwrap();
     // Layer 0 dense, 11 layers at 10% of 3072 neurons and 6 of 12 heads.
     assert_eq!(st.mlp_kept, 3072 + 11 * 307);
     assert_eq!(st.heads_kept, 12 + 11 * 6);
     assert!(st.weight_bytes < e.model.dense_bytes_per_token());
-    assert!(st.mlp.ns > 0 && st.attention.ns > 0 && st.output.ns > 0);
+    let mut t = BlockTimes::default();
+    s.profile(&[4], &mut t).unwrap();
+    assert!(t.mlp > 0.0 && t.attention > 0.0 && t.output > 0.0 && t.predict > 0.0);
 }
 
 #[test]
@@ -169,36 +162,27 @@ fn quality_commands_refuse_and_bad_names_are_errors() {
 /// Lazy K/V computes keys and values for the selected heads only and recomputes what a head
 /// missed when it is selected again: the logits equal those of computing every head's K/V
 /// under the same head selection (within the batched kernels' rounding), with fewer bytes; and a
-/// dense step after truncating fills every hole.
+/// batch (every unit) after truncating fills every hole.
 #[test]
 fn lazy_kv_equals_full_kv_with_fewer_bytes() {
     let e = engine(QuantType::F16);
     let preds = e.predictors(None).unwrap().unwrap();
     let full = e.policy("dejavu-attn:0.5", Some(&preds)).unwrap();
     let lazy = e.policy("dejavu-attn:0.5+lazy-kv", Some(&preds)).unwrap();
-    let exec = e.executor();
-    let (mut cf, mut cl) = (e.new_cache(), e.new_cache());
+    let (mut cf, mut cl) = (e.decoder(&full).unwrap(), e.decoder(&lazy).unwrap());
     let tokens: Vec<u32> = (0..24).map(|i| (i * 977 + 13) % 50000).collect();
-    exec.run(&tokens[..4], &mut cf, Plan::Policy(&full), Logits::Last)
-        .unwrap();
-    exec.run(&tokens[..4], &mut cl, Plan::Policy(&lazy), Logits::Last)
-        .unwrap();
+    cf.run(&tokens[..4], Logits::Last).unwrap();
+    cl.run(&tokens[..4], Logits::Last).unwrap();
     for &t in &tokens[4..] {
-        let a = exec
-            .run(&[t], &mut cf, Plan::Policy(&full), Logits::Last)
-            .unwrap()
-            .to_vec();
-        let b = exec
-            .run(&[t], &mut cl, Plan::Policy(&lazy), Logits::Last)
-            .unwrap()
-            .to_vec();
+        let a = cf.run(&[t], Logits::Last).unwrap().to_vec();
+        let b = cl.run(&[t], Logits::Last).unwrap().to_vec();
         let (diff, scale) = max_diff(&a, &b);
         assert!(
             diff <= 2e-3 * scale,
             "step at {}: max diff {diff} of {scale}",
             cl.len()
         );
-        let (sf, sl) = (cf.last_step(), cl.last_step());
+        let (sf, sl) = (cf.last_step().unwrap(), cl.last_step().unwrap());
         assert_eq!(sf.heads_kept, sl.heads_kept);
         assert!(
             sl.weight_bytes < sf.weight_bytes,
@@ -208,19 +192,12 @@ fn lazy_kv_equals_full_kv_with_fewer_bytes() {
             sf.weight_bytes
         );
     }
-    // Truncate into the lazily filled part, then continue dense on both: every hole of the lazy
-    // cache is recomputed (the same history, so the same logits as the complete cache).
+    // Truncate into the lazily filled part, then a batch on both (every unit): every hole of the
+    // lazy cache is recomputed (the same history, so the same logits as the complete cache).
     cl.truncate(15);
     cf.truncate(15);
-    let dense = dejavu::sparsity::SparsePlan::dense(&e.model.config);
-    let got = exec
-        .run(&tokens[15..20], &mut cl, Plan::Fixed(&dense), Logits::Last)
-        .unwrap()
-        .to_vec();
-    let want = exec
-        .run(&tokens[15..20], &mut cf, Plan::Fixed(&dense), Logits::Last)
-        .unwrap()
-        .to_vec();
+    let got = cl.run(&tokens[15..20], Logits::Last).unwrap().to_vec();
+    let want = cf.run(&tokens[15..20], Logits::Last).unwrap().to_vec();
     let (diff, scale) = max_diff(&want, &got);
     assert!(
         diff <= 2e-3 * scale,

@@ -3,10 +3,9 @@
 //! bit-identical at 1, 2 and 3 threads (the prefill tiles used to follow the thread count).
 mod common;
 use common::*;
-use dejavu::engine::executor::Plan;
 use dejavu::engine::{Engine, EngineOptions};
 use dejavu::sparsity::policy::Policy;
-use dejavu::text::generate::{Decoder, HostDecoder};
+use dejavu::text::generate::Decoder;
 
 fn logits(path: &std::path::Path, threads: usize, prompt: &[u32]) -> Vec<Vec<f32>> {
     let eng = Engine::load(
@@ -18,13 +17,8 @@ fn logits(path: &std::path::Path, threads: usize, prompt: &[u32]) -> Vec<Vec<f32
         },
     )
     .unwrap();
-    let mut cache = eng.new_cache();
     let policy = Policy::dense(&eng.model.config);
-    let mut dec = HostDecoder {
-        engine: &eng,
-        cache: &mut cache,
-        plan: Plan::Policy(&policy),
-    };
+    let mut dec = eng.decoder(&policy).unwrap();
     let mut out = vec![dec.decode(prompt).unwrap().to_vec()];
     for t in [17u32, 4242, 9] {
         out.push(dec.decode(&[t]).unwrap().to_vec());

@@ -1,29 +1,29 @@
-//! The engine: an [`Engine`] holds a loaded model, its tokenizer, a backend and the thread pool
-//! it runs on. The submodules are the model itself: its typed [`config`], its [`weights`] (and the
-//! GGUF [`names`]), and the [`executor`] that runs the layer loop.
+//! The engine: an [`Engine`] holds a loaded model, its tokenizer and the CPU device (kernels and
+//! thread pool) it runs on. The submodules are the model itself: its typed [`config`], its
+//! [`weights`] (and the GGUF [`names`]), and the one forward pass ([`device`]) that every backend
+//! runs.
 pub mod arch;
 pub mod config;
 pub mod content_key;
 pub mod device;
-pub mod executor;
 pub mod finite;
-pub mod kv_cache;
 pub mod names;
 pub mod parallel;
 pub mod repack;
 pub mod synthetic;
 pub mod weights;
 
-use crate::engine::executor::Executor;
-use crate::engine::kv_cache::{KvCache, KvType};
+use crate::engine::device::{DeviceModel, DevicePlan, DeviceSession};
 use crate::engine::synthetic::SyntheticOptions;
 use crate::engine::weights::Model;
 use crate::sparsity::layout::SparseLayout;
 use crate::sparsity::policy::Policy;
 use crate::sparsity::predictors_file::Predictors;
+use crate::sparsity::SparsePlan;
 use crate::text::tokenizer::Tokenizer;
 use crate::{Error, Result};
 use dejavu_backend_api::Backend;
+use dejavu_backend_cpu::device::CpuDevice;
 use dejavu_backend_cpu::CpuBackend;
 use std::path::Path;
 
@@ -47,6 +47,40 @@ pub struct EngineOptions {
     pub keep_file_layout: bool,
 }
 
+/// The CPU device on `threads` threads, its caches of `kv` values.
+fn cpu_device(threads: usize, kv: KvType) -> Result<CpuDevice> {
+    let d = CpuDevice::from_backend(CpuBackend::new(threads)?);
+    Ok(match kv {
+        KvType::F32 => d.with_f32_cache(),
+        KvType::F16 => d,
+    })
+}
+
+/// The element type of the cached keys and values. F16 halves the cache (rounding each key and
+/// value to f16's 11 significant bits).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum KvType {
+    #[default]
+    F32,
+    F16,
+}
+
+impl KvType {
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "f32" => Some(KvType::F32),
+            "f16" => Some(KvType::F16),
+            _ => None,
+        }
+    }
+    pub fn bytes(self) -> usize {
+        match self {
+            KvType::F32 => 4,
+            KvType::F16 => 2,
+        }
+    }
+}
+
 /// Hand freed heap pages back to the OS (glibc keeps them otherwise; elsewhere a no-op).
 fn release_free_heap() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
@@ -66,9 +100,11 @@ pub struct Engine {
     pub model: Model,
     pub tokenizer: Tokenizer,
     pub n_ctx: usize,
-    backend: CpuBackend,
-    /// One thread of its own for the lookahead predictors (see `crate::sparsity::lookahead`).
-    spare: CpuBackend,
+    /// The CPU device the engine runs on (its kernels and thread pool).
+    device: CpuDevice,
+    /// The model on the CPU device, reading the mapped weights in place: without and with the
+    /// sparse layout (made on first use).
+    on_cpu: [std::sync::OnceLock<DeviceModel<CpuDevice>>; 2],
     threads: usize,
     kv_type: KvType,
     /// The neuron-major layout, loaded or built on first use by a sparse policy.
@@ -119,32 +155,21 @@ impl Engine {
             Some(n) => n,
             None => std::thread::available_parallelism().map_or(1, |n| n.get()),
         };
-        let backend = CpuBackend::new(threads)?;
+        let device = cpu_device(threads, opts.kv_type)?;
         if !opts.keep_file_layout {
-            model.repack(&backend)?;
+            model.repack(device.backend())?;
             release_free_heap();
         }
-        Executor::new(&model, &backend)?;
-        let spare = CpuBackend::new(1)?;
         Ok(Self {
             model,
             tokenizer,
             n_ctx,
-            backend,
-            spare,
+            device,
+            on_cpu: Default::default(),
             threads,
             kv_type: opts.kv_type,
             layout: std::sync::OnceLock::new(),
         })
-    }
-
-    pub fn executor(&self) -> Executor<'_> {
-        Executor {
-            model: &self.model,
-            backend: &self.backend,
-            layout: self.layout.get(),
-            spare: self.has_spare_core().then_some(&self.spare as &dyn Backend),
-        }
     }
 
     /// The sparse layout (see [`crate::sparsity::layout`]): loaded from the cache next to the model, or
@@ -153,7 +178,7 @@ impl Engine {
         if let Some(l) = self.layout.get() {
             return Ok(l);
         }
-        let l = SparseLayout::load_or_build(&self.model, &self.backend)?;
+        let l = SparseLayout::load_or_build(&self.model, self.device.backend())?;
         Ok(self.layout.get_or_init(|| l))
     }
 
@@ -184,40 +209,71 @@ impl Engine {
         }
     }
 
-    /// Whether the pool leaves a core for the lookahead thread. Without one, lookahead's thread
-    /// would take turns with the pool's spinning workers (measured on 2 cores: synthetic:opt-6.7b
-    /// under `paper` decoded 1.76x dense with the thread, 2.16x inline), so predictors run inline.
-    pub fn has_spare_core(&self) -> bool {
-        self.threads < std::thread::available_parallelism().map_or(1, |n| n.get())
-    }
-
     /// Parse a `--sparsity` spec and prepare what it needs (the sparse layout for MLP rules).
     pub fn policy(&self, spec: &str, predictors: Option<&Predictors>) -> Result<Policy> {
         let p = Policy::parse(spec, &self.model.config, predictors)?;
-        static SAID: std::sync::Once = std::sync::Once::new();
-        if p.lookahead && !self.has_spare_core() {
-            SAID.call_once(|| eprintln!(
-                "note: lookahead: no spare core ({} threads on as many cores); predictors run inline",
-                self.threads
-            ));
-        }
         if p.sparse_mlp() || p.sparse_heads() {
             self.sparse_layout()?;
         }
         Ok(p)
     }
 
+    /// The CPU's kernels and pool, for work outside the forward pass (repacking, layouts,
+    /// calibration's products).
     pub fn backend(&self) -> &dyn Backend {
-        &self.backend
+        self.device.backend()
     }
 
-    pub fn new_cache(&self) -> KvCache {
-        KvCache::new(&self.model, self.n_ctx, self.kv_type)
+    /// The CPU device the forward pass runs on.
+    pub fn device(&self) -> &CpuDevice {
+        &self.device
+    }
+
+    /// The model on the CPU device (with the sparse layout when `sparse`: made on first use).
+    pub fn cpu_model(&self, sparse: bool) -> Result<&DeviceModel<CpuDevice>> {
+        if let Some(m) = self.on_cpu[sparse as usize].get() {
+            return Ok(m);
+        }
+        let layout = if sparse {
+            Some(self.sparse_layout()?)
+        } else {
+            None
+        };
+        let m = DeviceModel::upload(&self.device, &self.model, layout)?;
+        Ok(self.on_cpu[sparse as usize].get_or_init(|| m))
+    }
+
+    /// A sequence on the CPU under `plan` (of [`Self::plan`] or [`Self::fixed_plan`]), with an
+    /// empty cache of the engine's context.
+    pub fn session(&self, plan: DevicePlan<CpuDevice>) -> Result<DeviceSession<'_, CpuDevice>> {
+        let model = self.cpu_model(plan.needs_layout())?;
+        DeviceSession::new(&self.device, model, plan, self.n_ctx)
+    }
+
+    /// A policy's plan on the CPU device.
+    pub fn plan(&self, policy: &Policy) -> Result<DevicePlan<CpuDevice>> {
+        DevicePlan::policy(&self.device, &self.model.config, policy)
+    }
+
+    /// A fixed plan's sets on the CPU device.
+    pub fn fixed_plan(&self, plan: &SparsePlan) -> Result<DevicePlan<CpuDevice>> {
+        DevicePlan::fixed(&self.device, &self.model.config, plan, "fixed")
+    }
+
+    /// A sequence on the CPU under `policy` (see [`Self::session`]).
+    pub fn decoder(&self, policy: &Policy) -> Result<DeviceSession<'_, CpuDevice>> {
+        self.session(self.plan(policy)?)
+    }
+
+    /// Bytes of keys and values a sequence of `len` positions holds on the CPU device.
+    pub fn kv_bytes(&self, len: usize) -> usize {
+        let c = &self.model.config;
+        2 * c.n_layers * len * c.kv_dim() * self.kv_type.bytes()
     }
 
     /// The CPU kernel tier in use (`scalar`, `portable`, `avx2`, `avx512`).
     pub fn isa(&self) -> &'static str {
-        self.backend.isa().name()
+        self.device.isa().name()
     }
 
     /// An error for work that needs real weights (`what`: e.g. "perplexity") on a synthetic model.
@@ -236,7 +292,7 @@ impl Engine {
         if n == 0 {
             return Err(Error::Invalid("--threads must be at least 1".into()));
         }
-        self.backend = CpuBackend::new(n)?;
+        self.device = cpu_device(n, self.kv_type)?;
         self.threads = n;
         Ok(())
     }

@@ -13,11 +13,11 @@
 //! Each test runs `repetitions` times after one warm-up run; we report the median and the sample
 //! standard deviation. Token ids are a fixed pseudo-random sequence (as llama-bench does), so
 //! speed does not depend on a text.
-use crate::engine::executor::{Logits, Plan};
-use crate::engine::kv_cache::{KvCache, StepStats};
+use crate::engine::device::{BlockTimes, DeviceSession, Logits, StepStats};
 use crate::engine::Engine;
 use crate::sparsity::policy::Policy;
 use crate::Result;
+use dejavu_backend_cpu::device::CpuDevice;
 use serde::Serialize;
 use std::time::Instant;
 
@@ -46,20 +46,17 @@ pub struct BenchResult {
     pub head_density: f64,
     /// Mean output rows computed exactly per step.
     pub exact_logits: f64,
-    /// Learned predictors: their time per token (ms) and the fraction of it hidden from the main
-    /// thread by lookahead (`None`: no learned predictors).
+    /// Learned predictors: their time per token (ms; `None`: no learned predictors).
     pub predict_ms: Option<f64>,
-    pub predict_hidden: Option<f64>,
     pub blocks: Blocks,
     pub samples: Vec<f64>,
     /// Decode tests: resident memory at the end of the last repetition.
     pub memory: Option<Memory>,
 }
 
-/// Where a step's time goes: per block kind, the mean ms and weight MB per step (summed over
-/// layers) and the GB/s that achieves. Attention and MLP include any wait for their predictions;
-/// `predictors` is the predictors' own time (on the lookahead thread when it runs; overlapped)
-/// and bytes (plus the step's embedding rows).
+/// Where a decode step's time goes: per block kind, the mean ms (of steps run eagerly, timed
+/// block by block: [`DeviceSession::profile`]) and weight MB per step (summed over layers), and
+/// the GB/s that achieves. `predictors` is the predictors' own time and bytes.
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct Blocks {
     pub attention: BlockTime,
@@ -124,85 +121,93 @@ pub struct Runs {
     pub memory: Option<Memory>,
 }
 
-/// Run one test (`prefill`: `n` tokens in one batch; else `n` decoded) for every policy:
-/// a warm-up repetition, then `reps` timed ones, the policies alternating within each so they
-/// see the same machine conditions. `tick` after every timed run.
+/// Run one test (`prefill`: `n` tokens in one batch; else `n` decoded) for every policy, each
+/// on its own session: a warm-up repetition, then `reps` timed ones, the policies alternating
+/// within each so they see the same machine conditions. `tick` after every timed run. A decode
+/// test then profiles a few steps of each policy block by block (for [`Blocks`]).
 pub fn alternate(
     engine: &Engine,
-    cache: &mut KvCache,
     policies: &[Policy],
     prefill: bool,
     n: usize,
     reps: usize,
     mut tick: impl FnMut(),
 ) -> Result<Vec<Runs>> {
+    let mut sessions = (policies.iter())
+        .map(|p| engine.decoder(p))
+        .collect::<Result<Vec<_>>>()?;
     let mut runs = vec![Runs::default(); policies.len()];
     for rep in 0..=reps {
-        for (pol, run) in policies.iter().zip(runs.iter_mut()) {
+        for (session, run) in sessions.iter_mut().zip(runs.iter_mut()) {
             let mut st = StepTotals::default();
-            let secs = time_once(
-                engine,
-                cache,
-                Plan::Policy(pol),
-                prefill,
-                n,
-                rep as u64,
-                &mut st,
-            )?;
+            let secs = time_once(session, prefill, n, rep as u64, &mut st)?;
             if rep > 0 {
                 run.samples.push(n as f64 / secs);
                 run.steps.add_all(&st);
                 tick();
             }
             if !prefill && rep == reps {
-                run.memory = memory(engine, cache);
+                run.memory = memory(engine, session.len());
             }
+        }
+    }
+    if !prefill {
+        // As many steps as the test decoded (its context holds them), at most PROFILED.
+        let toks = tokens(n.min(PROFILED) + 1, engine.model.config.vocab_size, 0);
+        for (session, run) in sessions.iter_mut().zip(runs.iter_mut()) {
+            session.truncate(0);
+            session.forward(&toks[..1])?;
+            let mut times = BlockTimes::default();
+            session.profile(&toks[1..], &mut times)?;
+            run.steps.add_times(&times);
         }
     }
     Ok(runs)
 }
 
+/// Decode steps a bench profiles block by block, per policy.
+const PROFILED: usize = 8;
+
 /// Time one repetition of a test (`prefill`: n tokens in one batch; else a warm-up token, then
 /// n tokens decoded one at a time) with the token sequence of `seed`, from an empty cache.
-/// Returns seconds; adds each timed step's [`StepStats`] to `steps`.
+/// Returns seconds; adds each timed step's [`StepStats`] to `steps` (a prompt's: its batches
+/// read the dense model).
 pub fn time_once(
-    engine: &Engine,
-    cache: &mut KvCache,
-    plan: Plan,
+    session: &mut DeviceSession<'_, CpuDevice>,
     prefill: bool,
     n: usize,
     seed: u64,
     steps: &mut StepTotals,
 ) -> Result<f64> {
-    let exec = engine.executor();
-    let toks = tokens(n + 1, engine.model.config.vocab_size, seed);
-    cache.clear();
+    let toks = tokens(n + 1, session.config().vocab_size, seed);
+    session.truncate(0);
     if prefill {
         let t0 = Instant::now();
-        exec.run(&toks[..n], cache, plan, Logits::Last)?;
+        session.run(&toks[..n], Logits::Last)?;
         let secs = t0.elapsed().as_secs_f64();
-        steps.add(cache.last_step());
+        steps.add(session.batch_step());
         return Ok(secs);
     }
-    exec.run(&toks[..1], cache, plan, Logits::Last)?;
+    session.run(&toks[..1], Logits::Last)?;
     let mut secs = 0.0;
     for &t in &toks[1..] {
         let t0 = Instant::now();
-        exec.run(&[t], cache, plan, Logits::Last)?;
+        session.run(&[t], Logits::Last)?;
         secs += t0.elapsed().as_secs_f64();
-        steps.add(cache.last_step());
+        steps.add(session.last_step()?);
     }
     Ok(secs)
 }
 
-/// Resident memory now, split as weights + the cache's KV + other state.
-pub fn memory(engine: &Engine, cache: &KvCache) -> Option<Memory> {
+/// Resident memory now, with a sequence of `len` positions in its cache, split as weights +
+/// the KV cache + other state.
+pub fn memory(engine: &Engine, len: usize) -> Option<Memory> {
     // Weights: the model's mapping and, once a sparse policy built it, the sparse layout.
     let mut regions = engine.model.mapped_files();
     regions.extend(engine.loaded_layout().map(|l| l.bytes()));
     let r = crate::eval::memstat::resident(&regions)?;
     let mib = |b: u64| b as f64 / (1 << 20) as f64;
-    let kv = cache.bytes_in_use() as u64;
+    let kv = engine.kv_bytes(len) as u64;
     Some(Memory {
         rss_mib: mib(r.total),
         weights_mib: mib(r.region),
@@ -211,7 +216,8 @@ pub fn memory(engine: &Engine, cache: &KvCache) -> Option<Memory> {
     })
 }
 
-/// Sums of [`StepStats`] over forward steps (for means per step).
+/// Sums of [`StepStats`] over forward steps (for means per step), and of the block times of
+/// the steps profiled.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct StepTotals {
     pub n: usize,
@@ -221,14 +227,16 @@ pub struct StepTotals {
     pub heads_kept: f64,
     pub heads_total: f64,
     pub exact_logits: f64,
-    pub predict_ns: f64,
-    pub predict_wait_ns: f64,
-    /// Attention, MLP and output head: summed ns and bytes.
-    pub blocks: [(f64, f64); 3],
+    /// Attention, MLP, output head and predictors: summed bytes over the `n` steps.
+    pub bytes: [f64; 4],
+    /// ... and their summed seconds over the `timed` profiled steps.
+    pub secs: [f64; 4],
+    pub timed: usize,
 }
 
 impl StepTotals {
     pub fn add(&mut self, s: StepStats) {
+        let b = s.bytes;
         self.add_all(&StepTotals {
             n: 1,
             weight_bytes: s.weight_bytes as f64,
@@ -237,10 +245,15 @@ impl StepTotals {
             heads_kept: s.heads_kept as f64,
             heads_total: s.heads_total as f64,
             exact_logits: s.exact_logits as f64,
-            predict_ns: s.predict_ns as f64,
-            predict_wait_ns: s.predict_wait_ns as f64,
-            blocks: [s.attention, s.mlp, s.output].map(|b| (b.ns as f64, b.bytes as f64)),
+            bytes: [b.attention, b.mlp, b.output, b.predictors].map(|x| x as f64),
+            ..Default::default()
         });
+    }
+    /// The block times of profiled steps.
+    pub fn add_times(&mut self, t: &BlockTimes) {
+        self.timed += t.steps;
+        let secs = [t.attention, t.mlp, t.output + t.embed, t.predict];
+        (self.secs.iter_mut().zip(secs)).for_each(|(a, b)| *a += b);
     }
     pub fn add_all(&mut self, o: &StepTotals) {
         self.n += o.n;
@@ -250,37 +263,27 @@ impl StepTotals {
         self.heads_kept += o.heads_kept;
         self.heads_total += o.heads_total;
         self.exact_logits += o.exact_logits;
-        self.predict_ns += o.predict_ns;
-        self.predict_wait_ns += o.predict_wait_ns;
-        for (a, b) in self.blocks.iter_mut().zip(o.blocks) {
-            a.0 += b.0;
-            a.1 += b.1;
-        }
+        (self.bytes.iter_mut().zip(o.bytes)).for_each(|(a, b)| *a += b);
+        (self.secs.iter_mut().zip(o.secs)).for_each(|(a, b)| *a += b);
+        self.timed += o.timed;
     }
 
     /// Per-step means of each block (see [`Blocks`]).
     pub fn blocks(&self) -> Blocks {
-        let n = self.n.max(1) as f64;
-        let cost = |(ns, bytes): (f64, f64)| BlockTime {
-            ms: ns / n / 1e6,
-            mb: bytes / n / 1e6,
-            gb_per_s: if ns > 0.0 { bytes / ns } else { 0.0 },
+        let cost = |i: usize| {
+            let ms = self.secs[i] / self.timed.max(1) as f64 * 1e3;
+            let mb = self.bytes[i] / self.n.max(1) as f64 / 1e6;
+            BlockTime {
+                ms,
+                mb,
+                gb_per_s: if ms > 0.0 { mb / ms } else { 0.0 },
+            }
         };
-        let pred_bytes = self.weight_bytes - self.blocks.iter().map(|b| b.1).sum::<f64>();
         Blocks {
-            attention: cost(self.blocks[0]),
-            mlp: cost(self.blocks[1]),
-            output: cost(self.blocks[2]),
-            predictors: BlockTime {
-                ms: self.predict_ns / n / 1e6,
-                // Embedding rows are counted here too (a few KB).
-                mb: pred_bytes.max(0.0) / n / 1e6,
-                gb_per_s: if self.predict_ns > 0.0 {
-                    pred_bytes / self.predict_ns
-                } else {
-                    0.0
-                },
-            },
+            attention: cost(0),
+            mlp: cost(1),
+            output: cost(2),
+            predictors: cost(3),
         }
     }
     pub fn mean_bytes(&self) -> f64 {
@@ -299,11 +302,7 @@ impl StepTotals {
     }
     /// Learned predictors' time per step in ms (`None`: none ran).
     pub fn predict_ms(&self) -> Option<f64> {
-        (self.predict_ns > 0.0).then(|| self.predict_ns / self.n.max(1) as f64 / 1e6)
-    }
-    /// Fraction of the predictors' time the main thread did not spend on them (lookahead).
-    pub fn predict_hidden(&self) -> Option<f64> {
-        (self.predict_ns > 0.0).then(|| 1.0 - self.predict_wait_ns / self.predict_ns)
+        (self.bytes[3] > 0.0).then(|| self.blocks().predictors.ms)
     }
 }
 
@@ -335,7 +334,7 @@ pub fn markdown(results: &[BenchResult]) -> String {
     }
     s += "| isa | threads | sparsity | test | t/s (median ± sd) | speedup | weight GB/s \
           | weight MB/token | MLP density | head density | exact logits \
-          | predictors ms/token (hidden) | RSS MiB = weights + KV + other |\n";
+          | predictors ms/token | RSS MiB = weights + KV + other |\n";
     s += "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|\n";
     for r in results {
         let mem = r.memory.map_or(String::from("-"), |m| {
@@ -347,10 +346,7 @@ pub fn markdown(results: &[BenchResult]) -> String {
         let speedup = r
             .speedup_vs_dense
             .map_or(String::from("-"), |x| format!("{x:.2}x"));
-        let pred = match (r.predict_ms, r.predict_hidden) {
-            (Some(ms), Some(h)) => format!("{ms:.3} ({:.0}%)", h * 100.0),
-            _ => "-".into(),
-        };
+        let pred = r.predict_ms.map_or("-".into(), |ms| format!("{ms:.3}"));
         s += &format!(
             "| {} | {} | {} | {} | {:.1} ± {:.1} | {} | {:.1} | {:.1} | {:.2} | {:.2} | {:.0} | {} | {} |\n",
             r.isa,
@@ -369,8 +365,8 @@ pub fn markdown(results: &[BenchResult]) -> String {
             mem
         );
     }
-    s += "\nPer block, mean per token (ms, weight MB, GB/s; attention and MLP include waits for \
-          predictions):\n\n| threads | sparsity | test | attention | MLP | output head | predictors |\n\
+    s += "\nPer block, mean per decoded token (ms of steps timed block by block, weight MB, \
+          GB/s):\n\n| threads | sparsity | test | attention | MLP | output head | predictors |\n\
           |---:|---|---|---:|---:|---:|---:|\n";
     let cell = |b: &BlockTime| format!("{:.2} ms, {:.1} MB, {:.1} GB/s", b.ms, b.mb, b.gb_per_s);
     for r in results {
@@ -390,10 +386,10 @@ pub fn markdown(results: &[BenchResult]) -> String {
 }
 
 pub fn csv(results: &[BenchResult]) -> String {
-    let mut s = String::from("model,commit,cpu,isa,threads,sparsity,test,n_tokens,tok_per_s_median,tok_per_s_stddev,weight_gb_per_s,weight_bytes_per_token,speedup_vs_dense,mlp_density,head_density,exact_logits,predict_ms,predict_hidden\n");
+    let mut s = String::from("model,commit,cpu,isa,threads,sparsity,test,n_tokens,tok_per_s_median,tok_per_s_stddev,weight_gb_per_s,weight_bytes_per_token,speedup_vs_dense,mlp_density,head_density,exact_logits,predict_ms\n");
     for r in results {
         s += &format!(
-            "{},{},\"{}\",{},{},\"{}\",{},{},{:.3},{:.3},{:.3},{:.0},{},{:.4},{:.4},{:.1},{},{}\n",
+            "{},{},\"{}\",{},{},\"{}\",{},{},{:.3},{:.3},{:.3},{:.0},{},{:.4},{:.4},{:.1},{}\n",
             r.model,
             r.commit,
             r.cpu,
@@ -412,8 +408,6 @@ pub fn csv(results: &[BenchResult]) -> String {
             r.head_density,
             r.exact_logits,
             r.predict_ms.map_or(String::new(), |x| format!("{x:.4}")),
-            r.predict_hidden
-                .map_or(String::new(), |x| format!("{x:.4}")),
         );
     }
     s

@@ -4,7 +4,7 @@
 //! at `ctx/2 + 1 .. ctx`. `ppl = exp(mean NLL)`. For a model that takes a BOS, the text is
 //! tokenized with it first and each chunk's first token is replaced by it (as llama-perplexity
 //! does; see [`crate::text::tokenizer::Tokenizer::encode_document`]).
-use crate::engine::executor::Logits;
+use crate::engine::device::Logits;
 use crate::engine::Engine;
 use crate::sparsity::SparsePlan;
 use crate::text::generate::Decoder;
@@ -63,23 +63,22 @@ pub fn perplexity(
 ) -> Result<PerplexityResult> {
     check_ctx(engine, tokens, ctx)?;
     let n_chunks = tokens.len() / ctx;
-    let exec = engine.executor();
+    let mut session = engine.session(engine.fixed_plan(plan)?)?;
     let vocab = engine.model.config.vocab_size;
     let first = ctx / 2;
-    let mut cache = engine.new_cache();
     let mut rows = Vec::new();
     let (mut nll_sum, mut nll2_sum, mut n_scored) = (0f64, 0f64, 0usize);
     let mut chunk_buf = Vec::new();
     for i in 0..n_chunks {
         let chunk = chunk_of(engine, tokens, i, ctx, &mut chunk_buf);
-        cache.clear();
+        session.truncate(0);
         let logits: &[f32] = match feed {
-            Feed::Batch => exec.forward(chunk, &mut cache, plan, Logits::Range(first, ctx - 1))?,
+            Feed::Batch => session.run(chunk, Logits::Range(first, ctx - 1))?,
             Feed::TokenByToken => {
-                exec.forward(&chunk[..first], &mut cache, plan, Logits::Last)?;
+                session.run(&chunk[..first], Logits::Last)?;
                 rows.clear();
                 for &t in &chunk[first..ctx - 1] {
-                    rows.extend_from_slice(exec.forward(&[t], &mut cache, plan, Logits::Last)?);
+                    rows.extend_from_slice(session.run(&[t], Logits::Last)?);
                 }
                 &rows
             }
@@ -240,17 +239,17 @@ pub fn compare_many(
     mut on_chunk: impl FnMut(usize, usize, f64, &[f64]),
     mut on_token: impl FnMut(usize, usize),
 ) -> Result<Vec<Comparison>> {
-    use crate::engine::executor::Plan;
     check_ctx(engine, tokens, ctx)?;
     let n_chunks = tokens.len() / ctx;
-    let exec = engine.executor();
     let vocab = engine.model.config.vocab_size;
-    let dense_plan = SparsePlan::dense(&engine.model.config);
     let first = ctx / 2;
     let total = scored_tokens(tokens.len(), ctx);
     let np = policies.len();
-    let mut cd = engine.new_cache();
-    let mut caches: Vec<_> = (0..np).map(|_| engine.new_cache()).collect();
+    let dense = SparsePlan::dense(&engine.model.config);
+    let mut cd = engine.session(engine.fixed_plan(&dense)?)?;
+    let mut caches = (policies.iter())
+        .map(|p| engine.decoder(p))
+        .collect::<Result<Vec<_>>>()?;
     let (mut nd, mut n, mut dense_secs) = (0f64, 0usize, 0f64);
     let mut acc = vec![(0f64, 0f64, 0usize, 0f64); np]; // nll, kl, agree, secs
     let mut steps = vec![crate::eval::bench::StepTotals::default(); np];
@@ -258,30 +257,26 @@ pub fn compare_many(
     let mut chunk_buf = Vec::new();
     for i in 0..n_chunks {
         let chunk = chunk_of(engine, tokens, i, ctx, &mut chunk_buf);
+        // The unscored half as a prompt: in batches, every unit (as a policy's prompt runs).
         for c in std::iter::once(&mut cd).chain(caches.iter_mut()) {
-            c.clear();
-            exec.forward(&chunk[..first], c, &dense_plan, Logits::Last)?;
+            c.truncate(0);
+            c.run(&chunk[..first], Logits::Last)?;
         }
         for (j, &t) in chunk[first..ctx - 1].iter().enumerate() {
             let target = chunk[first + j + 1] as usize;
             let t0 = std::time::Instant::now();
-            ld.copy_from_slice(exec.forward(&[t], &mut cd, &dense_plan, Logits::Last)?);
+            ld.copy_from_slice(cd.run(&[t], Logits::Last)?);
             dense_secs += t0.elapsed().as_secs_f64();
             nd += nll(&ld, target);
             let top = argmax(&ld);
             for k in 0..np {
                 let t1 = std::time::Instant::now();
-                let ls = exec.run(
-                    &[t],
-                    &mut caches[k],
-                    Plan::Policy(policies[k]),
-                    Logits::Last,
-                )?;
+                let ls = caches[k].run(&[t], Logits::Last)?;
                 acc[k].3 += t1.elapsed().as_secs_f64();
                 acc[k].0 += nll(ls, target);
                 acc[k].1 += kl_div(&ld, ls);
                 acc[k].2 += (argmax(ls) == top) as usize;
-                steps[k].add(caches[k].last_step());
+                steps[k].add(caches[k].last_step()?);
             }
             n += 1;
             on_token(n, total);

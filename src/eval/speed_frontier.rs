@@ -46,11 +46,8 @@ pub fn measure(
     let policies = (specs.iter())
         .map(|s| engine.policy(s, Some(&preds)))
         .collect::<Result<Vec<_>>>()?;
-    let mut cache = engine.new_cache();
     let bar = crate::progress::bar((reps * policies.len()) as u64, "speed against density");
-    let runs = alternate(engine, &mut cache, &policies, false, n_gen, reps, || {
-        bar.inc(1)
-    })?;
+    let runs = alternate(engine, &policies, false, n_gen, reps, || bar.inc(1))?;
     bar.finish_and_clear();
     let tps: Vec<&[f64]> = runs.iter().map(|r| r.samples.as_slice()).collect();
     let steps: Vec<&StepTotals> = runs.iter().map(|r| &r.steps).collect();

@@ -2,11 +2,9 @@
 //! decoded token ([`policy`]), the learned predictors ([`predictor`]: `MlpPredictor`,
 //! `HeadPredictor`) and the file that stores them with the output preview
 //! ([`predictors_file`]), the neuron-major weight layout the sparse kernels read ([`layout`]),
-//! predictors run ahead on a spare thread ([`lookahead`]), and `dejavu calibrate`
-//! ([`calibrate`]).
+//! and `dejavu calibrate` ([`calibrate`]). The forward pass (`engine::device`) runs the plan.
 pub mod calibrate;
 pub mod layout;
-pub mod lookahead;
 pub mod plan;
 pub mod policy;
 pub mod predictor;

@@ -14,7 +14,7 @@
 //! prediction reads `(r d + n_out r) * 34/32` bytes.
 use crate::{Error, Result};
 use dejavu_backend_api::quant::QK;
-use dejavu_backend_api::{quantize, Backend, IndexSet, QuantType, Weight};
+use dejavu_backend_api::{quantize, QuantType, Weight};
 use nalgebra::DMatrix;
 use rand::{Rng, SeedableRng};
 
@@ -113,22 +113,6 @@ impl LowRankPredictor {
     }
     pub fn bytes(&self) -> usize {
         self.w1.len() + self.w2.len()
-    }
-
-    /// `out = W2 (W1 h)` for one token (`z`: scratch of `rank`; `out`: `n_out`).
-    pub fn scores(&self, b: &dyn Backend, h: &[f32], z: &mut [f32], out: &mut [f32]) {
-        b.matmul(
-            &self.w1(),
-            &IndexSet::full(self.rank),
-            h,
-            &mut z[..self.rank],
-        );
-        b.matmul(
-            &self.w2(),
-            &IndexSet::full(self.n_out),
-            &z[..self.rank],
-            out,
-        );
     }
 
     /// Train on `x` (`n x d`, the inputs) against `act` (`n x n_out`, the true importance of each

@@ -1,7 +1,6 @@
 //! Autoregressive generation: prefill the prompt as one batch, then decode token by token,
 //! streaming text as it becomes valid UTF-8.
-use crate::engine::executor::{Logits, Plan};
-use crate::engine::kv_cache::{KvCache, StepStats};
+use crate::engine::device::StepStats;
 use crate::engine::Engine;
 use crate::text::sampling::Sampler;
 use crate::{Error, Result};
@@ -54,8 +53,8 @@ impl GenerateStats {
     }
 }
 
-/// What generation runs on: a sequence's KV cache and the model that extends it, on the host
-/// ([`HostDecoder`]) or on a device (`engine::device::DeviceSession`).
+/// What generation runs on: a sequence's KV cache and the model that extends it
+/// (`engine::device::DeviceSession`, on the CPU or a GPU, or a tensor-parallel world).
 pub trait Decoder {
     /// Run `tokens` after what the cache holds; the logits of the last.
     fn decode(&mut self, tokens: &[u32]) -> Result<&mut [f32]>;
@@ -67,56 +66,10 @@ pub trait Decoder {
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
-    /// What the last step read (the host executor counts it; `None` elsewhere).
+    /// What a decode step reads and computes under the plan (`None` where not known).
     fn last_step(&self) -> Option<StepStats> {
         None
     }
-}
-
-/// The host executor over a KV cache, under a plan.
-pub struct HostDecoder<'a> {
-    pub engine: &'a Engine,
-    pub cache: &'a mut KvCache,
-    pub plan: Plan<'a>,
-}
-
-impl Decoder for HostDecoder<'_> {
-    fn decode(&mut self, tokens: &[u32]) -> Result<&mut [f32]> {
-        let exec = self.engine.executor();
-        exec.run(tokens, self.cache, self.plan, Logits::Last)
-    }
-    fn len(&self) -> usize {
-        self.cache.len()
-    }
-    fn n_ctx(&self) -> usize {
-        self.cache.n_ctx()
-    }
-    fn truncate(&mut self, len: usize) {
-        self.cache.truncate(len)
-    }
-    fn last_step(&self) -> Option<StepStats> {
-        Some(self.cache.last_step())
-    }
-}
-
-/// Feed `new_tokens` (appended after what the cache holds) and generate up to `max_tokens`,
-/// calling `on_text` with each new piece of text. Stops at an end-of-generation token, at
-/// `max_tokens`, or when the context is full. Returns the generated ids (the end token excluded).
-pub fn generate(
-    engine: &Engine,
-    cache: &mut KvCache,
-    new_tokens: &[u32],
-    max_tokens: usize,
-    sampler: &mut Sampler,
-    plan: Plan,
-    on_text: impl FnMut(&str),
-) -> Result<(Vec<u32>, GenerateStats)> {
-    let mut dec = HostDecoder {
-        engine,
-        cache,
-        plan,
-    };
-    generate_on(engine, &mut dec, new_tokens, max_tokens, sampler, on_text)
 }
 
 /// How many leading tokens of `ids` a cache holding `cached` can keep: their shared prefix, but
@@ -127,7 +80,6 @@ pub fn reusable(cached: &[u32], ids: &[u32]) -> usize {
     shared.min(ids.len().saturating_sub(1))
 }
 
-/// [`generate`] on any [`Decoder`] (`engine` gives the tokenizer).
 /// Refuse logits that are not finite (NaN or infinite weights or activations would otherwise
 /// sample token 0 forever), and keep sampling inside the tokenizer's vocabulary (a checkpoint's
 /// embedding may have padding rows past it, which have no text).
@@ -143,6 +95,10 @@ pub fn check_logits(engine: &Engine, logits: &mut [f32]) -> Result<()> {
     Ok(())
 }
 
+/// Feed `new_tokens` (appended after what `dec` holds) and generate up to `max_tokens`,
+/// calling `on_text` with each new piece of text. Stops at an end-of-generation token, at
+/// `max_tokens`, or when the context is full. Returns the generated ids (the end token
+/// excluded). `engine` gives the tokenizer.
 pub fn generate_on(
     engine: &Engine,
     dec: &mut dyn Decoder,

@@ -2,7 +2,12 @@
 //! by tools/llama_reference.py), the evaluation text (tools/eval_text.py), the real models
 //! (fetched into the cache on first use), and a tiny synthetic model for fast tests.
 #![allow(dead_code)]
+use dejavu::engine::device::{DeviceModel, DevicePlan, DeviceSession};
 use dejavu::engine::{Engine, EngineOptions};
+use dejavu::sparsity::policy::Policy;
+use dejavu::sparsity::SparsePlan;
+use dejavu_backend_cpu::device::CpuDevice;
+use dejavu_backend_cpu::CpuBackend;
 use dejavu_formats::gguf::{self, GgmlType, MetaValue};
 use rand::{Rng, SeedableRng};
 use serde::Deserialize;
@@ -101,6 +106,61 @@ pub fn model_path(name: &str) -> PathBuf {
 
 pub fn engine(name: &str) -> Engine {
     Engine::load(model_path(name), &EngineOptions::default()).unwrap()
+}
+
+/// An engine's model on a CPU device of its own (an ISA tier, the f32 reference), for sessions
+/// that the tests compare: f32 KV caches, and the sparse layout when asked for.
+pub struct OnCpu {
+    pub dev: CpuDevice,
+    pub model: DeviceModel<CpuDevice>,
+}
+
+impl OnCpu {
+    pub fn new(eng: &Engine, backend: CpuBackend, sparse: bool) -> Self {
+        Self::with_cache(eng, backend, sparse, true)
+    }
+    /// With f32 or (`f32_cache` false) f16 caches.
+    pub fn with_cache(eng: &Engine, backend: CpuBackend, sparse: bool, f32_cache: bool) -> Self {
+        let dev = CpuDevice::from_backend(backend);
+        let dev = if f32_cache { dev.with_f32_cache() } else { dev };
+        let layout = sparse.then(|| eng.sparse_layout().unwrap());
+        let model = DeviceModel::upload(&dev, &eng.model, layout).unwrap();
+        Self { dev, model }
+    }
+    /// A session under a fixed plan, with `n_ctx` positions.
+    pub fn fixed(&self, plan: &SparsePlan, n_ctx: usize) -> DeviceSession<'_, CpuDevice> {
+        let p = DevicePlan::fixed(&self.dev, &self.model.config, plan, "fixed").unwrap();
+        DeviceSession::new(&self.dev, &self.model, p, n_ctx).unwrap()
+    }
+    /// A session under a policy, with `n_ctx` positions.
+    pub fn policy(&self, policy: &Policy, n_ctx: usize) -> DeviceSession<'_, CpuDevice> {
+        let p = DevicePlan::policy(&self.dev, &self.model.config, policy).unwrap();
+        DeviceSession::new(&self.dev, &self.model, p, n_ctx).unwrap()
+    }
+}
+
+/// The tiny model with its down and attention output projections stored as F32 (the values of
+/// the Q8_0 original), so the sparse layout is an exact transposition.
+pub fn tiny_f32_down() -> Vec<u8> {
+    tiny_llama_gguf(|_, tensors| f32_down(tensors))
+}
+
+/// [`tiny_f32_down`]'s edit: the down projections and W_o as F32.
+pub fn f32_down(tensors: &mut [(String, Vec<u64>, GgmlType, Vec<u8>)]) {
+    for (name, _, ty, bytes) in tensors.iter_mut() {
+        if name.ends_with("ffn_down.weight") || name.ends_with("attn_output.weight") {
+            let vals: Vec<u8> = bytes
+                .chunks_exact(34)
+                .flat_map(|b| {
+                    let d = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+                    b[2..].iter().map(move |&q| d * q as i8 as f32)
+                })
+                .flat_map(|v| v.to_le_bytes())
+                .collect();
+            *bytes = vals;
+            *ty = GgmlType::F32;
+        }
+    }
 }
 
 /// Shape of the tiny synthetic llama model.

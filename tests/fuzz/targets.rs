@@ -2,12 +2,11 @@
 //! the regression replay that `cargo test` runs (tests/fuzz_replay.rs). Each takes any bytes and
 //! must return without panicking, hanging or allocating without bound: bad input is an `Err`.
 #![allow(dead_code)]
-use dejavu::engine::executor::Plan;
 use dejavu::engine::{Engine, EngineOptions};
 use dejavu::serve::api::Request;
 use dejavu::sparsity::policy::Policy;
 use dejavu::sparsity::predictors_file::Predictors;
-use dejavu::text::generate::generate;
+use dejavu::text::generate::generate_on;
 use dejavu::text::sampling::{Sampler, SamplerConfig};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -54,17 +53,11 @@ fn load_and_run(path: &Path) {
         }
     }
     for ids in prompts.into_iter().flatten() {
-        let mut cache = engine.new_cache();
+        let Ok(mut session) = engine.decoder(&policy) else {
+            return;
+        };
         let mut sampler = Sampler::new(SamplerConfig::greedy());
-        let _ = generate(
-            &engine,
-            &mut cache,
-            &ids,
-            4,
-            &mut sampler,
-            Plan::Policy(&policy),
-            |_| {},
-        );
+        let _ = generate_on(&engine, &mut session, &ids, 4, &mut sampler, |_| {});
     }
 }
 
@@ -139,11 +132,11 @@ pub fn predictors(data: &[u8]) {
         let Ok(policy) = engine.policy(spec, Some(&p)) else {
             continue;
         };
-        let mut cache = engine.new_cache();
+        let Ok(mut session) = engine.decoder(&policy) else {
+            continue;
+        };
         let mut sampler = Sampler::new(SamplerConfig::greedy());
-        let ids = [1, 5, 6];
-        let plan = Plan::Policy(&policy);
-        let _ = generate(engine, &mut cache, &ids, 3, &mut sampler, plan, |_| {});
+        let _ = generate_on(engine, &mut session, &[1, 5, 6], 3, &mut sampler, |_| {});
     }
 }
 

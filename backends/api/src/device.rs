@@ -274,12 +274,13 @@ pub trait Device: Send + Sync {
     /// `y[..n] = x[..n]`.
     fn copy(&self, x: &Self::Buf, y: &mut Self::Buf, n: usize) -> Result<(), BackendError>;
 
-    /// `y[..width] = x[r * width..(r + 1) * width]`: row `r` of a batch (its last, whose
-    /// logits a prompt wants).
-    fn take_row(
+    /// `y[..n * width] = x[r * width..(r + n) * width]`: rows `r..r + n` of a batch (its last,
+    /// whose logits a prompt wants; the rows a perplexity window scores).
+    fn take_rows(
         &self,
         x: &Self::Buf,
         r: usize,
+        n: usize,
         width: usize,
         y: &mut Self::Buf,
     ) -> Result<(), BackendError>;
@@ -307,6 +308,16 @@ pub trait Device: Send + Sync {
 
     /// `x[i] = |x[i]|` for `i < n` (scores by magnitude, for [`Device::top_k`]).
     fn abs(&self, x: &mut Self::Buf, n: usize) -> Result<(), BackendError>;
+
+    /// `out[slot]` = how many of `x[..n]` are nonzero (exact below 2^24): what a step that
+    /// skips zero activations computed, counted where they are.
+    fn count_nonzero(
+        &self,
+        x: &Self::Buf,
+        n: usize,
+        out: &mut Self::Buf,
+        slot: usize,
+    ) -> Result<(), BackendError>;
 
     /// `out[g]` = the Euclidean norm of `x[g * width..(g + 1) * width]`, for `g < groups` (each
     /// head's attention output, for selecting heads by it).

@@ -159,6 +159,7 @@ impl CudaDevice {
             "scatter_f32",
             "gather_f32",
             "abs_f32",
+            "count_nonzero_f32",
             "group_norms",
             "store_f16",
             "attention_f16",
@@ -560,6 +561,21 @@ impl Device for CudaDevice {
         launch::run(b, launch::grid(n, 256))
     }
 
+    fn count_nonzero(
+        &self,
+        x: &Buf,
+        n: usize,
+        out: &mut Buf,
+        slot: usize,
+    ) -> Result<(), BackendError> {
+        need("count_nonzero input", x.0.len(), n)?;
+        need("count_nonzero output", out.0.len(), slot + 1)?;
+        let (xp, ni, op, si) = (self.ptr(&x.0), n as i32, self.ptr(&out.0), slot as i32);
+        let mut b = self.lane().launch_builder(self.func("count_nonzero_f32"));
+        b.arg(&xp).arg(&ni).arg(&op).arg(&si);
+        launch::run(b, launch::one_block(1024))
+    }
+
     fn group_norms(
         &self,
         x: &Buf,
@@ -587,14 +603,24 @@ impl Device for CudaDevice {
         launch::run(b, launch::grid(n, 256))
     }
 
-    fn take_row(&self, x: &Buf, r: usize, width: usize, y: &mut Buf) -> Result<(), BackendError> {
-        need("take_row input", x.0.len(), (r + 1) * width)?;
-        need("take_row output", y.0.len(), width)?;
+    fn take_rows(
+        &self,
+        x: &Buf,
+        r: usize,
+        n: usize,
+        width: usize,
+        y: &mut Buf,
+    ) -> Result<(), BackendError> {
+        need("take_rows input", x.0.len(), (r + n) * width)?;
+        need("take_rows output", y.0.len(), n * width)?;
+        if n * width == 0 {
+            return Ok(());
+        }
         let xp = self.ptr(&x.0) + (r * width * 4) as u64;
-        let (yp, ni) = (self.ptr(&y.0), width as i32);
+        let (yp, ni) = (self.ptr(&y.0), (n * width) as i32);
         let mut b = self.lane().launch_builder(self.func("copy_f32"));
         b.arg(&xp).arg(&yp).arg(&ni);
-        launch::run(b, launch::grid(width, 256))
+        launch::run(b, launch::grid(n * width, 256))
     }
 
     fn rope(

@@ -322,7 +322,9 @@ fn elementwise_on<D: Device>(d: &D, x: &[f32], w: &[f32], b: &[f32], hd: usize) 
     d.add(&mut g, &wb, n - 2).unwrap();
     d.copy(&bb, &mut g, 3).unwrap();
     out.extend(down(d, &g, n));
-    d.take_row(&xb, 2, n / 4, &mut g).unwrap();
+    d.take_rows(&xb, 2, 1, n / 4, &mut g).unwrap();
+    out.extend(down(d, &g, n));
+    d.take_rows(&xb, 1, 2, n / 4, &mut g).unwrap();
     out.extend(down(d, &g, n));
     // A selection's compact values (single units and whole heads), magnitudes, head norms.
     let sel: Vec<u32> = (0..(n / hd) as u32).rev().step_by(2).collect();
@@ -337,6 +339,14 @@ fn elementwise_on<D: Device>(d: &D, x: &[f32], w: &[f32], b: &[f32], hd: usize) 
     out.extend(down(d, &g, n));
     d.group_norms(&xb, n / hd, hd, &mut g).unwrap();
     out.extend(down(d, &g, n / hd));
+    // Nonzero counts of a ReLU'd vector (about half zero), over more values than one block.
+    let relu: Vec<f32> = (0..3000)
+        .map(|i| x[i % n].max(0.0) * (i % 7) as f32)
+        .collect();
+    let (rb, mut counts) = (d.upload(&relu).unwrap(), d.zeros(3).unwrap());
+    d.count_nonzero(&rb, 2999, &mut counts, 1).unwrap();
+    d.count_nonzero(&rb, 5, &mut counts, 2).unwrap();
+    out.extend(down(d, &counts, 3));
     out
 }
 

@@ -1,10 +1,9 @@
-//! `--backend cpu|cpu-device|cuda`: the one place a command's backend is chosen. The model code
-//! names no backend; this builds the decoder (host executor or device session) a command runs on.
+//! `--backend cpu|cuda`: the one place a command's backend is chosen. The model code names no
+//! backend; this builds the session (of the one forward pass) a command runs on.
 use anyhow::{bail, Result};
-use dejavu::engine::executor::Plan;
 use dejavu::engine::Engine;
 use dejavu::sparsity::policy::Policy;
-use dejavu::text::generate::{Decoder, HostDecoder};
+use dejavu::text::generate::Decoder;
 
 /// Where a command runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -13,17 +12,6 @@ pub enum BackendKind {
     Cpu,
     /// The GPU (a build with `--features cuda`; the model keeps its file's row layout).
     Cuda,
-    /// The device engine on the CPU backend's kernels (the one-engine migration: the GPU's
-    /// layer loop on the CPU; not yet as fast as `cpu`).
-    #[value(name = "cpu-device")]
-    CpuDevice,
-}
-
-impl BackendKind {
-    /// Does this backend run the device engine?
-    pub fn is_device(self) -> bool {
-        self != BackendKind::Cpu
-    }
 }
 
 /// Where a command's model runs: a backend, and the ranks it is split over.
@@ -42,30 +30,17 @@ pub fn with_decoder<R>(
     f: impl FnOnce(&mut dyn Decoder) -> Result<R>,
 ) -> Result<R> {
     match (at.backend, at.tensor_parallel) {
-        (BackendKind::Cpu, 1) => {
-            let mut cache = engine.new_cache();
-            f(&mut HostDecoder {
-                engine,
-                cache: &mut cache,
-                plan: Plan::Policy(policy),
-            })
-        }
+        (BackendKind::Cpu, 1) => f(&mut engine.decoder(policy)?),
         (BackendKind::Cpu, _) => {
             bail!("tensor parallelism splits a model over GPUs: add --backend cuda")
         }
         (BackendKind::Cuda, 1) => cuda(engine, policy, f),
         (BackendKind::Cuda, n) => cuda_parallel(engine, policy, n, f),
-        (BackendKind::CpuDevice, 1) => {
-            let dev = dejavu_backend_cpu::device::CpuDevice::new(engine.threads())?;
-            on_device(&dev, engine, policy, f)
-        }
-        (BackendKind::CpuDevice, _) => {
-            bail!("tensor parallelism splits a model over GPUs: add --backend cuda")
-        }
     }
 }
 
-/// `f` on a session of the device engine on `dev`.
+/// `f` on a session on `dev`.
+#[cfg(feature = "cuda")]
 fn on_device<D: dejavu_backend_api::Device, R>(
     dev: &D,
     engine: &Engine,
@@ -81,6 +56,7 @@ fn on_device<D: dejavu_backend_api::Device, R>(
 }
 
 /// The sparse layout a policy's plan reads (none for a dense one).
+#[cfg(feature = "cuda")]
 fn layout_for<'e>(
     engine: &'e Engine,
     policy: &Policy,

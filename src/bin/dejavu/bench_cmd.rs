@@ -3,7 +3,7 @@
 use crate::{load_engine, parse_kv_type, policy_for, SyntheticArgs};
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use dejavu::engine::kv_cache::KvType;
+use dejavu::engine::KvType;
 use dejavu::engine::{Engine, EngineOptions};
 use dejavu::fetch;
 
@@ -21,8 +21,7 @@ pub struct BenchArgs {
     #[arg(long)]
     pub no_repack: bool,
     /// Backends to measure, comma-separated: cpu, cuda (a build with `--features cuda`; the
-    /// model then keeps its file's row layout on the CPU too), cpu-device (the device engine on
-    /// the CPU, at each `--threads`).
+    /// model then keeps its file's row layout on the CPU too).
     #[arg(long, value_delimiter = ',', default_value = "cpu")]
     pub backend: Vec<String>,
     /// Tensor parallelism of the `cuda` runs: the model split over this many GPUs (`-tp N`).
@@ -102,12 +101,11 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
     if let Some(b) = a
         .backend
         .iter()
-        .find(|b| !["cpu", "cuda", "cpu-device"].contains(&b.as_str()))
+        .find(|b| !["cpu", "cuda"].contains(&b.as_str()))
     {
-        bail!("unknown backend `{b}` (cpu, cuda, cpu-device)");
+        bail!("unknown backend `{b}` (cpu, cuda)");
     }
     let cuda = a.backend.iter().any(|b| b == "cuda");
-    let cpu_device = a.backend.iter().any(|b| b == "cpu-device");
     let cpu = a.backend.iter().any(|b| b == "cpu");
     if a.tensor_parallel > 1 && !cuda {
         bail!("tensor parallelism splits a model over GPUs: add --backend cuda");
@@ -140,17 +138,7 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
     )?;
     let model_name = engine.model.label();
     let mut gpu_rows = Vec::new();
-    // The device engine's rows (GPU, or the CPU's device) go to `--json`'s stem `.<what>.json`.
-    let write_device_rows =
-        |what: &str, rows: &[dejavu::eval::device_bench::DeviceBenchRow]| match &a.json {
-            Some(p) => {
-                let p = p.with_extension(format!("{what}.json"));
-                dejavu::fsio::write(&p, serde_json::to_string_pretty(rows)?)
-                    .with_context(|| format!("writing {}", p.display()))
-            }
-            None => Ok(()),
-        };
-    let device_policies = match cuda || cpu_device {
+    let device_policies = match cuda {
         true => (a.sparsity.iter())
             .map(|spec| policy_for(&engine, spec, a.predictors.as_deref()))
             .collect::<Result<Vec<_>>>()?,
@@ -167,19 +155,11 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
             a.repetitions,
         )?;
         print!("{}", dejavu::eval::device_bench::markdown(&rows));
-        write_device_rows("cuda", &rows)?;
-        gpu_rows = rows;
-    }
-    if cpu_device {
-        let mut rows = Vec::new();
-        for &threads in &a.threads {
-            let dev = dejavu_backend_cpu::device::CpuDevice::new(threads)?;
-            let (p, g) = (a.n_prompt, a.n_gen);
-            let bench = dejavu::eval::device_bench::bench;
-            rows.extend(bench(&dev, &engine, &device_policies, p, g, a.repetitions)?);
+        if let Some(p) = &cuda_json {
+            dejavu::fsio::write(p, serde_json::to_string_pretty(&rows)?)
+                .with_context(|| format!("writing {}", p.display()))?;
         }
-        print!("{}", dejavu::eval::device_bench::markdown(&rows));
-        write_device_rows("cpu-device", &rows)?;
+        gpu_rows = rows;
     }
     let threads_to_run = if cpu { a.threads.clone() } else { Vec::new() };
     for &threads in &threads_to_run {
@@ -192,7 +172,6 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
             .iter()
             .map(|spec| policy_for(&engine, spec, a.predictors.as_deref()))
             .collect::<Result<Vec<_>>>()?;
-        let mut cache = engine.new_cache();
         for &(prefill, n) in &tests {
             let test = if prefill {
                 format!("pp{n}")
@@ -200,15 +179,8 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
                 format!("tg{n}")
             };
             bar.set_message(format!("{test} at {threads} threads"));
-            let runs = bench::alternate(
-                &engine,
-                &mut cache,
-                &policies,
-                prefill,
-                n,
-                a.repetitions,
-                || bar.inc(1),
-            )?;
+            let runs =
+                bench::alternate(&engine, &policies, prefill, n, a.repetitions, || bar.inc(1))?;
             let samples: Vec<&[f64]> = runs.iter().map(|r| r.samples.as_slice()).collect();
             let steps: Vec<&bench::StepTotals> = runs.iter().map(|r| &r.steps).collect();
             let medians: Vec<f64> = samples.iter().map(|s| bench::median_sd(s).0).collect();
@@ -242,7 +214,6 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
                     head_density: steps[i].head_density(),
                     exact_logits: steps[i].mean_exact_logits(),
                     predict_ms: steps[i].predict_ms(),
-                    predict_hidden: steps[i].predict_hidden(),
                     blocks: steps[i].blocks(),
                     samples: samples[i].to_vec(),
                     memory: runs[i].memory,

@@ -2,8 +2,8 @@
 //! message and exit non-zero.
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
-use dejavu::engine::kv_cache::KvType;
 use dejavu::engine::synthetic::{self, SyntheticOptions};
+use dejavu::engine::KvType;
 use dejavu::engine::{Engine, EngineOptions};
 use dejavu::eval::perplexity::{perplexity, Feed};
 use dejavu::fetch;
@@ -572,7 +572,6 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
     let on = match a.model.backend {
         BackendKind::Cpu => format!("{} threads", engine.threads()),
         BackendKind::Cuda => "cuda".into(),
-        BackendKind::CpuDevice => format!("cpu-device, {} threads", engine.threads()),
     };
     eprintln!(
         "prompt: {} tokens, {:.1} tok/s | decode: {} tokens, {:.1} tok/s | {on}",
@@ -615,7 +614,7 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
     eprintln!("{} tokens, {n_chunks} chunks of {}", tokens.len(), a.ctx);
     let bar = dejavu::progress::bar(n_chunks as u64, "chunks");
     let t0 = std::time::Instant::now();
-    if a.model.backend.is_device() {
+    if a.model.backend == BackendKind::Cuda {
         // On a device: token by token under the policy (no dense comparison in the same pass).
         let r = with_decoder(&engine, a.model.placement(), &policy, |dec| {
             Ok(dejavu::eval::perplexity::perplexity_on(
@@ -687,12 +686,6 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
             r.steps.head_density(),
             r.steps.mean_exact_logits()
         );
-        if let (Some(ms), Some(h)) = (r.steps.predict_ms(), r.steps.predict_hidden()) {
-            println!(
-                "learned predictors: {ms:.3} ms/token, {:.0}% hidden by lookahead",
-                h * 100.0
-            );
-        }
         if let Some(p) = &a.json {
             let dense_bytes = engine.model.dense_bytes_per_token() as f64;
             let v = serde_json::json!({

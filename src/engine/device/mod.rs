@@ -20,4 +20,4 @@ mod session;
 
 pub use model::DeviceModel;
 pub use plan::DevicePlan;
-pub use session::{BlockTimes, DeviceSession, Selections};
+pub use session::{BlockTimes, Capture, DeviceSession, Logits, Selections, StepBytes, StepStats};

@@ -114,8 +114,12 @@ pub(super) enum Computed {
     /// projection over those.
     Oracle,
     /// `relu-exact` and `oracle` of a ReLU model: the first projections in full (the selection
-    /// stays `Sel::All`); the down projection skips the rows of zero activations.
-    Nonzero,
+    /// stays `Sel::All`); the down projection skips the rows of zero activations, which the
+    /// step counts. Under `oracle` an oracle named the set: the skipped neurons' rows of the
+    /// first projections do not count as read either.
+    Nonzero {
+        oracle: bool,
+    },
     /// `attn-norm`: every head's attention, then W_o over the top-k heads by output norm.
     HeadNorm,
 }
@@ -273,7 +277,8 @@ impl<D: Device> DevicePlan<D> {
                 MlpRule::GateFirst { .. } => (computed(kept)?, None, Computed::Gate),
                 MlpRule::UpFirst { .. } => (computed(kept)?, None, Computed::Up),
                 MlpRule::Oracle { .. } => (computed(kept)?, None, Computed::Oracle),
-                MlpRule::ReluExact | MlpRule::OracleNonzero => (Sel::All, None, Computed::Nonzero),
+                MlpRule::ReluExact => (Sel::All, None, Computed::Nonzero { oracle: false }),
+                MlpRule::OracleNonzero => (Sel::All, None, Computed::Nonzero { oracle: true }),
             };
             let kept = p.heads[l].kept(local.n_heads);
             let (h, hp, hr) = match p.heads[l] {
@@ -311,7 +316,14 @@ impl<D: Device> DevicePlan<D> {
         })
     }
 
-    pub(super) fn is_dense(&self) -> bool {
+    /// Every unit of every layer (the output head may still be contextual).
+    pub fn is_dense(&self) -> bool {
         self.mlp.iter().chain(&self.heads).all(Sel::is_all)
+    }
+
+    /// Does a step read the sparse layout (a selection, or rows of zero activations skipped)?
+    pub fn needs_layout(&self) -> bool {
+        let nonzero = |r: &Computed| matches!(r, Computed::Nonzero { .. });
+        !self.is_dense() || self.mlp_rule.iter().any(nonzero)
     }
 }

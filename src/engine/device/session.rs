@@ -6,7 +6,10 @@ use crate::{Error, Result};
 use dejavu_backend_api::Device;
 
 mod batch;
+mod rows;
 mod step;
+
+pub use rows::{Capture, Logits, StepStats};
 
 /// The activations of one step.
 struct Scratch<D: Device> {
@@ -28,6 +31,8 @@ struct Scratch<D: Device> {
     score: D::Buf,
     /// The contextual head's exact logits of its candidates (compact).
     exact: D::Buf,
+    /// Per layer, the nonzero activations a step of a rule that skips zeros computed.
+    nonzero: D::Buf,
     logits: D::Buf,
     /// Tensor parallelism: a row-parallel product's partial output (before the all-reduce),
     /// zeros to start a sparse one from, and the logits of this rank's vocabulary rows (before
@@ -49,6 +54,9 @@ impl<D: Device> crate::text::generate::Decoder for DeviceSession<'_, D> {
     }
     fn truncate(&mut self, len: usize) {
         DeviceSession::truncate(self, len)
+    }
+    fn last_step(&self) -> Option<StepStats> {
+        DeviceSession::last_step(self).ok()
     }
 }
 
@@ -161,8 +169,12 @@ pub struct DeviceSession<'a, D: Device> {
     /// A prompt's activations, made at the first batch.
     batch: Option<batch::BatchScratch<D>>,
     logits: Vec<f32>,
+    /// Rows a caller asked [`DeviceSession::run`] for (logits or head inputs).
+    rows_out: Vec<f32>,
+    /// Calibration: each layer's block inputs and head output norms, when asked for.
+    capture: Option<Capture>,
     /// Weight bytes one step reads under the plan.
-    step_bytes: usize,
+    step_bytes: StepBytes,
 }
 
 impl<'a, D: Device> DeviceSession<'a, D> {
@@ -178,7 +190,7 @@ impl<'a, D: Device> DeviceSession<'a, D> {
                 "the contextual output head does not run under tensor parallelism".into(),
             ));
         }
-        if !plan.is_dense() && model.sparse.is_none() {
+        if plan.needs_layout() && model.sparse.is_none() {
             return Err(Error::Invalid(
                 "a sparse plan on the device needs the model uploaded with its sparse layout"
                     .into(),
@@ -217,12 +229,13 @@ impl<'a, D: Device> DeviceSession<'a, D> {
             full: dev.zeros(c.n_ff.max(c.n_heads * c.head_dim))?,
             score: dev.zeros(c.n_ff.max(c.n_heads))?,
             exact: dev.zeros(plan.output.as_ref().map_or(1, |o| o.candidates))?,
+            nonzero: dev.zeros(c.n_layers.max(1))?,
             logits: dev.zeros(per_rank * model.shard.world)?,
             part: dev.zeros(if tp { wide } else { 1 })?,
             zero: dev.zeros(if tp { wide } else { 1 })?,
             part_logits: dev.zeros(if tp { per_rank } else { 1 })?,
         };
-        let step_bytes = step_bytes(model, &plan);
+        let step_bytes = step_bytes(model, Some(&plan));
         let lazy = (plan.heads.iter())
             .map(|h| match plan.lazy_kv && !h.is_all() {
                 true => Ok(Some((
@@ -246,8 +259,28 @@ impl<'a, D: Device> DeviceSession<'a, D> {
             graph: None,
             batch: None,
             logits: vec![0.0; c.vocab_size],
+            rows_out: Vec::new(),
+            capture: None,
             step_bytes,
         })
+    }
+
+    /// Run the steps from now on under `plan`; the cache and its positions stay (a plan chosen
+    /// per step: the tests replay a policy's selections one step at a time). Lazy K/V cannot
+    /// be switched on or off mid-sequence.
+    pub fn set_plan(&mut self, plan: DevicePlan<D>) -> Result<()> {
+        if plan.lazy_kv || self.plan.lazy_kv {
+            return Err(Error::Invalid(
+                "a plan with lazy K/V is the session's for its whole sequence".into(),
+            ));
+        }
+        // A session of one position makes the plan's own scratch (its caches are dropped).
+        let fresh = Self::new(self.dev, self.model, plan, 1)?;
+        self.plan = fresh.plan;
+        self.s = fresh.s;
+        self.step_bytes = fresh.step_bytes;
+        self.graph = None;
+        Ok(())
     }
 
     /// The last step's selections per layer, `(neurons, heads)`, each sorted, in the whole
@@ -304,7 +337,11 @@ impl<'a, D: Device> DeviceSession<'a, D> {
     }
     /// Weight bytes one step reads under the plan (predictors included).
     pub fn step_bytes(&self) -> usize {
-        self.step_bytes
+        self.step_bytes.total()
+    }
+    /// The model's config (the whole model's, under tensor parallelism too).
+    pub fn config(&self) -> &crate::engine::config::ModelConfig {
+        &self.model.config
     }
     pub fn plan_name(&self) -> &str {
         &self.plan.name
@@ -328,48 +365,21 @@ impl<'a, D: Device> DeviceSession<'a, D> {
     /// one token) runs in batches where the plan allows ([`Self::batchable`]), else one
     /// position at a time, as decode steps do.
     pub fn forward(&mut self, tokens: &[u32]) -> Result<&mut [f32]> {
-        self.check(tokens)?;
-        self.clamp_lazy()?;
-        match tokens.len() > 1 && self.batchable() {
-            true => self.prefill(tokens)?,
-            false => tokens.iter().try_for_each(|&t| self.step(t))?,
-        }
-        self.dev.download(&self.s.logits, &mut self.logits)?;
-        Ok(&mut self.logits)
-    }
-
-    /// `tokens` in batches of the batch scratch's rows, the last one's logits left on the
-    /// device.
-    fn prefill(&mut self, tokens: &[u32]) -> Result<()> {
-        let mut b = match self.batch.take() {
-            Some(b) => b,
-            None => batch::BatchScratch::new(self.dev, self.model, self.n_ctx)?,
-        };
-        let n_chunks = tokens.len().div_ceil(b.rows);
-        let run = tokens
-            .chunks(b.rows)
-            .enumerate()
-            .try_for_each(|(i, chunk)| {
-                self.run_batch(&mut b, chunk, i + 1 == n_chunks)?;
-                self.len += chunk.len();
-                Ok(())
-            });
-        self.batch = Some(b);
-        run
+        self.run(tokens, Logits::Last)
     }
 
     /// One token at the next position, its logits left on the device.
     fn step(&mut self, token: u32) -> Result<()> {
         self.dev.set_step(&[token], self.len)?;
-        if self.graph.is_none() && self.dev.begin_capture()? {
+        if self.graph.is_none() && self.capture.is_none() && self.dev.begin_capture()? {
             let recorded = self.encode();
             let graph = self.dev.end_capture();
             recorded?;
             self.graph = Some(graph?);
         }
-        match &self.graph {
-            Some(g) => self.dev.replay(g)?,
-            None => self.encode()?,
+        match (&self.graph, &self.capture) {
+            (Some(g), None) => self.dev.replay(g)?,
+            _ => self.encode()?,
         }
         self.len += 1;
         Ok(())
@@ -433,15 +443,33 @@ impl<'a, D: Device> DeviceSession<'a, D> {
     }
 }
 
-/// Weight bytes one step reads under `plan`: the dense model's, less the skipped neurons' and
-/// heads' rows, plus the predictors.
-fn step_bytes<D: Device>(m: &DeviceModel<D>, p: &DevicePlan<D>) -> usize {
+/// Weight bytes one step reads under `plan`, by block: each layer's attention (less the skipped
+/// heads' rows) and MLP (less the skipped neurons' rows; a rule that computes a projection in
+/// full to select from it reads that one whole), the output head (dense, or the contextual
+/// head's candidates' rows and its preview), the predictors, and the rest (embedding rows,
+/// OPT's projections).
+/// `plan = None`: a batch's (every unit, the dense head, no predictors).
+fn step_bytes<D: Device>(m: &DeviceModel<D>, plan: Option<&DevicePlan<D>>) -> StepBytes {
     let c = &m.local;
-    let mut bytes = m.dense_bytes;
+    let layers: usize = (m.unit_bytes.iter())
+        .map(|u| c.n_heads * (u.head + u.kv_head) + c.n_ff * u.neuron)
+        .sum();
+    let other = m.dense_bytes.saturating_sub(layers + m.head_bytes);
+    let Some(p) = plan else {
+        let attention = (m.unit_bytes.iter()).map(|u| c.n_heads * (u.head + u.kv_head));
+        let attention = attention.sum();
+        return StepBytes {
+            attention,
+            mlp: layers - attention,
+            output: m.head_bytes,
+            predictors: 0,
+            other,
+        };
+    };
+    let (mut attention, mut mlp) = (0, 0);
     for (l, u) in m.unit_bytes.iter().enumerate() {
         let (nm, nh) = (p.mlp[l].count(c.n_ff), p.heads[l].count(c.n_heads));
         let per_head = u.head + if p.lazy_kv { u.kv_head } else { 0 };
-        // What a rule that selects from the layer's own activations reads in full.
         let read_neuron = match p.mlp_rule[l] {
             Computed::Gate => u.gate,
             Computed::Up => u.up,
@@ -452,17 +480,39 @@ fn step_bytes<D: Device>(m: &DeviceModel<D>, p: &DevicePlan<D>) -> usize {
             Computed::HeadNorm => u.q + if p.lazy_kv { u.kv_head } else { 0 },
             _ => 0,
         };
-        bytes -=
-            (c.n_ff - nm) * (u.neuron - read_neuron) + (c.n_heads - nh) * (per_head - read_head);
+        attention += c.n_heads * (u.head + u.kv_head) - (c.n_heads - nh) * (per_head - read_head);
+        mlp += c.n_ff * u.neuron - (c.n_ff - nm) * (u.neuron - read_neuron);
     }
-    if let Some(o) = &p.output {
+    let output = match &p.output {
         // A share of the head's rows (the candidates), plus the preview.
-        let vocab = c.vocab_size.max(1);
-        bytes = bytes.saturating_sub(m.head_bytes) + m.head_bytes / vocab * o.candidates + o.bytes;
-    }
-    bytes
-        + (p.mlp_pred.iter().chain(&p.head_pred))
+        Some(o) => m.head_bytes / c.vocab_size.max(1) * o.candidates + o.bytes,
+        None => m.head_bytes,
+    };
+    StepBytes {
+        attention,
+        mlp,
+        output,
+        predictors: (p.mlp_pred.iter().chain(&p.head_pred))
             .flatten()
             .map(|p| p.bytes)
-            .sum::<usize>()
+            .sum(),
+        other,
+    }
+}
+
+/// Weight bytes of one step, by block (see [`step_bytes`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepBytes {
+    pub attention: usize,
+    pub mlp: usize,
+    pub output: usize,
+    pub predictors: usize,
+    /// Embedding rows and OPT's projections.
+    pub other: usize,
+}
+
+impl StepBytes {
+    pub fn total(&self) -> usize {
+        self.attention + self.mlp + self.output + self.predictors + self.other
+    }
 }

@@ -20,9 +20,11 @@ enum Data {
 impl CpuCache {
     pub(super) fn new(f32: bool, n_ctx: usize, width: usize) -> Self {
         let n = n_ctx * width;
+        // Zeroed allocations: the OS maps pages as positions are written, so a long context
+        // holds only what a sequence uses.
         let data = match f32 {
-            true => Data::F32(vec![0.0; n]),
-            false => Data::F16(vec![f16::ZERO; n]),
+            true => Data::F32(bytemuck::zeroed_vec(n)),
+            false => Data::F16(bytemuck::zeroed_vec(n)),
         };
         Self { data, n_ctx, width }
     }

@@ -14,7 +14,7 @@ use crate::isa::Isa;
 use crate::kernels::table::Kernels;
 use crate::pool::SpinPool;
 use crate::world::HostWorld;
-use crate::{attention, axpy_matmul, matmul, ops};
+use crate::{attention, axpy_matmul, matmul, ops, CpuBackend};
 use dejavu_backend_api::{
     Activation, AttnGeom, AttnShape, BackendError, Device, IndexSet, LazyKv, MatmulJob, Product,
     QuantType, RopeStyle, RowLayout, Rows, SharedBytes, StepRow, Weight, MAX_ROWS,
@@ -31,8 +31,8 @@ use mat::{range_in, MatBytes};
 pub struct CpuDevice {
     /// The batch's tokens and first position.
     step: Mutex<(Vec<u32>, usize)>,
-    kernels: Kernels,
-    pool: SpinPool,
+    /// The kernel table and the thread pool.
+    cpu: CpuBackend,
     /// The f32 reference ([`CpuDevice::reference`]).
     reference: bool,
     /// This device's rank in a tensor-parallel world of host threads, if any.
@@ -67,14 +67,28 @@ impl CpuDevice {
         Ok(Self::of(k, threads))
     }
     fn of(kernels: Kernels, threads: usize) -> Self {
-        Self {
-            step: Mutex::new((vec![0], 0)),
+        Self::from_backend(CpuBackend {
             kernels,
             pool: SpinPool::new(threads.max(1)),
+        })
+    }
+    /// The device on `cpu`'s kernels and thread pool.
+    pub fn from_backend(cpu: CpuBackend) -> Self {
+        Self {
+            step: Mutex::new((vec![0], 0)),
+            cpu,
             reference: false,
             world: None,
             f32_cache: false,
         }
+    }
+    /// The kernels and pool as a [`crate::CpuBackend`] (for work outside a decode step: repacking,
+    /// layouts, calibration).
+    pub fn backend(&self) -> &CpuBackend {
+        &self.cpu
+    }
+    pub fn threads(&self) -> usize {
+        self.cpu.pool.threads()
     }
     /// Rank `rank` of `world` (its other ranks are other threads' devices), on the reference.
     pub fn rank(rank: usize, world: Arc<HostWorld>) -> Result<Self, BackendError> {
@@ -94,7 +108,7 @@ impl CpuDevice {
         }
     }
     pub fn isa(&self) -> Isa {
-        self.kernels.isa
+        self.cpu.kernels.isa
     }
 }
 
@@ -208,8 +222,8 @@ impl Device for CpuDevice {
             true => "cpu (f32 reference)".into(),
             false => format!(
                 "cpu ({} threads, {})",
-                self.pool.threads(),
-                self.kernels.isa
+                self.cpu.pool.threads(),
+                self.cpu.kernels.isa
             ),
         }
     }
@@ -338,11 +352,11 @@ impl Device for CpuDevice {
                 }
             }
             if let Some(cols) = first {
-                matmul::matmul_shared(&self.kernels, &self.pool, &x[..cols], &mut shared);
+                matmul::matmul_shared(&self.cpu.kernels, &self.cpu.pool, &x[..cols], &mut shared);
             }
             for (xp, job) in own {
                 let cols = job.w.cols;
-                matmul::matmul_shared(&self.kernels, &self.pool, &xp[..cols], &mut [job]);
+                matmul::matmul_shared(&self.cpu.kernels, &self.cpu.pool, &xp[..cols], &mut [job]);
             }
         }
         for (i, p) in jobs.iter_mut().enumerate() {
@@ -384,7 +398,7 @@ impl Device for CpuDevice {
                 true => &mut full[..],
                 false => &mut p.y[..n],
             };
-            matmul::matmul(&self.kernels, &self.pool, &wt, &all, xs, out);
+            matmul::matmul(&self.cpu.kernels, &self.cpu.pool, &wt, &all, xs, out);
             if !p.accumulate && p.bias.is_none() && p.act.is_none() {
                 continue;
             }
@@ -435,7 +449,14 @@ impl Device for CpuDevice {
         let set = IndexSet::new(w.rows, nonzero).map_err(|e| shape(e.to_string()))?;
         let mut sum = vec![0f32; w.cols];
         let wt = w.weight()?;
-        axpy_matmul::axpy_matmul(&self.kernels, &self.pool, &wt, &set, &full, &mut sum);
+        axpy_matmul::axpy_matmul(
+            &self.cpu.kernels,
+            &self.cpu.pool,
+            &wt,
+            &set,
+            &full,
+            &mut sum,
+        );
         (y[..w.cols].iter_mut().zip(&sum)).for_each(|(y, s)| *y += s);
         if let Some(b) = bias {
             y[..w.cols].iter_mut().zip(b).for_each(|(y, b)| *y += b);
@@ -528,6 +549,19 @@ impl Device for CpuDevice {
         Ok(())
     }
 
+    fn count_nonzero(
+        &self,
+        x: &Vec<f32>,
+        n: usize,
+        out: &mut Vec<f32>,
+        slot: usize,
+    ) -> Result<(), BackendError> {
+        need("count_nonzero input", x.len(), n)?;
+        need("count_nonzero output", out.len(), slot + 1)?;
+        out[slot] = x[..n].iter().filter(|&&v| v != 0.0).count() as f32;
+        Ok(())
+    }
+
     fn group_norms(
         &self,
         x: &Vec<f32>,
@@ -553,16 +587,17 @@ impl Device for CpuDevice {
         Ok(())
     }
 
-    fn take_row(
+    fn take_rows(
         &self,
         x: &Vec<f32>,
         r: usize,
+        n: usize,
         width: usize,
         y: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
-        need("take_row input", x.len(), (r + 1) * width)?;
-        need("take_row output", y.len(), width)?;
-        y[..width].copy_from_slice(&x[r * width..(r + 1) * width]);
+        need("take_rows input", x.len(), (r + n) * width)?;
+        need("take_rows output", y.len(), n * width)?;
+        y[..n * width].copy_from_slice(&x[r * width..(r + n) * width]);
         Ok(())
     }
 
@@ -654,27 +689,62 @@ impl Device for CpuDevice {
         for b in [job.bk, job.bv].into_iter().flatten() {
             need("kv_fill bias", b.len(), kc.width)?;
         }
-        let (mut row, mut input) = (vec![0.0; d], vec![0.0; d]);
-        for h in rows_of(job.heads, n_heads)? {
-            for p in valid[h] as usize..=pos {
-                job.inputs.read(p, &mut input);
-                for (w, b, c, rope) in [
-                    (job.wk, job.bk, &mut *kc, job.rope),
-                    (job.wv, job.bv, &mut *vc, None),
-                ] {
-                    let mut out: Vec<f32> = (h * hd..(h + 1) * hd)
-                        .map(|r| {
-                            w.row(r, &mut row);
-                            let dot = row.iter().zip(&input).map(|(a, b)| a * b).sum::<f32>();
-                            dot + b.map_or(0.0, |b| b[r])
-                        })
-                        .collect();
-                    if let Some((theta, style)) = rope {
-                        ops::rope(&mut out, 1, hd, p, theta, style);
+        // Heads grouped by their first missing position: one product of both matrices per
+        // group, over its positions' kept inputs and its heads' rows.
+        let heads = rows_of(job.heads, n_heads)?;
+        let mut groups = std::collections::BTreeMap::<usize, Vec<usize>>::new();
+        for &h in heads.iter().filter(|&&h| valid[h] as usize <= pos) {
+            groups.entry(valid[h] as usize).or_default().push(h);
+        }
+        let (wk, wv, width) = (job.wk.weight()?, job.wv.weight()?, kc.width);
+        for (from, hs) in groups {
+            let m = pos + 1 - from;
+            let mut x = vec![0.0; m * d];
+            for (i, xr) in x.chunks_exact_mut(d).enumerate() {
+                job.inputs.read(from + i, xr);
+            }
+            let rows: Vec<u32> = (hs.iter())
+                .flat_map(|&h| (h * hd) as u32..((h + 1) * hd) as u32)
+                .collect();
+            let rows = IndexSet::from_unsorted(width, rows).map_err(|e| shape(e.to_string()))?;
+            let (mut k, mut v) = (vec![0.0; m * width], vec![0.0; m * width]);
+            let mut jobs = [
+                MatmulJob {
+                    w: wk,
+                    rows: &rows,
+                    y: &mut k,
+                },
+                MatmulJob {
+                    w: wv,
+                    rows: &rows,
+                    y: &mut v,
+                },
+            ];
+            matmul::matmul_shared(&self.cpu.kernels, &self.cpu.pool, &x, &mut jobs);
+            for (i, (kr, vr)) in k
+                .chunks_exact_mut(width)
+                .zip(v.chunks_exact_mut(width))
+                .enumerate()
+            {
+                let p = from + i;
+                for &h in &hs {
+                    let at = h * hd..(h + 1) * hd;
+                    for (out, b, c, rope) in [
+                        (&mut kr[at.clone()], job.bk, &mut *kc, job.rope),
+                        (&mut vr[at.clone()], job.bv, &mut *vc, None),
+                    ] {
+                        if let Some(b) = b {
+                            (out.iter_mut().zip(&b[at.clone()])).for_each(|(o, b)| *o += b);
+                        }
+                        if let Some((theta, style)) = rope {
+                            ops::rope(out, 1, hd, p, theta, style);
+                        }
+                        c.put(p, h * hd, out);
                     }
-                    c.put(p, h * hd, &out);
                 }
             }
+        }
+        for h in heads {
             valid[h] = pos as u32 + 1;
         }
         Ok(())
@@ -727,8 +797,8 @@ impl Device for CpuDevice {
             n_tokens: rows,
         };
         attention::attention(
-            &self.kernels,
-            &self.pool,
+            &self.cpu.kernels,
+            &self.cpu.pool,
             &qf,
             k.slice(n),
             v.slice(n),

@@ -30,6 +30,19 @@ extern "C" __global__ void abs_f32(float* x, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] = fabsf(x[i]);
 }
+// out[slot] = the number of nonzero x[i], i < n: one block of 1024 threads.
+extern "C" __global__ void count_nonzero_f32(const float* x, int n, float* out, int slot) {
+    __shared__ int part[1024];
+    int c = 0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) c += x[i] != 0.0f;
+    part[threadIdx.x] = c;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) part[threadIdx.x] += part[threadIdx.x + s];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[slot] = (float)part[0];
+}
 // out[g] = the norm of x[g * width ..][..width], one warp (blockIdx.x = g) per group.
 extern "C" __global__ void group_norms(const float* x, int width, float* out) {
     const float* row = x + (size_t)blockIdx.x * width;

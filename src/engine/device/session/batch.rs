@@ -7,6 +7,7 @@
 //! executor's batches under a fixed plan compute the same thing). Layers under lazy K/V keep the
 //! batch's inputs and fill every head's keys and values from them, those a head missed before
 //! the batch included.
+use super::rows::{Kept, Want};
 use super::step::{block_input, lazy_kv, lookup, post_norm};
 use super::DeviceSession;
 use crate::engine::config::Positions;
@@ -18,9 +19,9 @@ use dejavu_backend_api::{AttnGeom, Device, Product, Rows, StepRow, MAX_ROWS};
 /// The activations of a batch of up to `rows` rows (row `r` of each at `r * width`).
 pub(super) struct BatchScratch<D: Device> {
     pub(super) rows: usize,
-    x: D::Buf,
-    h: D::Buf,
-    e: D::Buf,
+    pub(super) x: D::Buf,
+    pub(super) h: D::Buf,
+    pub(super) e: D::Buf,
     q: D::Buf,
     k: D::Buf,
     v: D::Buf,
@@ -64,13 +65,13 @@ impl<D: Device> DeviceSession<'_, D> {
         self.plan.mlp.iter().chain(&self.plan.heads).all(free)
     }
 
-    /// `tokens` (1 to the scratch's rows) at the next positions as one batch; with `logits`, the
-    /// last row's logits into `s.logits`.
+    /// `tokens` (1 to the scratch's rows) at the next positions as one batch, handing back what
+    /// `want` names of it.
     pub(super) fn run_batch(
         &mut self,
         b: &mut BatchScratch<D>,
         tokens: &[u32],
-        logits: bool,
+        want: Want,
     ) -> Result<()> {
         let (dev, m, n) = (self.dev, self.model, tokens.len());
         let c = &m.local;
@@ -86,17 +87,21 @@ impl<D: Device> DeviceSession<'_, D> {
             self.batch_attention(b, l, n)?;
             self.batch_mlp(b, l, n)?;
         }
-        if logits {
-            dev.take_row(&b.x, n - 1, c.d_model, &mut self.s.x)?;
-            self.output(&mut None)?;
+        match want {
+            Want::Nothing => Ok(()),
+            Want::Last => {
+                dev.take_rows(&b.x, n - 1, 1, c.d_model, &mut self.s.x)?;
+                self.output(&mut None)
+            }
+            Want::Rows { rows, hidden } => self.batch_rows(b, rows, hidden),
         }
-        Ok(())
     }
 
     fn batch_attention(&mut self, b: &mut BatchScratch<D>, l: usize, n: usize) -> Result<()> {
         let (dev, m) = (self.dev, self.model);
         let (c, lw, hd) = (&m.local, &m.layers[l], m.local.head_dim);
         block_input(dev, c, &lw.attn_norm, &b.x, &mut b.h, n)?;
+        self.keep(Kept::AttnIn, l, &b.h, n)?;
         let q = Product::new(&lw.wq, Rows::All, &mut b.q).bias(lw.bq.as_ref());
         match &mut self.lazy[l] {
             Some((inputs, valid)) => {
@@ -128,6 +133,7 @@ impl<D: Device> DeviceSession<'_, D> {
         };
         let (kc, vc) = (&self.k[l], &self.v[l]);
         dev.attention(&b.q, kc, vc, Rows::All, geom, &mut b.att)?;
+        self.keep(Kept::HeadNorms, l, &b.att, n)?;
         let (wo, bo) = (&lw.wo, lw.bo.as_ref());
         add_row_parallel(dev, m, wo, bo, &b.att, &mut b.x, &mut b.part, n)?;
         post_norm(dev, c, &lw.attn_norm, &mut b.x, &mut b.h, n)
@@ -137,6 +143,7 @@ impl<D: Device> DeviceSession<'_, D> {
         let (dev, m) = (self.dev, self.model);
         let (c, lw) = (&m.local, &m.layers[l]);
         block_input(dev, c, &lw.ffn_norm, &b.x, &mut b.h, n)?;
+        self.keep(Kept::MlpIn, l, &b.h, n)?;
         let act = c.mlp.activation();
         let a = match &lw.w_gate {
             Some(wg) => {

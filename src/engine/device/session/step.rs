@@ -277,16 +277,17 @@ impl<D: Device> DeviceSession<'_, D> {
             }
             (_, sel, _) => {
                 let a = first_projections(dev, c, lw, sel.rows(1), n, s)?;
-                if a {
-                    &s.gate
-                } else {
-                    &s.up
+                let a = if a { &s.gate } else { &s.up };
+                if let Computed::Nonzero { .. } = rule {
+                    dev.count_nonzero(a, n, &mut s.nonzero, l)?;
                 }
+                a
             }
         };
         let sel = &self.plan.mlp[l];
         let y = if out { &mut s.part } else { &mut s.x };
-        match (sel.is_all() && rule != Computed::Nonzero, &m.sparse) {
+        let skips_zeros = matches!(rule, Computed::Nonzero { .. });
+        match (sel.is_all() && !skips_zeros, &m.sparse) {
             // A selection, or every neuron of which the zero ones go unread.
             (false, Some(sp)) => {
                 dev.axpy(&sp[l].0, sel.rows(1), a, lw.b_down.as_ref(), y)?;

@@ -1,0 +1,294 @@
+//! What a caller gets back from a run of tokens: the last row's logits (generation), the logits
+//! of a range of rows (perplexity scores a window), or the output head's inputs of a range
+//! (calibration); and, for calibration, each layer's block inputs and head output norms.
+use super::batch::BatchScratch;
+use super::step::norm;
+use super::{Computed, DeviceSession};
+use crate::{Error, Result};
+use dejavu_backend_api::{Device, Product, Rows};
+use std::ops::Range;
+
+/// Which rows of a run [`DeviceSession::run`] returns.
+#[derive(Debug, Clone, Copy)]
+pub enum Logits {
+    /// The last token's logits (generation).
+    Last,
+    /// The logits of tokens `start..end` of the run (`[n][vocab]`).
+    Range(usize, usize),
+    /// No logits: the output head's input for tokens `start..end` (`[n][d_embed]`: the final
+    /// hidden states, normed and projected as the head reads them).
+    Hidden(usize, usize),
+}
+
+/// Per layer, what a run under [`DeviceSession::capture`] saw, row after row.
+#[derive(Debug, Clone, Default)]
+pub struct Capture {
+    /// Attention inputs (normed, for pre-norm models), `[n][d_model]`.
+    pub attn_in: Vec<Vec<f32>>,
+    /// Norms of each query head's attention output, `[n][n_heads]`.
+    pub head_norm: Vec<Vec<f32>>,
+    /// MLP inputs (normed, for pre-norm models), `[n][d_model]`.
+    pub mlp_in: Vec<Vec<f32>>,
+}
+
+/// What one decode step reads and computes under the plan.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepStats {
+    /// Bytes of weights read (predictors included; a rule that computes a projection in full
+    /// to select from it counts that projection whole).
+    pub weight_bytes: usize,
+    /// MLP neurons computed, summed over layers, and the dense count.
+    pub mlp_kept: usize,
+    pub mlp_total: usize,
+    /// Query heads computed, summed over layers, and the dense count.
+    pub heads_kept: usize,
+    pub heads_total: usize,
+    /// Output rows computed exactly (the vocabulary size when dense).
+    pub exact_logits: usize,
+    /// The weight bytes by block.
+    pub bytes: super::StepBytes,
+}
+
+/// What a batch hands back.
+pub(super) enum Want {
+    Nothing,
+    /// The last row's logits, left on the device in `s.logits`.
+    Last,
+    /// Rows `rows` of the batch (logits, or the head's inputs), appended to `rows_out`.
+    Rows {
+        rows: Range<usize>,
+        hidden: bool,
+    },
+}
+
+/// A block input or output kept under capture.
+#[derive(Clone, Copy)]
+pub(super) enum Kept {
+    AttnIn,
+    HeadNorms,
+    MlpIn,
+}
+
+impl<D: Device> DeviceSession<'_, D> {
+    /// Run `tokens` at the next positions and return what `want` names, valid until the next
+    /// run. A prompt runs in batches where the plan allows ([`Self::batchable`]; always under
+    /// capture, which needs it), else one position at a time, as decode steps do.
+    pub fn run(&mut self, tokens: &[u32], want: Logits) -> Result<&mut [f32]> {
+        self.check(tokens)?;
+        let n = tokens.len();
+        let (rows, hidden) = match want {
+            Logits::Last => (n - 1..n, false),
+            Logits::Range(s, e) | Logits::Hidden(s, e) if s < e && e <= n => {
+                (s..e, matches!(want, Logits::Hidden(..)))
+            }
+            Logits::Range(s, e) | Logits::Hidden(s, e) => {
+                return Err(Error::Invalid(format!(
+                    "logit range {s}..{e} outside a run of {n} tokens"
+                )))
+            }
+        };
+        let last = matches!(want, Logits::Last);
+        if !last && !self.model.shard.is_whole() {
+            return Err(Error::Invalid(
+                "rows other than the last are not gathered under tensor parallelism".into(),
+            ));
+        }
+        let capture = self.capture.is_some();
+        if capture && !self.batchable() {
+            return Err(Error::Invalid(
+                "capturing activations needs a plan that runs in batches".into(),
+            ));
+        }
+        self.clamp_lazy()?;
+        self.rows_out.clear();
+        match (n > 1 || capture) && self.batchable() {
+            true => self.prefill(tokens, (!last).then_some((rows, hidden)))?,
+            false => {
+                for (i, &t) in tokens.iter().enumerate() {
+                    self.step(t)?;
+                    if !last && rows.contains(&i) {
+                        self.step_row(hidden)?;
+                    }
+                }
+            }
+        }
+        if last {
+            self.dev.download(&self.s.logits, &mut self.logits)?;
+            return Ok(&mut self.logits);
+        }
+        Ok(&mut self.rows_out)
+    }
+
+    /// `tokens` in batches of the batch scratch's rows: the rows `want` names of the run
+    /// (`None`: the last one's logits, left on the device).
+    fn prefill(&mut self, tokens: &[u32], want: Option<(Range<usize>, bool)>) -> Result<()> {
+        let mut b = match self.batch.take() {
+            Some(b) => b,
+            None => BatchScratch::new(self.dev, self.model, self.n_ctx)?,
+        };
+        let (size, n) = (b.rows, tokens.len());
+        let run = tokens.chunks(size).enumerate().try_for_each(|(i, chunk)| {
+            let at = i * size..i * size + chunk.len();
+            let want = match &want {
+                None if at.end == n => Want::Last,
+                None => Want::Nothing,
+                Some((r, hidden)) => match r.start.max(at.start)..r.end.min(at.end) {
+                    mine if mine.is_empty() => Want::Nothing,
+                    mine => Want::Rows {
+                        rows: mine.start - at.start..mine.end - at.start,
+                        hidden: *hidden,
+                    },
+                },
+            };
+            self.run_batch(&mut b, chunk, want)?;
+            self.len += chunk.len();
+            Ok(())
+        });
+        self.batch = Some(b);
+        run
+    }
+
+    /// After a step: its logits, or its output head's input, appended to `rows_out`.
+    fn step_row(&mut self, hidden: bool) -> Result<()> {
+        let (m, s) = (self.model, &self.s);
+        let (buf, width) = match (hidden, &m.proj_out, &m.output_norm) {
+            (false, ..) => (&s.logits, m.local.vocab_size),
+            (true, Some(_), _) => (&s.e, m.local.d_embed),
+            (true, None, Some(_)) => (&s.h, m.local.d_model),
+            (true, None, None) => (&s.x, m.local.d_model),
+        };
+        let at = self.rows_out.len();
+        self.rows_out.resize(at + width, 0.0);
+        Ok(self.dev.download(buf, &mut self.rows_out[at..])?)
+    }
+
+    /// The output head of batch rows `rows` (their final norm and projection, then the
+    /// vocabulary's logits unless `hidden`), appended to `rows_out`.
+    pub(super) fn batch_rows(
+        &mut self,
+        b: &mut BatchScratch<D>,
+        rows: Range<usize>,
+        hidden: bool,
+    ) -> Result<()> {
+        let (dev, m) = (self.dev, self.model);
+        let (c, k) = (&m.local, rows.len());
+        // The residual is done with: its rows move to the front of `h`, normed into `x`.
+        dev.take_rows(&b.x, rows.start, k, c.d_model, &mut b.h)?;
+        let mut head_in = match &m.output_norm {
+            Some(n) => {
+                norm(dev, c, n, &b.h, &mut b.x, k)?;
+                &b.x
+            }
+            None => &b.h,
+        };
+        if let Some(p) = &m.proj_out {
+            dev.matmul(head_in, k, &mut [Product::new(p, Rows::All, &mut b.e)])?;
+            head_in = &b.e;
+        }
+        let at = self.rows_out.len();
+        if hidden {
+            self.rows_out.resize(at + k * c.d_embed, 0.0);
+            return Ok(dev.download(head_in, &mut self.rows_out[at..])?);
+        }
+        let mut logits = dev.zeros(k * c.vocab_size)?;
+        dev.matmul(
+            head_in,
+            k,
+            &mut [Product::new(m.head(), Rows::All, &mut logits)],
+        )?;
+        self.rows_out.resize(at + k * c.vocab_size, 0.0);
+        Ok(dev.download(&logits, &mut self.rows_out[at..])?)
+    }
+
+    /// Under capture: the batch's `rows` rows of `x` (a block input, or the attention output of
+    /// every head, kept as each head's norm) appended to layer `l`'s record.
+    pub(super) fn keep(&mut self, what: Kept, l: usize, x: &D::Buf, rows: usize) -> Result<()> {
+        let Some(cap) = self.capture.as_mut() else {
+            return Ok(());
+        };
+        let c = &self.model.local;
+        let (list, width) = match what {
+            Kept::AttnIn => (&mut cap.attn_in, c.d_model),
+            Kept::MlpIn => (&mut cap.mlp_in, c.d_model),
+            Kept::HeadNorms => (&mut cap.head_norm, c.n_heads * c.head_dim),
+        };
+        list.resize(c.n_layers, Vec::new());
+        let mut v = vec![0.0; rows * width];
+        self.dev.download(x, &mut v)?;
+        match what {
+            Kept::HeadNorms => list[l].extend(
+                v.chunks_exact(c.head_dim)
+                    .map(|h| h.iter().map(|a| a * a).sum::<f32>().sqrt()),
+            ),
+            _ => list[l].extend_from_slice(&v),
+        }
+        Ok(())
+    }
+
+    /// Record each layer's block inputs and head output norms from now on ([`Capture`]), or
+    /// stop (`false`). Runs under capture are eager (not replayed) and run in batches.
+    pub fn capture(&mut self, on: bool) {
+        self.capture = on.then(Capture::default);
+    }
+
+    /// What the runs since [`Self::capture`] recorded (and the recording goes on, empty).
+    pub fn take_capture(&mut self) -> Capture {
+        self.capture
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
+    }
+
+    /// What a prompt's batch reads and computes: every unit, the dense head, once per batch.
+    pub fn batch_step(&self) -> StepStats {
+        let c = &self.model.local;
+        let bytes = super::step_bytes(self.model, None);
+        StepStats {
+            weight_bytes: bytes.total(),
+            mlp_kept: c.n_ff * c.n_layers,
+            mlp_total: c.n_ff * c.n_layers,
+            heads_kept: c.n_heads * c.n_layers,
+            heads_total: c.n_heads * c.n_layers,
+            exact_logits: c.vocab_size,
+            bytes,
+        }
+    }
+
+    /// What the last decode step read and computed under the plan: the plan's counts, and
+    /// under a rule that skips zero activations the nonzero ones the step counted (read back).
+    pub fn last_step(&self) -> Result<StepStats> {
+        let c = &self.model.local;
+        let (mut mlp_kept, mut bytes) = (0, self.step_bytes);
+        let mut counts = Vec::new();
+        for (l, (sel, rule)) in self.plan.mlp.iter().zip(&self.plan.mlp_rule).enumerate() {
+            let Computed::Nonzero { oracle } = *rule else {
+                mlp_kept += sel.count(c.n_ff);
+                continue;
+            };
+            if counts.is_empty() {
+                counts = vec![0.0; c.n_layers];
+                self.dev.download(&self.s.nonzero, &mut counts)?;
+            }
+            let k = (counts[l] as usize).min(c.n_ff);
+            let u = &self.model.unit_bytes[l];
+            // The zero neurons' rows of the down projection go unread; under an oracle, their
+            // rows of the first projections too.
+            let skipped = if oracle {
+                u.neuron
+            } else {
+                u.neuron - u.gate - u.up
+            };
+            bytes.mlp -= (c.n_ff - k) * skipped;
+            mlp_kept += k;
+        }
+        Ok(StepStats {
+            weight_bytes: bytes.total(),
+            mlp_kept,
+            mlp_total: c.n_ff * c.n_layers,
+            heads_kept: self.plan.heads.iter().map(|s| s.count(c.n_heads)).sum(),
+            heads_total: c.n_heads * c.n_layers,
+            exact_logits: (self.plan.output.as_ref()).map_or(c.vocab_size, |o| o.candidates),
+            bytes,
+        })
+    }
+}
