@@ -376,7 +376,8 @@ impl Device for CpuDevice {
         rows: usize,
         jobs: &mut [Product<'_, Self>],
     ) -> Result<(), BackendError> {
-        for p in jobs.iter_mut() {
+        // Checked first: the kernels assert their lengths.
+        for p in jobs.iter() {
             let (w, xp) = (p.w, p.x.unwrap_or(x));
             if !matches!(p.rows, Rows::All) {
                 return Err(shape("a batch's products read every row".into()));
@@ -386,25 +387,61 @@ impl Device for CpuDevice {
             if let Some(b) = p.bias {
                 need("matmul bias", b.len(), w.rows)?;
             }
-            let all = IndexSet::full(w.rows);
-            let wt = w.weight()?;
-            let xs = &xp[..rows * w.cols];
-            let n = rows * w.rows;
-            let mut full = match p.accumulate {
-                true => vec![0f32; n],
+        }
+        let alls: Vec<IndexSet> = jobs.iter().map(|p| IndexSet::full(p.w.rows)).collect();
+        let weights = jobs
+            .iter()
+            .map(|p| p.w.weight())
+            .collect::<Result<Vec<_>, _>>()?;
+        // An accumulating product adds a scratch product to its output afterwards.
+        let mut sums: Vec<Vec<f32>> = (jobs.iter())
+            .map(|p| match p.accumulate {
+                true => vec![0f32; rows * p.w.rows],
                 false => Vec::new(),
-            };
-            let out = match p.accumulate {
-                true => &mut full[..],
-                false => &mut p.y[..n],
-            };
-            matmul::matmul(&self.cpu.kernels, &self.cpu.pool, &wt, &all, xs, out);
+            })
+            .collect();
+        {
+            // Products of the call's input in one shared dispatch (their widths agree: Q, K and
+            // V; gate and up); products of their own inputs one by one.
+            let first = jobs.iter().find(|p| p.x.is_none()).map(|p| p.w.cols);
+            let (mut shared, mut own) = (Vec::new(), Vec::new());
+            let all = jobs
+                .iter_mut()
+                .zip(sums.iter_mut())
+                .zip(&weights)
+                .zip(&alls);
+            for (((p, sum), w), set) in all {
+                let n = rows * w.rows;
+                let y: &mut [f32] = match p.accumulate {
+                    true => sum,
+                    false => &mut p.y[..n],
+                };
+                let job = MatmulJob {
+                    w: *w,
+                    rows: set,
+                    y,
+                };
+                match p.x {
+                    None if Some(w.cols) == first => shared.push(job),
+                    input => own.push((input.unwrap_or(x), job)),
+                }
+            }
+            if let Some(cols) = first {
+                let xs = &x[..rows * cols];
+                matmul::matmul_shared(&self.cpu.kernels, &self.cpu.pool, xs, &mut shared);
+            }
+            for (xp, job) in own {
+                let xs = &xp[..rows * job.w.cols];
+                matmul::matmul_shared(&self.cpu.kernels, &self.cpu.pool, xs, &mut [job]);
+            }
+        }
+        for (p, sum) in jobs.iter_mut().zip(&sums) {
             if !p.accumulate && p.bias.is_none() && p.act.is_none() {
                 continue;
             }
-            let ys = p.y[..n].chunks_exact_mut(w.rows);
-            for (r, yr) in ys.enumerate() {
-                let fr = p.accumulate.then(|| &full[r * w.rows..(r + 1) * w.rows]);
+            let w = p.w.rows;
+            for (r, yr) in p.y[..rows * w].chunks_exact_mut(w).enumerate() {
+                let fr = p.accumulate.then(|| &sum[r * w..(r + 1) * w]);
                 finish(fr, None, p.bias, p.act, p.accumulate, yr);
             }
         }
