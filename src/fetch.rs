@@ -53,7 +53,7 @@ pub fn resolve_model(arg: Option<&std::ffi::OsStr>) -> Result<PathBuf> {
         Some(name) if KNOWN_MODELS.contains(&name) && !std::path::Path::new(name).exists() => {
             fetch(name)
         }
-        Some(p) if p.starts_with(crate::engine::synthetic::PREFIX) => Ok(PathBuf::from(p)),
+        Some(p) if p.starts_with(crate::model::synthetic::PREFIX) => Ok(PathBuf::from(p)),
         _ => {
             let path = PathBuf::from(arg);
             if path.exists() {

@@ -1,27 +1,30 @@
 //! dejavu: a CPU-first LLM inference engine built for contextual sparsity (Deja Vu, Liu et al. 2023).
 //!
-//! The tree follows the flow of a decode step:
-//! - [`engine`]: a model file or Hugging Face directory mapped and validated into a typed
-//!   [`engine::config::ModelConfig`] and weight views ([`engine::weights`]), one file per
-//!   architecture family ([`engine::arch`]), the KV cache, and the layer executor that runs a
-//!   [`sparsity::SparsePlan`] on a [`dejavu_backend_api::Backend`] (dense = full sets);
-//! - [`sparsity`]: the plan, the policies that build it per token, Deja Vu's predictors and their
-//!   file, the sparse weight layout, lookahead and calibration;
-//! - [`eval`]: perplexity, bench, the frontier report;
-//! - [`text`]: tokenizer and chat template, sampling, generation;
-//! - [`quantize`]: any loaded model written as a GGUF of one weight type.
+//! The tree follows the flow of a decode step, each layer using only those above it:
+//! - [`model`]: a model file or Hugging Face directory mapped and validated into a typed
+//!   [`model::config::ModelConfig`] and weight views ([`model::weights`]), one file per
+//!   architecture family ([`model::arch`]), and its tokenizer;
+//! - [`sparsity`]: the plan as data, the policies that build it per token, Deja Vu's predictors
+//!   and their file, the sparse weight layout;
+//! - [`exec`]: the one forward pass over any [`dejavu_backend_api::Device`] (the CPU, CUDA), its
+//!   sessions, tensor parallelism, and the [`exec::Engine`] that holds a model on the CPU;
+//! - [`text`] (chat template, sampling, generation), [`eval`] (perplexity, bench, reports),
+//!   [`tune`] (calibration), [`quantize`];
+//! - [`serve`]: the OpenAI-compatible server.
 //!
 //! The command line is the thin binary in `src/bin/dejavu/`.
 
-pub mod engine;
 mod error;
 pub mod eval;
+pub mod exec;
 pub mod fetch;
 pub mod fsio;
+pub mod model;
 pub mod progress;
 pub mod quantize;
 pub mod serve;
 pub mod sparsity;
 pub mod text;
+pub mod tune;
 
 pub use error::{Error, Result};

@@ -1,23 +1,23 @@
 //! `dejavu quantize`: a loaded model (GGUF or Hugging Face directory, any supported
 //! architecture) written as a GGUF of one weight type.
 //!
-//! - Tensors keep the canonical (GGUF) names (`engine::names`). Every matrix whose rows hold
+//! - Tensors keep the canonical (GGUF) names (`model::names`). Every matrix whose rows hold
 //!   whole blocks is stored in the chosen type (else F16); OPT's learned positions stay F16; norm
 //!   gains and biases F32. Each row is dequantized to f32 and quantized again with the
 //!   error-minimising scales of `dejavu_backend_api::quantize`.
 //! - A Hugging Face llama's Q and K rows are permuted from NeoX to interleaved RoPE order, as
 //!   llama.cpp's converter does, so the GGUF runs with llama's interleaved RoPE.
 //! - Metadata: llama.cpp's keys where it has them; for OPT and the MLP activation the keys of
-//!   `engine::names` (the README lists them). The tokenizer goes in twice: as llama.cpp's
+//!   `model::names` (the README lists them). The tokenizer goes in twice: as llama.cpp's
 //!   `tokenizer.ggml.*` arrays, and whole as `tokenizer.huggingface.json`, which this engine
 //!   reads first (exact, post-processor included). The chat template goes to
 //!   `tokenizer.chat_template`. A GGUF source's metadata is copied as is.
 //! - The file is written as a stream (one tensor in memory at a time), to a temporary name that
 //!   is renamed when complete.
-use crate::engine::config::{Architecture, MlpKind, ModelConfig, NormKind, Positions};
-use crate::engine::names::*;
-use crate::engine::weights::{ggml_type, Model, Source, WeightRef};
-use crate::text::tokenizer::Tokenizer;
+use crate::model::config::{Architecture, MlpKind, ModelConfig, NormKind, Positions};
+use crate::model::names::*;
+use crate::model::tokenizer::Tokenizer;
+use crate::model::weights::{ggml_type, Model, Source, WeightRef};
 use crate::{Error, Result};
 use dejavu_backend_api::{quantize, Backend, QuantType};
 use dejavu_formats::gguf::{GgmlType, GgufWriter, MetaValue};

@@ -5,8 +5,9 @@
 //! the template and tokenizing the whole text.
 mod common;
 use common::*;
-use dejavu::engine::weights::Model;
-use dejavu::text::tokenizer::Tokenizer;
+use dejavu::model::tokenizer::Tokenizer;
+use dejavu::model::weights::Model;
+use dejavu::text::chat::EncodeChat;
 use std::path::PathBuf;
 
 fn tokenizers() -> Vec<(String, Tokenizer)> {

@@ -13,8 +13,8 @@
 //! <= 1e-3).
 mod common;
 use common::OnCpu;
-use dejavu::engine::device::{DeviceModel, DevicePlan, DeviceSession};
-use dejavu::engine::{Engine, EngineOptions};
+use dejavu::exec::{DeviceModel, DevicePlan, DeviceSession};
+use dejavu::exec::{Engine, EngineOptions};
 use dejavu::sparsity::{LayerPlan, SparsePlan};
 use dejavu_backend_api::{Device, IndexSet};
 use dejavu_backend_cpu::device::CpuDevice;
@@ -409,8 +409,7 @@ fn policy_on_runs_its_selection<D: Device>(dev: &D, eng: &Engine, spec: &str) ->
     let dense = SparsePlan::dense(c);
     let mut want = r.fixed(&dense, 16);
     let fixed_plan = |p: &SparsePlan| DevicePlan::fixed(&r.dev, c, p, "step").unwrap();
-    let (mut missed, mut before): (usize, Option<Vec<dejavu::engine::device::Selections>>) =
-        (0, None);
+    let (mut missed, mut before): (usize, Option<Vec<dejavu::exec::Selections>>) = (0, None);
     for (i, &t) in TOKENS.iter().chain(&TOKENS[6..8]).enumerate() {
         if i == TOKENS.len() {
             sess.truncate(4);
@@ -707,7 +706,7 @@ mod cuda {
     }
 
     /// The prompt's logits (one batch of 5), then 4 decode steps'.
-    fn tp_steps(d: &mut dyn dejavu::text::generate::Decoder) -> Vec<Vec<f32>> {
+    fn tp_steps(d: &mut dyn dejavu::exec::Decoder) -> Vec<Vec<f32>> {
         let mut out = vec![d.decode(&TOKENS[..5]).unwrap().to_vec()];
         for &t in &TOKENS[5..] {
             out.push(d.decode(&[t]).unwrap().to_vec());
@@ -773,7 +772,7 @@ mod cuda {
     /// A rank of [`tp_world`]: its shard on the GPU, the steps, its logits to a file; then the
     /// mean time of 32 more decode steps.
     fn tp_child(rank: usize) {
-        use dejavu::engine::parallel::Shard;
+        use dejavu::exec::parallel::Shard;
         let var = |k: &str| std::env::var(k).unwrap();
         let hex = var("DEJAVU_TP_ID");
         let mut id = [0u8; dejavu_backend_cuda::ID_BYTES];

@@ -12,9 +12,9 @@
 //! 0.5%.
 mod common;
 use common::*;
-use dejavu::engine::device::Logits;
-use dejavu::engine::{Engine, EngineOptions};
 use dejavu::eval::perplexity::{perplexity, Feed};
+use dejavu::exec::Logits;
+use dejavu::exec::{Engine, EngineOptions};
 use dejavu::sparsity::SparsePlan;
 use dejavu::text::sampling::argmax;
 use dejavu_backend_cpu::isa::Isa;

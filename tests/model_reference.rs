@@ -21,7 +21,7 @@
 //!   and the perplexity tests below bound the average.
 mod common;
 use common::*;
-use dejavu::engine::device::Logits;
+use dejavu::exec::Logits;
 use dejavu::sparsity::SparsePlan;
 use dejavu::text::sampling::argmax;
 use dejavu_backend_cpu::isa::Isa;

@@ -4,13 +4,13 @@
 mod common;
 use common::OnCpu;
 use common::Reference;
-use dejavu::engine::device::Logits;
-use dejavu::engine::weights::Model;
-use dejavu::engine::{Engine, EngineOptions};
 use dejavu::eval::perplexity::{perplexity, Feed};
+use dejavu::exec::Logits;
+use dejavu::exec::{Engine, EngineOptions};
+use dejavu::model::tokenizer::Tokenizer;
+use dejavu::model::weights::Model;
 use dejavu::sparsity::SparsePlan;
 use dejavu::text::sampling::argmax;
-use dejavu::text::tokenizer::Tokenizer;
 use dejavu_backend_api::QuantType;
 use dejavu_backend_cpu::isa::Isa;
 use dejavu_backend_cpu::CpuBackend;

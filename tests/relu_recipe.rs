@@ -1,11 +1,11 @@
 //! The Deja Vu recipe on the tiny trained ReLU OPT (tests/fixtures/hf/opt-relu): the oracle's
 //! nonzero set (exact, counting only selected rows), calibration with the paper's labels (the
 //! nonzero neurons), per-layer budgets from the measured densities, and the rules' errors.
-use dejavu::engine::device::Logits;
-use dejavu::engine::{Engine, EngineOptions};
-use dejavu::sparsity::calibrate::{train_predictors, CalibrateOptions};
+use dejavu::exec::Logits;
+use dejavu::exec::{Engine, EngineOptions};
 use dejavu::sparsity::predictors_file::Predictors;
 use dejavu::sparsity::{MlpRule, SparsePlan};
+use dejavu::tune::calibrate::{train_predictors, CalibrateOptions};
 use std::collections::HashMap;
 use std::path::PathBuf;
 

@@ -2,8 +2,8 @@
 //! silently wrong results, and CLI contracts.
 mod common;
 use common::*;
-use dejavu::engine::weights::Model;
-use dejavu::engine::{Engine, EngineOptions};
+use dejavu::exec::{Engine, EngineOptions};
+use dejavu::model::weights::Model;
 use dejavu_formats::gguf::{GgmlType, MetaValue};
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -241,7 +241,7 @@ fn add_bos_token_is_honoured_and_rope_scaling_refused() {
     let mut v: serde_json::Value = serde_json::from_str(&cfg).unwrap();
     v["rope_parameters"] =
         serde_json::json!({"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0});
-    let err = dejavu::engine::arch::from_hf(&v.to_string())
+    let err = dejavu::model::arch::from_hf(&v.to_string())
         .err()
         .unwrap()
         .to_string();
@@ -276,8 +276,7 @@ fn kv_cache_holds_what_is_used() {
     let plan = dejavu::sparsity::SparsePlan::dense(&e.model.config);
     let before = rss();
     let mut s = e.session(e.fixed_plan(&plan).unwrap()).unwrap();
-    s.run(&[1, 2, 3, 4], dejavu::engine::device::Logits::Last)
-        .unwrap();
+    s.run(&[1, 2, 3, 4], dejavu::exec::Logits::Last).unwrap();
     let grew = rss().saturating_sub(before);
     assert!(
         grew * 4 <= full,
@@ -477,8 +476,8 @@ fn bad_hugging_face_directories() {
 /// the bytes.
 #[test]
 fn f16_kv_cache_keeps_quality_at_half_the_bytes() {
-    use dejavu::engine::KvType;
     use dejavu::eval::perplexity::{perplexity, Feed};
+    use dejavu::exec::KvType;
     let text = std::fs::read_to_string(fixture("eval.txt")).unwrap();
     let mut ppl = Vec::new();
     for kv_type in [KvType::F32, KvType::F16] {

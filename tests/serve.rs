@@ -5,11 +5,12 @@
 //! slow headers and bodies, oversize and deeply nested JSON, a connection flood, and a shutdown
 //! whose grace runs out.
 mod common;
-use dejavu::engine::device::DeviceSession;
-use dejavu::engine::{Engine, EngineOptions};
+use dejavu::exec::Decoder;
+use dejavu::exec::DeviceSession;
+use dejavu::exec::{Engine, EngineOptions};
 use dejavu::serve::{self, Limits, ServeOptions, Slot};
 use dejavu::sparsity::policy::Policy;
-use dejavu::text::generate::{generate_on, Decoder};
+use dejavu::text::generate::generate_on;
 use dejavu::text::sampling::{Sampler, SamplerConfig};
 use dejavu_backend_cpu::device::CpuDevice;
 use serde_json::{json, Value};

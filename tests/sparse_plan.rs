@@ -2,8 +2,8 @@
 //! dense model whose skipped neurons and heads are masked out in the weights themselves.
 mod common;
 use common::*;
-use dejavu::engine::device::Logits;
-use dejavu::engine::{Engine, EngineOptions};
+use dejavu::exec::Logits;
+use dejavu::exec::{Engine, EngineOptions};
 use dejavu::sparsity::{LayerPlan, SparsePlan};
 use dejavu_backend_api::IndexSet;
 use dejavu_formats::gguf::GgmlType;

@@ -5,12 +5,12 @@
 //! are rejected.
 mod common;
 use common::*;
-use dejavu::engine::device::{DevicePlan, Logits};
-use dejavu::engine::{Engine, EngineOptions};
-use dejavu::sparsity::calibrate::{calibrate, CalibrateOptions};
+use dejavu::exec::{DevicePlan, Logits};
+use dejavu::exec::{Engine, EngineOptions};
 use dejavu::sparsity::policy::Policy;
 use dejavu::sparsity::predictors_file::Predictors;
 use dejavu::sparsity::{LayerPlan, SparsePlan};
+use dejavu::tune::calibrate::{calibrate, CalibrateOptions};
 use dejavu_backend_api::IndexSet;
 use dejavu_backend_cpu::device::CpuDevice;
 use rand::{seq::index::sample, SeedableRng};
@@ -278,7 +278,7 @@ fn cli_calibrate_then_use() {
         "--validation-tokens",
         "64",
     ]);
-    let preds = Predictors::default_path(&dejavu::engine::weights::Model::load(&model).unwrap());
+    let preds = Predictors::default_path(&dejavu::model::weights::Model::load(&model).unwrap());
     assert!(
         preds.exists() && stdout.contains("recommended:"),
         "{stdout}"

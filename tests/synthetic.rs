@@ -1,9 +1,9 @@
 //! Synthetic models (`synthetic:NAME`): built at the published shape, the sparse layout's
 //! transposes are the model's own matrices, every output says synthetic, quality commands refuse,
 //! and `--sparsity paper` runs its real selection path on them.
-use dejavu::engine::device::{BlockTimes, Logits};
-use dejavu::engine::synthetic::SyntheticOptions;
-use dejavu::engine::{Engine, EngineOptions};
+use dejavu::exec::{BlockTimes, Logits};
+use dejavu::exec::{Engine, EngineOptions};
+use dejavu::model::synthetic::SyntheticOptions;
 use dejavu::sparsity::{HeadRule, MlpRule};
 use dejavu_backend_api::QuantType;
 use std::process::Command;

@@ -1,4 +1,4 @@
-//! Tensor parallelism (`engine::parallel`) on the scalar reference: ranks are threads with a
+//! Tensor parallelism (`exec::parallel`) on the scalar reference: ranks are threads with a
 //! `CpuDevice` each, summing through `HostWorld` (the collectives' reference; NCCL on GPUs).
 //! World sizes 2, 3 and 4 give the whole model's logits, step by step, over a prompt batch and
 //! decode steps; a fixed sparse plan gives the same selections and logits at every world size.
@@ -7,11 +7,11 @@
 //! per rank, added in rank order), so only the order of summation differs from the whole model:
 //! |tp - whole| <= 1e-3 + 1e-4 |whole| on every logit (the fixtures' logits are at most ~30).
 mod common;
-use dejavu::engine::device::{DeviceModel, DevicePlan, DeviceSession};
-use dejavu::engine::parallel::{self, ParallelDecoder, Shard, WorldSpec};
-use dejavu::engine::{Engine, EngineOptions};
+use dejavu::exec::parallel::{self, ParallelDecoder, Shard, WorldSpec};
+use dejavu::exec::Decoder;
+use dejavu::exec::{DeviceModel, DevicePlan, DeviceSession};
+use dejavu::exec::{Engine, EngineOptions};
 use dejavu::sparsity::SparsePlan;
-use dejavu::text::generate::Decoder;
 use dejavu_backend_api::IndexSet;
 use dejavu_backend_cpu::device::CpuDevice;
 use dejavu_backend_cpu::world::HostWorld;
@@ -169,7 +169,7 @@ fn a_world_that_does_not_divide_the_model_is_refused() {
 fn a_synthetic_opt_over_four_ranks_gives_the_whole_models_logits() {
     let opts = EngineOptions {
         keep_file_layout: true,
-        synthetic: dejavu::engine::synthetic::SyntheticOptions {
+        synthetic: dejavu::model::synthetic::SyntheticOptions {
             seed: 7,
             ..Default::default()
         },

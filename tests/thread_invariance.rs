@@ -3,9 +3,9 @@
 //! bit-identical at 1, 2 and 3 threads (the prefill tiles used to follow the thread count).
 mod common;
 use common::*;
-use dejavu::engine::{Engine, EngineOptions};
+use dejavu::exec::Decoder;
+use dejavu::exec::{Engine, EngineOptions};
 use dejavu::sparsity::policy::Policy;
-use dejavu::text::generate::Decoder;
 
 fn logits(path: &std::path::Path, threads: usize, prompt: &[u32]) -> Vec<Vec<f32>> {
     let eng = Engine::load(

@@ -2,8 +2,8 @@
 //! special tokens, and the chat templates stored in the files.
 mod common;
 use common::*;
-use dejavu::engine::weights::Model;
-use dejavu::text::tokenizer::Tokenizer;
+use dejavu::model::tokenizer::Tokenizer;
+use dejavu::model::weights::Model;
 
 fn tokenizer(name: &str) -> Tokenizer {
     let m = Model::load(model_path(name)).unwrap();

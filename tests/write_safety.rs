@@ -3,7 +3,7 @@
 //! model are keyed on every byte of it. Through the `dejavu` binary where a user would see it.
 mod common;
 use common::*;
-use dejavu::engine::weights::Model;
+use dejavu::model::weights::Model;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 

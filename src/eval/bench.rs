@@ -13,8 +13,8 @@
 //! Each test runs `repetitions` times after one warm-up run; we report the median and the sample
 //! standard deviation. Token ids are a fixed pseudo-random sequence (as llama-bench does), so
 //! speed does not depend on a text.
-use crate::engine::device::{BlockTimes, DeviceSession, Logits, StepStats};
-use crate::engine::Engine;
+use crate::exec::Engine;
+use crate::exec::{BlockTimes, DeviceSession, Logits, StepStats};
 use crate::sparsity::policy::Policy;
 use crate::Result;
 use dejavu_backend_cpu::device::CpuDevice;

@@ -1,17 +1,17 @@
 //! `dejavu bench --backend cuda`: prefill and decode speed of the device-resident decoder
-//! (`engine::device`) under each policy, alternated as the CPU bench does: one warm-up run per
+//! (`exec`) under each policy, alternated as the CPU bench does: one warm-up run per
 //! policy (which also records its step), then `repetitions` rounds, each running every policy
 //! once. `pp<P>` runs a P-token prompt from an empty cache (in batches: every unit, whatever
 //! the policy) and reads its last logits back; `tg<N>` decodes N tokens from an empty cache,
 //! reading the logits back after every token as generation does. Weight bytes per token are the
 //! plan's (predictors included); a prompt's batch reads the dense model once.
-use crate::engine::device::{BlockTimes, DeviceModel, DevicePlan, DeviceSession};
-use crate::engine::parallel::{self, ParallelDecoder, SessionInfo, Shard, WorldSpec};
-use crate::engine::Engine;
 use crate::eval::bench::median_sd;
+use crate::exec::parallel::{self, ParallelDecoder, SessionInfo, Shard, WorldSpec};
+use crate::exec::Decoder;
+use crate::exec::Engine;
+use crate::exec::{BlockTimes, DeviceModel, DevicePlan, DeviceSession};
 use crate::sparsity::layout::SparseLayout;
 use crate::sparsity::policy::Policy;
-use crate::text::generate::Decoder;
 use crate::Result;
 use dejavu_backend_api::{Device, MAX_ROWS};
 use serde::Serialize;
@@ -133,7 +133,10 @@ pub fn bench<D: Device>(
         .iter()
         .map(|p| {
             let plan = DevicePlan::policy(dev, &eng.model.config, p)?;
-            DeviceSession::new(dev, &model, plan, n_ctx)
+            // Timed as generation runs: no statistics gathered on the device.
+            let mut s = DeviceSession::new(dev, &model, plan, n_ctx)?;
+            s.measure(false);
+            Ok(s)
         })
         .collect::<Result<Vec<_>>>()?;
     let mut on = OnDevice {
@@ -144,7 +147,7 @@ pub fn bench<D: Device>(
     bench_sessions(&mut on, eng, policies, n_prompt, n_gen, reps)
 }
 
-/// [`bench`] on a world of `world` ranks, rank `r` on `device(shard)`: every policy's plan over
+/// [`bench()`] on a world of `world` ranks, rank `r` on `device(shard)`: every policy's plan over
 /// each rank's units (`DevicePlan::policy_shard`).
 pub fn bench_parallel<D: Device>(
     world: usize,

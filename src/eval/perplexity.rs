@@ -3,11 +3,11 @@
 //! empty cache, and score the second half: logits at positions `ctx/2 .. ctx-1` predict the tokens
 //! at `ctx/2 + 1 .. ctx`. `ppl = exp(mean NLL)`. For a model that takes a BOS, the text is
 //! tokenized with it first and each chunk's first token is replaced by it (as llama-perplexity
-//! does; see [`crate::text::tokenizer::Tokenizer::encode_document`]).
-use crate::engine::device::Logits;
-use crate::engine::Engine;
+//! does; see [`crate::model::tokenizer::Tokenizer::encode_document`]).
+use crate::exec::Decoder;
+use crate::exec::Engine;
+use crate::exec::Logits;
 use crate::sparsity::SparsePlan;
-use crate::text::generate::Decoder;
 use crate::{Error, Result};
 
 #[derive(Debug, Clone)]

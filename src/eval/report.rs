@@ -1,11 +1,11 @@
 //! `dejavu report`: the quality/speed frontier of a set of policies on one text, as a markdown
 //! table, JSON and a PNG plot.
 //!
-//! Every policy is compared with dense decoding in one pass ([`compare_many`]): perplexity ratio,
+//! Every policy is compared with dense decoding in one pass (`eval::perplexity::compare_many`): perplexity ratio,
 //! KL divergence, top-1 agreement, weight bytes read per token, MLP density, and the decode
 //! speedup measured on the same scored steps, dense and sparse interleaved token by token.
-use crate::engine::Engine;
 use crate::eval::perplexity::{compare_specs, Comparison};
+use crate::exec::Engine;
 use crate::sparsity::policy::Policy;
 use crate::sparsity::predictors_file::Predictors;
 use crate::{Error, Result};

@@ -7,8 +7,8 @@
 //! follow `1 / D`; the whole step's is bounded by the dense attention and output head. On a
 //! synthetic model (the paper's method) the predictors are random, so the sets are random too:
 //! a speed measurement, not a quality one.
-use crate::engine::Engine;
 use crate::eval::bench::{alternate, median_sd, StepTotals};
+use crate::exec::Engine;
 use crate::{Error, Result};
 use serde::Serialize;
 use std::path::Path;

@@ -4,8 +4,10 @@
 //! freeing the slot.
 use super::api::{ApiError, GenRequest, Input};
 use super::Metrics;
-use crate::engine::Engine;
-use crate::text::generate::{reusable, Decoder, TextStream};
+use crate::exec::Decoder;
+use crate::exec::Engine;
+use crate::text::chat::EncodeChat;
+use crate::text::generate::{reusable, TextStream};
 use crate::text::sampling::Sampler;
 use crate::text::stop::StopFilter;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -14,11 +14,11 @@
 //! bits, 0.69 bytes per weight); Q6_K and Q8_0 become Q8_0.
 //!
 //! The result is cached in dejavu's cache directory as `layouts/<model file>-<path hash>.sparse-
-//! <TYPE>.v3.gguf` (built once, checked against the source's content hash (engine::content_key)
+//! <TYPE>.v3.gguf` (built once, checked against the source's content hash (model::content_key)
 //! and the shapes on every load, rebuilt when stale); where that directory is not writable, it is
 //! built in memory for the process.
-use crate::engine::synthetic;
-use crate::engine::weights::{ggml_type, weight_ref, Model, WeightRef};
+use crate::model::synthetic;
+use crate::model::weights::{ggml_type, weight_ref, Model, WeightRef};
 use crate::{Error, Result};
 use dejavu_backend_api::{quantize, Backend, QuantType, Weight};
 use dejavu_formats::gguf::{self, GgmlType, MetaValue};
@@ -26,7 +26,7 @@ use dejavu_formats::GgufFile;
 use std::path::PathBuf;
 
 /// Bump when the conversion changes: older cache files are rebuilt.
-/// 2: W_o added. 3: keyed on the full content hash and the files' stamp (engine::content_key).
+/// 2: W_o added. 3: keyed on the full content hash and the files' stamp (model::content_key).
 pub const LAYOUT_VERSION: u32 = 3;
 const KEY_VERSION: &str = "dejavu.layout.version";
 const KEY_SOURCE: &str = "dejavu.layout.source_fingerprint";

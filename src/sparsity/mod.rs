@@ -2,8 +2,7 @@
 //! decoded token ([`policy`]), the learned predictors ([`predictor`]: `MlpPredictor`,
 //! `HeadPredictor`) and the file that stores them with the output preview
 //! ([`predictors_file`]), the neuron-major weight layout the sparse kernels read ([`layout`]),
-//! and `dejavu calibrate` ([`calibrate`]). The forward pass (`engine::device`) runs the plan.
-pub mod calibrate;
+//! and `dejavu calibrate` (`crate::tune::calibrate`). The forward pass (`exec`) runs the plan.
 pub mod layout;
 pub mod plan;
 pub mod policy;

@@ -1,7 +1,7 @@
 //! Contextual sparsity as data. A [`SparsePlan`] says, per layer, which MLP neurons and which query
 //! heads to compute; the dense plan is the plan with full sets, so the executor has one path.
 //! Policies that produce plans (predictors, oracle, lookahead) build on these types.
-use crate::engine::config::ModelConfig;
+use crate::model::config::ModelConfig;
 use crate::{Error, Result};
 use dejavu_backend_api::IndexSet;
 

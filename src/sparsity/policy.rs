@@ -24,7 +24,7 @@
 //!   ([`KvRule::Lazy`]).
 //!
 //! Contextual rules apply to single-token steps (decoding); batches (prompt processing) are dense.
-use crate::engine::config::ModelConfig;
+use crate::model::config::ModelConfig;
 use crate::sparsity::predictor::{HeadPredictor, MlpPredictor};
 use crate::sparsity::predictors_file::{OutputPreview, Predictors};
 use crate::sparsity::{HeadRule, KvRule, MlpRule};

@@ -181,7 +181,7 @@ fn push_q8(owned: &mut Owned, name: &str, q8: &[u8], rows: usize, cols: usize) {
 impl Predictors {
     /// Random MLP and head predictors for a synthetic model, at its configured rank (for speed
     /// only: they select real sets at a real cost, of no meaning).
-    pub fn synthetic(model: &crate::engine::weights::Model) -> Result<Self> {
+    pub fn synthetic(model: &crate::model::weights::Model) -> Result<Self> {
         let (c, synth) = match model.synthetic_source() {
             Some(s) => (&model.config, s),
             None => return Err(Error::Invalid("not a synthetic model".into())),
@@ -212,18 +212,18 @@ impl Predictors {
     /// Where `dejavu calibrate` writes a model's predictors and `--sparsity recommended` finds
     /// them: the cache directory (`$DEJAVU_HOME/predictors`, see `Model::cache_path`), never the
     /// model's own directory.
-    pub fn default_path(model: &crate::engine::weights::Model) -> PathBuf {
+    pub fn default_path(model: &crate::model::weights::Model) -> PathBuf {
         model.cache_path("predictors", &format!("predictors.v{VERSION}.safetensors"))
     }
 
     /// Where earlier versions wrote them: beside a GGUF, inside a checkpoint directory (still
     /// read when the cache has none).
-    pub fn legacy_path(model: &crate::engine::weights::Model) -> PathBuf {
+    pub fn legacy_path(model: &crate::model::weights::Model) -> PathBuf {
         model.derived_path(&format!("predictors.v{VERSION}.safetensors"))
     }
 
     /// Load and check against the model it is used with (`d_model`, vocabulary, content fingerprint).
-    pub fn load(path: &Path, model: &crate::engine::weights::Model) -> Result<Self> {
+    pub fn load(path: &Path, model: &crate::model::weights::Model) -> Result<Self> {
         if !path.exists() {
             return Err(Error::MissingFile(path.to_path_buf()));
         }
@@ -310,7 +310,7 @@ impl Predictors {
     }
 
     /// Serialize to `path` (as `crate::fsio` writes; never over the model itself).
-    pub fn save(&self, path: &Path, model: &crate::engine::weights::Model) -> Result<()> {
+    pub fn save(&self, path: &Path, model: &crate::model::weights::Model) -> Result<()> {
         crate::fsio::refuse_overwrite("--out", path, &model.path)?;
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir)?;

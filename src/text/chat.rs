@@ -12,12 +12,25 @@
 //! templates commonly change it (trimmed at either end). The pieces are tokenized with control
 //! tokens, the contents without. A template that changes a message's text in another way is a
 //! clear error rather than a prompt whose boundaries cannot be trusted.
-use super::tokenizer::Tokenizer;
+use crate::model::tokenizer::Tokenizer;
 use crate::{Error, Result};
 
 /// A marker no message or template contains (private-use characters around a per-call nonce).
 fn marker(i: usize, nonce: u64) -> String {
     format!("\u{F8FF}dejavu-message-{i}-{nonce:016x}\u{F8FF}")
+}
+
+/// [`encode_chat`] as a method of the tokenizer.
+pub trait EncodeChat {
+    /// Token ids of a conversation through the chat template: the template's control tokens,
+    /// the messages as plain text.
+    fn encode_chat(&self, messages: &[(String, String)]) -> Result<Vec<u32>>;
+}
+
+impl EncodeChat for Tokenizer {
+    fn encode_chat(&self, messages: &[(String, String)]) -> Result<Vec<u32>> {
+        encode_chat(self, messages)
+    }
 }
 
 /// The token ids of `messages` (role, content) rendered by the model's chat template with the

@@ -1,7 +1,7 @@
 //! Autoregressive generation: prefill the prompt as one batch, then decode token by token,
 //! streaming text as it becomes valid UTF-8.
-use crate::engine::device::StepStats;
-use crate::engine::Engine;
+use crate::exec::Decoder;
+use crate::exec::Engine;
 use crate::text::sampling::Sampler;
 use crate::{Error, Result};
 use std::time::Instant;
@@ -50,25 +50,6 @@ impl GenerateStats {
     /// Decode speed over the tokens after the first (the first comes from the prefill's logits).
     pub fn decode_tok_per_s(&self) -> f64 {
         self.generated_tokens.saturating_sub(1) as f64 / self.decode_secs.max(1e-9)
-    }
-}
-
-/// What generation runs on: a sequence's KV cache and the model that extends it
-/// (`engine::device::DeviceSession`, on the CPU or a GPU, or a tensor-parallel world).
-pub trait Decoder {
-    /// Run `tokens` after what the cache holds; the logits of the last.
-    fn decode(&mut self, tokens: &[u32]) -> Result<&mut [f32]>;
-    /// Tokens in the cache.
-    fn len(&self) -> usize;
-    fn n_ctx(&self) -> usize;
-    /// Forget positions from `len` on (a chat reuses the prefix it shares).
-    fn truncate(&mut self, len: usize);
-    fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-    /// What a decode step reads and computes under the plan (`None` where not known).
-    fn last_step(&self) -> Option<StepStats> {
-        None
     }
 }
 

@@ -3,4 +3,3 @@ pub mod chat;
 pub mod generate;
 pub mod sampling;
 pub mod stop;
-pub mod tokenizer;

@@ -2,8 +2,8 @@
 //! by tools/llama_reference.py), the evaluation text (tools/eval_text.py), the real models
 //! (fetched into the cache on first use), and a tiny synthetic model for fast tests.
 #![allow(dead_code)]
-use dejavu::engine::device::{DeviceModel, DevicePlan, DeviceSession};
-use dejavu::engine::{Engine, EngineOptions};
+use dejavu::exec::{DeviceModel, DevicePlan, DeviceSession};
+use dejavu::exec::{Engine, EngineOptions};
 use dejavu::sparsity::policy::Policy;
 use dejavu::sparsity::SparsePlan;
 use dejavu_backend_cpu::device::CpuDevice;

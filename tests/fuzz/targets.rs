@@ -2,7 +2,7 @@
 //! the regression replay that `cargo test` runs (tests/fuzz_replay.rs). Each takes any bytes and
 //! must return without panicking, hanging or allocating without bound: bad input is an `Err`.
 #![allow(dead_code)]
-use dejavu::engine::{Engine, EngineOptions};
+use dejavu::exec::{Engine, EngineOptions};
 use dejavu::serve::api::Request;
 use dejavu::sparsity::policy::Policy;
 use dejavu::sparsity::predictors_file::Predictors;
@@ -155,7 +155,7 @@ pub fn chat_template(data: &[u8]) {
             )
         })
         .collect();
-    let _ = dejavu::text::tokenizer::render_chat_template(tpl, &messages, "<s>", "</s>");
+    let _ = dejavu::model::tokenizer::render_chat_template(tpl, &messages, "<s>", "</s>");
 }
 
 /// A request body for both generation endpoints.

@@ -1,9 +1,9 @@
 //! `--backend cpu|cuda`: the one place a command's backend is chosen. The model code names no
 //! backend; this builds the session (of the one forward pass) a command runs on.
 use anyhow::{bail, Result};
-use dejavu::engine::Engine;
+use dejavu::exec::Decoder;
+use dejavu::exec::Engine;
 use dejavu::sparsity::policy::Policy;
-use dejavu::text::generate::Decoder;
 
 /// Where a command runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -47,7 +47,7 @@ fn on_device<D: dejavu_backend_api::Device, R>(
     policy: &Policy,
     f: impl FnOnce(&mut dyn Decoder) -> Result<R>,
 ) -> Result<R> {
-    use dejavu::engine::device::{DeviceModel, DevicePlan, DeviceSession};
+    use dejavu::exec::{DeviceModel, DevicePlan, DeviceSession};
     let layout = layout_for(engine, policy)?;
     let model = DeviceModel::upload(dev, &engine.model, layout)?;
     let plan = DevicePlan::policy(dev, &engine.model.config, policy)?;
@@ -85,8 +85,8 @@ fn cuda_parallel<R>(
     n: usize,
     f: impl FnOnce(&mut dyn Decoder) -> Result<R>,
 ) -> Result<R> {
-    use dejavu::engine::device::DevicePlan;
-    use dejavu::engine::parallel::{self, Shard, WorldSpec};
+    use dejavu::exec::parallel::{self, Shard, WorldSpec};
+    use dejavu::exec::DevicePlan;
     use dejavu_backend_cuda::CudaDevice;
     let cfg = &engine.model.config;
     let spec = WorldSpec {
@@ -113,14 +113,14 @@ fn cuda_parallel<R>(
 pub fn cuda_world(
     n: usize,
 ) -> Result<
-    impl Fn(dejavu::engine::parallel::Shard) -> dejavu::Result<dejavu_backend_cuda::CudaDevice> + Sync,
+    impl Fn(dejavu::exec::parallel::Shard) -> dejavu::Result<dejavu_backend_cuda::CudaDevice> + Sync,
 > {
     let gpus = dejavu_backend_cuda::device_count()?;
     if gpus < n {
         bail!("--tensor-parallel {n} needs {n} GPUs; this machine has {gpus}");
     }
     let id = dejavu_backend_cuda::nccl_id()?;
-    Ok(move |s: dejavu::engine::parallel::Shard| {
+    Ok(move |s: dejavu::exec::parallel::Shard| {
         Ok(dejavu_backend_cuda::CudaDevice::in_world(
             s.rank, s.rank, n, &id,
         )?)

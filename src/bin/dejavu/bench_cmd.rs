@@ -3,8 +3,8 @@
 use crate::{load_engine, parse_kv_type, policy_for, SyntheticArgs};
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use dejavu::engine::KvType;
-use dejavu::engine::{Engine, EngineOptions};
+use dejavu::exec::KvType;
+use dejavu::exec::{Engine, EngineOptions};
 use dejavu::fetch;
 
 #[derive(Args)]

@@ -28,7 +28,7 @@ pub fn cmd_inspect(path: &std::path::Path) -> Result<String> {
             ckpt.shards.len(),
             ckpt.total_size()
         );
-        match dejavu::engine::arch::from_hf(&ckpt.config) {
+        match dejavu::model::arch::from_hf(&ckpt.config) {
             Ok((c, _)) => {
                 let _ = writeln!(s, "config: {c:?}");
             }
@@ -66,7 +66,7 @@ pub fn cmd_inspect(path: &std::path::Path) -> Result<String> {
         h.tensors.len(),
         h.alignment
     );
-    match dejavu::engine::config::ModelConfig::from_gguf(h) {
+    match dejavu::model::config::ModelConfig::from_gguf(h) {
         Ok(c) => {
             let _ = writeln!(s, "config: {c:?}");
         }

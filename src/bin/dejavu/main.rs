@@ -2,12 +2,13 @@
 //! message and exit non-zero.
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
-use dejavu::engine::synthetic::{self, SyntheticOptions};
-use dejavu::engine::KvType;
-use dejavu::engine::{Engine, EngineOptions};
 use dejavu::eval::perplexity::{perplexity, Feed};
+use dejavu::exec::KvType;
+use dejavu::exec::{Engine, EngineOptions};
 use dejavu::fetch;
+use dejavu::model::synthetic::{self, SyntheticOptions};
 use dejavu::sparsity::SparsePlan;
+use dejavu::text::chat::EncodeChat;
 use dejavu::text::generate::Stop;
 use dejavu::text::sampling::{Sampler, SamplerConfig};
 use dejavu_backend_api::QuantType;

@@ -2,11 +2,11 @@
 //! perplexity check of the result against its source.
 use anyhow::{Context, Result};
 use clap::Args;
-use dejavu::engine::weights::Model;
-use dejavu::engine::{Engine, EngineOptions};
 use dejavu::eval::perplexity::{perplexity, Feed};
+use dejavu::exec::{Engine, EngineOptions};
+use dejavu::model::tokenizer::Tokenizer;
+use dejavu::model::weights::Model;
 use dejavu::sparsity::SparsePlan;
-use dejavu::text::tokenizer::Tokenizer;
 use dejavu_backend_api::QuantType;
 use std::path::{Path, PathBuf};
 

@@ -88,7 +88,7 @@ pub struct ReportArgs {
 }
 
 pub fn cmd_calibrate(a: CalibrateArgs) -> Result<()> {
-    use dejavu::sparsity::calibrate::{self, CalibrateOptions};
+    use dejavu::tune::calibrate::{self, CalibrateOptions};
     if a.ctx < 4 {
         anyhow::bail!("--ctx {} is too small (at least 4)", a.ctx);
     }

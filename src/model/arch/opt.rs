@@ -9,7 +9,7 @@
 //!   `head_dim^-1/2` (the usual attention scale);
 //! - fc1, ReLU, fc2 with biases; the output head tied to the token embedding.
 use super::{layer_name, HfJson};
-use crate::engine::config::{bad, Architecture, MlpKind, ModelConfig, NormKind, Positions};
+use crate::model::config::{bad, Architecture, MlpKind, ModelConfig, NormKind, Positions};
 use crate::Result;
 
 pub fn hf_config(j: &HfJson) -> Result<ModelConfig> {

@@ -5,7 +5,7 @@
 //! second for Qwen2.5-0.5B: 0.45-0.95 s to load and decode one token against 0.33-0.42 s with
 //! `--no-repack`), and the file's pages are released as each tensor is converted (peak RSS 444
 //! against 441 MB).
-use crate::engine::weights::{Model, Source, WeightRef, CONVERTED};
+use crate::model::weights::{Model, Source, WeightRef, CONVERTED};
 use crate::progress;
 use crate::{Error, Result};
 use dejavu_backend_api::{Backend, RowLayout, Weight};

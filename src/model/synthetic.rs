@@ -10,10 +10,10 @@
 //!
 //! Element `(r, c)` of a matrix is a pure function of the seed, the tensor's name and `r * cols +
 //! c` (a counter-based generator), so the sparse layout's transposed matrices are generated as the
-//! exact transposes of the model's, not converted (see [`layout_bytes`]).
-use crate::engine::arch;
-use crate::engine::config::ModelConfig;
-use crate::engine::names::{GlobalTensor, LayerTensor};
+//! exact transposes of the model's, not converted (see `layout_bytes`).
+use crate::model::arch;
+use crate::model::config::ModelConfig;
+use crate::model::names::{GlobalTensor, LayerTensor};
 use crate::sparsity::predictor::LowRankPredictor;
 use crate::{Error, Result};
 use dejavu_backend_api::quantize::quantize_row_absmax;
@@ -203,7 +203,7 @@ fn tensors(c: &ModelConfig, dtype: QuantType) -> Vec<TensorSpec> {
     if !c.tied_output {
         push(GlobalTensor::Output.name(), dtype, [vocab, d], Fill::Random);
     }
-    if let crate::engine::config::Positions::Learned { offset } = c.positions {
+    if let crate::model::config::Positions::Learned { offset } = c.positions {
         let rows = c.context_length + offset;
         push(
             GlobalTensor::PositionEmbd.name(),
@@ -212,7 +212,7 @@ fn tensors(c: &ModelConfig, dtype: QuantType) -> Vec<TensorSpec> {
             Fill::Random,
         );
     }
-    let layer_norm = c.norm == crate::engine::config::NormKind::Layer;
+    let layer_norm = c.norm == crate::model::config::NormKind::Layer;
     if c.final_norm {
         push(GlobalTensor::OutputNorm.name(), f32v, [1, d], Fill::Ones);
         if layer_norm {

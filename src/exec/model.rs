@@ -1,7 +1,7 @@
 //! Every weight of a model on the device.
-use crate::engine::config::ModelConfig;
-use crate::engine::parallel::Shard;
-use crate::engine::weights::{Model, NormWeights, WeightRef};
+use crate::exec::parallel::Shard;
+use crate::model::config::ModelConfig;
+use crate::model::weights::{Model, NormWeights, WeightRef};
 use crate::sparsity::layout::SparseLayout;
 use crate::{Error, Result};
 use dejavu_backend_api::{Device, Weight};
@@ -93,7 +93,7 @@ impl<D: Device> DeviceModel<D> {
         Self::upload_shard(dev, model, layout, Shard::WHOLE)
     }
 
-    /// Upload rank `shard.rank`'s share of `model` (see [`crate::engine::parallel`]): its heads'
+    /// Upload rank `shard.rank`'s share of `model` (see [`crate::exec::parallel`]): its heads'
     /// rows of W_q, W_k and W_v and columns of W_o, its neurons' rows of fc1 and columns of fc2,
     /// its vocabulary rows of the embedding and the head; W_o's and fc2's biases on rank 0.
     pub fn upload_shard(

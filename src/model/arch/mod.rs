@@ -9,7 +9,7 @@
 pub mod llama;
 pub mod opt;
 
-use crate::engine::config::{bad, ModelConfig};
+use crate::model::config::{bad, ModelConfig};
 use crate::{Error, Result};
 
 /// A family's mapping from checkpoint tensor names to canonical names (`None`: not a weight the

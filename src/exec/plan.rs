@@ -1,6 +1,6 @@
 //! A plan on the device: fixed index lists, or predictors and their top-k.
-use crate::engine::config::ModelConfig;
-use crate::engine::parallel::Shard;
+use crate::exec::parallel::Shard;
+use crate::model::config::ModelConfig;
 use crate::sparsity::policy::Policy;
 use crate::sparsity::predictor::LowRankPredictor;
 use crate::sparsity::{HeadRule, KvRule, MlpRule, SparsePlan};
@@ -165,7 +165,7 @@ impl<D: Device> DevicePlan<D> {
     }
 
     /// A fixed plan over rank `shard`'s units: each set's members among them, renumbered from
-    /// the rank's first (see [`crate::engine::parallel`]).
+    /// the rank's first (see [`crate::exec::parallel`]).
     pub fn fixed_shard(
         dev: &D,
         cfg: &ModelConfig,
@@ -218,7 +218,7 @@ impl<D: Device> DevicePlan<D> {
     /// A policy's rules on the device: dense layers, the Deja Vu predictors (`dejavu`,
     /// `dejavu-attn`; with `lookahead` they run on a second lane, overlapped with the layer's
     /// attention), the rules that select from the layer's own activations (`gate-first`,
-    /// `up-first`, `oracle`, `relu-exact`, `attn-norm`: [`Computed`]), `lazy-kv` and the
+    /// `up-first`, `oracle`, `relu-exact`, `attn-norm`: `Computed`), `lazy-kv` and the
     /// contextual output head (`head:`).
     pub fn policy(dev: &D, cfg: &ModelConfig, p: &Policy) -> Result<Self> {
         Self::policy_shard(dev, cfg, Shard::WHOLE, p)

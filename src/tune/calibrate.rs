@@ -13,13 +13,14 @@
 //!    steps interleaved (so both see the same machine conditions); the recommended setting is
 //!    the fastest (measured decode speedup) whose perplexity stays within `max_ppl_increase` of
 //!    dense, either way (a lower perplexity from a perturbation is not quality).
-use crate::engine::device::Logits;
-use crate::engine::Engine;
 use crate::eval::perplexity::{compare_specs, Comparison};
+use crate::exec::Engine;
+use crate::exec::Logits;
 use crate::sparsity::policy::Policy;
 use crate::sparsity::predictor::{HeadPredictor, Labels, MlpPredictor, TrainOptions};
 use crate::sparsity::predictors_file::{OutputPreview, Predictors};
 use crate::sparsity::SparsePlan;
+use crate::text::chat::EncodeChat;
 use crate::{Error, Result};
 use nalgebra::{DMatrix, SymmetricEigen};
 use std::collections::HashMap;

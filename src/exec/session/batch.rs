@@ -2,17 +2,15 @@
 //! product over every row at once ([`Device::matmul`]), so the weights are read once per batch
 //! rather than once per token.
 //!
-//! A batch runs every neuron and head, as the host executor's batches do: a policy selects per
-//! token, at decode steps. A fixed sparse plan runs its prompt token by token (the host
-//! executor's batches under a fixed plan compute the same thing). Layers under lazy K/V keep the
-//! batch's inputs and fill every head's keys and values from them, those a head missed before
-//! the batch included.
+//! A batch runs every neuron and head: a policy selects per token, at decode steps. A fixed
+//! sparse plan runs its prompt token by token. Layers under lazy K/V keep the batch's inputs and
+//! fill every head's keys and values from them, those a head missed before the batch included.
 use super::rows::{Kept, Want};
 use super::step::{block_input, lazy_kv, lookup, post_norm};
 use super::DeviceSession;
-use crate::engine::config::Positions;
-use crate::engine::device::model::DeviceModel;
-use crate::engine::device::plan::Sel;
+use crate::exec::model::DeviceModel;
+use crate::exec::plan::Sel;
+use crate::model::config::Positions;
 use crate::Result;
 use dejavu_backend_api::{AttnGeom, Device, Product, Rows, StepRow, MAX_ROWS};
 

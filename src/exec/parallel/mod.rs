@@ -17,7 +17,7 @@
 //! A rank's layers are the whole model's shapes with `n_heads`, `n_kv_heads` and `n_ff` divided
 //! by the world ([`Shard::local_config`]), so the session's step is the same verbs: world size 1
 //! is the single-device path itself.
-use crate::engine::config::ModelConfig;
+use crate::model::config::ModelConfig;
 use crate::{Error, Result};
 use std::ops::Range;
 

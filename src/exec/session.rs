@@ -1,7 +1,7 @@
 //! One sequence on the device: its KV cache, activations and recorded step.
 use super::model::DeviceModel;
 use super::plan::{Computed, DevicePlan, Sel};
-use crate::engine::config::Positions;
+use crate::model::config::Positions;
 use crate::{Error, Result};
 use dejavu_backend_api::Device;
 
@@ -42,7 +42,7 @@ struct Scratch<D: Device> {
     part_logits: D::Buf,
 }
 
-impl<D: Device> crate::text::generate::Decoder for DeviceSession<'_, D> {
+impl<D: Device> crate::exec::Decoder for DeviceSession<'_, D> {
     fn decode(&mut self, tokens: &[u32]) -> Result<&mut [f32]> {
         self.forward(tokens)
     }
@@ -173,6 +173,8 @@ pub struct DeviceSession<'a, D: Device> {
     rows_out: Vec<f32>,
     /// Calibration: each layer's block inputs and head output norms, when asked for.
     capture: Option<Capture>,
+    /// Count the nonzero activations of rules that skip zeros ([`Self::measure`]).
+    measure: bool,
     /// Weight bytes one step reads under the plan.
     step_bytes: StepBytes,
 }
@@ -261,6 +263,7 @@ impl<'a, D: Device> DeviceSession<'a, D> {
             logits: vec![0.0; c.vocab_size],
             rows_out: Vec::new(),
             capture: None,
+            measure: true,
             step_bytes,
         })
     }
@@ -315,6 +318,14 @@ impl<'a, D: Device> DeviceSession<'a, D> {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+    /// Whether steps count the nonzero activations of a rule that skips zeros (`relu-exact`,
+    /// `oracle` of a ReLU model) for [`Self::last_step`] (on by default). Off, a step saves
+    /// one reduction per layer and its statistics count every neuron (an upper bound).
+    pub fn measure(&mut self, on: bool) {
+        self.measure = on;
+        self.graph = None;
+    }
+
     /// Forget positions from `len` on.
     pub fn truncate(&mut self, len: usize) {
         self.truncated |= len < self.len;
@@ -340,7 +351,7 @@ impl<'a, D: Device> DeviceSession<'a, D> {
         self.step_bytes.total()
     }
     /// The model's config (the whole model's, under tensor parallelism too).
-    pub fn config(&self) -> &crate::engine::config::ModelConfig {
+    pub fn config(&self) -> &crate::model::config::ModelConfig {
         &self.model.config
     }
     pub fn plan_name(&self) -> &str {
@@ -362,7 +373,7 @@ impl<'a, D: Device> DeviceSession<'a, D> {
     }
 
     /// Run `tokens` at the next positions; returns the logits of the last. A prompt (more than
-    /// one token) runs in batches where the plan allows ([`Self::batchable`]), else one
+    /// one token) runs in batches where the plan allows (`batchable`), else one
     /// position at a time, as decode steps do.
     pub fn forward(&mut self, tokens: &[u32]) -> Result<&mut [f32]> {
         self.run(tokens, Logits::Last)
@@ -500,7 +511,7 @@ fn step_bytes<D: Device>(m: &DeviceModel<D>, plan: Option<&DevicePlan<D>>) -> St
     }
 }
 
-/// Weight bytes of one step, by block (see [`step_bytes`]).
+/// Weight bytes of one step, by block (see `step_bytes`).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct StepBytes {
     pub attention: usize,

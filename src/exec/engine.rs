@@ -1,26 +1,13 @@
 //! The engine: an [`Engine`] holds a loaded model, its tokenizer and the CPU device (kernels and
-//! thread pool) it runs on. The submodules are the model itself: its typed [`config`], its
-//! [`weights`] (and the GGUF [`names`]), and the one forward pass ([`device`]) that every backend
-//! runs.
-pub mod arch;
-pub mod config;
-pub mod content_key;
-pub mod device;
-pub mod finite;
-pub mod names;
-pub mod parallel;
-pub mod repack;
-pub mod synthetic;
-pub mod weights;
-
-use crate::engine::device::{DeviceModel, DevicePlan, DeviceSession};
-use crate::engine::synthetic::SyntheticOptions;
-use crate::engine::weights::Model;
+//! thread pool) it runs on, and makes sessions of the forward pass on it.
+use crate::exec::{DeviceModel, DevicePlan, DeviceSession};
+use crate::model::synthetic::SyntheticOptions;
+use crate::model::tokenizer::Tokenizer;
+use crate::model::weights::Model;
 use crate::sparsity::layout::SparseLayout;
 use crate::sparsity::policy::Policy;
 use crate::sparsity::predictors_file::Predictors;
 use crate::sparsity::SparsePlan;
-use crate::text::tokenizer::Tokenizer;
 use crate::{Error, Result};
 use dejavu_backend_api::Backend;
 use dejavu_backend_cpu::device::CpuDevice;
@@ -43,7 +30,7 @@ pub struct EngineOptions {
     pub kv_type: KvType,
     /// How a `synthetic:NAME` model is built (ignored for real models).
     pub synthetic: SyntheticOptions,
-    /// Keep the file's row layout: skip the load-time repacking (`engine::repack`).
+    /// Keep the file's row layout: skip the load-time repacking (`model::repack`).
     pub keep_file_layout: bool,
 }
 
@@ -115,15 +102,15 @@ impl Engine {
     /// A GGUF file, a Hugging Face checkpoint directory, or `synthetic:NAME`.
     pub fn load(path: impl AsRef<Path>, opts: &EngineOptions) -> Result<Self> {
         let path = path.as_ref();
-        let mut model = match path.to_str().and_then(synthetic::parse) {
+        let mut model = match path.to_str().and_then(crate::model::synthetic::parse) {
             Some(shape) => Model::synthetic(shape?, opts.synthetic)?,
             None => Model::load(path)?,
         };
         let tokenizer = Tokenizer::from_model(&model)?;
         // The tokenizer has its own vocabulary now: free the header's copy (and the builder's
         // transient allocations) so they do not stay resident during generation.
-        if let weights::Source::Gguf(f) = &mut model.source {
-            f.header.drop_metadata(crate::engine::names::VOCAB_KEYS);
+        if let crate::model::weights::Source::Gguf(f) = &mut model.source {
+            f.header.drop_metadata(crate::model::names::VOCAB_KEYS);
         }
         release_free_heap();
         // A GGUF's vocabulary is the embedding's rows; a checkpoint's embedding may be padded
@@ -189,7 +176,7 @@ impl Engine {
 
     /// Load predictors: `path` if given, else the calibration output next to the model if there
     /// is one (`Ok(None)` when there is none).
-    /// A synthetic model's are generated (see [`synthetic`]).
+    /// A synthetic model's are generated (see `model::synthetic`).
     pub fn predictors(&self, path: Option<&Path>) -> Result<Option<Predictors>> {
         if let Some(p) = path {
             return Predictors::load(p, &self.model).map(Some);

@@ -71,7 +71,7 @@ pub(super) enum Kept {
 
 impl<D: Device> DeviceSession<'_, D> {
     /// Run `tokens` at the next positions and return what `want` names, valid until the next
-    /// run. A prompt runs in batches where the plan allows ([`Self::batchable`]; always under
+    /// run. A prompt runs in batches where the plan allows (`batchable`; always under
     /// capture, which needs it), else one position at a time, as decode steps do.
     pub fn run(&mut self, tokens: &[u32], want: Logits) -> Result<&mut [f32]> {
         self.check(tokens)?;
@@ -265,6 +265,10 @@ impl<D: Device> DeviceSession<'_, D> {
                 mlp_kept += sel.count(c.n_ff);
                 continue;
             };
+            if !self.measure {
+                mlp_kept += c.n_ff;
+                continue;
+            }
             if counts.is_empty() {
                 counts = vec![0.0; c.n_layers];
                 self.dev.download(&self.s.nonzero, &mut counts)?;

@@ -2,15 +2,15 @@
 //! [`ModelConfig`], and every weight as a validated view.
 //!
 //! Both sources become one table of tensors under the canonical (GGUF) names (see
-//! `engine::names`, `engine::arch`), so one loader checks them: present, expected shape, a
+//! `model::names`, `model::arch`), so one loader checks them: present, expected shape, a
 //! supported type. Matrices are never copied: [`WeightRef`] records a tensor's file, checked type,
 //! shape and byte range, and [`Model::weight`] turns it into a borrowed [`Weight`] on demand (f16
 //! and bf16 stay 16-bit). Norm gains and biases, a few vectors of `d_model`, are converted to f32
 //! once at load.
-use crate::engine::arch;
-use crate::engine::config::{ModelConfig, NormKind, Positions};
-use crate::engine::names::{GlobalTensor, LayerTensor};
-use crate::engine::synthetic::{self, Shape, Synthetic, SyntheticOptions};
+use crate::model::arch;
+use crate::model::config::{ModelConfig, NormKind, Positions};
+use crate::model::names::{GlobalTensor, LayerTensor};
+use crate::model::synthetic::{self, Shape, Synthetic, SyntheticOptions};
 use crate::{Error, Result};
 use dejavu_backend_api::{QuantType, RowLayout, SharedBytes, Weight};
 use dejavu_formats::gguf::GgufHeader;
@@ -138,7 +138,7 @@ impl LayerWeights {
 pub enum Source {
     Gguf(GgufFile),
     Hf(HfCheckpoint),
-    /// Random weights built in memory, one buffer per tensor (see `engine::synthetic`).
+    /// Random weights built in memory, one buffer per tensor (see `model::synthetic`).
     Synthetic(Synthetic),
 }
 
@@ -227,7 +227,7 @@ impl Model {
         Self::build(path, Source::Gguf(file), config, &table)
     }
 
-    /// A synthetic model (`synthetic:NAME`, see `engine::synthetic`), built in memory.
+    /// A synthetic model (`synthetic:NAME`, see `model::synthetic`), built in memory.
     pub fn synthetic(shape: &'static Shape, options: SyntheticOptions) -> Result<Self> {
         let (config, specs, synth) = synthetic::build(shape, options)?;
         let table = specs
@@ -446,12 +446,12 @@ impl Model {
 
     /// The content hash of the weights (every byte of every file, and a checkpoint's
     /// `config.json`; a synthetic model's label and seed): what files derived from the model are
-    /// keyed on (see `engine::content_key`). Computed on first use.
+    /// keyed on (see `model::content_key`). Computed on first use.
     pub fn fingerprint(&self) -> &str {
         self.key.hash(&self.key_bytes())
     }
 
-    /// The files' stamp at load (see `engine::content_key`), recorded beside the fingerprint.
+    /// The files' stamp at load (see `model::content_key`), recorded beside the fingerprint.
     pub fn stamp(&self) -> &str {
         self.key.stamp()
     }
@@ -472,7 +472,7 @@ impl Model {
     /// Where a file derived from the model is cached: in dejavu's cache directory
     /// (`$DEJAVU_HOME/<kind>/`), named by the model's file and a hash of its canonical path, never
     /// in the model's own directory (which may be read-only or shared). Content is checked on
-    /// load, not trusted by name (`engine::content_key`). A synthetic model's go to the temporary
+    /// load, not trusted by name (`model::content_key`). A synthetic model's go to the temporary
     /// directory (nothing is cached for one: its layout and predictors are generated).
     pub fn cache_path(&self, kind: &str, suffix: &str) -> PathBuf {
         if let Source::Synthetic(_) = &self.source {

@@ -1,10 +1,10 @@
 //! The typed, validated model configuration, parsed once: from GGUF metadata here, from a Hugging
-//! Face `config.json` in the architecture family's file ([`crate::engine::arch`]).
+//! Face `config.json` in the architecture family's file ([`crate::model::arch`]).
 //!
 //! Architecture quirks are fields (positions, norm kind and placement, MLP activation, biases,
 //! tied output, embedding projection), so the executor reads the config, never the
 //! architecture's name.
-use crate::engine::names::{ArchKey, GlobalTensor, LayerTensor, ARCHITECTURE, TOK_TOKENS};
+use crate::model::names::{ArchKey, GlobalTensor, LayerTensor, ARCHITECTURE, TOK_TOKENS};
 use crate::{Error, Result};
 use dejavu_backend_api::{Activation, RopeStyle};
 use dejavu_formats::gguf::GgufHeader;

@@ -4,11 +4,11 @@
 //! in the same order). The logits are the world's (each rank holds them after the all-gather);
 //! rank 0's are returned.
 use super::Shard;
-use crate::engine::config::ModelConfig;
-use crate::engine::device::{BlockTimes, DeviceModel, DevicePlan, DeviceSession, Selections};
-use crate::engine::weights::Model;
+use crate::exec::Decoder;
+use crate::exec::{BlockTimes, DeviceModel, DevicePlan, DeviceSession, Selections};
+use crate::model::config::ModelConfig;
+use crate::model::weights::Model;
 use crate::sparsity::layout::SparseLayout;
-use crate::text::generate::Decoder;
 use crate::{Error, Result};
 use dejavu_backend_api::Device;
 use std::sync::mpsc::{channel, Receiver, Sender};

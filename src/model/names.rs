@@ -1,6 +1,6 @@
 //! Every GGUF metadata key and tensor name the engine reads, in one place. These are also the
 //! engine's canonical tensor names: a Hugging Face checkpoint's tensors are renamed to them on
-//! load (see `engine::arch`), and `dejavu quantize` writes them.
+//! load (see `model::arch`), and `dejavu quantize` writes them.
 //!
 //! llama.cpp has names for everything of llama and qwen2. For what it has none (OPT, the MLP
 //! activation of ReLU llamas) the keys below follow its pattern; the README lists them.

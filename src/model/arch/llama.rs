@@ -6,7 +6,7 @@
 //! `i + head_dim/2`); GGUF llama files permute them for interleaved RoPE. So a checkpoint runs
 //! with [`RopeStyle::Neox`], and `dejavu quantize` permutes them back when it writes a llama GGUF.
 use super::{layer_name, HfJson};
-use crate::engine::config::{bad, Architecture, MlpKind, ModelConfig, NormKind, Positions};
+use crate::model::config::{bad, Architecture, MlpKind, ModelConfig, NormKind, Positions};
 use crate::Result;
 use dejavu_backend_api::RopeStyle;
 

@@ -9,8 +9,8 @@
 //! GGUF stores a byte-level BPE (`tokenizer.ggml.model = gpt2`) as the token strings (already in
 //! GPT-2's byte-to-unicode alphabet), their types, and the merges; `tokenizer.ggml.pre` names the
 //! pre-tokenizer, which we map to the same pipeline the model's original `tokenizer.json` used.
-use crate::engine::names::*;
-use crate::engine::weights::{Model, Source};
+use crate::model::names::*;
+use crate::model::weights::{Model, Source};
 use crate::{Error, Result};
 use dejavu_formats::gguf::GgufHeader;
 use dejavu_formats::hf::HfCheckpoint;
@@ -323,12 +323,6 @@ impl Tokenizer {
             .encode(text, false)
             .map_err(|e| Error::Tokenizer(e.to_string()))?;
         Ok(enc.get_ids().to_vec())
-    }
-
-    /// Token ids of a conversation through the chat template: the template's control tokens,
-    /// the messages as plain text (see `text::chat`).
-    pub fn encode_chat(&self, messages: &[(String, String)]) -> Result<Vec<u32>> {
-        super::chat::encode_chat(self, messages)
     }
 
     /// Token ids of a prompt as the model expects it: with the special tokens its post-processor

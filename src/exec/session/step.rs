@@ -1,9 +1,9 @@
 //! The verbs of one decode step: embedding, each layer's predictors, attention and MLP under
 //! the plan, and the output head (dense or contextual).
 use super::{collective, lap, BlockTimes, Clock, DeviceSession, Scratch};
-use crate::engine::config::{ModelConfig, NormKind, Positions};
-use crate::engine::device::model::{DeviceModel, Layer, Norm};
-use crate::engine::device::plan::{Computed, Predictor, Sel};
+use crate::exec::model::{DeviceModel, Layer, Norm};
+use crate::exec::plan::{Computed, Predictor, Sel};
+use crate::model::config::{ModelConfig, NormKind, Positions};
 use crate::Result;
 use dejavu_backend_api::{AttnGeom, Device, LazyKv, Product, Rows, StepRow, TopK};
 
@@ -278,7 +278,7 @@ impl<D: Device> DeviceSession<'_, D> {
             (_, sel, _) => {
                 let a = first_projections(dev, c, lw, sel.rows(1), n, s)?;
                 let a = if a { &s.gate } else { &s.up };
-                if let Computed::Nonzero { .. } = rule {
+                if matches!(rule, Computed::Nonzero { .. }) && self.measure {
                     dev.count_nonzero(a, n, &mut s.nonzero, l)?;
                 }
                 a

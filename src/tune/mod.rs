@@ -1,0 +1,3 @@
+//! Tuning sparsity to a model: `dejavu calibrate` ([`calibrate`]) trains the predictors from the
+//! model's own activations (captured by the forward pass) and searches the policies.
+pub mod calibrate;
