@@ -3,7 +3,7 @@ use super::model::DeviceModel;
 use super::plan::{Computed, DevicePlan, Sel};
 use crate::model::config::Positions;
 use crate::{Error, Result};
-use dejavu_backend_api::Device;
+use dejavu_backend_api::{Device, MAX_ROWS};
 
 mod batch;
 mod rows;
@@ -11,8 +11,10 @@ mod step;
 
 pub use rows::{Capture, Logits, StepStats};
 
-/// The activations of one step.
+/// The activations of one step: `x` to `up` and `part` hold `rows` rows (one for decode
+/// steps; a prompt's batch grows them once to [`MAX_ROWS`], see [`Scratch::grow`]).
 struct Scratch<D: Device> {
+    rows: usize,
     x: D::Buf,
     h: D::Buf,
     e: D::Buf,
@@ -40,6 +42,45 @@ struct Scratch<D: Device> {
     part: D::Buf,
     zero: D::Buf,
     part_logits: D::Buf,
+}
+
+/// The buffers of [`Scratch`] that hold a step's rows, for `rows` rows.
+type RowBufs<D> = [<D as Device>::Buf; 10];
+
+impl<D: Device> Scratch<D> {
+    /// `x, h, e, q, k, v, att, gate, up, part` of `rows` rows of model `m`.
+    fn row_bufs(dev: &D, m: &DeviceModel<D>, rows: usize) -> Result<RowBufs<D>> {
+        let c = &m.local;
+        let (wide, qd) = (c.d_model.max(c.d_embed), c.n_heads * c.head_dim);
+        let z = |w: usize| dev.zeros(rows * w);
+        let part = if m.shard.is_whole() { 1 } else { rows * wide };
+        Ok([
+            z(wide)?,
+            z(wide)?,
+            z(wide)?,
+            z(qd)?,
+            z(c.kv_dim())?,
+            z(c.kv_dim())?,
+            z(qd)?,
+            z(c.n_ff)?,
+            z(c.n_ff)?,
+            dev.zeros(part)?,
+        ])
+    }
+
+    /// Room for `rows` rows: the row buffers made anew for [`MAX_ROWS`] rows (at most
+    /// `n_ctx`) when they hold fewer. Returns whether they moved (a recorded step then names
+    /// the old ones).
+    fn grow(&mut self, dev: &D, m: &DeviceModel<D>, rows: usize, n_ctx: usize) -> Result<bool> {
+        if rows <= self.rows {
+            return Ok(false);
+        }
+        let cap = MAX_ROWS.min(n_ctx).max(rows);
+        let [x, h, e, q, k, v, att, gate, up, part] = Self::row_bufs(dev, m, cap)?;
+        (self.x, self.h, self.e, self.q, self.k, self.v) = (x, h, e, q, k, v);
+        (self.att, self.gate, self.up, self.part, self.rows) = (att, gate, up, part, cap);
+        Ok(true)
+    }
 }
 
 impl<D: Device> crate::exec::Decoder for DeviceSession<'_, D> {
@@ -166,8 +207,6 @@ pub struct DeviceSession<'a, D: Device> {
     /// A truncation whose lazy K/V validity the next batch clamps first.
     truncated: bool,
     graph: Option<D::Graph>,
-    /// A prompt's activations, made at the first batch.
-    batch: Option<batch::BatchScratch<D>>,
     logits: Vec<f32>,
     /// Rows a caller asked [`DeviceSession::run`] for (logits or head inputs).
     rows_out: Vec<f32>,
@@ -212,16 +251,18 @@ impl<'a, D: Device> DeviceSession<'a, D> {
         let wide = c.d_model.max(c.d_embed);
         let tp = !model.shard.is_whole();
         let per_rank = model.shard.vocab_per_rank(c.vocab_size);
+        let [x, h, e, q, k_row, v_row, att, gate, up, part] = Scratch::row_bufs(dev, model, 1)?;
         let s = Scratch {
-            x: dev.zeros(wide)?,
-            h: dev.zeros(wide)?,
-            e: dev.zeros(wide)?,
-            q: dev.zeros(c.n_heads * c.head_dim)?,
-            k: dev.zeros(c.kv_dim())?,
-            v: dev.zeros(c.kv_dim())?,
-            att: dev.zeros(c.n_heads * c.head_dim)?,
-            gate: dev.zeros(c.n_ff)?,
-            up: dev.zeros(c.n_ff)?,
+            rows: 1,
+            x,
+            h,
+            e,
+            q,
+            k: k_row,
+            v: v_row,
+            att,
+            gate,
+            up,
             z: [dev.zeros(rank)?, dev.zeros(rank)?, dev.zeros(rank)?],
             scores: [
                 dev.zeros(c.n_ff.max(c.n_heads))?,
@@ -233,7 +274,7 @@ impl<'a, D: Device> DeviceSession<'a, D> {
             exact: dev.zeros(plan.output.as_ref().map_or(1, |o| o.candidates))?,
             nonzero: dev.zeros(c.n_layers.max(1))?,
             logits: dev.zeros(per_rank * model.shard.world)?,
-            part: dev.zeros(if tp { wide } else { 1 })?,
+            part,
             zero: dev.zeros(if tp { wide } else { 1 })?,
             part_logits: dev.zeros(if tp { per_rank } else { 1 })?,
         };
@@ -259,7 +300,6 @@ impl<'a, D: Device> DeviceSession<'a, D> {
             lazy,
             truncated: false,
             graph: None,
-            batch: None,
             logits: vec![0.0; c.vocab_size],
             rows_out: Vec::new(),
             capture: None,

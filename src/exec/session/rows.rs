@@ -1,11 +1,11 @@
 //! What a caller gets back from a run of tokens: the last row's logits (generation), the logits
 //! of a range of rows (perplexity scores a window), or the output head's inputs of a range
 //! (calibration); and, for calibration, each layer's block inputs and head output norms.
-use super::batch::BatchScratch;
 use super::step::norm;
 use super::{Computed, DeviceSession};
+use crate::exec::model::DeviceModel;
 use crate::{Error, Result};
-use dejavu_backend_api::{Device, Product, Rows};
+use dejavu_backend_api::{Device, Product, Rows, MAX_ROWS};
 use std::ops::Range;
 
 /// Which rows of a run [`DeviceSession::run`] returns.
@@ -122,12 +122,8 @@ impl<D: Device> DeviceSession<'_, D> {
     /// `tokens` in batches of the batch scratch's rows: the rows `want` names of the run
     /// (`None`: the last one's logits, left on the device).
     fn prefill(&mut self, tokens: &[u32], want: Option<(Range<usize>, bool)>) -> Result<()> {
-        let mut b = match self.batch.take() {
-            Some(b) => b,
-            None => BatchScratch::new(self.dev, self.model, self.n_ctx)?,
-        };
-        let (size, n) = (b.rows, tokens.len());
-        let run = tokens.chunks(size).enumerate().try_for_each(|(i, chunk)| {
+        let (size, n) = (MAX_ROWS.min(self.n_ctx).max(1), tokens.len());
+        tokens.chunks(size).enumerate().try_for_each(|(i, chunk)| {
             let at = i * size..i * size + chunk.len();
             let want = match &want {
                 None if at.end == n => Want::Last,
@@ -140,12 +136,10 @@ impl<D: Device> DeviceSession<'_, D> {
                     },
                 },
             };
-            self.run_batch(&mut b, chunk, want)?;
+            self.run_batch(chunk, want)?;
             self.len += chunk.len();
             Ok(())
-        });
-        self.batch = Some(b);
-        run
+        })
     }
 
     /// After a step: its logits, or its output head's input, appended to `rows_out`.
@@ -164,13 +158,8 @@ impl<D: Device> DeviceSession<'_, D> {
 
     /// The output head of batch rows `rows` (their final norm and projection, then the
     /// vocabulary's logits unless `hidden`), appended to `rows_out`.
-    pub(super) fn batch_rows(
-        &mut self,
-        b: &mut BatchScratch<D>,
-        rows: Range<usize>,
-        hidden: bool,
-    ) -> Result<()> {
-        let (dev, m) = (self.dev, self.model);
+    pub(super) fn batch_rows(&mut self, rows: Range<usize>, hidden: bool) -> Result<()> {
+        let (dev, m, b) = (self.dev, self.model, &mut self.s);
         let (c, k) = (&m.local, rows.len());
         // The residual is done with: its rows move to the front of `h`, normed into `x`.
         dev.take_rows(&b.x, rows.start, k, c.d_model, &mut b.h)?;
@@ -198,31 +187,6 @@ impl<D: Device> DeviceSession<'_, D> {
         )?;
         self.rows_out.resize(at + k * c.vocab_size, 0.0);
         Ok(dev.download(&logits, &mut self.rows_out[at..])?)
-    }
-
-    /// Under capture: the batch's `rows` rows of `x` (a block input, or the attention output of
-    /// every head, kept as each head's norm) appended to layer `l`'s record.
-    pub(super) fn keep(&mut self, what: Kept, l: usize, x: &D::Buf, rows: usize) -> Result<()> {
-        let Some(cap) = self.capture.as_mut() else {
-            return Ok(());
-        };
-        let c = &self.model.local;
-        let (list, width) = match what {
-            Kept::AttnIn => (&mut cap.attn_in, c.d_model),
-            Kept::MlpIn => (&mut cap.mlp_in, c.d_model),
-            Kept::HeadNorms => (&mut cap.head_norm, c.n_heads * c.head_dim),
-        };
-        list.resize(c.n_layers, Vec::new());
-        let mut v = vec![0.0; rows * width];
-        self.dev.download(x, &mut v)?;
-        match what {
-            Kept::HeadNorms => list[l].extend(
-                v.chunks_exact(c.head_dim)
-                    .map(|h| h.iter().map(|a| a * a).sum::<f32>().sqrt()),
-            ),
-            _ => list[l].extend_from_slice(&v),
-        }
-        Ok(())
     }
 
     /// Record each layer's block inputs and head output norms from now on ([`Capture`]), or
@@ -295,4 +259,37 @@ impl<D: Device> DeviceSession<'_, D> {
             bytes,
         })
     }
+}
+
+/// Under capture: the pass's `rows` rows of `x` (a block input, or the attention output of every
+/// head, kept as each head's norm) appended to layer `l`'s record.
+pub(super) fn keep<D: Device>(
+    dev: &D,
+    m: &DeviceModel<D>,
+    capture: &mut Option<Capture>,
+    what: Kept,
+    l: usize,
+    x: &D::Buf,
+    rows: usize,
+) -> Result<()> {
+    let Some(cap) = capture.as_mut() else {
+        return Ok(());
+    };
+    let c = &m.local;
+    let (list, width) = match what {
+        Kept::AttnIn => (&mut cap.attn_in, c.d_model),
+        Kept::MlpIn => (&mut cap.mlp_in, c.d_model),
+        Kept::HeadNorms => (&mut cap.head_norm, c.n_heads * c.head_dim),
+    };
+    list.resize(c.n_layers, Vec::new());
+    let mut v = vec![0.0; rows * width];
+    dev.download(x, &mut v)?;
+    match what {
+        Kept::HeadNorms => list[l].extend(
+            v.chunks_exact(c.head_dim)
+                .map(|h| h.iter().map(|a| a * a).sum::<f32>().sqrt()),
+        ),
+        _ => list[l].extend_from_slice(&v),
+    }
+    Ok(())
 }

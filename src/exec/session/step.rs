@@ -1,5 +1,9 @@
-//! The verbs of one decode step: embedding, each layer's predictors, attention and MLP under
-//! the plan, and the output head (dense or contextual).
+//! The one layer loop: embedding, each layer's predictors, attention and MLP, for a step of
+//! `rows` rows: a decode step (one row, under the plan: its predictors, selections and rules)
+//! or a prompt's batch (every unit of every layer, each product over all rows at once through
+//! [`Device::matmul`], so the weights are read once per batch); then the output head (dense or
+//! contextual) of one row.
+use super::rows::{keep, Kept};
 use super::{collective, lap, BlockTimes, Clock, DeviceSession, Scratch};
 use crate::exec::model::{DeviceModel, Layer, Norm};
 use crate::exec::plan::{Computed, Predictor, Sel};
@@ -7,27 +11,61 @@ use crate::model::config::{ModelConfig, NormKind, Positions};
 use crate::Result;
 use dejavu_backend_api::{AttnGeom, Device, LazyKv, Product, Rows, StepRow, TopK};
 
+/// What a pass through the layers is.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Pass {
+    /// A decode step of one row, under the plan.
+    Step,
+    /// A prompt's batch of `rows` rows (the scratch holds them), every unit.
+    Batch { rows: usize },
+}
+
+impl Pass {
+    fn rows(self) -> usize {
+        match self {
+            Pass::Step => 1,
+            Pass::Batch { rows } => rows,
+        }
+    }
+}
+
+/// Products of a pass's rows: a decode step's one row through [`Device::matvecs`] (selections
+/// allowed), a batch's rows through [`Device::matmul`] (every row of each matrix).
+fn products<D: Device>(dev: &D, x: &D::Buf, pass: Pass, jobs: &mut [Product<'_, D>]) -> Result<()> {
+    match pass {
+        Pass::Step => dev.matvecs(x, jobs)?,
+        Pass::Batch { rows } => dev.matmul(x, rows, jobs)?,
+    }
+    Ok(())
+}
+
 impl<D: Device> DeviceSession<'_, D> {
-    /// The verbs of one step; with a clock, each block timed.
+    /// The verbs of one decode step and its output head; with a clock, each block timed.
     pub(super) fn run_step(&mut self, clock: &mut Option<Clock>) -> Result<()> {
+        self.layers(Pass::Step, clock)?;
+        self.output(clock)?;
+        lap(clock, self.dev, |t| &mut t.output)
+    }
+
+    /// The embedding and every layer of `pass`, into `s.x` (the residual of its rows).
+    pub(super) fn layers(&mut self, pass: Pass, clock: &mut Option<Clock>) -> Result<()> {
         let (dev, m) = (self.dev, self.model);
-        let c = &m.local;
+        let (c, rows) = (&m.local, pass.rows());
         let s = &mut self.s;
-        lookup(dev, m, &mut s.x, &mut s.e, 1, clock)?;
+        lookup(dev, m, &mut s.x, &mut s.e, rows, clock)?;
         if let Some(p) = &m.proj_in {
-            dev.matvec(p, Rows::All, &s.e, None, &mut s.x, false)?;
+            products(dev, &s.e, pass, &mut [Product::new(p, Rows::All, &mut s.x)])?;
         }
         if let (Positions::Learned { offset }, Some(pe)) = (c.positions, &m.pos_embd) {
-            dev.embed(pe, StepRow::Position { offset }, true, &mut s.x, 1)?;
+            dev.embed(pe, StepRow::Position { offset }, true, &mut s.x, rows)?;
         }
         lap(clock, dev, |t| &mut t.embed)?;
         for l in 0..c.n_layers {
-            self.attention(l, clock)?;
-            self.mlp(l, clock)?;
+            self.attention(l, pass, clock)?;
+            self.mlp(l, pass, clock)?;
             lap(clock, dev, |t| &mut t.mlp)?;
         }
-        self.output(clock)?;
-        lap(clock, dev, |t| &mut t.output)
+        Ok(())
     }
 
     /// The output head of `s.x` (one row) into `s.logits`: dense, or contextual. Under tensor
@@ -126,28 +164,33 @@ impl<D: Device> DeviceSession<'_, D> {
         Ok(())
     }
 
-    fn attention(&mut self, l: usize, clock: &mut Option<Clock>) -> Result<()> {
+    fn attention(&mut self, l: usize, pass: Pass, clock: &mut Option<Clock>) -> Result<()> {
         let (dev, m) = (self.dev, self.model);
         let (c, lw) = (&m.local, &m.layers[l]);
-        let hd = c.head_dim;
-        block_input(dev, c, &lw.attn_norm, &self.s.x, &mut self.s.h, 1)?;
+        let (hd, rows, step) = (c.head_dim, pass.rows(), pass == Pass::Step);
+        block_input(dev, c, &lw.attn_norm, &self.s.x, &mut self.s.h, rows)?;
+        keep(dev, m, &mut self.capture, Kept::AttnIn, l, &self.s.h, rows)?;
         lap(clock, dev, |t| &mut t.attention)?;
         // Lookahead: the predictors on a second lane while this layer's attention (and its
         // all-reduce) runs, unless they pick this layer's own heads (layer 0) or the blocks are
-        // being timed.
+        // being timed. A batch runs every unit: no predictors.
         let own_heads = l == 0 && matches!(self.plan.heads[0], Sel::Predicted { .. });
-        let side = self.plan.lookahead && clock.is_none() && !own_heads;
-        if side {
-            dev.fork()?;
+        let side = step && self.plan.lookahead && clock.is_none() && !own_heads;
+        if step {
+            if side {
+                dev.fork()?;
+            }
+            self.predict(l)?;
+            if side {
+                dev.back()?;
+            }
+            lap(clock, dev, |t| &mut t.predict)?;
         }
-        self.predict(l)?;
-        if side {
-            dev.back()?;
-        }
-        lap(clock, dev, |t| &mut t.predict)?;
         // `attn-norm`: every head's attention, then W_o over the top heads by output norm.
-        let by_norm = self.plan.head_rule[l] == Computed::HeadNorm;
-        let (s, heads) = (&mut self.s, &self.plan.heads[l]);
+        let by_norm = step && self.plan.head_rule[l] == Computed::HeadNorm;
+        let every = Sel::All;
+        let heads = if step { &self.plan.heads[l] } else { &every };
+        let s = &mut self.s;
         let n_sel = heads.count(c.n_heads);
         let (q_rows, n_q, attn_rows) = match by_norm {
             true => (Rows::All, c.n_heads, Rows::All),
@@ -157,13 +200,13 @@ impl<D: Device> DeviceSession<'_, D> {
         match &mut self.lazy[l] {
             Some((inputs, valid)) => {
                 // Keys and values of the selected heads only, from the kept inputs.
-                dev.store_row(&s.h, inputs, 1)?;
+                dev.store_row(&s.h, inputs, rows)?;
                 if n_sel > 0 {
-                    dev.matvecs(&s.h, &mut [q])?;
+                    products(dev, &s.h, pass, &mut [q])?;
                     if let Some((theta, style)) = c.rope() {
-                        dev.rope(&mut s.q, n_q, hd, theta, style, 1)?;
+                        dev.rope(&mut s.q, n_q, hd, theta, style, rows)?;
                     }
-                    let job = lazy_kv(c, lw, inputs, attn_rows, 1);
+                    let job = lazy_kv(c, lw, inputs, attn_rows, rows);
                     dev.kv_fill(job, valid, &mut self.k[l], &mut self.v[l])?;
                 }
             }
@@ -171,13 +214,14 @@ impl<D: Device> DeviceSession<'_, D> {
                 let k = Product::new(&lw.wk, Rows::All, &mut s.k).bias(lw.bk.as_ref());
                 let v = Product::new(&lw.wv, Rows::All, &mut s.v).bias(lw.bv.as_ref());
                 match n_sel {
-                    0 => dev.matvecs(&s.h, &mut [k, v])?,
-                    _ => dev.matvecs(&s.h, &mut [q, k, v])?,
+                    0 => products(dev, &s.h, pass, &mut [k, v])?,
+                    _ => products(dev, &s.h, pass, &mut [q, k, v])?,
                 }
                 if let Some((theta, style)) = c.rope() {
-                    dev.rope_qk(&mut s.q, n_q, &mut s.k, c.n_kv_heads, hd, theta, style, 1)?;
+                    let (nkv, (q, k)) = (c.n_kv_heads, (&mut s.q, &mut s.k));
+                    dev.rope_qk(q, n_q, k, nkv, hd, theta, style, rows)?;
                 }
-                dev.store(&s.k, &s.v, &mut self.k[l], &mut self.v[l], 1)?;
+                dev.store(&s.k, &s.v, &mut self.k[l], &mut self.v[l], rows)?;
             }
         }
         let geom = AttnGeom {
@@ -185,12 +229,15 @@ impl<D: Device> DeviceSession<'_, D> {
             n_kv_heads: c.n_kv_heads,
             head_dim: hd,
             n_ctx: self.n_ctx,
-            rows: 1,
+            rows,
         };
-        let out = residual_out(dev, m, s)?;
+        let out = residual_out(dev, m, s, pass)?;
         if n_sel > 0 {
             let (kc, vc) = (&self.k[l], &self.v[l]);
             dev.attention(&s.q, kc, vc, attn_rows, geom, &mut s.att)?;
+            if !step {
+                keep(dev, m, &mut self.capture, Kept::HeadNorms, l, &s.att, rows)?;
+            }
             let att = match (by_norm, &mut self.plan.heads[l]) {
                 (true, Sel::Predicted { idx, k }) => {
                     dev.group_norms(&s.att, c.n_heads, hd, &mut s.score)?;
@@ -200,43 +247,59 @@ impl<D: Device> DeviceSession<'_, D> {
                 }
                 _ => &s.att,
             };
-            let heads = &self.plan.heads[l];
+            let heads = if step { &self.plan.heads[l] } else { &every };
             let y = if out { &mut s.part } else { &mut s.x };
             match (heads.is_all(), &m.sparse) {
                 (false, Some(sp)) => {
                     dev.axpy(&sp[l].1, heads.rows(hd), att, lw.bo.as_ref(), y)?;
                 }
-                _ => dev.matvec(&lw.wo, Rows::All, att, lw.bo.as_ref(), y, true)?,
+                _ => row_parallel(dev, &lw.wo, lw.bo.as_ref(), att, y, out, pass)?,
             }
         } else if let Some(b) = &lw.bo {
             dev.add(if out { &mut s.part } else { &mut s.x }, b, c.d_model)?;
         }
-        reduce_residual(dev, m, s, clock, |t| &mut t.attention)?;
+        reduce_residual(dev, m, s, rows, clock, |t| &mut t.attention)?;
         // The predictors read `s.h` and write the MLP's selection: done before either changes.
         if side {
             dev.join()?;
         }
-        post_norm(dev, c, &lw.attn_norm, &mut s.x, &mut s.h, 1)?;
+        post_norm(dev, c, &lw.attn_norm, &mut s.x, &mut s.h, rows)?;
         lap(clock, dev, |t| &mut t.attention)
     }
 
-    fn mlp(&mut self, l: usize, clock: &mut Option<Clock>) -> Result<()> {
+    fn mlp(&mut self, l: usize, pass: Pass, clock: &mut Option<Clock>) -> Result<()> {
         let (dev, m) = (self.dev, self.model);
-        let (c, lw, s) = (&m.local, &m.layers[l], &mut self.s);
-        let sel = &self.plan.mlp[l];
-        let n = sel.count(c.n_ff);
-        block_input(dev, c, &lw.ffn_norm, &s.x, &mut s.h, 1)?;
-        let out = residual_out(dev, m, s)?;
+        let (c, lw) = (&m.local, &m.layers[l]);
+        let (rows, step) = (pass.rows(), pass == Pass::Step);
+        block_input(dev, c, &lw.ffn_norm, &self.s.x, &mut self.s.h, rows)?;
+        keep(dev, m, &mut self.capture, Kept::MlpIn, l, &self.s.h, rows)?;
+        let s = &mut self.s;
+        let out = residual_out(dev, m, s, pass)?;
+        let mut every = Sel::All;
+        let n = if step {
+            self.plan.mlp[l].count(c.n_ff)
+        } else {
+            c.n_ff
+        };
         if n == 0 {
             if let Some(b) = &lw.b_down {
                 dev.add(if out { &mut s.part } else { &mut s.x }, b, c.d_model)?;
             }
-            reduce_residual(dev, m, s, clock, |t| &mut t.mlp)?;
-            return post_norm(dev, c, &lw.ffn_norm, &mut s.x, &mut s.h, 1);
+            reduce_residual(dev, m, s, rows, clock, |t| &mut t.mlp)?;
+            return post_norm(dev, c, &lw.ffn_norm, &mut s.x, &mut s.h, rows);
         }
         let act = c.mlp.activation();
-        let rule = self.plan.mlp_rule[l];
-        let a = match (rule, &mut self.plan.mlp[l], &lw.w_gate) {
+        let rule = if step {
+            self.plan.mlp_rule[l]
+        } else {
+            Computed::Given
+        };
+        let sel = if step {
+            &mut self.plan.mlp[l]
+        } else {
+            &mut every
+        };
+        let a = match (rule, sel, &lw.w_gate) {
             // The first projection in full, the top-k by magnitude, the other over those.
             (Computed::Gate | Computed::Up, Sel::Predicted { idx, k }, Some(wg)) => {
                 let (k, n_ff) = (*k, c.n_ff);
@@ -267,7 +330,7 @@ impl<D: Device> DeviceSession<'_, D> {
             }
             // Every activation, then the top-k of them by magnitude, kept compact.
             (Computed::Oracle, Sel::Predicted { idx, k }, _) => {
-                let a = first_projections(dev, c, lw, Rows::All, c.n_ff, s)?;
+                let a = first_projections(dev, c, lw, Rows::All, c.n_ff, pass, s)?;
                 let a = if a { &s.gate } else { &s.up };
                 dev.copy(a, &mut s.score, c.n_ff)?;
                 dev.abs(&mut s.score, c.n_ff)?;
@@ -276,7 +339,7 @@ impl<D: Device> DeviceSession<'_, D> {
                 &s.full
             }
             (_, sel, _) => {
-                let a = first_projections(dev, c, lw, sel.rows(1), n, s)?;
+                let a = first_projections(dev, c, lw, sel.rows(1), n, pass, s)?;
                 let a = if a { &s.gate } else { &s.up };
                 if matches!(rule, Computed::Nonzero { .. }) && self.measure {
                     dev.count_nonzero(a, n, &mut s.nonzero, l)?;
@@ -284,7 +347,7 @@ impl<D: Device> DeviceSession<'_, D> {
                 a
             }
         };
-        let sel = &self.plan.mlp[l];
+        let sel = if step { &self.plan.mlp[l] } else { &every };
         let y = if out { &mut s.part } else { &mut s.x };
         let skips_zeros = matches!(rule, Computed::Nonzero { .. });
         match (sel.is_all() && !skips_zeros, &m.sparse) {
@@ -292,62 +355,94 @@ impl<D: Device> DeviceSession<'_, D> {
             (false, Some(sp)) => {
                 dev.axpy(&sp[l].0, sel.rows(1), a, lw.b_down.as_ref(), y)?;
             }
-            _ => dev.matvec(&lw.w_down, Rows::All, a, lw.b_down.as_ref(), y, true)?,
+            _ => row_parallel(dev, &lw.w_down, lw.b_down.as_ref(), a, y, out, pass)?,
         }
-        reduce_residual(dev, m, s, clock, |t| &mut t.mlp)?;
-        post_norm(dev, c, &lw.ffn_norm, &mut s.x, &mut s.h, 1)
+        reduce_residual(dev, m, s, rows, clock, |t| &mut t.mlp)?;
+        post_norm(dev, c, &lw.ffn_norm, &mut s.x, &mut s.h, rows)
     }
 }
 
-/// The MLP's first projections of `s.h` over `rows` (`n` outputs): `act(gate) * up` into
-/// `s.gate` (returns `true`), or `act(fc1 + b)` into `s.up` (`false`).
+/// A row-parallel product (W_o, fc2) of `input`'s rows added to the residual `y` (`out`: to a
+/// tensor-parallel partial, which a decode step zeroed and a batch overwrites).
+fn row_parallel<D: Device>(
+    dev: &D,
+    w: &D::Mat,
+    bias: Option<&D::Buf>,
+    input: &D::Buf,
+    y: &mut D::Buf,
+    out: bool,
+    pass: Pass,
+) -> Result<()> {
+    let p = Product::new(w, Rows::All, y).bias(bias);
+    let p = if out && pass != Pass::Step {
+        p
+    } else {
+        p.accumulate()
+    };
+    products(dev, input, pass, &mut [p])
+}
+
+/// The MLP's first projections of `s.h` over `rows` (`n` outputs a row), for each row of the
+/// pass: `act(gate) * up` into `s.gate` (returns `true`), or `act(fc1 + b)` into `s.up`
+/// (`false`).
 fn first_projections<D: Device>(
     dev: &D,
     c: &ModelConfig,
     lw: &Layer<D>,
     rows: Rows<'_, D::Idx>,
     n: usize,
+    pass: Pass,
     s: &mut Scratch<D>,
 ) -> Result<bool> {
     let act = c.mlp.activation();
     match &lw.w_gate {
         Some(wg) => {
             let gate = Product::new(wg, rows, &mut s.gate);
-            dev.matvecs(&s.h, &mut [gate, Product::new(&lw.w_up, rows, &mut s.up)])?;
-            dev.glu(act, &mut s.gate, &s.up, n)?;
+            let up = Product::new(&lw.w_up, rows, &mut s.up);
+            products(dev, &s.h, pass, &mut [gate, up])?;
+            dev.glu(act, &mut s.gate, &s.up, pass.rows() * n)?;
             Ok(true)
         }
         None => {
             let fc1 = Product::new(&lw.w_up, rows, &mut s.up);
-            dev.matvecs(&s.h, &mut [fc1.bias(lw.b_up.as_ref()).act(act)])?;
+            products(dev, &s.h, pass, &mut [fc1.bias(lw.b_up.as_ref()).act(act)])?;
             Ok(false)
         }
     }
 }
 
 /// Where a row-parallel product (W_o, fc2) adds its output: the residual `s.x` itself on a
-/// whole model (`false`); under tensor parallelism the partial `s.part`, zeroed here (`true`).
-fn residual_out<D: Device>(dev: &D, m: &DeviceModel<D>, s: &mut Scratch<D>) -> Result<bool> {
+/// whole model (`false`); under tensor parallelism the partial `s.part` (`true`), which a
+/// decode step zeroes here (its sparse products add to it) and a batch overwrites.
+fn residual_out<D: Device>(
+    dev: &D,
+    m: &DeviceModel<D>,
+    s: &mut Scratch<D>,
+    pass: Pass,
+) -> Result<bool> {
     if m.shard.is_whole() {
         return Ok(false);
     }
-    dev.copy(&s.zero, &mut s.part, m.local.d_model)?;
+    if pass == Pass::Step {
+        dev.copy(&s.zero, &mut s.part, m.local.d_model)?;
+    }
     Ok(true)
 }
 
-/// Under tensor parallelism: the ranks' partials summed, then added to the residual (the
-/// all-reduce timed on its own when the blocks are, after the block `before`).
+/// Under tensor parallelism: the ranks' partials of `rows` rows summed, then added to the
+/// residual (the all-reduce timed on its own when the blocks are, after the block `before`).
 fn reduce_residual<D: Device>(
     dev: &D,
     m: &DeviceModel<D>,
     s: &mut Scratch<D>,
+    rows: usize,
     clock: &mut Option<Clock>,
     before: fn(&mut BlockTimes) -> &mut f64,
 ) -> Result<()> {
     if !m.shard.is_whole() {
-        let d = m.local.d_model;
-        collective(clock, dev, before, || Ok(dev.all_reduce(&mut s.part, d)?))?;
-        dev.add(&mut s.x, &s.part, d)?;
+        let n = rows * m.local.d_model;
+        collective(clock, dev, before, || Ok(dev.all_reduce(&mut s.part, n)?))?;
+        dev.add(&mut s.x, &s.part, n)?;
     }
     Ok(())
 }
