@@ -1,8 +1,10 @@
 //! [`CpuDevice`]: the [`Device`] verbs on host memory, over the CPU backend's own kernels (the
-//! kernel table of one ISA tier and the thread pool), so the device-resident decoder runs on the
-//! CPU as it does on a GPU. [`CpuDevice::reference`] is the f32 reference (f32 activations dotted
-//! with dequantized rows, one thread): what the CUDA kernels and the SIMD tiers are checked
-//! against. [`CpuDevice::new`] runs the process's tier (`DEJAVU_ISA`) with 8-bit activations.
+//! kernel table of one ISA tier and the thread pool): what the forward pass runs on the CPU
+//! (`--backend cpu`). [`CpuDevice::reference`] is the f32 reference (f32 activations dotted with
+//! dequantized rows, one thread): what the CUDA kernels and the SIMD tiers are checked against.
+//! [`CpuDevice::new`] runs the process's tier (`DEJAVU_ISA`) with 8-bit activations. The verbs
+//! live by kind: products (`products.rs`), attention and the lazy K/V fill (`attend.rs`),
+//! matrices read in place (`mat.rs`), caches (`cache.rs`); the rest here.
 //!
 //! Products compute the selected rows into a full-length scratch with the backend's `matmul`
 //! (unselected outputs untouched) and then gather them into the compact order the trait names;
@@ -14,15 +16,17 @@ use crate::isa::Isa;
 use crate::kernels::table::Kernels;
 use crate::pool::SpinPool;
 use crate::world::HostWorld;
-use crate::{attention, axpy_matmul, matmul, ops, CpuBackend};
+use crate::{ops, CpuBackend};
 use dejavu_backend_api::{
-    Activation, AttnGeom, AttnShape, BackendError, Device, IndexSet, LazyKv, MatmulJob, Product,
-    QuantType, RopeStyle, RowLayout, Rows, SharedBytes, StepRow, Weight, MAX_ROWS,
+    Activation, AttnGeom, BackendError, Device, LazyKv, Product, QuantType, RopeStyle, Rows,
+    SharedBytes, StepRow, Weight, MAX_ROWS,
 };
 use std::sync::{Arc, Mutex};
 
+mod attend;
 mod cache;
 mod mat;
+mod products;
 
 pub use cache::CpuCache;
 pub use mat::CpuMat;
@@ -166,50 +170,6 @@ impl CpuDevice {
     }
 }
 
-/// The rows a product reads as a set of the matrix's rows (for the backend's kernels), with the
-/// row of each compact output (`None`: every row, output `j` being row `j`).
-fn selection(
-    rows: Rows<'_, Vec<u32>>,
-    n: usize,
-) -> Result<(IndexSet, Option<Vec<usize>>), BackendError> {
-    match rows {
-        Rows::All => Ok((IndexSet::full(n), None)),
-        sel => {
-            let rs = rows_of(sel, n)?;
-            let idx = rs.iter().map(|&r| r as u32).collect();
-            let set = IndexSet::from_unsorted(n, idx).map_err(|e| shape(e.to_string()))?;
-            Ok((set, Some(rs)))
-        }
-    }
-}
-
-/// The outputs of a selection: its compact rows, or every row of `n`.
-fn count(rs: &Option<Vec<usize>>, n: usize) -> usize {
-    rs.as_ref().map_or(n, |rs| rs.len())
-}
-
-/// Finish one product: `y[j] = act(full[r] + bias[r])`, or with `accumulate`
-/// `y[j] += full[r] + bias[r]`, `r` the row of output `j` (`rs[j]`, or `j` for every row).
-/// `full = None`: the kernels wrote every row's dot into `y` itself.
-fn finish(
-    full: Option<&[f32]>,
-    rs: Option<&[usize]>,
-    bias: Option<&Vec<f32>>,
-    act: Option<Activation>,
-    accumulate: bool,
-    y: &mut [f32],
-) {
-    for (j, y) in y.iter_mut().enumerate() {
-        let r = rs.map_or(j, |rs| rs[j]);
-        let s = full.map_or(*y, |f| f[r]) + bias.map_or(0.0, |b| b[r]);
-        *y = match (accumulate, act) {
-            (true, _) => *y + s,
-            (false, Some(a)) => a.apply(s),
-            (false, None) => s,
-        };
-    }
-}
-
 impl Device for CpuDevice {
     type Buf = Vec<f32>;
     type Idx = Vec<u32>;
@@ -307,67 +267,7 @@ impl Device for CpuDevice {
     }
 
     fn matvecs(&self, x: &Vec<f32>, jobs: &mut [Product<'_, Self>]) -> Result<(), BackendError> {
-        // Checked first: the kernels assert their lengths.
-        let mut sels = Vec::with_capacity(jobs.len());
-        for p in jobs.iter() {
-            let w = p.w;
-            let (set, rs) = selection(p.rows, w.rows)?;
-            need("matvec input", p.x.unwrap_or(x).len(), w.cols)?;
-            need("matvec output", p.y.len(), count(&rs, w.rows))?;
-            if let Some(b) = p.bias {
-                need("matvec bias", b.len(), w.rows)?;
-            }
-            sels.push((set, rs));
-        }
-        // Every row, overwritten: the kernels write `y` itself; otherwise a row-indexed scratch.
-        let direct: Vec<bool> = (jobs.iter().zip(&sels))
-            .map(|(p, s)| s.1.is_none() && !p.accumulate)
-            .collect();
-        let mut scratch: Vec<Vec<f32>> = (jobs.iter().zip(&direct))
-            .map(|(p, &d)| if d { Vec::new() } else { vec![0f32; p.w.rows] })
-            .collect();
-        // Products of the call's input share one quantization of it and one pool dispatch
-        // (their widths agree); products of their own inputs run one by one.
-        let first = jobs.iter().find(|p| p.x.is_none()).map(|p| p.w.cols);
-        let weights = jobs
-            .iter()
-            .map(|p| p.w.weight())
-            .collect::<Result<Vec<_>, _>>()?;
-        {
-            let (mut shared, mut own) = (Vec::new(), Vec::new());
-            let all = jobs.iter_mut().zip(scratch.iter_mut()).zip(&weights);
-            for (i, ((p, sc), w)) in all.enumerate() {
-                let y: &mut [f32] = match direct[i] {
-                    true => &mut p.y[..w.rows],
-                    false => sc,
-                };
-                let job = MatmulJob {
-                    w: *w,
-                    rows: &sels[i].0,
-                    y,
-                };
-                match p.x {
-                    None if Some(w.cols) == first => shared.push(job),
-                    input => own.push((input.unwrap_or(x), job)),
-                }
-            }
-            if let Some(cols) = first {
-                matmul::matmul_shared(&self.cpu.kernels, &self.cpu.pool, &x[..cols], &mut shared);
-            }
-            for (xp, job) in own {
-                let cols = job.w.cols;
-                matmul::matmul_shared(&self.cpu.kernels, &self.cpu.pool, &xp[..cols], &mut [job]);
-            }
-        }
-        for (i, p) in jobs.iter_mut().enumerate() {
-            if direct[i] && p.bias.is_none() && p.act.is_none() {
-                continue; // the kernels' output is the product's
-            }
-            let full = (!direct[i]).then_some(&scratch[i][..]);
-            let y = &mut p.y[..count(&sels[i].1, p.w.rows)];
-            finish(full, sels[i].1.as_deref(), p.bias, p.act, p.accumulate, y);
-        }
-        Ok(())
+        self.products(x, jobs)
     }
 
     fn matmul(
@@ -376,76 +276,7 @@ impl Device for CpuDevice {
         rows: usize,
         jobs: &mut [Product<'_, Self>],
     ) -> Result<(), BackendError> {
-        // Checked first: the kernels assert their lengths.
-        for p in jobs.iter() {
-            let (w, xp) = (p.w, p.x.unwrap_or(x));
-            if !matches!(p.rows, Rows::All) {
-                return Err(shape("a batch's products read every row".into()));
-            }
-            self.batch("matmul input", xp.len(), w.cols, rows)?;
-            self.batch("matmul output", p.y.len(), w.rows, rows)?;
-            if let Some(b) = p.bias {
-                need("matmul bias", b.len(), w.rows)?;
-            }
-        }
-        let alls: Vec<IndexSet> = jobs.iter().map(|p| IndexSet::full(p.w.rows)).collect();
-        let weights = jobs
-            .iter()
-            .map(|p| p.w.weight())
-            .collect::<Result<Vec<_>, _>>()?;
-        // An accumulating product adds a scratch product to its output afterwards.
-        let mut sums: Vec<Vec<f32>> = (jobs.iter())
-            .map(|p| match p.accumulate {
-                true => vec![0f32; rows * p.w.rows],
-                false => Vec::new(),
-            })
-            .collect();
-        {
-            // Products of the call's input in one shared dispatch (their widths agree: Q, K and
-            // V; gate and up); products of their own inputs one by one.
-            let first = jobs.iter().find(|p| p.x.is_none()).map(|p| p.w.cols);
-            let (mut shared, mut own) = (Vec::new(), Vec::new());
-            let all = jobs
-                .iter_mut()
-                .zip(sums.iter_mut())
-                .zip(&weights)
-                .zip(&alls);
-            for (((p, sum), w), set) in all {
-                let n = rows * w.rows;
-                let y: &mut [f32] = match p.accumulate {
-                    true => sum,
-                    false => &mut p.y[..n],
-                };
-                let job = MatmulJob {
-                    w: *w,
-                    rows: set,
-                    y,
-                };
-                match p.x {
-                    None if Some(w.cols) == first => shared.push(job),
-                    input => own.push((input.unwrap_or(x), job)),
-                }
-            }
-            if let Some(cols) = first {
-                let xs = &x[..rows * cols];
-                matmul::matmul_shared(&self.cpu.kernels, &self.cpu.pool, xs, &mut shared);
-            }
-            for (xp, job) in own {
-                let xs = &xp[..rows * job.w.cols];
-                matmul::matmul_shared(&self.cpu.kernels, &self.cpu.pool, xs, &mut [job]);
-            }
-        }
-        for (p, sum) in jobs.iter_mut().zip(&sums) {
-            if !p.accumulate && p.bias.is_none() && p.act.is_none() {
-                continue;
-            }
-            let w = p.w.rows;
-            for (r, yr) in p.y[..rows * w].chunks_exact_mut(w).enumerate() {
-                let fr = p.accumulate.then(|| &sum[r * w..(r + 1) * w]);
-                finish(fr, None, p.bias, p.act, p.accumulate, yr);
-            }
-        }
-        Ok(())
+        self.batch_products(x, rows, jobs)
     }
 
     fn axpy(
@@ -456,49 +287,7 @@ impl Device for CpuDevice {
         bias: Option<&Vec<f32>>,
         y: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
-        if w.layout != RowLayout::Ggml {
-            return Err(shape(
-                "axpy reads neuron-major rows in the file's layout".into(),
-            ));
-        }
-        let rs = match rows {
-            Rows::All => None,
-            sel => Some(rows_of(sel, w.rows)?),
-        };
-        need("axpy activations", a.len(), count(&rs, w.rows))?;
-        need("axpy output", y.len(), w.cols)?;
-        if let Some(b) = bias {
-            need("axpy bias", b.len(), w.cols)?;
-        }
-        // The compact activations back at their rows, for the kernel's row-indexed input; the
-        // rows of zero activations go unread (the contract allows it: ReLU's zeros).
-        let full = match &rs {
-            None => a[..w.rows].to_vec(),
-            Some(rs) => {
-                let mut full = vec![0f32; w.rows];
-                (rs.iter().zip(a.iter())).for_each(|(&r, &v)| full[r] += v);
-                full
-            }
-        };
-        let nonzero = (0..w.rows as u32)
-            .filter(|&r| full[r as usize] != 0.0)
-            .collect();
-        let set = IndexSet::new(w.rows, nonzero).map_err(|e| shape(e.to_string()))?;
-        let mut sum = vec![0f32; w.cols];
-        let wt = w.weight()?;
-        axpy_matmul::axpy_matmul(
-            &self.cpu.kernels,
-            &self.cpu.pool,
-            &wt,
-            &set,
-            &full,
-            &mut sum,
-        );
-        (y[..w.cols].iter_mut().zip(&sum)).for_each(|(y, s)| *y += s);
-        if let Some(b) = bias {
-            y[..w.cols].iter_mut().zip(b).for_each(|(y, b)| *y += b);
-        }
-        Ok(())
+        self.axpy_rows(w, rows, a, bias, y)
     }
 
     fn rmsnorm(
@@ -705,86 +494,7 @@ impl Device for CpuDevice {
         kc: &mut CpuCache,
         vc: &mut CpuCache,
     ) -> Result<(), BackendError> {
-        self.rows("kv_fill", job.rows)?;
-        let (pos, hd) = (self.pos() + job.rows - 1, job.head_dim);
-        let n_heads = job.wk.rows / hd.max(1);
-        let d = job.inputs.width;
-        let fits = hd > 0
-            && job.wk.rows == n_heads * hd
-            && job.wv.rows == job.wk.rows
-            && job.wk.cols == d
-            && job.wv.cols == d
-            && kc.width == job.wk.rows
-            && vc.width == kc.width
-            && pos < kc.n_ctx.min(vc.n_ctx).min(job.inputs.n_ctx);
-        if !fits {
-            return Err(shape(format!(
-                "lazy K/V of {n_heads} heads of {hd} over {d} inputs at position {pos}"
-            )));
-        }
-        need("kv_fill valid", valid.len(), n_heads)?;
-        for b in [job.bk, job.bv].into_iter().flatten() {
-            need("kv_fill bias", b.len(), kc.width)?;
-        }
-        // Heads grouped by their first missing position: one product of both matrices per
-        // group, over its positions' kept inputs and its heads' rows.
-        let heads = rows_of(job.heads, n_heads)?;
-        let mut groups = std::collections::BTreeMap::<usize, Vec<usize>>::new();
-        for &h in heads.iter().filter(|&&h| valid[h] as usize <= pos) {
-            groups.entry(valid[h] as usize).or_default().push(h);
-        }
-        let (wk, wv, width) = (job.wk.weight()?, job.wv.weight()?, kc.width);
-        for (from, hs) in groups {
-            let m = pos + 1 - from;
-            let mut x = vec![0.0; m * d];
-            for (i, xr) in x.chunks_exact_mut(d).enumerate() {
-                job.inputs.read(from + i, xr);
-            }
-            let rows: Vec<u32> = (hs.iter())
-                .flat_map(|&h| (h * hd) as u32..((h + 1) * hd) as u32)
-                .collect();
-            let rows = IndexSet::from_unsorted(width, rows).map_err(|e| shape(e.to_string()))?;
-            let (mut k, mut v) = (vec![0.0; m * width], vec![0.0; m * width]);
-            let mut jobs = [
-                MatmulJob {
-                    w: wk,
-                    rows: &rows,
-                    y: &mut k,
-                },
-                MatmulJob {
-                    w: wv,
-                    rows: &rows,
-                    y: &mut v,
-                },
-            ];
-            matmul::matmul_shared(&self.cpu.kernels, &self.cpu.pool, &x, &mut jobs);
-            for (i, (kr, vr)) in k
-                .chunks_exact_mut(width)
-                .zip(v.chunks_exact_mut(width))
-                .enumerate()
-            {
-                let p = from + i;
-                for &h in &hs {
-                    let at = h * hd..(h + 1) * hd;
-                    for (out, b, c, rope) in [
-                        (&mut kr[at.clone()], job.bk, &mut *kc, job.rope),
-                        (&mut vr[at.clone()], job.bv, &mut *vc, None),
-                    ] {
-                        if let Some(b) = b {
-                            (out.iter_mut().zip(&b[at.clone()])).for_each(|(o, b)| *o += b);
-                        }
-                        if let Some((theta, style)) = rope {
-                            ops::rope(out, 1, hd, p, theta, style);
-                        }
-                        c.put(p, h * hd, out);
-                    }
-                }
-            }
-        }
-        for h in heads {
-            valid[h] = pos as u32 + 1;
-        }
-        Ok(())
+        self.fill_kv(job, valid, kc, vc)
     }
 
     fn attention(
@@ -796,60 +506,7 @@ impl Device for CpuDevice {
         g: AttnGeom,
         out: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
-        let (hd, pos, rows) = (g.head_dim, self.pos(), g.rows);
-        let width = g.n_kv_heads * hd;
-        self.rows("attention", rows)?;
-        if g.n_kv_heads == 0 || !g.n_heads.is_multiple_of(g.n_kv_heads) || pos + rows > g.n_ctx {
-            return Err(shape(format!(
-                "attention of {} heads over {} KV heads at position {pos} of {}",
-                g.n_heads, g.n_kv_heads, g.n_ctx
-            )));
-        }
-        for c in [k, v] {
-            if c.width != width || c.n_ctx < g.n_ctx {
-                return Err(shape(format!("cache of {}x{}", c.n_ctx, c.width)));
-            }
-        }
-        let hs = rows_of(heads, g.n_heads)?;
-        let (cw, fw) = (hs.len() * hd, g.n_heads * hd);
-        need("attention queries", q.len(), rows * cw)?;
-        need("attention output", out.len(), rows * cw)?;
-        // The CPU reference over full-width queries, then the selected heads back to compact.
-        let mut qf = vec![0.0; rows * fw];
-        for r in 0..rows {
-            for (j, &h) in hs.iter().enumerate() {
-                let src = &q[r * cw + j * hd..r * cw + (j + 1) * hd];
-                qf[r * fw + h * hd..r * fw + (h + 1) * hd].copy_from_slice(src);
-            }
-        }
-        let set = IndexSet::from_unsorted(g.n_heads, hs.iter().map(|&h| h as u32).collect())
-            .map_err(|e| shape(e.to_string()))?;
-        let mut of = vec![0.0; rows * fw];
-        let n = (pos + rows) * width;
-        let shape = AttnShape {
-            n_heads: g.n_heads,
-            n_kv_heads: g.n_kv_heads,
-            head_dim: hd,
-            pos0: pos,
-            n_tokens: rows,
-        };
-        attention::attention(
-            &self.cpu.kernels,
-            &self.cpu.pool,
-            &qf,
-            k.slice(n),
-            v.slice(n),
-            &set,
-            shape,
-            &mut of,
-        );
-        for r in 0..rows {
-            for (j, &h) in hs.iter().enumerate() {
-                let src = &of[r * fw + h * hd..r * fw + (h + 1) * hd];
-                out[r * cw + j * hd..r * cw + (j + 1) * hd].copy_from_slice(src);
-            }
-        }
-        Ok(())
+        self.attend(q, k, v, heads, g, out)
     }
 
     fn top_k(

@@ -1,0 +1,161 @@
+//! The CPU device's attention verbs: the lazy K/V fill and attention over a cache
+//! (`Device::kv_fill`, `Device::attention`).
+use super::{need, rows_of, shape, CpuCache, CpuDevice};
+use crate::{attention, matmul, ops};
+use dejavu_backend_api::{AttnGeom, AttnShape, BackendError, IndexSet, LazyKv, MatmulJob, Rows};
+
+impl CpuDevice {
+    pub(super) fn fill_kv(
+        &self,
+        job: LazyKv<'_, Self>,
+        valid: &mut Vec<u32>,
+        kc: &mut CpuCache,
+        vc: &mut CpuCache,
+    ) -> Result<(), BackendError> {
+        self.rows("kv_fill", job.rows)?;
+        let (pos, hd) = (self.pos() + job.rows - 1, job.head_dim);
+        let n_heads = job.wk.rows / hd.max(1);
+        let d = job.inputs.width;
+        let fits = hd > 0
+            && job.wk.rows == n_heads * hd
+            && job.wv.rows == job.wk.rows
+            && job.wk.cols == d
+            && job.wv.cols == d
+            && kc.width == job.wk.rows
+            && vc.width == kc.width
+            && pos < kc.n_ctx.min(vc.n_ctx).min(job.inputs.n_ctx);
+        if !fits {
+            return Err(shape(format!(
+                "lazy K/V of {n_heads} heads of {hd} over {d} inputs at position {pos}"
+            )));
+        }
+        need("kv_fill valid", valid.len(), n_heads)?;
+        for b in [job.bk, job.bv].into_iter().flatten() {
+            need("kv_fill bias", b.len(), kc.width)?;
+        }
+        // Heads grouped by their first missing position: one product of both matrices per
+        // group, over its positions' kept inputs and its heads' rows.
+        let heads = rows_of(job.heads, n_heads)?;
+        let mut groups = std::collections::BTreeMap::<usize, Vec<usize>>::new();
+        for &h in heads.iter().filter(|&&h| valid[h] as usize <= pos) {
+            groups.entry(valid[h] as usize).or_default().push(h);
+        }
+        let (wk, wv, width) = (job.wk.weight()?, job.wv.weight()?, kc.width);
+        for (from, hs) in groups {
+            let m = pos + 1 - from;
+            let mut x = vec![0.0; m * d];
+            for (i, xr) in x.chunks_exact_mut(d).enumerate() {
+                job.inputs.read(from + i, xr);
+            }
+            let rows: Vec<u32> = (hs.iter())
+                .flat_map(|&h| (h * hd) as u32..((h + 1) * hd) as u32)
+                .collect();
+            let rows = IndexSet::from_unsorted(width, rows).map_err(|e| shape(e.to_string()))?;
+            let (mut k, mut v) = (vec![0.0; m * width], vec![0.0; m * width]);
+            let mut jobs = [
+                MatmulJob {
+                    w: wk,
+                    rows: &rows,
+                    y: &mut k,
+                },
+                MatmulJob {
+                    w: wv,
+                    rows: &rows,
+                    y: &mut v,
+                },
+            ];
+            matmul::matmul_shared(&self.cpu.kernels, &self.cpu.pool, &x, &mut jobs);
+            for (i, (kr, vr)) in k
+                .chunks_exact_mut(width)
+                .zip(v.chunks_exact_mut(width))
+                .enumerate()
+            {
+                let p = from + i;
+                for &h in &hs {
+                    let at = h * hd..(h + 1) * hd;
+                    for (out, b, c, rope) in [
+                        (&mut kr[at.clone()], job.bk, &mut *kc, job.rope),
+                        (&mut vr[at.clone()], job.bv, &mut *vc, None),
+                    ] {
+                        if let Some(b) = b {
+                            (out.iter_mut().zip(&b[at.clone()])).for_each(|(o, b)| *o += b);
+                        }
+                        if let Some((theta, style)) = rope {
+                            ops::rope(out, 1, hd, p, theta, style);
+                        }
+                        c.put(p, h * hd, out);
+                    }
+                }
+            }
+        }
+        for h in heads {
+            valid[h] = pos as u32 + 1;
+        }
+        Ok(())
+    }
+
+    pub(super) fn attend(
+        &self,
+        q: &Vec<f32>,
+        k: &CpuCache,
+        v: &CpuCache,
+        heads: Rows<'_, Vec<u32>>,
+        g: AttnGeom,
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        let (hd, pos, rows) = (g.head_dim, self.pos(), g.rows);
+        let width = g.n_kv_heads * hd;
+        self.rows("attention", rows)?;
+        if g.n_kv_heads == 0 || !g.n_heads.is_multiple_of(g.n_kv_heads) || pos + rows > g.n_ctx {
+            return Err(shape(format!(
+                "attention of {} heads over {} KV heads at position {pos} of {}",
+                g.n_heads, g.n_kv_heads, g.n_ctx
+            )));
+        }
+        for c in [k, v] {
+            if c.width != width || c.n_ctx < g.n_ctx {
+                return Err(shape(format!("cache of {}x{}", c.n_ctx, c.width)));
+            }
+        }
+        let hs = rows_of(heads, g.n_heads)?;
+        let (cw, fw) = (hs.len() * hd, g.n_heads * hd);
+        need("attention queries", q.len(), rows * cw)?;
+        need("attention output", out.len(), rows * cw)?;
+        // The CPU reference over full-width queries, then the selected heads back to compact.
+        let mut qf = vec![0.0; rows * fw];
+        for r in 0..rows {
+            for (j, &h) in hs.iter().enumerate() {
+                let src = &q[r * cw + j * hd..r * cw + (j + 1) * hd];
+                qf[r * fw + h * hd..r * fw + (h + 1) * hd].copy_from_slice(src);
+            }
+        }
+        let set = IndexSet::from_unsorted(g.n_heads, hs.iter().map(|&h| h as u32).collect())
+            .map_err(|e| shape(e.to_string()))?;
+        let mut of = vec![0.0; rows * fw];
+        let n = (pos + rows) * width;
+        let shape = AttnShape {
+            n_heads: g.n_heads,
+            n_kv_heads: g.n_kv_heads,
+            head_dim: hd,
+            pos0: pos,
+            n_tokens: rows,
+        };
+        attention::attention(
+            &self.cpu.kernels,
+            &self.cpu.pool,
+            &qf,
+            k.slice(n),
+            v.slice(n),
+            &set,
+            shape,
+            &mut of,
+        );
+        for r in 0..rows {
+            for (j, &h) in hs.iter().enumerate() {
+                let src = &of[r * fw + h * hd..r * fw + (h + 1) * hd];
+                out[r * cw + j * hd..r * cw + (j + 1) * hd].copy_from_slice(src);
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,251 @@
+//! The CPU device's products: a step's matrix-vector products over compact selections, a
+//! batch's products over every row, and the sparse down projection (`Device::matvecs`,
+//! `Device::matmul`, `Device::axpy`), on the backend's kernels and pool.
+use super::{need, rows_of, shape, CpuDevice, CpuMat};
+use crate::{axpy_matmul, matmul};
+use dejavu_backend_api::{Activation, BackendError, IndexSet, MatmulJob, Product, RowLayout, Rows};
+
+impl CpuDevice {
+    pub(super) fn products(
+        &self,
+        x: &Vec<f32>,
+        jobs: &mut [Product<'_, Self>],
+    ) -> Result<(), BackendError> {
+        // Checked first: the kernels assert their lengths.
+        let mut sels = Vec::with_capacity(jobs.len());
+        for p in jobs.iter() {
+            let w = p.w;
+            let (set, rs) = selection(p.rows, w.rows)?;
+            need("matvec input", p.x.unwrap_or(x).len(), w.cols)?;
+            need("matvec output", p.y.len(), count(&rs, w.rows))?;
+            if let Some(b) = p.bias {
+                need("matvec bias", b.len(), w.rows)?;
+            }
+            sels.push((set, rs));
+        }
+        // Every row, overwritten: the kernels write `y` itself; otherwise a row-indexed scratch.
+        let direct: Vec<bool> = (jobs.iter().zip(&sels))
+            .map(|(p, s)| s.1.is_none() && !p.accumulate)
+            .collect();
+        let mut scratch: Vec<Vec<f32>> = (jobs.iter().zip(&direct))
+            .map(|(p, &d)| if d { Vec::new() } else { vec![0f32; p.w.rows] })
+            .collect();
+        // Products of the call's input share one quantization of it and one pool dispatch
+        // (their widths agree); products of their own inputs run one by one.
+        let first = jobs.iter().find(|p| p.x.is_none()).map(|p| p.w.cols);
+        let weights = jobs
+            .iter()
+            .map(|p| p.w.weight())
+            .collect::<Result<Vec<_>, _>>()?;
+        {
+            let (mut shared, mut own) = (Vec::new(), Vec::new());
+            let all = jobs.iter_mut().zip(scratch.iter_mut()).zip(&weights);
+            for (i, ((p, sc), w)) in all.enumerate() {
+                let y: &mut [f32] = match direct[i] {
+                    true => &mut p.y[..w.rows],
+                    false => sc,
+                };
+                let job = MatmulJob {
+                    w: *w,
+                    rows: &sels[i].0,
+                    y,
+                };
+                match p.x {
+                    None if Some(w.cols) == first => shared.push(job),
+                    input => own.push((input.unwrap_or(x), job)),
+                }
+            }
+            if let Some(cols) = first {
+                matmul::matmul_shared(&self.cpu.kernels, &self.cpu.pool, &x[..cols], &mut shared);
+            }
+            for (xp, job) in own {
+                let cols = job.w.cols;
+                matmul::matmul_shared(&self.cpu.kernels, &self.cpu.pool, &xp[..cols], &mut [job]);
+            }
+        }
+        for (i, p) in jobs.iter_mut().enumerate() {
+            if direct[i] && p.bias.is_none() && p.act.is_none() {
+                continue; // the kernels' output is the product's
+            }
+            let full = (!direct[i]).then_some(&scratch[i][..]);
+            let y = &mut p.y[..count(&sels[i].1, p.w.rows)];
+            finish(full, sels[i].1.as_deref(), p.bias, p.act, p.accumulate, y);
+        }
+        Ok(())
+    }
+
+    pub(super) fn batch_products(
+        &self,
+        x: &Vec<f32>,
+        rows: usize,
+        jobs: &mut [Product<'_, Self>],
+    ) -> Result<(), BackendError> {
+        // Checked first: the kernels assert their lengths.
+        for p in jobs.iter() {
+            let (w, xp) = (p.w, p.x.unwrap_or(x));
+            if !matches!(p.rows, Rows::All) {
+                return Err(shape("a batch's products read every row".into()));
+            }
+            self.batch("matmul input", xp.len(), w.cols, rows)?;
+            self.batch("matmul output", p.y.len(), w.rows, rows)?;
+            if let Some(b) = p.bias {
+                need("matmul bias", b.len(), w.rows)?;
+            }
+        }
+        let alls: Vec<IndexSet> = jobs.iter().map(|p| IndexSet::full(p.w.rows)).collect();
+        let weights = jobs
+            .iter()
+            .map(|p| p.w.weight())
+            .collect::<Result<Vec<_>, _>>()?;
+        // An accumulating product adds a scratch product to its output afterwards.
+        let mut sums: Vec<Vec<f32>> = (jobs.iter())
+            .map(|p| match p.accumulate {
+                true => vec![0f32; rows * p.w.rows],
+                false => Vec::new(),
+            })
+            .collect();
+        {
+            // Products of the call's input in one shared dispatch (their widths agree: Q, K and
+            // V; gate and up); products of their own inputs one by one.
+            let first = jobs.iter().find(|p| p.x.is_none()).map(|p| p.w.cols);
+            let (mut shared, mut own) = (Vec::new(), Vec::new());
+            let all = jobs
+                .iter_mut()
+                .zip(sums.iter_mut())
+                .zip(&weights)
+                .zip(&alls);
+            for (((p, sum), w), set) in all {
+                let n = rows * w.rows;
+                let y: &mut [f32] = match p.accumulate {
+                    true => sum,
+                    false => &mut p.y[..n],
+                };
+                let job = MatmulJob {
+                    w: *w,
+                    rows: set,
+                    y,
+                };
+                match p.x {
+                    None if Some(w.cols) == first => shared.push(job),
+                    input => own.push((input.unwrap_or(x), job)),
+                }
+            }
+            if let Some(cols) = first {
+                let xs = &x[..rows * cols];
+                matmul::matmul_shared(&self.cpu.kernels, &self.cpu.pool, xs, &mut shared);
+            }
+            for (xp, job) in own {
+                let xs = &xp[..rows * job.w.cols];
+                matmul::matmul_shared(&self.cpu.kernels, &self.cpu.pool, xs, &mut [job]);
+            }
+        }
+        for (p, sum) in jobs.iter_mut().zip(&sums) {
+            if !p.accumulate && p.bias.is_none() && p.act.is_none() {
+                continue;
+            }
+            let w = p.w.rows;
+            for (r, yr) in p.y[..rows * w].chunks_exact_mut(w).enumerate() {
+                let fr = p.accumulate.then(|| &sum[r * w..(r + 1) * w]);
+                finish(fr, None, p.bias, p.act, p.accumulate, yr);
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn axpy_rows(
+        &self,
+        w: &CpuMat,
+        rows: Rows<'_, Vec<u32>>,
+        a: &Vec<f32>,
+        bias: Option<&Vec<f32>>,
+        y: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        if w.layout != RowLayout::Ggml {
+            return Err(shape(
+                "axpy reads neuron-major rows in the file's layout".into(),
+            ));
+        }
+        let rs = match rows {
+            Rows::All => None,
+            sel => Some(rows_of(sel, w.rows)?),
+        };
+        need("axpy activations", a.len(), count(&rs, w.rows))?;
+        need("axpy output", y.len(), w.cols)?;
+        if let Some(b) = bias {
+            need("axpy bias", b.len(), w.cols)?;
+        }
+        // The compact activations back at their rows, for the kernel's row-indexed input; the
+        // rows of zero activations go unread (the contract allows it: ReLU's zeros).
+        let full = match &rs {
+            None => a[..w.rows].to_vec(),
+            Some(rs) => {
+                let mut full = vec![0f32; w.rows];
+                (rs.iter().zip(a.iter())).for_each(|(&r, &v)| full[r] += v);
+                full
+            }
+        };
+        let nonzero = (0..w.rows as u32)
+            .filter(|&r| full[r as usize] != 0.0)
+            .collect();
+        let set = IndexSet::new(w.rows, nonzero).map_err(|e| shape(e.to_string()))?;
+        let mut sum = vec![0f32; w.cols];
+        let wt = w.weight()?;
+        axpy_matmul::axpy_matmul(
+            &self.cpu.kernels,
+            &self.cpu.pool,
+            &wt,
+            &set,
+            &full,
+            &mut sum,
+        );
+        (y[..w.cols].iter_mut().zip(&sum)).for_each(|(y, s)| *y += s);
+        if let Some(b) = bias {
+            y[..w.cols].iter_mut().zip(b).for_each(|(y, b)| *y += b);
+        }
+        Ok(())
+    }
+}
+
+/// The rows a product reads as a set of the matrix's rows (for the backend's kernels), with the
+/// row of each compact output (`None`: every row, output `j` being row `j`).
+fn selection(
+    rows: Rows<'_, Vec<u32>>,
+    n: usize,
+) -> Result<(IndexSet, Option<Vec<usize>>), BackendError> {
+    match rows {
+        Rows::All => Ok((IndexSet::full(n), None)),
+        sel => {
+            let rs = rows_of(sel, n)?;
+            let idx = rs.iter().map(|&r| r as u32).collect();
+            let set = IndexSet::from_unsorted(n, idx).map_err(|e| shape(e.to_string()))?;
+            Ok((set, Some(rs)))
+        }
+    }
+}
+
+/// The outputs of a selection: its compact rows, or every row of `n`.
+fn count(rs: &Option<Vec<usize>>, n: usize) -> usize {
+    rs.as_ref().map_or(n, |rs| rs.len())
+}
+
+/// Finish one product: `y[j] = act(full[r] + bias[r])`, or with `accumulate`
+/// `y[j] += full[r] + bias[r]`, `r` the row of output `j` (`rs[j]`, or `j` for every row).
+/// `full = None`: the kernels wrote every row's dot into `y` itself.
+fn finish(
+    full: Option<&[f32]>,
+    rs: Option<&[usize]>,
+    bias: Option<&Vec<f32>>,
+    act: Option<Activation>,
+    accumulate: bool,
+    y: &mut [f32],
+) {
+    for (j, y) in y.iter_mut().enumerate() {
+        let r = rs.map_or(j, |rs| rs[j]);
+        let s = full.map_or(*y, |f| f[r]) + bias.map_or(0.0, |b| b[r]);
+        *y = match (accumulate, act) {
+            (true, _) => *y + s,
+            (false, Some(a)) => a.apply(s),
+            (false, None) => s,
+        };
+    }
+}

@@ -1,0 +1,276 @@
+//! The conformance suite on the GPU (see `tests/device.rs`), built with `--features cuda`;
+//! each test is skipped, with the reason printed, where there is no GPU.
+use super::*;
+use dejavu_backend_cuda::CudaDevice;
+
+fn gpu() -> Option<CudaDevice> {
+    CudaDevice::new(0)
+        .map_err(|e| eprintln!("skipped: no usable GPU ({e})"))
+        .ok()
+}
+
+#[test]
+fn fixed_plans_on_the_gpu_match_the_reference() {
+    if let Some(g) = gpu() {
+        check_fixtures(&g);
+    }
+}
+
+#[test]
+fn smollm2_on_the_gpu_matches_the_reference() {
+    if let Some(g) = gpu() {
+        check_smollm2(&g);
+    }
+}
+
+/// Deja Vu policies, with full and with lazy K/V, with and without lookahead, on the GPU run
+/// the plans they select (see `policy_runs_its_selection`).
+#[test]
+fn a_policy_on_the_gpu_runs_the_plan_it_selects() {
+    let Some(g) = gpu() else { return };
+    // Without and with lookahead (a second lane), with full and with lazy K/V.
+    policy_runs_its_selection(&g, "dejavu:0.1+dejavu-attn:0.5");
+    policy_runs_its_selection(&g, "paper");
+    let missed = policy_runs_its_selection(&g, "dejavu:0.1+dejavu-attn:0.5+lookahead+lazy-kv");
+    eprintln!(
+        "{}: Deja Vu policies (full and lazy K/V, lookahead) run their own selections, {} \
+         steps each; {missed} selected heads recomputed missed positions",
+        g.name(),
+        TOKENS.len() + 2
+    );
+}
+
+/// `gate-first`, `up-first`, `oracle`, `relu-exact` and `attn-norm` on the GPU run the plans
+/// they select (see `rules_that_select_from_activations_run`).
+#[test]
+fn rules_that_select_from_activations_run_on_the_gpu() {
+    let Some(g) = gpu() else { return };
+    rules_that_select_from_activations_run(&g);
+    eprintln!("{}: gate-first, up-first, oracle, relu-exact and attn-norm run their own selections on 5 fixtures", g.name());
+}
+
+/// Prompts in batches on the GPU (see `prompts_in_batches_match_the_reference`).
+#[test]
+fn prompts_on_the_gpu_run_in_batches() {
+    let Some(g) = gpu() else { return };
+    let worst = prompts_in_batches_match_the_reference(&g);
+    eprintln!(
+        "{}: prompts in batches match the reference's batches, worst |logit error| \
+         {worst:.2e}",
+        g.name()
+    );
+}
+
+/// The contextual output head on the GPU (see `contextual_head_matches_the_reference`).
+#[test]
+fn the_contextual_head_on_the_gpu_matches_the_reference() {
+    let Some(g) = gpu() else { return };
+    contextual_head_matches_the_reference(&g);
+    eprintln!("{}: the contextual head matches the reference", g.name());
+}
+
+/// The same Deja Vu policy on the host reference device and on the GPU picks the same sets
+/// (synthetic:opt-125m, random predictors): the share of each selected set found by both,
+/// printed; at least 99% (the scores differ only by summation order, so only near-ties
+/// may go either way).
+#[test]
+fn a_policy_picks_the_same_sets_on_the_gpu() {
+    let Some(g) = gpu() else { return };
+    let host = CpuDevice::reference();
+    let opts = EngineOptions {
+        keep_file_layout: true,
+        n_ctx: Some(16),
+        ..Default::default()
+    };
+    let eng = Engine::load("synthetic:opt-125m", &opts).unwrap();
+    let preds = eng.predictors(None).unwrap();
+    let policy = eng
+        .policy("dejavu:0.1+dejavu-attn:0.5", preds.as_ref())
+        .unwrap();
+    let layout = eng.sparse_layout().unwrap();
+    let (hm, gm) = (
+        DeviceModel::upload(&host, &eng.model, Some(layout)).unwrap(),
+        DeviceModel::upload(&g, &eng.model, Some(layout)).unwrap(),
+    );
+    let c = &eng.model.config;
+    let mut hs = DeviceSession::new(
+        &host,
+        &hm,
+        DevicePlan::policy(&host, c, &policy).unwrap(),
+        16,
+    )
+    .unwrap();
+    let mut gs =
+        DeviceSession::new(&g, &gm, DevicePlan::policy(&g, c, &policy).unwrap(), 16).unwrap();
+    let (mut found, mut total) = (0usize, 0usize);
+    for &t in &TOKENS[..4] {
+        hs.forward(&[t]).unwrap();
+        gs.forward(&[t]).unwrap();
+        for ((hm, hh), (gm, gh)) in hs
+            .selections()
+            .unwrap()
+            .into_iter()
+            .zip(gs.selections().unwrap())
+        {
+            for (a, b) in [(hm, gm), (hh, gh)] {
+                if let (Some(a), Some(b)) = (a, b) {
+                    total += a.len();
+                    found += a.iter().filter(|i| b.binary_search(i).is_ok()).count();
+                }
+            }
+        }
+    }
+    let share = found as f64 / total as f64;
+    eprintln!(
+        "{}: the policy's sets agree with the host reference's on {found}/{total} units ({:.4})",
+        g.name(),
+        share
+    );
+    assert!(share >= 0.99, "agreement {share}");
+}
+
+/// Two processes on the one GPU as NCCL ranks 0 and 1 give the single GPU's logits, over a
+/// prompt batch and decode steps, with the steps recorded as CUDA graphs (NCCL calls
+/// included) and run eagerly. NCCL refuses two ranks on one GPU of one host, so each process
+/// gets its own `NCCL_HOSTID` and NCCL's socket transport over loopback: a test setup.
+/// Tolerance: `assert_close`'s (the ranks' partial sums are added in another order).
+#[test]
+fn two_processes_on_one_gpu_give_the_single_gpus_logits() {
+    if let Ok(rank) = std::env::var("DEJAVU_TP_CHILD") {
+        return tp_child(rank.parse().unwrap());
+    }
+    let Some(g) = gpu() else { return };
+    if let Err(e) = dejavu_backend_cuda::nccl_id() {
+        return eprintln!("skipped: {e}");
+    }
+    let runs = [
+        ("llama-silu", "dense", true),
+        ("llama-silu", "dense", false),
+        ("opt-relu", "dense", true),
+        ("opt-relu", "dense", false),
+        ("opt-relu", "uneven", true),
+    ];
+    for (name, which, graphs) in runs {
+        let eng = load(name);
+        let layout = eng.sparse_layout().unwrap();
+        let dm = DeviceModel::upload(&g, &eng.model, Some(layout)).unwrap();
+        let plan = DevicePlan::fixed(&g, &eng.model.config, &tp_plan(&eng, which), which);
+        let mut sess = DeviceSession::new(&g, &dm, plan.unwrap(), 64).unwrap();
+        let want = tp_steps(&mut sess);
+        let got = tp_world(name, which, graphs);
+        let mut worst = 0f32;
+        for (rank, logits) in got.iter().enumerate() {
+            for (i, (d, w)) in logits.chunks(want[0].len()).zip(&want).enumerate() {
+                let what = format!("{name} {which} rank {rank} step {i} graphs {graphs}");
+                worst = worst.max(assert_close(&what, d, w));
+            }
+        }
+        eprintln!(
+            "{name}, {which} plan: 2 processes on one GPU (graphs {graphs}): logits equal the \
+             single GPU's, worst |error| {worst:.2e}"
+        );
+    }
+}
+
+/// The plan `which` of [`tp_world`]: dense, or `common::uneven_plan` (some rank holds none
+/// of a layer's heads).
+fn tp_plan(eng: &Engine, which: &str) -> SparsePlan {
+    match which {
+        "dense" => SparsePlan::dense(&eng.model.config),
+        _ => common::uneven_plan(eng),
+    }
+}
+
+/// The prompt's logits (one batch of 5), then 4 decode steps'.
+fn tp_steps(d: &mut dyn dejavu::exec::Decoder) -> Vec<Vec<f32>> {
+    let mut out = vec![d.decode(&TOKENS[..5]).unwrap().to_vec()];
+    for &t in &TOKENS[5..] {
+        out.push(d.decode(&[t]).unwrap().to_vec());
+    }
+    out
+}
+
+/// Run the world of 2 processes on fixture `name` under plan `which`; each rank's logits,
+/// all steps.
+fn tp_world(name: &str, which: &str, graphs: bool) -> Vec<Vec<f32>> {
+    let id = dejavu_backend_cuda::nccl_id().unwrap();
+    let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
+    let dir = std::env::temp_dir().join(format!("dejavu-tp-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let exe = std::env::current_exe().unwrap();
+    let children: Vec<_> = (0..2)
+        .map(|rank| {
+            let mut c = std::process::Command::new(&exe);
+            c.args([
+                "cuda::two_processes_on_one_gpu_give_the_single_gpus_logits",
+                "--exact",
+                "--nocapture",
+            ])
+            .env("DEJAVU_TP_CHILD", rank.to_string())
+            .env("DEJAVU_TP_ID", &hex)
+            .env("DEJAVU_TP_MODEL", name)
+            .env("DEJAVU_TP_PLAN", which)
+            .env("DEJAVU_TP_OUT", dir.join(format!("rank{rank}")))
+            .env("NCCL_HOSTID", format!("dejavu-tp-test-{rank}"))
+            .env("NCCL_NVLS_ENABLE", "0")
+            .env("NCCL_SOCKET_IFNAME", "lo")
+            .env("NCCL_IB_DISABLE", "1");
+            if !graphs {
+                c.env("DEJAVU_TP_GRAPHS", "0");
+            }
+            c.stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outs: Vec<_> = children
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+        .collect();
+    for (rank, o) in outs.iter().enumerate() {
+        let err = String::from_utf8_lossy(&o.stderr);
+        for line in err.lines().filter(|l| l.starts_with("rank ")) {
+            eprintln!("{name}: {line}");
+        }
+        assert!(o.status.success(), "rank {rank}: {}\n{err}", o.status);
+    }
+    (0..2)
+        .map(|rank| {
+            let bytes = std::fs::read(dir.join(format!("rank{rank}"))).unwrap();
+            (bytes.chunks_exact(4))
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect()
+        })
+        .collect()
+}
+
+/// A rank of [`tp_world`]: its shard on the GPU, the steps, its logits to a file; then the
+/// mean time of 32 more decode steps.
+fn tp_child(rank: usize) {
+    use dejavu::exec::parallel::Shard;
+    let var = |k: &str| std::env::var(k).unwrap();
+    let hex = var("DEJAVU_TP_ID");
+    let mut id = [0u8; dejavu_backend_cuda::ID_BYTES];
+    for (i, b) in id.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
+    }
+    let dev = CudaDevice::in_world(0, rank, 2, &id).unwrap();
+    let eng = load(&var("DEJAVU_TP_MODEL"));
+    let shard = Shard::new(rank, 2).unwrap();
+    let layout = eng.sparse_layout().unwrap();
+    let dm = DeviceModel::upload_shard(&dev, &eng.model, Some(layout), shard).unwrap();
+    let sparse = tp_plan(&eng, &var("DEJAVU_TP_PLAN"));
+    let plan = DevicePlan::fixed_shard(&dev, &eng.model.config, shard, &sparse, "p").unwrap();
+    let mut sess = DeviceSession::new(&dev, &dm, plan, 64).unwrap();
+    let logits: Vec<u8> = (tp_steps(&mut sess).concat().iter())
+        .flat_map(|x| x.to_le_bytes())
+        .collect();
+    std::fs::write(var("DEJAVU_TP_OUT"), logits).unwrap();
+    let t0 = std::time::Instant::now();
+    for i in 0..32 {
+        sess.forward(&[TOKENS[i % TOKENS.len()]]).unwrap();
+    }
+    let ms = t0.elapsed().as_secs_f64() * 1e3 / 32.0;
+    eprintln!("rank {rank}: {ms:.3} ms per decode step (socket transport, one GPU)");
+}
