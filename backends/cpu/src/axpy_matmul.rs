@@ -4,7 +4,7 @@
 //!
 //! Each pool thread takes one contiguous range of the selected rows, prefetches the rows it will
 //! read next and adds them, a few at a time, into its own partial sum with the tier's `axpy_q`
-//! (dequantization fused into the multiply-add); the caller adds the partials. [`reference`] is the scalar definition the test compares against.
+//! (dequantization fused into the multiply-add); the caller adds the partials. [`reference()`] is the scalar definition the test compares against.
 use crate::dequant::dequantize_row;
 use crate::kernels::table::Kernels;
 use crate::matmul::SyncPtr;

@@ -8,7 +8,7 @@ impl CpuDevice {
     pub(super) fn fill_kv(
         &self,
         job: LazyKv<'_, Self>,
-        valid: &mut Vec<u32>,
+        valid: &mut [u32],
         kc: &mut CpuCache,
         vc: &mut CpuCache,
     ) -> Result<(), BackendError> {
@@ -96,12 +96,12 @@ impl CpuDevice {
 
     pub(super) fn attend(
         &self,
-        q: &Vec<f32>,
+        q: &[f32],
         k: &CpuCache,
         v: &CpuCache,
         heads: Rows<'_, Vec<u32>>,
         g: AttnGeom,
-        out: &mut Vec<f32>,
+        out: &mut [f32],
     ) -> Result<(), BackendError> {
         let (hd, pos, rows) = (g.head_dim, self.pos(), g.rows);
         let width = g.n_kv_heads * hd;

@@ -156,9 +156,9 @@ impl CpuDevice {
         &self,
         w: &CpuMat,
         rows: Rows<'_, Vec<u32>>,
-        a: &Vec<f32>,
+        a: &[f32],
         bias: Option<&Vec<f32>>,
-        y: &mut Vec<f32>,
+        y: &mut [f32],
     ) -> Result<(), BackendError> {
         if w.layout != RowLayout::Ggml {
             return Err(shape(
