@@ -87,8 +87,8 @@ impl<D: Device> DeviceModel<D> {
         self.output.as_ref().unwrap_or(&self.token_embd)
     }
 
-    /// Upload `model` (in its file's row layout: load it without repacking) and, when given,
-    /// the sparse layout that sparse plans read.
+    /// Upload `model` (a GPU reads its file's row layout: load it without repacking; the CPU
+    /// reads either) and, when given, the sparse layout that sparse plans read.
     pub fn upload(dev: &D, model: &Model, layout: Option<&SparseLayout>) -> Result<Self> {
         Self::upload_shard(dev, model, layout, Shard::WHOLE)
     }

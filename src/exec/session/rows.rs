@@ -119,7 +119,7 @@ impl<D: Device> DeviceSession<'_, D> {
         Ok(&mut self.rows_out)
     }
 
-    /// `tokens` in batches of the batch scratch's rows: the rows `want` names of the run
+    /// `tokens` in batches of up to `MAX_ROWS` rows: the rows `want` names of the run
     /// (`None`: the last one's logits, left on the device).
     fn prefill(&mut self, tokens: &[u32], want: Option<(Range<usize>, bool)>) -> Result<()> {
         let (size, n) = (MAX_ROWS.min(self.n_ctx).max(1), tokens.len());
