@@ -21,6 +21,7 @@ use dejavu_backend_api::{
     Activation, AttnGeom, BackendError, Device, LazyKv, Product, QuantType, RopeStyle, Rows,
     SharedBytes, StepRow, Weight, MAX_ROWS,
 };
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 mod attend;
@@ -33,8 +34,11 @@ pub use mat::CpuMat;
 use mat::{range_in, MatBytes};
 
 pub struct CpuDevice {
-    /// The batch's tokens and first position.
-    step: Mutex<(Vec<u32>, usize)>,
+    /// The batch's tokens, and its first position and row count (read by every verb: atomics,
+    /// set together with the tokens).
+    tokens: Mutex<Vec<u32>>,
+    pos: AtomicUsize,
+    n_rows: AtomicUsize,
     /// The kernel table and the thread pool.
     cpu: CpuBackend,
     /// The f32 reference ([`CpuDevice::reference`]).
@@ -79,7 +83,9 @@ impl CpuDevice {
     /// The device on `cpu`'s kernels and thread pool.
     pub fn from_backend(cpu: CpuBackend) -> Self {
         Self {
-            step: Mutex::new((vec![0], 0)),
+            tokens: Mutex::new(vec![0]),
+            pos: AtomicUsize::new(0),
+            n_rows: AtomicUsize::new(1),
             cpu,
             reference: false,
             world: None,
@@ -153,11 +159,11 @@ fn rows_of(rows: Rows<'_, Vec<u32>>, n: usize) -> Result<Vec<usize>, BackendErro
 
 impl CpuDevice {
     fn pos(&self) -> usize {
-        self.step.lock().expect("step lock").1
+        self.pos.load(Ordering::Relaxed)
     }
     /// The batch set has at least `rows` rows (and `rows` > 0).
     fn rows(&self, what: &str, rows: usize) -> Result<(), BackendError> {
-        let have = self.step.lock().expect("step lock").0.len();
+        let have = self.n_rows.load(Ordering::Relaxed);
         match rows > 0 && rows <= have {
             true => Ok(()),
             false => Err(shape(format!("{what} of {rows} rows in a batch of {have}"))),
@@ -234,7 +240,11 @@ impl Device for CpuDevice {
         if tokens.is_empty() || tokens.len() > MAX_ROWS {
             return Err(shape(format!("a batch of {} rows", tokens.len())));
         }
-        *self.step.lock().expect("step lock") = (tokens.to_vec(), pos);
+        let mut t = self.tokens.lock().expect("tokens lock");
+        t.clear();
+        t.extend_from_slice(tokens);
+        self.pos.store(pos, Ordering::Relaxed);
+        self.n_rows.store(tokens.len(), Ordering::Relaxed);
         Ok(())
     }
 
@@ -247,7 +257,7 @@ impl Device for CpuDevice {
         rows: usize,
     ) -> Result<(), BackendError> {
         self.batch("embed output", x.len(), t.cols, rows)?;
-        let (tokens, pos) = self.step.lock().expect("step lock").clone();
+        let (tokens, pos) = (self.tokens.lock().expect("tokens lock").clone(), self.pos());
         let mut row = vec![0.0; t.cols];
         for (i, xr) in x.chunks_exact_mut(t.cols).take(rows).enumerate() {
             let r = match which {

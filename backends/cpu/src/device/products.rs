@@ -239,6 +239,13 @@ fn finish(
     accumulate: bool,
     y: &mut [f32],
 ) {
+    // Every row, added (W_o and the down projection into the residual): a plain loop.
+    if let (Some(f), None, true) = (full, rs, accumulate) {
+        for (j, y) in y.iter_mut().enumerate() {
+            *y += f[j] + bias.map_or(0.0, |b| b[j]);
+        }
+        return;
+    }
     for (j, y) in y.iter_mut().enumerate() {
         let r = rs.map_or(j, |rs| rs[j]);
         let s = full.map_or(*y, |f| f[r]) + bias.map_or(0.0, |b| b[r]);
