@@ -448,10 +448,15 @@ impl Device for CpuDevice {
     ) -> Result<(), BackendError> {
         let w = n_heads * head_dim;
         self.batch("rope", x.len(), w, rows)?;
-        let pos = self.pos();
-        for (r, xr) in x.chunks_exact_mut(w.max(1)).take(rows).enumerate() {
-            ops::rope(xr, n_heads, head_dim, pos + r, theta, style);
-        }
+        // One call over the rows: the frequencies are computed once, not once a row.
+        ops::rope(
+            &mut x[..rows * w],
+            n_heads,
+            head_dim,
+            self.pos(),
+            theta,
+            style,
+        );
         Ok(())
     }
 
