@@ -30,38 +30,27 @@ impl CpuDevice {
         let mut scratch: Vec<Vec<f32>> = (jobs.iter().zip(&direct))
             .map(|(p, &d)| if d { Vec::new() } else { vec![0f32; p.w.rows] })
             .collect();
-        // Products of the call's input share one quantization of it and one pool dispatch
-        // (their widths agree); products of their own inputs run one by one.
-        let first = jobs.iter().find(|p| p.x.is_none()).map(|p| p.w.cols);
         let weights = jobs
             .iter()
             .map(|p| p.w.weight())
             .collect::<Result<Vec<_>, _>>()?;
         {
-            let (mut shared, mut own) = (Vec::new(), Vec::new());
             let all = jobs.iter_mut().zip(scratch.iter_mut()).zip(&weights);
-            for (i, ((p, sc), w)) in all.enumerate() {
-                let y: &mut [f32] = match direct[i] {
-                    true => &mut p.y[..w.rows],
-                    false => sc,
-                };
-                let job = MatmulJob {
-                    w: *w,
-                    rows: &sels[i].0,
-                    y,
-                };
-                match p.x {
-                    None if Some(w.cols) == first => shared.push(job),
-                    input => own.push((input.unwrap_or(x), job)),
-                }
-            }
-            if let Some(cols) = first {
-                matmul::matmul_shared(&self.cpu.kernels, &self.cpu.pool, &x[..cols], &mut shared);
-            }
-            for (xp, job) in own {
-                let cols = job.w.cols;
-                matmul::matmul_shared(&self.cpu.kernels, &self.cpu.pool, &xp[..cols], &mut [job]);
-            }
+            let runs = (all.enumerate())
+                .map(|(i, ((p, sc), w))| {
+                    let y: &mut [f32] = match direct[i] {
+                        true => &mut p.y[..w.rows],
+                        false => sc,
+                    };
+                    let job = MatmulJob {
+                        w: *w,
+                        rows: &sels[i].0,
+                        y,
+                    };
+                    (p.x.map(|v| &v[..]), job)
+                })
+                .collect();
+            self.dispatch(x, 1, runs);
         }
         for (i, p) in jobs.iter_mut().enumerate() {
             if direct[i] && p.bias.is_none() && p.act.is_none() {
@@ -105,39 +94,28 @@ impl CpuDevice {
             })
             .collect();
         {
-            // Products of the call's input in one shared dispatch (their widths agree: Q, K and
-            // V; gate and up); products of their own inputs one by one.
-            let first = jobs.iter().find(|p| p.x.is_none()).map(|p| p.w.cols);
-            let (mut shared, mut own) = (Vec::new(), Vec::new());
             let all = jobs
                 .iter_mut()
                 .zip(sums.iter_mut())
                 .zip(&weights)
                 .zip(&alls);
-            for (((p, sum), w), set) in all {
-                let n = rows * w.rows;
-                let y: &mut [f32] = match p.accumulate {
-                    true => sum,
-                    false => &mut p.y[..n],
-                };
-                let job = MatmulJob {
-                    w: *w,
-                    rows: set,
-                    y,
-                };
-                match p.x {
-                    None if Some(w.cols) == first => shared.push(job),
-                    input => own.push((input.unwrap_or(x), job)),
-                }
-            }
-            if let Some(cols) = first {
-                let xs = &x[..rows * cols];
-                matmul::matmul_shared(&self.cpu.kernels, &self.cpu.pool, xs, &mut shared);
-            }
-            for (xp, job) in own {
-                let xs = &xp[..rows * job.w.cols];
-                matmul::matmul_shared(&self.cpu.kernels, &self.cpu.pool, xs, &mut [job]);
-            }
+            let runs = all
+                .map(|(((p, sum), w), set)| {
+                    let y: &mut [f32] = match p.accumulate {
+                        true => sum,
+                        false => &mut p.y[..rows * w.rows],
+                    };
+                    (
+                        p.x.map(|v| &v[..]),
+                        MatmulJob {
+                            w: *w,
+                            rows: set,
+                            y,
+                        },
+                    )
+                })
+                .collect();
+            self.dispatch(x, rows, runs);
         }
         for (p, sum) in jobs.iter_mut().zip(&sums) {
             if !p.accumulate && p.bias.is_none() && p.act.is_none() {
@@ -150,6 +128,30 @@ impl CpuDevice {
             }
         }
         Ok(())
+    }
+
+    /// `jobs` over `rows` rows of their inputs (`None`: the call's `x`): the products of the
+    /// call's input share one quantization of it and one pool dispatch (their widths agree: Q,
+    /// K and V; gate and up); products of their own inputs run one by one.
+    fn dispatch<'a>(&self, x: &[f32], rows: usize, jobs: Vec<(Option<&'a [f32]>, MatmulJob<'a>)>) {
+        let first = (jobs.iter())
+            .find(|(input, _)| input.is_none())
+            .map(|(_, j)| j.w.cols);
+        let (mut shared, mut own) = (Vec::new(), Vec::new());
+        for (input, job) in jobs {
+            match input {
+                None if Some(job.w.cols) == first => shared.push(job),
+                input => own.push((input.unwrap_or(x), job)),
+            }
+        }
+        let (k, pool) = (&self.cpu.kernels, &self.cpu.pool);
+        if let Some(cols) = first {
+            matmul::matmul_shared(k, pool, &x[..rows * cols], &mut shared);
+        }
+        for (xp, job) in own {
+            let cols = job.w.cols;
+            matmul::matmul_shared(k, pool, &xp[..rows * cols], &mut [job]);
+        }
     }
 
     pub(super) fn axpy_rows(
