@@ -114,7 +114,15 @@ fn fixtures_match_hugging_face_perplexity() {
         let tokens = eng.tokenizer.encode_document(&text).unwrap();
         let plan = SparsePlan::dense(&eng.model.config);
         for feed in [Feed::Batch, Feed::TokenByToken] {
-            let got = perplexity(&eng, &tokens, r.ctx, &plan, feed, |_, _, _| {}).unwrap();
+            let got = perplexity(
+                &eng,
+                &mut eng.session(eng.fixed_plan(&plan).unwrap()).unwrap(),
+                &tokens,
+                r.ctx,
+                feed,
+                |_, _, _| {},
+            )
+            .unwrap();
             assert_eq!(got.n_chunks, r.chunks, "{name}");
             let rel = (got.ppl - r.reference_f32_weights).abs() / r.reference_f32_weights;
             eprintln!(

@@ -162,8 +162,15 @@ fn smollm2_decode_path_perplexity_within_1_percent_of_native() {
     let tokens = eng.tokenizer.encode(&public_eval()).unwrap();
     let plan = SparsePlan::dense(&eng.model.config);
     let feed = dejavu::eval::perplexity::Feed::TokenByToken;
-    let res = dejavu::eval::perplexity::perplexity(&eng, &tokens, r.ctx, &plan, feed, |_, _, _| {})
-        .unwrap();
+    let res = dejavu::eval::perplexity::perplexity(
+        &eng,
+        &mut eng.session(eng.fixed_plan(&plan).unwrap()).unwrap(),
+        &tokens,
+        r.ctx,
+        feed,
+        |_, _, _| {},
+    )
+    .unwrap();
     assert_eq!(res.n_scored, r.chunks * (r.ctx / 2 - 1));
     let rel = (res.ppl / r.reference_native_quant - 1.0).abs();
     eprintln!(
@@ -187,9 +194,9 @@ fn check_perplexity(name: &str) {
     let plan = SparsePlan::dense(&eng.model.config);
     let res = dejavu::eval::perplexity::perplexity(
         &eng,
+        &mut eng.session(eng.fixed_plan(&plan).unwrap()).unwrap(),
         &tokens,
         r.ctx,
-        &plan,
         dejavu::eval::perplexity::Feed::Batch,
         |_, _, _| {},
     )

@@ -9,6 +9,7 @@ use dejavu::exec::Logits;
 use dejavu::exec::{Engine, EngineOptions};
 use dejavu::model::tokenizer::Tokenizer;
 use dejavu::model::weights::Model;
+use dejavu::sparsity::policy::Policy;
 use dejavu::sparsity::SparsePlan;
 use dejavu::text::sampling::argmax;
 use dejavu_backend_api::QuantType;
@@ -33,8 +34,8 @@ fn ppl(path: &Path) -> f64 {
     let eng = Engine::load(path, &EngineOptions::default()).unwrap();
     let text = std::fs::read_to_string(fixture("eval.txt")).unwrap();
     let tokens = eng.tokenizer.encode_document(&text).unwrap();
-    let plan = SparsePlan::dense(&eng.model.config);
-    perplexity(&eng, &tokens, 512, &plan, Feed::Batch, |_, _, _| {})
+    let mut dense = eng.decoder(&Policy::dense(&eng.model.config)).unwrap();
+    perplexity(&eng, &mut dense, &tokens, 512, Feed::Batch, |_, _, _| {})
         .unwrap()
         .ppl
 }

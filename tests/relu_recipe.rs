@@ -65,7 +65,7 @@ fn calibration_uses_relu_labels_and_per_layer_budgets() {
     let e = load("opt-relu");
     let tokens = eval_tokens(&e, 2048);
     let opts = CalibrateOptions::default();
-    let t = train_predictors(&e, &tokens, 256, &opts.mlp, &opts.heads).unwrap();
+    let t = train_predictors(&e, &e, &tokens, 256, &opts.mlp, &opts.heads).unwrap();
     let c = &e.model.config;
     assert_eq!(t.mlp_density.len(), c.n_layers);
     assert!(t.mlp_density[0] > 0.15, "{:?}", t.mlp_density);

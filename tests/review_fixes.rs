@@ -489,7 +489,15 @@ fn f16_kv_cache_keeps_quality_at_half_the_bytes() {
         let mut tokens = e.tokenizer.encode_document(&text).unwrap();
         tokens.truncate(4 * 512);
         let plan = dejavu::sparsity::SparsePlan::dense(&e.model.config);
-        let r = perplexity(&e, &tokens, 512, &plan, Feed::TokenByToken, |_, _, _| {}).unwrap();
+        let r = perplexity(
+            &e,
+            &mut e.session(e.fixed_plan(&plan).unwrap()).unwrap(),
+            &tokens,
+            512,
+            Feed::TokenByToken,
+            |_, _, _| {},
+        )
+        .unwrap();
         ppl.push((r.ppl, e.kv_bytes(100)));
     }
     let ((p32, b32), (p16, b16)) = (ppl[0], ppl[1]);

@@ -151,7 +151,9 @@ fn calibrated(e: &Engine) -> Predictors {
         no_search: true,
         ..Default::default()
     };
-    calibrate(e, &tokens, "test text", &opts, |_| {}).unwrap().0
+    calibrate(e, e, &tokens, "test text", &opts, |_| {})
+        .unwrap()
+        .0
 }
 
 #[test]

@@ -4,6 +4,7 @@
 use dejavu::exec::{BlockTimes, Logits};
 use dejavu::exec::{Engine, EngineOptions};
 use dejavu::model::synthetic::SyntheticOptions;
+use dejavu::sparsity::policy::Policy;
 use dejavu::sparsity::{HeadRule, MlpRule};
 use dejavu_backend_api::QuantType;
 use std::process::Command;
@@ -117,11 +118,12 @@ fn paper_policy_runs_its_selection_on_synthetic_predictors() {
 #[test]
 fn quality_commands_refuse_and_bad_names_are_errors() {
     let e = engine(QuantType::Q4_0);
+    let mut dense = e.decoder(&Policy::dense(&e.model.config)).unwrap();
     let err = dejavu::eval::perplexity::perplexity(
         &e,
+        &mut dense,
         &[1; 64],
         16,
-        &dejavu::sparsity::SparsePlan::dense(&e.model.config),
         dejavu::eval::perplexity::Feed::Batch,
         |_, _, _| {},
     )

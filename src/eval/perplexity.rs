@@ -4,10 +4,8 @@
 //! at `ctx/2 + 1 .. ctx`. `ppl = exp(mean NLL)`. For a model that takes a BOS, the text is
 //! tokenized with it first and each chunk's first token is replaced by it (as llama-perplexity
 //! does; see [`crate::model::tokenizer::Tokenizer::encode_document`]).
-use crate::exec::Decoder;
-use crate::exec::Engine;
-use crate::exec::Logits;
-use crate::sparsity::SparsePlan;
+use crate::exec::{Decoder, Engine, Logits, Sessions};
+use crate::sparsity::policy::Policy;
 use crate::{Error, Result};
 
 #[derive(Debug, Clone)]
@@ -53,17 +51,18 @@ pub enum Feed {
     TokenByToken,
 }
 
+/// `tokens` scored in chunks of `ctx` on `dec` (a dense sequence, or any policy's), each chunk
+/// from an empty cache, fed as `feed` says.
 pub fn perplexity(
     engine: &Engine,
+    dec: &mut dyn Decoder,
     tokens: &[u32],
     ctx: usize,
-    plan: &SparsePlan,
     feed: Feed,
     mut on_chunk: impl FnMut(usize, usize, f64),
 ) -> Result<PerplexityResult> {
-    check_ctx(engine, tokens, ctx)?;
+    check_ctx(engine, dec.n_ctx(), tokens, ctx)?;
     let n_chunks = tokens.len() / ctx;
-    let mut session = engine.session(engine.fixed_plan(plan)?)?;
     let vocab = engine.model.config.vocab_size;
     let first = ctx / 2;
     let mut rows = Vec::new();
@@ -71,14 +70,14 @@ pub fn perplexity(
     let mut chunk_buf = Vec::new();
     for i in 0..n_chunks {
         let chunk = chunk_of(engine, tokens, i, ctx, &mut chunk_buf);
-        session.truncate(0);
+        dec.truncate(0);
         let logits: &[f32] = match feed {
-            Feed::Batch => session.run(chunk, Logits::Range(first, ctx - 1))?,
+            Feed::Batch => dec.run(chunk, Logits::Range(first, ctx - 1))?,
             Feed::TokenByToken => {
-                session.run(&chunk[..first], Logits::Last)?;
+                dec.run(&chunk[..first], Logits::Last)?;
                 rows.clear();
                 for &t in &chunk[first..ctx - 1] {
-                    rows.extend_from_slice(session.run(&[t], Logits::Last)?);
+                    rows.extend_from_slice(dec.run(&[t], Logits::Last)?);
                 }
                 &rows
             }
@@ -100,52 +99,17 @@ pub fn perplexity(
     Ok(r)
 }
 
-/// [`perplexity`] token by token on any [`Decoder`] (a device session): each chunk from an
-/// empty cache, its unscored first half fed one position at a time, then every scored position.
-/// The same positions are scored as by [`Feed::TokenByToken`].
-pub fn perplexity_on(
-    engine: &Engine,
-    dec: &mut dyn Decoder,
-    tokens: &[u32],
-    ctx: usize,
-    mut on_chunk: impl FnMut(usize, usize, f64),
-) -> Result<PerplexityResult> {
-    check_ctx(engine, tokens, ctx)?;
-    if ctx > dec.n_ctx() {
-        return Err(Error::ContextOverflow {
-            n_tokens: ctx,
-            n_ctx: dec.n_ctx(),
-        });
-    }
-    let n_chunks = tokens.len() / ctx;
-    let first = ctx / 2;
-    let (mut nll_sum, mut n_scored) = (0f64, 0usize);
-    let mut chunk_buf = Vec::new();
-    for i in 0..n_chunks {
-        let chunk = chunk_of(engine, tokens, i, ctx, &mut chunk_buf);
-        dec.truncate(0);
-        dec.decode(&chunk[..first])?;
-        for j in first..ctx - 1 {
-            let row = dec.decode(&chunk[j..j + 1])?;
-            nll_sum += nll(row, chunk[j + 1] as usize);
-            n_scored += 1;
-        }
-        on_chunk(i + 1, n_chunks, (nll_sum / n_scored as f64).exp());
-    }
-    PerplexityResult::of(nll_sum, n_scored, n_chunks)
-}
-
-fn check_ctx(engine: &Engine, tokens: &[u32], ctx: usize) -> Result<()> {
+fn check_ctx(engine: &Engine, n_ctx: usize, tokens: &[u32], ctx: usize) -> Result<()> {
     engine.require_real_weights("perplexity")?;
     if ctx < 4 {
         return Err(Error::Invalid(format!(
             "--ctx {ctx} is too small (at least 4)"
         )));
     }
-    if ctx > engine.n_ctx {
+    if ctx > n_ctx {
         return Err(Error::ContextOverflow {
             n_tokens: ctx,
-            n_ctx: engine.n_ctx,
+            n_ctx,
         });
     }
     if tokens.len() < ctx {
@@ -210,13 +174,14 @@ impl Comparison {
 /// `policy`, side by side. `on_chunk(i, n_chunks, dense_ppl, sparse_ppl)` after each chunk.
 pub fn compare(
     engine: &Engine,
+    on: &dyn Sessions,
     tokens: &[u32],
     ctx: usize,
     policy: &crate::sparsity::policy::Policy,
     mut on_chunk: impl FnMut(usize, usize, f64, f64),
 ) -> Result<Comparison> {
     let on_chunk = |i, n, d, s: &[f64]| on_chunk(i, n, d, s[0]);
-    let mut r = compare_many(engine, tokens, ctx, &[policy], on_chunk, |_, _| {})?;
+    let mut r = compare_many(engine, on, tokens, ctx, &[policy], on_chunk, |_, _| {})?;
     Ok(r.remove(0))
 }
 
@@ -233,22 +198,22 @@ pub fn scored_tokens(n_tokens: usize, ctx: usize) -> usize {
 /// twenty policies takes minutes).
 pub fn compare_many(
     engine: &Engine,
+    on: &dyn Sessions,
     tokens: &[u32],
     ctx: usize,
     policies: &[&crate::sparsity::policy::Policy],
     mut on_chunk: impl FnMut(usize, usize, f64, &[f64]),
     mut on_token: impl FnMut(usize, usize),
 ) -> Result<Vec<Comparison>> {
-    check_ctx(engine, tokens, ctx)?;
+    check_ctx(engine, on.n_ctx(), tokens, ctx)?;
     let n_chunks = tokens.len() / ctx;
     let vocab = engine.model.config.vocab_size;
     let first = ctx / 2;
     let total = scored_tokens(tokens.len(), ctx);
     let np = policies.len();
-    let dense = SparsePlan::dense(&engine.model.config);
-    let mut cd = engine.session(engine.fixed_plan(&dense)?)?;
+    let mut cd = on.open(&Policy::dense(&engine.model.config))?;
     let mut caches = (policies.iter())
-        .map(|p| engine.decoder(p))
+        .map(|p| on.open(p))
         .collect::<Result<Vec<_>>>()?;
     let (mut nd, mut n, mut dense_secs) = (0f64, 0usize, 0f64);
     let mut acc = vec![(0f64, 0f64, 0usize, 0f64); np]; // nll, kl, agree, secs
@@ -276,7 +241,12 @@ pub fn compare_many(
                 acc[k].0 += nll(ls, target);
                 acc[k].1 += kl_div(&ld, ls);
                 acc[k].2 += (argmax(ls) == top) as usize;
-                steps[k].add(caches[k].last_step()?);
+                let Some(step) = caches[k].last_step()? else {
+                    return Err(Error::Invalid(
+                        "this decoder does not count its steps".into(),
+                    ));
+                };
+                steps[k].add(step);
             }
             n += 1;
             on_token(n, total);
@@ -305,6 +275,7 @@ pub fn compare_many(
 /// `what`; returns each parsed policy with its comparison.
 pub fn compare_specs(
     engine: &Engine,
+    on: &dyn Sessions,
     tokens: &[u32],
     ctx: usize,
     specs: &[String],
@@ -319,7 +290,7 @@ pub fn compare_specs(
     // Scored tokens, each decoded once dense and once per policy.
     let bar = crate::progress::bar(scored_tokens(tokens.len(), ctx) as u64, what);
     let on_token = |done, _| bar.set_position(done as u64);
-    let rs = compare_many(engine, tokens, ctx, &refs, |_, _, _, _| {}, on_token)?;
+    let rs = compare_many(engine, on, tokens, ctx, &refs, |_, _, _, _| {}, on_token)?;
     bar.finish_and_clear();
     Ok(pols.into_iter().zip(rs).collect())
 }

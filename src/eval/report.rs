@@ -61,12 +61,13 @@ fn family(spec: &str) -> String {
 /// Evaluate `specs` on `tokens` (chunks of `ctx`) against dense.
 pub fn frontier(
     engine: &Engine,
+    on: &dyn crate::exec::Sessions,
     tokens: &[u32],
     ctx: usize,
     specs: &[String],
     predictors: Option<&Predictors>,
 ) -> Result<Vec<FrontierRow>> {
-    let evaluated = compare_specs(engine, tokens, ctx, specs, predictors, "scored tokens")?;
+    let evaluated = compare_specs(engine, on, tokens, ctx, specs, predictors, "scored tokens")?;
     let dense_bytes = engine.model.dense_bytes_per_token() as f64;
     Ok(evaluated
         .into_iter()

@@ -1,7 +1,11 @@
-//! What generation, perplexity and serving run on: one sequence's cache and the forward pass that
-//! extends it.
-use crate::exec::StepStats;
-use crate::Result;
+//! What generation, perplexity, serving and calibration run on: one sequence's cache and the
+//! forward pass that extends it ([`Decoder`]), and where such sequences are opened: a device
+//! with the model on it ([`Sessions`]).
+use crate::exec::{Capture, DeviceModel, DevicePlan, DeviceSession, Logits, StepStats};
+use crate::model::config::ModelConfig;
+use crate::sparsity::policy::Policy;
+use crate::{Error, Result};
+use dejavu_backend_api::Device;
 
 /// What generation runs on: a sequence's KV cache and the model that extends it
 /// (`exec::DeviceSession`, on the CPU or a GPU, or a tensor-parallel world).
@@ -16,8 +20,75 @@ pub trait Decoder {
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
-    /// What a decode step reads and computes under the plan (`None` where not known).
-    fn last_step(&self) -> Option<StepStats> {
-        None
+    /// What the last decode step read and computed under the plan (`None` where not known).
+    fn last_step(&self) -> Result<Option<StepStats>> {
+        Ok(None)
+    }
+    /// Run `tokens` and return the rows `want` names (see [`Logits`]). A decoder that gathers
+    /// only the last row's logits (a tensor-parallel world) refuses the others.
+    fn run(&mut self, tokens: &[u32], want: Logits) -> Result<&mut [f32]> {
+        match want {
+            Logits::Last => self.decode(tokens),
+            _ => Err(unsupported("rows other than the last")),
+        }
+    }
+    /// Record each layer's block inputs from now on (see [`Capture`]), or stop.
+    fn capture(&mut self, on: bool) -> Result<()> {
+        let _ = on;
+        Err(unsupported("capturing activations"))
+    }
+    /// What the runs since [`Self::capture`] recorded.
+    fn take_capture(&mut self) -> Capture {
+        Capture::default()
+    }
+    /// `|a|`, every MLP activation of layer `l` for the rows `h` (`[n][d_model]`, the layer's
+    /// MLP inputs as a [`Capture`] holds them): `[n][n_ff]`, the magnitudes calibration's
+    /// labels rank.
+    fn mlp_activations(&mut self, l: usize, h: &[f32]) -> Result<Vec<f32>> {
+        let _ = (l, h);
+        Err(unsupported("MLP activations"))
+    }
+}
+
+fn unsupported(what: &str) -> Error {
+    Error::Invalid(format!(
+        "{what}: not on a tensor-parallel world (one device only)"
+    ))
+}
+
+/// Where sequences are opened: a device and the model on it (the CPU [`crate::exec::Engine`],
+/// or a GPU). Perplexity comparisons and calibration open several and run on any.
+pub trait Sessions {
+    fn config(&self) -> &ModelConfig;
+    /// The context of each sequence.
+    fn n_ctx(&self) -> usize;
+    /// An empty sequence under `policy`.
+    fn open(&self, policy: &Policy) -> Result<Box<dyn Decoder + '_>>;
+    /// The device's name, for reports (`cpu (avx512, 2 threads)`, `cuda:0 ...`).
+    fn name(&self) -> String;
+}
+
+/// A device and a whole model on it (uploaded with the sparse layout when sparse policies are
+/// to run): sequences of `n_ctx` positions.
+pub struct OnDevice<'a, D: Device> {
+    pub dev: &'a D,
+    pub model: &'a DeviceModel<D>,
+    pub n_ctx: usize,
+}
+
+impl<D: Device> Sessions for OnDevice<'_, D> {
+    fn config(&self) -> &ModelConfig {
+        &self.model.config
+    }
+    fn n_ctx(&self) -> usize {
+        self.n_ctx
+    }
+    fn open(&self, policy: &Policy) -> Result<Box<dyn Decoder + '_>> {
+        let plan = DevicePlan::policy(self.dev, &self.model.config, policy)?;
+        let session = DeviceSession::new(self.dev, self.model, plan, self.n_ctx)?;
+        Ok(Box::new(session))
+    }
+    fn name(&self) -> String {
+        self.dev.name()
     }
 }

@@ -288,3 +288,20 @@ impl Engine {
         self.threads
     }
 }
+
+/// Sequences on the engine's CPU device.
+impl crate::exec::Sessions for Engine {
+    fn config(&self) -> &crate::model::config::ModelConfig {
+        &self.model.config
+    }
+    fn n_ctx(&self) -> usize {
+        self.n_ctx
+    }
+    fn open(&self, policy: &Policy) -> Result<Box<dyn crate::exec::Decoder + '_>> {
+        Ok(Box::new(self.decoder(policy)?))
+    }
+    fn name(&self) -> String {
+        use dejavu_backend_api::Device;
+        self.device.name()
+    }
+}

@@ -27,5 +27,5 @@ pub use model::DeviceModel;
 pub use plan::DevicePlan;
 pub use session::{BlockTimes, Capture, DeviceSession, Logits, Selections, StepBytes, StepStats};
 
-pub use decoder::Decoder;
+pub use decoder::{Decoder, OnDevice, Sessions};
 pub use engine::{Engine, EngineOptions, KvType, DEFAULT_CTX, MAX_PADDING_ROWS};

@@ -96,8 +96,21 @@ impl<D: Device> crate::exec::Decoder for DeviceSession<'_, D> {
     fn truncate(&mut self, len: usize) {
         DeviceSession::truncate(self, len)
     }
-    fn last_step(&self) -> Option<StepStats> {
-        DeviceSession::last_step(self).ok()
+    fn last_step(&self) -> Result<Option<StepStats>> {
+        DeviceSession::last_step(self).map(Some)
+    }
+    fn run(&mut self, tokens: &[u32], want: Logits) -> Result<&mut [f32]> {
+        DeviceSession::run(self, tokens, want)
+    }
+    fn capture(&mut self, on: bool) -> Result<()> {
+        DeviceSession::capture(self, on);
+        Ok(())
+    }
+    fn take_capture(&mut self) -> Capture {
+        DeviceSession::take_capture(self)
+    }
+    fn mlp_activations(&mut self, l: usize, h: &[f32]) -> Result<Vec<f32>> {
+        DeviceSession::mlp_activations(self, l, h)
     }
 }
 

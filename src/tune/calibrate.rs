@@ -14,12 +14,11 @@
 //!    the fastest (measured decode speedup) whose perplexity stays within `max_ppl_increase` of
 //!    dense, either way (a lower perplexity from a perturbation is not quality).
 use crate::eval::perplexity::{compare_specs, Comparison};
-use crate::exec::Engine;
 use crate::exec::Logits;
+use crate::exec::{Engine, Sessions};
 use crate::sparsity::policy::Policy;
 use crate::sparsity::predictor::{HeadPredictor, Labels, MlpPredictor, TrainOptions};
 use crate::sparsity::predictors_file::{OutputPreview, Predictors};
-use crate::sparsity::SparsePlan;
 use crate::text::chat::EncodeChat;
 use crate::{Error, Result};
 use nalgebra::{DMatrix, SymmetricEigen};
@@ -80,6 +79,7 @@ impl Candidate {
 /// Calibrate on `tokens`; `log` receives one line per step.
 pub fn calibrate(
     engine: &Engine,
+    on: &dyn Sessions,
     tokens: &[u32],
     sources: &str,
     opts: &CalibrateOptions,
@@ -93,7 +93,7 @@ pub fn calibrate(
             opts.ctx
         )));
     }
-    let ctx = opts.ctx.min(engine.n_ctx);
+    let ctx = opts.ctx.min(on.n_ctx());
     let n_val = if opts.no_search {
         0
     } else {
@@ -114,7 +114,7 @@ pub fn calibrate(
         train.len(),
         val.len()
     ));
-    let sigma = hidden_moment(engine, train, ctx)?;
+    let sigma = hidden_moment(engine, on, train, ctx)?;
     let rank = opts.rank.min(c.d_embed / 32 * 32);
     let preview = output_preview(engine, &sigma, rank)?;
     log(&format!(
@@ -131,6 +131,7 @@ pub fn calibrate(
     if opts.mlp_tokens > 0 {
         let t = train_predictors(
             engine,
+            on,
             &train[..opts.mlp_tokens.min(train.len())],
             ctx,
             &opts.mlp,
@@ -186,7 +187,7 @@ pub fn calibrate(
     };
     let mut tried = Vec::new();
     if !opts.no_search {
-        let rec = search(engine, &preds, val, ctx, opts, &mut tried, &mut log)?;
+        let rec = search(engine, on, &preds, val, ctx, opts, &mut tried, &mut log)?;
         metadata.insert("recommended".into(), rec);
         metadata.insert(
             "max_ppl_increase".into(),
@@ -228,6 +229,7 @@ pub struct Trained {
 /// (layer 0: its own) and is labelled by the norms of layer `l`'s head outputs.
 pub fn train_predictors(
     engine: &Engine,
+    on: &dyn Sessions,
     tokens: &[u32],
     ctx: usize,
     mlp_opts: &TrainOptions,
@@ -236,8 +238,8 @@ pub fn train_predictors(
     let m = &engine.model;
     let c = &m.config;
     let (d, ff) = (c.d_model, c.n_ff);
-    let mut session = engine.session(engine.fixed_plan(&SparsePlan::dense(c))?)?;
-    session.capture(true);
+    let mut session = on.open(&Policy::dense(c))?;
+    session.capture(true)?;
     let chunks: Vec<&[u32]> = tokens.chunks(ctx).filter(|ch| ch.len() >= 2).collect();
     let bar = crate::progress::bar(chunks.len() as u64, "activations for the predictors");
     for chunk in chunks {
@@ -264,8 +266,7 @@ pub fn train_predictors(
     };
     for l in 0..c.n_layers {
         let (x, h) = (&cap.attn_in[l], &cap.mlp_in[l]);
-        let n = h.len() / d;
-        let act = mlp_activations(engine, l, h, n);
+        let act = session.mlp_activations(l, h)?;
         let nonzero = act.iter().filter(|&&a| a > 0.0).count();
         t.mlp_density.push(nonzero as f64 / act.len().max(1) as f64);
         let mut o = mlp_opts.clone();
@@ -294,40 +295,16 @@ pub fn train_predictors(
     Ok(t)
 }
 
-/// `|a|` for the MLP activations `a` of layer `l` on its `n` inputs `h` (`[n][n_ff]`): the
-/// magnitudes the predictor's labels rank.
-fn mlp_activations(engine: &Engine, l: usize, h: &[f32], n: usize) -> Vec<f32> {
-    let (m, b) = (&engine.model, engine.backend());
-    let (lw, ff) = (&m.layers[l], m.config.n_ff);
-    let full = dejavu_backend_api::IndexSet::full(ff);
-    let act = m.config.mlp.activation();
-    let mut u = vec![0f32; n * ff];
-    b.matmul(&m.weight(&lw.w_up), &full, h, &mut u);
-    match &lw.w_gate {
-        Some(wg) => {
-            let mut g = vec![0f32; n * ff];
-            b.matmul(&m.weight(wg), &full, h, &mut g);
-            b.glu(act, &mut g, &u);
-            u = g;
-        }
-        None => {
-            if let Some(bias) = &lw.b_up {
-                u.chunks_exact_mut(ff)
-                    .for_each(|r| r.iter_mut().zip(bias).for_each(|(a, b)| *a += b));
-            }
-            b.activate(act, &mut u);
-        }
-    }
-    u.iter_mut().for_each(|v| *v = v.abs());
-    u
-}
-
 /// Sigma = mean over tokens of h h^T, h the final normed hidden state (f64, d x d).
-fn hidden_moment(engine: &Engine, tokens: &[u32], ctx: usize) -> Result<DMatrix<f64>> {
+fn hidden_moment(
+    engine: &Engine,
+    on: &dyn Sessions,
+    tokens: &[u32],
+    ctx: usize,
+) -> Result<DMatrix<f64>> {
     // The output head's input: d_embed wide (d_model unless OPT projects it).
     let d = engine.model.config.d_embed;
-    let plan = engine.fixed_plan(&SparsePlan::dense(&engine.model.config))?;
-    let mut session = engine.session(plan)?;
+    let mut session = on.open(&Policy::dense(&engine.model.config))?;
     let mut sigma = DMatrix::<f64>::zeros(d, d);
     let chunks: Vec<&[u32]> = tokens.chunks(ctx).filter(|c| c.len() >= 2).collect();
     let bar = crate::progress::bar(chunks.len() as u64, "hidden-state statistics");
@@ -400,6 +377,7 @@ pub fn output_preview(engine: &Engine, sigma: &DMatrix<f64>, rank: usize) -> Res
 /// Head candidates, then MLP rules with the chosen head; returns the recommended spec.
 fn search(
     engine: &Engine,
+    on: &dyn Sessions,
     preds: &Predictors,
     val: &[u32],
     ctx: usize,
@@ -465,6 +443,7 @@ fn search(
      -> Result<Vec<Candidate>> {
         let rs = compare_specs(
             engine,
+            on,
             val,
             ctx,
             specs,
@@ -577,13 +556,18 @@ pub const SAMPLE_PROMPTS: [&str; 24] = [
 
 /// About `n_tokens` tokens of text generated by the model from [`SAMPLE_PROMPTS`] (temperature
 /// 0.8, at most 256 tokens per answer, the chat template when the model has one).
-pub fn sample_texts(engine: &Engine, n_tokens: usize, seed: u64) -> Result<Vec<String>> {
+pub fn sample_texts(
+    engine: &Engine,
+    on: &dyn Sessions,
+    n_tokens: usize,
+    seed: u64,
+) -> Result<Vec<String>> {
     use crate::text::sampling::{Sampler, SamplerConfig};
     let policy = Policy::dense(&engine.model.config);
     let bar = crate::progress::bar(n_tokens as u64, "sampling text from the model");
     let mut out = Vec::new();
     let mut total = 0;
-    let mut session = engine.decoder(&policy)?;
+    let mut session = on.open(&policy)?;
     for (i, prompt) in SAMPLE_PROMPTS.iter().cycle().enumerate() {
         if total >= n_tokens {
             break;
@@ -606,17 +590,17 @@ pub fn sample_texts(engine: &Engine, n_tokens: usize, seed: u64) -> Result<Vec<S
         });
         session.truncate(0);
         // A prompt that fills the context leaves no room to generate.
-        let room = engine.n_ctx.saturating_sub(ids.len() + 1);
+        let room = on.n_ctx().saturating_sub(ids.len() + 1);
         if room == 0 {
             return Err(Error::ContextOverflow {
                 n_tokens: ids.len() + 1,
-                n_ctx: engine.n_ctx,
+                n_ctx: on.n_ctx(),
             });
         }
         let budget = 256.min(n_tokens - total).min(room);
         let (reply, _) = crate::text::generate::generate_on(
             engine,
-            &mut session,
+            session.as_mut(),
             &ids,
             budget,
             &mut sampler,

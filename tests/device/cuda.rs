@@ -274,3 +274,15 @@ fn tp_child(rank: usize) {
     let ms = t0.elapsed().as_secs_f64() * 1e3 / 32.0;
     eprintln!("rank {rank}: {ms:.3} ms per decode step (socket transport, one GPU)");
 }
+
+/// Calibration on the GPU (see `calibration_conforms`).
+#[test]
+fn calibration_on_the_gpu_conforms_to_the_reference() {
+    let Some(g) = gpu() else { return };
+    let (err, density, recall) = calibration_conforms(&g);
+    eprintln!(
+        "{}: calibration's activations within {err:.1e} of the largest; trained on the GPU's \
+         passes, densities within {density:.4} and recalls within {recall:.4} of the reference's",
+        g.name()
+    );
+}

@@ -1,8 +1,8 @@
 //! `--backend cpu|cuda`: the one place a command's backend is chosen. The model code names no
 //! backend; this builds the session (of the one forward pass) a command runs on.
 use anyhow::{bail, Result};
-use dejavu::exec::Decoder;
 use dejavu::exec::Engine;
+use dejavu::exec::{Decoder, Sessions};
 use dejavu::sparsity::policy::Policy;
 
 /// Where a command runs.
@@ -37,6 +37,47 @@ pub fn with_decoder<R>(
         (BackendKind::Cuda, 1) => cuda(engine, policy, f),
         (BackendKind::Cuda, n) => cuda_parallel(engine, policy, n, f),
     }
+}
+
+/// Run `f` where `at` says, on sequences it opens (`sparse`: under sparse policies too, which on
+/// a GPU read the sparse layout uploaded beside the model). One device: a command that compares
+/// policies or calibrates opens several sequences.
+pub fn with_sessions<R>(
+    engine: &Engine,
+    at: Placement,
+    sparse: bool,
+    f: impl FnOnce(&dyn Sessions) -> Result<R>,
+) -> Result<R> {
+    match (at.backend, at.tensor_parallel) {
+        (BackendKind::Cpu, 1) => f(engine),
+        (BackendKind::Cuda, 1) => cuda_sessions(engine, sparse, f),
+        (_, _) => bail!("this command runs on one device: no --tensor-parallel"),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_sessions<R>(
+    engine: &Engine,
+    sparse: bool,
+    f: impl FnOnce(&dyn Sessions) -> Result<R>,
+) -> Result<R> {
+    use dejavu::exec::{DeviceModel, OnDevice};
+    let dev = dejavu_backend_cuda::CudaDevice::new(0)?;
+    let layout = match sparse {
+        true => Some(engine.sparse_layout()?),
+        false => None,
+    };
+    let model = DeviceModel::upload(&dev, &engine.model, layout)?;
+    f(&OnDevice {
+        dev: &dev,
+        model: &model,
+        n_ctx: engine.n_ctx,
+    })
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_sessions<R>(_: &Engine, _: bool, _: impl FnOnce(&dyn Sessions) -> Result<R>) -> Result<R> {
+    bail!("this build has no CUDA backend: build with `cargo build --release --features cuda`")
 }
 
 /// `f` on a session on `dev`.

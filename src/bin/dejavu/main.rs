@@ -7,7 +7,6 @@ use dejavu::exec::KvType;
 use dejavu::exec::{Engine, EngineOptions};
 use dejavu::fetch;
 use dejavu::model::synthetic::{self, SyntheticOptions};
-use dejavu::sparsity::SparsePlan;
 use dejavu::text::chat::EncodeChat;
 use dejavu::text::generate::Stop;
 use dejavu::text::sampling::{Sampler, SamplerConfig};
@@ -15,7 +14,7 @@ use dejavu_backend_api::QuantType;
 use std::io::Write;
 
 mod backend_choice;
-use backend_choice::{with_decoder, BackendKind, Placement};
+use backend_choice::{with_decoder, with_sessions, BackendKind, Placement};
 
 mod bench_cmd;
 mod chat_cmd;
@@ -545,7 +544,7 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
             &rules,
             stream_to(&mut stdout),
         )?;
-        Ok((stats, dec.last_step()))
+        Ok((stats, dec.last_step()?))
     })?;
     // A reader that went away (`| head -c 5`) is not an error: end quietly.
     if let Err(e) = writeln!(stdout).and_then(|_| stdout.flush()) {
@@ -615,49 +614,24 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
     eprintln!("{} tokens, {n_chunks} chunks of {}", tokens.len(), a.ctx);
     let bar = dejavu::progress::bar(n_chunks as u64, "chunks");
     let t0 = std::time::Instant::now();
-    if a.model.backend == BackendKind::Cuda {
-        // On a device: token by token under the policy (no dense comparison in the same pass).
-        let r = with_decoder(&engine, a.model.placement(), &policy, |dec| {
-            Ok(dejavu::eval::perplexity::perplexity_on(
+    let at = a.model.placement();
+    // A sparse policy against dense, side by side on one device (a tensor-parallel world runs
+    // the policy alone, below).
+    if !policy.is_dense() && at.tensor_parallel == 1 {
+        let r = with_sessions(&engine, at, true, |on| {
+            let r = dejavu::eval::perplexity::compare(
                 &engine,
-                dec,
+                on,
                 &tokens,
                 a.ctx,
-                |i, _, p| {
+                &policy,
+                |i, _, d, s| {
                     bar.set_position(i as u64);
-                    bar.set_message(format!("ppl {p:.4}"));
+                    bar.set_message(format!("ppl dense {d:.4} sparse {s:.4}"));
                 },
-            )?)
+            )?;
+            Ok(r)
         })?;
-        bar.finish_and_clear();
-        eprintln!(
-            "{} chunks, {} scored tokens, {:.1} s (cuda, token by token, sparsity {})",
-            r.n_chunks,
-            r.n_scored,
-            t0.elapsed().as_secs_f64(),
-            policy.name
-        );
-        println!("ppl: {:.4}", r.ppl);
-        if let Some(p) = &a.json {
-            let v = serde_json::json!({
-                "model": engine.model.label(),
-                "backend": "cuda",
-                "sparsity": policy.name,
-                "ctx": a.ctx,
-                "n_scored": r.n_scored,
-                "ppl": r.ppl,
-            });
-            dejavu::fsio::write(p, serde_json::to_string_pretty(&v)?)
-                .with_context(|| format!("writing {}", p.display()))?;
-        }
-        return Ok(());
-    }
-    if !policy.is_dense() {
-        let r =
-            dejavu::eval::perplexity::compare(&engine, &tokens, a.ctx, &policy, |i, _, d, s| {
-                bar.set_position(i as u64);
-                bar.set_message(format!("ppl dense {d:.4} sparse {s:.4}"));
-            })?;
         bar.finish_and_clear();
         eprintln!(
             "{} chunks, {} scored tokens, {:.1} s",
@@ -712,21 +686,29 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
         println!("ppl: {:.4}", r.sparse.ppl);
         return Ok(());
     }
-    let plan = SparsePlan::dense(&engine.model.config);
-    let feed = if a.token_by_token {
-        Feed::TokenByToken
-    } else {
-        Feed::Batch
+    // A world of GPUs gathers only the last row's logits: token by token.
+    let feed = match a.token_by_token || at.tensor_parallel > 1 {
+        true => Feed::TokenByToken,
+        false => Feed::Batch,
     };
     // Each chunk's running perplexity on its own line, as llama-perplexity prints `[i]ppl`.
-    let r = perplexity(&engine, &tokens, a.ctx, &plan, feed, |i, n, ppl| {
-        let line = format!("[{i}/{n}] ppl {ppl:.4}");
-        match bar.is_hidden() {
-            true => eprintln!("{line}"),
-            false => bar.println(line),
-        }
-        bar.set_position(i as u64);
-        bar.set_message(format!("ppl {ppl:.4}"));
+    let r = with_decoder(&engine, at, &policy, |dec| {
+        Ok(perplexity(
+            &engine,
+            dec,
+            &tokens,
+            a.ctx,
+            feed,
+            |i, n, ppl| {
+                let line = format!("[{i}/{n}] ppl {ppl:.4}");
+                match bar.is_hidden() {
+                    true => eprintln!("{line}"),
+                    false => bar.println(line),
+                }
+                bar.set_position(i as u64);
+                bar.set_message(format!("ppl {ppl:.4}"));
+            },
+        )?)
     })?;
     bar.finish_and_clear();
     eprintln!(
@@ -739,15 +721,17 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
         r.ppl_err
     );
     if let Some(p) = &a.json {
-        let v = serde_json::json!({
+        let mut v = serde_json::json!({
             "model": engine.model.label(),
-            "sparsity": "dense",
+            "sparsity": policy.name,
             "ctx": a.ctx,
             "n_scored": r.n_scored,
             "ppl": r.ppl,
-            "dense_ppl": r.ppl,
-            "weight_bytes_per_token": engine.model.dense_bytes_per_token(),
         });
+        if policy.is_dense() {
+            v["dense_ppl"] = r.ppl.into();
+            v["weight_bytes_per_token"] = engine.model.dense_bytes_per_token().into();
+        }
         write_json(p, &v)?;
     }
     println!("ppl: {:.4}", r.ppl);

@@ -6,7 +6,7 @@ use dejavu::eval::perplexity::{perplexity, Feed};
 use dejavu::exec::{Engine, EngineOptions};
 use dejavu::model::tokenizer::Tokenizer;
 use dejavu::model::weights::Model;
-use dejavu::sparsity::SparsePlan;
+use dejavu::sparsity::policy::Policy;
 use dejavu_backend_api::QuantType;
 use std::path::{Path, PathBuf};
 
@@ -86,12 +86,12 @@ fn ppl_of(path: &Path, text: &str, ctx: usize, threads: Option<usize>) -> Result
     let engine =
         Engine::load(path, &opts).with_context(|| format!("loading {}", path.display()))?;
     let tokens = engine.tokenizer.encode_document(text)?;
-    let plan = SparsePlan::dense(&engine.model.config);
+    let mut dense = engine.decoder(&Policy::dense(&engine.model.config))?;
     let bar = dejavu::progress::bar(
         (tokens.len() / ctx) as u64,
         &format!("ppl {}", path.display()),
     );
-    let r = perplexity(&engine, &tokens, ctx, &plan, Feed::Batch, |i, _, _| {
+    let r = perplexity(&engine, &mut dense, &tokens, ctx, Feed::Batch, |i, _, _| {
         bar.set_position(i as u64)
     })?;
     bar.finish_and_clear();

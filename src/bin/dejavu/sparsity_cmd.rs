@@ -1,5 +1,6 @@
 //! The `calibrate` and `report` subcommands (sparsity tooling), kept apart from the inference
 //! commands in `main.rs`.
+use crate::backend_choice::with_sessions;
 use crate::ModelArgs;
 use anyhow::{Context, Result};
 use clap::Args;
@@ -92,7 +93,6 @@ pub fn cmd_calibrate(a: CalibrateArgs) -> Result<()> {
     if a.ctx < 4 {
         anyhow::bail!("--ctx {} is too small (at least 4)", a.ctx);
     }
-    crate::backend_choice::cpu_only(a.model.placement(), "calibrate")?;
     let engine = a.model.load(None)?;
     let out = a.out.clone().unwrap_or_else(|| {
         dejavu::sparsity::predictors_file::Predictors::default_path(&engine.model)
@@ -113,26 +113,36 @@ pub fn cmd_calibrate(a: CalibrateArgs) -> Result<()> {
         docs.extend(corpus);
         sources.push("tools/calibration_text.py".into());
     }
-    if a.sample_tokens > 0 {
-        docs.extend(calibrate::sample_texts(&engine, a.sample_tokens, a.seed)?);
-        sources.push(format!("{} tokens sampled from the model", a.sample_tokens));
-    }
-    let tokens = calibrate::tokens_of(&engine, docs, a.seed)?;
-    let opts = CalibrateOptions {
-        ctx: a.ctx,
-        rank: a.rank,
-        validation_tokens: a.validation_tokens,
-        max_ppl_increase: a.max_ppl_increase,
-        no_search: a.no_search,
-        mlp_tokens: a.mlp_tokens,
-        mlp: dejavu::sparsity::predictor::TrainOptions {
-            rank: a.mlp_rank,
-            ..Default::default()
-        },
-        ..CalibrateOptions::default()
-    };
-    let (preds, _) = calibrate::calibrate(&engine, &tokens, &sources.join("; "), &opts, |l| {
-        eprintln!("{l}")
+    let preds = with_sessions(&engine, a.model.placement(), true, |on| {
+        eprintln!("calibrating on {}", on.name());
+        if a.sample_tokens > 0 {
+            docs.extend(calibrate::sample_texts(
+                &engine,
+                on,
+                a.sample_tokens,
+                a.seed,
+            )?);
+            sources.push(format!("{} tokens sampled from the model", a.sample_tokens));
+        }
+        let tokens = calibrate::tokens_of(&engine, std::mem::take(&mut docs), a.seed)?;
+        let opts = CalibrateOptions {
+            ctx: a.ctx,
+            rank: a.rank,
+            validation_tokens: a.validation_tokens,
+            max_ppl_increase: a.max_ppl_increase,
+            no_search: a.no_search,
+            mlp_tokens: a.mlp_tokens,
+            mlp: dejavu::sparsity::predictor::TrainOptions {
+                rank: a.mlp_rank,
+                ..Default::default()
+            },
+            ..CalibrateOptions::default()
+        };
+        let (preds, _) =
+            calibrate::calibrate(&engine, on, &tokens, &sources.join("; "), &opts, |l| {
+                eprintln!("{l}")
+            })?;
+        Ok(preds)
     })?;
     preds.save(&out, &engine.model)?;
     println!("{}", out.display());
@@ -148,7 +158,6 @@ pub fn cmd_report(a: ReportArgs) -> Result<()> {
     }
     let path = a.file.clone().unwrap_or_default();
     let text = dejavu::fsio::read_text(path.as_ref(), dejavu::fsio::MAX_TEXT_BYTES, false)?;
-    crate::backend_choice::cpu_only(a.model.placement(), "report")?;
     let engine = a.model.load(Some(a.ctx))?;
     let name = engine
         .model
@@ -283,17 +292,19 @@ pub fn cmd_report(a: ReportArgs) -> Result<()> {
         dejavu::eval::perplexity::scored_tokens(tokens.len(), a.ctx),
         specs.len() + 1
     );
-    let rows = dejavu::eval::report::frontier(&engine, &tokens, a.ctx, &specs, preds.as_ref())?;
+    let (rows, device) = with_sessions(&engine, a.model.placement(), true, |on| {
+        let rows =
+            dejavu::eval::report::frontier(&engine, on, &tokens, a.ctx, &specs, preds.as_ref())?;
+        Ok((rows, on.name()))
+    })?;
     std::fs::create_dir_all(&a.out)?;
     let md = format!(
-        "{} | {} | {} chunks of {} tokens of {} | {} threads, {} kernels | commit {}\n\n{}",
+        "{} | {} | {} chunks of {} tokens of {} | {device} | commit {}\n\n{}",
         name,
         bench_cpu(),
         tokens.len() / a.ctx,
         a.ctx,
         path.display(),
-        engine.threads(),
-        engine.isa(),
         dejavu::eval::bench::COMMIT,
         dejavu::eval::report::markdown(&rows)
     );

@@ -1,7 +1,7 @@
 //! What a caller gets back from a run of tokens: the last row's logits (generation), the logits
 //! of a range of rows (perplexity scores a window), or the output head's inputs of a range
 //! (calibration); and, for calibration, each layer's block inputs and head output norms.
-use super::step::norm;
+use super::step::{first_projections, norm, Pass};
 use super::{Computed, DeviceSession};
 use crate::exec::model::DeviceModel;
 use crate::{Error, Result};
@@ -201,6 +201,42 @@ impl<D: Device> DeviceSession<'_, D> {
             .as_mut()
             .map(std::mem::take)
             .unwrap_or_default()
+    }
+
+    /// `|a|`, every MLP activation of layer `l` for the rows `h` (`[n][d_model]`, its MLP
+    /// inputs as [`Capture::mlp_in`] holds them), in batches: `[n][n_ff]`.
+    pub fn mlp_activations(&mut self, l: usize, h: &[f32]) -> Result<Vec<f32>> {
+        let (dev, m) = (self.dev, self.model);
+        let (c, d) = (&m.local, m.local.d_model);
+        if l >= c.n_layers || !h.len().is_multiple_of(d) || !m.shard.is_whole() {
+            return Err(Error::Invalid(format!(
+                "MLP activations of layer {l} for {} values: {} layers of width {d}, one device",
+                h.len(),
+                c.n_layers
+            )));
+        }
+        let (size, ff) = (MAX_ROWS.min(self.n_ctx).max(1), c.n_ff);
+        let mut out = vec![0.0; h.len() / d * ff];
+        for (rows, out) in h.chunks(size * d).zip(out.chunks_mut(size * ff)) {
+            let n = rows.len() / d;
+            if self.s.grow(dev, m, n, self.n_ctx)? {
+                self.graph = None;
+            }
+            dev.set_step(&vec![0; n], 0)?;
+            let mut input = dev.upload(rows)?;
+            std::mem::swap(&mut self.s.h, &mut input);
+            let pass = Pass::Batch { rows: n };
+            let gated = first_projections(dev, c, &m.layers[l], Rows::All, ff, pass, &mut self.s);
+            std::mem::swap(&mut self.s.h, &mut input);
+            let a = if gated? {
+                &mut self.s.gate
+            } else {
+                &mut self.s.up
+            };
+            dev.abs(a, n * ff)?;
+            dev.download(a, out)?;
+        }
+        Ok(out)
     }
 
     /// What a prompt's batch reads and computes: every unit, the dense head, once per batch.

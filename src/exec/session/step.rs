@@ -385,7 +385,7 @@ fn row_parallel<D: Device>(
 /// The MLP's first projections of `s.h` over `rows` (`n` outputs a row), for each row of the
 /// pass: `act(gate) * up` into `s.gate` (returns `true`), or `act(fc1 + b)` into `s.up`
 /// (`false`).
-fn first_projections<D: Device>(
+pub(super) fn first_projections<D: Device>(
     dev: &D,
     c: &ModelConfig,
     lw: &Layer<D>,
