@@ -270,7 +270,7 @@ fn a_policy_over_two_ranks_selects_k_over_world_on_each() {
 /// their bytes summed over the ranks, and the collectives timed on their own.
 #[test]
 fn the_bench_runs_over_a_world() {
-    use dejavu::eval::device_bench;
+    use dejavu::eval::bench::{self, BenchSpec};
     let opts = EngineOptions {
         keep_file_layout: true,
         ..Default::default()
@@ -280,7 +280,14 @@ fn the_bench_runs_over_a_world() {
     let policies = ["dense", "dejavu:0.25"].map(|p| eng.policy(p, preds.as_ref()).unwrap());
     let hw = HostWorld::new(2);
     let device = |s: Shard| Ok(CpuDevice::rank(s.rank, hw.clone())?);
-    let rows = device_bench::bench_parallel(2, device, &eng, &policies, 4, 3, 1).unwrap();
+    let spec = BenchSpec {
+        engine: &eng,
+        policies: &policies,
+        n_prompt: 4,
+        n_gen: 3,
+        reps: 1,
+    };
+    let rows = bench::on_world(2, device, &spec, &mut || {}).unwrap();
     assert_eq!(rows.len(), 4, "pp and tg of each policy");
     let whole = DeviceModel::upload(&CpuDevice::reference(), &eng.model, None)
         .unwrap()
@@ -304,6 +311,6 @@ fn the_bench_runs_over_a_world() {
         dense.weight_bytes_per_token
     );
     assert!(sparse.weight_bytes_per_token < dense.weight_bytes_per_token);
-    assert!(dense.blocks_ms.all_reduce > 0.0 && sparse.blocks_ms.all_reduce > 0.0);
-    print!("{}", device_bench::markdown(&rows));
+    assert!(dense.blocks.all_reduce.ms > 0.0 && sparse.blocks.all_reduce.ms > 0.0);
+    print!("{}", bench::markdown(&rows));
 }

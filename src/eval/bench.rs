@@ -1,23 +1,33 @@
-//! `dejavu bench`: prefill and decode speed in the style of llama-bench.
+//! `dejavu bench`: prefill and decode speed in the style of llama-bench, on any device: the
+//! CPU, a GPU, or a tensor-parallel world of them ([`BenchSessions`]), one code path.
 //!
-//! - `pp<P>`: prompt processing, P tokens in one batch from an empty cache; tokens/s = P / time.
+//! - `pp<P>`: prompt processing, P tokens from an empty cache (in batches: every unit, whatever
+//!   the policy); tokens/s = P / time.
 //! - `tg<N>`: text generation, N tokens decoded one at a time from an empty cache (one warm-up
-//!   token first, outside the timing); tokens/s = N / time; GB/s = weight bytes read per
-//!   decoded token x tokens/s.
+//!   token first, outside the timing), the logits read back after each as generation does;
+//!   tokens/s = N / time; GB/s = weight bytes read per decoded token x tokens/s.
 //!
 //! Under a sparsity policy (`--sparsity dense,recommended,...`, run side by side in one process)
-//! every test also reports the speedup over the dense run of the same test and thread count,
-//! the weight bytes actually read per token (predictors and previews included), the fraction of
-//! MLP neurons computed and the output rows computed exactly. Selection cost is inside the timing.
+//! every test also reports the speedup over the dense run of the same test on the same device,
+//! the weight bytes read per token (predictors and previews included, as the step counted them),
+//! the fraction of MLP neurons and heads computed and the output rows computed exactly.
+//! Selection cost is inside the timing.
 //!
-//! Each test runs `repetitions` times after one warm-up run; we report the median and the sample
-//! standard deviation. Token ids are a fixed pseudo-random sequence (as llama-bench does), so
-//! speed does not depend on a text.
-use crate::exec::Engine;
-use crate::exec::{BlockTimes, DeviceSession, Logits, StepStats};
+//! Each test runs `repetitions` times after one warm-up run, the policies alternating within
+//! each so they see the same machine conditions; we report the median and the sample standard
+//! deviation. A decode test then profiles a few steps of each policy block by block. Token ids
+//! are a fixed pseudo-random sequence (as llama-bench does), so speed does not depend on a text.
+mod table;
+
+pub use table::{csv, gains, gains_markdown, markdown, plot_gains, GainRow};
+
+use crate::exec::parallel::{self, ParallelDecoder, Shard, WorldSpec};
+use crate::exec::{BlockTimes, Decoder, DeviceModel, DevicePlan, DeviceSession, Engine};
+use crate::exec::{SessionInfo, StepStats};
+use crate::sparsity::layout::SparseLayout;
 use crate::sparsity::policy::Policy;
 use crate::Result;
-use dejavu_backend_cpu::device::CpuDevice;
+use dejavu_backend_api::{Device, MAX_ROWS};
 use serde::Serialize;
 use std::time::Instant;
 
@@ -25,20 +35,23 @@ use std::time::Instant;
 pub struct BenchResult {
     pub model: String,
     pub commit: String,
+    /// The host's CPU.
     pub cpu: String,
-    pub isa: String,
-    pub threads: usize,
+    /// The device the test ran on (`cpu (2 threads, avx512)`, `cuda (NVIDIA H200)`, ...).
+    pub backend: String,
+    /// CPU worker threads (`None` on a GPU).
+    pub threads: Option<usize>,
     pub sparsity: String,
     pub test: String,
     pub n_tokens: usize,
     pub tok_per_s_median: f64,
     pub tok_per_s_stddev: f64,
-    /// Weight bytes read per second (decode: dense bytes per token x tok/s; prefill: the weights
-    /// are read once per batch).
+    /// Weight bytes read per second (decode: bytes per token x tok/s; prefill: the weights are
+    /// read once per batch).
     pub weight_gb_per_s: f64,
     /// Mean weight bytes read per token (decode) or per batch (prefill).
     pub weight_bytes_per_token: f64,
-    /// Median t/s over the dense run's median t/s (same test and threads); `None` without one.
+    /// Median t/s over the dense run's median t/s (same test and device); `None` without one.
     pub speedup_vs_dense: Option<f64>,
     /// Mean fraction of MLP neurons computed.
     pub mlp_density: f64,
@@ -50,19 +63,21 @@ pub struct BenchResult {
     pub predict_ms: Option<f64>,
     pub blocks: Blocks,
     pub samples: Vec<f64>,
-    /// Decode tests: resident memory at the end of the last repetition.
+    /// CPU decode tests: resident memory at the end of the last repetition.
     pub memory: Option<Memory>,
 }
 
 /// Where a decode step's time goes: per block kind, the mean ms (of steps run eagerly, timed
 /// block by block: [`DeviceSession::profile`]) and weight MB per step (summed over layers), and
-/// the GB/s that achieves. `predictors` is the predictors' own time and bytes.
+/// the GB/s that achieves. `predictors` is the predictors' own time and bytes; `all_reduce` the
+/// collectives of a tensor-parallel world (time only).
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct Blocks {
     pub attention: BlockTime,
     pub mlp: BlockTime,
     pub output: BlockTime,
     pub predictors: BlockTime,
+    pub all_reduce: BlockTime,
 }
 
 #[derive(Debug, Clone, Copy, Serialize)]
@@ -111,54 +126,109 @@ fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
         .collect()
 }
 
+/// The sequences a bench times, one per policy: one device's sessions, or those of a
+/// tensor-parallel world (every rank runs each step).
+pub trait BenchSessions {
+    fn count(&self) -> usize;
+    /// Run `tokens` on session `i` after what its cache holds; its last logits read back.
+    fn run(&mut self, i: usize, tokens: &[u32]) -> Result<()>;
+    /// Empty session `i`'s cache.
+    fn reset(&mut self, i: usize) -> Result<()>;
+    fn profile(&mut self, i: usize, tokens: &[u32], times: &mut BlockTimes) -> Result<()>;
+    /// Session `i`'s plan and device, and what its last step read (over the world).
+    fn info(&mut self, i: usize) -> Result<SessionInfo>;
+}
+
+/// One device's sessions, one per policy.
+impl<D: Device> BenchSessions for Vec<DeviceSession<'_, D>> {
+    fn count(&self) -> usize {
+        self.len()
+    }
+    fn run(&mut self, i: usize, tokens: &[u32]) -> Result<()> {
+        self[i].forward(tokens).map(drop)
+    }
+    fn reset(&mut self, i: usize) -> Result<()> {
+        self[i].truncate(0);
+        Ok(())
+    }
+    fn profile(&mut self, i: usize, tokens: &[u32], times: &mut BlockTimes) -> Result<()> {
+        self[i].profile(tokens, times)
+    }
+    fn info(&mut self, i: usize) -> Result<SessionInfo> {
+        self[i].info()
+    }
+}
+
+/// A tensor-parallel world's sessions: a step's bytes and units summed over the ranks.
+impl BenchSessions for ParallelDecoder {
+    fn count(&self) -> usize {
+        self.sessions()
+    }
+    fn run(&mut self, i: usize, tokens: &[u32]) -> Result<()> {
+        self.select(i)?;
+        self.decode(tokens).map(drop)
+    }
+    fn reset(&mut self, i: usize) -> Result<()> {
+        self.select(i)?;
+        self.truncate(0);
+        Ok(())
+    }
+    fn profile(&mut self, i: usize, tokens: &[u32], times: &mut BlockTimes) -> Result<()> {
+        self.select(i)?;
+        ParallelDecoder::profile(self, tokens, times)
+    }
+    fn info(&mut self, i: usize) -> Result<SessionInfo> {
+        self.select(i)?;
+        let ranks = ParallelDecoder::info(self)?;
+        Ok(SessionInfo {
+            plan: ranks[0].plan.clone(),
+            device: format!("{} x{} (tensor parallel)", ranks[0].device, ranks.len()),
+            step: StepStats::sum(ranks.iter().map(|r| r.step)),
+            batch: StepStats::sum(ranks.iter().map(|r| r.batch)),
+        })
+    }
+}
+
 /// What [`alternate`] measured for one policy.
 #[derive(Debug, Clone, Default)]
 pub struct Runs {
     /// Tokens per second of each timed repetition.
     pub samples: Vec<f64>,
     pub steps: StepTotals,
-    /// Decode tests: resident memory after the last repetition.
-    pub memory: Option<Memory>,
 }
 
-/// Run one test (`prefill`: `n` tokens in one batch; else `n` decoded) for every policy, each
-/// on its own session: a warm-up repetition, then `reps` timed ones, the policies alternating
-/// within each so they see the same machine conditions. `tick` after every timed run. A decode
-/// test then profiles a few steps of each policy block by block (for [`Blocks`]).
+/// Run one test (`prefill`: an `n`-token prompt; else `n` tokens decoded) on every session: a
+/// warm-up repetition, then `reps` timed ones, the sessions alternating within each. `tick`
+/// after every timed run. A decode test then profiles a few steps of each block by block (for
+/// [`Blocks`]).
 pub fn alternate(
-    engine: &Engine,
-    policies: &[Policy],
+    sessions: &mut dyn BenchSessions,
+    vocab: usize,
     prefill: bool,
     n: usize,
     reps: usize,
-    mut tick: impl FnMut(),
+    tick: &mut dyn FnMut(),
 ) -> Result<Vec<Runs>> {
-    let mut sessions = (policies.iter())
-        .map(|p| engine.decoder(p))
-        .collect::<Result<Vec<_>>>()?;
-    let mut runs = vec![Runs::default(); policies.len()];
+    let mut runs = vec![Runs::default(); sessions.count()];
     for rep in 0..=reps {
-        for (session, run) in sessions.iter_mut().zip(runs.iter_mut()) {
+        for (i, run) in runs.iter_mut().enumerate() {
             let mut st = StepTotals::default();
-            let secs = time_once(session, prefill, n, rep as u64, &mut st)?;
+            let secs = time_once(sessions, i, vocab, prefill, n, rep as u64, &mut st)?;
             if rep > 0 {
                 run.samples.push(n as f64 / secs);
                 run.steps.add_all(&st);
                 tick();
             }
-            if !prefill && rep == reps {
-                run.memory = memory(engine, session.len());
-            }
         }
     }
     if !prefill {
         // As many steps as the test decoded (its context holds them), at most PROFILED.
-        let toks = tokens(n.min(PROFILED) + 1, engine.model.config.vocab_size, 0);
-        for (session, run) in sessions.iter_mut().zip(runs.iter_mut()) {
-            session.truncate(0);
-            session.forward(&toks[..1])?;
+        let toks = tokens(n.min(PROFILED) + 1, vocab, 0);
+        for (i, run) in runs.iter_mut().enumerate() {
+            sessions.reset(i)?;
+            sessions.run(i, &toks[..1])?;
             let mut times = BlockTimes::default();
-            session.profile(&toks[1..], &mut times)?;
+            sessions.profile(i, &toks[1..], &mut times)?;
             run.steps.add_times(&times);
         }
     }
@@ -168,35 +238,174 @@ pub fn alternate(
 /// Decode steps a bench profiles block by block, per policy.
 const PROFILED: usize = 8;
 
-/// Time one repetition of a test (`prefill`: n tokens in one batch; else a warm-up token, then
-/// n tokens decoded one at a time) with the token sequence of `seed`, from an empty cache.
-/// Returns seconds; adds each timed step's [`StepStats`] to `steps` (a prompt's: its batches
-/// read the dense model).
-pub fn time_once(
-    session: &mut DeviceSession<'_, CpuDevice>,
+/// Time one repetition of a test on session `i` (`prefill`: n tokens as a prompt; else a
+/// warm-up token, then n tokens decoded one at a time) with the token sequence of `seed`, from
+/// an empty cache. Returns seconds; adds each timed step's [`StepStats`] to `steps` (a
+/// prompt's: each of its batches reads the dense model).
+fn time_once(
+    sessions: &mut dyn BenchSessions,
+    i: usize,
+    vocab: usize,
     prefill: bool,
     n: usize,
     seed: u64,
     steps: &mut StepTotals,
 ) -> Result<f64> {
-    let toks = tokens(n + 1, session.config().vocab_size, seed);
-    session.truncate(0);
+    let toks = tokens(n + 1, vocab, seed);
+    sessions.reset(i)?;
     if prefill {
         let t0 = Instant::now();
-        session.run(&toks[..n], Logits::Last)?;
+        sessions.run(i, &toks[..n])?;
         let secs = t0.elapsed().as_secs_f64();
-        steps.add(session.batch_step());
+        let batch = sessions.info(i)?.batch;
+        (0..n.div_ceil(MAX_ROWS)).for_each(|_| steps.add(batch));
         return Ok(secs);
     }
-    session.run(&toks[..1], Logits::Last)?;
+    sessions.run(i, &toks[..1])?;
     let mut secs = 0.0;
     for &t in &toks[1..] {
         let t0 = Instant::now();
-        session.run(&[t], Logits::Last)?;
+        sessions.run(i, &[t])?;
         secs += t0.elapsed().as_secs_f64();
-        steps.add(session.last_step()?);
+        steps.add(sessions.info(i)?.step);
     }
     Ok(secs)
+}
+
+/// What a bench runs: each policy's `n_prompt`-token prompt (0: none) and `n_gen`-token decode
+/// (0: none), `reps` repetitions after a warm-up.
+pub struct BenchSpec<'a> {
+    pub engine: &'a Engine,
+    pub policies: &'a [Policy],
+    pub n_prompt: usize,
+    pub n_gen: usize,
+    pub reps: usize,
+}
+
+impl BenchSpec<'_> {
+    /// The context each session needs.
+    pub fn n_ctx(&self) -> usize {
+        (self.n_gen + 1).max(self.n_prompt)
+    }
+    /// The sparse layout the policies' plans read (none when all are dense).
+    fn layout(&self) -> Result<Option<&SparseLayout>> {
+        match self.policies.iter().any(|p| !p.is_dense()) {
+            true => Ok(Some(self.engine.sparse_layout()?)),
+            false => Ok(None),
+        }
+    }
+}
+
+/// The bench on the engine's CPU device, at its threads (with resident memory).
+pub fn on_cpu(spec: &BenchSpec, tick: &mut dyn FnMut()) -> Result<Vec<BenchResult>> {
+    let e = spec.engine;
+    let mut sessions = (spec.policies.iter())
+        .map(|p| e.decoder(p))
+        .collect::<Result<Vec<_>>>()?;
+    bench(&mut sessions, spec, Some(e.threads()), tick)
+}
+
+/// The bench on `dev` (the model uploaded to it). Timed as generation runs on a GPU: each step's
+/// statistics are the plan's, none counted on the device.
+pub fn on_device<D: Device>(
+    dev: &D,
+    spec: &BenchSpec,
+    tick: &mut dyn FnMut(),
+) -> Result<Vec<BenchResult>> {
+    let (e, n_ctx) = (spec.engine, spec.n_ctx());
+    let model = DeviceModel::upload(dev, &e.model, spec.layout()?)?;
+    let mut sessions = (spec.policies.iter())
+        .map(|p| {
+            let plan = DevicePlan::policy(dev, &e.model.config, p)?;
+            let mut s = DeviceSession::new(dev, &model, plan, n_ctx)?;
+            s.measure(false);
+            Ok(s)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    bench(&mut sessions, spec, None, tick)
+}
+
+/// The bench on a world of `world` ranks, rank `r` on `device(shard)`: every policy's plan over
+/// each rank's units (`DevicePlan::policy_shard`).
+pub fn on_world<D: Device>(
+    world: usize,
+    device: impl Fn(Shard) -> Result<D> + Sync,
+    spec: &BenchSpec,
+    tick: &mut dyn FnMut(),
+) -> Result<Vec<BenchResult>> {
+    let cfg = &spec.engine.model.config;
+    let world = WorldSpec {
+        world,
+        device,
+        plans: |d: &D, _: &DeviceModel<D>, s: Shard| {
+            (spec.policies.iter())
+                .map(|p| DevicePlan::policy_shard(d, cfg, s, p))
+                .collect()
+        },
+        model: &spec.engine.model,
+        layout: spec.layout()?,
+        n_ctx: spec.n_ctx(),
+    };
+    parallel::run(world, |dec| bench(dec, spec, None, tick))
+}
+
+/// Every test of `spec` on `sessions` (one per policy, in order): prefill rows first. `threads`:
+/// the CPU engine's (its rows also report resident memory).
+fn bench(
+    sessions: &mut dyn BenchSessions,
+    spec: &BenchSpec,
+    threads: Option<usize>,
+    tick: &mut dyn FnMut(),
+) -> Result<Vec<BenchResult>> {
+    let e = spec.engine;
+    let vocab = e.model.config.vocab_size;
+    let mut out = Vec::new();
+    for (prefill, n) in [(true, spec.n_prompt), (false, spec.n_gen)] {
+        if n == 0 {
+            continue;
+        }
+        let runs = alternate(sessions, vocab, prefill, n, spec.reps, tick)?;
+        // Measured while every session holds its cache.
+        let memory = match (prefill, threads) {
+            (false, Some(_)) => memory(e, n + 1),
+            _ => None,
+        };
+        let medians: Vec<f64> = runs.iter().map(|r| median_sd(&r.samples).0).collect();
+        let dense = (spec.policies.iter().position(|p| p.is_dense())).map(|i| medians[i]);
+        for (i, run) in runs.into_iter().enumerate() {
+            let info = sessions.info(i)?;
+            let (med, sd) = median_sd(&run.samples);
+            let (st, bytes) = (&run.steps, run.steps.mean_bytes());
+            // A prompt's batches per token (each reads the weights once), or one step a token.
+            let per_token = match prefill {
+                true => n.div_ceil(MAX_ROWS) as f64 / n as f64,
+                false => 1.0,
+            };
+            out.push(BenchResult {
+                model: e.model.label(),
+                commit: COMMIT.into(),
+                cpu: cpu_model(),
+                backend: info.device,
+                threads,
+                sparsity: spec.policies[i].name.clone(),
+                test: format!("{}{n}", if prefill { "pp" } else { "tg" }),
+                n_tokens: n,
+                tok_per_s_median: med,
+                tok_per_s_stddev: sd,
+                weight_gb_per_s: bytes * med * per_token / 1e9,
+                weight_bytes_per_token: bytes,
+                speedup_vs_dense: dense.map(|d| med / d),
+                mlp_density: st.mlp_density(),
+                head_density: st.head_density(),
+                exact_logits: st.mean_exact_logits(),
+                predict_ms: st.predict_ms(),
+                blocks: st.blocks(),
+                samples: run.samples,
+                memory,
+            });
+        }
+    }
+    Ok(out)
 }
 
 /// Resident memory now, with a sequence of `len` positions in its cache, split as weights +
@@ -227,10 +436,11 @@ pub struct StepTotals {
     pub heads_kept: f64,
     pub heads_total: f64,
     pub exact_logits: f64,
-    /// Attention, MLP, output head and predictors: summed bytes over the `n` steps.
-    pub bytes: [f64; 4],
+    /// Attention, MLP, output head, predictors and the collectives (no bytes): summed bytes
+    /// over the `n` steps.
+    pub bytes: [f64; 5],
     /// ... and their summed seconds over the `timed` profiled steps.
-    pub secs: [f64; 4],
+    pub secs: [f64; 5],
     pub timed: usize,
 }
 
@@ -245,14 +455,20 @@ impl StepTotals {
             heads_kept: s.heads_kept as f64,
             heads_total: s.heads_total as f64,
             exact_logits: s.exact_logits as f64,
-            bytes: [b.attention, b.mlp, b.output, b.predictors].map(|x| x as f64),
+            bytes: [b.attention, b.mlp, b.output, b.predictors, 0].map(|x| x as f64),
             ..Default::default()
         });
     }
     /// The block times of profiled steps.
     pub fn add_times(&mut self, t: &BlockTimes) {
         self.timed += t.steps;
-        let secs = [t.attention, t.mlp, t.output + t.embed, t.predict];
+        let secs = [
+            t.attention,
+            t.mlp,
+            t.output + t.embed,
+            t.predict,
+            t.all_reduce,
+        ];
         (self.secs.iter_mut().zip(secs)).for_each(|(a, b)| *a += b);
     }
     pub fn add_all(&mut self, o: &StepTotals) {
@@ -284,6 +500,7 @@ impl StepTotals {
             mlp: cost(1),
             output: cost(2),
             predictors: cost(3),
+            all_reduce: cost(4),
         }
     }
     pub fn mean_bytes(&self) -> f64 {
@@ -321,96 +538,6 @@ pub fn median_sd(xs: &[f64]) -> (f64, f64) {
     let var = v.iter().map(|x| (x - mean).powi(2)).sum::<f64>()
         / (v.len().saturating_sub(1)).max(1) as f64;
     (med, var.sqrt())
-}
-
-/// The markdown table people read.
-pub fn markdown(results: &[BenchResult]) -> String {
-    let mut s = String::new();
-    if let Some(r) = results.first() {
-        s += &format!(
-            "model: {} | commit: {} | cpu: {}\n\n",
-            r.model, r.commit, r.cpu
-        );
-    }
-    s += "| isa | threads | sparsity | test | t/s (median ± sd) | speedup | weight GB/s \
-          | weight MB/token | MLP density | head density | exact logits \
-          | predictors ms/token | RSS MiB = weights + KV + other |\n";
-    s += "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|\n";
-    for r in results {
-        let mem = r.memory.map_or(String::from("-"), |m| {
-            format!(
-                "{:.1} = {:.1} + {:.1} + {:.1}",
-                m.rss_mib, m.weights_mib, m.kv_cache_mib, m.other_mib
-            )
-        });
-        let speedup = r
-            .speedup_vs_dense
-            .map_or(String::from("-"), |x| format!("{x:.2}x"));
-        let pred = r.predict_ms.map_or("-".into(), |ms| format!("{ms:.3}"));
-        s += &format!(
-            "| {} | {} | {} | {} | {:.1} ± {:.1} | {} | {:.1} | {:.1} | {:.2} | {:.2} | {:.0} | {} | {} |\n",
-            r.isa,
-            r.threads,
-            r.sparsity,
-            r.test,
-            r.tok_per_s_median,
-            r.tok_per_s_stddev,
-            speedup,
-            r.weight_gb_per_s,
-            r.weight_bytes_per_token / 1e6,
-            r.mlp_density,
-            r.head_density,
-            r.exact_logits,
-            pred,
-            mem
-        );
-    }
-    s += "\nPer block, mean per decoded token (ms of steps timed block by block, weight MB, \
-          GB/s):\n\n| threads | sparsity | test | attention | MLP | output head | predictors |\n\
-          |---:|---|---|---:|---:|---:|---:|\n";
-    let cell = |b: &BlockTime| format!("{:.2} ms, {:.1} MB, {:.1} GB/s", b.ms, b.mb, b.gb_per_s);
-    for r in results {
-        let b = &r.blocks;
-        s += &format!(
-            "| {} | {} | {} | {} | {} | {} | {} |\n",
-            r.threads,
-            r.sparsity,
-            r.test,
-            cell(&b.attention),
-            cell(&b.mlp),
-            cell(&b.output),
-            cell(&b.predictors)
-        );
-    }
-    s
-}
-
-pub fn csv(results: &[BenchResult]) -> String {
-    let mut s = String::from("model,commit,cpu,isa,threads,sparsity,test,n_tokens,tok_per_s_median,tok_per_s_stddev,weight_gb_per_s,weight_bytes_per_token,speedup_vs_dense,mlp_density,head_density,exact_logits,predict_ms\n");
-    for r in results {
-        s += &format!(
-            "{},{},\"{}\",{},{},\"{}\",{},{},{:.3},{:.3},{:.3},{:.0},{},{:.4},{:.4},{:.1},{}\n",
-            r.model,
-            r.commit,
-            r.cpu,
-            r.isa,
-            r.threads,
-            r.sparsity,
-            r.test,
-            r.n_tokens,
-            r.tok_per_s_median,
-            r.tok_per_s_stddev,
-            r.weight_gb_per_s,
-            r.weight_bytes_per_token,
-            r.speedup_vs_dense
-                .map_or(String::new(), |x| format!("{x:.4}")),
-            r.mlp_density,
-            r.head_density,
-            r.exact_logits,
-            r.predict_ms.map_or(String::new(), |x| format!("{x:.4}")),
-        );
-    }
-    s
 }
 
 #[cfg(test)]

@@ -3,12 +3,13 @@
 //!
 //! For each density D the policy is `dejavu:D` (the low-rank predictors pick D of every layer's
 //! neurons; attention stays dense), timed against dense decoding with the two alternating in one
-//! process ([`crate::eval::bench::alternate`]). The MLP block's speedup is the one that should
+//! process ([`crate::eval::bench`], on any device). The MLP block's speedup is the one that should
 //! follow `1 / D`; the whole step's is bounded by the dense attention and output head. On a
 //! synthetic model (the paper's method) the predictors are random, so the sets are random too:
 //! a speed measurement, not a quality one.
-use crate::eval::bench::{alternate, median_sd, StepTotals};
+use crate::eval::bench::BenchResult;
 use crate::exec::Engine;
+use crate::sparsity::policy::Policy;
 use crate::{Error, Result};
 use serde::Serialize;
 use std::path::Path;
@@ -30,43 +31,42 @@ pub struct SpeedRow {
     pub ideal_mlp_speedup: f64,
 }
 
-/// Time dense and `dejavu:D` for each density (`n_gen` decoded tokens, `reps` repetitions after
-/// a warm-up, policies alternating within each repetition).
-pub fn measure(
-    engine: &Engine,
-    densities: &[f64],
-    n_gen: usize,
-    reps: usize,
-) -> Result<Vec<SpeedRow>> {
+/// The policies a speed frontier times: dense, then `dejavu:D` for each density.
+pub fn policies(engine: &Engine, densities: &[f64]) -> Result<Vec<Policy>> {
     let preds = engine.predictors(None)?.ok_or_else(|| {
         Error::Invalid("no predictors: run `dejavu calibrate` (or use a synthetic model)".into())
     })?;
     let mut specs = vec!["dense".to_string()];
     specs.extend(densities.iter().map(|d| format!("dejavu:{d}")));
-    let policies = (specs.iter())
+    (specs.iter())
         .map(|s| engine.policy(s, Some(&preds)))
-        .collect::<Result<Vec<_>>>()?;
-    let bar = crate::progress::bar((reps * policies.len()) as u64, "speed against density");
-    let runs = alternate(engine, &policies, false, n_gen, reps, || bar.inc(1))?;
-    bar.finish_and_clear();
-    let tps: Vec<&[f64]> = runs.iter().map(|r| r.samples.as_slice()).collect();
-    let steps: Vec<&StepTotals> = runs.iter().map(|r| &r.steps).collect();
-    let dense_tps = median_sd(tps[0]).0;
-    let dense_mlp = steps[0].blocks().mlp.ms;
-    Ok((0..policies.len())
-        .map(|i| {
-            let (b, density) = (steps[i].blocks(), steps[i].mlp_density());
-            SpeedRow {
-                policy: policies[i].name.clone(),
-                mlp_density: density,
-                tok_per_s: median_sd(tps[i]).0,
-                step_speedup: median_sd(tps[i]).0 / dense_tps,
-                mlp_ms: b.mlp.ms,
-                mlp_speedup: dense_mlp / b.mlp.ms.max(1e-9),
-                mlp_gb_per_s: b.mlp.gb_per_s,
-                predict_ms: b.predictors.ms,
-                ideal_mlp_speedup: 1.0 / density.max(1e-9),
-            }
+        .collect()
+}
+
+/// The frontier from a bench of [`policies`] (decode rows only, dense first; `bench --sparsity`
+/// times them alternating within each repetition, on any device).
+pub fn rows(results: &[BenchResult]) -> Result<Vec<SpeedRow>> {
+    let decode: Vec<&BenchResult> = results
+        .iter()
+        .filter(|r| r.test.starts_with("tg"))
+        .collect();
+    let Some(dense) = decode.first().filter(|r| r.sparsity == "dense") else {
+        return Err(Error::Invalid(
+            "a speed frontier needs a dense decode run first".into(),
+        ));
+    };
+    let dense_mlp = dense.blocks.mlp.ms;
+    Ok((decode.iter())
+        .map(|r| SpeedRow {
+            policy: r.sparsity.clone(),
+            mlp_density: r.mlp_density,
+            tok_per_s: r.tok_per_s_median,
+            step_speedup: r.tok_per_s_median / dense.tok_per_s_median,
+            mlp_ms: r.blocks.mlp.ms,
+            mlp_speedup: dense_mlp / r.blocks.mlp.ms.max(1e-9),
+            mlp_gb_per_s: r.blocks.mlp.gb_per_s,
+            predict_ms: r.blocks.predictors.ms,
+            ideal_mlp_speedup: 1.0 / r.mlp_density.max(1e-9),
         })
         .collect())
 }

@@ -25,7 +25,9 @@ mod session;
 
 pub use model::DeviceModel;
 pub use plan::DevicePlan;
-pub use session::{BlockTimes, Capture, DeviceSession, Logits, Selections, StepBytes, StepStats};
+pub use session::{
+    BlockTimes, Capture, DeviceSession, Logits, Selections, SessionInfo, StepBytes, StepStats,
+};
 
 pub use decoder::{Decoder, OnDevice, Sessions};
 pub use engine::{Engine, EngineOptions, KvType, DEFAULT_CTX, MAX_PADDING_ROWS};

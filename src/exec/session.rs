@@ -114,6 +114,17 @@ impl<D: Device> crate::exec::Decoder for DeviceSession<'_, D> {
     }
 }
 
+/// A session's plan and device, and what its decode steps and its prompt's batches read.
+#[derive(Debug, Clone)]
+pub struct SessionInfo {
+    pub plan: String,
+    pub device: String,
+    /// What the last decode step read and computed (before any, the plan's counts).
+    pub step: StepStats,
+    /// What a prompt's batch reads and computes (every unit).
+    pub batch: StepStats,
+}
+
 /// Where an eagerly run step's time goes, in seconds summed over the steps profiled (see
 /// [`DeviceSession::profile`]).
 #[derive(Debug, Clone, Copy, Default, serde::Serialize)]
@@ -410,19 +421,14 @@ impl<'a, D: Device> DeviceSession<'a, D> {
     pub fn plan_name(&self) -> &str {
         &self.plan.name
     }
-    /// Mean fraction of MLP neurons and of heads the plan computes per layer.
-    pub fn densities(&self) -> (f64, f64) {
-        let c = &self.model.local;
-        let mean = |sels: &[Sel<D>], n: usize| {
-            sels.iter()
-                .map(|s| s.count(n) as f64 / n as f64)
-                .sum::<f64>()
-                / sels.len().max(1) as f64
-        };
-        (
-            mean(&self.plan.mlp, c.n_ff),
-            mean(&self.plan.heads, c.n_heads),
-        )
+    /// The plan, the device, and what a decode step and a prompt's batch read and compute.
+    pub fn info(&self) -> Result<SessionInfo> {
+        Ok(SessionInfo {
+            plan: self.plan.name.clone(),
+            device: self.dev.name(),
+            step: self.last_step()?,
+            batch: self.batch_step(),
+        })
     }
 
     /// Run `tokens` at the next positions; returns the logits of the last. A prompt (more than
@@ -578,5 +584,28 @@ pub struct StepBytes {
 impl StepBytes {
     pub fn total(&self) -> usize {
         self.attention + self.mlp + self.output + self.predictors + self.other
+    }
+    fn add(&mut self, o: &StepBytes) {
+        self.attention += o.attention;
+        self.mlp += o.mlp;
+        self.output += o.output;
+        self.predictors += o.predictors;
+        self.other += o.other;
+    }
+}
+
+impl StepStats {
+    /// The ranks' stats of one step summed: the step of a tensor-parallel world.
+    pub fn sum(ranks: impl IntoIterator<Item = StepStats>) -> StepStats {
+        ranks.into_iter().fold(StepStats::default(), |mut a, r| {
+            a.weight_bytes += r.weight_bytes;
+            a.mlp_kept += r.mlp_kept;
+            a.mlp_total += r.mlp_total;
+            a.heads_kept += r.heads_kept;
+            a.heads_total += r.heads_total;
+            a.exact_logits += r.exact_logits;
+            a.bytes.add(&r.bytes);
+            a
+        })
     }
 }

@@ -187,7 +187,8 @@ pub fn calibrate(
     };
     let mut tried = Vec::new();
     if !opts.no_search {
-        let rec = search(engine, on, &preds, val, ctx, opts, &mut tried, &mut log)?;
+        let rec;
+        (rec, tried) = search(engine, on, &preds, val, ctx, opts, &mut log)?;
         metadata.insert("recommended".into(), rec);
         metadata.insert(
             "max_ppl_increase".into(),
@@ -374,7 +375,8 @@ pub fn output_preview(engine: &Engine, sigma: &DMatrix<f64>, rank: usize) -> Res
     OutputPreview::new(rank, d, proj_rows, &table)
 }
 
-/// Head candidates, then MLP rules with the chosen head; returns the recommended spec.
+/// Head candidates, then MLP rules with the chosen head; returns the recommended spec and every
+/// candidate tried.
 fn search(
     engine: &Engine,
     on: &dyn Sessions,
@@ -382,9 +384,9 @@ fn search(
     val: &[u32],
     ctx: usize,
     opts: &CalibrateOptions,
-    tried: &mut Vec<Candidate>,
     log: &mut dyn FnMut(&str),
-) -> Result<String> {
+) -> Result<(String, Vec<Candidate>)> {
+    let mut tried = Vec::new();
     let c = &engine.model.config;
     let vocab = c.vocab_size;
     let rank = preds.output.as_ref().map_or(0, |o| o.rank);
@@ -478,7 +480,7 @@ fn search(
     // Stage 1: the output head alone, within half the budget (the MLP rules need the rest).
     log("search, stage 1: output head");
     let half = 1.0 + opts.max_ppl_increase / 2.0;
-    let head = eval(&heads, tried, log)?
+    let head = eval(&heads, &mut tried, log)?
         .into_iter()
         .filter(|x| x.ppl_ratio() <= half && x.ppl_ratio() >= 1.0 / half)
         .min_by(|a, b| cost(a).total_cmp(&cost(b)));
@@ -490,7 +492,7 @@ fn search(
         .iter()
         .map(|m| head.as_ref().map_or(m.clone(), |h| format!("{m}+{h}")))
         .collect();
-    for x in eval(&specs, tried, log)? {
+    for x in eval(&specs, &mut tried, log)? {
         if fits(&x) && best.as_ref().is_none_or(|b| cost(&x) < cost(b)) {
             best = Some(x);
         }
@@ -515,14 +517,14 @@ fn search(
             spec
         })
         .collect();
-    for x in eval(&specs, tried, log)? {
+    for x in eval(&specs, &mut tried, log)? {
         if fits(&x) && best.as_ref().is_none_or(|b| cost(&x) < cost(b)) {
             best = Some(x);
         }
     }
     let rec = best.map_or("dense".to_string(), |b| b.spec);
     log(&format!("recommended: {rec}"));
-    Ok(rec)
+    Ok((rec, tried))
 }
 
 /// Prompts for text sampled from the model itself: varied genres, registers and tasks, so the

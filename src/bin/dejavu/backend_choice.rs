@@ -1,6 +1,7 @@
 //! `--backend cpu|cuda`: the one place a command's backend is chosen. The model code names no
 //! backend; this builds the session (of the one forward pass) a command runs on.
 use anyhow::{bail, Result};
+use dejavu::eval::bench::{self, BenchResult, BenchSpec};
 use dejavu::exec::Engine;
 use dejavu::exec::{Decoder, Sessions};
 use dejavu::sparsity::policy::Policy;
@@ -77,6 +78,35 @@ fn cuda_sessions<R>(
 
 #[cfg(not(feature = "cuda"))]
 fn cuda_sessions<R>(_: &Engine, _: bool, _: impl FnOnce(&dyn Sessions) -> Result<R>) -> Result<R> {
+    bail!("this build has no CUDA backend: build with `cargo build --release --features cuda`")
+}
+
+/// The bench of `spec` where `at` says: the engine's CPU (at its threads), one GPU, or a world.
+pub fn bench_on(
+    at: Placement,
+    spec: &BenchSpec,
+    tick: &mut dyn FnMut(),
+) -> Result<Vec<BenchResult>> {
+    match (at.backend, at.tensor_parallel) {
+        (BackendKind::Cpu, 1) => Ok(bench::on_cpu(spec, tick)?),
+        (BackendKind::Cpu, _) => {
+            bail!("tensor parallelism splits a model over GPUs: add --backend cuda")
+        }
+        (BackendKind::Cuda, n) => cuda_bench(n, spec, tick),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_bench(n: usize, spec: &BenchSpec, tick: &mut dyn FnMut()) -> Result<Vec<BenchResult>> {
+    if n == 1 {
+        let dev = dejavu_backend_cuda::CudaDevice::new(0)?;
+        return Ok(bench::on_device(&dev, spec, tick)?);
+    }
+    Ok(bench::on_world(n, cuda_world(n)?, spec, tick)?)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_bench(_: usize, _: &BenchSpec, _: &mut dyn FnMut()) -> Result<Vec<BenchResult>> {
     bail!("this build has no CUDA backend: build with `cargo build --release --features cuda`")
 }
 
@@ -181,13 +211,4 @@ fn cuda_parallel<R>(
     f: impl FnOnce(&mut dyn Decoder) -> Result<R>,
 ) -> Result<R> {
     cuda(e, p, f)
-}
-
-/// Refuse `cuda` (and tensor parallelism) for a command that does not run on it yet.
-pub fn cpu_only(at: Placement, command: &str) -> Result<()> {
-    match (at.backend, at.tensor_parallel) {
-        (BackendKind::Cpu, 1) => Ok(()),
-        (BackendKind::Cpu, _) => bail!("`{command}` runs on the CPU only: no --tensor-parallel"),
-        (_, _) => bail!("`{command}` runs on the CPU only for now (--backend cpu)"),
-    }
 }

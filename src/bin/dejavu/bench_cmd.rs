@@ -1,10 +1,12 @@
-//! `dejavu bench`: prefill and decode speed per policy and thread count on the CPU, decode on
-//! the GPU (`--backend cuda`), and the CPU-against-GPU gain plot.
+//! `dejavu bench`: prefill and decode speed per policy on each backend asked for (the CPU at each
+//! thread count, the GPU or a world of GPUs), one bench (`dejavu::eval::bench`), and the
+//! CPU-against-GPU gain plot.
+use crate::backend_choice::{bench_on, BackendKind, Placement};
 use crate::{load_engine, parse_kv_type, policy_for, SyntheticArgs};
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use dejavu::exec::EngineOptions;
 use dejavu::exec::KvType;
-use dejavu::exec::{Engine, EngineOptions};
 use dejavu::fetch;
 
 #[derive(Args)]
@@ -67,8 +69,7 @@ pub struct BenchArgs {
 }
 
 pub fn cmd_bench(a: BenchArgs) -> Result<()> {
-    use dejavu::eval::bench::{self, BenchResult};
-    use dejavu::eval::device_bench::{gains, gains_markdown, plot_gains, GainRow};
+    use dejavu::eval::bench::{self, gains, gains_markdown, plot_gains, BenchSpec, GainRow};
     if let (Some(from), Some(png)) = (&a.replot, &a.plot) {
         crate::refuse_overwrites(&[("--plot", Some(png))], &[from])?;
         let text = dejavu::fsio::read_text(from.as_ref(), dejavu::fsio::MAX_TEXT_BYTES, false)?;
@@ -86,12 +87,10 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
     }
     dejavu_backend_cpu::pool::set_poll(a.poll);
     let path = fetch::resolve_model(a.model.as_deref())?;
-    let cuda_json = a.json.as_ref().map(|p| p.with_extension("cuda.json"));
     let points = a.plot.as_ref().map(|p| p.with_extension("json"));
     crate::refuse_overwrites(
         &[
             ("--json", a.json.as_deref()),
-            ("--json", cuda_json.as_deref()),
             ("--csv", a.csv.as_deref()),
             ("--plot", a.plot.as_deref()),
             ("--plot", points.as_deref()),
@@ -110,20 +109,25 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
     if a.tensor_parallel > 1 && !cuda {
         bail!("tensor parallelism splits a model over GPUs: add --backend cuda");
     }
-
-    let tests: Vec<(bool, usize)> = [(true, a.n_prompt), (false, a.n_gen)]
-        .into_iter()
-        .filter(|t| t.1 > 0)
-        .collect();
-    let bar = indicatif::ProgressBar::new(
-        (a.threads.len() * tests.len() * a.repetitions * a.sparsity.len()) as u64,
-    );
-    bar.set_style(
-        indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} runs {msg}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
-    let mut results = Vec::new();
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // Where to run: the GPU (or a world of them), then the CPU at each thread count.
+    let mut places: Vec<(Placement, Option<usize>)> = Vec::new();
+    if cuda {
+        let tensor_parallel = a.tensor_parallel as usize;
+        places.push((
+            Placement {
+                backend: BackendKind::Cuda,
+                tensor_parallel,
+            },
+            None,
+        ));
+    }
+    if cpu {
+        let at = Placement {
+            backend: BackendKind::Cpu,
+            tensor_parallel: 1,
+        };
+        places.extend(a.threads.iter().map(|&t| (at, Some(t))));
+    }
     let ctx = a.n_prompt.max(a.n_gen + 1).max(16);
     // Loaded once (a synthetic model is built once); each thread count gets its own pool.
     let mut engine = load_engine(
@@ -136,100 +140,44 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
             keep_file_layout: a.no_repack || cuda,
         },
     )?;
-    let model_name = engine.model.label();
-    let mut gpu_rows = Vec::new();
-    let device_policies = match cuda {
-        true => (a.sparsity.iter())
-            .map(|spec| policy_for(&engine, spec, a.predictors.as_deref()))
-            .collect::<Result<Vec<_>>>()?,
-        false => Vec::new(),
-    };
-    if cuda {
-        let tp = a.tensor_parallel as usize;
-        let rows = cuda_bench(
-            &engine,
-            &device_policies,
-            tp,
-            a.n_prompt,
-            a.n_gen,
-            a.repetitions,
-        )?;
-        print!("{}", dejavu::eval::device_bench::markdown(&rows));
-        if let Some(p) = &cuda_json {
-            dejavu::fsio::write(p, serde_json::to_string_pretty(&rows)?)
-                .with_context(|| format!("writing {}", p.display()))?;
-        }
-        gpu_rows = rows;
-    }
-    let threads_to_run = if cpu { a.threads.clone() } else { Vec::new() };
-    for &threads in &threads_to_run {
-        if threads > cores {
-            eprintln!("warning: {threads} threads on {cores} cores: the spinning pool oversubscribes, expect decoding far slower");
-        }
-        engine.set_threads(threads)?;
-        let policies = a
-            .sparsity
-            .iter()
-            .map(|spec| policy_for(&engine, spec, a.predictors.as_deref()))
-            .collect::<Result<Vec<_>>>()?;
-        for &(prefill, n) in &tests {
-            let test = if prefill {
-                format!("pp{n}")
-            } else {
-                format!("tg{n}")
-            };
-            bar.set_message(format!("{test} at {threads} threads"));
-            let runs =
-                bench::alternate(&engine, &policies, prefill, n, a.repetitions, || bar.inc(1))?;
-            let samples: Vec<&[f64]> = runs.iter().map(|r| r.samples.as_slice()).collect();
-            let steps: Vec<&bench::StepTotals> = runs.iter().map(|r| &r.steps).collect();
-            let medians: Vec<f64> = samples.iter().map(|s| bench::median_sd(s).0).collect();
-            let dense = policies
-                .iter()
-                .position(|p| p.is_dense())
-                .map(|i| medians[i]);
-            for (i, pol) in policies.iter().enumerate() {
-                let (med, sd) = bench::median_sd(samples[i]);
-                let bytes = steps[i].mean_bytes();
-                let gbs = if prefill {
-                    bytes * med / n as f64 / 1e9
-                } else {
-                    bytes * med / 1e9
-                };
-                results.push(BenchResult {
-                    model: model_name.clone(),
-                    commit: bench::COMMIT.into(),
-                    cpu: bench::cpu_model(),
-                    isa: engine.isa().into(),
-                    threads,
-                    sparsity: pol.name.clone(),
-                    test: test.clone(),
-                    n_tokens: n,
-                    tok_per_s_median: med,
-                    tok_per_s_stddev: sd,
-                    weight_gb_per_s: gbs,
-                    weight_bytes_per_token: bytes,
-                    speedup_vs_dense: dense.map(|d| med / d),
-                    mlp_density: steps[i].mlp_density(),
-                    head_density: steps[i].head_density(),
-                    exact_logits: steps[i].mean_exact_logits(),
-                    predict_ms: steps[i].predict_ms(),
-                    blocks: steps[i].blocks(),
-                    samples: samples[i].to_vec(),
-                    memory: runs[i].memory,
-                });
+    let policies = (a.sparsity.iter())
+        .map(|spec| policy_for(&engine, spec, a.predictors.as_deref()))
+        .collect::<Result<Vec<_>>>()?;
+    let tests = [a.n_prompt, a.n_gen].iter().filter(|&&n| n > 0).count();
+    let runs = places.len() * tests * a.repetitions * policies.len();
+    let bar = indicatif::ProgressBar::new(runs as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} runs {msg}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut results = Vec::new();
+    for (at, threads) in places {
+        match threads {
+            Some(t) => {
+                if t > cores {
+                    bar.println(format!("warning: {t} threads on {cores} cores: the spinning pool oversubscribes, expect decoding far slower"));
+                }
+                engine.set_threads(t)?;
+                bar.set_message(format!("cpu, {t} threads"));
             }
+            None => bar.set_message("cuda"),
         }
+        let spec = BenchSpec {
+            engine: &engine,
+            policies: &policies,
+            n_prompt: a.n_prompt,
+            n_gen: a.n_gen,
+            reps: a.repetitions,
+        };
+        results.extend(bench_on(at, &spec, &mut || bar.inc(1))?);
     }
     bar.finish_and_clear();
-    if !cpu {
-        return Ok(());
-    }
     print!("{}", bench::markdown(&results));
     if let Some(p) = &a.plot {
-        let g = gains(&results, &gpu_rows);
+        let g = gains(&results);
         print!("\n{}", gains_markdown(&g));
-        let title = format!("{model_name}: sparsity gains, CPU and GPU");
+        let title = format!("{}: sparsity gains, CPU and GPU", engine.model.label());
         let points = p.with_extension("json");
         dejavu::fsio::write(&points, serde_json::to_string_pretty(&(&title, &g))?)
             .with_context(|| format!("writing {}", points.display()))?;
@@ -253,40 +201,4 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
             .with_context(|| format!("writing {}", p.display()))?;
     }
     Ok(())
-}
-
-/// The decode bench on the GPU (`--backend cuda`), over `tp` GPUs.
-#[cfg(feature = "cuda")]
-fn cuda_bench(
-    engine: &Engine,
-    policies: &[dejavu::sparsity::policy::Policy],
-    tp: usize,
-    n_prompt: usize,
-    n_gen: usize,
-    reps: usize,
-) -> Result<Vec<dejavu::eval::device_bench::DeviceBenchRow>> {
-    use dejavu::eval::device_bench;
-    use dejavu_backend_cuda::CudaDevice;
-    if tp == 1 {
-        let dev = CudaDevice::new(0)?;
-        return Ok(device_bench::bench(
-            &dev, engine, policies, n_prompt, n_gen, reps,
-        )?);
-    }
-    let device = crate::backend_choice::cuda_world(tp)?;
-    Ok(device_bench::bench_parallel(
-        tp, device, engine, policies, n_prompt, n_gen, reps,
-    )?)
-}
-
-#[cfg(not(feature = "cuda"))]
-fn cuda_bench(
-    _: &Engine,
-    _: &[dejavu::sparsity::policy::Policy],
-    _: usize,
-    _: usize,
-    _: usize,
-    _: usize,
-) -> Result<Vec<dejavu::eval::device_bench::DeviceBenchRow>> {
-    bail!("this build has no CUDA backend: build with `cargo build --release --features cuda`")
 }

@@ -325,7 +325,6 @@ fn cmd_speed(a: &ReportArgs) -> Result<()> {
     if a.densities.iter().any(|d| !(*d > 0.0 && *d < 1.0)) || a.n_gen == 0 {
         anyhow::bail!("--densities must lie in (0, 1) and --n-gen be positive");
     }
-    crate::backend_choice::cpu_only(a.model.placement(), "report --speed")?;
     let engine = a.model.load(Some(a.n_gen + 2))?;
     let label = engine.model.label();
     let stem = label
@@ -339,13 +338,23 @@ fn cmd_speed(a: &ReportArgs) -> Result<()> {
         &outputs.each_ref().map(|p| ("--out", Some(p.as_path()))),
         &[&engine.model.path],
     )?;
-    let rows = speed_frontier::measure(&engine, &a.densities, a.n_gen, 3)?;
+    let policies = speed_frontier::policies(&engine, &a.densities)?;
+    let spec = dejavu::eval::bench::BenchSpec {
+        engine: &engine,
+        policies: &policies,
+        n_prompt: 0,
+        n_gen: a.n_gen,
+        reps: 3,
+    };
+    let bar = dejavu::progress::bar((3 * policies.len()) as u64, "speed against density");
+    let results = crate::backend_choice::bench_on(a.model.placement(), &spec, &mut || bar.inc(1))?;
+    bar.finish_and_clear();
+    let rows = speed_frontier::rows(&results)?;
+    let device = results.first().map_or(String::new(), |r| r.backend.clone());
     std::fs::create_dir_all(&a.out)?;
     let md = format!(
-        "{label} | {} | {} threads, {} kernels | tg{} x 3 | commit {}\n\n{}",
+        "{label} | {} | {device} | tg{} x 3 | commit {}\n\n{}",
         bench_cpu(),
-        engine.threads(),
-        engine.isa(),
         a.n_gen,
         dejavu::eval::bench::COMMIT,
         speed_frontier::markdown(&rows)

@@ -5,7 +5,7 @@
 //! rank 0's are returned.
 use super::Shard;
 use crate::exec::Decoder;
-use crate::exec::{BlockTimes, DeviceModel, DevicePlan, DeviceSession, Selections};
+use crate::exec::{BlockTimes, DeviceModel, DevicePlan, DeviceSession, Selections, SessionInfo};
 use crate::model::config::ModelConfig;
 use crate::model::weights::Model;
 use crate::sparsity::layout::SparseLayout;
@@ -29,20 +29,7 @@ enum Reply {
     Logits(Result<Vec<f32>>),
     Selections(Result<Vec<Selections>>),
     Profile(Result<BlockTimes>),
-    Info(SessionInfo),
-}
-
-/// What one rank's session reads and computes per step.
-#[derive(Debug, Clone)]
-pub struct SessionInfo {
-    pub plan: String,
-    /// The rank's device.
-    pub device: String,
-    /// Weight bytes of a decode step under the plan, and of a dense one.
-    pub step_bytes: usize,
-    pub dense_bytes: usize,
-    /// Mean fraction of the rank's MLP neurons and heads computed.
-    pub densities: (f64, f64),
+    Info(Result<SessionInfo>),
 }
 
 /// How the ranks are made: each rank's device, and its plans on that device (a session each).
@@ -173,13 +160,7 @@ fn rank<D, F, P>(
                 let mut t = BlockTimes::default();
                 Reply::Profile(sessions[i].profile(&tokens, &mut t).map(|_| t))
             }
-            Cmd::Info(i) => Reply::Info(SessionInfo {
-                plan: sessions[i].plan_name().to_string(),
-                device: dev.name(),
-                step_bytes: sessions[i].step_bytes(),
-                dense_bytes: model.dense_bytes(),
-                densities: sessions[i].densities(),
-            }),
+            Cmd::Info(i) => Reply::Info(sessions[i].info()),
         };
         if out.send((r, reply)).is_err() {
             return;
@@ -287,7 +268,7 @@ impl ParallelDecoder {
         self.send(|| Cmd::Info(i))?;
         (self.gather()?.into_iter())
             .map(|r| match r {
-                Reply::Info(info) => Ok(info),
+                Reply::Info(info) => info,
                 _ => Err(out_of_turn()),
             })
             .collect()

@@ -22,7 +22,7 @@ use crate::{Error, Result};
 use std::ops::Range;
 
 mod decoder;
-pub use decoder::{run, ParallelDecoder, SessionInfo, WorldSpec};
+pub use decoder::{run, ParallelDecoder, WorldSpec};
 
 /// Rank `rank` of a tensor-parallel world of `world` ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,0 +1,184 @@
+//! What a bench prints and draws: the markdown table people read, CSV, and the sparsity gains
+//! of each device against MLP density (a table and a PNG).
+use super::{BenchResult, BlockTime};
+use crate::Result;
+use serde::Serialize;
+
+/// The markdown table people read: one row per device, policy and test, then the decode steps'
+/// time and bytes by block.
+pub fn markdown(results: &[BenchResult]) -> String {
+    let mut s = String::new();
+    if let Some(r) = results.first() {
+        s += &format!(
+            "model: {} | commit: {} | cpu: {}\n\n",
+            r.model, r.commit, r.cpu
+        );
+    }
+    s += "| backend | sparsity | test | t/s (median ± sd) | speedup | weight GB/s \
+          | weight MB/token | MLP density | head density | exact logits \
+          | predictors ms/token | RSS MiB = weights + KV + other |\n";
+    s += "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|\n";
+    for r in results {
+        let mem = r.memory.map_or(String::from("-"), |m| {
+            format!(
+                "{:.1} = {:.1} + {:.1} + {:.1}",
+                m.rss_mib, m.weights_mib, m.kv_cache_mib, m.other_mib
+            )
+        });
+        let speedup = (r.speedup_vs_dense).map_or(String::from("-"), |x| format!("{x:.2}x"));
+        let pred = r.predict_ms.map_or("-".into(), |ms| format!("{ms:.3}"));
+        s += &format!(
+            "| {} | {} | {} | {:.1} ± {:.1} | {} | {:.1} | {:.1} | {:.2} | {:.2} | {:.0} | {} | {} |\n",
+            r.backend,
+            r.sparsity,
+            r.test,
+            r.tok_per_s_median,
+            r.tok_per_s_stddev,
+            speedup,
+            r.weight_gb_per_s,
+            r.weight_bytes_per_token / 1e6,
+            r.mlp_density,
+            r.head_density,
+            r.exact_logits,
+            pred,
+            mem
+        );
+    }
+    s += "\nPer block, mean per decoded token (ms of steps timed block by block, weight MB, \
+          GB/s):\n\n| backend | sparsity | test | attention | MLP | output head | predictors \
+          | all-reduce ms |\n|---|---|---|---:|---:|---:|---:|---:|\n";
+    let cell = |b: &BlockTime| format!("{:.2} ms, {:.1} MB, {:.1} GB/s", b.ms, b.mb, b.gb_per_s);
+    for r in results.iter().filter(|r| r.test.starts_with("tg")) {
+        let b = &r.blocks;
+        s += &format!(
+            "| {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            r.backend,
+            r.sparsity,
+            r.test,
+            cell(&b.attention),
+            cell(&b.mlp),
+            cell(&b.output),
+            cell(&b.predictors),
+            match b.all_reduce.ms > 0.0 {
+                true => format!("{:.2}", b.all_reduce.ms),
+                false => "-".into(),
+            }
+        );
+    }
+    s
+}
+
+pub fn csv(results: &[BenchResult]) -> String {
+    let mut s = String::from("model,commit,cpu,backend,threads,sparsity,test,n_tokens,tok_per_s_median,tok_per_s_stddev,weight_gb_per_s,weight_bytes_per_token,speedup_vs_dense,mlp_density,head_density,exact_logits,predict_ms\n");
+    let opt = |x: Option<f64>| x.map_or(String::new(), |x| format!("{x:.4}"));
+    for r in results {
+        s += &format!(
+            "{},{},\"{}\",\"{}\",{},\"{}\",{},{},{:.3},{:.3},{:.3},{:.0},{},{:.4},{:.4},{:.1},{}\n",
+            r.model,
+            r.commit,
+            r.cpu,
+            r.backend,
+            r.threads.map_or(String::new(), |t| t.to_string()),
+            r.sparsity,
+            r.test,
+            r.n_tokens,
+            r.tok_per_s_median,
+            r.tok_per_s_stddev,
+            r.weight_gb_per_s,
+            r.weight_bytes_per_token,
+            opt(r.speedup_vs_dense),
+            r.mlp_density,
+            r.head_density,
+            r.exact_logits,
+            opt(r.predict_ms),
+        );
+    }
+    s
+}
+
+/// One point of the CPU-against-GPU comparison: a backend's speedup over its own dense decoding
+/// at an MLP density.
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
+pub struct GainRow {
+    pub backend: String,
+    pub sparsity: String,
+    pub mlp_density: f64,
+    pub head_density: f64,
+    pub tok_per_s: f64,
+    pub speedup_vs_dense: f64,
+}
+
+/// The decode rows as gain rows (rows without a dense run on their device are left out).
+pub fn gains(results: &[BenchResult]) -> Vec<GainRow> {
+    (results.iter().filter(|r| r.test.starts_with("tg")))
+        .filter_map(|r| {
+            Some(GainRow {
+                backend: r.backend.clone(),
+                sparsity: r.sparsity.clone(),
+                mlp_density: r.mlp_density,
+                head_density: r.head_density,
+                tok_per_s: r.tok_per_s_median,
+                speedup_vs_dense: r.speedup_vs_dense?,
+            })
+        })
+        .collect()
+}
+
+pub fn gains_markdown(rows: &[GainRow]) -> String {
+    let mut out = String::from(
+        "| backend | sparsity | MLP density | head density | t/s | speedup over the backend's dense |\n|---|---|---:|---:|---:|---:|\n",
+    );
+    for r in rows {
+        out += &format!(
+            "| {} | {} | {:.3} | {:.2} | {:.1} | {:.2}x |\n",
+            r.backend, r.sparsity, r.mlp_density, r.head_density, r.tok_per_s, r.speedup_vs_dense
+        );
+    }
+    out
+}
+
+/// Speedup over each backend's own dense decoding against MLP density, one line per backend,
+/// with the ideal `1 / density`.
+pub fn plot_gains(rows: &[GainRow], title: &str, path: &std::path::Path) -> Result<()> {
+    use crate::eval::plot::{line_chart, Axes, Series};
+    use plotters::style::RGBColor;
+    let ymax = rows.iter().map(|r| r.speedup_vs_dense).fold(4.0, f64::max) * 1.1;
+    let mut series = vec![Series {
+        label: "ideal (1 / density)".into(),
+        color: RGBColor(150, 150, 150),
+        width: 1,
+        dots: false,
+        points: (1..=100)
+            .map(|i| i as f64 / 100.0)
+            .filter(|d| 1.0 / d <= ymax)
+            .map(|d| (d, 1.0 / d))
+            .collect(),
+    }];
+    let mut backends: Vec<&str> = rows.iter().map(|r| r.backend.as_str()).collect();
+    backends.dedup();
+    let colors = [
+        RGBColor(31, 119, 180),
+        RGBColor(214, 39, 40),
+        RGBColor(44, 160, 44),
+    ];
+    for (b, &color) in backends.iter().zip(colors.iter().cycle()) {
+        let mut points: Vec<(f64, f64)> = (rows.iter().filter(|r| r.backend == *b))
+            .map(|r| (r.mlp_density, r.speedup_vs_dense))
+            .collect();
+        points.sort_by(|a, b| a.0.total_cmp(&b.0));
+        series.push(Series {
+            label: b.to_string(),
+            color,
+            width: 2,
+            dots: true,
+            points,
+        });
+    }
+    let axes = Axes {
+        x_desc: "MLP density (fraction of neurons computed)",
+        x_max: 1.05,
+        y_desc: "decode speedup over the same backend's dense",
+        y_max: ymax,
+    };
+    line_chart(path, title, axes, &series)
+}
