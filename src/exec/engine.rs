@@ -96,6 +96,8 @@ pub struct Engine {
     kv_type: KvType,
     /// The neuron-major layout, loaded or built on first use by a sparse policy.
     layout: std::sync::OnceLock<SparseLayout>,
+    /// A synthetic model's random predictors, made on first use.
+    synthetic_predictors: std::sync::OnceLock<Predictors>,
 }
 
 impl Engine {
@@ -156,6 +158,7 @@ impl Engine {
             threads,
             kv_type: opts.kv_type,
             layout: std::sync::OnceLock::new(),
+            synthetic_predictors: std::sync::OnceLock::new(),
         })
     }
 
@@ -182,7 +185,12 @@ impl Engine {
             return Predictors::load(p, &self.model).map(Some);
         }
         if self.model.synthetic_source().is_some() {
-            return Predictors::synthetic(&self.model).map(Some);
+            // Generated once: every policy of a run shares them.
+            if let Some(p) = self.synthetic_predictors.get() {
+                return Ok(Some(p.clone()));
+            }
+            let p = Predictors::synthetic(&self.model)?;
+            return Ok(Some(self.synthetic_predictors.get_or_init(|| p).clone()));
         }
         let found = [
             Predictors::default_path(&self.model),

@@ -14,12 +14,10 @@
 use crate::model::arch;
 use crate::model::config::ModelConfig;
 use crate::model::names::{GlobalTensor, LayerTensor};
-use crate::sparsity::predictor::LowRankPredictor;
 use crate::{Error, Result};
 use dejavu_backend_api::quantize::quantize_row_absmax;
 use dejavu_backend_api::QuantType;
 use memmap2::MmapMut;
-use std::sync::{Arc, OnceLock};
 
 /// What `--model` names start with.
 pub const PREFIX: &str = "synthetic:";
@@ -264,13 +262,7 @@ pub struct Synthetic {
     pub shape: &'static Shape,
     pub options: SyntheticOptions,
     pub(crate) buffers: Vec<std::sync::Arc<MmapMut>>,
-    /// The MLP and head predictors of every layer, generated on first use (every policy of a
-    /// run shares them).
-    predictors: OnceLock<(PerLayer, PerLayer)>,
 }
-
-/// One predictor per layer.
-type PerLayer = Arc<[LowRankPredictor]>;
 
 impl Synthetic {
     /// A label for outputs: `synthetic:opt-6.7b (random weights, q8_0)`.
@@ -282,23 +274,16 @@ impl Synthetic {
         )
     }
 
-    /// Every layer's MLP predictor (`d_model -> n_ff`) and head predictor (`d_model ->
-    /// n_heads`) at the configured rank, generated once.
-    pub fn predictors(&self, c: &ModelConfig) -> Result<(PerLayer, PerLayer)> {
-        if let Some(p) = self.predictors.get() {
-            return Ok(p.clone());
-        }
-        let layers = |what: &str, n_out: usize| -> Result<PerLayer> {
-            (0..c.n_layers)
-                .map(|l| self.predictor(l, what, c.d_model, n_out))
-                .collect()
-        };
-        let made = (layers("mlp", c.n_ff)?, layers("heads", c.n_heads)?);
-        Ok(self.predictors.get_or_init(|| made).clone())
-    }
-
-    /// The synthetic predictor of layer `l` of shape `(d, n_out)` at the configured rank.
-    fn predictor(&self, l: usize, what: &str, d: usize, n_out: usize) -> Result<LowRankPredictor> {
+    /// The random weights of layer `l`'s low-rank predictor (`what`: `mlp` or `heads`) of shape
+    /// `(d, n_out)` at the configured rank: the rank, and the Q8_0 rows of `w1` (`rank x d`)
+    /// and of `w2` (`n_out x rank`). Speed only: they select real sets of no meaning.
+    pub fn predictor_weights(
+        &self,
+        l: usize,
+        what: &str,
+        d: usize,
+        n_out: usize,
+    ) -> Result<(usize, Vec<u8>, Vec<u8>)> {
         let rank = self
             .options
             .predictor_rank
@@ -322,7 +307,7 @@ impl Synthetic {
         };
         let w1 = gen(format!("blk.{l}.{what}.w1"), rank, d);
         let w2 = gen(format!("blk.{l}.{what}.w2"), n_out, rank);
-        LowRankPredictor::from_parts(rank, d, n_out, w1, w2)
+        Ok((rank, w1, w2))
     }
 }
 
@@ -388,7 +373,6 @@ pub(crate) fn build(
         shape,
         options,
         buffers,
-        predictors: OnceLock::new(),
     };
     Ok((c, specs, synth))
 }

@@ -109,6 +109,7 @@ impl OutputPreview {
 }
 
 /// Everything a predictors file holds.
+#[derive(Clone)]
 pub struct Predictors {
     pub path: Option<PathBuf>,
     pub metadata: HashMap<String, String>,
@@ -186,7 +187,15 @@ impl Predictors {
             Some(s) => (&model.config, s),
             None => return Err(Error::Invalid("not a synthetic model".into())),
         };
-        let (mlp, heads) = synth.predictors(c)?;
+        let layers = |what: &str, n_out: usize| {
+            (0..c.n_layers)
+                .map(|l| {
+                    let (rank, w1, w2) = synth.predictor_weights(l, what, c.d_model, n_out)?;
+                    LowRankPredictor::from_parts(rank, c.d_model, n_out, w1, w2)
+                })
+                .collect::<Result<Arc<[_]>>>()
+        };
+        let (mlp, heads) = (layers("mlp", c.n_ff)?, layers("heads", c.n_heads)?);
         Ok(Self {
             path: None,
             metadata: HashMap::from([("synthetic".to_string(), "true".to_string())]),
