@@ -19,6 +19,7 @@ pub mod eval;
 pub mod exec;
 pub mod fetch;
 pub mod fsio;
+pub mod memstat;
 pub mod model;
 pub mod progress;
 pub mod quantize;

@@ -271,7 +271,7 @@ fn kv_cache_holds_what_is_used() {
         },
     )
     .unwrap();
-    let rss = || dejavu::eval::memstat::resident(&[]).unwrap().total;
+    let rss = || dejavu::memstat::resident(&[]).unwrap().total;
     let full = (2 * TINY.layers * CTX * TINY.kv_heads * (TINY.d / TINY.heads) * 4) as u64;
     let plan = dejavu::sparsity::SparsePlan::dense(&e.model.config);
     let before = rss();

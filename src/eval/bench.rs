@@ -414,7 +414,7 @@ pub fn memory(engine: &Engine, len: usize) -> Option<Memory> {
     // Weights: the model's mapping and, once a sparse policy built it, the sparse layout.
     let mut regions = engine.model.mapped_files();
     regions.extend(engine.loaded_layout().map(|l| l.bytes()));
-    let r = crate::eval::memstat::resident(&regions)?;
+    let r = crate::memstat::resident(&regions)?;
     let mib = |b: u64| b as f64 / (1 << 20) as f64;
     let kv = engine.kv_bytes(len) as u64;
     Some(Memory {

@@ -1,7 +1,6 @@
 //! Measuring the engine: perplexity (llama.cpp's method), `dejavu bench` (llama-bench's tests),
-//! the sparsity frontier report, speed against density, and resident memory.
+//! the sparsity frontier report, and speed against density.
 pub mod bench;
-pub mod memstat;
 pub mod perplexity;
 pub mod plot;
 pub mod report;

@@ -332,7 +332,7 @@ pub(crate) fn build(
     let c = shape.config()?;
     let specs = tensors(&c, options.dtype);
     let total: usize = specs.iter().map(TensorSpec::n_bytes).sum();
-    if let Some(avail) = crate::eval::memstat::available() {
+    if let Some(avail) = crate::memstat::available() {
         if total > avail {
             return Err(Error::Invalid(format!(
                 "{PREFIX}{} in {} needs {:.1} GiB; this machine has {:.1} GiB available",

@@ -240,7 +240,7 @@ fn build(model: &Model, convert: impl Fn(usize, Part) -> Vec<u8> + Sync) -> Resu
             rows * expected_type(model, l, p).row_bytes(cols)
         })
         .sum();
-    if let Some(avail) = crate::eval::memstat::available() {
+    if let Some(avail) = crate::memstat::available() {
         if 2 * layout > avail {
             return Err(Error::Invalid(format!(
                 "the sparse layout ({:.1} GiB) needs {:.1} GiB to build; {:.1} GiB are available",
