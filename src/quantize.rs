@@ -242,6 +242,8 @@ fn plan(model: &Model, qtype: QuantType) -> Vec<Out<'_>> {
             (&lw.bo, LayerTensor::AttnOutputBias, &None),
             (&lw.b_up, LayerTensor::FfnUpBias, &None),
             (&lw.b_down, LayerTensor::FfnDownBias, &None),
+            (&lw.q_norm, LayerTensor::AttnQNorm, &None),
+            (&lw.k_norm, LayerTensor::AttnKNorm, &None),
         ];
         for (b, t, p) in biases {
             if let Some(b) = b {
@@ -326,6 +328,9 @@ fn arch_keys(c: &ModelConfig) -> Vec<(String, MetaValue)> {
     if let Positions::Rope { theta, .. } = c.positions {
         m.push((ArchKey::RopeFreqBase.key(a), MetaValue::F32(theta)));
         m.push(u(ArchKey::RopeDimensionCount, c.head_dim));
+        // llama.cpp's keys of the head width (qwen3's differs from d_model / n_heads).
+        m.push(u(ArchKey::KeyLength, c.head_dim));
+        m.push(u(ArchKey::ValueLength, c.head_dim));
     }
     if c.mlp != MlpKind::Relu {
         m.push((
@@ -363,7 +368,7 @@ fn tokenizer_keys(c: &ModelConfig, tok: &Tokenizer) -> Result<Vec<(String, MetaV
         (0..n as u32).map(|i| MetaValue::String(tok.token_text(i).unwrap_or("").to_string()));
     let types = (0..n as u32).map(|i| MetaValue::I32(if special.contains(&i) { 3 } else { 1 }));
     let s = |k: &str, v: &str| (k.to_string(), MetaValue::String(v.to_string()));
-    let pre = if c.arch == Architecture::Qwen2 {
+    let pre = if matches!(c.arch, Architecture::Qwen2 | Architecture::Qwen3) {
         "qwen2"
     } else {
         "gpt2"

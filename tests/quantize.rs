@@ -74,6 +74,7 @@ fn every_fixture_converts_to_gguf() {
         "llama-relu",
         "llama-silu",
         "qwen2",
+        "qwen3",
     ] {
         let out = dir.path().join(format!("{name}.gguf"));
         quantize(&fixture(name), QuantType::F16, &out);

@@ -108,6 +108,7 @@ fn every_world_size_gives_the_whole_models_logits() {
     for (name, worlds) in [
         ("llama-silu", &[2][..]),
         ("qwen2", &[2]),
+        ("qwen3", &[2]),
         ("opt-relu", &[2, 3]),
         ("opt-postln-proj", &[3]),
         ("opt-noaffine", &[2]),

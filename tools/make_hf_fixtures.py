@@ -31,6 +31,12 @@ Fixtures (see tests/hf_reference.rs):
                   `torch_dtype` (the older key).
   llama-silu      LlamaForCausalLM, SwiGLU, tied head; bf16.
   qwen2           Qwen2ForCausalLM, QKV bias, tied head, ChatML template; fp16.
+  qwen3           Qwen3ForCausalLM: per-head RMSNorm on Q and K, head_dim 32 with hidden 64 and
+                  4 heads (not hidden / heads), no biases, tied head; bf16. Small (hidden 64) so
+                  the tree stays small.
+
+`build ... --tokenizer DIR` reuses DIR's tokenizer.json (a committed fixture's) instead of
+training one, so a fixture added later shares the others' vocabulary.
 """
 import gzip
 import json
@@ -173,6 +179,9 @@ FIXTURES = [
     ("qwen2", "qwen2", 45, 2e-3, "float16", None,
      dict(hidden_size=128, num_hidden_layers=2, intermediate_size=384, num_attention_heads=4,
           num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6)),
+    ("qwen3", "qwen3", 45, 2e-3, "bfloat16", None,
+     dict(hidden_size=64, num_hidden_layers=2, intermediate_size=192, num_attention_heads=4,
+          num_key_value_heads=2, head_dim=32, tie_word_embeddings=True, rope_theta=1e6)),
 ]
 
 
@@ -189,6 +198,9 @@ def make_model(kind, cfg):
     if kind == "llama":
         c = tf.LlamaConfig(bos_token_id=0, eos_token_id=2, **common, **cfg)
         return tf.LlamaForCausalLM(c)
+    if kind == "qwen3":
+        c = tf.Qwen3Config(bos_token_id=None, eos_token_id=5, **common, **cfg)
+        return tf.Qwen3ForCausalLM(c)
     c = tf.Qwen2Config(bos_token_id=None, eos_token_id=5, **common, **cfg)
     return tf.Qwen2ForCausalLM(c)
 
@@ -311,7 +323,7 @@ def relu_zeros(model, ids):
     return fracs
 
 
-def build(corpus_path, eval_path, outdir, scale, only=None):
+def build(corpus_path, eval_path, outdir, scale, only=None, tokenizer=None):
     import torch
 
     torch.manual_seed(0)
@@ -319,7 +331,13 @@ def build(corpus_path, eval_path, outdir, scale, only=None):
     text = gzip.open(corpus_path, "rt", encoding="utf-8").read()
     eval_text = open(eval_path, encoding="utf-8").read()
     tok_dir = os.path.join(outdir, "_tokenizer")
-    tok = train_tokenizer(text, tok_dir)
+    if tokenizer:
+        from tokenizers import Tokenizer
+        os.makedirs(tok_dir, exist_ok=True)
+        tok = Tokenizer.from_file(os.path.join(tokenizer, "tokenizer.json"))
+        tok.save(os.path.join(tok_dir, "tokenizer.json"))
+    else:
+        tok = train_tokenizer(text, tok_dir)
     ids = tok.encode(text).ids
     print(f"corpus: {len(text)} chars, {len(ids)} tokens", flush=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -341,7 +359,7 @@ def build(corpus_path, eval_path, outdir, scale, only=None):
             if "dtype" in c:
                 c["torch_dtype"] = c.pop("dtype")
             json.dump(c, open(p, "w"), indent=2)
-        bos = {"opt": 2, "llama": 0, "qwen2": None}[kind]
+        bos = {"opt": 2, "llama": 0, "qwen2": None, "qwen3": None}[kind]
         ref = reference(d, kind, eval_text, bos, bos is not None)
         with open(os.path.join(d, "reference.json"), "w") as f:
             json.dump(ref, f)
@@ -355,9 +373,11 @@ if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "corpus":
         gather_corpus(sys.argv[2], sys.argv[3])
     elif len(sys.argv) >= 5 and sys.argv[1] == "build":
-        # Options after OUTDIR: --scale S (training time factor), --only NAME[,NAME...].
+        # Options after OUTDIR: --scale S (training time factor), --only NAME[,NAME...],
+        # --tokenizer DIR (reuse DIR's tokenizer.json).
         opts = dict(zip(sys.argv[5::2], sys.argv[6::2]))
         only = opts["--only"].split(",") if "--only" in opts else None
-        build(sys.argv[2], sys.argv[3], sys.argv[4], float(opts.get("--scale", 1.0)), only)
+        build(sys.argv[2], sys.argv[3], sys.argv[4], float(opts.get("--scale", 1.0)), only,
+              opts.get("--tokenizer"))
     else:
         sys.exit(__doc__)

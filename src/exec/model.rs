@@ -23,6 +23,9 @@ pub(super) struct Layer<D: Device> {
     pub(super) bv: Option<D::Buf>,
     pub(super) wo: D::Mat,
     pub(super) bo: Option<D::Buf>,
+    /// The per-head RMSNorm gains of Q and K (qwen3), every head's the same `head_dim`.
+    pub(super) q_norm: Option<D::Buf>,
+    pub(super) k_norm: Option<D::Buf>,
     pub(super) ffn_norm: Norm<D>,
     pub(super) w_gate: Option<D::Mat>,
     pub(super) w_up: D::Mat,
@@ -176,6 +179,8 @@ impl<D: Device> DeviceModel<D> {
                 bv: part(&lw.bv, &kv_rows)?,
                 wo: cols(&lw.wo, &q_rows)?,
                 bo: once(&lw.bo)?,
+                q_norm: vec(&lw.q_norm)?,
+                k_norm: vec(&lw.k_norm)?,
                 ffn_norm: norm(&lw.ffn_norm)?,
                 w_gate: (lw.w_gate.as_ref().map(|w| rows(w, &neurons))).transpose()?,
                 w_up: rows(&lw.w_up, &neurons)?,

@@ -251,6 +251,12 @@ impl<D: Device> DevicePlan<D> {
         if p.kv == KvRule::Lazy && cfg.n_kv_heads != cfg.n_heads {
             return Err(unsupported("lazy-kv with grouped-query attention".into()));
         }
+        // The device's K/V fill computes keys from kept inputs without the heads' norms.
+        if p.kv == KvRule::Lazy && cfg.qk_norm {
+            return Err(unsupported(
+                "lazy-kv with per-head Q/K norms (qwen3)".into(),
+            ));
+        }
         let (mut mlp, mut heads, mut mlp_pred, mut head_pred) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let (mut mlp_rule, mut head_rule) = (Vec::new(), Vec::new());

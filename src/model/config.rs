@@ -13,6 +13,7 @@ use dejavu_formats::gguf::GgufHeader;
 pub enum Architecture {
     Llama,
     Qwen2,
+    Qwen3,
     Opt,
 }
 
@@ -22,6 +23,7 @@ impl Architecture {
         match name {
             "llama" => Ok(Architecture::Llama),
             "qwen2" => Ok(Architecture::Qwen2),
+            "qwen3" => Ok(Architecture::Qwen3),
             "opt" => Ok(Architecture::Opt),
             other => Err(Error::UnknownArchitecture(other.into())),
         }
@@ -30,6 +32,7 @@ impl Architecture {
         match self {
             Architecture::Llama => "llama",
             Architecture::Qwen2 => "qwen2",
+            Architecture::Qwen3 => "qwen3",
             Architecture::Opt => "opt",
         }
     }
@@ -111,6 +114,8 @@ pub struct ModelConfig {
     pub out_bias: bool,
     /// The MLP's projections carry biases (OPT's fc1, fc2).
     pub mlp_bias: bool,
+    /// Each query and key head is RMS-normed (its own `head_dim` gains) before RoPE (qwen3).
+    pub qk_norm: bool,
     /// The output head is the token embedding (no `output.weight`).
     pub tied_output: bool,
     /// Width of the token embedding; when it differs from `d_model` (OPT's
@@ -151,10 +156,10 @@ impl ModelConfig {
                 "dimensions {dims:?} must be positive and plausible"
             )));
         }
-        if !self.d_model.is_multiple_of(self.n_heads) {
+        if !(1..=1024).contains(&self.head_dim) {
             return Err(bad(format!(
-                "{} heads do not divide d_model {}",
-                self.n_heads, self.d_model
+                "head_dim {} is not in 1..=1024",
+                self.head_dim
             )));
         }
         if self.n_kv_heads > self.n_heads || !self.n_heads.is_multiple_of(self.n_kv_heads) {
@@ -205,7 +210,23 @@ impl ModelConfig {
                 ));
             }
         }
-        let head_dim = d_model / n_heads.max(1);
+        // qwen3 states its head width (128 on every size, whatever d_model / n_heads is).
+        let head_dim = match m.has(ArchKey::KeyLength) {
+            true => m.int(ArchKey::KeyLength)?,
+            false if d_model.is_multiple_of(n_heads) => d_model / n_heads,
+            false => {
+                return Err(bad(
+                    &ArchKey::HeadCount.key(arch.name()),
+                    &format!("{n_heads} heads do not divide the hidden size {d_model}"),
+                ))
+            }
+        };
+        if m.has(ArchKey::ValueLength) && m.int(ArchKey::ValueLength)? != head_dim {
+            return Err(bad(
+                &ArchKey::ValueLength.key(arch.name()),
+                "value heads wider or narrower than key heads are not supported",
+            ));
+        }
         if m.has(ArchKey::RopeDimensionCount) && m.int(ArchKey::RopeDimensionCount)? != head_dim {
             return Err(bad(
                 &ArchKey::RopeDimensionCount.key(arch.name()),
@@ -255,7 +276,7 @@ impl ModelConfig {
             context_length: m.int(ArchKey::ContextLength)?,
             positions: match arch {
                 Architecture::Llama => rope(RopeStyle::Interleaved)?,
-                Architecture::Qwen2 => rope(RopeStyle::Neox)?,
+                Architecture::Qwen2 | Architecture::Qwen3 => rope(RopeStyle::Neox)?,
                 Architecture::Opt => Positions::Learned { offset: 2 },
             },
             norm: if opt { NormKind::Layer } else { NormKind::Rms },
@@ -271,6 +292,7 @@ impl ModelConfig {
             qkv_bias: arch == Architecture::Qwen2 || has_layer(LayerTensor::AttnQBias),
             out_bias: has_layer(LayerTensor::AttnOutputBias),
             mlp_bias: has_layer(LayerTensor::FfnUpBias),
+            qk_norm: has_layer(LayerTensor::AttnQNorm),
             tied_output: !has(GlobalTensor::Output),
             d_embed: match opt && m.has(ArchKey::EmbeddingProjection) {
                 true => m.int(ArchKey::EmbeddingProjection)?,

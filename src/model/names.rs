@@ -27,6 +27,10 @@ pub enum ArchKey {
     LayerNormBefore,
     /// dejavu (OPT): width of the token embedding when it differs from the hidden size.
     EmbeddingProjection,
+    /// Width of each key and value head (qwen3: may differ from the hidden size over the head
+    /// count).
+    KeyLength,
+    ValueLength,
 }
 
 impl ArchKey {
@@ -47,6 +51,8 @@ impl ArchKey {
             ArchKey::FeedForwardActivation => "feed_forward_activation",
             ArchKey::LayerNormBefore => "layer_norm_before",
             ArchKey::EmbeddingProjection => "embedding_projection_length",
+            ArchKey::KeyLength => "attention.key_length",
+            ArchKey::ValueLength => "attention.value_length",
         };
         format!("{arch}.{suffix}")
     }
@@ -110,6 +116,9 @@ pub enum LayerTensor {
     AttnVBias,
     AttnOutput,
     AttnOutputBias,
+    /// qwen3: RMSNorm gains of each query and key head (`head_dim` wide).
+    AttnQNorm,
+    AttnKNorm,
     FfnNorm,
     FfnNormBias,
     FfnGate,
@@ -132,6 +141,8 @@ impl LayerTensor {
             LayerTensor::AttnVBias => "attn_v.bias",
             LayerTensor::AttnOutput => "attn_output.weight",
             LayerTensor::AttnOutputBias => "attn_output.bias",
+            LayerTensor::AttnQNorm => "attn_q_norm.weight",
+            LayerTensor::AttnKNorm => "attn_k_norm.weight",
             LayerTensor::FfnNorm => "ffn_norm.weight",
             LayerTensor::FfnNormBias => "ffn_norm.bias",
             LayerTensor::FfnGate => "ffn_gate.weight",

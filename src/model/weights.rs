@@ -98,6 +98,9 @@ pub struct LayerWeights {
     pub bv: Option<Vec<f32>>,
     pub wo: WeightRef, // [d_model, n_heads*head_dim]
     pub bo: Option<Vec<f32>>,
+    /// Gains of the per-head RMSNorm of Q and of K (`head_dim` each; qwen3).
+    pub q_norm: Option<Vec<f32>>,
+    pub k_norm: Option<Vec<f32>>,
     pub ffn_norm: NormWeights,
     pub w_gate: Option<WeightRef>, // [n_ff, d_model]
     pub w_up: WeightRef,           // [n_ff, d_model]
@@ -328,6 +331,8 @@ impl Model {
                 bv: bias(c.qkv_bias, LayerTensor::AttnVBias, kv)?,
                 wo: w(LayerTensor::AttnOutput, [d, q_dim])?,
                 bo: bias(c.out_bias, LayerTensor::AttnOutputBias, d)?,
+                q_norm: bias(c.qk_norm, LayerTensor::AttnQNorm, c.head_dim)?,
+                k_norm: bias(c.qk_norm, LayerTensor::AttnKNorm, c.head_dim)?,
                 ffn_norm: norm(LayerTensor::FfnNorm, LayerTensor::FfnNormBias)?,
                 w_gate: match c.mlp.gated() {
                     true => Some(w(LayerTensor::FfnGate, [ff, d])?),

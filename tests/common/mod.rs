@@ -306,13 +306,14 @@ pub fn temp_file(bytes: &[u8]) -> tempfile::NamedTempFile {
 }
 
 /// The tiny Hugging Face fixtures of tests/fixtures/hf (tools/make_hf_fixtures.py).
-pub const HF_FIXTURES: [&str; 6] = [
+pub const HF_FIXTURES: [&str; 7] = [
     "opt-relu",
     "opt-postln-proj",
     "opt-noaffine",
     "llama-relu",
     "llama-silu",
     "qwen2",
+    "qwen3",
 ];
 
 /// A fixed plan whose sets fall unevenly on tensor-parallel ranks (some rank holds none of a layer's

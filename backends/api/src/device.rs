@@ -247,7 +247,8 @@ pub trait Device: Send + Sync {
         y: &mut Self::Buf,
     ) -> Result<(), BackendError>;
 
-    /// `out = x / sqrt(mean(x^2) + eps) * w` for each of `rows` rows of `w`'s length.
+    /// `out = x / sqrt(mean(x^2) + eps) * w` for each of `rows` rows of `w`'s length: a batch's
+    /// rows, or each head of them (qwen3's Q and K norms: `rows` x heads rows of `head_dim`).
     fn rmsnorm(
         &self,
         x: &Self::Buf,

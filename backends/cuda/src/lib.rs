@@ -478,7 +478,10 @@ impl Device for CudaDevice {
         rows: usize,
     ) -> Result<(), BackendError> {
         let n = w.0.len();
-        self.batch_rows("rmsnorm", rows)?;
+        // Rows of a batch, or each of their heads (qwen3's Q and K norms): a grid of blocks.
+        if rows == 0 || rows > i32::MAX as usize {
+            return Err(shape(format!("rmsnorm of {rows} rows")));
+        }
         need("rmsnorm input", x.0.len(), rows * n)?;
         need("rmsnorm output", out.0.len(), rows * n)?;
         let (xp, wp, op, ni) = (self.ptr(&x.0), self.ptr(&w.0), self.ptr(&out.0), n as i32);

@@ -203,6 +203,7 @@ impl<D: Device> DeviceSession<'_, D> {
                 dev.store_row(&s.h, inputs, rows)?;
                 if n_sel > 0 {
                     products(dev, &s.h, pass, &mut [q])?;
+                    head_norm(dev, c, lw.q_norm.as_ref(), &mut s.q, &mut s.att, rows * n_q)?;
                     if let Some((theta, style)) = c.rope() {
                         dev.rope(&mut s.q, n_q, hd, theta, style, rows)?;
                     }
@@ -217,6 +218,11 @@ impl<D: Device> DeviceSession<'_, D> {
                     0 => products(dev, &s.h, pass, &mut [k, v])?,
                     _ => products(dev, &s.h, pass, &mut [q, k, v])?,
                 }
+                if n_sel > 0 {
+                    head_norm(dev, c, lw.q_norm.as_ref(), &mut s.q, &mut s.att, rows * n_q)?;
+                }
+                let nk = rows * c.n_kv_heads;
+                head_norm(dev, c, lw.k_norm.as_ref(), &mut s.k, &mut s.att, nk)?;
                 if let Some((theta, style)) = c.rope() {
                     let (nkv, (q, k)) = (c.n_kv_heads, (&mut s.q, &mut s.k));
                     dev.rope_qk(q, n_q, k, nkv, hd, theta, style, rows)?;
@@ -360,6 +366,21 @@ impl<D: Device> DeviceSession<'_, D> {
         reduce_residual(dev, m, s, rows, clock, |t| &mut t.mlp)?;
         post_norm(dev, c, &lw.ffn_norm, &mut s.x, &mut s.h, rows)
     }
+}
+
+/// Each of `n` heads of `x` (`head_dim` wide) RMS-normed with the gains `w` (qwen3's Q and K
+/// norms), through `tmp` (free until attention writes it); nothing without gains.
+fn head_norm<D: Device>(
+    dev: &D,
+    c: &ModelConfig,
+    w: Option<&D::Buf>,
+    x: &mut D::Buf,
+    tmp: &mut D::Buf,
+    n: usize,
+) -> Result<()> {
+    let Some(w) = w else { return Ok(()) };
+    dev.rmsnorm(x, w, c.norm_eps, tmp, n)?;
+    Ok(dev.copy(tmp, x, n * c.head_dim)?)
 }
 
 /// A row-parallel product (W_o, fc2) of `input`'s rows added to the residual `y` (`out`: to a

@@ -1,6 +1,7 @@
 //! The llama family from Hugging Face checkpoints: `LlamaForCausalLM` (SwiGLU, or gated ReLU when
-//! `hidden_act` is `relu`, as ReluLLaMA and ProSparse ship) and `Qwen2ForCausalLM` (biases on Q,
-//! K and V). RMSNorm before each block, RoPE, a gated MLP.
+//! `hidden_act` is `relu`, as ReluLLaMA and ProSparse ship), `Qwen2ForCausalLM` (biases on Q, K
+//! and V) and `Qwen3ForCausalLM` (each query and key head RMS-normed before RoPE, a `head_dim` of
+//! its own). RMSNorm before each block, RoPE, a gated MLP.
 //!
 //! Hugging Face stores Q and K rows in the order of NeoX-style RoPE (dimension `i` pairs with
 //! `i + head_dim/2`); GGUF llama files permute them for interleaved RoPE. So a checkpoint runs
@@ -10,16 +11,24 @@ use crate::model::config::{bad, Architecture, MlpKind, ModelConfig, NormKind, Po
 use crate::Result;
 use dejavu_backend_api::RopeStyle;
 
-pub fn hf_config(j: &HfJson, qwen2: bool) -> Result<ModelConfig> {
+/// Which checkpoint class of the family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    Llama,
+    /// Biases on Q, K and V.
+    Qwen2,
+    /// Per-head RMSNorm on Q and K before RoPE, its own `head_dim`, no biases.
+    Qwen3,
+}
+
+pub fn hf_config(j: &HfJson, family: Family) -> Result<ModelConfig> {
     let d_model = j.int("hidden_size")?;
     let n_heads = j.int("num_attention_heads")?;
-    let head_dim = d_model / n_heads;
-    if j.get("head_dim").is_some() && j.int("head_dim")? != head_dim {
-        return Err(bad(
-            "head_dim",
-            "a head_dim other than hidden_size / num_attention_heads is not supported",
-        ));
-    }
+    let head_dim = match j.get("head_dim") {
+        Some(_) => j.int("head_dim")?,
+        None if d_model.is_multiple_of(n_heads) => d_model / n_heads,
+        None => return Err(bad("num_attention_heads", "does not divide hidden_size")),
+    };
     let mlp = match j.str_or("hidden_act", "silu")? {
         "silu" => MlpKind::SwiGlu,
         "relu" => MlpKind::GatedRelu,
@@ -49,11 +58,12 @@ pub fn hf_config(j: &HfJson, qwen2: bool) -> Result<ModelConfig> {
         ));
     }
     let attention_bias = j.bool_or("attention_bias", false)?;
+    let qwen2 = family == Family::Qwen2;
     Ok(ModelConfig {
-        arch: if qwen2 {
-            Architecture::Qwen2
-        } else {
-            Architecture::Llama
+        arch: match family {
+            Family::Llama => Architecture::Llama,
+            Family::Qwen2 => Architecture::Qwen2,
+            Family::Qwen3 => Architecture::Qwen3,
         },
         n_layers: j.int("num_hidden_layers")?,
         d_model,
@@ -76,6 +86,7 @@ pub fn hf_config(j: &HfJson, qwen2: bool) -> Result<ModelConfig> {
         qkv_bias: qwen2 || attention_bias,
         out_bias: !qwen2 && attention_bias,
         mlp_bias: false,
+        qk_norm: family == Family::Qwen3,
         tied_output: j.bool_or("tie_word_embeddings", false)?,
         d_embed: d_model,
     })
@@ -130,6 +141,8 @@ pub fn canonical_name(name: &str) -> Option<String> {
             "self_attn.v_proj.bias" => "attn_v.bias",
             "self_attn.o_proj.weight" => "attn_output.weight",
             "self_attn.o_proj.bias" => "attn_output.bias",
+            "self_attn.q_norm.weight" => "attn_q_norm.weight",
+            "self_attn.k_norm.weight" => "attn_k_norm.weight",
             "post_attention_layernorm.weight" => "ffn_norm.weight",
             "mlp.gate_proj.weight" => "ffn_gate.weight",
             "mlp.up_proj.weight" => "ffn_up.weight",

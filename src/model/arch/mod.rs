@@ -3,7 +3,8 @@
 //! names. Everything after loading (the executor) reads only the config.
 //!
 //! - [`llama`]: `LlamaForCausalLM` (SwiGLU, or gated ReLU with `hidden_act: relu`) and
-//!   `Qwen2ForCausalLM` (QKV biases): RMSNorm, RoPE, gated MLP;
+//!   `Qwen2ForCausalLM` (QKV biases) and `Qwen3ForCausalLM` (Q/K norms, its own head width):
+//!   RMSNorm, RoPE, gated MLP;
 //! - [`opt`]: `OPTForCausalLM`: LayerNorm (pre or post), learned positions, ReLU MLP, biases,
 //!   optional embedding projections.
 pub mod llama;
@@ -35,11 +36,15 @@ pub fn from_hf(config_text: &str) -> Result<(ModelConfig, NameMap)> {
     let parsed = match arch.as_str() {
         "OPTForCausalLM" => (opt::hf_config(&j)?, opt::canonical_name as NameMap),
         "LlamaForCausalLM" => (
-            llama::hf_config(&j, false)?,
+            llama::hf_config(&j, llama::Family::Llama)?,
             llama::canonical_name as NameMap,
         ),
         "Qwen2ForCausalLM" => (
-            llama::hf_config(&j, true)?,
+            llama::hf_config(&j, llama::Family::Qwen2)?,
+            llama::canonical_name as NameMap,
+        ),
+        "Qwen3ForCausalLM" => (
+            llama::hf_config(&j, llama::Family::Qwen3)?,
             llama::canonical_name as NameMap,
         ),
         other => return Err(Error::UnknownArchitecture(other.into())),

@@ -44,6 +44,7 @@ pub fn hf_config(j: &HfJson) -> Result<ModelConfig> {
         qkv_bias: bias,
         out_bias: bias,
         mlp_bias: bias,
+        qk_norm: false,
         tied_output: j.bool_or("tie_word_embeddings", true)?,
         d_embed: j.int_or("word_embed_proj_dim", d_model)?,
     })

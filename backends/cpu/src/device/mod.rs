@@ -309,8 +309,11 @@ impl Device for CpuDevice {
         rows: usize,
     ) -> Result<(), BackendError> {
         let n = w.len();
-        self.batch("rmsnorm input", x.len(), n, rows)?;
-        self.batch("rmsnorm output", out.len(), n, rows)?;
+        if rows == 0 {
+            return Err(shape("rmsnorm of no rows".into()));
+        }
+        need("rmsnorm input", x.len(), rows * n)?;
+        need("rmsnorm output", out.len(), rows * n)?;
         for r in 0..rows {
             ops::rmsnorm(&x[r * n..(r + 1) * n], w, eps, &mut out[r * n..(r + 1) * n]);
         }
