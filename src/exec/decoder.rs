@@ -64,7 +64,7 @@ pub trait Sessions {
     fn n_ctx(&self) -> usize;
     /// An empty sequence under `policy`.
     fn open(&self, policy: &Policy) -> Result<Box<dyn Decoder + '_>>;
-    /// The device's name, for reports (`cpu (avx512, 2 threads)`, `cuda:0 ...`).
+    /// The device's name, for reports (`cpu (2 threads, avx512)`, `cuda (NVIDIA H200)`).
     fn name(&self) -> String;
 }
 
