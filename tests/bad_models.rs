@@ -307,3 +307,21 @@ fn non_utf8_arguments() {
     assert_eq!(code, Some(2), "{err}");
     assert!(!err.contains("panicked") && err.contains("UTF-8"), "{err}");
 }
+
+/// A head width the weights do not have is refused by name: a Qwen3 checkpoint whose
+/// `head_dim` is not its tensors' (they are 32 wide; hidden / heads would be 16), and a GGUF whose
+/// value heads are wider than its key heads.
+#[test]
+fn a_head_width_the_weights_do_not_have_is_refused() {
+    let ck = hf_copy("qwen3", |c, _, _| c["head_dim"] = 16.into());
+    generate(ck.path(), "q_proj.weight` has shape");
+    let d = tempfile::tempdir().unwrap();
+    let m = write(
+        d.path(),
+        "kv.gguf",
+        &tiny_llama_gguf(|meta, _| {
+            meta.push(("llama.attention.value_length".into(), MetaValue::U32(1024)));
+        }),
+    );
+    generate(&m, "value_length");
+}
