@@ -137,6 +137,10 @@ pub trait BenchSessions {
     fn profile(&mut self, i: usize, tokens: &[u32], times: &mut BlockTimes) -> Result<()>;
     /// Session `i`'s plan and device, and what its last step read (over the world).
     fn info(&mut self, i: usize) -> Result<SessionInfo>;
+    /// What session `i`'s last decode step read and computed (over the world).
+    fn last_step(&mut self, i: usize) -> Result<StepStats> {
+        Ok(self.info(i)?.step)
+    }
 }
 
 /// One device's sessions, one per policy.
@@ -156,6 +160,9 @@ impl<D: Device> BenchSessions for Vec<DeviceSession<'_, D>> {
     }
     fn info(&mut self, i: usize) -> Result<SessionInfo> {
         self[i].info()
+    }
+    fn last_step(&mut self, i: usize) -> Result<StepStats> {
+        self[i].last_step()
     }
 }
 
@@ -267,7 +274,7 @@ fn time_once(
         let t0 = Instant::now();
         sessions.run(i, &[t])?;
         secs += t0.elapsed().as_secs_f64();
-        steps.add(sessions.info(i)?.step);
+        steps.add(sessions.last_step(i)?);
     }
     Ok(secs)
 }
