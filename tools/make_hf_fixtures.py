@@ -31,6 +31,9 @@ Fixtures (see tests/hf_reference.rs):
                   `torch_dtype` (the older key).
   llama-silu      LlamaForCausalLM, SwiGLU, tied head; bf16.
   qwen2           Qwen2ForCausalLM, QKV bias, tied head, ChatML template; fp16.
+  llama3-rope     LlamaForCausalLM with Llama 3's RoPE scaling (factor 8, low/high frequency
+                  factors 1/4, original context 64: with head_dim 16 its pairs fall in all three
+                  regimes, kept, interpolated and slowed); bf16, hidden 64.
   qwen3           Qwen3ForCausalLM: per-head RMSNorm on Q and K, head_dim 32 with hidden 64 and
                   4 heads (not hidden / heads), no biases, tied head; bf16. Small (hidden 64) so
                   the tree stays small.
@@ -135,7 +138,9 @@ def write_tokenizer(kind, tok_dir, out):
                "model_max_length": 512, "errors": "replace"}
     else:
         t = Tokenizer.from_file(os.path.join(tok_dir, "tokenizer.json"))
-        if kind == "llama":
+        if kind not in ("qwen2", "qwen3"):
+            # Llama-style: BOS `<s>` prepended (Llama, Mistral, Phi-3 and Gemma checkpoints all
+            # add a BOS token).
             t.post_processor = TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
                                                   special_tokens=[("<s>", 0)])
             cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
@@ -179,6 +184,26 @@ FIXTURES = [
     ("qwen2", "qwen2", 45, 2e-3, "float16", None,
      dict(hidden_size=128, num_hidden_layers=2, intermediate_size=384, num_attention_heads=4,
           num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6)),
+    ("llama3-rope", "llama", 45, 2e-3, "bfloat16", None,
+     dict(hidden_size=64, num_hidden_layers=2, intermediate_size=192, num_attention_heads=4,
+          num_key_value_heads=2, hidden_act="silu", tie_word_embeddings=True,
+          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    ("mistral-swa", "mistral", 45, 2e-3, "bfloat16", None,
+     dict(hidden_size=64, num_hidden_layers=2, intermediate_size=192, num_attention_heads=4,
+          num_key_value_heads=2, sliding_window=24, tie_word_embeddings=False)),
+    ("phi3", "phi3", 45, 2e-3, "bfloat16", None,
+     dict(hidden_size=64, num_hidden_layers=2, intermediate_size=192, num_attention_heads=4,
+          num_key_value_heads=2, sliding_window=32, tie_word_embeddings=False)),
+    ("gemma2", "gemma2", 45, 2e-3, "bfloat16", None,
+     dict(hidden_size=64, num_hidden_layers=4, intermediate_size=192, num_attention_heads=4,
+          num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=24,
+          attn_logit_softcapping=10.0, final_logit_softcapping=15.0)),
+    ("gemma3", "gemma3", 45, 2e-3, "bfloat16", None,
+     dict(hidden_size=64, num_hidden_layers=4, intermediate_size=192, num_attention_heads=4,
+          num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=24,
+          layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                       "sliding_attention"])),
     ("qwen3", "qwen3", 45, 2e-3, "bfloat16", None,
      dict(hidden_size=64, num_hidden_layers=2, intermediate_size=192, num_attention_heads=4,
           num_key_value_heads=2, head_dim=32, tie_word_embeddings=True, rope_theta=1e6)),
@@ -198,6 +223,30 @@ def make_model(kind, cfg):
     if kind == "llama":
         c = tf.LlamaConfig(bos_token_id=0, eos_token_id=2, **common, **cfg)
         return tf.LlamaForCausalLM(c)
+    if kind == "mistral":
+        c = tf.MistralConfig(bos_token_id=0, eos_token_id=2, **common, **cfg)
+        return tf.MistralForCausalLM(c)
+    if kind == "phi3":
+        c = tf.Phi3Config(bos_token_id=0, eos_token_id=2, resid_pdrop=0.0, embd_pdrop=0.0,
+                          **common, **cfg)
+        return tf.Phi3ForCausalLM(c)
+    if kind in ("gemma2", "gemma3"):
+        # Gemma: GeGLU (tanh GELU), RMSNorm with (1 + w), embeddings scaled by sqrt(d).
+        g = dict(common, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=2,
+                 hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)
+        if kind == "gemma2":
+            return tf.Gemma2ForCausalLM(tf.Gemma2Config(**g, **cfg))
+        # Gemma 3: global layers at base 1e6 with linear scaling 2 (as the 4B+ models ship),
+        # sliding layers at base 1e4; transformers 5 takes them per layer type.
+        import inspect
+        if "rope_parameters" in inspect.signature(tf.Gemma3TextConfig.__init__).parameters:
+            rope = dict(rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+        else:
+            rope = dict(rope_theta=1e6, rope_local_base_freq=1e4,
+                        rope_scaling={"rope_type": "linear", "factor": 2.0})
+        return tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**g, **rope, **cfg))
     if kind == "qwen3":
         c = tf.Qwen3Config(bos_token_id=None, eos_token_id=5, **common, **cfg)
         return tf.Qwen3ForCausalLM(c)
@@ -344,29 +393,40 @@ def build(corpus_path, eval_path, outdir, scale, only=None, tokenizer=None):
     for name, kind, secs, lr, dtype, shard, cfg in FIXTURES:
         if only and name not in only:
             continue
-        print(f"{name}: training {secs * scale:.0f}s", flush=True)
-        torch.manual_seed(0)
-        model = make_model(kind, cfg)
-        model = train(model, ids, secs * scale, lr, device)
-        d = os.path.join(outdir, name)
-        model.to(getattr(torch, dtype))
-        kw = {"max_shard_size": shard} if shard else {"max_shard_size": "1GB"}
-        model.save_pretrained(d, safe_serialization=True, **kw)
-        write_tokenizer(kind, tok_dir, d)
-        if name == "llama-relu":  # the older dtype key
-            p = os.path.join(d, "config.json")
-            c = json.load(open(p))
-            if "dtype" in c:
-                c["torch_dtype"] = c.pop("dtype")
-            json.dump(c, open(p, "w"), indent=2)
-        bos = {"opt": 2, "llama": 0, "qwen2": None, "qwen3": None}[kind]
-        ref = reference(d, kind, eval_text, bos, bos is not None)
-        with open(os.path.join(d, "reference.json"), "w") as f:
-            json.dump(ref, f)
-        print(f"  ppl {ref['perplexity']['reference_f32_weights']:.3f} "
-              f"zeros {ref['relu_zero_fraction']} files {sorted(os.listdir(d))}", flush=True)
-        for c in ref["greedy"]["cases"][:1]:
-            print("  ", repr(c["prompt"]), c["prompt_ids"][:6], repr(c["greedy_text"][:60]), c["bos_added_by_script"])
+        try:
+            build_one(name, kind, secs * scale, lr, dtype, shard, cfg, ids, tok_dir, outdir,
+                      eval_text, device)
+        except Exception:  # one fixture's failure is reported, the others still build
+            import traceback
+            traceback.print_exc()
+
+
+def build_one(name, kind, secs, lr, dtype, shard, cfg, ids, tok_dir, outdir, eval_text, device):
+    import torch
+
+    print(f"{name}: training {secs:.0f}s", flush=True)
+    torch.manual_seed(0)
+    model = make_model(kind, cfg)
+    model = train(model, ids, secs, lr, device)
+    d = os.path.join(outdir, name)
+    model.to(getattr(torch, dtype))
+    kw = {"max_shard_size": shard} if shard else {"max_shard_size": "1GB"}
+    model.save_pretrained(d, safe_serialization=True, **kw)
+    write_tokenizer(kind, tok_dir, d)
+    if name == "llama-relu":  # the older dtype key
+        p = os.path.join(d, "config.json")
+        c = json.load(open(p))
+        if "dtype" in c:
+            c["torch_dtype"] = c.pop("dtype")
+        json.dump(c, open(p, "w"), indent=2)
+    bos = {"opt": 2, "qwen2": None, "qwen3": None}.get(kind, 0)
+    ref = reference(d, kind, eval_text, bos, bos is not None)
+    with open(os.path.join(d, "reference.json"), "w") as f:
+        json.dump(ref, f)
+    print(f"  ppl {ref['perplexity']['reference_f32_weights']:.3f} "
+          f"zeros {ref['relu_zero_fraction']} files {sorted(os.listdir(d))}", flush=True)
+    for c in ref["greedy"]["cases"][:1]:
+        print("  ", repr(c["prompt"]), c["prompt_ids"][:6], repr(c["greedy_text"][:60]), c["bos_added_by_script"])
 
 
 if __name__ == "__main__":
