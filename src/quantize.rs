@@ -206,6 +206,9 @@ fn plan(model: &Model, qtype: QuantType) -> Vec<Out<'_>> {
             }
         }
     }
+    if let Some(f) = &model.rope_factors {
+        v.push(vector(GlobalTensor::RopeFreqs.name(), f));
+    }
     if !c.tied_output {
         v.push(matrix(
             GlobalTensor::Output.name(),

@@ -75,6 +75,7 @@ fn every_fixture_converts_to_gguf() {
         "llama-silu",
         "qwen2",
         "qwen3",
+        "llama3-rope",
     ] {
         let out = dir.path().join(format!("{name}.gguf"));
         quantize(&fixture(name), QuantType::F16, &out);

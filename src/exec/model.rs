@@ -4,7 +4,7 @@ use crate::model::config::ModelConfig;
 use crate::model::weights::{Model, NormWeights, WeightRef};
 use crate::sparsity::layout::SparseLayout;
 use crate::{Error, Result};
-use dejavu_backend_api::{Device, Weight};
+use dejavu_backend_api::{Device, Rotary, Weight};
 use std::ops::Range;
 
 /// A norm's gain and bias on the device.
@@ -51,6 +51,8 @@ pub struct DeviceModel<D: Device> {
     pub(super) proj_in: Option<D::Mat>,
     pub(super) proj_out: Option<D::Mat>,
     pub(super) output_norm: Option<Norm<D>>,
+    /// Llama 3's RoPE frequency divisors (`head_dim / 2`).
+    pub(super) rope_factors: Option<D::Buf>,
     /// The output head; `None` when it is the token embedding (tied), uploaded once.
     pub(super) output: Option<D::Mat>,
     /// Bytes of the output head's matrix (what the contextual head reads a share of).
@@ -83,6 +85,16 @@ impl<D: Device> DeviceModel<D> {
     /// Weight bytes a dense step reads (every matrix, one embedding row).
     pub fn dense_bytes(&self) -> usize {
         self.dense_bytes
+    }
+
+    /// RoPE's parameters on the device (`None`: learned positions).
+    pub(super) fn rotary(&self) -> Option<Rotary<'_, D::Buf>> {
+        let (theta, style) = self.local.rope()?;
+        Some(Rotary {
+            theta,
+            style,
+            factors: self.rope_factors.as_ref(),
+        })
     }
 
     /// The output head's matrix.
@@ -227,6 +239,9 @@ impl<D: Device> DeviceModel<D> {
             proj_in: model.proj_in.as_ref().map(mat).transpose()?,
             proj_out: model.proj_out.as_ref().map(mat).transpose()?,
             output_norm: model.output_norm.as_ref().map(norm).transpose()?,
+            rope_factors: (model.rope_factors.as_deref())
+                .map(|f| dev.upload(f))
+                .transpose()?,
             head_bytes,
             output,
             layers,

@@ -85,6 +85,45 @@ pub enum Positions {
     Learned { offset: usize },
 }
 
+/// Llama 3's RoPE scaling (`rope_type: llama3`): the pairs whose wavelength exceeds
+/// `original_context / low_freq_factor` turn `factor` times slower, those under
+/// `original_context / high_freq_factor` keep their speed, and those between are interpolated.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Llama3Scaling {
+    pub factor: f32,
+    pub low_freq_factor: f32,
+    pub high_freq_factor: f32,
+    pub original_context: usize,
+}
+
+impl Llama3Scaling {
+    /// Each pair's frequency divisor (llama.cpp's `rope_freqs`), as transformers'
+    /// `_compute_llama3_parameters` scales the inverse frequencies, in f64.
+    pub fn factors(&self, theta: f32, head_dim: usize) -> Vec<f32> {
+        let (factor, low, high) = (
+            self.factor as f64,
+            self.low_freq_factor as f64,
+            self.high_freq_factor as f64,
+        );
+        let old = self.original_context as f64;
+        (0..head_dim / 2)
+            .map(|i| {
+                let inv = (theta as f64).powf(-2.0 * i as f64 / head_dim as f64);
+                let wavelen = 2.0 * std::f64::consts::PI / inv;
+                let f = if wavelen < old / high {
+                    1.0
+                } else if wavelen > old / low {
+                    factor
+                } else {
+                    let smooth = (old / wavelen - low) / (high - low);
+                    1.0 / ((1.0 - smooth) / factor + smooth)
+                };
+                f as f32
+            })
+            .collect()
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct ModelConfig {
     pub arch: Architecture,
@@ -98,6 +137,9 @@ pub struct ModelConfig {
     /// Context length the model was trained for (the engine's default window).
     pub context_length: usize,
     pub positions: Positions,
+    /// Llama 3's RoPE scaling, from a checkpoint's config (a GGUF ships the divisors as the
+    /// tensor `rope_freqs.weight` instead).
+    pub rope_scaling: Option<Llama3Scaling>,
     pub norm: NormKind,
     pub norm_eps: f32,
     /// Norms carry learned gains (and, for LayerNorm, biases); false for OPT's
@@ -274,6 +316,7 @@ impl ModelConfig {
             head_dim,
             vocab_size,
             context_length: m.int(ArchKey::ContextLength)?,
+            rope_scaling: None,
             positions: match arch {
                 Architecture::Llama => rope(RopeStyle::Interleaved)?,
                 Architecture::Qwen2 | Architecture::Qwen3 => rope(RopeStyle::Neox)?,
@@ -356,5 +399,31 @@ pub(crate) fn bad(key: &str, reason: &str) -> Error {
     Error::BadKey {
         key: key.into(),
         reason: reason.into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Llama3Scaling;
+
+    /// Llama 3's divisors for heads of 16 (theta 10^4, factor 8, low/high 1/4, original context
+    /// 64), worked by hand from the formula: pair 0 (wavelength 6.28 < 64/4) keeps its speed;
+    /// pairs 1 and 2 (19.87 and 62.83) are interpolated, smooth = (64/wavelength - 1) / 3 =
+    /// 0.74037 and 0.0061972, divisor 1 / ((1 - smooth)/8 + smooth) = 1.29396 and 7.6674; pairs
+    /// 3.. (198.7 and up > 64) turn 8 times slower.
+    #[test]
+    fn llama3_divisors_follow_the_wavelength_regimes() {
+        let s = Llama3Scaling {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_context: 64,
+        };
+        let f = s.factors(10_000.0, 16);
+        let want = [1.0, 1.29396, 7.6674, 8.0, 8.0, 8.0, 8.0, 8.0];
+        assert_eq!(f.len(), 8);
+        for (i, (got, want)) in f.iter().zip(want).enumerate() {
+            assert!((got - want).abs() < 2e-4, "pair {i}: {got} against {want}");
+        }
     }
 }

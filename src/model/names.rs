@@ -86,6 +86,8 @@ pub enum GlobalTensor {
     /// OPT's `project_in` (`d_embed -> d_model`) and `project_out` (`d_model -> d_embed`).
     ProjIn,
     ProjOut,
+    /// Llama 3: each RoPE pair's frequency divisor (`head_dim / 2` values, f32).
+    RopeFreqs,
 }
 
 impl GlobalTensor {
@@ -98,6 +100,7 @@ impl GlobalTensor {
             GlobalTensor::Output => "output.weight",
             GlobalTensor::ProjIn => "proj_in.weight",
             GlobalTensor::ProjOut => "proj_out.weight",
+            GlobalTensor::RopeFreqs => "rope_freqs.weight",
         }
         .into()
     }

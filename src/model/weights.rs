@@ -183,6 +183,9 @@ pub struct Model {
     pub output_norm: Option<NormWeights>,
     /// `output.weight`, or the token embedding when tied. `[vocab, d_embed]`
     pub output: WeightRef,
+    /// Each RoPE pair's frequency divisor under Llama 3's scaling (a GGUF's `rope_freqs.weight`,
+    /// or computed from a checkpoint's `rope_scaling`).
+    pub rope_factors: Option<Vec<f32>>,
     pub layers: Vec<LayerWeights>,
     key: super::content_key::ContentKey,
     /// The repacked matrices of a mapped model (see `Model::repack`), in one anonymous buffer.
@@ -313,6 +316,13 @@ impl Model {
             )?),
             false => None,
         };
+        let rope_factors = match (c.rope(), c.rope_scaling) {
+            (Some(_), _) if t.table.contains_key(&GlobalTensor::RopeFreqs.name()) => {
+                Some(t.vector(&GlobalTensor::RopeFreqs.name(), c.head_dim / 2)?)
+            }
+            (Some((theta, _)), Some(s)) => Some(s.factors(theta, c.head_dim)),
+            _ => None,
+        };
         let mut layers = Vec::with_capacity(c.n_layers);
         for l in 0..c.n_layers {
             let w = |name: LayerTensor, shape| t.weight(&name.name(l), shape);
@@ -376,6 +386,7 @@ impl Model {
             proj_out,
             output_norm,
             output,
+            rope_factors,
             layers,
             key,
             converted: None,

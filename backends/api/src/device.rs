@@ -118,10 +118,26 @@ pub struct LazyKv<'a, D: Device + ?Sized> {
     pub heads: Rows<'a, D::Idx>,
     pub head_dim: usize,
     /// RoPE of the keys, at each filled position.
-    pub rope: Option<(f32, RopeStyle)>,
+    pub rope: Option<Rotary<'a, D::Buf>>,
     /// The batch's rows.
     pub rows: usize,
 }
+
+/// RoPE's parameters: pair `i` of a head at position `p` turns by `p * theta^(-2i/head_dim) /
+/// factors[i]`. `factors` (`head_dim / 2` values, llama.cpp's `rope_freqs`: Llama 3's scaling)
+/// is 1 everywhere when `None`.
+pub struct Rotary<'a, B> {
+    pub theta: f32,
+    pub style: RopeStyle,
+    pub factors: Option<&'a B>,
+}
+
+impl<B> Clone for Rotary<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<B> Copy for Rotary<'_, B> {}
 
 /// Which step value selects the row of an embedding lookup.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -336,8 +352,7 @@ pub trait Device: Send + Sync {
         x: &mut Self::Buf,
         n_heads: usize,
         head_dim: usize,
-        theta: f32,
-        style: RopeStyle,
+        rope: Rotary<'_, Self::Buf>,
         rows: usize,
     ) -> Result<(), BackendError>;
 
@@ -351,12 +366,11 @@ pub trait Device: Send + Sync {
         k: &mut Self::Buf,
         n_k: usize,
         head_dim: usize,
-        theta: f32,
-        style: RopeStyle,
+        rope: Rotary<'_, Self::Buf>,
         rows: usize,
     ) -> Result<(), BackendError> {
-        self.rope(q, n_q, head_dim, theta, style, rows)?;
-        self.rope(k, n_k, head_dim, theta, style, rows)
+        self.rope(q, n_q, head_dim, rope, rows)?;
+        self.rope(k, n_k, head_dim, rope, rows)
     }
     /// `gate[i] = act(gate[i]) * up[i]` for `i < n`.
     fn glu(

@@ -12,6 +12,8 @@ pub mod quantize;
 pub use backend::{
     Activation, AttnShape, Backend, BackendError, KvSlice, MatmulJob, RopeStyle, RowLayout, Weight,
 };
-pub use device::{AttnGeom, Device, LazyKv, Product, Rows, SharedBytes, StepRow, TopK, MAX_ROWS};
+pub use device::{
+    AttnGeom, Device, LazyKv, Product, Rotary, Rows, SharedBytes, StepRow, TopK, MAX_ROWS,
+};
 pub use index_set::{IndexSet, IndexSetError};
 pub use quant::QuantType;

@@ -121,7 +121,7 @@ impl Backend for CpuBackend {
         theta: f32,
         style: RopeStyle,
     ) {
-        ops::rope(x, n_heads, head_dim, pos0, theta, style)
+        ops::rope(x, n_heads, head_dim, pos0, theta, style, None)
     }
     fn layernorm(&self, x: &[f32], w: &[f32], b: Option<&[f32]>, eps: f32, out: &mut [f32]) {
         check_len("layernorm", x.len(), out.len());

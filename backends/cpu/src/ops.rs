@@ -30,7 +30,9 @@ pub fn layernorm(x: &[f32], w: &[f32], b: Option<&[f32]>, eps: f32, out: &mut [f
 }
 
 /// Rotary embedding: for pair `i < head_dim/2` of a head at position `p`, angle
-/// `p * theta^(-2i/head_dim)`; the pair is `(x[2i], x[2i+1])` (Interleaved) or `(x[i], x[i+d/2])` (Neox).
+/// `p * theta^(-2i/head_dim) / factors[i]` (`factors`: Llama 3's per-pair divisors, 1 without);
+/// the pair is `(x[2i], x[2i+1])` (Interleaved) or `(x[i], x[i+d/2])` (Neox). `factors`, when
+/// given, holds `head_dim / 2` values.
 pub fn rope(
     x: &mut [f32],
     n_heads: usize,
@@ -38,10 +40,14 @@ pub fn rope(
     pos0: usize,
     theta: f32,
     style: RopeStyle,
+    factors: Option<&[f32]>,
 ) {
     let half = head_dim / 2;
     let inv_freq: Vec<f64> = (0..half)
-        .map(|i| (theta as f64).powf(-2.0 * i as f64 / head_dim as f64))
+        .map(|i| {
+            let f = factors.map_or(1.0, |f| f[i] as f64);
+            (theta as f64).powf(-2.0 * i as f64 / head_dim as f64) / f
+        })
         .collect();
     for (t, xt) in x.chunks_exact_mut(n_heads * head_dim).enumerate() {
         let p = (pos0 + t) as f64;
@@ -100,14 +106,14 @@ mod tests {
             (a * c - b * s, a * s + b * c)
         };
         let mut x = x0;
-        rope(&mut x, 1, 4, p, 100.0, RopeStyle::Interleaved);
+        rope(&mut x, 1, 4, p, 100.0, RopeStyle::Interleaved, None);
         let (a, b) = rot(1.0, 2.0, 3.0);
         let (c, d) = rot(3.0, 4.0, 0.3);
         for (got, want) in x.iter().zip([a, b, c, d]) {
             assert!((got - want).abs() < 1e-6);
         }
         let mut x = x0;
-        rope(&mut x, 1, 4, p, 100.0, RopeStyle::Neox);
+        rope(&mut x, 1, 4, p, 100.0, RopeStyle::Neox, None);
         let (a, c) = rot(1.0, 3.0, 3.0);
         let (b, d) = rot(2.0, 4.0, 0.3);
         for (got, want) in x.iter().zip([a, b, c, d]) {
@@ -115,11 +121,19 @@ mod tests {
         }
         // Position 0 is the identity; a batch rotates token t at pos0 + t.
         let mut x = [x0, x0].concat();
-        rope(&mut x, 1, 4, 0, 100.0, RopeStyle::Neox);
+        rope(&mut x, 1, 4, 0, 100.0, RopeStyle::Neox, None);
         assert_eq!(&x[..4], &x0);
         let mut one = x0;
-        rope(&mut one, 1, 4, 1, 100.0, RopeStyle::Neox);
+        rope(&mut one, 1, 4, 1, 100.0, RopeStyle::Neox, None);
         assert_eq!(&x[4..], &one);
+        // Frequency divisors (Llama 3): pair 0 at angle p / 1, pair 1 at (p / 10) / 8.
+        let mut x = x0;
+        rope(&mut x, 1, 4, p, 100.0, RopeStyle::Neox, Some(&[1.0, 8.0]));
+        let (a, c) = rot(1.0, 3.0, 3.0);
+        let (b, d) = rot(2.0, 4.0, 0.3 / 8.0);
+        for (got, want) in x.iter().zip([a, b, c, d]) {
+            assert!((got - want).abs() < 1e-6);
+        }
     }
 
     #[test]

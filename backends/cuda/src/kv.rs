@@ -61,11 +61,14 @@ impl CudaDevice {
         if n_sel == 0 {
             return Ok(());
         }
-        let (theta, rope) = match job.rope {
-            None => (0.0f32, -1i32),
-            Some((t, RopeStyle::Interleaved)) => (t, 0),
-            Some((t, RopeStyle::Neox)) => (t, 1),
+        let (theta, rope, factors) = match job.rope {
+            None => (0.0f32, -1i32, None),
+            Some(r) => (r.theta, (r.style == RopeStyle::Neox) as i32, r.factors),
         };
+        if let Some(f) = factors {
+            need("kv_fill RoPE factors", f.0.len(), hd / 2)?;
+        }
+        let fp = factors.map_or(0, |f| self.ptr(&f.0));
         let ptrs = [
             self.ptr(&job.wk.data),
             self.ptr(&job.wv.data),
@@ -94,7 +97,12 @@ impl CudaDevice {
             .arg(&sp)
             .arg(&rows)
             .arg(&nc);
-        b.arg(&theta).arg(&rope).arg(&kp).arg(&vcp).arg(&wi);
+        b.arg(&theta)
+            .arg(&fp)
+            .arg(&rope)
+            .arg(&kp)
+            .arg(&vcp)
+            .arg(&wi);
         // A warp per row pair of K or V of each selected head (n_sel * hd warps) and chunk of
         // positions: 4 rows of blocks, so that up to 4 chunks of a head that missed many run at
         // once (the rows with none to fill return at once).

@@ -14,8 +14,8 @@ use cudarc::driver::{
     DevicePtr, PushKernelArg,
 };
 use dejavu_backend_api::{
-    Activation, AttnGeom, BackendError, Device, LazyKv, Product, QuantType, RopeStyle, Rows,
-    StepRow, TopK, Weight, MAX_ROWS,
+    Activation, AttnGeom, BackendError, Device, LazyKv, Product, QuantType, RopeStyle, Rotary,
+    Rows, StepRow, TopK, Weight, MAX_ROWS,
 };
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -248,16 +248,19 @@ impl CudaDevice {
         y: u64,
         ny: usize,
         hd: usize,
-        theta: f32,
-        style: RopeStyle,
+        rope: Rotary<'_, Buf>,
         rows: usize,
     ) -> Result<(), BackendError> {
         self.batch_rows("rope", rows)?;
-        let neox = (style == RopeStyle::Neox) as i32;
+        if let Some(f) = rope.factors {
+            need("RoPE factors", f.0.len(), hd / 2)?;
+        }
+        let neox = (rope.style == RopeStyle::Neox) as i32;
         let (nxi, nyi, hdi, sp) = (nx as i32, ny as i32, hd as i32, self.ptr(&self.step));
+        let fp = rope.factors.map_or(0, |f| self.ptr(&f.0));
         let mut b = self.lane().launch_builder(self.func("rope"));
         b.arg(&x).arg(&nxi).arg(&y).arg(&nyi).arg(&hdi).arg(&sp);
-        b.arg(&theta).arg(&neox);
+        b.arg(&rope.theta).arg(&fp).arg(&neox);
         launch::run(b, launch::rows(launch::grid((nx + ny) * hd / 2, 128), rows))
     }
 
@@ -631,13 +634,12 @@ impl Device for CudaDevice {
         x: &mut Buf,
         n_heads: usize,
         head_dim: usize,
-        theta: f32,
-        style: RopeStyle,
+        rope: Rotary<'_, Buf>,
         rows: usize,
     ) -> Result<(), BackendError> {
         need("rope", x.0.len(), rows * n_heads * head_dim)?;
         let xp = self.ptr(&x.0);
-        self.launch_rope(xp, n_heads, 0, 0, head_dim, theta, style, rows)
+        self.launch_rope(xp, n_heads, 0, 0, head_dim, rope, rows)
     }
 
     fn rope_qk(
@@ -647,14 +649,13 @@ impl Device for CudaDevice {
         k: &mut Buf,
         n_k: usize,
         head_dim: usize,
-        theta: f32,
-        style: RopeStyle,
+        rope: Rotary<'_, Buf>,
         rows: usize,
     ) -> Result<(), BackendError> {
         need("rope queries", q.0.len(), rows * n_q * head_dim)?;
         need("rope keys", k.0.len(), rows * n_k * head_dim)?;
         let (qp, kp) = (self.ptr(&q.0), self.ptr(&k.0));
-        self.launch_rope(qp, n_q, kp, n_k, head_dim, theta, style, rows)
+        self.launch_rope(qp, n_q, kp, n_k, head_dim, rope, rows)
     }
 
     fn glu(&self, act: Activation, gate: &mut Buf, up: &Buf, n: usize) -> Result<(), BackendError> {

@@ -7,8 +7,8 @@
 //! sum |terms|)` for products and 1e-4 relative elsewhere; attention compares against an f16
 //! cache on both sides.
 use dejavu_backend_api::{
-    Activation, AttnGeom, Device, LazyKv, Product, QuantType, RopeStyle, Rows, StepRow, TopK,
-    Weight,
+    Activation, AttnGeom, Device, LazyKv, Product, QuantType, RopeStyle, Rotary, Rows, StepRow,
+    TopK, Weight,
 };
 use dejavu_backend_cpu::device::CpuDevice;
 
@@ -287,13 +287,27 @@ fn elementwise_on<D: Device>(d: &D, x: &[f32], w: &[f32], b: &[f32], hd: usize) 
         .unwrap();
     out.extend(down(d, &y, n));
     let heads = n / hd / rows;
-    for style in [RopeStyle::Interleaved, RopeStyle::Neox] {
+    // Llama 3's frequency divisors: 1 for the fast pairs, up to 8 for the slow ones.
+    let f: Vec<f32> = (0..hd / 2)
+        .map(|i| 1.0 + 7.0 * i as f32 / (hd / 2) as f32)
+        .collect();
+    let factors = d.upload(&f).unwrap();
+    for (style, factors) in [
+        (RopeStyle::Interleaved, None),
+        (RopeStyle::Neox, None),
+        (RopeStyle::Neox, Some(&factors)),
+    ] {
+        let r = |theta| Rotary {
+            theta,
+            style,
+            factors,
+        };
         let mut z = d.upload(x).unwrap();
-        d.rope(&mut z, heads, hd, 10000.0, style, rows).unwrap();
+        d.rope(&mut z, heads, hd, r(10000.0), rows).unwrap();
         out.extend(down(d, &z, n));
         // Queries and keys in one launch: some heads of x, and all of w.
         let (mut q, mut k) = (d.upload(x).unwrap(), d.upload(w).unwrap());
-        d.rope_qk(&mut q, heads - 1, &mut k, heads, hd, 500.0, style, rows)
+        d.rope_qk(&mut q, heads - 1, &mut k, heads, hd, r(500.0), rows)
             .unwrap();
         out.extend(down(d, &q, n));
         out.extend(down(d, &k, n));
@@ -526,10 +540,16 @@ fn kv_fill_on<D: Device>(
     inputs: &[Vec<f32>],
     valid0: &[u32],
     heads: &[u32],
-    rope: Option<(f32, RopeStyle)>,
+    rope: Option<(f32, RopeStyle, Option<&[f32]>)>,
     q: &[f32],
 ) -> (Vec<f32>, Vec<u32>) {
     let (nh, hd) = (valid0.len(), w[0].rows / valid0.len());
+    let factors = rope.and_then(|r| r.2).map(|f| d.upload(f).unwrap());
+    let rope = rope.map(|(theta, style, _)| Rotary {
+        theta,
+        style,
+        factors: factors.as_ref(),
+    });
     let (dm, n_ctx) = (w[0].cols, inputs.len() + 2);
     let (wk, wv) = (d.upload_mat(w[0]).unwrap(), d.upload_mat(w[1]).unwrap());
     let bias = d
@@ -609,10 +629,14 @@ fn lazy_kv_fill_matches_the_scalar_reference() {
         );
         let wk = Weight::new(qt, nh * hd, dm, &bk).unwrap();
         let wv = Weight::new(qt, nh * hd, dm, &bv).unwrap();
+        let f: Vec<f32> = (0..hd / 2)
+            .map(|i| 1.0 + 7.0 * i as f32 / (hd / 2) as f32)
+            .collect();
         for rope in [
             None,
-            Some((10000.0, RopeStyle::Interleaved)),
-            Some((500.0, RopeStyle::Neox)),
+            Some((10000.0, RopeStyle::Interleaved, None)),
+            Some((500.0, RopeStyle::Neox, None)),
+            Some((500.0, RopeStyle::Neox, Some(&f[..]))),
         ] {
             let want = kv_fill_on(&host, [&wk, &wv], &inputs, &valid0, &heads, rope, &q);
             let got = kv_fill_on(&gpu, [&wk, &wv], &inputs, &valid0, &heads, rope, &q);

@@ -204,10 +204,10 @@ impl<D: Device> DeviceSession<'_, D> {
                 if n_sel > 0 {
                     products(dev, &s.h, pass, &mut [q])?;
                     head_norm(dev, c, lw.q_norm.as_ref(), &mut s.q, &mut s.att, rows * n_q)?;
-                    if let Some((theta, style)) = c.rope() {
-                        dev.rope(&mut s.q, n_q, hd, theta, style, rows)?;
+                    if let Some(r) = m.rotary() {
+                        dev.rope(&mut s.q, n_q, hd, r, rows)?;
                     }
-                    let job = lazy_kv(c, lw, inputs, attn_rows, rows);
+                    let job = lazy_kv(m, lw, inputs, attn_rows, rows);
                     dev.kv_fill(job, valid, &mut self.k[l], &mut self.v[l])?;
                 }
             }
@@ -223,9 +223,9 @@ impl<D: Device> DeviceSession<'_, D> {
                 }
                 let nk = rows * c.n_kv_heads;
                 head_norm(dev, c, lw.k_norm.as_ref(), &mut s.k, &mut s.att, nk)?;
-                if let Some((theta, style)) = c.rope() {
+                if let Some(r) = m.rotary() {
                     let (nkv, (q, k)) = (c.n_kv_heads, (&mut s.q, &mut s.k));
-                    dev.rope_qk(q, n_q, k, nkv, hd, theta, style, rows)?;
+                    dev.rope_qk(q, n_q, k, nkv, hd, r, rows)?;
                 }
                 dev.store(&s.k, &s.v, &mut self.k[l], &mut self.v[l], rows)?;
             }
@@ -498,7 +498,7 @@ pub(super) fn lookup<D: Device>(
 
 /// Layer `lw`'s lazy K/V fill of `heads` from the kept `inputs`, through a batch of `rows`.
 pub(super) fn lazy_kv<'a, D: Device>(
-    c: &ModelConfig,
+    m: &'a DeviceModel<D>,
     lw: &'a Layer<D>,
     inputs: &'a D::Cache,
     heads: Rows<'a, D::Idx>,
@@ -511,8 +511,8 @@ pub(super) fn lazy_kv<'a, D: Device>(
         bv: lw.bv.as_ref(),
         inputs,
         heads,
-        head_dim: c.head_dim,
-        rope: c.rope(),
+        head_dim: m.local.head_dim,
+        rope: m.rotary(),
         rows,
     }
 }

@@ -7,7 +7,9 @@
 //! `i + head_dim/2`); GGUF llama files permute them for interleaved RoPE. So a checkpoint runs
 //! with [`RopeStyle::Neox`], and `dejavu quantize` permutes them back when it writes a llama GGUF.
 use super::{layer_name, HfJson};
-use crate::model::config::{bad, Architecture, MlpKind, ModelConfig, NormKind, Positions};
+use crate::model::config::{
+    bad, Architecture, Llama3Scaling, MlpKind, ModelConfig, NormKind, Positions,
+};
 use crate::Result;
 use dejavu_backend_api::RopeStyle;
 
@@ -59,6 +61,7 @@ pub fn hf_config(j: &HfJson, family: Family) -> Result<ModelConfig> {
     }
     let attention_bias = j.bool_or("attention_bias", false)?;
     let qwen2 = family == Family::Qwen2;
+    let (theta, rope_scaling) = rope_theta(j)?;
     Ok(ModelConfig {
         arch: match family {
             Family::Llama => Architecture::Llama,
@@ -74,9 +77,10 @@ pub fn hf_config(j: &HfJson, family: Family) -> Result<ModelConfig> {
         vocab_size: j.int("vocab_size")?,
         context_length: j.int("max_position_embeddings")?,
         positions: Positions::Rope {
-            theta: rope_theta(j)?,
+            theta,
             style: RopeStyle::Neox,
         },
+        rope_scaling,
         norm: NormKind::Rms,
         norm_eps: j.float_or("rms_norm_eps", 1e-6)?,
         norm_affine: true,
@@ -92,31 +96,45 @@ pub fn hf_config(j: &HfJson, family: Family) -> Result<ModelConfig> {
     })
 }
 
-/// RoPE's base: `rope_theta`, or `rope_parameters.rope_theta` (transformers 5). Scaled RoPE
-/// (linear, dynamic, YaRN, llama3) is refused rather than run wrong.
-fn rope_theta(j: &HfJson) -> Result<f32> {
-    let params = j.get("rope_parameters").or_else(|| j.get("rope_scaling"));
-    if let Some(p) = params {
-        let kind = p
-            .get("rope_type")
-            .or_else(|| p.get("type"))
-            .and_then(|t| t.as_str());
-        if !matches!(kind, None | Some("default")) {
-            let key = if j.get("rope_parameters").is_some() {
-                "rope_parameters"
-            } else {
-                "rope_scaling"
-            };
+/// RoPE's base (`rope_theta`, or `rope_parameters.rope_theta` in transformers 5) and its
+/// scaling: none (`default`) or Llama 3's (`llama3`, with `factor`, `low_freq_factor`,
+/// `high_freq_factor` and `original_max_position_embeddings`). Other scalings (linear, dynamic,
+/// YaRN, LongRoPE) are refused by name rather than run wrong.
+fn rope_theta(j: &HfJson) -> Result<(f32, Option<Llama3Scaling>)> {
+    let key = match j.get("rope_parameters") {
+        Some(_) => "rope_parameters",
+        None => "rope_scaling",
+    };
+    let Some(p) = j.get(key) else {
+        return Ok((j.float_or("rope_theta", 10_000.0)?, None));
+    };
+    let p = HfJson(p);
+    let kind = p.get("rope_type").or_else(|| p.get("type"));
+    let theta = match p.get("rope_theta") {
+        Some(_) => p.float_or("rope_theta", 1e4)?,
+        None => j.float_or("rope_theta", 10_000.0)?,
+    };
+    let scaling = match kind.and_then(|t| t.as_str()) {
+        None | Some("default") => None,
+        Some("llama3") => Some(Llama3Scaling {
+            factor: p.float_or("factor", 8.0)?,
+            low_freq_factor: p.float_or("low_freq_factor", 1.0)?,
+            high_freq_factor: p.float_or("high_freq_factor", 4.0)?,
+            original_context: p.int("original_max_position_embeddings")?,
+        }),
+        Some(other) => {
             return Err(bad(
                 key,
-                &format!("RoPE scaling `{}` is not supported", kind.unwrap_or("?")),
-            ));
+                &format!("RoPE scaling `{other}` is not supported (default, llama3)"),
+            ))
         }
-        if let Some(t) = p.get("rope_theta") {
-            return HfJson(&serde_json::json!({ "rope_theta": t })).float_or("rope_theta", 1e4);
+    };
+    if let Some(s) = scaling {
+        if s.high_freq_factor <= s.low_freq_factor {
+            return Err(bad(key, "high_freq_factor must exceed low_freq_factor"));
         }
     }
-    j.float_or("rope_theta", 10_000.0)
+    Ok((theta, scaling))
 }
 
 /// Checkpoint name (with or without the `model.` prefix) to canonical name.

@@ -45,6 +45,7 @@ pub fn hf_config(j: &HfJson) -> Result<ModelConfig> {
         out_bias: bias,
         mlp_bias: bias,
         qk_norm: false,
+        rope_scaling: None,
         tied_output: j.bool_or("tie_word_embeddings", true)?,
         d_embed: j.int_or("word_embed_proj_dim", d_model)?,
     })

@@ -80,8 +80,9 @@ impl CpuDevice {
                         if let Some(b) = b {
                             (out.iter_mut().zip(&b[at.clone()])).for_each(|(o, b)| *o += b);
                         }
-                        if let Some((theta, style)) = rope {
-                            ops::rope(out, 1, hd, p, theta, style);
+                        if let Some(r) = rope {
+                            let f = super::rope_factors(&r, hd)?;
+                            ops::rope(out, 1, hd, p, r.theta, r.style, f);
                         }
                         c.put(p, h * hd, out);
                     }

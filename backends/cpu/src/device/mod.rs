@@ -18,7 +18,7 @@ use crate::pool::SpinPool;
 use crate::world::HostWorld;
 use crate::{ops, CpuBackend};
 use dejavu_backend_api::{
-    Activation, AttnGeom, BackendError, Device, LazyKv, Product, QuantType, RopeStyle, Rows,
+    Activation, AttnGeom, BackendError, Device, LazyKv, Product, QuantType, Rotary, Rows,
     SharedBytes, StepRow, Weight, MAX_ROWS,
 };
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -445,20 +445,22 @@ impl Device for CpuDevice {
         x: &mut Vec<f32>,
         n_heads: usize,
         head_dim: usize,
-        theta: f32,
-        style: RopeStyle,
+        rope: Rotary<'_, Vec<f32>>,
         rows: usize,
     ) -> Result<(), BackendError> {
         let w = n_heads * head_dim;
         self.batch("rope", x.len(), w, rows)?;
+        let factors = rope_factors(&rope, head_dim)?;
         // One call over the rows: the frequencies are computed once, not once a row.
+        let (pos, theta, style) = (self.pos(), rope.theta, rope.style);
         ops::rope(
             &mut x[..rows * w],
             n_heads,
             head_dim,
-            self.pos(),
+            pos,
             theta,
             style,
+            factors,
         );
         Ok(())
     }
@@ -586,5 +588,19 @@ impl Device for CpuDevice {
             backend: self.name(),
             what: "recorded steps".into(),
         })
+    }
+}
+
+/// A rotation's frequency divisors, `head_dim / 2` of them when given.
+pub(crate) fn rope_factors<'a>(
+    rope: &Rotary<'a, Vec<f32>>,
+    head_dim: usize,
+) -> Result<Option<&'a [f32]>, BackendError> {
+    match rope.factors {
+        Some(f) if f.len() != head_dim / 2 => Err(shape(format!(
+            "{} RoPE frequency factors for heads of {head_dim}",
+            f.len()
+        ))),
+        f => Ok(f.map(|f| f.as_slice())),
     }
 }

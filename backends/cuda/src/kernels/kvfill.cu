@@ -18,7 +18,7 @@ template <int T>
 __device__ void kv_fill(const u8* wk, const u8* wv, const float* bk, const float* bv,
                         const u16* inputs, int d, const u32* idx, int n_sel, int hd,
                         const u32* valid, const int* step, int rows, int n_ctx, float theta,
-                        int rope, u16* kc, u16* vc, int width) {
+                        const float* factors, int rope, u16* kc, u16* vc, int width) {
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, half = hd / 2;
     int g = blockIdx.x * 8 + warp, per = n_sel * half;
     if (g >= 2 * per) return;
@@ -68,6 +68,7 @@ __device__ void kv_fill(const u8* wk, const u8* wv, const float* bk, const float
             float x0 = sa[t] + (bias ? bias[a] : 0.f), x1 = sb[t] + (bias ? bias[b] : 0.f);
             if (!is_v && rope >= 0) {
                 double ang = (double)p * pow((double)theta, -2.0 * (double)i / (double)hd);
+                if (factors) ang /= (double)factors[i];
                 double sd, cd;
                 sincos(ang, &sd, &cd);
                 float cs = (float)cd, sn = (float)sd, r0 = x0 * cs - x1 * sn;
@@ -83,9 +84,9 @@ __device__ void kv_fill(const u8* wk, const u8* wv, const float* bk, const float
     extern "C" __global__ void kv_fill_##name(                                                   \
         const u8* wk, const u8* wv, const float* bk, const float* bv, const u16* inputs, int d,  \
         const u32* idx, int n_sel, int hd, const u32* valid, const int* step, int rows,          \
-        int n_ctx, float theta, int rope, u16* kc, u16* vc, int width) {                         \
+        int n_ctx, float theta, const float* factors, int rope, u16* kc, u16* vc, int width) {   \
         kv_fill<T>(wk, wv, bk, bv, inputs, d, idx, n_sel, hd, valid, step, rows, n_ctx, theta,    \
-                   rope, kc, vc, width);                                                         \
+                   factors, rope, kc, vc, width);                                                \
     }
 FOR_TYPES(KV_FILL)
 
