@@ -306,12 +306,12 @@ fn metadata(model: &Model, tok: &Tokenizer) -> Result<Vec<(String, MetaValue)>> 
         ),
         ("general.name".to_string(), MetaValue::String(name)),
     ];
-    m.extend(arch_keys(c));
+    m.extend(arch_keys(c)?);
     m.extend(tokenizer_keys(c, tok)?);
     Ok(m)
 }
 
-fn arch_keys(c: &ModelConfig) -> Vec<(String, MetaValue)> {
+fn arch_keys(c: &ModelConfig) -> Result<Vec<(String, MetaValue)>> {
     let a = c.arch.name();
     let u = |k: ArchKey, v: usize| (k.key(a), MetaValue::U32(v as u32));
     let mut m = vec![
@@ -335,6 +335,15 @@ fn arch_keys(c: &ModelConfig) -> Vec<(String, MetaValue)> {
         m.push(u(ArchKey::KeyLength, c.head_dim));
         m.push(u(ArchKey::ValueLength, c.head_dim));
     }
+    if let Some(w) = c.attn.window {
+        // Every layer's (llama.cpp's own mistral files leave the key out).
+        if c.attn.local.iter().any(|&l| !l) {
+            return Err(Error::Invalid(
+                "quantize: a sliding window on some layers only is not written yet".into(),
+            ));
+        }
+        m.push(u(ArchKey::SlidingWindow, w));
+    }
     if c.mlp != MlpKind::Relu {
         m.push((
             ArchKey::FeedForwardActivation.key(a),
@@ -347,7 +356,7 @@ fn arch_keys(c: &ModelConfig) -> Vec<(String, MetaValue)> {
             m.push(u(ArchKey::EmbeddingProjection, c.d_embed));
         }
     }
-    m
+    Ok(m)
 }
 
 /// llama.cpp's tokenizer arrays, plus the whole `tokenizer.json`.

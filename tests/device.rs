@@ -22,7 +22,7 @@ use dejavu_backend_cpu::CpuBackend;
 use rand::{Rng, SeedableRng};
 use std::path::PathBuf;
 
-const FIXTURES: [&str; 8] = common::HF_FIXTURES;
+const FIXTURES: [&str; common::HF_FIXTURES.len()] = common::HF_FIXTURES;
 const TOKENS: [u32; 9] = [1, 17, 42, 99, 5, 23, 64, 7, 3];
 
 /// The checkout: where the test was built, else (a test binary carried to another machine) the

@@ -21,7 +21,7 @@ use dejavu_backend_cpu::isa::Isa;
 use dejavu_backend_cpu::CpuBackend;
 use std::path::PathBuf;
 
-const FIXTURES: [&str; 8] = common::HF_FIXTURES;
+const FIXTURES: [&str; common::HF_FIXTURES.len()] = common::HF_FIXTURES;
 const ABS_TOL: f32 = 0.01;
 const REL_TOL: f32 = 0.001;
 

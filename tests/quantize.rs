@@ -76,6 +76,7 @@ fn every_fixture_converts_to_gguf() {
         "qwen2",
         "qwen3",
         "llama3-rope",
+        "mistral-swa",
     ] {
         let out = dir.path().join(format!("{name}.gguf"));
         quantize(&fixture(name), QuantType::F16, &out);

@@ -6,7 +6,7 @@
 //! architecture's name.
 use crate::model::names::{ArchKey, GlobalTensor, LayerTensor, ARCHITECTURE, TOK_TOKENS};
 use crate::{Error, Result};
-use dejavu_backend_api::{Activation, RopeStyle};
+use dejavu_backend_api::{Activation, RopeStyle, Scoring};
 use dejavu_formats::gguf::GgufHeader;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -124,6 +124,50 @@ impl Llama3Scaling {
     }
 }
 
+/// How attention scores its keys, per layer: the scale, Gemma 2's soft cap, and sliding windows
+/// (each query sees `window` positions, itself included, on the layers `local` marks: every
+/// layer of Mistral and Phi-3, Gemma's local layers between its global ones).
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttnConfig {
+    /// The scores' scale; `None`: `1 / sqrt(head_dim)`.
+    pub scale: Option<f32>,
+    pub softcap: Option<f32>,
+    pub window: Option<usize>,
+    /// One flag a layer when `window` is set; empty otherwise.
+    pub local: Vec<bool>,
+}
+
+impl AttnConfig {
+    /// Every layer attends to every earlier position with the usual scale.
+    pub fn plain() -> Self {
+        AttnConfig {
+            scale: None,
+            softcap: None,
+            window: None,
+            local: Vec::new(),
+        }
+    }
+
+    /// Sliding windows of `window` on the layers `local` marks (`None`: full attention).
+    pub fn windowed(window: Option<usize>, local: Vec<bool>) -> Self {
+        AttnConfig {
+            window,
+            local: if window.is_some() { local } else { Vec::new() },
+            ..Self::plain()
+        }
+    }
+
+    /// Layer `l`'s scoring, for heads `head_dim` wide.
+    pub fn scoring(&self, l: usize, head_dim: usize) -> Scoring {
+        let plain = Scoring::plain(head_dim);
+        Scoring {
+            scale: self.scale.unwrap_or(plain.scale),
+            softcap: self.softcap,
+            window: self.window.filter(|_| self.local.get(l) == Some(&true)),
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct ModelConfig {
     pub arch: Architecture,
@@ -158,6 +202,8 @@ pub struct ModelConfig {
     pub mlp_bias: bool,
     /// Each query and key head is RMS-normed (its own `head_dim` gains) before RoPE (qwen3).
     pub qk_norm: bool,
+    /// Attention's scale, soft cap and sliding windows.
+    pub attn: AttnConfig,
     /// The output head is the token embedding (no `output.weight`).
     pub tied_output: bool,
     /// Width of the token embedding; when it differs from `d_model` (OPT's
@@ -219,6 +265,17 @@ impl ModelConfig {
                 self.norm_eps
             )));
         }
+        let a = &self.attn;
+        if a.window.is_some() && a.local.len() != self.n_layers {
+            return Err(bad(format!(
+                "{} sliding-window flags for {} layers",
+                a.local.len(),
+                self.n_layers
+            )));
+        }
+        (0..self.n_layers)
+            .try_for_each(|l| a.scoring(l, self.head_dim).check())
+            .map_err(bad)?;
         if let Positions::Rope { theta, .. } = self.positions {
             if !(theta.is_finite() && theta > 0.0) {
                 return Err(bad(format!("rope theta {theta} is not positive")));
@@ -306,9 +363,15 @@ impl ModelConfig {
             }
         };
         let has_layer = |t: LayerTensor| h.tensor(&t.name(0)).is_some();
+        let n_layers = m.int(ArchKey::BlockCount)?;
+        // llama.cpp's key; its mistral files (arch llama) leave it out and run full attention.
+        let window = match m.has(ArchKey::SlidingWindow) {
+            true => Some(m.int(ArchKey::SlidingWindow)?),
+            false => None,
+        };
         let config = Self {
             arch,
-            n_layers: m.int(ArchKey::BlockCount)?,
+            n_layers,
             d_model,
             n_ff: m.int(ArchKey::FeedForwardLength)?,
             n_heads,
@@ -336,6 +399,7 @@ impl ModelConfig {
             out_bias: has_layer(LayerTensor::AttnOutputBias),
             mlp_bias: has_layer(LayerTensor::FfnUpBias),
             qk_norm: has_layer(LayerTensor::AttnQNorm),
+            attn: AttnConfig::windowed(window, vec![true; n_layers]),
             tied_output: !has(GlobalTensor::Output),
             d_embed: match opt && m.has(ArchKey::EmbeddingProjection) {
                 true => m.int(ArchKey::EmbeddingProjection)?,

@@ -31,6 +31,9 @@ pub enum ArchKey {
     /// count).
     KeyLength,
     ValueLength,
+    /// Sliding-window attention's width (each query sees this many positions, itself
+    /// included).
+    SlidingWindow,
 }
 
 impl ArchKey {
@@ -48,6 +51,7 @@ impl ArchKey {
             ArchKey::VocabSize => "vocab_size",
             ArchKey::RopeScalingType => "rope.scaling.type",
             ArchKey::LayerNormEps => "attention.layer_norm_epsilon",
+            ArchKey::SlidingWindow => "attention.sliding_window",
             ArchKey::FeedForwardActivation => "feed_forward_activation",
             ArchKey::LayerNormBefore => "layer_norm_before",
             ArchKey::EmbeddingProjection => "embedding_projection_length",

@@ -306,7 +306,7 @@ pub fn temp_file(bytes: &[u8]) -> tempfile::NamedTempFile {
 }
 
 /// The tiny Hugging Face fixtures of tests/fixtures/hf (tools/make_hf_fixtures.py).
-pub const HF_FIXTURES: [&str; 8] = [
+pub const HF_FIXTURES: [&str; 9] = [
     "opt-relu",
     "opt-postln-proj",
     "opt-noaffine",
@@ -315,6 +315,7 @@ pub const HF_FIXTURES: [&str; 8] = [
     "qwen2",
     "qwen3",
     "llama3-rope",
+    "mistral-swa",
 ];
 
 /// A fixed plan whose sets fall unevenly on tensor-parallel ranks (some rank holds none of a layer's

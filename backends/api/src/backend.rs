@@ -186,7 +186,7 @@ impl KvSlice<'_> {
 }
 
 /// Geometry of one attention call: `n_tokens` queries at positions `pos0..pos0+n_tokens`, each
-/// attending causally to cache entries `0..=pos`.
+/// attending causally to the cache entries its [`Scoring`] keeps (`0..=pos`, or the window).
 #[derive(Debug, Clone, Copy)]
 pub struct AttnShape {
     pub n_heads: usize,
@@ -194,6 +194,58 @@ pub struct AttnShape {
     pub head_dim: usize,
     pub pos0: usize,
     pub n_tokens: usize,
+    pub scoring: Scoring,
+}
+
+/// How a query at position `p` scores the keys: `s_j = q . k_j * scale`, then (with a soft cap
+/// `c`, Gemma 2) `s_j = c * tanh(s_j / c)`, over the positions `j` in `first(p)..=p`, where
+/// `first(p)` is 0, or `p + 1 - window` (sliding-window attention: each query sees `window`
+/// positions, itself included, as Mistral and Gemma's local layers do).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Scoring {
+    pub scale: f32,
+    pub softcap: Option<f32>,
+    pub window: Option<usize>,
+}
+
+impl Scoring {
+    /// `1 / sqrt(head_dim)`, no cap, no window: the usual attention.
+    pub fn plain(head_dim: usize) -> Self {
+        Scoring {
+            scale: 1.0 / (head_dim as f32).sqrt(),
+            softcap: None,
+            window: None,
+        }
+    }
+
+    /// The first position a query at `p` attends to.
+    pub fn first(&self, p: usize) -> usize {
+        match self.window {
+            Some(w) => (p + 1).saturating_sub(w),
+            None => 0,
+        }
+    }
+
+    /// A raw dot product `s` as the softmax sees it.
+    pub fn score(&self, s: f32) -> f32 {
+        let s = s * self.scale;
+        match self.softcap {
+            Some(c) => c * (s / c).tanh(),
+            None => s,
+        }
+    }
+
+    /// Whether the scoring is usable: a positive finite scale and cap, a positive window.
+    pub fn check(&self) -> Result<(), String> {
+        let ok = self.scale.is_finite()
+            && self.scale > 0.0
+            && self.softcap.is_none_or(|c| c.is_finite() && c > 0.0)
+            && self.window.is_none_or(|w| w > 0);
+        match ok {
+            true => Ok(()),
+            false => Err(format!("attention scoring {self:?}")),
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]

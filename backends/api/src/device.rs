@@ -17,7 +17,7 @@
 //! decode step is one row; a prompt runs as batches of up to [`MAX_ROWS`] (its products through
 //! [`Device::matmul`]). Row-wise verbs take the batch's `rows`; buffers hold their rows one after
 //! another (row `r` at `r * width`), and row `r` is at position `pos + r`.
-use crate::{Activation, BackendError, QuantType, RopeStyle, Weight};
+use crate::{Activation, BackendError, QuantType, RopeStyle, Scoring, Weight};
 
 /// Bytes held by their owner (a mapped file, an anonymous buffer) that a host-memory device
 /// may keep a handle to instead of a copy ([`Device::share_mat`]).
@@ -150,8 +150,9 @@ pub enum StepRow {
 }
 
 /// The shape of one layer's attention over a batch: the query heads of row `r` (compact, as the
-/// `Rows` of the call name them) attend causally to cache positions `0..=pos + r`; query head `h`
-/// reads KV head `h / (n_heads / n_kv_heads)`. `n_ctx` is the caches' capacity.
+/// `Rows` of the call name them) attend causally to the cache positions up to `pos + r` that
+/// `scoring` keeps; query head `h` reads KV head `h / (n_heads / n_kv_heads)`. `n_ctx` is the
+/// caches' capacity.
 #[derive(Debug, Clone, Copy)]
 pub struct AttnGeom {
     pub n_heads: usize,
@@ -160,6 +161,7 @@ pub struct AttnGeom {
     pub n_ctx: usize,
     /// The batch's rows.
     pub rows: usize,
+    pub scoring: Scoring,
 }
 
 /// Verbs of a device-resident decode step. Every verb is enqueued in order on the device's lane

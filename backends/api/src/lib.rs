@@ -10,7 +10,8 @@ pub mod quant;
 pub mod quantize;
 
 pub use backend::{
-    Activation, AttnShape, Backend, BackendError, KvSlice, MatmulJob, RopeStyle, RowLayout, Weight,
+    Activation, AttnShape, Backend, BackendError, KvSlice, MatmulJob, RopeStyle, RowLayout,
+    Scoring, Weight,
 };
 pub use device::{
     AttnGeom, Device, LazyKv, Product, Rotary, Rows, SharedBytes, StepRow, TopK, MAX_ROWS,

@@ -1,8 +1,8 @@
 //! Causal grouped-query attention over an f32 or f16 KV cache, for a subset of query heads.
 //!
 //! Reference formula, per token t (position p = pos0 + t) and selected head h with kv head
-//! g = h / (n_heads / n_kv_heads):
-//!   s_j = q_h . k_{j,g} / sqrt(head_dim)  for j <= p;   a = softmax(s);   out_h = sum_j a_j v_{j,g}
+//! g = h / (n_heads / n_kv_heads), with the call's [`Scoring`] (scale, soft cap, window):
+//!   s_j = score(q_h . k_{j,g})  for first(p) <= j <= p;   a = softmax(s);   out_h = sum_j a_j v_{j,g}
 //! Unselected heads are written as 0. One pool task per (token, head); the scores against all keys
 //! and the weighted sum of all values are one call each to the tier's f32 kernels
 //! (`Kernels::dot_rows`, `Kernels::axpy_rows`; their `_f16` twins for an f16 cache), the scores
@@ -10,6 +10,8 @@
 use crate::kernels::table::Kernels;
 use crate::matmul::SyncPtr;
 use crate::pool::SpinPool;
+#[cfg(doc)]
+use dejavu_backend_api::Scoring;
 use dejavu_backend_api::{AttnShape, IndexSet, KvSlice};
 use std::cell::RefCell;
 
@@ -32,12 +34,13 @@ pub fn attention(
     let hd = s.head_dim;
     let group = s.n_heads / s.n_kv_heads;
     let kv_stride = s.n_kv_heads * hd;
-    let scale = 1.0 / (hd as f32).sqrt();
+    let sc = s.scoring;
     // Tasks write `out` through raw pointers: check every extent for real.
     assert!(
         s.n_kv_heads > 0 && s.n_heads.is_multiple_of(s.n_kv_heads),
         "attention: head counts"
     );
+    assert!(sc.check().is_ok(), "attention: scoring");
     assert_eq!(q.len(), s.n_tokens * s.n_heads * hd, "attention: q length");
     assert_eq!(out.len(), q.len(), "attention: out length");
     assert_eq!(heads.universe(), s.n_heads, "attention: head set universe");
@@ -72,21 +75,25 @@ pub fn attention(
         // outlives `pool.run`.
         let o = unsafe { std::slice::from_raw_parts_mut(op.get().add(th * hd), hd) };
         let g = h / group;
-        let n_keys = s.pos0 + t + 1;
+        let p = s.pos0 + t;
+        let first = sc.first(p);
+        let n_keys = p + 1 - first;
         let qh = &q[th * hd..(th + 1) * hd];
         SCORES.with_borrow_mut(|scores| {
             scores.resize(n_keys, 0.0);
             let scores = &mut scores[..n_keys];
             // Keys j of kv head g are rows of `k[g * hd..]` at stride `kv_stride`; values alike.
-            dot(qh, g * hd, scores);
-            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max) * scale;
+            let at = first * kv_stride + g * hd;
+            dot(qh, at, scores);
+            scores.iter_mut().for_each(|x| *x = sc.score(*x));
+            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let mut sum = 0f32;
-            for sc in scores.iter_mut() {
-                *sc = (*sc * scale - max).exp();
-                sum += *sc;
+            for x in scores.iter_mut() {
+                *x = (*x - max).exp();
+                sum += *x;
             }
-            scores.iter_mut().for_each(|sc| *sc /= sum);
-            axpy(scores, g * hd, o);
+            scores.iter_mut().for_each(|x| *x /= sum);
+            axpy(scores, at, o);
         });
     });
 }
@@ -95,6 +102,7 @@ pub fn attention(
 mod tests {
     use super::*;
     use crate::isa::Isa;
+    use dejavu_backend_api::Scoring;
     use rand::{Rng, SeedableRng};
 
     /// Straightforward f64 attention, every head, for checking.
@@ -106,19 +114,24 @@ mod tests {
             for h in 0..s.n_heads {
                 let g = h / (s.n_heads / s.n_kv_heads);
                 let qh = &q[(t * s.n_heads + h) * hd..][..hd];
-                let n = s.pos0 + t + 1;
-                let sc: Vec<f64> = (0..n)
+                let (p, cfg) = (s.pos0 + t, s.scoring);
+                let first = cfg.window.map_or(0, |w| (p + 1).saturating_sub(w));
+                let sc: Vec<f64> = (first..=p)
                     .map(|j| {
-                        (0..hd)
+                        let d = (0..hd)
                             .map(|i| qh[i] as f64 * k[j * kvs + g * hd + i] as f64)
                             .sum::<f64>()
-                            / (hd as f64).sqrt()
+                            * cfg.scale as f64;
+                        match cfg.softcap {
+                            Some(c) => c as f64 * (d / c as f64).tanh(),
+                            None => d,
+                        }
                     })
                     .collect();
                 let m = sc.iter().cloned().fold(f64::MIN, f64::max);
                 let z: f64 = sc.iter().map(|x| (x - m).exp()).sum();
-                for j in 0..n {
-                    let a = (sc[j] - m).exp() / z;
+                for j in first..=p {
+                    let a = (sc[j - first] - m).exp() / z;
                     for i in 0..hd {
                         out[(t * s.n_heads + h) * hd + i] += a * v[j * kvs + g * hd + i] as f64;
                     }
@@ -131,11 +144,23 @@ mod tests {
     #[test]
     fn matches_naive_with_gqa_offsets_and_head_subsets() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
-        for (n_heads, n_kv_heads, head_dim, pos0, n_tokens) in [
-            (4, 2, 8, 0, 5),
-            (6, 3, 16, 7, 1),
-            (2, 2, 4, 0, 1),
-            (9, 3, 64, 30, 3),
+        // Plain scoring; then Gemma-like ones: a scale of its own, a soft cap, windows shorter
+        // than, equal to and longer than the context.
+        let gemma = |hd: usize, cap: Option<f32>, window: Option<usize>| Scoring {
+            scale: 1.0 / (hd as f32 * 1.5).sqrt(),
+            softcap: cap,
+            window,
+        };
+        for (n_heads, n_kv_heads, head_dim, pos0, n_tokens, scoring) in [
+            (4, 2, 8, 0, 5, Scoring::plain(8)),
+            (6, 3, 16, 7, 1, Scoring::plain(16)),
+            (2, 2, 4, 0, 1, Scoring::plain(4)),
+            (9, 3, 64, 30, 3, Scoring::plain(64)),
+            (4, 2, 8, 0, 5, gemma(8, Some(0.5), Some(3))),
+            (6, 3, 16, 7, 4, gemma(16, None, Some(1))),
+            (6, 3, 16, 37, 6, gemma(16, Some(2.0), Some(7))),
+            (9, 3, 64, 30, 3, gemma(64, Some(1.0), Some(64))),
+            (2, 1, 8, 5, 3, gemma(8, None, Some(8))),
         ] {
             let s = AttnShape {
                 n_heads,
@@ -143,6 +168,7 @@ mod tests {
                 head_dim,
                 pos0,
                 n_tokens,
+                scoring,
             };
             let len = (pos0 + n_tokens) * n_kv_heads * head_dim;
             let mut r = |n| {

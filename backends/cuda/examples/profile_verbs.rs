@@ -229,6 +229,7 @@ fn main() {
         head_dim: hd,
         n_ctx: 1024,
         rows: 1,
+        scoring: dejavu_backend_api::Scoring::plain(hd),
     };
     time(
         &dev,

@@ -16,6 +16,7 @@ impl CudaDevice {
         out: &mut Buf,
     ) -> Result<(), BackendError> {
         let width = g.n_kv_heads * g.head_dim;
+        g.scoring.check().map_err(shape)?;
         if g.n_kv_heads == 0 || !g.n_heads.is_multiple_of(g.n_kv_heads) {
             return Err(shape(format!(
                 "{} query heads over {} KV heads",
@@ -60,6 +61,10 @@ impl CudaDevice {
             g.head_dim as i32,
             g.n_ctx as i32,
         );
+        // 0: no cap, no window (Scoring::check keeps both positive otherwise).
+        let sc = g.scoring;
+        let (scale, cap) = (sc.scale, sc.softcap.unwrap_or(0.0));
+        let window = sc.window.map_or(0, |w| w.min(g.n_ctx)) as i32;
         let mut b = self.lane().launch_builder(f);
         b.arg(&qp)
             .arg(&kp)
@@ -69,7 +74,7 @@ impl CudaDevice {
             .arg(&nkv)
             .arg(&hd)
             .arg(&nc);
-        b.arg(&sp).arg(&op);
+        b.arg(&scale).arg(&cap).arg(&window).arg(&sp).arg(&op);
         let cfg = LaunchConfig {
             grid_dim: (n_sel.max(1) as u32, g.rows as u32, 1),
             block_dim: (256, 1, 1),

@@ -7,8 +7,8 @@
 //! sum |terms|)` for products and 1e-4 relative elsewhere; attention compares against an f16
 //! cache on both sides.
 use dejavu_backend_api::{
-    Activation, AttnGeom, Device, LazyKv, Product, QuantType, RopeStyle, Rotary, Rows, StepRow,
-    TopK, Weight,
+    Activation, AttnGeom, Device, LazyKv, Product, QuantType, RopeStyle, Rotary, Rows, Scoring,
+    StepRow, TopK, Weight,
 };
 use dejavu_backend_cpu::device::CpuDevice;
 
@@ -445,10 +445,21 @@ fn attention_matches_the_scalar_reference() {
     let mut r = rng(3);
     // Multi-head and grouped-query; contexts short, ragged and beyond 48 KiB of scores;
     // batches of one row and of several.
-    for (nh, nkv, hd, n_pos, n_ctx, rows) in [
-        (4, 4, 64, 1, 8, 1),
-        (14, 2, 64, 37, 64, 5),
-        (8, 8, 128, 300, 20000, 3),
+    // Then Gemma-like scoring: a scale of its own, a soft cap, and sliding windows shorter
+    // than the context, of one position, and wider than the cache.
+    let gemma = |hd: usize, softcap, window| Scoring {
+        scale: 1.0 / (hd as f32 * 1.5).sqrt(),
+        softcap,
+        window,
+    };
+    for (nh, nkv, hd, n_pos, n_ctx, rows, scoring) in [
+        (4, 4, 64, 1, 8, 1, Scoring::plain(64)),
+        (14, 2, 64, 37, 64, 5, Scoring::plain(64)),
+        (8, 8, 128, 300, 20000, 3, Scoring::plain(128)),
+        (14, 2, 64, 37, 64, 5, gemma(64, Some(0.7), Some(11))),
+        (4, 2, 16, 40, 48, 4, gemma(16, None, Some(1))),
+        (4, 2, 16, 300, 512, 3, gemma(16, Some(3.0), Some(4096))),
+        (8, 8, 128, 300, 20000, 3, gemma(128, None, Some(257))),
     ] {
         let g = AttnGeom {
             n_heads: nh,
@@ -456,6 +467,7 @@ fn attention_matches_the_scalar_reference() {
             head_dim: hd,
             n_ctx,
             rows,
+            scoring,
         };
         let kv: Vec<Vec<f32>> = (0..n_pos).map(|_| randv(&mut r, 2 * nkv * hd)).collect();
         let heads: Vec<u32> = (0..nh as u32).rev().filter(|h| h % 3 != 0).collect();
@@ -594,6 +606,7 @@ fn kv_fill_on<D: Device>(
         head_dim: hd,
         n_ctx,
         rows: 1,
+        scoring: Scoring::plain(hd),
     };
     let rows = Rows::Sel {
         idx: &idx,

@@ -236,6 +236,7 @@ impl<D: Device> DeviceSession<'_, D> {
             head_dim: hd,
             n_ctx: self.n_ctx,
             rows,
+            scoring: c.attn.scoring(l, hd),
         };
         let out = residual_out(dev, m, s, pass)?;
         if n_sel > 0 {

@@ -1,6 +1,6 @@
 //! The llama family from Hugging Face checkpoints: `LlamaForCausalLM` (SwiGLU, or gated ReLU when
-//! `hidden_act` is `relu`, as ReluLLaMA and ProSparse ship), `Qwen2ForCausalLM` (biases on Q, K
-//! and V) and `Qwen3ForCausalLM` (each query and key head RMS-normed before RoPE, a `head_dim` of
+//! `hidden_act` is `relu`, as ReluLLaMA and ProSparse ship), `MistralForCausalLM` (a sliding
+//! window on every layer), `Qwen2ForCausalLM` (biases on Q, K and V) and `Qwen3ForCausalLM` (each query and key head RMS-normed before RoPE, a `head_dim` of
 //! its own). RMSNorm before each block, RoPE, a gated MLP.
 //!
 //! Hugging Face stores Q and K rows in the order of NeoX-style RoPE (dimension `i` pairs with
@@ -8,7 +8,7 @@
 //! with [`RopeStyle::Neox`], and `dejavu quantize` permutes them back when it writes a llama GGUF.
 use super::{layer_name, HfJson};
 use crate::model::config::{
-    bad, Architecture, Llama3Scaling, MlpKind, ModelConfig, NormKind, Positions,
+    bad, Architecture, AttnConfig, Llama3Scaling, MlpKind, ModelConfig, NormKind, Positions,
 };
 use crate::Result;
 use dejavu_backend_api::RopeStyle;
@@ -17,6 +17,8 @@ use dejavu_backend_api::RopeStyle;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Family {
     Llama,
+    /// Llama with sliding-window attention on every layer (`sliding_window`, unless null).
+    Mistral,
     /// Biases on Q, K and V.
     Qwen2,
     /// Per-head RMSNorm on Q and K before RoPE, its own `head_dim`, no biases.
@@ -44,12 +46,19 @@ pub fn hf_config(j: &HfJson, family: Family) -> Result<ModelConfig> {
     if j.bool_or("mlp_bias", false)? {
         return Err(bad("mlp_bias", "MLP biases are not supported for llama"));
     }
-    if j.bool_or("use_sliding_window", false)? {
-        return Err(bad(
-            "use_sliding_window",
-            "sliding-window attention is not supported",
-        ));
-    }
+    let n_layers = j.int("num_hidden_layers")?;
+    let attn = match family {
+        Family::Mistral => super::sliding_window(j, n_layers, |_| true)?,
+        // Qwen's configs name a window they do not use unless `use_sliding_window` is set
+        // (and then only from `max_window_layers` on).
+        _ if j.bool_or("use_sliding_window", false)? => {
+            return Err(bad(
+                "use_sliding_window",
+                "Qwen's sliding-window layers are not supported",
+            ))
+        }
+        _ => AttnConfig::plain(),
+    };
     if j.get("partial_rotary_factor")
         .and_then(|v| v.as_f64())
         .is_some_and(|f| f != 1.0)
@@ -64,11 +73,11 @@ pub fn hf_config(j: &HfJson, family: Family) -> Result<ModelConfig> {
     let (theta, rope_scaling) = rope_theta(j)?;
     Ok(ModelConfig {
         arch: match family {
-            Family::Llama => Architecture::Llama,
+            Family::Llama | Family::Mistral => Architecture::Llama,
             Family::Qwen2 => Architecture::Qwen2,
             Family::Qwen3 => Architecture::Qwen3,
         },
-        n_layers: j.int("num_hidden_layers")?,
+        n_layers,
         d_model,
         n_ff: j.int("intermediate_size")?,
         n_heads,
@@ -91,6 +100,7 @@ pub fn hf_config(j: &HfJson, family: Family) -> Result<ModelConfig> {
         out_bias: !qwen2 && attention_bias,
         mlp_bias: false,
         qk_norm: family == Family::Qwen3,
+        attn,
         tied_output: j.bool_or("tie_word_embeddings", false)?,
         d_embed: d_model,
     })

@@ -2,15 +2,16 @@
 //! [`ModelConfig`], and how the checkpoint's tensor names map to the engine's canonical (GGUF)
 //! names. Everything after loading (the executor) reads only the config.
 //!
-//! - [`llama`]: `LlamaForCausalLM` (SwiGLU, or gated ReLU with `hidden_act: relu`) and
-//!   `Qwen2ForCausalLM` (QKV biases) and `Qwen3ForCausalLM` (Q/K norms, its own head width):
+//! - [`llama`]: `LlamaForCausalLM` (SwiGLU, or gated ReLU with `hidden_act: relu`),
+//!   `MistralForCausalLM` (sliding-window attention), `Qwen2ForCausalLM` (QKV biases) and
+//!   `Qwen3ForCausalLM` (Q/K norms, its own head width):
 //!   RMSNorm, RoPE, gated MLP;
 //! - [`opt`]: `OPTForCausalLM`: LayerNorm (pre or post), learned positions, ReLU MLP, biases,
 //!   optional embedding projections.
 pub mod llama;
 pub mod opt;
 
-use crate::model::config::{bad, ModelConfig};
+use crate::model::config::{bad, AttnConfig, ModelConfig};
 use crate::{Error, Result};
 
 /// A family's mapping from checkpoint tensor names to canonical names (`None`: not a weight the
@@ -37,6 +38,10 @@ pub fn from_hf(config_text: &str) -> Result<(ModelConfig, NameMap)> {
         "OPTForCausalLM" => (opt::hf_config(&j)?, opt::canonical_name as NameMap),
         "LlamaForCausalLM" => (
             llama::hf_config(&j, llama::Family::Llama)?,
+            llama::canonical_name as NameMap,
+        ),
+        "MistralForCausalLM" => (
+            llama::hf_config(&j, llama::Family::Mistral)?,
             llama::canonical_name as NameMap,
         ),
         "Qwen2ForCausalLM" => (
@@ -118,6 +123,36 @@ impl HfJson<'_> {
         }
         Ok(())
     }
+}
+
+/// A config's sliding window (`sliding_window`; null or absent: none) and the layers that use
+/// it: those `layer_types` names `sliding_attention` (transformers 5 writes the list), else
+/// those `local` picks.
+pub(crate) fn sliding_window(
+    j: &HfJson,
+    n_layers: usize,
+    local: impl Fn(usize) -> bool,
+) -> Result<AttnConfig> {
+    let window = match j.get("sliding_window") {
+        Some(_) => Some(j.int("sliding_window")?),
+        None => None,
+    };
+    let flags = match j.get("layer_types") {
+        None => (0..n_layers).map(local).collect(),
+        Some(v) => {
+            let kinds = v.as_array().filter(|a| a.len() == n_layers);
+            let kinds = kinds.ok_or_else(|| bad("layer_types", "expected one entry a layer"))?;
+            kinds
+                .iter()
+                .map(|k| match k.as_str() {
+                    Some("sliding_attention") => Ok(true),
+                    Some("full_attention") => Ok(false),
+                    _ => Err(bad("layer_types", &format!("unknown layer type {k}"))),
+                })
+                .collect::<Result<Vec<bool>>>()?
+        }
+    };
+    Ok(AttnConfig::windowed(window, flags))
 }
 
 /// `layers.{i}.{rest}` into `blk.{i}.{canonical rest}` through `map`.

@@ -9,7 +9,9 @@
 //!   `head_dim^-1/2` (the usual attention scale);
 //! - fc1, ReLU, fc2 with biases; the output head tied to the token embedding.
 use super::{layer_name, HfJson};
-use crate::model::config::{bad, Architecture, MlpKind, ModelConfig, NormKind, Positions};
+use crate::model::config::{
+    bad, Architecture, AttnConfig, MlpKind, ModelConfig, NormKind, Positions,
+};
 use crate::Result;
 
 pub fn hf_config(j: &HfJson) -> Result<ModelConfig> {
@@ -45,6 +47,7 @@ pub fn hf_config(j: &HfJson) -> Result<ModelConfig> {
         out_bias: bias,
         mlp_bias: bias,
         qk_norm: false,
+        attn: AttnConfig::plain(),
         rope_scaling: None,
         tied_output: j.bool_or("tie_word_embeddings", true)?,
         d_embed: j.int_or("word_embed_proj_dim", d_model)?,

@@ -107,6 +107,7 @@ impl CpuDevice {
         let (hd, pos, rows) = (g.head_dim, self.pos(), g.rows);
         let width = g.n_kv_heads * hd;
         self.rows("attention", rows)?;
+        g.scoring.check().map_err(shape)?;
         if g.n_kv_heads == 0 || !g.n_heads.is_multiple_of(g.n_kv_heads) || pos + rows > g.n_ctx {
             return Err(shape(format!(
                 "attention of {} heads over {} KV heads at position {pos} of {}",
@@ -140,6 +141,7 @@ impl CpuDevice {
             head_dim: hd,
             pos0: pos,
             n_tokens: rows,
+            scoring: g.scoring,
         };
         attention::attention(
             &self.cpu.kernels,

@@ -1,6 +1,8 @@
 // Attention, one block (256 threads) per selected query head j (head idx[j], or j) and batch
-// row r = blockIdx.y, keys and values of positions 0..=pos (pos = step[0] + r, below n_ctx):
-// 1. scores: thread p (and p + 256, ...) the dot of q with key p, 8 dims per 128-bit load;
+// row r = blockIdx.y, keys and values of positions p0..=pos (pos = step[0] + r, below n_ctx;
+// p0 = 0, or pos + 1 - window when window > 0: sliding-window attention):
+// 1. scores: thread p (and p + 256, ...) the dot of q with key p, 8 dims per 128-bit load, times
+//    `scale`, then (softcap > 0) softcap * tanh(s / softcap);
 // 2. softmax over the block;
 // 3. out: thread t owns 8 dims (t % (hd/8)) of one position group (t / (hd/8)); groups take
 //    positions in turn and meet in shared memory.
@@ -8,7 +10,8 @@
 // memory: hd + n_ctx floats.
 extern "C" __global__ void attention_f16(const float* q, const u16* kc, const u16* vc,
                                          const u32* idx, int n_heads, int n_kv_heads, int hd,
-                                         int n_ctx, const int* step, float* out) {
+                                         int n_ctx, float scale, float softcap, int window,
+                                         const int* step, float* out) {
     extern __shared__ float sm[];
     __shared__ float red[32];
     __shared__ float part[2048];
@@ -17,10 +20,13 @@ extern "C" __global__ void attention_f16(const float* q, const u16* kc, const u1
     int j = blockIdx.x, h = idx ? (int)idx[j] : j;
     if (h >= n_heads || hd % 8 != 0 || hd > 256) return;
     int kvh = h / (n_heads / n_kv_heads), width = n_kv_heads * hd;
-    int n = min(step[0] + (int)blockIdx.y + 1, n_ctx);
+    // Scores of positions p0 + p for p < n, kept at sc[p]; kc and vc start at p0.
+    int end = min(step[0] + (int)blockIdx.y + 1, n_ctx);
+    int p0 = window > 0 ? max(end - window, 0) : 0, n = end - p0;
+    kc += (size_t)p0 * width;
+    vc += (size_t)p0 * width;
     q += (size_t)blockIdx.y * gridDim.x * hd;
     out += (size_t)blockIdx.y * gridDim.x * hd;
-    float scale = rsqrtf((float)hd);
     for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = q[(size_t)j * hd + d];
     __syncthreads();
     for (int p = threadIdx.x; p < n; p += blockDim.x) {
@@ -31,7 +37,8 @@ extern "C" __global__ void attention_f16(const float* q, const u16* kc, const u1
             unpack_half8(*(const uint4*)(k + d), v, false);
             for (int i = 0; i < 8; i++) s += qs[d + i] * v[i];
         }
-        sc[p] = s * scale;
+        s *= scale;
+        sc[p] = softcap > 0.f ? softcap * tanhf(s / softcap) : s;
     }
     __syncthreads();
     float m = -3.0e38f;
