@@ -35,8 +35,9 @@ pub const TARGETS: [QuantType; 6] = [
 
 /// Where one output tensor's values come from.
 enum Data<'a> {
-    /// A matrix, row by row; `perm` maps output row to source row.
-    Rows(&'a WeightRef, Option<Vec<usize>>),
+    /// A matrix (or several of the same width stacked, as Phi-3's fused ones), row by row;
+    /// `perm` maps output row to source row.
+    Rows(Vec<&'a WeightRef>, Option<Vec<usize>>),
     Vector(Vec<f32>),
 }
 
@@ -117,21 +118,33 @@ fn encode(model: &Model, backend: &dyn Backend, t: &Out, out: &mut Vec<u8>) -> R
     let fail = || Error::Invalid(format!("cannot write {} as {}", t.name, t.qtype.name()));
     match &t.data {
         Data::Vector(v) => quantize::quantize_row(t.qtype, v, out).ok_or_else(fail),
-        Data::Rows(w, perm) => {
-            // Row ranges on every core, concatenated in order.
-            let src = model.weight(w);
+        Data::Rows(ws, perm) => {
+            // Row ranges on every core, concatenated in order; stacked row r is row r - first
+            // of the matrix whose rows start at `first`.
+            let srcs: Vec<_> = ws.iter().map(|w| (model.weight(w), w.rows)).collect();
+            let (rows, cols) = (srcs.iter().map(|s| s.1).sum::<usize>(), ws[0].cols);
+            let source = |r: usize| {
+                let mut r = r;
+                for (src, n) in &srcs {
+                    match r < *n {
+                        true => return (src, r),
+                        false => r -= n,
+                    }
+                }
+                unreachable!("row {r} past the stacked rows")
+            };
             let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-            let per = w.rows.div_ceil(threads).max(1);
+            let per = rows.div_ceil(threads).max(1);
             let parts: Vec<Option<Vec<u8>>> = std::thread::scope(|s| {
-                let jobs: Vec<_> = (0..w.rows)
+                let jobs: Vec<_> = (0..rows)
                     .step_by(per)
                     .map(|r0| {
-                        let src = &src;
+                        let source = &source;
                         s.spawn(move || {
-                            let mut row = vec![0f32; w.cols];
+                            let mut row = vec![0f32; cols];
                             let mut bytes = Vec::new();
-                            for r in r0..(r0 + per).min(w.rows) {
-                                let from = perm.as_ref().map_or(r, |p| p[r]);
+                            for r in r0..(r0 + per).min(rows) {
+                                let (src, from) = source(perm.as_ref().map_or(r, |p| p[r]));
                                 backend.dequantize_row(src, from, &mut row);
                                 quantize::quantize_row(t.qtype, &row, &mut bytes)?;
                             }
@@ -151,16 +164,22 @@ fn encode(model: &Model, backend: &dyn Backend, t: &Out, out: &mut Vec<u8>) -> R
 
 /// Every tensor of the output, in file order.
 fn matrix(name: String, w: &WeightRef, want: QuantType, perm: Option<Vec<usize>>) -> Out<'_> {
-    let q = if w.cols.is_multiple_of(want.block_len()) {
+    stacked(name, vec![w], want, perm)
+}
+
+/// Matrices of one width stacked into one tensor (their rows in order).
+fn stacked(name: String, ws: Vec<&WeightRef>, want: QuantType, perm: Option<Vec<usize>>) -> Out<'_> {
+    let cols = ws[0].cols;
+    let q = if cols.is_multiple_of(want.block_len()) {
         want
     } else {
         QuantType::F16
     };
     Out {
         name,
-        dims: vec![w.cols as u64, w.rows as u64],
+        dims: vec![cols as u64, ws.iter().map(|w| w.rows as u64).sum()],
         qtype: q,
-        data: Data::Rows(w, perm),
+        data: Data::Rows(ws, perm),
     }
 }
 
@@ -253,14 +272,25 @@ fn plan(model: &Model, qtype: QuantType) -> Vec<Out<'_>> {
                 v.push(vector(n(t), &permuted(b, p)));
             }
         }
-        v.push(matrix(n(LayerTensor::AttnQ), &lw.wq, qtype, pq));
-        v.push(matrix(n(LayerTensor::AttnK), &lw.wk, qtype, pk));
-        v.push(matrix(n(LayerTensor::AttnV), &lw.wv, qtype, None));
-        v.push(matrix(n(LayerTensor::AttnOutput), &lw.wo, qtype, None));
-        if let Some(g) = &lw.w_gate {
-            v.push(matrix(n(LayerTensor::FfnGate), g, qtype, None));
+        match (c.arch, &lw.w_gate) {
+            // llama.cpp's phi3 layout: Q, K and V in one matrix, gate and up in `ffn_up`.
+            (Architecture::Phi3, Some(g)) => {
+                let qkv = vec![&lw.wq, &lw.wk, &lw.wv];
+                v.push(stacked(format!("blk.{l}.attn_qkv.weight"), qkv, qtype, None));
+                v.push(matrix(n(LayerTensor::AttnOutput), &lw.wo, qtype, None));
+                v.push(stacked(n(LayerTensor::FfnUp), vec![g, &lw.w_up], qtype, None));
+            }
+            _ => {
+                v.push(matrix(n(LayerTensor::AttnQ), &lw.wq, qtype, pq));
+                v.push(matrix(n(LayerTensor::AttnK), &lw.wk, qtype, pk));
+                v.push(matrix(n(LayerTensor::AttnV), &lw.wv, qtype, None));
+                v.push(matrix(n(LayerTensor::AttnOutput), &lw.wo, qtype, None));
+                if let Some(g) = &lw.w_gate {
+                    v.push(matrix(n(LayerTensor::FfnGate), g, qtype, None));
+                }
+                v.push(matrix(n(LayerTensor::FfnUp), &lw.w_up, qtype, None));
+            }
         }
-        v.push(matrix(n(LayerTensor::FfnUp), &lw.w_up, qtype, None));
         v.push(matrix(n(LayerTensor::FfnDown), &lw.w_down, qtype, None));
     }
     v

@@ -77,6 +77,7 @@ fn every_fixture_converts_to_gguf() {
         "qwen3",
         "llama3-rope",
         "mistral-swa",
+        "phi3",
     ] {
         let out = dir.path().join(format!("{name}.gguf"));
         quantize(&fixture(name), QuantType::F16, &out);

@@ -14,6 +14,7 @@ pub enum Architecture {
     Llama,
     Qwen2,
     Qwen3,
+    Phi3,
     Opt,
 }
 
@@ -24,6 +25,7 @@ impl Architecture {
             "llama" => Ok(Architecture::Llama),
             "qwen2" => Ok(Architecture::Qwen2),
             "qwen3" => Ok(Architecture::Qwen3),
+            "phi3" => Ok(Architecture::Phi3),
             "opt" => Ok(Architecture::Opt),
             other => Err(Error::UnknownArchitecture(other.into())),
         }
@@ -33,6 +35,7 @@ impl Architecture {
             Architecture::Llama => "llama",
             Architecture::Qwen2 => "qwen2",
             Architecture::Qwen3 => "qwen3",
+            Architecture::Phi3 => "phi3",
             Architecture::Opt => "opt",
         }
     }
@@ -382,7 +385,9 @@ impl ModelConfig {
             rope_scaling: None,
             positions: match arch {
                 Architecture::Llama => rope(RopeStyle::Interleaved)?,
-                Architecture::Qwen2 | Architecture::Qwen3 => rope(RopeStyle::Neox)?,
+                Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Phi3 => {
+                    rope(RopeStyle::Neox)?
+                }
                 Architecture::Opt => Positions::Learned { offset: 2 },
             },
             norm: if opt { NormKind::Layer } else { NormKind::Rms },

@@ -8,7 +8,7 @@
 //! and bf16 stay 16-bit). Norm gains and biases, a few vectors of `d_model`, are converted to f32
 //! once at load.
 use crate::model::arch;
-use crate::model::config::{ModelConfig, NormKind, Positions};
+use crate::model::config::{Architecture, ModelConfig, NormKind, Positions};
 use crate::model::names::{GlobalTensor, LayerTensor};
 use crate::model::synthetic::{self, Shape, Synthetic, SyntheticOptions};
 use crate::{Error, Result};
@@ -220,16 +220,18 @@ impl Model {
                     }
                 }
             }
+            unfuse(&mut table, &config)?;
             return Self::build(path, Source::Hf(ckpt), config, &table);
         }
         let file = GgufFile::open(path)?;
         let config = ModelConfig::from_gguf(&file.header)?;
-        let table = file
+        let mut table = file
             .header
             .tensors
             .iter()
             .map(|t| (t.name.clone(), Entry::gguf(t, 0)))
             .collect();
+        unfuse(&mut table, &config)?;
         Self::build(path, Source::Gguf(file), config, &table)
     }
 
@@ -608,6 +610,62 @@ impl Entry {
             source_name: name.to_string(),
         }
     }
+}
+
+/// Phi-3's fused matrices (see [`super::arch::phi3`]) replaced by entries of their row ranges:
+/// views of the same bytes, so nothing is copied. Phi-3's LongRoPE tables are refused by name.
+fn unfuse(table: &mut Tensors, c: &ModelConfig) -> Result<()> {
+    if c.arch != Architecture::Phi3 {
+        return Ok(());
+    }
+    if let Some(n) = ["rope_factors_long.weight", "rope_factors_short.weight"]
+        .into_iter()
+        .find(|n| table.contains_key(*n))
+    {
+        return Err(Error::BadTensor {
+            tensor: n.into(),
+            reason: "LongRoPE (Phi-3 128k, Phi-3.5) is not supported".into(),
+        });
+    }
+    let widths = (c.n_heads * c.head_dim, c.kv_dim(), c.n_ff);
+    let fused: Vec<(String, Entry)> = (table.iter())
+        .filter(|(n, e)| {
+            let rows = e.dims.get(1).copied().unwrap_or(1) as usize;
+            e.dims.len() == 2 && super::arch::phi3::unfused(n, rows, widths).is_some()
+        })
+        .map(|(n, e)| (n.clone(), e.clone()))
+        .collect();
+    for (name, e) in fused {
+        let qtype = e.qtype.clone().map_err(|t| Error::UnsupportedType {
+            tensor: e.source_name.clone(),
+            qtype: t,
+        })?;
+        let (cols, rows) = (e.dims[0] as usize, e.dims[1] as usize);
+        if cols == 0 || !cols.is_multiple_of(qtype.block_len()) {
+            return Err(Error::BadTensor {
+                tensor: e.source_name,
+                reason: format!("rows of {cols} do not fit {}", qtype.name()),
+            });
+        }
+        let row = qtype.row_bytes(cols);
+        table.remove(&name);
+        for (part, from, n) in super::arch::phi3::unfused(&name, rows, widths).unwrap_or_default() {
+            let entry = Entry {
+                dims: vec![cols as u64, n as u64],
+                start: e.start + from * row,
+                n_bytes: n * row,
+                source_name: format!("{} (rows {from}..{})", e.source_name, from + n),
+                ..e.clone()
+            };
+            if table.insert(part.clone(), entry).is_some() {
+                return Err(Error::BadTensor {
+                    tensor: part,
+                    reason: format!("both it and the fused {name} are in the file"),
+                });
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The canonical table of one source, with the files its entries point into.

@@ -19,6 +19,9 @@ pub enum Family {
     Llama,
     /// Llama with sliding-window attention on every layer (`sliding_window`, unless null).
     Mistral,
+    /// Phi-3 (Phi-3-mini and -medium): fused QKV and gate-up matrices ([`super::phi3`]), a
+    /// sliding window on every layer.
+    Phi3,
     /// Biases on Q, K and V.
     Qwen2,
     /// Per-head RMSNorm on Q and K before RoPE, its own `head_dim`, no biases.
@@ -48,7 +51,7 @@ pub fn hf_config(j: &HfJson, family: Family) -> Result<ModelConfig> {
     }
     let n_layers = j.int("num_hidden_layers")?;
     let attn = match family {
-        Family::Mistral => super::sliding_window(j, n_layers, |_| true)?,
+        Family::Mistral | Family::Phi3 => super::sliding_window(j, n_layers, |_| true)?,
         // Qwen's configs name a window they do not use unless `use_sliding_window` is set
         // (and then only from `max_window_layers` on).
         _ if j.bool_or("use_sliding_window", false)? => {
@@ -59,10 +62,10 @@ pub fn hf_config(j: &HfJson, family: Family) -> Result<ModelConfig> {
         }
         _ => AttnConfig::plain(),
     };
-    if j.get("partial_rotary_factor")
-        .and_then(|v| v.as_f64())
-        .is_some_and(|f| f != 1.0)
-    {
+    // transformers 5 moves the factor into `rope_parameters`.
+    let partial = [j.get("partial_rotary_factor"), j.get("rope_parameters")
+        .and_then(|p| p.get("partial_rotary_factor"))];
+    if partial.into_iter().flatten().any(|v| v.as_f64() != Some(1.0)) {
         return Err(bad(
             "partial_rotary_factor",
             "partial rotary embeddings are not supported",
@@ -74,6 +77,7 @@ pub fn hf_config(j: &HfJson, family: Family) -> Result<ModelConfig> {
     Ok(ModelConfig {
         arch: match family {
             Family::Llama | Family::Mistral => Architecture::Llama,
+            Family::Phi3 => Architecture::Phi3,
             Family::Qwen2 => Architecture::Qwen2,
             Family::Qwen3 => Architecture::Qwen3,
         },

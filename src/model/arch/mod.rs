@@ -6,10 +6,12 @@
 //!   `MistralForCausalLM` (sliding-window attention), `Qwen2ForCausalLM` (QKV biases) and
 //!   `Qwen3ForCausalLM` (Q/K norms, its own head width):
 //!   RMSNorm, RoPE, gated MLP;
+//! - [`phi3`]: `Phi3ForCausalLM`: the llama block with fused QKV and gate-up matrices;
 //! - [`opt`]: `OPTForCausalLM`: LayerNorm (pre or post), learned positions, ReLU MLP, biases,
 //!   optional embedding projections.
 pub mod llama;
 pub mod opt;
+pub mod phi3;
 
 use crate::model::config::{bad, AttnConfig, ModelConfig};
 use crate::{Error, Result};
@@ -43,6 +45,10 @@ pub fn from_hf(config_text: &str) -> Result<(ModelConfig, NameMap)> {
         "MistralForCausalLM" => (
             llama::hf_config(&j, llama::Family::Mistral)?,
             llama::canonical_name as NameMap,
+        ),
+        "Phi3ForCausalLM" => (
+            llama::hf_config(&j, llama::Family::Phi3)?,
+            phi3::canonical_name as NameMap,
         ),
         "Qwen2ForCausalLM" => (
             llama::hf_config(&j, llama::Family::Qwen2)?,
