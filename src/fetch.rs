@@ -8,11 +8,14 @@ use std::process::{Command, Stdio};
 const SCRIPT: &str = include_str!("../tools/fetch_models.py");
 pub const DEFAULT_MODEL: &str = "smollm2-135m-instruct";
 pub const KNOWN_MODELS: [&str; 2] = ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"];
+/// Test data the script also fetches: llama.cpp's tokenizer test vocabularies and chat
+/// templates (a directory).
+pub const TEST_DATA: [&str; 1] = ["llama.cpp-vocab"];
 
-/// Fetch (or find in the cache) a known model by name; returns the GGUF's path. Progress goes
-/// to stderr.
+/// Fetch (or find in the cache) a known model by name (or [`TEST_DATA`]); returns the GGUF's
+/// path (the data's directory). Progress goes to stderr.
 pub fn fetch(name: &str) -> Result<PathBuf> {
-    if !KNOWN_MODELS.contains(&name) {
+    if !KNOWN_MODELS.contains(&name) && !TEST_DATA.contains(&name) {
         return Err(Error::Fetch(format!(
             "unknown model `{name}`; known: {}",
             KNOWN_MODELS.join(", ")

@@ -168,7 +168,12 @@ fn matrix(name: String, w: &WeightRef, want: QuantType, perm: Option<Vec<usize>>
 }
 
 /// Matrices of one width stacked into one tensor (their rows in order).
-fn stacked(name: String, ws: Vec<&WeightRef>, want: QuantType, perm: Option<Vec<usize>>) -> Out<'_> {
+fn stacked(
+    name: String,
+    ws: Vec<&WeightRef>,
+    want: QuantType,
+    perm: Option<Vec<usize>>,
+) -> Out<'_> {
     let cols = ws[0].cols;
     let q = if cols.is_multiple_of(want.block_len()) {
         want
@@ -276,9 +281,19 @@ fn plan(model: &Model, qtype: QuantType) -> Vec<Out<'_>> {
             // llama.cpp's phi3 layout: Q, K and V in one matrix, gate and up in `ffn_up`.
             (Architecture::Phi3, Some(g)) => {
                 let qkv = vec![&lw.wq, &lw.wk, &lw.wv];
-                v.push(stacked(format!("blk.{l}.attn_qkv.weight"), qkv, qtype, None));
+                v.push(stacked(
+                    format!("blk.{l}.attn_qkv.weight"),
+                    qkv,
+                    qtype,
+                    None,
+                ));
                 v.push(matrix(n(LayerTensor::AttnOutput), &lw.wo, qtype, None));
-                v.push(stacked(n(LayerTensor::FfnUp), vec![g, &lw.w_up], qtype, None));
+                v.push(stacked(
+                    n(LayerTensor::FfnUp),
+                    vec![g, &lw.w_up],
+                    qtype,
+                    None,
+                ));
             }
             _ => {
                 v.push(matrix(n(LayerTensor::AttnQ), &lw.wq, qtype, pq));

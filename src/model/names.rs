@@ -68,8 +68,13 @@ pub const TOK_PRE: &str = "tokenizer.ggml.pre";
 pub const TOK_TOKENS: &str = "tokenizer.ggml.tokens";
 pub const TOK_TYPES: &str = "tokenizer.ggml.token_type";
 pub const TOK_MERGES: &str = "tokenizer.ggml.merges";
+/// SentencePiece vocabularies: each token's score.
+pub const TOK_SCORES: &str = "tokenizer.ggml.scores";
 /// The vocabulary arrays, which only the tokenizer reads (it keeps its own copy).
-pub const VOCAB_KEYS: &[&str] = &[TOK_TOKENS, TOK_TYPES, TOK_MERGES];
+pub const VOCAB_KEYS: &[&str] = &[TOK_TOKENS, TOK_TYPES, TOK_MERGES, TOK_SCORES];
+pub const TOK_UNK: &str = "tokenizer.ggml.unknown_token_id";
+/// SentencePiece: put a `▁` before the text (default true).
+pub const TOK_ADD_SPACE_PREFIX: &str = "tokenizer.ggml.add_space_prefix";
 pub const TOK_BOS: &str = "tokenizer.ggml.bos_token_id";
 pub const TOK_EOS: &str = "tokenizer.ggml.eos_token_id";
 pub const TOK_EOT: &str = "tokenizer.ggml.eot_token_id";

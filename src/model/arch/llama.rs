@@ -63,9 +63,16 @@ pub fn hf_config(j: &HfJson, family: Family) -> Result<ModelConfig> {
         _ => AttnConfig::plain(),
     };
     // transformers 5 moves the factor into `rope_parameters`.
-    let partial = [j.get("partial_rotary_factor"), j.get("rope_parameters")
-        .and_then(|p| p.get("partial_rotary_factor"))];
-    if partial.into_iter().flatten().any(|v| v.as_f64() != Some(1.0)) {
+    let partial = [
+        j.get("partial_rotary_factor"),
+        j.get("rope_parameters")
+            .and_then(|p| p.get("partial_rotary_factor")),
+    ];
+    if partial
+        .into_iter()
+        .flatten()
+        .any(|v| v.as_f64() != Some(1.0))
+    {
         return Err(bad(
             "partial_rotary_factor",
             "partial rotary embeddings are not supported",

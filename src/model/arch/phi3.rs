@@ -31,7 +31,10 @@ pub fn unfused(
     rows: usize,
     (q_rows, kv_rows, n_ff): (usize, usize, usize),
 ) -> Option<Vec<(String, usize, usize)>> {
-    let (blk, rest) = name.rsplit_once('.').map(|(a, _)| a).and_then(|a| a.rsplit_once('.'))?;
+    let (blk, rest) = name
+        .rsplit_once('.')
+        .map(|(a, _)| a)
+        .and_then(|a| a.rsplit_once('.'))?;
     let part = |p: &str, from, n| (format!("{blk}.{p}.weight"), from, n);
     match rest {
         "attn_qkv" if rows == q_rows + 2 * kv_rows => Some(vec![
@@ -60,9 +63,14 @@ mod tests {
             canonical_name("model.layers.0.mlp.gate_up_proj.weight").as_deref(),
             Some("blk.0.ffn_up.weight")
         );
-        assert_eq!(canonical_name("lm_head.weight").as_deref(), Some("output.weight"));
+        assert_eq!(
+            canonical_name("lm_head.weight").as_deref(),
+            Some("output.weight")
+        );
         let s = |v: &[(&str, usize, usize)]| {
-            v.iter().map(|(a, b, c)| (a.to_string(), *b, *c)).collect::<Vec<_>>()
+            v.iter()
+                .map(|(a, b, c)| (a.to_string(), *b, *c))
+                .collect::<Vec<_>>()
         };
         assert_eq!(
             unfused("blk.1.attn_qkv.weight", 96, (64, 16, 100)),
@@ -74,7 +82,10 @@ mod tests {
         );
         assert_eq!(
             unfused("blk.12.ffn_up.weight", 200, (64, 16, 100)),
-            Some(s(&[("blk.12.ffn_gate.weight", 0, 100), ("blk.12.ffn_up.weight", 100, 100)]))
+            Some(s(&[
+                ("blk.12.ffn_gate.weight", 0, 100),
+                ("blk.12.ffn_up.weight", 100, 100)
+            ]))
         );
         // Already split, or of another width: left alone (the shape check reports it).
         assert_eq!(unfused("blk.1.ffn_up.weight", 100, (64, 16, 100)), None);

@@ -4,32 +4,16 @@
 //!   added), or GPT-2 `vocab.json` + `merges.txt` (byte-level BPE, as facebook/opt-* ship, BOS
 //!   per `add_bos_token`); `tokenizer_config.json`, `generation_config.json` and `config.json`
 //!   give BOS/EOS and the chat template;
-//! - a GGUF vocabulary, below.
-//!
-//! GGUF stores a byte-level BPE (`tokenizer.ggml.model = gpt2`) as the token strings (already in
-//! GPT-2's byte-to-unicode alphabet), their types, and the merges; `tokenizer.ggml.pre` names the
-//! pre-tokenizer, which we map to the same pipeline the model's original `tokenizer.json` used.
-use crate::model::names::*;
+//! - a GGUF vocabulary as llama.cpp writes it ([`gguf`]).
+mod gguf;
 use crate::model::weights::{Model, Source};
 use crate::{Error, Result};
-use dejavu_formats::gguf::GgufHeader;
 use dejavu_formats::hf::HfCheckpoint;
 use serde_json::Value;
 use tokenizers::models::bpe::BPE;
-use tokenizers::normalizers::unicode::NFC;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-use tokenizers::pre_tokenizers::digits::Digits;
-use tokenizers::pre_tokenizers::sequence::Sequence;
-use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::processors::template::TemplateProcessing;
-use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
-
-/// Qwen2's split pattern (from its tokenizer.json), case-insensitive contractions spelled out.
-const QWEN2_PATTERN: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-
-/// GGUF token types (llama.cpp's `llama_token_type`).
-const TOKEN_CONTROL: i64 = 3;
-const TOKEN_USER_DEFINED: i64 = 4;
+use tokenizers::AddedToken;
 
 /// Tokens that end a turn in the chat formats we know, beyond the file's declared EOS/EOT.
 const END_OF_TURN: [&str; 4] = ["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>"];
@@ -177,7 +161,7 @@ impl Tokenizer {
 
     /// The common tail of every source: end-of-generation ids (declared ones plus the end-of-turn
     /// tokens of the chat formats we know) and the BOS the post-processor adds.
-    fn assemble(
+    pub(super) fn assemble(
         inner: tokenizers::Tokenizer,
         tokens: Vec<String>,
         bos: Option<u32>,
@@ -207,98 +191,6 @@ impl Tokenizer {
             chat_template,
             plain: std::sync::OnceLock::new(),
         }
-    }
-
-    pub fn from_gguf(h: &GgufHeader) -> Result<Self> {
-        if let Some(json) = h.get(TOK_HF_JSON).and_then(|v| v.as_str()) {
-            return Self::from_gguf_hf_json(h, json);
-        }
-        let model = meta_str(h, TOK_MODEL)?;
-        if model != "gpt2" {
-            return Err(Error::Tokenizer(format!(
-                "tokenizer model `{model}` is not supported (only byte-level BPE, `gpt2`)"
-            )));
-        }
-        let pre = h.get(TOK_PRE).and_then(|v| v.as_str()).unwrap_or("default");
-        let tokens: Vec<String> = string_array(h, TOK_TOKENS)?;
-        let types: Vec<i64> = match h.get(TOK_TYPES).and_then(|v| v.as_array()) {
-            Some(a) => a.iter().map(|v| v.as_i64().unwrap_or(1)).collect(),
-            None => vec![1; tokens.len()],
-        };
-        if types.len() != tokens.len() {
-            return Err(Error::Tokenizer(format!(
-                "{} token types for {} tokens",
-                types.len(),
-                tokens.len()
-            )));
-        }
-        let merges: Vec<(String, String)> = string_array(h, TOK_MERGES)?
-            .into_iter()
-            .map(|m| {
-                m.split_once(' ')
-                    .map(|(a, b)| (a.to_string(), b.to_string()))
-                    .ok_or_else(|| Error::Tokenizer(format!("malformed merge `{m}`")))
-            })
-            .collect::<Result<_>>()?;
-        let vocab: tokenizers::models::bpe::Vocab = tokens
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.clone(), i as u32))
-            .collect();
-        let bpe = BPE::builder()
-            .vocab_and_merges(vocab, merges)
-            .build()
-            .map_err(|e| Error::Tokenizer(format!("building BPE: {e}")))?;
-        let mut inner = tokenizers::Tokenizer::new(bpe);
-        let byte_level = |use_regex| ByteLevel::new(false, true, use_regex);
-        let pre_tok: PreTokenizerWrapper = match pre {
-            "smollm" => {
-                Sequence::new(vec![Digits::new(true).into(), byte_level(true).into()]).into()
-            }
-            "qwen2" => {
-                inner.with_normalizer(Some(NFC));
-                let split = Split::new(
-                    SplitPattern::Regex(QWEN2_PATTERN.into()),
-                    SplitDelimiterBehavior::Isolated,
-                    false,
-                )
-                .map_err(|e| Error::Tokenizer(format!("qwen2 pattern: {e}")))?;
-                Sequence::new(vec![split.into(), byte_level(false).into()]).into()
-            }
-            "default" | "gpt2" | "gpt-2" => byte_level(true).into(),
-            other => {
-                return Err(Error::Tokenizer(format!(
-                    "pre-tokenizer `{other}` is not supported (smollm, qwen2, gpt2)"
-                )))
-            }
-        };
-        inner.with_pre_tokenizer(Some(pre_tok));
-        inner.with_decoder(Some(ByteLevel::default()));
-        let special: Vec<AddedToken> = tokens
-            .iter()
-            .zip(&types)
-            .filter(|(_, &t)| t == TOKEN_CONTROL || t == TOKEN_USER_DEFINED)
-            .map(|(s, &t)| AddedToken::from(s.clone(), t == TOKEN_CONTROL))
-            .collect();
-        inner.add_special_tokens(&special);
-
-        let id = |key: &str| {
-            h.get(key)
-                .and_then(|v| v.as_u64())
-                .filter(|&i| (i as usize) < tokens.len())
-                .map(|i| i as u32)
-        };
-        let (bos, eos) = (id(TOK_BOS), id(TOK_EOS));
-        // llama.cpp's key; absent means no BOS (neither model of the registry wants one).
-        if h.get(TOK_ADD_BOS).and_then(|v| v.as_bool()) == Some(true) {
-            prepend_bos(&mut inner, bos)?;
-        }
-        let eog: Vec<u32> = [eos, id(TOK_EOT)].into_iter().flatten().collect();
-        let chat_template = h
-            .get(CHAT_TEMPLATE)
-            .and_then(|v| v.as_str())
-            .map(String::from);
-        Ok(Self::assemble(inner, tokens, bos, eos, eog, chat_template))
     }
 
     /// Token ids of `text`, nothing added; special tokens written in the text (`<|im_start|>`)
@@ -361,30 +253,6 @@ impl Tokenizer {
 
     pub fn token_text(&self, id: u32) -> Option<&str> {
         self.tokens.get(id as usize).map(String::as_str)
-    }
-
-    /// A GGUF that carries the whole Hugging Face `tokenizer.json` (`tokenizer.huggingface.json`,
-    /// as `dejavu quantize` writes): built from it exactly, post-processor included; ids of
-    /// BOS/EOS and the chat template from the usual keys.
-    fn from_gguf_hf_json(h: &GgufHeader, json: &str) -> Result<Self> {
-        let inner = parse_hf_json(json, TOK_HF_JSON)?;
-        let n = inner.get_vocab_size(true);
-        let tokens: Vec<String> = (0..n as u32)
-            .map(|i| inner.id_to_token(i).unwrap_or_default())
-            .collect();
-        let id = |key: &str| {
-            h.get(key)
-                .and_then(|v| v.as_u64())
-                .filter(|&i| (i as usize) < n)
-                .map(|i| i as u32)
-        };
-        let (bos, eos) = (id(TOK_BOS), id(TOK_EOS));
-        let eog = [eos, id(TOK_EOT)].into_iter().flatten().collect();
-        let tpl = h
-            .get(CHAT_TEMPLATE)
-            .and_then(|v| v.as_str())
-            .map(String::from);
-        Ok(Self::assemble(inner, tokens, bos, eos, eog, tpl))
     }
 
     /// The whole tokenizer as Hugging Face `tokenizer.json` text (post-processor included).
@@ -451,6 +319,22 @@ pub fn render_chat_template(
             ))
         },
     );
+    // Llama 3.1+ templates put today's date in the system turn.
+    env.add_function(
+        "strftime_now",
+        |fmt: String| -> std::result::Result<String, minijinja::Error> {
+            use std::fmt::Write;
+            let mut out = String::new();
+            // An unknown specifier is an error of `write!`, never a panic.
+            write!(out, "{}", chrono::Local::now().format(&fmt)).map_err(|_| {
+                minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    format!("strftime_now: bad format {fmt:?}"),
+                )
+            })?;
+            Ok(out)
+        },
+    );
     env.add_template("chat", tpl)
         .map_err(|e| Error::Template(e.to_string()))?;
     let msgs: Vec<_> = messages
@@ -471,38 +355,15 @@ pub fn render_chat_template(
 /// A Hugging Face `tokenizer.json` (from a file or a GGUF's metadata: either may come from a
 /// stranger). The text is checked to be JSON first: the `tokenizers` crate panics (an `expect`
 /// in its decoder parsing) on a document that is not.
-fn parse_hf_json(text: &str, what: &str) -> Result<tokenizers::Tokenizer> {
+pub(super) fn parse_hf_json(text: &str, what: &str) -> Result<tokenizers::Tokenizer> {
     let bad = |e: String| Error::Tokenizer(format!("{what}: {e}"));
     serde_json::from_str::<serde::de::IgnoredAny>(text).map_err(|e| bad(e.to_string()))?;
     text.parse()
         .map_err(|e: tokenizers::Error| bad(e.to_string()))
 }
 
-fn meta_str<'a>(h: &'a GgufHeader, key: &str) -> Result<&'a str> {
-    h.get(key)
-        .ok_or_else(|| Error::MissingKey(key.into()))?
-        .as_str()
-        .ok_or_else(|| Error::BadKey {
-            key: key.into(),
-            reason: "not a string".into(),
-        })
-}
-
-fn string_array(h: &GgufHeader, key: &str) -> Result<Vec<String>> {
-    let a = h.get(key).ok_or_else(|| Error::MissingKey(key.into()))?;
-    let bad = || Error::BadKey {
-        key: key.into(),
-        reason: "expected an array of strings".into(),
-    };
-    a.as_array()
-        .ok_or_else(bad)?
-        .iter()
-        .map(|v| v.as_str().map(String::from).ok_or_else(bad))
-        .collect()
-}
-
 /// A post-processor that puts `bos` before every sequence.
-fn prepend_bos(inner: &mut tokenizers::Tokenizer, bos: Option<u32>) -> Result<()> {
+pub(super) fn prepend_bos(inner: &mut tokenizers::Tokenizer, bos: Option<u32>) -> Result<()> {
     let id = bos
         .ok_or_else(|| Error::Tokenizer("add_bos_token is set but there is no BOS token".into()))?;
     let text = inner
