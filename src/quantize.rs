@@ -14,7 +14,7 @@
 //!   `tokenizer.chat_template`. A GGUF source's metadata is copied as is.
 //! - The file is written as a stream (one tensor in memory at a time), to a temporary name that
 //!   is renamed when complete.
-use crate::model::config::{Architecture, MlpKind, ModelConfig, NormKind, Positions};
+use crate::model::config::{Architecture, MlpKind, ModelConfig, NormKind, Positions, RopeScaling};
 use crate::model::names::*;
 use crate::model::tokenizer::Tokenizer;
 use crate::model::weights::{ggml_type, Model, Source, WeightRef};
@@ -230,7 +230,9 @@ fn plan(model: &Model, qtype: QuantType) -> Vec<Out<'_>> {
             }
         }
     }
-    if let Some(f) = &model.rope_factors {
+    // Llama 3's divisors as llama.cpp's tensor; a linear scaling goes in the metadata.
+    let linear = matches!(c.rope_scaling, Some(RopeScaling::Linear { .. }));
+    if let Some(f) = model.rope_factors.as_ref().filter(|_| !linear) {
         v.push(vector(GlobalTensor::RopeFreqs.name(), f));
     }
     if !c.tied_output {
@@ -259,6 +261,16 @@ fn plan(model: &Model, qtype: QuantType) -> Vec<Out<'_>> {
             v.push(vector(n(*wt), &nw.weight));
             if let Some(b) = &nw.bias {
                 v.push(vector(n(*bt), b));
+            }
+        }
+        // Gemma's norms of the blocks' outputs (gains with the 1 added, as llama.cpp's).
+        let posts = [
+            (&lw.post_attn_norm, LayerTensor::AttnPostNorm),
+            (&lw.post_ffn_norm, LayerTensor::FfnPostNorm),
+        ];
+        for (nw, t) in posts {
+            if let Some(nw) = nw {
+                v.push(vector(n(t), &nw.weight));
             }
         }
         let (pq, pk) = (perm(c.n_heads), perm(c.n_kv_heads));
@@ -380,14 +392,43 @@ fn arch_keys(c: &ModelConfig) -> Result<Vec<(String, MetaValue)>> {
         m.push(u(ArchKey::KeyLength, c.head_dim));
         m.push(u(ArchKey::ValueLength, c.head_dim));
     }
+    let gemma = matches!(c.arch, Architecture::Gemma2 | Architecture::Gemma3);
     if let Some(w) = c.attn.window {
-        // Every layer's (llama.cpp's own mistral files leave the key out).
-        if c.attn.local.iter().any(|&l| !l) {
+        // Every layer's (llama.cpp's own mistral files leave the key out), or Gemma's layers
+        // one flag each.
+        if c.attn.local.iter().any(|&l| !l) && !gemma {
             return Err(Error::Invalid(
-                "quantize: a sliding window on some layers only is not written yet".into(),
+                "quantize: a sliding window on some layers only is written for Gemma only".into(),
             ));
         }
         m.push(u(ArchKey::SlidingWindow, w));
+        if gemma {
+            let flags = c.attn.local.iter().map(|&l| MetaValue::Bool(l)).collect();
+            m.push((
+                ArchKey::SlidingWindowPattern.key(a),
+                MetaValue::Array(flags),
+            ));
+        }
+    }
+    let f = |k: ArchKey, v: f32| (k.key(a), MetaValue::F32(v));
+    if gemma {
+        // llama.cpp derives the scale from the model's size; ours reads the key first.
+        let scale = c.attn.scoring(0, c.head_dim).scale;
+        m.push(f(ArchKey::AttentionScale, scale));
+    }
+    if let Some(cap) = c.attn.softcap {
+        m.push(f(ArchKey::AttnLogitSoftcap, cap));
+    }
+    if let Some(cap) = c.final_softcap {
+        m.push(f(ArchKey::FinalLogitSoftcap, cap));
+    }
+    if let Some(t) = c.local_rope_theta {
+        m.push(f(ArchKey::RopeFreqBaseSwa, t));
+    }
+    if let Some(RopeScaling::Linear { factor }) = c.rope_scaling {
+        let linear = MetaValue::String("linear".into());
+        m.push((ArchKey::RopeScalingType.key(a), linear));
+        m.push(f(ArchKey::RopeScalingFactor, factor));
     }
     if c.mlp != MlpKind::Relu {
         m.push((

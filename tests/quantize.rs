@@ -78,6 +78,8 @@ fn every_fixture_converts_to_gguf() {
         "llama3-rope",
         "mistral-swa",
         "phi3",
+        "gemma2",
+        "gemma3",
     ] {
         let out = dir.path().join(format!("{name}.gguf"));
         quantize(&fixture(name), QuantType::F16, &out);

@@ -32,6 +32,9 @@ pub(super) struct Layer<D: Device> {
     pub(super) b_up: Option<D::Buf>,
     pub(super) w_down: D::Mat,
     pub(super) b_down: Option<D::Buf>,
+    /// Norms of the attention block's and the MLP's outputs (Gemma), before the residual add.
+    pub(super) post_attn_norm: Option<Norm<D>>,
+    pub(super) post_ffn_norm: Option<Norm<D>>,
 }
 
 /// Every weight of a model on the device (plus, for sparse plans, the neuron-major down
@@ -87,13 +90,29 @@ impl<D: Device> DeviceModel<D> {
         self.dense_bytes
     }
 
-    /// RoPE's parameters on the device (`None`: learned positions).
-    pub(super) fn rotary(&self) -> Option<Rotary<'_, D::Buf>> {
+    /// Whether a block's output goes to a partial buffer before the residual: under tensor
+    /// parallelism (to be summed over the ranks) or to be normed first (Gemma).
+    pub(super) fn partial_outputs(&self) -> bool {
+        !self.shard.is_whole() || self.local.post_norms
+    }
+
+    /// Layer `l`'s RoPE parameters on the device (`None`: learned positions): the model's base
+    /// and scaling, or on a sliding-window layer of a model with a local base (Gemma 3) that
+    /// base, unscaled.
+    pub(super) fn rotary(&self, l: usize) -> Option<Rotary<'_, D::Buf>> {
         let (theta, style) = self.local.rope()?;
-        Some(Rotary {
-            theta,
-            style,
-            factors: self.rope_factors.as_ref(),
+        let local = self.local.attn.local.get(l) == Some(&true);
+        Some(match (local, self.local.local_rope_theta) {
+            (true, Some(theta)) => Rotary {
+                theta,
+                style,
+                factors: None,
+            },
+            _ => Rotary {
+                theta,
+                style,
+                factors: self.rope_factors.as_ref(),
+            },
         })
     }
 
@@ -199,6 +218,8 @@ impl<D: Device> DeviceModel<D> {
                 b_up: part(&lw.b_up, &neurons)?,
                 w_down: cols(&lw.w_down, &neurons)?,
                 b_down: once(&lw.b_down)?,
+                post_attn_norm: lw.post_attn_norm.as_ref().map(norm).transpose()?,
+                post_ffn_norm: lw.post_ffn_norm.as_ref().map(norm).transpose()?,
             });
             progress.inc(1);
         }

@@ -36,9 +36,10 @@ struct Scratch<D: Device> {
     /// Per layer, the nonzero activations a step of a rule that skips zeros computed.
     nonzero: D::Buf,
     logits: D::Buf,
-    /// Tensor parallelism: a row-parallel product's partial output (before the all-reduce),
-    /// zeros to start a sparse one from, and the logits of this rank's vocabulary rows (before
-    /// the all-gather into `logits`). One value each for a whole model.
+    /// Tensor parallelism (and Gemma's norms of block outputs): a row-parallel product's
+    /// output before the all-reduce (or the norm), zeros to start a sparse one from, and the
+    /// logits of this rank's vocabulary rows (before the all-gather into `logits`). One value
+    /// each for a whole model without those norms.
     part: D::Buf,
     zero: D::Buf,
     part_logits: D::Buf,
@@ -53,7 +54,7 @@ impl<D: Device> Scratch<D> {
         let c = &m.local;
         let (wide, qd) = (c.d_model.max(c.d_embed), c.n_heads * c.head_dim);
         let z = |w: usize| dev.zeros(rows * w);
-        let part = if m.shard.is_whole() { 1 } else { rows * wide };
+        let part = if m.partial_outputs() { rows * wide } else { 1 };
         Ok([
             z(wide)?,
             z(wide)?,
@@ -299,7 +300,7 @@ impl<'a, D: Device> DeviceSession<'a, D> {
             nonzero: dev.zeros(c.n_layers.max(1))?,
             logits: dev.zeros(per_rank * model.shard.world)?,
             part,
-            zero: dev.zeros(if tp { wide } else { 1 })?,
+            zero: dev.zeros(if model.partial_outputs() { wide } else { 1 })?,
             part_logits: dev.zeros(if tp { per_rank } else { 1 })?,
         };
         let step_bytes = step_bytes(model, Some(&plan));

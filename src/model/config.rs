@@ -4,6 +4,7 @@
 //! Architecture quirks are fields (positions, norm kind and placement, MLP activation, biases,
 //! tied output, embedding projection), so the executor reads the config, never the
 //! architecture's name.
+use crate::model::arch::gemma::{self, Gemma};
 use crate::model::names::{ArchKey, GlobalTensor, LayerTensor, ARCHITECTURE, TOK_TOKENS};
 use crate::{Error, Result};
 use dejavu_backend_api::{Activation, RopeStyle, Scoring};
@@ -15,6 +16,8 @@ pub enum Architecture {
     Qwen2,
     Qwen3,
     Phi3,
+    Gemma2,
+    Gemma3,
     Opt,
 }
 
@@ -26,6 +29,8 @@ impl Architecture {
             "qwen2" => Ok(Architecture::Qwen2),
             "qwen3" => Ok(Architecture::Qwen3),
             "phi3" => Ok(Architecture::Phi3),
+            "gemma2" => Ok(Architecture::Gemma2),
+            "gemma3" => Ok(Architecture::Gemma3),
             "opt" => Ok(Architecture::Opt),
             other => Err(Error::UnknownArchitecture(other.into())),
         }
@@ -36,6 +41,8 @@ impl Architecture {
             Architecture::Qwen2 => "qwen2",
             Architecture::Qwen3 => "qwen3",
             Architecture::Phi3 => "phi3",
+            Architecture::Gemma2 => "gemma2",
+            Architecture::Gemma3 => "gemma3",
             Architecture::Opt => "opt",
         }
     }
@@ -57,6 +64,8 @@ pub enum MlpKind {
     SwiGlu,
     /// ReLU-gated (llama with `hidden_act: relu`: ReluLLaMA, ProSparse).
     GatedRelu,
+    /// Gated by GELU's tanh approximation (Gemma).
+    GeGlu,
     /// fc1, ReLU, fc2 (OPT).
     Relu,
 }
@@ -69,12 +78,14 @@ impl MlpKind {
         match self {
             MlpKind::SwiGlu => Activation::Silu,
             MlpKind::GatedRelu | MlpKind::Relu => Activation::Relu,
+            MlpKind::GeGlu => Activation::GeluTanh,
         }
     }
     pub fn name(self) -> &'static str {
         match self {
             MlpKind::SwiGlu => "silu",
             MlpKind::GatedRelu | MlpKind::Relu => "relu",
+            MlpKind::GeGlu => "gelu_tanh",
         }
     }
 }
@@ -97,6 +108,24 @@ pub struct Llama3Scaling {
     pub low_freq_factor: f32,
     pub high_freq_factor: f32,
     pub original_context: usize,
+}
+
+/// RoPE scaling: every pair `factor` times slower (`linear`: Gemma 3's global layers), or Llama
+/// 3's per-pair divisors.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RopeScaling {
+    Linear { factor: f32 },
+    Llama3(Llama3Scaling),
+}
+
+impl RopeScaling {
+    /// Each pair's frequency divisor.
+    pub fn factors(&self, theta: f32, head_dim: usize) -> Vec<f32> {
+        match self {
+            RopeScaling::Linear { factor } => vec![*factor; head_dim / 2],
+            RopeScaling::Llama3(s) => s.factors(theta, head_dim),
+        }
+    }
 }
 
 impl Llama3Scaling {
@@ -184,9 +213,12 @@ pub struct ModelConfig {
     /// Context length the model was trained for (the engine's default window).
     pub context_length: usize,
     pub positions: Positions,
-    /// Llama 3's RoPE scaling, from a checkpoint's config (a GGUF ships the divisors as the
-    /// tensor `rope_freqs.weight` instead).
-    pub rope_scaling: Option<Llama3Scaling>,
+    /// RoPE scaling of the (global) layers: linear, or Llama 3's, from a checkpoint's config
+    /// (a Llama 3 GGUF ships the divisors as the tensor `rope_freqs.weight` instead).
+    pub rope_scaling: Option<RopeScaling>,
+    /// RoPE's base on the sliding-window layers, unscaled (Gemma 3's local layers: 10^4);
+    /// `None`: every layer's is the model's.
+    pub local_rope_theta: Option<f32>,
     pub norm: NormKind,
     pub norm_eps: f32,
     /// Norms carry learned gains (and, for LayerNorm, biases); false for OPT's
@@ -207,6 +239,16 @@ pub struct ModelConfig {
     pub qk_norm: bool,
     /// Attention's scale, soft cap and sliding windows.
     pub attn: AttnConfig,
+    /// Each block's output is normed before its residual add (Gemma 2 and 3: norms after
+    /// attention and after the MLP as well as before).
+    pub post_norms: bool,
+    /// The token embeddings are multiplied by this (Gemma: `sqrt(d_model)`).
+    pub embed_scale: Option<f32>,
+    /// The logits are soft-capped: `c * tanh(logits / c)` (Gemma 2).
+    pub final_softcap: Option<f32>,
+    /// The checkpoint stores RMSNorm gains as `w - 1` (Gemma's norms multiply by `1 + w`; the
+    /// loader adds the 1, as llama.cpp's converter does for a GGUF).
+    pub norm_plus_one: bool,
     /// The output head is the token embedding (no `output.weight`).
     pub tied_output: bool,
     /// Width of the token embedding; when it differs from `d_model` (OPT's
@@ -304,14 +346,21 @@ impl ModelConfig {
             true => m.int(ArchKey::HeadCountKv)?,
             false => n_heads,
         };
-        if let Some(t) = h.get(&ArchKey::RopeScalingType.key(arch.name())) {
-            if !matches!(t.as_str(), Some("none") | Some("")) {
-                return Err(bad(
-                    &ArchKey::RopeScalingType.key(arch.name()),
-                    &format!("RoPE scaling {} is not supported", t.summary(20)),
-                ));
-            }
-        }
+        let rope_scaling = match h.get(&ArchKey::RopeScalingType.key(arch.name())) {
+            None => None,
+            Some(t) => match t.as_str() {
+                Some("none") | Some("") => None,
+                Some("linear") => Some(RopeScaling::Linear {
+                    factor: m.float(ArchKey::RopeScalingFactor, None)?,
+                }),
+                _ => {
+                    return Err(bad(
+                        &ArchKey::RopeScalingType.key(arch.name()),
+                        &format!("RoPE scaling {} is not supported (linear)", t.summary(20)),
+                    ))
+                }
+            },
+        };
         // qwen3 states its head width (128 on every size, whatever d_model / n_heads is).
         let head_dim = match m.has(ArchKey::KeyLength) {
             true => m.int(ArchKey::KeyLength)?,
@@ -354,7 +403,13 @@ impl ModelConfig {
             })
         };
         let opt = arch == Architecture::Opt;
+        let gemma = match arch {
+            Architecture::Gemma2 => Some(Gemma::Two),
+            Architecture::Gemma3 => Some(Gemma::Three),
+            _ => None,
+        };
         let mlp = match (opt, m.string(ArchKey::FeedForwardActivation)) {
+            _ if gemma.is_some() => MlpKind::GeGlu,
             (true, None | Some("relu")) => MlpKind::Relu,
             (false, None | Some("silu")) => MlpKind::SwiGlu,
             (false, Some("relu")) => MlpKind::GatedRelu,
@@ -372,6 +427,24 @@ impl ModelConfig {
             true => Some(m.int(ArchKey::SlidingWindow)?),
             false => None,
         };
+        let attn = match gemma {
+            None => AttnConfig::windowed(window, vec![true; n_layers]),
+            Some(g) => {
+                let key = ArchKey::SlidingWindowPattern.key(arch.name());
+                let v = h.get(&key);
+                let flags: Option<Vec<bool>> = (v.and_then(|v| v.as_array()))
+                    .map(|a| a.iter().map(|b| b.as_bool().unwrap_or(false)).collect());
+                let period = v.and_then(|v| v.as_u64()).map(|p| p as usize);
+                let period = period.or((g == Gemma::Two).then_some(2));
+                let local = gemma::gguf_local_layers(g, n_layers, flags.as_deref(), period);
+                let scale = match m.has(ArchKey::AttentionScale) {
+                    true => m.float(ArchKey::AttentionScale, None)?,
+                    false => gemma::gguf_attn_scale(g, n_layers, d_model, n_heads, head_dim),
+                };
+                let cap = m.optional_float(ArchKey::AttnLogitSoftcap)?;
+                gemma::gguf_attn(window, local, scale, cap)
+            }
+        };
         let config = Self {
             arch,
             n_layers,
@@ -382,12 +455,18 @@ impl ModelConfig {
             head_dim,
             vocab_size,
             context_length: m.int(ArchKey::ContextLength)?,
-            rope_scaling: None,
+            rope_scaling,
+            local_rope_theta: match gemma {
+                Some(Gemma::Three) => Some(m.float(ArchKey::RopeFreqBaseSwa, Some(10_000.0))?),
+                _ => None,
+            },
             positions: match arch {
                 Architecture::Llama => rope(RopeStyle::Interleaved)?,
-                Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Phi3 => {
-                    rope(RopeStyle::Neox)?
-                }
+                Architecture::Qwen2
+                | Architecture::Qwen3
+                | Architecture::Phi3
+                | Architecture::Gemma2
+                | Architecture::Gemma3 => rope(RopeStyle::Neox)?,
                 Architecture::Opt => Positions::Learned { offset: 2 },
             },
             norm: if opt { NormKind::Layer } else { NormKind::Rms },
@@ -404,7 +483,11 @@ impl ModelConfig {
             out_bias: has_layer(LayerTensor::AttnOutputBias),
             mlp_bias: has_layer(LayerTensor::FfnUpBias),
             qk_norm: has_layer(LayerTensor::AttnQNorm),
-            attn: AttnConfig::windowed(window, vec![true; n_layers]),
+            attn,
+            post_norms: gemma.is_some(),
+            embed_scale: gemma.map(|_| (d_model as f32).sqrt()),
+            final_softcap: m.optional_float(ArchKey::FinalLogitSoftcap)?,
+            norm_plus_one: false,
             tied_output: !has(GlobalTensor::Output),
             d_embed: match opt && m.has(ArchKey::EmbeddingProjection) {
                 true => m.int(ArchKey::EmbeddingProjection)?,
@@ -451,6 +534,13 @@ impl GgufMeta<'_> {
             },
             (None, Some(d)) => Ok(d as f32),
             (None, None) => Err(Error::MissingKey(key)),
+        }
+    }
+    /// A positive number if the key is there (0, llama.cpp's "none", reads as absent).
+    fn optional_float(&self, k: ArchKey) -> Result<Option<f32>> {
+        match self.h.get(&k.key(self.arch)).and_then(|v| v.as_f64()) {
+            None | Some(0.0) => Ok(None),
+            Some(_) => self.float(k, None).map(Some),
         }
     }
     fn flag(&self, k: ArchKey, default: bool) -> bool {

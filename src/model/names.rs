@@ -19,6 +19,7 @@ pub enum ArchKey {
     RmsEps,
     VocabSize,
     RopeScalingType,
+    RopeScalingFactor,
     /// LayerNorm epsilon (llama.cpp's key for LayerNorm models).
     LayerNormEps,
     /// dejavu: `silu` (default) or `relu`, the MLP's activation.
@@ -34,6 +35,15 @@ pub enum ArchKey {
     /// Sliding-window attention's width (each query sees this many positions, itself
     /// included).
     SlidingWindow,
+    /// The sliding-window layers: one flag a layer, or a period (Gemma).
+    SlidingWindowPattern,
+    /// Gemma 2's soft caps of the attention scores and of the final logits.
+    AttnLogitSoftcap,
+    FinalLogitSoftcap,
+    /// RoPE's base on the sliding-window layers (Gemma 3).
+    RopeFreqBaseSwa,
+    /// Attention's score scale, where a model sets its own (Gemma's `query_pre_attn_scalar`).
+    AttentionScale,
 }
 
 impl ArchKey {
@@ -50,8 +60,14 @@ impl ArchKey {
             ArchKey::RmsEps => "attention.layer_norm_rms_epsilon",
             ArchKey::VocabSize => "vocab_size",
             ArchKey::RopeScalingType => "rope.scaling.type",
+            ArchKey::RopeScalingFactor => "rope.scaling.factor",
             ArchKey::LayerNormEps => "attention.layer_norm_epsilon",
             ArchKey::SlidingWindow => "attention.sliding_window",
+            ArchKey::SlidingWindowPattern => "attention.sliding_window_pattern",
+            ArchKey::AttnLogitSoftcap => "attn_logit_softcapping",
+            ArchKey::FinalLogitSoftcap => "final_logit_softcapping",
+            ArchKey::RopeFreqBaseSwa => "rope.freq_base_swa",
+            ArchKey::AttentionScale => "attention.scale",
             ArchKey::FeedForwardActivation => "feed_forward_activation",
             ArchKey::LayerNormBefore => "layer_norm_before",
             ArchKey::EmbeddingProjection => "embedding_projection_length",
@@ -138,6 +154,9 @@ pub enum LayerTensor {
     FfnUpBias,
     FfnDown,
     FfnDownBias,
+    /// Gemma: RMSNorm gains of the attention block's and the MLP's outputs.
+    AttnPostNorm,
+    FfnPostNorm,
 }
 
 impl LayerTensor {
@@ -161,6 +180,8 @@ impl LayerTensor {
             LayerTensor::FfnUp => "ffn_up.weight",
             LayerTensor::FfnUpBias => "ffn_up.bias",
             LayerTensor::FfnDown => "ffn_down.weight",
+            LayerTensor::AttnPostNorm => "post_attention_norm.weight",
+            LayerTensor::FfnPostNorm => "post_ffw_norm.weight",
             LayerTensor::FfnDownBias => "ffn_down.bias",
         };
         format!("blk.{layer}.{s}")

@@ -107,6 +107,9 @@ pub struct LayerWeights {
     pub b_up: Option<Vec<f32>>,
     pub w_down: WeightRef, // [d_model, n_ff]
     pub b_down: Option<Vec<f32>>,
+    /// Norms of the attention block's and the MLP's outputs (Gemma).
+    pub post_attn_norm: Option<NormWeights>,
+    pub post_ffn_norm: Option<NormWeights>,
 }
 
 impl LayerWeights {
@@ -333,6 +336,15 @@ impl Model {
                 false => Ok(None),
             };
             let norm = |w: LayerTensor, b: LayerTensor| t.norm(&w.name(l), &b.name(l));
+            // RMSNorm gains, stored as `w - 1` by Gemma checkpoints.
+            let gains = |on: bool, name: LayerTensor, n| match on {
+                true => t.gains(&name.name(l), n).map(Some),
+                false => Ok(None),
+            };
+            let post = |w: LayerTensor| match c.post_norms {
+                true => t.norm(&w.name(l), "").map(Some),
+                false => Ok(None),
+            };
             layers.push(LayerWeights {
                 attn_norm: norm(LayerTensor::AttnNorm, LayerTensor::AttnNormBias)?,
                 wq: w(LayerTensor::AttnQ, [q_dim, d])?,
@@ -343,8 +355,8 @@ impl Model {
                 bv: bias(c.qkv_bias, LayerTensor::AttnVBias, kv)?,
                 wo: w(LayerTensor::AttnOutput, [d, q_dim])?,
                 bo: bias(c.out_bias, LayerTensor::AttnOutputBias, d)?,
-                q_norm: bias(c.qk_norm, LayerTensor::AttnQNorm, c.head_dim)?,
-                k_norm: bias(c.qk_norm, LayerTensor::AttnKNorm, c.head_dim)?,
+                q_norm: gains(c.qk_norm, LayerTensor::AttnQNorm, c.head_dim)?,
+                k_norm: gains(c.qk_norm, LayerTensor::AttnKNorm, c.head_dim)?,
                 ffn_norm: norm(LayerTensor::FfnNorm, LayerTensor::FfnNormBias)?,
                 w_gate: match c.mlp.gated() {
                     true => Some(w(LayerTensor::FfnGate, [ff, d])?),
@@ -354,6 +366,8 @@ impl Model {
                 b_up: bias(c.mlp_bias, LayerTensor::FfnUpBias, ff)?,
                 w_down: w(LayerTensor::FfnDown, [d, ff])?,
                 b_down: bias(c.mlp_bias, LayerTensor::FfnDownBias, d)?,
+                post_attn_norm: post(LayerTensor::AttnPostNorm)?,
+                post_ffn_norm: post(LayerTensor::FfnPostNorm)?,
             });
         }
         if c.tied_output {
@@ -737,6 +751,15 @@ impl Table<'_> {
         Ok(v)
     }
 
+    /// A norm's gains: the stored vector, plus 1 where the checkpoint stores `w - 1`.
+    fn gains(&self, name: &str, n: usize) -> Result<Vec<f32>> {
+        let mut v = self.vector(name, n)?;
+        if self.c.norm_plus_one {
+            v.iter_mut().for_each(|w| *w += 1.0);
+        }
+        Ok(v)
+    }
+
     fn vector_any(&self, name: &str, n: usize) -> Result<Vec<f32>> {
         let w = self.weight(name, [1, n])?;
         let bytes = &self.files[w.file][w.start..w.start + w.n_bytes];
@@ -771,7 +794,7 @@ impl Table<'_> {
             });
         }
         Ok(NormWeights {
-            weight: self.vector(weight, d)?,
+            weight: self.gains(weight, d)?,
             bias: match self.c.norm {
                 NormKind::Layer => Some(self.vector(bias, d)?),
                 NormKind::Rms => None,

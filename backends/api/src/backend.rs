@@ -149,11 +149,13 @@ pub enum RopeStyle {
     Neox,
 }
 
-/// The element-wise nonlinearity of an MLP: `x * sigmoid(x)` (SwiGLU's gate) or `max(x, 0)`.
+/// The element-wise nonlinearity of an MLP: `x * sigmoid(x)` (SwiGLU's gate), `max(x, 0)`, or
+/// GELU's tanh approximation (Gemma's GeGLU: `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Activation {
     Silu,
     Relu,
+    GeluTanh,
 }
 
 impl Activation {
@@ -162,6 +164,10 @@ impl Activation {
         match self {
             Activation::Silu => x / (1.0 + (-x).exp()),
             Activation::Relu => x.max(0.0),
+            Activation::GeluTanh => {
+                const C: f32 = 0.797_884_6; // sqrt(2 / pi)
+                0.5 * x * (1.0 + (C * (x + 0.044715 * x * x * x)).tanh())
+            }
         }
     }
 }

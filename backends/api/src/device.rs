@@ -149,6 +149,15 @@ pub enum StepRow {
     Position { offset: usize },
 }
 
+/// [`Device::scale_cap`]'s parameters: a finite scale, a finite positive cap.
+pub fn check_scale_cap(s: f32, cap: Option<f32>) -> Result<(), BackendError> {
+    let ok = s.is_finite() && cap.is_none_or(|c| c.is_finite() && c > 0.0);
+    match ok {
+        true => Ok(()),
+        false => Err(BackendError::Shape(format!("scale {s} and cap {cap:?}"))),
+    }
+}
+
 /// The shape of one layer's attention over a batch: the query heads of row `r` (compact, as the
 /// `Rows` of the call name them) attend causally to the cache positions up to `pos + r` that
 /// `scoring` keeps; query head `h` reads KV head `h / (n_heads / n_kv_heads)`. `n_ctx` is the
@@ -385,6 +394,16 @@ pub trait Device: Send + Sync {
 
     /// `x[i] = act(x[i])` for `i < n`.
     fn activate(&self, act: Activation, x: &mut Self::Buf, n: usize) -> Result<(), BackendError>;
+
+    /// `x[i] = s * x[i]`, then with a cap `c`: `x[i] = c * tanh(x[i] / c)`, for `i < n` (Gemma's
+    /// embedding scale and final-logit soft cap). `s` and `c` finite, `c` positive.
+    fn scale_cap(
+        &self,
+        x: &mut Self::Buf,
+        n: usize,
+        s: f32,
+        cap: Option<f32>,
+    ) -> Result<(), BackendError>;
 
     /// Store row `r` of `k` and of `v` (`width` values each) as position `pos + r` of `kc` and
     /// `vc`, for each of `rows` rows.

@@ -76,6 +76,14 @@ pub fn glu(act: Activation, gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// `x[i] = s * x[i]`, then with a cap `c`: `c * tanh(x[i] / c)`.
+pub fn scale_cap(x: &mut [f32], s: f32, cap: Option<f32>) {
+    match cap {
+        Some(c) => x.iter_mut().for_each(|v| *v = c * (s * *v / c).tanh()),
+        None => x.iter_mut().for_each(|v| *v *= s),
+    }
+}
+
 /// `x[i] = act(x[i])`.
 pub fn activate(act: Activation, x: &mut [f32]) {
     x.iter_mut().for_each(|v| *v = act.apply(*v));

@@ -14,8 +14,8 @@ use cudarc::driver::{
     DevicePtr, PushKernelArg,
 };
 use dejavu_backend_api::{
-    Activation, AttnGeom, BackendError, Device, LazyKv, Product, QuantType, RopeStyle, Rotary,
-    Rows, StepRow, TopK, Weight, MAX_ROWS,
+    check_scale_cap, Activation, AttnGeom, BackendError, Device, LazyKv, Product, QuantType,
+    RopeStyle, Rotary, Rows, StepRow, TopK, Weight, MAX_ROWS,
 };
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -154,6 +154,7 @@ impl CudaDevice {
             "rope",
             "glu",
             "activate",
+            "scale_cap",
             "copy_f32",
             "add_f32",
             "scatter_f32",
@@ -672,6 +673,21 @@ impl Device for CudaDevice {
         let (a, xp, ni) = (act_code(act), self.ptr(&x.0), n as i32);
         let mut b = self.lane().launch_builder(self.func("activate"));
         b.arg(&a).arg(&xp).arg(&ni);
+        launch::run(b, launch::grid(n, 256))
+    }
+
+    fn scale_cap(
+        &self,
+        x: &mut Buf,
+        n: usize,
+        s: f32,
+        cap: Option<f32>,
+    ) -> Result<(), BackendError> {
+        need("scale_cap", x.0.len(), n)?;
+        check_scale_cap(s, cap)?;
+        let (xp, ni, c) = (self.ptr(&x.0), n as i32, cap.unwrap_or(0.0));
+        let mut b = self.lane().launch_builder(self.func("scale_cap"));
+        b.arg(&xp).arg(&ni).arg(&s).arg(&c);
         launch::run(b, launch::grid(n, 256))
     }
 

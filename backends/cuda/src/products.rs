@@ -249,5 +249,6 @@ pub(crate) fn act_code(a: Activation) -> i32 {
     match a {
         Activation::Silu => 0,
         Activation::Relu => 1,
+        Activation::GeluTanh => 2,
     }
 }

@@ -185,6 +185,9 @@ impl<D: Device> DeviceSession<'_, D> {
             k,
             &mut [Product::new(m.head(), Rows::All, &mut logits)],
         )?;
+        if let Some(cap) = c.final_softcap {
+            dev.scale_cap(&mut logits, k * c.vocab_size, 1.0, Some(cap))?;
+        }
         self.rows_out.resize(at + k * c.vocab_size, 0.0);
         Ok(dev.download(&logits, &mut self.rows_out[at..])?)
     }

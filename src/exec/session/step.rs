@@ -56,6 +56,9 @@ impl<D: Device> DeviceSession<'_, D> {
         if let Some(p) = &m.proj_in {
             products(dev, &s.e, pass, &mut [Product::new(p, Rows::All, &mut s.x)])?;
         }
+        if let Some(e) = c.embed_scale {
+            dev.scale_cap(&mut s.x, rows * c.d_model, e, None)?;
+        }
         if let (Positions::Learned { offset }, Some(pe)) = (c.positions, &m.pos_embd) {
             dev.embed(pe, StepRow::Position { offset }, true, &mut s.x, rows)?;
         }
@@ -120,6 +123,9 @@ impl<D: Device> DeviceSession<'_, D> {
                 dev.matvec(m.head(), cand, head_in, None, &mut s.exact, false)?;
                 dev.scatter(&s.exact, &o.idx, o.candidates, &mut s.logits)?;
             }
+        }
+        if let Some(cap) = c.final_softcap {
+            dev.scale_cap(&mut s.logits, c.vocab_size, 1.0, Some(cap))?;
         }
         Ok(())
     }
@@ -204,10 +210,10 @@ impl<D: Device> DeviceSession<'_, D> {
                 if n_sel > 0 {
                     products(dev, &s.h, pass, &mut [q])?;
                     head_norm(dev, c, lw.q_norm.as_ref(), &mut s.q, &mut s.att, rows * n_q)?;
-                    if let Some(r) = m.rotary() {
+                    if let Some(r) = m.rotary(l) {
                         dev.rope(&mut s.q, n_q, hd, r, rows)?;
                     }
-                    let job = lazy_kv(m, lw, inputs, attn_rows, rows);
+                    let job = lazy_kv(m, l, inputs, attn_rows, rows);
                     dev.kv_fill(job, valid, &mut self.k[l], &mut self.v[l])?;
                 }
             }
@@ -223,7 +229,7 @@ impl<D: Device> DeviceSession<'_, D> {
                 }
                 let nk = rows * c.n_kv_heads;
                 head_norm(dev, c, lw.k_norm.as_ref(), &mut s.k, &mut s.att, nk)?;
-                if let Some(r) = m.rotary() {
+                if let Some(r) = m.rotary(l) {
                     let (nkv, (q, k)) = (c.n_kv_heads, (&mut s.q, &mut s.k));
                     dev.rope_qk(q, n_q, k, nkv, hd, r, rows)?;
                 }
@@ -238,7 +244,8 @@ impl<D: Device> DeviceSession<'_, D> {
             rows,
             scoring: c.attn.scoring(l, hd),
         };
-        let out = residual_out(dev, m, s, pass)?;
+        let post = lw.post_attn_norm.as_ref();
+        let out = residual_out(dev, m, s, pass, post.is_some())?;
         if n_sel > 0 {
             let (kc, vc) = (&self.k[l], &self.v[l]);
             dev.attention(&s.q, kc, vc, attn_rows, geom, &mut s.att)?;
@@ -265,11 +272,20 @@ impl<D: Device> DeviceSession<'_, D> {
         } else if let Some(b) = &lw.bo {
             dev.add(if out { &mut s.part } else { &mut s.x }, b, c.d_model)?;
         }
-        reduce_residual(dev, m, s, rows, clock, |t| &mut t.attention)?;
+        reduce_residual(
+            dev,
+            m,
+            s,
+            rows,
+            clock,
+            |t| &mut t.attention,
+            out && post.is_none(),
+        )?;
         // The predictors read `s.h` and write the MLP's selection: done before either changes.
         if side {
             dev.join()?;
         }
+        add_normed(dev, c, post, s, rows)?;
         post_norm(dev, c, &lw.attn_norm, &mut s.x, &mut s.h, rows)?;
         lap(clock, dev, |t| &mut t.attention)
     }
@@ -281,7 +297,8 @@ impl<D: Device> DeviceSession<'_, D> {
         block_input(dev, c, &lw.ffn_norm, &self.s.x, &mut self.s.h, rows)?;
         keep(dev, m, &mut self.capture, Kept::MlpIn, l, &self.s.h, rows)?;
         let s = &mut self.s;
-        let out = residual_out(dev, m, s, pass)?;
+        let post = lw.post_ffn_norm.as_ref();
+        let out = residual_out(dev, m, s, pass, post.is_some())?;
         let mut every = Sel::All;
         let n = if step {
             self.plan.mlp[l].count(c.n_ff)
@@ -292,7 +309,16 @@ impl<D: Device> DeviceSession<'_, D> {
             if let Some(b) = &lw.b_down {
                 dev.add(if out { &mut s.part } else { &mut s.x }, b, c.d_model)?;
             }
-            reduce_residual(dev, m, s, rows, clock, |t| &mut t.mlp)?;
+            reduce_residual(
+                dev,
+                m,
+                s,
+                rows,
+                clock,
+                |t| &mut t.mlp,
+                out && post.is_none(),
+            )?;
+            add_normed(dev, c, post, s, rows)?;
             return post_norm(dev, c, &lw.ffn_norm, &mut s.x, &mut s.h, rows);
         }
         let act = c.mlp.activation();
@@ -364,7 +390,16 @@ impl<D: Device> DeviceSession<'_, D> {
             }
             _ => row_parallel(dev, &lw.w_down, lw.b_down.as_ref(), a, y, out, pass)?,
         }
-        reduce_residual(dev, m, s, rows, clock, |t| &mut t.mlp)?;
+        reduce_residual(
+            dev,
+            m,
+            s,
+            rows,
+            clock,
+            |t| &mut t.mlp,
+            out && post.is_none(),
+        )?;
+        add_normed(dev, c, post, s, rows)?;
         post_norm(dev, c, &lw.ffn_norm, &mut s.x, &mut s.h, rows)
     }
 }
@@ -434,15 +469,17 @@ pub(super) fn first_projections<D: Device>(
 }
 
 /// Where a row-parallel product (W_o, fc2) adds its output: the residual `s.x` itself on a
-/// whole model (`false`); under tensor parallelism the partial `s.part` (`true`), which a
-/// decode step zeroes here (its sparse products add to it) and a batch overwrites.
+/// whole model without a norm of the block's output (`false`); else (under tensor parallelism,
+/// or `post`: Gemma's norm of the block's output) the partial `s.part` (`true`), which a decode
+/// step zeroes here (its sparse products add to it) and a batch overwrites.
 fn residual_out<D: Device>(
     dev: &D,
     m: &DeviceModel<D>,
     s: &mut Scratch<D>,
     pass: Pass,
+    post: bool,
 ) -> Result<bool> {
-    if m.shard.is_whole() {
+    if m.shard.is_whole() && !post {
         return Ok(false);
     }
     if pass == Pass::Step {
@@ -451,8 +488,9 @@ fn residual_out<D: Device>(
     Ok(true)
 }
 
-/// Under tensor parallelism: the ranks' partials of `rows` rows summed, then added to the
-/// residual (the all-reduce timed on its own when the blocks are, after the block `before`).
+/// Under tensor parallelism: the ranks' partials of `rows` rows summed (the all-reduce timed on
+/// its own when the blocks are, after the block `before`); then, if `add`, added to the
+/// residual.
 fn reduce_residual<D: Device>(
     dev: &D,
     m: &DeviceModel<D>,
@@ -460,11 +498,30 @@ fn reduce_residual<D: Device>(
     rows: usize,
     clock: &mut Option<Clock>,
     before: fn(&mut BlockTimes) -> &mut f64,
+    add: bool,
 ) -> Result<()> {
+    let n = rows * m.local.d_model;
     if !m.shard.is_whole() {
-        let n = rows * m.local.d_model;
         collective(clock, dev, before, || Ok(dev.all_reduce(&mut s.part, n)?))?;
+    }
+    if add {
         dev.add(&mut s.x, &s.part, n)?;
+    }
+    Ok(())
+}
+
+/// Gemma: the block's (summed) output `s.part` normed with `post` into `s.h`, then added to
+/// the residual; nothing without `post`. `s.h` must be free (the block input is done with).
+fn add_normed<D: Device>(
+    dev: &D,
+    c: &ModelConfig,
+    post: Option<&Norm<D>>,
+    s: &mut Scratch<D>,
+    rows: usize,
+) -> Result<()> {
+    if let Some(n) = post {
+        norm(dev, c, n, &s.part, &mut s.h, rows)?;
+        dev.add(&mut s.x, &s.h, rows * c.d_model)?;
     }
     Ok(())
 }
@@ -497,14 +554,15 @@ pub(super) fn lookup<D: Device>(
     )
 }
 
-/// Layer `lw`'s lazy K/V fill of `heads` from the kept `inputs`, through a batch of `rows`.
+/// Layer `l`'s lazy K/V fill of `heads` from the kept `inputs`, through a batch of `rows`.
 pub(super) fn lazy_kv<'a, D: Device>(
     m: &'a DeviceModel<D>,
-    lw: &'a Layer<D>,
+    l: usize,
     inputs: &'a D::Cache,
     heads: Rows<'a, D::Idx>,
     rows: usize,
 ) -> LazyKv<'a, D> {
+    let lw = &m.layers[l];
     LazyKv {
         wk: &lw.wk,
         wv: &lw.wv,
@@ -513,7 +571,7 @@ pub(super) fn lazy_kv<'a, D: Device>(
         inputs,
         heads,
         head_dim: m.local.head_dim,
-        rope: m.rotary(),
+        rope: m.rotary(l),
         rows,
     }
 }

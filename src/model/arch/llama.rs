@@ -9,6 +9,7 @@
 use super::{layer_name, HfJson};
 use crate::model::config::{
     bad, Architecture, AttnConfig, Llama3Scaling, MlpKind, ModelConfig, NormKind, Positions,
+    RopeScaling,
 };
 use crate::Result;
 use dejavu_backend_api::RopeStyle;
@@ -101,6 +102,11 @@ pub fn hf_config(j: &HfJson, family: Family) -> Result<ModelConfig> {
             style: RopeStyle::Neox,
         },
         rope_scaling,
+        local_rope_theta: None,
+        post_norms: false,
+        embed_scale: None,
+        final_softcap: None,
+        norm_plus_one: false,
         norm: NormKind::Rms,
         norm_eps: j.float_or("rms_norm_eps", 1e-6)?,
         norm_affine: true,
@@ -118,10 +124,10 @@ pub fn hf_config(j: &HfJson, family: Family) -> Result<ModelConfig> {
 }
 
 /// RoPE's base (`rope_theta`, or `rope_parameters.rope_theta` in transformers 5) and its
-/// scaling: none (`default`) or Llama 3's (`llama3`, with `factor`, `low_freq_factor`,
-/// `high_freq_factor` and `original_max_position_embeddings`). Other scalings (linear, dynamic,
-/// YaRN, LongRoPE) are refused by name rather than run wrong.
-fn rope_theta(j: &HfJson) -> Result<(f32, Option<Llama3Scaling>)> {
+/// scaling: none (`default`), `linear` (`factor`) or Llama 3's (`llama3`, with `factor`,
+/// `low_freq_factor`, `high_freq_factor` and `original_max_position_embeddings`). Other
+/// scalings (dynamic, YaRN, LongRoPE) are refused by name rather than run wrong.
+pub(crate) fn rope_theta(j: &HfJson) -> Result<(f32, Option<RopeScaling>)> {
     let key = match j.get("rope_parameters") {
         Some(_) => "rope_parameters",
         None => "rope_scaling",
@@ -137,20 +143,23 @@ fn rope_theta(j: &HfJson) -> Result<(f32, Option<Llama3Scaling>)> {
     };
     let scaling = match kind.and_then(|t| t.as_str()) {
         None | Some("default") => None,
-        Some("llama3") => Some(Llama3Scaling {
+        Some("linear") => Some(RopeScaling::Linear {
+            factor: p.float_or("factor", 1.0)?,
+        }),
+        Some("llama3") => Some(RopeScaling::Llama3(Llama3Scaling {
             factor: p.float_or("factor", 8.0)?,
             low_freq_factor: p.float_or("low_freq_factor", 1.0)?,
             high_freq_factor: p.float_or("high_freq_factor", 4.0)?,
             original_context: p.int("original_max_position_embeddings")?,
-        }),
+        })),
         Some(other) => {
             return Err(bad(
                 key,
-                &format!("RoPE scaling `{other}` is not supported (default, llama3)"),
+                &format!("RoPE scaling `{other}` is not supported (default, linear, llama3)"),
             ))
         }
     };
-    if let Some(s) = scaling {
+    if let Some(RopeScaling::Llama3(s)) = scaling {
         if s.high_freq_factor <= s.low_freq_factor {
             return Err(bad(key, "high_freq_factor must exceed low_freq_factor"));
         }

@@ -6,9 +6,12 @@
 //!   `MistralForCausalLM` (sliding-window attention), `Qwen2ForCausalLM` (QKV biases) and
 //!   `Qwen3ForCausalLM` (Q/K norms, its own head width):
 //!   RMSNorm, RoPE, gated MLP;
+//! - [`gemma`]: `Gemma2ForCausalLM` and `Gemma3ForCausalLM`: GeGLU, scaled embeddings, norms
+//!   before and after each block, local and global layers, soft caps (2), Q/K norms (3);
 //! - [`phi3`]: `Phi3ForCausalLM`: the llama block with fused QKV and gate-up matrices;
 //! - [`opt`]: `OPTForCausalLM`: LayerNorm (pre or post), learned positions, ReLU MLP, biases,
 //!   optional embedding projections.
+pub mod gemma;
 pub mod llama;
 pub mod opt;
 pub mod phi3;
@@ -45,6 +48,14 @@ pub fn from_hf(config_text: &str) -> Result<(ModelConfig, NameMap)> {
         "MistralForCausalLM" => (
             llama::hf_config(&j, llama::Family::Mistral)?,
             llama::canonical_name as NameMap,
+        ),
+        "Gemma2ForCausalLM" => (
+            gemma::hf_config(&j, gemma::Gemma::Two)?,
+            gemma::canonical_name as NameMap,
+        ),
+        "Gemma3ForCausalLM" => (
+            gemma::hf_config(&j, gemma::Gemma::Three)?,
+            gemma::canonical_name as NameMap,
         ),
         "Phi3ForCausalLM" => (
             llama::hf_config(&j, llama::Family::Phi3)?,

@@ -49,6 +49,11 @@ pub fn hf_config(j: &HfJson) -> Result<ModelConfig> {
         qk_norm: false,
         attn: AttnConfig::plain(),
         rope_scaling: None,
+        local_rope_theta: None,
+        post_norms: false,
+        embed_scale: None,
+        final_softcap: None,
+        norm_plus_one: false,
         tied_output: j.bool_or("tie_word_embeddings", true)?,
         d_embed: j.int_or("word_embed_proj_dim", d_model)?,
     })

@@ -484,6 +484,19 @@ impl Device for CpuDevice {
         Ok(())
     }
 
+    fn scale_cap(
+        &self,
+        x: &mut Vec<f32>,
+        n: usize,
+        s: f32,
+        cap: Option<f32>,
+    ) -> Result<(), BackendError> {
+        need("scale_cap", x.len(), n)?;
+        dejavu_backend_api::check_scale_cap(s, cap)?;
+        ops::scale_cap(&mut x[..n], s, cap);
+        Ok(())
+    }
+
     fn store(
         &self,
         k: &Vec<f32>,

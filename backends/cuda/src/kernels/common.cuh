@@ -175,8 +175,9 @@ __device__ __forceinline__ int sel_row(const u32* idx, int j, int group) {
     return idx ? (int)idx[j / group] * group + j % group : j;
 }
 
-// act: 0 = SiLU, 1 = ReLU (dejavu_backend_api::Activation).
+// act: 0 = SiLU, 1 = ReLU, 2 = GELU's tanh approximation (dejavu_backend_api::Activation).
 __device__ __forceinline__ float act_apply(int act, float x) {
+    if (act == 2) return 0.5f * x * (1.f + tanhf(0.7978846f * (x + 0.044715f * x * x * x)));
     return act == 0 ? x / (1.f + expf(-x)) : fmaxf(x, 0.f);
 }
 

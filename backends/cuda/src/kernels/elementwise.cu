@@ -2,6 +2,14 @@ extern "C" __global__ void glu(int act, float* gate, const float* up, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) gate[i] = act_apply(act, gate[i]) * up[i];
 }
+// x[i] = s * x[i], then (cap > 0) cap * tanh(x[i] / cap).
+extern "C" __global__ void scale_cap(float* x, int n, float s, float cap) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        float v = s * x[i];
+        x[i] = cap > 0.f ? cap * tanhf(v / cap) : v;
+    }
+}
 extern "C" __global__ void activate(int act, float* x, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] = act_apply(act, x[i]);
