@@ -324,7 +324,13 @@ fn elementwise_on<D: Device>(d: &D, x: &[f32], w: &[f32], b: &[f32], hd: usize) 
     d.scatter(&src, &d.upload_idx(&idx).unwrap(), idx.len(), &mut dst)
         .unwrap();
     out.extend(down(d, &dst, n));
-    for act in [Activation::Silu, Activation::Relu] {
+    // Gemma's embedding scale, and its soft cap of scaled values (some past the cap).
+    for (scale, cap) in [(8.0, None), (3.0, Some(1.5))] {
+        let mut g = d.upload(x).unwrap();
+        d.scale_cap(&mut g, n - 1, scale, cap).unwrap();
+        out.extend(down(d, &g, n));
+    }
+    for act in [Activation::Silu, Activation::Relu, Activation::GeluTanh] {
         let mut g = d.upload(x).unwrap();
         d.glu(act, &mut g, &wb, n - 3).unwrap();
         out.extend(down(d, &g, n));
