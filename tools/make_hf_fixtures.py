@@ -204,6 +204,11 @@ FIXTURES = [
           num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=24,
           layer_types=["sliding_attention", "sliding_attention", "full_attention",
                        "sliding_attention"])),
+    # Saved as PyTorch pickle shards (torch.save), keys without `model.` and no lm_head, as the
+    # facebook/opt-* checkpoints ship.
+    ("opt-torch", "opt", 20, 2e-3, "float16", None,
+     dict(hidden_size=32, num_hidden_layers=2, ffn_dim=128, num_attention_heads=2,
+          word_embed_proj_dim=32, do_layer_norm_before=True)),
     ("qwen3", "qwen3", 45, 2e-3, "bfloat16", None,
      dict(hidden_size=64, num_hidden_layers=2, intermediate_size=192, num_attention_heads=4,
           num_key_value_heads=2, head_dim=32, tie_word_embeddings=True, rope_theta=1e6)),
@@ -423,10 +428,34 @@ def build_one(name, kind, secs, lr, dtype, shard, cfg, ids, tok_dir, outdir, eva
     ref = reference(d, kind, eval_text, bos, bos is not None)
     with open(os.path.join(d, "reference.json"), "w") as f:
         json.dump(ref, f)
+    if name == "opt-torch":
+        to_torch_shards(model, d)
     print(f"  ppl {ref['perplexity']['reference_f32_weights']:.3f} "
           f"zeros {ref['relu_zero_fraction']} files {sorted(os.listdir(d))}", flush=True)
     for c in ref["greedy"]["cases"][:1]:
         print("  ", repr(c["prompt"]), c["prompt_ids"][:6], repr(c["greedy_text"][:60]), c["bos_added_by_script"])
+
+
+def to_torch_shards(model, d):
+    """Replace the safetensors file with two `torch.save` pickle shards and their index, keys
+    without `model.` and no `lm_head.weight` (tied), as facebook/opt-* ship."""
+    import torch
+
+    sd = {k.removeprefix("model."): v.contiguous() for k, v in model.state_dict().items()
+          if k != "lm_head.weight"}
+    keys = sorted(sd)
+    shards = [keys[: len(keys) // 2], keys[len(keys) // 2 :]]
+    weight_map = {}
+    for i, ks in enumerate(shards):
+        fname = f"pytorch_model-{i + 1:05d}-of-{len(shards):05d}.bin"
+        torch.save({k: sd[k] for k in ks}, os.path.join(d, fname))
+        back = torch.load(os.path.join(d, fname), weights_only=True)
+        assert all(torch.equal(back[k], sd[k]) for k in ks)
+        weight_map.update({k: fname for k in ks})
+    total = sum(v.numel() * v.element_size() for v in sd.values())
+    with open(os.path.join(d, "pytorch_model.bin.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+    os.remove(os.path.join(d, "model.safetensors"))
 
 
 if __name__ == "__main__":
