@@ -385,7 +385,17 @@ def build(corpus_path, eval_path, outdir, scale, only=None, tokenizer=None):
     text = gzip.open(corpus_path, "rt", encoding="utf-8").read()
     eval_text = open(eval_path, encoding="utf-8").read()
     tok_dir = os.path.join(outdir, "_tokenizer")
-    if tokenizer:
+    if tokenizer and not os.path.exists(os.path.join(tokenizer, "tokenizer.json")):
+        # An OPT fixture's GPT-2 files: the same byte-level BPE.
+        import shutil
+        from tokenizers import ByteLevelBPETokenizer
+        os.makedirs(tok_dir, exist_ok=True)
+        for f in ("vocab.json", "merges.txt"):
+            shutil.copy(os.path.join(tokenizer, f), tok_dir)
+        tok = ByteLevelBPETokenizer(os.path.join(tok_dir, "vocab.json"),
+                                    os.path.join(tok_dir, "merges.txt"), add_prefix_space=False)
+        tok.save(os.path.join(tok_dir, "tokenizer.json"))
+    elif tokenizer:
         from tokenizers import Tokenizer
         os.makedirs(tok_dir, exist_ok=True)
         tok = Tokenizer.from_file(os.path.join(tokenizer, "tokenizer.json"))
