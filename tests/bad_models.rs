@@ -325,3 +325,70 @@ fn a_head_width_the_weights_do_not_have_is_refused() {
     );
     generate(&m, "value_length");
 }
+
+/// A PyTorch checkpoint whose pickle asks for code (`os.system` through GLOBAL and REDUCE,
+/// `builtins.eval`, `builtins.exec` through STACK_GLOBAL, an object built by INST) is refused,
+/// naming what it asked for, and nothing runs: the payload would create a file, which does not
+/// appear. A shard that is not a zip at all is an error too.
+#[test]
+fn pickles_that_ask_for_code_are_refused() {
+    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/opt-torch");
+    let marker = tempfile::tempdir().unwrap();
+    let made = marker.path().join("pwned");
+    let cmd = format!("touch {}", made.display());
+    let s = |t: &str| {
+        let mut v = vec![b'X'];
+        v.extend((t.len() as u32).to_le_bytes());
+        v.extend(t.as_bytes());
+        v
+    };
+    let call = |global: &[u8]| {
+        let mut p = b"\x80\x02".to_vec();
+        p.extend(global);
+        p.extend(s(&cmd));
+        p.extend(b"\x85R.");
+        p
+    };
+    let mut stack_global = b"\x80\x02".to_vec();
+    stack_global.extend(s("builtins"));
+    stack_global.extend(s("exec"));
+    stack_global.extend(b"\x93");
+    stack_global.extend(s("import os"));
+    stack_global.extend(b"\x85R.");
+    let cases: [(Vec<u8>, &str); 4] = [
+        (call(b"cos\nsystem\n"), "`os.system`"),
+        (call(b"cbuiltins\neval\n"), "`builtins.eval`"),
+        (stack_global, "`builtins.exec`"),
+        (
+            b"\x80\x02(ios\nsystem\nX\x01\x00\x00\x00x.".to_vec(),
+            "opcode 0x69",
+        ),
+    ];
+    for (pickle, needle) in cases {
+        let d = tempfile::tempdir().unwrap();
+        for f in std::fs::read_dir(&src).unwrap() {
+            let f = f.unwrap().path();
+            std::fs::copy(&f, d.path().join(f.file_name().unwrap())).unwrap();
+        }
+        let shard = d.path().join("pytorch_model-00002-of-00002.bin");
+        let mut z = zip::ZipWriter::new(std::fs::File::create(&shard).unwrap());
+        let opts = zip::write::SimpleFileOptions::default()
+            .compression_method(zip::CompressionMethod::Stored);
+        z.start_file("archive/data.pkl", opts).unwrap();
+        std::io::Write::write_all(&mut z, &pickle).unwrap();
+        z.finish().unwrap();
+        generate(d.path(), needle);
+        assert!(!made.exists(), "{needle}: the payload ran");
+    }
+    let d = tempfile::tempdir().unwrap();
+    for f in std::fs::read_dir(&src).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, d.path().join(f.file_name().unwrap())).unwrap();
+    }
+    write(
+        d.path(),
+        "pytorch_model-00001-of-00002.bin",
+        b"\x80\x02cos\nsystem\n.",
+    );
+    generate(d.path(), "not a PyTorch zip");
+}

@@ -80,6 +80,7 @@ fn every_fixture_converts_to_gguf() {
         "phi3",
         "gemma2",
         "gemma3",
+        "opt-torch",
     ] {
         let out = dir.path().join(format!("{name}.gguf"));
         quantize(&fixture(name), QuantType::F16, &out);

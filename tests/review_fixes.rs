@@ -419,7 +419,7 @@ fn bad_hugging_face_directories() {
             let d = copy("pickle");
             std::fs::remove_file(d.join("model.safetensors")).unwrap();
             std::fs::write(d.join("pytorch_model.bin"), b"PK\x03\x04").unwrap();
-            (d, "convert the checkpoint to safetensors")
+            (d, "not a PyTorch zip")
         },
         {
             let d = copy("truncated");

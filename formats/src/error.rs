@@ -60,8 +60,8 @@ pub enum FormatError {
     DuplicateTensor(String),
     #[error("metadata `{key}`: {reason}")]
     BadMetadata { key: String, reason: String },
-    #[error("{0}: pickle checkpoints are never loaded (unpickling runs code); convert the checkpoint to safetensors first (e.g. `model.save_pretrained(dir, safe_serialization=True)` in transformers)")]
-    Pickle(PathBuf),
     #[error("safetensors: {0}")]
     Safetensors(String),
+    #[error("PyTorch checkpoint: {0}")]
+    Torch(String),
 }

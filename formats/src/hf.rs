@@ -1,10 +1,11 @@
 //! Hugging Face checkpoint directories: `config.json` plus `model.safetensors`, or the shards
-//! that `model.safetensors.index.json` lists.
+//! that `model.safetensors.index.json` lists; else PyTorch's `pytorch_model.bin` or the shards
+//! of `pytorch_model.bin.index.json` (the facebook/opt-* layout), read by [`crate::torch`]'s
+//! pickle reader, which never executes anything.
 //!
 //! Contract: this reads the directory's files and maps every shard; it returns the raw JSON texts
 //! (the engine parses them into its typed config) and one table of tensors, each pointing into
-//! the shard that holds it. It never computes and never copies tensor data. Pickle checkpoints
-//! (`pytorch_model.bin`) are refused, never unpickled.
+//! the shard that holds it. It never computes and never copies tensor data.
 use crate::safetensors::{SafetensorsFile, StTensor};
 use crate::{FormatError, Result};
 use std::collections::HashMap;
@@ -13,7 +14,8 @@ use std::path::{Path, PathBuf};
 pub const CONFIG: &str = "config.json";
 pub const SINGLE: &str = "model.safetensors";
 pub const INDEX: &str = "model.safetensors.index.json";
-const PICKLES: [&str; 2] = ["pytorch_model.bin", "pytorch_model.bin.index.json"];
+pub const TORCH_SINGLE: &str = "pytorch_model.bin";
+pub const TORCH_INDEX: &str = "pytorch_model.bin.index.json";
 
 /// A tensor of a checkpoint: which shard (index into [`HfCheckpoint::shards`]) and where in it.
 #[derive(Debug, Clone)]
@@ -43,7 +45,10 @@ impl HfCheckpoint {
         let mut shards = Vec::with_capacity(shard_names.len());
         let mut tensors = HashMap::new();
         for (i, (file, names)) in shard_names.iter().enumerate() {
-            let f = SafetensorsFile::open(dir.join(file))?;
+            let f = match file.ends_with(".bin") {
+                true => SafetensorsFile::open_torch(dir.join(file))?,
+                false => SafetensorsFile::open(dir.join(file))?,
+            };
             for (name, info) in &f.tensors {
                 if let Some(want) = names {
                     if !want.contains(name) {
@@ -108,11 +113,22 @@ fn shard_names(dir: &Path) -> Result<Shards> {
     if dir.join(SINGLE).is_file() {
         return Ok(vec![(SINGLE.to_string(), None)]);
     }
-    if let Some(p) = PICKLES.iter().find(|p| dir.join(p).exists()) {
-        return Err(FormatError::Pickle(dir.join(p)));
+    // PyTorch's files, when there are no safetensors.
+    let index = dir.join(TORCH_INDEX);
+    if index.is_file() {
+        let shards = parse_index(&read_text(&index)?)?;
+        if let Some((f, _)) = shards.iter().find(|(f, _)| !f.ends_with(".bin")) {
+            return Err(FormatError::Torch(format!(
+                "{TORCH_INDEX} names `{f}`, not a .bin shard"
+            )));
+        }
+        return Ok(shards);
+    }
+    if dir.join(TORCH_SINGLE).is_file() {
+        return Ok(vec![(TORCH_SINGLE.to_string(), None)]);
     }
     Err(FormatError::Safetensors(format!(
-        "{} has neither {SINGLE} nor {INDEX}",
+        "{} has none of {SINGLE}, {INDEX}, {TORCH_SINGLE}, {TORCH_INDEX}",
         dir.display()
     )))
 }
@@ -177,11 +193,11 @@ mod tests {
     }
 
     #[test]
-    fn pickle_only_directory_is_refused() {
+    fn a_pickle_file_that_is_not_a_torch_zip_is_an_error() {
         let d = tempfile::tempdir().unwrap();
         std::fs::write(d.path().join(CONFIG), "{}").unwrap();
         std::fs::write(d.path().join("pytorch_model.bin"), b"PK").unwrap();
         let e = HfCheckpoint::open(d.path()).err().unwrap().to_string();
-        assert!(e.contains("safetensors"), "{e}");
+        assert!(e.contains("not a PyTorch zip"), "{e}");
     }
 }

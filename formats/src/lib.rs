@@ -1,5 +1,6 @@
-//! Zero-copy readers for the weight file formats: GGUF (v2/v3), safetensors, and Hugging Face
-//! checkpoint directories (sharded safetensors).
+//! Zero-copy readers for the weight file formats: GGUF (v2/v3), safetensors, PyTorch zips
+//! (`torch.save`, through a pickle reader that never executes), and Hugging Face checkpoint
+//! directories (sharded safetensors or PyTorch files).
 //!
 //! Contract: this crate turns bytes into named, typed, shaped *views* of a memory map. It never
 //! computes on weights and never copies tensor data. Every offset and count read from a file is
@@ -10,6 +11,7 @@ mod error;
 pub mod gguf;
 pub mod hf;
 pub mod safetensors;
+pub mod torch;
 
 pub use error::FormatError;
 pub use gguf::{GgmlType, GgufFile, MetaValue, TensorInfo};

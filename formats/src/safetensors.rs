@@ -48,6 +48,29 @@ impl SafetensorsFile {
         })
     }
 
+    /// A PyTorch zip (`torch.save`): its tensors located by [`crate::torch::parse`], read in
+    /// place like a safetensors file's.
+    pub fn open_torch(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref().to_path_buf();
+        let io = |source| FormatError::Io {
+            path: path.clone(),
+            source,
+        };
+        let file = std::fs::File::open(&path).map_err(io)?;
+        if file.metadata().map_err(io)?.len() == 0 {
+            return Err(FormatError::Empty { path });
+        }
+        // SAFETY: read-only private mapping; the file is assumed not to change while mapped.
+        let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
+        let tensors = crate::torch::parse(&path, &mmap)?;
+        Ok(Self {
+            path,
+            tensors,
+            metadata: HashMap::new(),
+            mmap: std::sync::Arc::new(mmap),
+        })
+    }
+
     pub fn data(&self, t: &StTensor) -> &[u8] {
         &self.mmap[t.start..t.start + t.n_bytes]
     }

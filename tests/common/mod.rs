@@ -306,7 +306,7 @@ pub fn temp_file(bytes: &[u8]) -> tempfile::NamedTempFile {
 }
 
 /// The tiny Hugging Face fixtures of tests/fixtures/hf (tools/make_hf_fixtures.py).
-pub const HF_FIXTURES: [&str; 12] = [
+pub const HF_FIXTURES: [&str; 13] = [
     "opt-relu",
     "opt-postln-proj",
     "opt-noaffine",
@@ -319,6 +319,7 @@ pub const HF_FIXTURES: [&str; 12] = [
     "phi3",
     "gemma2",
     "gemma3",
+    "opt-torch",
 ];
 
 /// A fixed plan whose sets fall unevenly on tensor-parallel ranks (some rank holds none of a layer's

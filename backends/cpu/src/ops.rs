@@ -151,14 +151,20 @@ mod tests {
         let mut x = [1.0f32, -1.0, 3.0, 0.0];
         activate(Activation::GeluTanh, &mut x);
         let want = [0.841192, -0.158808, 2.996363, 0.0];
-        assert!(x.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-5), "{x:?}");
+        assert!(
+            x.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-5),
+            "{x:?}"
+        );
         let mut y = [1.0f32, -2.0, 10.0];
         scale_cap(&mut y, 2.0, None);
         assert_eq!(y, [2.0, -4.0, 20.0]);
         // Capped at 5: 5 tanh(2/5), 5 tanh(-4/5), 5 tanh(4): near the cap, never past it.
         scale_cap(&mut y, 1.0, Some(5.0));
         let want = [1.899741, -3.320184, 4.996646];
-        assert!(y.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-5), "{y:?}");
+        assert!(
+            y.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-5),
+            "{y:?}"
+        );
     }
 
     #[test]
