@@ -9,9 +9,10 @@ use std::path::Path;
 /// A target: its name (the folder of its inputs) and its body.
 type Target = (&'static str, fn(&[u8]));
 
-const TARGETS: [Target; 5] = [
+const TARGETS: [Target; 6] = [
     ("gguf", targets::gguf),
     ("hf", targets::hf),
+    ("torch", targets::torch),
     ("predictors", targets::predictors),
     ("chat_template", targets::chat_template),
     ("request", targets::request),

@@ -496,6 +496,12 @@ fn rebuild_tensor(args: Vec<V>) -> Result<V> {
     }))
 }
 
+/// Run the restricted machine over a bare pickle (the fuzz target's entry): `Ok` if it builds a
+/// value, else why not.
+pub fn check_pickle(buf: &[u8]) -> Result<()> {
+    Machine::new(buf).run().map(drop)
+}
+
 /// Read a `torch.save` zip mapped as `map`: every tensor of its state dict, with the absolute
 /// byte range of its data in the file.
 pub fn parse(path: &Path, map: &[u8]) -> Result<HashMap<String, StTensor>> {

@@ -110,6 +110,13 @@ pub fn hf(data: &[u8]) {
     load_and_run(&dir);
 }
 
+/// A PyTorch checkpoint shard (a `torch.save` zip), and the same bytes as a bare pickle through
+/// the restricted pickle machine.
+pub fn torch(data: &[u8]) {
+    let _ = dejavu_formats::torch::parse(Path::new("fuzz.bin"), data);
+    let _ = dejavu_formats::torch::check_pickle(data);
+}
+
 /// The tiny llama (the GGUF seed), loaded once, for the predictors target.
 fn tiny_engine() -> &'static Engine {
     static E: OnceLock<Engine> = OnceLock::new();
