@@ -28,17 +28,7 @@ pub struct SafetensorsFile {
 
 impl SafetensorsFile {
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
-        let path = path.as_ref().to_path_buf();
-        let io = |source| FormatError::Io {
-            path: path.clone(),
-            source,
-        };
-        let file = std::fs::File::open(&path).map_err(io)?;
-        if file.metadata().map_err(io)?.len() == 0 {
-            return Err(FormatError::Empty { path });
-        }
-        // SAFETY: read-only private mapping; the file is assumed not to change while mapped.
-        let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
+        let (path, mmap) = map(path.as_ref())?;
         let (tensors, metadata) = parse(&mmap)?;
         Ok(Self {
             path,
@@ -51,17 +41,7 @@ impl SafetensorsFile {
     /// A PyTorch zip (`torch.save`): its tensors located by [`crate::torch::parse`], read in
     /// place like a safetensors file's.
     pub fn open_torch(path: impl AsRef<Path>) -> Result<Self> {
-        let path = path.as_ref().to_path_buf();
-        let io = |source| FormatError::Io {
-            path: path.clone(),
-            source,
-        };
-        let file = std::fs::File::open(&path).map_err(io)?;
-        if file.metadata().map_err(io)?.len() == 0 {
-            return Err(FormatError::Empty { path });
-        }
-        // SAFETY: read-only private mapping; the file is assumed not to change while mapped.
-        let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
+        let (path, mmap) = map(path.as_ref())?;
         let tensors = crate::torch::parse(&path, &mmap)?;
         Ok(Self {
             path,
@@ -83,6 +63,22 @@ impl SafetensorsFile {
     pub fn shared(&self) -> std::sync::Arc<memmap2::Mmap> {
         self.mmap.clone()
     }
+}
+
+/// A non-empty file mapped read-only.
+fn map(path: &Path) -> Result<(std::path::PathBuf, memmap2::Mmap)> {
+    let path = path.to_path_buf();
+    let io = |source| FormatError::Io {
+        path: path.clone(),
+        source,
+    };
+    let file = std::fs::File::open(&path).map_err(io)?;
+    if file.metadata().map_err(io)?.len() == 0 {
+        return Err(FormatError::Empty { path });
+    }
+    // SAFETY: read-only private mapping; the file is assumed not to change while mapped.
+    let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
+    Ok((path, mmap))
 }
 
 type Table = (HashMap<String, StTensor>, HashMap<String, String>);

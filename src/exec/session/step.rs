@@ -309,17 +309,7 @@ impl<D: Device> DeviceSession<'_, D> {
             if let Some(b) = &lw.b_down {
                 dev.add(if out { &mut s.part } else { &mut s.x }, b, c.d_model)?;
             }
-            reduce_residual(
-                dev,
-                m,
-                s,
-                rows,
-                clock,
-                |t| &mut t.mlp,
-                out && post.is_none(),
-            )?;
-            add_normed(dev, c, post, s, rows)?;
-            return post_norm(dev, c, &lw.ffn_norm, &mut s.x, &mut s.h, rows);
+            return mlp_out(dev, m, lw, s, rows, clock, out);
         }
         let act = c.mlp.activation();
         let rule = if step {
@@ -390,18 +380,26 @@ impl<D: Device> DeviceSession<'_, D> {
             }
             _ => row_parallel(dev, &lw.w_down, lw.b_down.as_ref(), a, y, out, pass)?,
         }
-        reduce_residual(
-            dev,
-            m,
-            s,
-            rows,
-            clock,
-            |t| &mut t.mlp,
-            out && post.is_none(),
-        )?;
-        add_normed(dev, c, post, s, rows)?;
-        post_norm(dev, c, &lw.ffn_norm, &mut s.x, &mut s.h, rows)
+        mlp_out(dev, m, lw, s, rows, clock, out)
     }
+}
+
+/// The MLP's output (in `s.part` when `out`) into the residual: summed over the ranks, normed
+/// (Gemma), added; then a post-LN model's norm.
+fn mlp_out<D: Device>(
+    dev: &D,
+    m: &DeviceModel<D>,
+    lw: &Layer<D>,
+    s: &mut Scratch<D>,
+    rows: usize,
+    clock: &mut Option<Clock>,
+    out: bool,
+) -> Result<()> {
+    let (c, post) = (&m.local, lw.post_ffn_norm.as_ref());
+    let add = out && post.is_none();
+    reduce_residual(dev, m, s, rows, clock, |t| &mut t.mlp, add)?;
+    add_normed(dev, c, post, s, rows)?;
+    post_norm(dev, c, &lw.ffn_norm, &mut s.x, &mut s.h, rows)
 }
 
 /// Each of `n` heads of `x` (`head_dim` wide) RMS-normed with the gains `w` (qwen3's Q and K

@@ -169,16 +169,10 @@ pub(crate) fn rope_theta(j: &HfJson) -> Result<(f32, Option<RopeScaling>)> {
 
 /// Checkpoint name (with or without the `model.` prefix) to canonical name.
 pub fn canonical_name(name: &str) -> Option<String> {
-    if name == "lm_head.weight" {
-        return Some("output.weight".into());
+    if let Some(g) = super::global_name(name) {
+        return Some(g);
     }
-    let name = name.strip_prefix("model.").unwrap_or(name);
-    match name {
-        "embed_tokens.weight" => return Some("token_embd.weight".into()),
-        "norm.weight" => return Some("output_norm.weight".into()),
-        _ => {}
-    }
-    layer_name(name, |rest| {
+    layer_name(name.strip_prefix("model.").unwrap_or(name), |rest| {
         let canonical = match rest {
             "input_layernorm.weight" => "attn_norm.weight",
             "self_attn.q_proj.weight" => "attn_q.weight",

@@ -172,6 +172,18 @@ pub(crate) fn sliding_window(
     Ok(AttnConfig::windowed(window, flags))
 }
 
+/// The llama-style checkpoint names outside the layers (with or without `model.`): the
+/// embedding, the final norm and the output head.
+pub(crate) fn global_name(name: &str) -> Option<String> {
+    let g = match name.strip_prefix("model.").unwrap_or(name) {
+        _ if name == "lm_head.weight" => "output.weight",
+        "embed_tokens.weight" => "token_embd.weight",
+        "norm.weight" => "output_norm.weight",
+        _ => return None,
+    };
+    Some(g.into())
+}
+
 /// `layers.{i}.{rest}` into `blk.{i}.{canonical rest}` through `map`.
 pub(crate) fn layer_name(name: &str, map: impl Fn(&str) -> Option<String>) -> Option<String> {
     let rest = name.strip_prefix("layers.")?;
