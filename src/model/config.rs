@@ -423,8 +423,10 @@ impl ModelConfig {
         let has_layer = |t: LayerTensor| h.tensor(&t.name(0)).is_some();
         let n_layers = m.int(ArchKey::BlockCount)?;
         // llama.cpp's key; its mistral files (arch llama) leave it out and run full attention.
+        // Gemma 2 files from before the key ran 4096 (llama.cpp's default for them).
         let window = match m.has(ArchKey::SlidingWindow) {
             true => Some(m.int(ArchKey::SlidingWindow)?),
+            false if arch == Architecture::Gemma2 => Some(4096),
             false => None,
         };
         let attn = match gemma {
@@ -432,8 +434,14 @@ impl ModelConfig {
             Some(g) => {
                 let key = ArchKey::SlidingWindowPattern.key(arch.name());
                 let v = h.get(&key);
-                let flags: Option<Vec<bool>> = (v.and_then(|v| v.as_array()))
-                    .map(|a| a.iter().map(|b| b.as_bool().unwrap_or(false)).collect());
+                let flags: Option<Vec<bool>> = match v.and_then(|v| v.as_array()) {
+                    None => None,
+                    Some(a) => Some(
+                        (a.iter().map(|b| b.as_bool()).collect::<Option<Vec<bool>>>())
+                            .filter(|f| f.len() == n_layers)
+                            .ok_or_else(|| bad(&key, "expected one true or false a layer"))?,
+                    ),
+                };
                 let period = v.and_then(|v| v.as_u64()).map(|p| p as usize);
                 let period = period.or((g == Gemma::Two).then_some(2));
                 let local = gemma::gguf_local_layers(g, n_layers, flags.as_deref(), period);
