@@ -217,7 +217,7 @@ fn same_size_model_with_other_weights_has_another_fingerprint() {
 }
 
 #[test]
-fn add_bos_token_is_honoured_and_rope_scaling_refused() {
+fn add_bos_token_is_honoured_and_unknown_rope_scaling_refused() {
     let dir = tempfile::tempdir().unwrap();
     let m = tiny_file(dir.path(), "bos.gguf", |meta, _| {
         meta.push(("tokenizer.ggml.bos_token_id".into(), MetaValue::U32(7)));
@@ -226,26 +226,40 @@ fn add_bos_token_is_honoured_and_rope_scaling_refused() {
     let e = Engine::load(&m, &EngineOptions::default()).unwrap();
     assert_eq!(e.tokenizer.encode_prompt("ab").unwrap()[0], 7);
     assert_ne!(e.tokenizer.encode("ab").unwrap()[0], 7);
-    let m = tiny_file(dir.path(), "rope.gguf", |meta, _| {
-        meta.push((
-            "llama.rope.scaling.type".into(),
-            MetaValue::String("linear".into()),
-        ));
-    });
-    let err = Engine::load(&m, &EngineOptions::default())
-        .err()
-        .unwrap()
-        .to_string();
-    assert!(err.contains("RoPE scaling"), "{err}");
+    // Linear scaling runs (it needs its factor); YaRN is refused by name.
+    let scaled = |name: &str, kind: &str, factor: Option<f32>| {
+        tiny_file(dir.path(), name, |meta, _| {
+            let t = MetaValue::String(kind.into());
+            meta.push(("llama.rope.scaling.type".into(), t));
+            if let Some(f) = factor {
+                meta.push(("llama.rope.scaling.factor".into(), MetaValue::F32(f)));
+            }
+        })
+    };
+    let linear = Engine::load(
+        scaled("linear.gguf", "linear", Some(4.0)),
+        &EngineOptions::default(),
+    );
+    assert!(linear.is_ok(), "{:?}", linear.err());
+    for (name, kind, factor, needle) in [
+        ("yarn.gguf", "yarn", Some(4.0), "RoPE scaling"),
+        ("nofactor.gguf", "linear", None, "rope.scaling.factor"),
+    ] {
+        let err = Engine::load(scaled(name, kind, factor), &EngineOptions::default())
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains(needle), "{err}");
+    }
     let cfg = std::fs::read_to_string(fixture("llama-silu").join("config.json")).unwrap();
     let mut v: serde_json::Value = serde_json::from_str(&cfg).unwrap();
     v["rope_parameters"] =
-        serde_json::json!({"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0});
+        serde_json::json!({"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0});
     let err = dejavu::model::arch::from_hf(&v.to_string())
         .err()
         .unwrap()
         .to_string();
-    assert!(err.contains("RoPE scaling"), "{err}");
+    assert!(err.contains("RoPE scaling `yarn`"), "{err}");
 }
 
 /// A long context holds only what a sequence uses: the caches of a 32768-position window are
