@@ -12,7 +12,7 @@
 //! ```
 //! Invariants after [`GgufFile::open`] / [`parse`]: every count was checked against the bytes left
 //! (so absurd counts fail before allocating), every tensor's data range is aligned and lies inside
-//! the file, tensors do not overlap, and names are unique. Writing lives in [`write`].
+//! the file, tensors do not overlap, and names are unique. Writing lives in `write.rs`.
 use crate::{FormatError, Result};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

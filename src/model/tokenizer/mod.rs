@@ -4,7 +4,7 @@
 //!   added), or GPT-2 `vocab.json` + `merges.txt` (byte-level BPE, as facebook/opt-* ship, BOS
 //!   per `add_bos_token`); `tokenizer_config.json`, `generation_config.json` and `config.json`
 //!   give BOS/EOS and the chat template;
-//! - a GGUF vocabulary as llama.cpp writes it ([`gguf`]).
+//! - a GGUF vocabulary as llama.cpp writes it (`gguf.rs`).
 mod gguf;
 use crate::model::weights::{Model, Source};
 use crate::{Error, Result};
