@@ -10,12 +10,10 @@
 //!   own RoPE base in Gemma 3 (local 10^4 unscaled; global 10^6, linearly scaled on 4B+);
 //! - Gemma 2's soft caps of the attention scores and of the final logits; Gemma 3's RMSNorm of
 //!   each query and key head.
+use super::llama::Rope;
 use super::{layer_name, sliding_window, HfJson};
-use crate::model::config::{
-    bad, Architecture, AttnConfig, MlpKind, ModelConfig, NormKind, Positions, RopeScaling,
-};
+use crate::model::config::{bad, Architecture, AttnConfig, MlpKind, ModelConfig};
 use crate::Result;
-use dejavu_backend_api::RopeStyle;
 
 /// Which Gemma.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,7 +35,6 @@ impl Gemma {
 
 pub fn hf_config(j: &HfJson, g: Gemma) -> Result<ModelConfig> {
     let d_model = j.int("hidden_size")?;
-    let n_heads = j.int("num_attention_heads")?;
     let n_layers = j.int("num_hidden_layers")?;
     let head_dim = j.int_or("head_dim", 256)?;
     let act = match j.get("hidden_activation") {
@@ -60,41 +57,19 @@ pub fn hf_config(j: &HfJson, g: Gemma) -> Result<ModelConfig> {
     let mut attn = sliding_window(j, n_layers, |l| g.local(l, pattern))?;
     attn.scale = Some(1.0 / j.float_or("query_pre_attn_scalar", head_dim as f64)?.sqrt());
     attn.softcap = softcap(j, "attn_logit_softcapping")?;
-    let (theta, rope_scaling, local_rope_theta) = match g {
-        Gemma::Two => {
-            let (theta, scaling) = super::llama::rope_theta(j)?;
-            (theta, scaling, None)
-        }
+    let (rope, local_rope_theta) = match g {
+        Gemma::Two => (super::llama::rope_theta(j)?, None),
         Gemma::Three => gemma3_rope(j)?,
     };
+    let arch = match g {
+        Gemma::Two => Architecture::Gemma2,
+        Gemma::Three => Architecture::Gemma3,
+    };
     Ok(ModelConfig {
-        arch: match g {
-            Gemma::Two => Architecture::Gemma2,
-            Gemma::Three => Architecture::Gemma3,
-        },
-        n_layers,
-        d_model,
-        n_ff: j.int("intermediate_size")?,
-        n_heads,
-        n_kv_heads: j.int_or("num_key_value_heads", n_heads)?,
-        head_dim,
-        vocab_size: j.int("vocab_size")?,
-        context_length: j.int("max_position_embeddings")?,
-        positions: Positions::Rope {
-            theta,
-            style: RopeStyle::Neox,
-        },
-        rope_scaling,
         local_rope_theta,
-        norm: NormKind::Rms,
-        norm_eps: j.float_or("rms_norm_eps", 1e-6)?,
-        norm_affine: true,
-        pre_norm: true,
-        final_norm: true,
         mlp: MlpKind::GeGlu,
         qkv_bias: j.bool_or("attention_bias", false)?,
         out_bias: j.bool_or("attention_bias", false)?,
-        mlp_bias: false,
         qk_norm: g == Gemma::Three,
         attn,
         post_norms: true,
@@ -102,7 +77,7 @@ pub fn hf_config(j: &HfJson, g: Gemma) -> Result<ModelConfig> {
         final_softcap: softcap(j, "final_logit_softcapping")?,
         norm_plus_one: true,
         tied_output: j.bool_or("tie_word_embeddings", true)?,
-        d_embed: d_model,
+        ..super::llama::base(j, arch, head_dim, rope)?
     })
 }
 
@@ -117,20 +92,16 @@ fn softcap(j: &HfJson, key: &str) -> Result<Option<f32>> {
 /// Gemma 3's RoPE: the global layers' base and scaling, and the local layers' base. In
 /// transformers 5's `rope_parameters` per layer type (`full_attention`, `sliding_attention`);
 /// before, `rope_theta` and `rope_scaling` (global) and `rope_local_base_freq`.
-fn gemma3_rope(j: &HfJson) -> Result<(f32, Option<RopeScaling>, Option<f32>)> {
+fn gemma3_rope(j: &HfJson) -> Result<(Rope, Option<f32>)> {
     let per_type = j
         .get("rope_parameters")
         .filter(|p| p.get("full_attention").is_some());
     let Some(p) = per_type else {
-        let (theta, scaling) = super::llama::rope_theta(j)?;
-        return Ok((
-            theta,
-            scaling,
-            Some(j.float_or("rope_local_base_freq", 1e4)?),
-        ));
+        let global = super::llama::rope_theta(j)?;
+        return Ok((global, Some(j.float_or("rope_local_base_freq", 1e4)?)));
     };
     let global = serde_json::json!({ "rope_parameters": p["full_attention"] });
-    let (theta, scaling) = super::llama::rope_theta(&HfJson(&global))?;
+    let global = super::llama::rope_theta(&HfJson(&global))?;
     let local = match p.get("sliding_attention") {
         Some(l) => {
             let local = serde_json::json!({ "rope_parameters": l });
@@ -146,7 +117,7 @@ fn gemma3_rope(j: &HfJson) -> Result<(f32, Option<RopeScaling>, Option<f32>)> {
         }
         None => 1e4,
     };
-    Ok((theta, scaling, Some(local)))
+    Ok((global, Some(local)))
 }
 
 /// The local layers of a Gemma GGUF: `{arch}.attention.sliding_window_pattern` as one flag a
@@ -197,30 +168,19 @@ pub fn gguf_attn(
     }
 }
 
-/// Checkpoint name (with or without the `model.` prefix) to canonical (llama.cpp's) name.
+/// Checkpoint name (with or without the `model.` prefix) to canonical (llama.cpp's) name:
+/// Gemma's four norms of a block; everything else as llama names it.
 pub fn canonical_name(name: &str) -> Option<String> {
-    if let Some(g) = super::global_name(name) {
-        return Some(g);
-    }
-    layer_name(name.strip_prefix("model.").unwrap_or(name), |rest| {
+    let norm = layer_name(name.strip_prefix("model.").unwrap_or(name), |rest| {
         let canonical = match rest {
-            "input_layernorm.weight" => "attn_norm.weight",
-            "self_attn.q_proj.weight" => "attn_q.weight",
-            "self_attn.k_proj.weight" => "attn_k.weight",
-            "self_attn.v_proj.weight" => "attn_v.weight",
-            "self_attn.o_proj.weight" => "attn_output.weight",
-            "self_attn.q_norm.weight" => "attn_q_norm.weight",
-            "self_attn.k_norm.weight" => "attn_k_norm.weight",
             "post_attention_layernorm.weight" => "post_attention_norm.weight",
             "pre_feedforward_layernorm.weight" => "ffn_norm.weight",
             "post_feedforward_layernorm.weight" => "post_ffw_norm.weight",
-            "mlp.gate_proj.weight" => "ffn_gate.weight",
-            "mlp.up_proj.weight" => "ffn_up.weight",
-            "mlp.down_proj.weight" => "ffn_down.weight",
             _ => return None,
         };
         Some(canonical.to_string())
-    })
+    });
+    norm.or_else(|| super::llama::canonical_name(name))
 }
 
 #[cfg(test)]

@@ -81,15 +81,38 @@ pub fn hf_config(j: &HfJson, family: Family) -> Result<ModelConfig> {
     }
     let attention_bias = j.bool_or("attention_bias", false)?;
     let qwen2 = family == Family::Qwen2;
-    let (theta, rope_scaling) = rope_theta(j)?;
+    let arch = match family {
+        Family::Llama | Family::Mistral => Architecture::Llama,
+        Family::Phi3 => Architecture::Phi3,
+        Family::Qwen2 => Architecture::Qwen2,
+        Family::Qwen3 => Architecture::Qwen3,
+    };
     Ok(ModelConfig {
-        arch: match family {
-            Family::Llama | Family::Mistral => Architecture::Llama,
-            Family::Phi3 => Architecture::Phi3,
-            Family::Qwen2 => Architecture::Qwen2,
-            Family::Qwen3 => Architecture::Qwen3,
-        },
-        n_layers,
+        mlp,
+        qkv_bias: qwen2 || attention_bias,
+        out_bias: !qwen2 && attention_bias,
+        qk_norm: family == Family::Qwen3,
+        attn,
+        tied_output: j.bool_or("tie_word_embeddings", false)?,
+        ..base(j, arch, head_dim, rope_theta(j)?)?
+    })
+}
+
+/// What every llama-style checkpoint reads alike: the shapes from the usual keys (`head_dim`
+/// given), RMSNorm before each block and at the end, RoPE in NeoX order with `rope`'s base and
+/// scaling; and llama's choices for the rest (SwiGLU, no biases, no head norms, plain
+/// attention, an untied head, none of Gemma's extras), for a family to override.
+pub(crate) fn base(
+    j: &HfJson,
+    arch: Architecture,
+    head_dim: usize,
+    (theta, rope_scaling): Rope,
+) -> Result<ModelConfig> {
+    let d_model = j.int("hidden_size")?;
+    let n_heads = j.int("num_attention_heads")?;
+    Ok(ModelConfig {
+        arch,
+        n_layers: j.int("num_hidden_layers")?,
         d_model,
         n_ff: j.int("intermediate_size")?,
         n_heads,
@@ -112,22 +135,25 @@ pub fn hf_config(j: &HfJson, family: Family) -> Result<ModelConfig> {
         norm_affine: true,
         pre_norm: true,
         final_norm: true,
-        mlp,
-        qkv_bias: qwen2 || attention_bias,
-        out_bias: !qwen2 && attention_bias,
+        mlp: MlpKind::SwiGlu,
+        qkv_bias: false,
+        out_bias: false,
         mlp_bias: false,
-        qk_norm: family == Family::Qwen3,
-        attn,
-        tied_output: j.bool_or("tie_word_embeddings", false)?,
+        qk_norm: false,
+        attn: AttnConfig::plain(),
+        tied_output: false,
         d_embed: d_model,
     })
 }
+
+/// RoPE's base and scaling, as a config reads them.
+pub(crate) type Rope = (f32, Option<RopeScaling>);
 
 /// RoPE's base (`rope_theta`, or `rope_parameters.rope_theta` in transformers 5) and its
 /// scaling: none (`default`), `linear` (`factor`) or Llama 3's (`llama3`, with `factor`,
 /// `low_freq_factor`, `high_freq_factor` and `original_max_position_embeddings`). Other
 /// scalings (dynamic, YaRN, LongRoPE) are refused by name rather than run wrong.
-pub(crate) fn rope_theta(j: &HfJson) -> Result<(f32, Option<RopeScaling>)> {
+pub(crate) fn rope_theta(j: &HfJson) -> Result<Rope> {
     let key = match j.get("rope_parameters") {
         Some(_) => "rope_parameters",
         None => "rope_scaling",

@@ -76,35 +76,13 @@ impl Tokenizer {
             .map(|(s, &t)| AddedToken::from(s.clone(), t == TOKEN_CONTROL))
             .collect();
         inner.add_special_tokens(&special);
-        let id = |key: &str| {
-            h.get(key)
-                .and_then(|x| x.as_u64())
-                .filter(|&i| (i as usize) < v.tokens.len())
-                .map(|i| i as u32)
-        };
-        let (bos, eos) = (id(TOK_BOS), id(TOK_EOS));
         // llama.cpp's key; absent, its default for the vocabulary (SentencePiece and Llama 3's
         // pre-tokenizers add one, plain GPT-2 BPE does not).
         let add_bos = match h.get(TOK_ADD_BOS).and_then(|x| x.as_bool()) {
             Some(b) => b,
             None => add_bos_default,
         };
-        if add_bos {
-            prepend_bos(&mut inner, bos)?;
-        }
-        let eog: Vec<u32> = [eos, id(TOK_EOT)].into_iter().flatten().collect();
-        let chat_template = h
-            .get(CHAT_TEMPLATE)
-            .and_then(|x| x.as_str())
-            .map(String::from);
-        Ok(Self::assemble(
-            inner,
-            v.tokens,
-            bos,
-            eos,
-            eog,
-            chat_template,
-        ))
+        finish(h, inner, v.tokens, add_bos)
     }
 
     /// A GGUF that carries the whole Hugging Face `tokenizer.json` (`tokenizer.huggingface.json`,
@@ -116,20 +94,43 @@ impl Tokenizer {
         let tokens: Vec<String> = (0..n as u32)
             .map(|i| inner.id_to_token(i).unwrap_or_default())
             .collect();
-        let id = |key: &str| {
-            h.get(key)
-                .and_then(|v| v.as_u64())
-                .filter(|&i| (i as usize) < n)
-                .map(|i| i as u32)
-        };
-        let (bos, eos) = (id(TOK_BOS), id(TOK_EOS));
-        let eog = [eos, id(TOK_EOT)].into_iter().flatten().collect();
-        let tpl = h
-            .get(CHAT_TEMPLATE)
-            .and_then(|v| v.as_str())
-            .map(String::from);
-        Ok(Self::assemble(inner, tokens, bos, eos, eog, tpl))
+        // Its own post-processor adds what it adds.
+        finish(h, inner, tokens, false)
     }
+}
+
+/// The common end of a GGUF tokenizer: the BOS, EOS and EOT ids the keys give (those inside the
+/// vocabulary `tokens`), a post-processor that puts the BOS first when `add_bos`, and the chat
+/// template.
+fn finish(
+    h: &GgufHeader,
+    mut inner: tokenizers::Tokenizer,
+    tokens: Vec<String>,
+    add_bos: bool,
+) -> Result<Tokenizer> {
+    let id = |key: &str| {
+        h.get(key)
+            .and_then(|x| x.as_u64())
+            .filter(|&i| (i as usize) < tokens.len())
+            .map(|i| i as u32)
+    };
+    let (bos, eos) = (id(TOK_BOS), id(TOK_EOS));
+    if add_bos {
+        prepend_bos(&mut inner, bos)?;
+    }
+    let eog: Vec<u32> = [eos, id(TOK_EOT)].into_iter().flatten().collect();
+    let chat_template = h
+        .get(CHAT_TEMPLATE)
+        .and_then(|x| x.as_str())
+        .map(String::from);
+    Ok(Tokenizer::assemble(
+        inner,
+        tokens,
+        bos,
+        eos,
+        eog,
+        chat_template,
+    ))
 }
 
 impl Vocab {
