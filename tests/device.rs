@@ -122,6 +122,57 @@ pub fn check_fixtures<D: Device>(dev: &D) -> f32 {
     worst
 }
 
+/// Files that `dejavu quantize` writes in every other weight type (opt-relu's 1536-wide down
+/// projections as Q2_K, Q3_K, Q5_K, IQ4_XS, and its 384-wide matrices as Q5_1, IQ4_NL and the
+/// mixes' fallbacks), dense and a 40% plan, against the reference; returns the worst error.
+pub fn check_quantized<D: Device>(dev: &D) -> f32 {
+    use dejavu::quantize::{FileType, Options};
+    let dir = tempfile::tempdir().unwrap();
+    let src = root().join("tests/fixtures/hf/opt-relu");
+    let m = dejavu::model::weights::Model::load(&src).unwrap();
+    let t = dejavu::model::tokenizer::Tokenizer::from_model(&m).unwrap();
+    let b = CpuBackend::new(2).unwrap();
+    let mut worst = 0f32;
+    for (ftype, pure) in [
+        (FileType::Q2K, true),
+        (FileType::Q3KM, false),
+        (FileType::Q5KM, true),
+        (FileType::IQ4XS, true),
+        (FileType::Q5_1, false),
+    ] {
+        let out = dir.path().join(format!("{}.gguf", ftype.name()));
+        let opts = Options {
+            ftype,
+            pure,
+            imatrix: None,
+        };
+        dejavu::quantize::quantize(&m, &t, &b, &opts, &out).unwrap();
+        let opts = EngineOptions {
+            keep_file_layout: true,
+            ..Default::default()
+        };
+        let eng = Engine::load(&out, &opts).unwrap();
+        let r = reference(&eng);
+        let layout = eng.sparse_layout().unwrap();
+        let dm = DeviceModel::upload(dev, &eng.model, Some(layout)).unwrap();
+        let dense = SparsePlan::dense(&eng.model.config);
+        let dense = check_plan(dev, &r, &eng, &dm, &dense, "dense");
+        let sparse = check_plan(dev, &r, &eng, &dm, &random_plan(&eng, 0.4, 7), "sparse");
+        eprintln!(
+            "{} opt-relu {}: worst |logit error| dense {dense:.2e}, sparse 40% {sparse:.2e}",
+            dev.name(),
+            ftype.name()
+        );
+        worst = worst.max(dense).max(sparse);
+    }
+    worst
+}
+
+#[test]
+fn quantized_files_on_the_reference_device_match_the_reference() {
+    check_quantized(&CpuDevice::reference());
+}
+
 /// SmolLM2 (Q4_1 and Q8_0 rows, 30 layers, grouped-query attention): dense and a 40% plan
 /// against the host's f32 reference with an f16 cache, every logit within 7e-3 of the step's
 /// largest |logit|, and the greedy token at every step where the host's margin exceeds 0.1.

@@ -1,6 +1,7 @@
 //! `dejavu quantize` on the Hugging Face fixtures: the GGUF it writes loads (memory-mapped),
-//! tokenizes as the checkpoint does, runs on every kernel tier, and keeps the quality the issue
-//! asks for (Q8_0 within 0.5% and Q4_0 within 5% of the f16 checkpoint's perplexity).
+//! tokenizes as the checkpoint does, runs on every kernel tier, keeps the quality the issue
+//! asks for (Q8_0 within 0.5% and Q4_0 within 5% of the f16 checkpoint's perplexity), and gives
+//! each matrix the type llama-quantize's mixes give it.
 mod common;
 use common::OnCpu;
 use common::Reference;
@@ -9,12 +10,13 @@ use dejavu::exec::Logits;
 use dejavu::exec::{Engine, EngineOptions};
 use dejavu::model::tokenizer::Tokenizer;
 use dejavu::model::weights::Model;
+use dejavu::quantize::{FileType, Imatrix, Options};
 use dejavu::sparsity::policy::Policy;
 use dejavu::sparsity::SparsePlan;
 use dejavu::text::sampling::argmax;
-use dejavu_backend_api::QuantType;
 use dejavu_backend_cpu::isa::Isa;
 use dejavu_backend_cpu::CpuBackend;
+use dejavu_formats::GgufFile;
 use std::path::{Path, PathBuf};
 
 fn fixture(name: &str) -> PathBuf {
@@ -23,11 +25,20 @@ fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
-fn quantize(src: &Path, qtype: QuantType, out: &Path) {
+fn quantize(src: &Path, ftype: FileType, out: &Path) {
+    quantize_with(src, ftype, false, None, out)
+}
+
+fn quantize_with(src: &Path, ftype: FileType, pure: bool, imatrix: Option<Imatrix>, out: &Path) {
     let m = Model::load(src).unwrap();
     let t = Tokenizer::from_model(&m).unwrap();
     let b = CpuBackend::new(2).unwrap();
-    dejavu::quantize::quantize(&m, &t, &b, qtype, out).unwrap();
+    let opts = Options {
+        ftype,
+        pure,
+        imatrix,
+    };
+    dejavu::quantize::quantize(&m, &t, &b, &opts, out).unwrap();
 }
 
 fn ppl(path: &Path) -> f64 {
@@ -46,9 +57,9 @@ fn quantized_opt_keeps_quality() {
     let src = fixture("opt-relu");
     let base = ppl(&src);
     for (qtype, budget) in [
-        (QuantType::F16, 1e-6),
-        (QuantType::Q8_0, 0.005),
-        (QuantType::Q4_0, 0.05),
+        (FileType::F16, 1e-6),
+        (FileType::Q8_0, 0.005),
+        (FileType::Q4_0, 0.05),
     ] {
         let out = dir.path().join(format!("opt-{}.gguf", qtype.name()));
         quantize(&src, qtype, &out);
@@ -83,7 +94,7 @@ fn every_fixture_converts_to_gguf() {
         "opt-torch",
     ] {
         let out = dir.path().join(format!("{name}.gguf"));
-        quantize(&fixture(name), QuantType::F16, &out);
+        quantize(&fixture(name), FileType::F16, &out);
         let eng = Engine::load(&out, &EngineOptions::default()).unwrap();
         let r: Reference = serde_json::from_str(
             &std::fs::read_to_string(fixture(name).join("reference.json")).unwrap(),
@@ -113,9 +124,18 @@ fn quantized_files_run_on_every_tier() {
         &std::fs::read_to_string(fixture("opt-relu").join("reference.json")).unwrap(),
     )
     .unwrap();
-    for qtype in [QuantType::Q8_0, QuantType::Q4_0] {
+    // The pure K-quant files put Q2_K, Q5_K and IQ4_XS rows in the 1536-wide down projections.
+    for (qtype, pure) in [
+        (FileType::Q8_0, false),
+        (FileType::Q4_0, false),
+        (FileType::Q4KM, false),
+        (FileType::Q3KM, false),
+        (FileType::Q2K, true),
+        (FileType::Q5KS, true),
+        (FileType::IQ4XS, true),
+    ] {
         let out = dir.path().join(format!("opt-{}.gguf", qtype.name()));
-        quantize(&fixture("opt-relu"), qtype, &out);
+        quantize_with(&fixture("opt-relu"), qtype, pure, None, &out);
         let eng = Engine::load(&out, &EngineOptions::default()).unwrap();
         let vocab = eng.model.config.vocab_size;
         let plan = SparsePlan::dense(&eng.model.config);
@@ -152,4 +172,88 @@ fn quantized_files_run_on_every_tier() {
             }
         }
     }
+}
+
+/// The types of a file, by tensor name.
+fn types_of(path: &Path) -> std::collections::HashMap<String, String> {
+    let f = GgufFile::open(path).unwrap();
+    (f.header.tensors.iter())
+        .map(|t| (t.name.clone(), t.ggml_type.name().to_string()))
+        .collect()
+}
+
+/// The K-quant mixes on opt-relu (6 layers, width 384, 1536 neurons): llama-quantize's type for
+/// each matrix (widths of 384 fall back to 32-wide types), and the perplexity within each type's
+/// budget of the f16 checkpoint's (budgets: 2-15x the change measured, which is under 0.6% for
+/// every type: this little-trained model's perplexity is insensitive to rounding, so the real
+/// check of quality is llama-perplexity on real models, in the README). With an importance
+/// matrix from the evaluation text the 2-bit file keeps its budget too.
+#[test]
+fn k_quant_mixes_follow_llama_quantize() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = fixture("opt-relu");
+    let base = ppl(&src);
+    for (ftype, budget) in [
+        (FileType::Q6K, 0.005),
+        (FileType::Q5KM, 0.01),
+        (FileType::Q4KM, 0.015),
+        (FileType::IQ4XS, 0.015),
+        (FileType::Q3KM, 0.03),
+        (FileType::Q2K, 0.05),
+    ] {
+        let out = dir.path().join(format!("opt-{}.gguf", ftype.name()));
+        quantize(&src, ftype, &out);
+        let p = ppl(&out);
+        eprintln!(
+            "opt-relu {}: ppl {p:.4} vs f16 {base:.4} ({:+.2}%)",
+            ftype.name(),
+            (p / base - 1.0) * 100.0
+        );
+        assert!(
+            (p / base - 1.0).abs() <= budget,
+            "{}: ppl {p} vs {base}",
+            ftype.name()
+        );
+        let t = types_of(&out);
+        // more(i, 6) layers (2 and 5) get Q6_K down projections under Q4_K_M and Q5_K_M; no
+        // layer is in the first eighth or sixteenth of 6.
+        let down = |l: usize| t[&format!("blk.{l}.ffn_down.weight")].as_str();
+        match ftype {
+            FileType::Q4KM => assert_eq!([down(0), down(2), down(5)], ["Q4_K", "Q6_K", "Q6_K"]),
+            FileType::Q5KM => assert_eq!([down(0), down(2)], ["Q5_K", "Q6_K"]),
+            FileType::Q3KM => assert_eq!(down(0), "Q4_K"),
+            FileType::Q2K => assert_eq!(down(0), "Q3_K"),
+            FileType::IQ4XS => assert_eq!(down(0), "IQ4_XS"),
+            _ => assert_eq!(down(0), "Q6_K"),
+        }
+        // 384-wide rows fall back as llama-quantize's do; the tied output is Q8_0.
+        let fallback = match ftype {
+            FileType::Q6K => "Q8_0",
+            FileType::Q5KM => "Q5_1",
+            FileType::Q4KM => "Q5_0",
+            FileType::IQ4XS => "IQ4_NL",
+            _ => "Q4_0",
+        };
+        assert_eq!(t["blk.0.attn_q.weight"], fallback, "{}", ftype.name());
+        assert_eq!(t["token_embd.weight"], "Q8_0");
+    }
+    // Q2_K with an importance matrix.
+    let eng = Engine::load(&src, &EngineOptions::default()).unwrap();
+    let text = std::fs::read_to_string(fixture("eval.txt")).unwrap();
+    let tokens = eng.tokenizer.encode_document(&text).unwrap();
+    let im = Imatrix::collect(&eng, &tokens, 512, Some(4)).unwrap();
+    assert!(im
+        .for_tensor("blk.0.ffn_down.weight")
+        .is_some_and(|v| v.len() == 1536));
+    assert!(im
+        .for_tensor("blk.5.attn_output.weight")
+        .is_some_and(|v| v.iter().all(|x| *x >= 0.0)));
+    let out = dir.path().join("opt-q2_k-imatrix.gguf");
+    quantize_with(&src, FileType::Q2K, false, Some(im), &out);
+    let p = ppl(&out);
+    eprintln!(
+        "opt-relu q2_k with an importance matrix: ppl {p:.4} ({:+.2}%)",
+        (p / base - 1.0) * 100.0
+    );
+    assert!((p / base - 1.0).abs() <= 0.05);
 }

@@ -4,7 +4,8 @@ type the engine supports, produced by an independent implementation (the `gguf` 
 ggml's own reference code), written by gguf's own GGUFWriter (so it also checks our GGUF reader).
 
 Run once and commit the output:  pip install gguf numpy && python3 tools/gen_quant_fixtures.py
-Contents, for each type T in F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q4_K Q6_K:
+Contents, for each type T in F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q4_K Q6_K Q2_K Q3_K Q5_K
+IQ4_NL IQ4_XS:
   T.q    the raw tensor, ROWS x COLS elements of type T
   T.deq  F32 ROWS x COLS, gguf.quants.dequantize(T.q)
   T.dot  F32 ROWS, T.deq @ x computed in float64
@@ -41,24 +42,29 @@ w.add_tensor("x", x)
 dense = (rng.standard_normal((ROWS, COLS)) * 0.5).astype(np.float32)
 
 
-def k_quant_bytes(qtype):
-    """Random K-quant blocks with well-scaled f16 super-block scales."""
+# Byte offsets of each block's f16 scales (d, and dmin where the type has one).
+SCALES = {Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.Q2_K: [80, 82], Q.Q3_K: [108],
+          Q.IQ4_NL: [0], Q.IQ4_XS: [0]}
+
+
+def random_blocks(qtype):
+    """Random blocks with well-scaled f16 scales (every other byte random): gguf can dequantize
+    these types but not quantize them."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     n_blocks = ROWS * COLS // block
     raw = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
-    d = (rng.uniform(0.001, 0.02, size=n_blocks)).astype(np.float16).view(np.uint8).reshape(n_blocks, 2)
-    if qtype == Q.Q4_K:  # d, dmin at bytes 0..4
-        dmin = (rng.uniform(0.001, 0.02, size=n_blocks)).astype(np.float16).view(np.uint8).reshape(n_blocks, 2)
-        raw[:, 0:2], raw[:, 2:4] = d, dmin
-    elif qtype == Q.Q6_K:  # d at the last 2 bytes
-        raw[:, -2:] = d
+    for o in SCALES[qtype]:
+        d = rng.uniform(0.001, 0.02, size=n_blocks).astype(np.float16).view(np.uint8).reshape(n_blocks, 2)
+        raw[:, o:o + 2] = d
     return raw.reshape(ROWS, -1)
 
 
 for name, qtype in [("F32", Q.F32), ("F16", Q.F16), ("BF16", Q.BF16), ("Q8_0", Q.Q8_0), ("Q4_0", Q.Q4_0),
-                    ("Q4_1", Q.Q4_1), ("Q5_0", Q.Q5_0), ("Q4_K", Q.Q4_K), ("Q6_K", Q.Q6_K)]:
-    if qtype in (Q.Q4_K, Q.Q6_K):
-        raw = k_quant_bytes(qtype)
+                    ("Q4_1", Q.Q4_1), ("Q5_0", Q.Q5_0), ("Q5_1", Q.Q5_1), ("Q4_K", Q.Q4_K), ("Q6_K", Q.Q6_K),
+                    ("Q2_K", Q.Q2_K), ("Q3_K", Q.Q3_K), ("Q5_K", Q.Q5_K), ("IQ4_NL", Q.IQ4_NL),
+                    ("IQ4_XS", Q.IQ4_XS)]:
+    if qtype in SCALES:
+        raw = random_blocks(qtype)
     elif qtype == Q.F32:
         raw = dense.view(np.uint8)
     elif qtype == Q.F16:

@@ -33,7 +33,7 @@ pub enum FormatError {
     BadUtf8 { offset: usize },
     #[error("unknown metadata value type {type_id} at byte {offset}")]
     UnknownValueType { type_id: u32, offset: usize },
-    #[error("tensor `{tensor}`: unknown ggml type id {type_id}")]
+    #[error("tensor `{tensor}`: ggml type {} is not supported", crate::gguf::GgmlType::describe_id(*type_id))]
     UnknownGgmlType { tensor: String, type_id: u32 },
     #[error("tensor `{tensor}`: bad shape {dims:?}: {reason}")]
     BadShape {

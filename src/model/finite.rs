@@ -13,16 +13,6 @@ use dejavu_backend_api::QuantType;
 /// Blocks checked per matrix that is not checked in full.
 pub const SAMPLES: usize = 4096;
 
-/// Byte offsets of the f16 scales inside one block of `q` (empty: the block is one float).
-fn scale_offsets(q: QuantType) -> &'static [usize] {
-    match q {
-        QuantType::Q4_0 | QuantType::Q5_0 | QuantType::Q8_0 => &[0],
-        QuantType::Q4_1 | QuantType::Q4K => &[0, 2],
-        QuantType::Q6K => &[208],
-        QuantType::F32 | QuantType::F16 | QuantType::BF16 => &[],
-    }
-}
-
 /// Whether block `b` (its bytes) of type `q` holds only finite scales or values.
 fn block_finite(q: QuantType, b: &[u8]) -> bool {
     let f16_at = |o: usize| half::f16::from_le_bytes([b[o], b[o + 1]]).is_finite();
@@ -30,7 +20,7 @@ fn block_finite(q: QuantType, b: &[u8]) -> bool {
         QuantType::F32 => f32::from_le_bytes([b[0], b[1], b[2], b[3]]).is_finite(),
         QuantType::F16 => f16_at(0),
         QuantType::BF16 => half::bf16::from_le_bytes([b[0], b[1]]).is_finite(),
-        _ => scale_offsets(q).iter().all(|&o| f16_at(o)),
+        _ => q.scale_offsets().iter().all(|&o| f16_at(o)),
     }
 }
 

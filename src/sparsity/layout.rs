@@ -10,8 +10,9 @@
 //! skips `head_dim` contiguous rows.
 //!
 //! Target types (chosen to keep bytes per weight close to the source; the requantization error is
-//! measured in docs/sparsity.md): 4-bit sources (Q4_0, Q4_1, Q4_K) and Q5_0 become Q5_0 (5.5
-//! bits, 0.69 bytes per weight); Q6_K and Q8_0 become Q8_0.
+//! measured in docs/sparsity.md): sources of 2 to 5.5 bits (Q2_K, Q3_K, Q4_0, Q4_1, Q4_K,
+//! IQ4_NL, IQ4_XS, Q5_0, Q5_1, Q5_K) become Q5_0 (5.5 bits, 0.69 bytes per weight); Q6_K and
+//! Q8_0 become Q8_0.
 //!
 //! The result is cached in dejavu's cache directory as `layouts/<model file>-<path hash>.sparse-
 //! <TYPE>.v3.gguf` (built once, checked against the source's content hash (model::content_key)
@@ -27,7 +28,8 @@ use std::path::PathBuf;
 
 /// Bump when the conversion changes: older cache files are rebuilt.
 /// 2: W_o added. 3: keyed on the full content hash and the files' stamp (model::content_key).
-pub const LAYOUT_VERSION: u32 = 3;
+/// 4: the requantized rows search scales at both ends of the range (lower error).
+pub const LAYOUT_VERSION: u32 = 4;
 const KEY_VERSION: &str = "dejavu.layout.version";
 const KEY_SOURCE: &str = "dejavu.layout.source_fingerprint";
 const KEY_STAMP: &str = "dejavu.layout.source_stamp";
@@ -45,7 +47,16 @@ pub fn down_t_type(src: QuantType) -> QuantType {
     match src {
         QuantType::F32 | QuantType::F16 | QuantType::BF16 => src,
         QuantType::Q8_0 | QuantType::Q6K => QuantType::Q8_0,
-        QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q5_0 | QuantType::Q4K => QuantType::Q5_0,
+        QuantType::Q2K
+        | QuantType::Q3K
+        | QuantType::Q4_0
+        | QuantType::Q4_1
+        | QuantType::Q4K
+        | QuantType::IQ4NL
+        | QuantType::IQ4XS
+        | QuantType::Q5_0
+        | QuantType::Q5_1
+        | QuantType::Q5K => QuantType::Q5_0,
     }
 }
 

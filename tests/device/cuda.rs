@@ -17,6 +17,13 @@ fn fixed_plans_on_the_gpu_match_the_reference() {
 }
 
 #[test]
+fn quantized_files_on_the_gpu_match_the_reference() {
+    if let Some(g) = gpu() {
+        check_quantized(&g);
+    }
+}
+
+#[test]
 fn smollm2_on_the_gpu_matches_the_reference() {
     if let Some(g) = gpu() {
         check_smollm2(&g);

@@ -8,6 +8,7 @@ mod device;
 mod index_set;
 pub mod quant;
 pub mod quantize;
+mod quantize_k;
 
 pub use backend::{
     Activation, AttnShape, Backend, BackendError, KvSlice, MatmulJob, RopeStyle, RowLayout,

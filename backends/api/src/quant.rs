@@ -16,10 +16,16 @@ pub enum QuantType {
     Q5_0,
     Q4K,
     Q6K,
+    Q5_1,
+    Q2K,
+    Q3K,
+    Q5K,
+    IQ4NL,
+    IQ4XS,
 }
 
 impl QuantType {
-    pub const ALL: [QuantType; 9] = [
+    pub const ALL: [QuantType; 15] = [
         QuantType::F32,
         QuantType::F16,
         QuantType::BF16,
@@ -29,14 +35,30 @@ impl QuantType {
         QuantType::Q5_0,
         QuantType::Q4K,
         QuantType::Q6K,
+        QuantType::Q5_1,
+        QuantType::Q2K,
+        QuantType::Q3K,
+        QuantType::Q5K,
+        QuantType::IQ4NL,
+        QuantType::IQ4XS,
     ];
 
     /// Elements per block.
     pub const fn block_len(self) -> usize {
         match self {
             QuantType::F32 | QuantType::F16 | QuantType::BF16 => 1,
-            QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q5_0 => QK,
-            QuantType::Q4K | QuantType::Q6K => QK_K,
+            QuantType::Q8_0
+            | QuantType::Q4_0
+            | QuantType::Q4_1
+            | QuantType::Q5_0
+            | QuantType::Q5_1
+            | QuantType::IQ4NL => QK,
+            QuantType::Q4K
+            | QuantType::Q6K
+            | QuantType::Q2K
+            | QuantType::Q3K
+            | QuantType::Q5K
+            | QuantType::IQ4XS => QK_K,
         }
     }
     /// Bytes per block.
@@ -50,6 +72,12 @@ impl QuantType {
             QuantType::Q5_0 => size_of::<BlockQ5_0>(),
             QuantType::Q4K => size_of::<BlockQ4K>(),
             QuantType::Q6K => size_of::<BlockQ6K>(),
+            QuantType::Q5_1 => size_of::<BlockQ5_1>(),
+            QuantType::Q2K => size_of::<BlockQ2K>(),
+            QuantType::Q3K => size_of::<BlockQ3K>(),
+            QuantType::Q5K => size_of::<BlockQ5K>(),
+            QuantType::IQ4NL => size_of::<BlockIQ4NL>(),
+            QuantType::IQ4XS => size_of::<BlockIQ4XS>(),
         }
     }
     /// The alignment in bytes a row's data must have: the kernels read the blocks as typed
@@ -65,6 +93,12 @@ impl QuantType {
             QuantType::Q5_0 => align_of::<BlockQ5_0>(),
             QuantType::Q4K => align_of::<BlockQ4K>(),
             QuantType::Q6K => align_of::<BlockQ6K>(),
+            QuantType::Q5_1 => align_of::<BlockQ5_1>(),
+            QuantType::Q2K => align_of::<BlockQ2K>(),
+            QuantType::Q3K => align_of::<BlockQ3K>(),
+            QuantType::Q5K => align_of::<BlockQ5K>(),
+            QuantType::IQ4NL => align_of::<BlockIQ4NL>(),
+            QuantType::IQ4XS => align_of::<BlockIQ4XS>(),
         }
     }
     /// Bytes of a row of `n` elements (`n` a multiple of `block_len`).
@@ -83,6 +117,28 @@ impl QuantType {
             QuantType::Q5_0 => "Q5_0",
             QuantType::Q4K => "Q4_K",
             QuantType::Q6K => "Q6_K",
+            QuantType::Q5_1 => "Q5_1",
+            QuantType::Q2K => "Q2_K",
+            QuantType::Q3K => "Q3_K",
+            QuantType::Q5K => "Q5_K",
+            QuantType::IQ4NL => "IQ4_NL",
+            QuantType::IQ4XS => "IQ4_XS",
+        }
+    }
+    /// Byte offsets of the f16 scales (`d`, and `m`/`dmin` where the type has one) inside one
+    /// block; empty for the float types (a block is one value).
+    pub const fn scale_offsets(self) -> &'static [usize] {
+        match self {
+            QuantType::F32 | QuantType::F16 | QuantType::BF16 => &[],
+            QuantType::Q4_0
+            | QuantType::Q5_0
+            | QuantType::Q8_0
+            | QuantType::IQ4NL
+            | QuantType::IQ4XS => &[0],
+            QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q4K | QuantType::Q5K => &[0, 2],
+            QuantType::Q6K => &[208],
+            QuantType::Q2K => &[80, 82],
+            QuantType::Q3K => &[108],
         }
     }
     pub fn from_name(name: &str) -> Option<Self> {
@@ -152,7 +208,102 @@ pub struct BlockQ6K {
     pub d: f16,
 }
 
+/// Q5_1: Q4_1 with Q5_0's fifth bits: `x = d * q5 + m`, q5 in 0..32.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Pod, Zeroable)]
+pub struct BlockQ5_1 {
+    pub d: f16,
+    pub m: f16,
+    pub qh: [u8; 4],
+    pub qs: [u8; QK / 2],
+}
+
+/// Q2_K: 16 sub-blocks of 16; `scales[j]` holds a 4-bit scale (low) and a 4-bit min (high);
+/// `x = d * (sc & 15) * q - dmin * (sc >> 4)`, q in 0..4. Element l (< 32) of the 32-element
+/// group k = 4n + s (half n, shift s) is bits `2s..2s+2` of `qs[32n + l]`, sub-block `8n + 2s + l / 16`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Pod, Zeroable)]
+pub struct BlockQ2K {
+    pub scales: [u8; QK_K / 16],
+    pub qs: [u8; QK_K / 4],
+    pub d: f16,
+    pub dmin: f16,
+}
+
+/// Q3_K: 16 sub-blocks of 16 with 6-bit scales (stored + 32, packed in 12 bytes, see
+/// [`q3k_scales`]); `x = d * scale * q`, q in -4..4: two bits as Q2_K's plus a high bit from
+/// `hmask` (bit k of `hmask[l]` for group k; clear means q - 4).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Pod, Zeroable)]
+pub struct BlockQ3K {
+    pub hmask: [u8; QK_K / 8],
+    pub qs: [u8; QK_K / 4],
+    pub scales: [u8; 12],
+    pub d: f16,
+}
+
+/// Q5_K: Q4_K with a fifth bit per element: bit j of `qh[l]` for element l of sub-block j;
+/// `x = d * sc[j] * q5 - dmin * m[j]`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Pod, Zeroable)]
+pub struct BlockQ5K {
+    pub d: f16,
+    pub dmin: f16,
+    pub scales: [u8; 12],
+    pub qh: [u8; QK_K / 8],
+    pub qs: [u8; QK_K / 2],
+}
+
+/// IQ4_NL: 4-bit indices into the non-linear [`KVALUES_IQ4NL`], nibbles as Q4_0:
+/// `x = d * KVALUES_IQ4NL[q]`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Pod, Zeroable)]
+pub struct BlockIQ4NL {
+    pub d: f16,
+    pub qs: [u8; QK / 2],
+}
+
+/// IQ4_XS: 8 IQ4_NL sub-blocks of 32 sharing one `d`, each with a 6-bit scale (see
+/// [`iq4xs_scale`]): `x = d * scale * KVALUES_IQ4NL[q]`; sub-block j's nibbles are `qs[16j..16j+16]`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Pod, Zeroable)]
+pub struct BlockIQ4XS {
+    pub d: f16,
+    pub scales_h: [u8; 2],
+    pub scales_l: [u8; QK_K / 64],
+    pub qs: [u8; QK_K / 2],
+}
+
+/// The 16 levels of IQ4_NL and IQ4_XS (ggml's `kvalues_iq4nl`).
+pub const KVALUES_IQ4NL: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
+
+/// The 16 signed scales of a Q3_K block (ggml's unpacking of `scales`, minus 32).
+#[inline]
+pub fn q3k_scales(s: &[u8; 12]) -> [i8; 16] {
+    std::array::from_fn(|j| {
+        let low = if j < 8 { s[j] & 0xF } else { s[j - 8] >> 4 };
+        let high = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
+        (low | (high << 4)) as i8 - 32
+    })
+}
+
+/// The signed scale of sub-block `j` (0..8) of an IQ4_XS block.
+#[inline]
+pub fn iq4xs_scale(b: &BlockIQ4XS, j: usize) -> i32 {
+    let low = (b.scales_l[j / 2] >> (4 * (j % 2))) & 0xF;
+    let high = (u16::from_le_bytes(b.scales_h) >> (2 * j)) & 3;
+    (low as i32 | (high as i32) << 4) - 32
+}
+
 const _: () = assert!(size_of::<BlockQ8_0>() == 34);
+const _: () = assert!(size_of::<BlockQ5_1>() == 24);
+const _: () = assert!(size_of::<BlockQ2K>() == 84);
+const _: () = assert!(size_of::<BlockQ3K>() == 110);
+const _: () = assert!(size_of::<BlockQ5K>() == 176);
+const _: () = assert!(size_of::<BlockIQ4NL>() == 18);
+const _: () = assert!(size_of::<BlockIQ4XS>() == 136);
 const _: () = assert!(size_of::<BlockQ4_0>() == 18);
 const _: () = assert!(size_of::<BlockQ4_1>() == 20);
 const _: () = assert!(size_of::<BlockQ5_0>() == 22);

@@ -6,84 +6,142 @@
 //! a few candidate scales are refined by least squares on the rounded levels and the best kept
 //! (the approach of ggml's `make_qx_quants` / `make_qkx2_quants`). This roughly halves the error
 //! of plain min/max scaling at 4-5 bits.
-use crate::quant::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8_0, QuantType, QK};
+use crate::quant::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, QuantType, QK};
+use crate::quantize_k as k;
 use half::{bf16, f16};
 
-/// Types [`quantize_row`] can write.
-pub const WRITABLE: [QuantType; 7] = [
-    QuantType::F32,
-    QuantType::F16,
-    QuantType::BF16,
-    QuantType::Q8_0,
-    QuantType::Q4_0,
-    QuantType::Q4_1,
-    QuantType::Q5_0,
-];
+/// Types [`quantize_row`] can write: all of them.
+pub const WRITABLE: [QuantType; 15] = QuantType::ALL;
 
 /// Quantize `x` into `qtype.row_bytes(x.len())` bytes appended to `out`. `x.len()` must be a
-/// multiple of the block length; `qtype` one of [`WRITABLE`] (others return `None`).
+/// multiple of the block length (else `None`).
 pub fn quantize_row(qtype: QuantType, x: &[f32], out: &mut Vec<u8>) -> Option<()> {
-    if !WRITABLE.contains(&qtype) || !x.len().is_multiple_of(qtype.block_len()) {
+    quantize_row_weighted(qtype, x, None, out)
+}
+
+/// [`quantize_row`] with an importance per element (`qw`, `x.len()` values: an importance
+/// matrix's column weights, repeated for every row), which the scale searches weight their
+/// squared errors by, as `llama-quantize --imatrix` does (ggml's `quantize_*_impl`). Q8_0 and the
+/// float types ignore it.
+pub fn quantize_row_weighted(
+    qtype: QuantType,
+    x: &[f32],
+    qw: Option<&[f32]>,
+    out: &mut Vec<u8>,
+) -> Option<()> {
+    let bl = qtype.block_len();
+    if !x.len().is_multiple_of(bl) || qw.is_some_and(|w| w.len() != x.len()) {
         return None;
     }
-    match qtype {
-        QuantType::F32 => x.iter().for_each(|v| out.extend(v.to_le_bytes())),
-        QuantType::F16 => x
-            .iter()
-            .for_each(|v| out.extend(f16::from_f32(*v).to_le_bytes())),
-        QuantType::BF16 => x
-            .iter()
-            .for_each(|v| out.extend(bf16::from_f32(*v).to_le_bytes())),
-        QuantType::Q8_0 => x
-            .chunks_exact(QK)
-            .for_each(|b| out.extend(bytemuck::bytes_of(&q8_0(symmetric(b, -127, 127))))),
-        QuantType::Q4_0 => x
-            .chunks_exact(QK)
-            .for_each(|b| out.extend(bytemuck::bytes_of(&q4_0(symmetric(b, -8, 7))))),
-        QuantType::Q4_1 => x
-            .chunks_exact(QK)
-            .for_each(|b| out.extend(bytemuck::bytes_of(&q4_1(b)))),
-        QuantType::Q5_0 => x
-            .chunks_exact(QK)
-            .for_each(|b| out.extend(bytemuck::bytes_of(&q5_0(symmetric(b, -16, 15))))),
-        _ => return None,
+    let s2 = qw.map(|_| k::row_sigma2(x));
+    // Block `i`'s elements and importances.
+    let blocks = x
+        .chunks_exact(bl)
+        .enumerate()
+        .map(|(i, b)| (b, qw.map(|w| &w[i * bl..(i + 1) * bl])));
+    let mut put = |b: &[u8]| out.extend_from_slice(b);
+    use bytemuck::bytes_of;
+    for (b, w) in blocks {
+        match (qtype, w, s2) {
+            (QuantType::F32, ..) => b.iter().for_each(|v| put(&v.to_le_bytes())),
+            (QuantType::F16, ..) => b.iter().for_each(|v| put(&f16::from_f32(*v).to_le_bytes())),
+            (QuantType::BF16, ..) => b
+                .iter()
+                .for_each(|v| put(&bf16::from_f32(*v).to_le_bytes())),
+            (QuantType::Q8_0, ..) => put(bytes_of(&q8_0(symmetric(b, -127, 127)))),
+            (QuantType::Q4_0, Some(w), Some(s2)) => put(bytes_of(&q4_0(levels_signed(
+                k::symmetric_weighted(b, w, 8, s2),
+                8,
+            )))),
+            (QuantType::Q4_0, ..) => put(bytes_of(&q4_0(symmetric(b, -8, 7)))),
+            (QuantType::Q5_0, Some(w), Some(s2)) => put(bytes_of(&q5_0(levels_signed(
+                k::symmetric_weighted(b, w, 16, s2),
+                16,
+            )))),
+            (QuantType::Q5_0, ..) => put(bytes_of(&q5_0(symmetric(b, -16, 15)))),
+            (QuantType::Q4_1, Some(w), Some(s2)) => {
+                put(bytes_of(&q4_1(k::asymmetric_weighted(b, w, 15, s2))))
+            }
+            (QuantType::Q4_1, ..) => put(bytes_of(&q4_1(asymmetric(b, 15)))),
+            (QuantType::Q5_1, Some(w), Some(s2)) => {
+                put(bytes_of(&q5_1(k::asymmetric_weighted(b, w, 31, s2))))
+            }
+            (QuantType::Q5_1, ..) => put(bytes_of(&q5_1(asymmetric(b, 31)))),
+            (QuantType::IQ4NL, ..) => put(bytes_of(&k::iq4_nl(b, w))),
+            (QuantType::Q2K, ..) => put(bytes_of(&k::q2_k(b, w))),
+            (QuantType::Q3K, ..) => put(bytes_of(&k::q3_k(b, w))),
+            (QuantType::Q4K, ..) => put(bytes_of(&k::q4_k(b, w))),
+            (QuantType::Q5K, ..) => put(bytes_of(&k::q5_k(b, w))),
+            (QuantType::Q6K, ..) => put(bytes_of(&k::q6_k(b, w))),
+            (QuantType::IQ4XS, ..) => put(bytes_of(&k::iq4_xs(b, w))),
+        }
     }
     Some(())
 }
 
+/// Levels `0..2 nmax` with their scale as signed levels `L - nmax`.
+fn levels_signed((d, l): (f32, [u8; QK]), nmax: i32) -> (f32, [i32; QK]) {
+    (d, l.map(|v| v as i32 - nmax))
+}
+
 /// Symmetric levels `q in lo..=hi` with `x ~= d * q`: the scale of least squared error among
-/// candidates around `max|x| / hi`, each refined by least squares on its rounded levels.
+/// candidates around `max|x| / lo` and `max|x| / hi` (9 each; 3 for 8 bits, where they differ
+/// little), each refined by least squares on its rounded levels.
 fn symmetric(x: &[f32], lo: i32, hi: i32) -> (f32, [i32; QK]) {
     let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
     let mut best = (0f32, [0i32; QK], f32::INFINITY);
     if amax == 0.0 {
         return (0.0, best.1);
     }
-    // The signed value of largest magnitude maps to the end of the range with more room (ggml).
+    // The signed value of largest magnitude maps near either end of the range: the low end has
+    // one level more (ggml maps it there, with a negative scale if it is positive).
     let vmax = *x.iter().find(|v| v.abs() == amax).unwrap_or(&amax);
-    let end = if vmax < 0.0 { lo as f32 } else { hi as f32 };
-    for step in -8..=8 {
+    let sxx: f32 = x.iter().map(|v| v * v).sum();
+    let steps = if hi > 16 { 1 } else { 4 };
+    for (end, step) in [lo as f32, hi as f32]
+        .into_iter()
+        .flat_map(|e| (-steps..=steps).map(move |s| (e, s)))
+    {
         let d0 = vmax / (end + 0.1 * step as f32 * end.signum());
         if d0 == 0.0 || !d0.is_finite() {
             continue;
         }
         let mut d = d0;
         for _ in 0..2 {
-            let q: [i32; QK] = std::array::from_fn(|i| ((x[i] / d).round() as i32).clamp(lo, hi));
-            let (sxq, sqq) = (0..QK).fold((0f32, 0f32), |(a, b), i| {
-                (a + x[i] * q[i] as f32, b + (q[i] * q[i]) as f32)
-            });
+            let q = levels(x, 1.0 / d, lo as f32, hi as f32);
+            // Eight partial sums (a shape the compiler vectorizes).
+            let (mut sxq, mut sqq) = ([0f32; 8], [0f32; 8]);
+            for (xc, qc) in x.chunks_exact(8).zip(q.chunks_exact(8)) {
+                for j in 0..8 {
+                    sxq[j] += xc[j] * qc[j];
+                    sqq[j] += qc[j] * qc[j];
+                }
+            }
+            let (sxq, sqq) = (sxq.iter().sum::<f32>(), sqq.iter().sum::<f32>());
             if sqq > 0.0 {
                 d = sxq / sqq;
             }
+            // The squared error of the stored (f16) scale with these levels.
             let d16 = f16::from_f32(d).to_f32();
-            let err: f32 = (0..QK).map(|i| (x[i] - d16 * q[i] as f32).powi(2)).sum();
+            let err = sxx - 2.0 * d16 * sxq + d16 * d16 * sqq;
             if err < best.2 {
-                best = (d, q, err);
+                best = (d, q.map(|v| v as i32), err);
             }
         }
     }
     (best.0, best.1)
+}
+
+/// `x * id` rounded to the nearest level (ties to even) in `lo..=hi`, as floats: clamped first
+/// (the same for integer bounds), then rounded by adding and subtracting 1.5 * 2^23.
+#[inline]
+fn levels(x: &[f32], id: f32, lo: f32, hi: f32) -> [f32; QK] {
+    const MAGIC: f32 = 12582912.0;
+    let mut q = [0f32; QK];
+    for (q, &v) in q.iter_mut().zip(x) {
+        *q = ((v * id).clamp(lo, hi) + MAGIC) - MAGIC;
+    }
+    q
 }
 
 /// ggml's reference rounding: the scale maps the signed value of largest magnitude to the end of
@@ -157,21 +215,24 @@ pub fn quantize_row_absmax(qtype: QuantType, x: &[f32], out: &mut Vec<u8>) -> Op
     Some(())
 }
 
-/// Asymmetric 4-bit `x ~= d * q + m`, `q in 0..=15`: candidates around the min/max scale, each
-/// refined by a least-squares fit of `(d, m)` to its rounded levels.
-fn q4_1(x: &[f32]) -> BlockQ4_1 {
+/// Asymmetric levels `x ~= d * q + m`, `q in 0..=nmax`: candidates around the min/max scale,
+/// each refined by a least-squares fit of `(d, m)` to its rounded levels. Returns (d, m, q).
+fn asymmetric(x: &[f32], nmax: u8) -> (f32, f32, [u8; QK]) {
     let (min, max) = x
         .iter()
         .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &v| {
             (a.min(v), b.max(v))
         });
+    let top = nmax as f32;
     let mut best = (0f32, min, [0u8; QK], f32::INFINITY);
     if max > min {
         for step in -6..=6 {
-            let (mut d, mut m) = ((max - min) / (15.0 + 0.1 * step as f32), min);
+            let (mut d, mut m) = ((max - min) / (top + 0.1 * step as f32), min);
             for _ in 0..3 {
-                let q: [u8; QK] =
-                    std::array::from_fn(|i| ((x[i] - m) / d).round().clamp(0.0, 15.0) as u8);
+                let id = 1.0 / d;
+                let q: [u8; QK] = std::array::from_fn(|i| {
+                    k::nearest_int((x[i] - m) * id).clamp(0, nmax as i32) as u8
+                });
                 let n = QK as f32;
                 let (sq, sx, sqq, sxq) = (0..QK).fold((0f32, 0f32, 0f32, 0f32), |a, i| {
                     let qi = q[i] as f32;
@@ -195,15 +256,24 @@ fn q4_1(x: &[f32]) -> BlockQ4_1 {
             }
         }
     }
-    let (d, m, q, _) = best;
-    let mut qs = [0u8; QK / 2];
-    for j in 0..QK / 2 {
-        qs[j] = q[j] | (q[j + QK / 2] << 4);
-    }
+    (best.0, best.1, best.2)
+}
+
+fn q4_1((d, m, q): (f32, f32, [u8; QK])) -> BlockQ4_1 {
     BlockQ4_1 {
         d: f16::from_f32(d),
         m: f16::from_f32(m),
-        qs,
+        qs: std::array::from_fn(|j| q[j] | (q[j + QK / 2] << 4)),
+    }
+}
+
+fn q5_1((d, m, q): (f32, f32, [u8; QK])) -> BlockQ5_1 {
+    let qh = (0..QK).fold(0u32, |h, j| h | (((q[j] >> 4) as u32 & 1) << j));
+    BlockQ5_1 {
+        d: f16::from_f32(d),
+        m: f16::from_f32(m),
+        qh: qh.to_le_bytes(),
+        qs: std::array::from_fn(|j| (q[j] & 0xF) | ((q[j + QK / 2] & 0xF) << 4)),
     }
 }
 
@@ -344,6 +414,6 @@ mod tests {
             assert_eq!(dequant(q, &out[..q.block_bytes()]), vec![0.0; QK]);
             assert!(quantize_row(q, &[0.0; 33], &mut out).is_none());
         }
-        assert!(quantize_row(QuantType::Q4K, &[0.0; 256], &mut Vec::new()).is_none());
+        assert!(quantize_row(QuantType::Q4K, &[0.0; 255], &mut Vec::new()).is_none());
     }
 }

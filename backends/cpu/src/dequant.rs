@@ -107,5 +107,74 @@ pub fn dequantize_block(qtype: QuantType, b: &[u8], y: &mut [f32]) {
                 }
             }
         }
+        QuantType::Q5_1 => {
+            let b: BlockQ5_1 = pod_read_unaligned(b);
+            let (d, m) = (b.d.to_f32(), b.m.to_f32());
+            let qh = u32::from_le_bytes(b.qh);
+            for (j, &q) in b.qs.iter().enumerate() {
+                let h0 = ((qh >> j) << 4) & 0x10;
+                let h1 = (qh >> (j + 12)) & 0x10;
+                y[j] = d * ((q as u32 & 0xF) | h0) as f32 + m;
+                y[j + QK / 2] = d * ((q as u32 >> 4) | h1) as f32 + m;
+            }
+        }
+        QuantType::Q2K => {
+            let b: BlockQ2K = pod_read_unaligned(b);
+            let (d, dmin) = (b.d.to_f32(), b.dmin.to_f32());
+            // Halves of 128: 4 shifts of the same 32 bytes, each two sub-blocks of 16.
+            for (k, y) in y.chunks_exact_mut(32).enumerate() {
+                let (n, shift) = (k / 4, 2 * (k % 4));
+                for (l, y) in y.iter_mut().enumerate() {
+                    let sc = b.scales[8 * n + 2 * (k % 4) + l / 16];
+                    let q = (b.qs[32 * n + l] >> shift) & 3;
+                    *y = d * (sc & 0xF) as f32 * q as f32 - dmin * (sc >> 4) as f32;
+                }
+            }
+        }
+        QuantType::Q3K => {
+            let b: BlockQ3K = pod_read_unaligned(b);
+            let d = b.d.to_f32();
+            let sc = q3k_scales(&b.scales);
+            for (k, y) in y.chunks_exact_mut(32).enumerate() {
+                let (n, shift) = (k / 4, 2 * (k % 4));
+                for (l, y) in y.iter_mut().enumerate() {
+                    let low = ((b.qs[32 * n + l] >> shift) & 3) as i32;
+                    let high = if b.hmask[l] >> k & 1 == 1 { 0 } else { 4 };
+                    *y = d * sc[8 * n + 2 * (k % 4) + l / 16] as f32 * (low - high) as f32;
+                }
+            }
+        }
+        QuantType::Q5K => {
+            let b: BlockQ5K = pod_read_unaligned(b);
+            let (d, dmin) = (b.d.to_f32(), b.dmin.to_f32());
+            for (j, y) in y.chunks_exact_mut(32).enumerate() {
+                let (sc, m) = q4k_scale_min(j, &b.scales);
+                let q = &b.qs[32 * (j / 2)..][..32];
+                for (l, y) in y.iter_mut().enumerate() {
+                    let low = if j % 2 == 0 { q[l] & 0xF } else { q[l] >> 4 };
+                    let q5 = low | (((b.qh[l] >> j) & 1) << 4);
+                    *y = d * sc as f32 * q5 as f32 - dmin * m as f32;
+                }
+            }
+        }
+        QuantType::IQ4NL => {
+            let b: BlockIQ4NL = pod_read_unaligned(b);
+            let d = b.d.to_f32();
+            for (j, &q) in b.qs.iter().enumerate() {
+                y[j] = d * KVALUES_IQ4NL[(q & 0xF) as usize] as f32;
+                y[j + QK / 2] = d * KVALUES_IQ4NL[(q >> 4) as usize] as f32;
+            }
+        }
+        QuantType::IQ4XS => {
+            let b: BlockIQ4XS = pod_read_unaligned(b);
+            let d = b.d.to_f32();
+            for (j, y) in y.chunks_exact_mut(32).enumerate() {
+                let dl = d * iq4xs_scale(&b, j) as f32;
+                for (l, &q) in b.qs[16 * j..16 * j + 16].iter().enumerate() {
+                    y[l] = dl * KVALUES_IQ4NL[(q & 0xF) as usize] as f32;
+                    y[l + 16] = dl * KVALUES_IQ4NL[(q >> 4) as usize] as f32;
+                }
+            }
+        }
     }
 }

@@ -45,6 +45,12 @@ fn type_suffix(q: QuantType) -> &'static str {
         QuantType::Q5_0 => "q5_0",
         QuantType::Q4K => "q4_k",
         QuantType::Q6K => "q6_k",
+        QuantType::Q5_1 => "q5_1",
+        QuantType::Q2K => "q2_k",
+        QuantType::Q3K => "q3_k",
+        QuantType::Q5K => "q5_k",
+        QuantType::IQ4NL => "iq4_nl",
+        QuantType::IQ4XS => "iq4_xs",
     }
 }
 

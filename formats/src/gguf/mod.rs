@@ -45,6 +45,8 @@ pub enum GgmlType {
     Q5K,
     Q6K,
     Q8K,
+    IQ4NL,
+    IQ4XS,
     I8,
     I16,
     I32,
@@ -71,6 +73,8 @@ impl GgmlType {
             13 => Q5K,
             14 => Q6K,
             15 => Q8K,
+            20 => IQ4NL,
+            23 => IQ4XS,
             24 => I8,
             25 => I16,
             26 => I32,
@@ -79,6 +83,25 @@ impl GgmlType {
             30 => BF16,
             _ => return None,
         })
+    }
+
+    /// A type id for messages: ggml's name for the ids this reader does not read (the other
+    /// i-quants, ternary and MXFP4 types), with the id.
+    pub fn describe_id(id: u32) -> String {
+        let name = match id {
+            16 => "IQ2_XXS",
+            17 => "IQ2_XS",
+            18 => "IQ3_XXS",
+            19 => "IQ1_S",
+            21 => "IQ3_S",
+            22 => "IQ2_S",
+            29 => "IQ1_M",
+            34 => "TQ1_0",
+            35 => "TQ2_0",
+            39 => "MXFP4",
+            _ => return format!("id {id} (unknown)"),
+        };
+        format!("{name} (id {id})")
     }
 
     /// (elements per block, bytes per block), as ggml defines them.
@@ -101,6 +124,8 @@ impl GgmlType {
             Q5K => (256, 176),
             Q6K => (256, 210),
             Q8K => (256, 292),
+            IQ4NL => (32, 18),
+            IQ4XS => (256, 136),
         }
     }
 
@@ -121,6 +146,8 @@ impl GgmlType {
             Q5K => "Q5_K",
             Q6K => "Q6_K",
             Q8K => "Q8_K",
+            IQ4NL => "IQ4_NL",
+            IQ4XS => "IQ4_XS",
             I8 => "I8",
             I16 => "I16",
             I32 => "I32",

@@ -1,4 +1,5 @@
-//! `dejavu quantize`: any loadable model to a GGUF of one weight type, with an optional
+//! `dejavu quantize`: any loadable model to a GGUF of one of llama.cpp's file types (its
+//! per-tensor mixes), with an optional importance matrix from a calibration text and an optional
 //! perplexity check of the result against its source.
 use anyhow::{Context, Result};
 use clap::Args;
@@ -6,18 +7,30 @@ use dejavu::eval::perplexity::{perplexity, Feed};
 use dejavu::exec::{Engine, EngineOptions};
 use dejavu::model::tokenizer::Tokenizer;
 use dejavu::model::weights::Model;
+use dejavu::quantize::{FileType, Imatrix, Options};
 use dejavu::sparsity::policy::Policy;
-use dejavu_backend_api::QuantType;
 use std::path::{Path, PathBuf};
 
 #[derive(Args)]
 pub struct QuantizeArgs {
     /// A Hugging Face checkpoint directory or a GGUF file.
     input: PathBuf,
-    /// Weight type: q8_0, q4_0, q4_1, q5_0, f16 (or f32). (`-t` is the thread count, as in
-    /// every other command.)
+    /// File type, as llama-quantize names them: q4_k_m, q5_k_m, q6_k, q8_0, q3_k_m, q2_k,
+    /// iq4_xs, q4_0, f16, ... (the README lists them and their per-tensor rules). (`-t` is the
+    /// thread count, as in every other command.)
     #[arg(long = "type")]
     qtype: String,
+    /// Every matrix in the file type's base type (llama-quantize's --pure).
+    #[arg(long)]
+    pure: bool,
+    /// Weight the rounding by an importance matrix computed from this calibration text
+    /// (llama-imatrix's method: mean squared input of every matrix column over chunks of --ctx
+    /// tokens).
+    #[arg(long)]
+    imatrix: Option<PathBuf>,
+    /// At most this many chunks of the --imatrix text.
+    #[arg(long)]
+    chunks: Option<usize>,
     /// Threads of the `--ppl` check (default: all cores).
     #[arg(long, short)]
     threads: Option<usize>,
@@ -27,20 +40,14 @@ pub struct QuantizeArgs {
     /// After writing, compare the perplexity of the source and the output on this text.
     #[arg(long)]
     ppl: Option<PathBuf>,
-    /// Context (chunk size) of the perplexity check.
+    /// Context (chunk size) of the importance matrix and of the perplexity check.
     #[arg(long, default_value_t = 512)]
     ctx: usize,
 }
 
 pub fn cmd_quantize(a: QuantizeArgs) -> Result<()> {
-    let qtype = QuantType::from_name(&a.qtype.to_uppercase())
-        .filter(|q| dejavu::quantize::TARGETS.contains(q))
-        .with_context(|| {
-            format!(
-                "--type {}: expected q8_0, q4_0, q4_1, q5_0, f16 or f32",
-                a.qtype
-            )
-        })?;
+    let ftype = FileType::parse(&a.qtype)
+        .with_context(|| format!("--type {}: expected one of {}", a.qtype, FileType::names()))?;
     // Before any work (the library refuses it again for its other callers).
     crate::refuse_overwrites(&[("--out", Some(&a.out))], &[&a.input])?;
     let load = || -> Result<(Model, Tokenizer)> {
@@ -50,14 +57,23 @@ pub fn cmd_quantize(a: QuantizeArgs) -> Result<()> {
     };
     let (model, tokenizer) = load().with_context(|| format!("loading {}", a.input.display()))?;
     let backend = dejavu_backend_cpu::CpuBackend::new(1)?;
+    let imatrix = match &a.imatrix {
+        Some(path) => Some(importance(&a, path)?),
+        None => None,
+    };
+    let opts = Options {
+        ftype,
+        pure: a.pure,
+        imatrix,
+    };
     let t0 = std::time::Instant::now();
-    let s = dejavu::quantize::quantize(&model, &tokenizer, &backend, qtype, &a.out)?;
+    let s = dejavu::quantize::quantize(&model, &tokenizer, &backend, &opts, &a.out)?;
     eprintln!(
         "wrote {} ({} tensors, {:.1} MB, {}) in {:.1} s",
         a.out.display(),
         s.tensors,
         s.bytes as f64 / 1e6,
-        qtype.name(),
+        ftype.name(),
         t0.elapsed().as_secs_f64()
     );
     drop(model);
@@ -68,12 +84,34 @@ pub fn cmd_quantize(a: QuantizeArgs) -> Result<()> {
         println!("ppl source: {src:.4}");
         println!(
             "ppl {}: {out:.4} ({:+.2}%)",
-            qtype.name(),
+            ftype.name(),
             (out / src - 1.0) * 100.0
         );
         println!("ppl: {out:.4}");
     }
     Ok(())
+}
+
+/// The importance matrix of the source over the calibration text at `path`.
+fn importance(a: &QuantizeArgs, path: &Path) -> Result<Imatrix> {
+    let text = dejavu::fsio::read_text(path, dejavu::fsio::MAX_TEXT_BYTES, false)?;
+    let opts = EngineOptions {
+        n_ctx: Some(a.ctx),
+        threads: a.threads,
+        ..Default::default()
+    };
+    let engine =
+        Engine::load(&a.input, &opts).with_context(|| format!("loading {}", a.input.display()))?;
+    let tokens = engine.tokenizer.encode_document(&text)?;
+    let m = Imatrix::collect(&engine, &tokens, a.ctx, a.chunks)?;
+    eprintln!(
+        "importance matrix: {} chunks of {} tokens ({} tokens) from {}",
+        m.chunks,
+        a.ctx,
+        m.tokens,
+        path.display()
+    );
+    Ok(m)
 }
 
 /// Perplexity of `text` under the model at `path` (batched, llama.cpp's method).

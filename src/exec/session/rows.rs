@@ -29,6 +29,9 @@ pub struct Capture {
     pub head_norm: Vec<Vec<f32>>,
     /// MLP inputs (normed, for pre-norm models), `[n][d_model]`.
     pub mlp_in: Vec<Vec<f32>>,
+    /// Per column of the attention output (W_o's input, `n_heads * head_dim`), the sum over the
+    /// rows of its squares (importance matrices need no more).
+    pub attn_out_sq: Vec<Vec<f32>>,
 }
 
 /// What one decode step reads and computes under the plan.
@@ -324,10 +327,18 @@ pub(super) fn keep<D: Device>(
     let mut v = vec![0.0; rows * width];
     dev.download(x, &mut v)?;
     match what {
-        Kept::HeadNorms => list[l].extend(
-            v.chunks_exact(c.head_dim)
-                .map(|h| h.iter().map(|a| a * a).sum::<f32>().sqrt()),
-        ),
+        Kept::HeadNorms => {
+            list[l].extend(
+                v.chunks_exact(c.head_dim)
+                    .map(|h| h.iter().map(|a| a * a).sum::<f32>().sqrt()),
+            );
+            cap.attn_out_sq.resize(c.n_layers, Vec::new());
+            let sq = &mut cap.attn_out_sq[l];
+            sq.resize(width, 0.0);
+            for row in v.chunks_exact(width) {
+                sq.iter_mut().zip(row).for_each(|(s, a)| *s += a * a);
+            }
+        }
         _ => list[l].extend_from_slice(&v),
     }
     Ok(())

@@ -554,5 +554,11 @@ pub fn ggml_type(q: QuantType) -> GgmlType {
         QuantType::Q5_0 => GgmlType::Q5_0,
         QuantType::Q4K => GgmlType::Q4K,
         QuantType::Q6K => GgmlType::Q6K,
+        QuantType::Q5_1 => GgmlType::Q5_1,
+        QuantType::Q2K => GgmlType::Q2K,
+        QuantType::Q3K => GgmlType::Q3K,
+        QuantType::Q5K => GgmlType::Q5K,
+        QuantType::IQ4NL => GgmlType::IQ4NL,
+        QuantType::IQ4XS => GgmlType::IQ4XS,
     }
 }

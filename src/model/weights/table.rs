@@ -8,7 +8,7 @@ use crate::model::synthetic;
 use crate::{Error, Result};
 use dejavu_backend_api::{QuantType, RowLayout};
 use dejavu_formats::safetensors::Dtype;
-use dejavu_formats::{GgmlType, GgufFile, TensorInfo};
+use dejavu_formats::{GgufFile, TensorInfo};
 use std::collections::HashMap;
 
 /// One tensor of a source under its canonical name.
@@ -29,18 +29,10 @@ pub(super) type Tensors = HashMap<String, Entry>;
 
 impl Entry {
     pub(super) fn gguf(t: &TensorInfo, file: usize) -> Self {
-        let qtype = match t.ggml_type {
-            GgmlType::F32 => Ok(QuantType::F32),
-            GgmlType::F16 => Ok(QuantType::F16),
-            GgmlType::BF16 => Ok(QuantType::BF16),
-            GgmlType::Q8_0 => Ok(QuantType::Q8_0),
-            GgmlType::Q4_0 => Ok(QuantType::Q4_0),
-            GgmlType::Q4_1 => Ok(QuantType::Q4_1),
-            GgmlType::Q5_0 => Ok(QuantType::Q5_0),
-            GgmlType::Q4K => Ok(QuantType::Q4K),
-            GgmlType::Q6K => Ok(QuantType::Q6K),
-            other => Err(other.name().to_string()),
-        };
+        let qtype = QuantType::ALL
+            .into_iter()
+            .find(|&q| super::ggml_type(q) == t.ggml_type)
+            .ok_or_else(|| t.ggml_type.name().to_string());
         Self {
             file,
             qtype,

@@ -80,7 +80,7 @@ unsafe fn avx512_impl<const PF: bool>(w: &[BlockQ4K], act: &[BlockQ8A]) -> f32 {
 /// (byte j = sub-block j; same values as [`q4k_scale_min`]).
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 #[inline(always)]
-fn scales_mins(s: &[u8; 12]) -> (u64, u64) {
+pub(crate) fn scales_mins(s: &[u8; 12]) -> (u64, u64) {
     let u = |i: usize| u32::from_le_bytes([s[i], s[i + 1], s[i + 2], s[i + 3]]);
     let (u0, u1, u2) = (u(0), u(4), u(8));
     const LOW6: u32 = 0x3f3f3f3f;

@@ -50,12 +50,17 @@ pub fn scalar(row: &[u8], act: &[BlockQ8A]) -> f32 {
     })
 }
 
-pub fn portable(row: &[u8], act: &[BlockQ8A]) -> f32 {
-    super::check_q8a(QTYPE, row, act);
+/// A 16-element i8 dot with `wide` (the portable tier of the types with 16-element scales).
+pub(crate) fn dot16_wide(w: &[i8], x: &[i8]) -> i32 {
     use wide::{i16x16, i8x16};
     let wide16 =
         |x: &[i8]| i16x16::from_i8x16(i8x16::from(<[i8; 16]>::try_from(x).unwrap_or([0; 16])));
-    generic(row, act, |w, x| wide16(w).dot(wide16(x)).reduce_add())
+    wide16(w).dot(wide16(x)).reduce_add()
+}
+
+pub fn portable(row: &[u8], act: &[BlockQ8A]) -> f32 {
+    super::check_q8a(QTYPE, row, act);
+    generic(row, act, dot16_wide)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -97,10 +102,6 @@ unsafe fn x86_body<const VNNI: bool, const PF: bool>(w: &[BlockQ6K], act: &[Bloc
     let m2 = _mm256_set1_epi8(3);
     let c32 = _mm256_set1_epi8(32);
     // Picks i16 lane 0 of each 128-bit half's pair into the low half and lane 1 into the high one.
-    let pick = _mm256_setr_epi8(
-        0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3,
-        2, 3,
-    );
     for (b, a8) in w.iter().zip(act.chunks_exact(8)) {
         if PF {
             prefetch_block_ahead(b);
@@ -131,11 +132,7 @@ unsafe fn x86_body<const VNNI: bool, const PF: bool>(w: &[BlockQ6K], act: &[Bloc
                 // i16 pair sums of (q - 32) * qa, then weighted by the two scales and summed to i32.
                 let d16 =
                     _mm256_sub_epi16(_mm256_maddubs_epi16(q, qa), _mm256_maddubs_epi16(c32, qa));
-                let sc = _mm256_shuffle_epi8(
-                    _mm256_permutevar8x32_epi32(scales, _mm256_set1_epi32(kk as i32)),
-                    pick,
-                );
-                p[kk] = _mm256_madd_epi16(d16, sc);
+                p[kk] = _mm256_madd_epi16(d16, scale_pair(scales, kk));
             }
         }
         let (ad, _) = act_d_s_x8(a8);

@@ -1,7 +1,8 @@
 //! The kernel table: one function per (operation, weight type) for one ISA tier, built once.
 use super::{
-    axpy, axpy_q, dequantize, dot_float, dot_q4_0, dot_q4_1, dot_q4k, dot_q5_0, dot_q6k, dot_q8_0,
-    dot_repacked, dot_rows, quantize_act, repack,
+    axpy, axpy_q, dequantize, dot_float, dot_iq4nl, dot_iq4xs, dot_q2k, dot_q3k, dot_q4_0,
+    dot_q4_1, dot_q4k, dot_q5_0, dot_q5_1, dot_q5k, dot_q6k, dot_q8_0, dot_repacked, dot_rows,
+    quantize_act, repack,
 };
 use crate::isa::{self, Isa, IsaError};
 use dejavu_backend_api::quant::{BlockQ8A, QuantType};
@@ -66,6 +67,12 @@ impl Kernels {
                 QuantType::Q5_0 => RowDot::Q8A(dot_q5_0::select(isa, pf)),
                 QuantType::Q4K => RowDot::Q8A(dot_q4k::select(isa, pf)),
                 QuantType::Q6K => RowDot::Q8A(dot_q6k::select(isa, pf)),
+                QuantType::Q5_1 => RowDot::Q8A(dot_q5_1::select(isa, pf)),
+                QuantType::Q2K => RowDot::Q8A(dot_q2k::select(isa, pf)),
+                QuantType::Q3K => RowDot::Q8A(dot_q3k::select(isa, pf)),
+                QuantType::Q5K => RowDot::Q8A(dot_q5k::select(isa, pf)),
+                QuantType::IQ4NL => RowDot::Q8A(dot_iq4nl::select(isa, pf)),
+                QuantType::IQ4XS => RowDot::Q8A(dot_iq4xs::select(isa, pf)),
             })
         };
         let repacked_with = |pf: bool| {
@@ -107,6 +114,12 @@ impl Kernels {
                 QuantType::Q5_0 => |r, x| dot_row(QuantType::Q5_0, r, x),
                 QuantType::Q4K => |r, x| dot_row(QuantType::Q4K, r, x),
                 QuantType::Q6K => |r, x| dot_row(QuantType::Q6K, r, x),
+                QuantType::Q5_1 => |r, x| dot_row(QuantType::Q5_1, r, x),
+                QuantType::Q2K => |r, x| dot_row(QuantType::Q2K, r, x),
+                QuantType::Q3K => |r, x| dot_row(QuantType::Q3K, r, x),
+                QuantType::Q5K => |r, x| dot_row(QuantType::Q5K, r, x),
+                QuantType::IQ4NL => |r, x| dot_row(QuantType::IQ4NL, r, x),
+                QuantType::IQ4XS => |r, x| dot_row(QuantType::IQ4XS, r, x),
             })
         });
         // Repacked rows: unpacked to ggml blocks, then as above.

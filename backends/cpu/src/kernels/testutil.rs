@@ -48,16 +48,11 @@ pub fn random_row(qtype: QuantType, n: usize, seed: u64) -> Vec<u8> {
         QuantType::BF16 => bytes.chunks_exact_mut(2).for_each(|c| {
             c.copy_from_slice(&bf16::from_f32(r.gen_range(-1.0f32..1.0)).to_le_bytes())
         }),
-        QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q5_0 => bytes
-            .chunks_exact_mut(bb)
-            .for_each(|b| b[0..2].copy_from_slice(&scale(&mut r))),
-        QuantType::Q4_1 | QuantType::Q4K => bytes.chunks_exact_mut(bb).for_each(|b| {
-            b[0..2].copy_from_slice(&scale(&mut r));
-            b[2..4].copy_from_slice(&scale(&mut r));
+        _ => bytes.chunks_exact_mut(bb).for_each(|b| {
+            for &o in qtype.scale_offsets() {
+                b[o..o + 2].copy_from_slice(&scale(&mut r));
+            }
         }),
-        QuantType::Q6K => bytes
-            .chunks_exact_mut(bb)
-            .for_each(|b| b[208..210].copy_from_slice(&scale(&mut r))),
     }
     bytes
 }

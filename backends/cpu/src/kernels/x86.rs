@@ -104,6 +104,29 @@ pub unsafe fn dot_i8i8_v<const VNNI: bool>(a: __m256i, b: __m256i) -> __m256i {
     dot_u8i8_v::<VNNI>(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a))
 }
 
+/// Per-16 scales as multipliers of a 32-byte product: `scales` holds 16 i16 scales (one per
+/// 16 elements of a super-block); the result holds scale `2k` in every i16 of the low 128-bit
+/// lane and scale `2k + 1` in the high lane (the lanes of elements 0..16 and 16..32 of 32-element
+/// group `k`), for `madd` with that group's `maddubs` products.
+#[inline(always)]
+pub unsafe fn scale_pair(scales: __m256i, k: usize) -> __m256i {
+    let pick = _mm256_setr_epi8(
+        0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3,
+        2, 3,
+    );
+    _mm256_shuffle_epi8(
+        _mm256_permutevar8x32_epi32(scales, _mm256_set1_epi32(k as i32)),
+        pick,
+    )
+}
+
+/// The IQ4_NL levels of 32 nibble indices (bytes 0..16), as signed bytes.
+#[inline(always)]
+pub unsafe fn iq4nl_levels(idx: __m256i) -> __m256i {
+    let t = _mm_loadu_si128(dejavu_backend_api::quant::KVALUES_IQ4NL.as_ptr() as *const __m128i);
+    _mm256_shuffle_epi8(_mm256_set_m128i(t, t), idx)
+}
+
 /// Lane j of the result is the sum of the 8 i32 lanes of `p[j]`: one reduction for the 8
 /// sub-block dots of a 256-element super-block, so the float scaling happens once per super-block.
 #[inline(always)]

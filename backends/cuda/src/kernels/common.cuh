@@ -20,9 +20,10 @@ __device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float(((u
 __device__ __forceinline__ u16 ld16(const u8* p) { return (u16)p[0] | ((u16)p[1] << 8); }
 __device__ __forceinline__ float ldh(const u8* p) { return f16_to_f32(ld16(p)); }
 
-// Weight types: the order of QuantType's `code()` on the host.
+// Weight types (the kernels of each are named by the host's `type_suffix`).
 enum { T_F32 = 0, T_F16 = 1, T_BF16 = 2, T_Q8_0 = 3, T_Q4_0 = 4, T_Q4_1 = 5, T_Q5_0 = 6,
-       T_Q4K = 7, T_Q6K = 8 };
+       T_Q4K = 7, T_Q6K = 8, T_Q5_1 = 9, T_Q2K = 10, T_Q3K = 11, T_Q5K = 12, T_IQ4NL = 13,
+       T_IQ4XS = 14 };
 
 // Elements per block and bytes per block of each type.
 template <int T> struct Blk;
@@ -35,6 +36,16 @@ template <> struct Blk<T_Q4_1> { enum { LEN = 32, BYTES = 20 }; };
 template <> struct Blk<T_Q5_0> { enum { LEN = 32, BYTES = 22 }; };
 template <> struct Blk<T_Q4K> { enum { LEN = 256, BYTES = 144 }; };
 template <> struct Blk<T_Q6K> { enum { LEN = 256, BYTES = 210 }; };
+template <> struct Blk<T_Q5_1> { enum { LEN = 32, BYTES = 24 }; };
+template <> struct Blk<T_Q2K> { enum { LEN = 256, BYTES = 84 }; };
+template <> struct Blk<T_Q3K> { enum { LEN = 256, BYTES = 110 }; };
+template <> struct Blk<T_Q5K> { enum { LEN = 256, BYTES = 176 }; };
+template <> struct Blk<T_IQ4NL> { enum { LEN = 32, BYTES = 18 }; };
+template <> struct Blk<T_IQ4XS> { enum { LEN = 256, BYTES = 136 }; };
+
+// The 16 levels of IQ4_NL and IQ4_XS (dejavu_backend_api::quant::KVALUES_IQ4NL).
+__constant__ signed char KV_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                          1,    13,   25,  38,  53,  69,  89,  113};
 
 
 // v[0..8] = elements e..e+8 of a row (e a multiple of 8; for the float types, `vec`: the row is
@@ -137,6 +148,75 @@ __device__ __forceinline__ void load8<T_Q6K>(const u8* row, int e, int, bool, fl
     }
 }
 
+template <>
+__device__ __forceinline__ void load8<T_Q5_1>(const u8* row, int e, int, bool, float* v) {
+    const u8* b = row + (e / 32) * 24;
+    float d = ldh(b), m = ldh(b + 2);
+    u32 qh = (u32)b[4] | ((u32)b[5] << 8) | ((u32)b[6] << 16) | ((u32)b[7] << 24);
+    int j = e % 32, sh = j < 16 ? 0 : 4;
+    const u8* q = b + 8 + (j & 15);
+    for (int i = 0; i < 8; i++) {
+        int h = (qh >> (j + i)) & 1;
+        v[i] = d * (float)(((q[i] >> sh) & 0xF) | (h << 4)) + m;
+    }
+}
+// Q2_K and Q3_K: element l of 32-element group g = 4n + s is bits 2s..2s+2 of qs[32n + l], in
+// sub-block 2g + l / 16 (dejavu_backend_api::quant::BlockQ2K, BlockQ3K).
+template <>
+__device__ __forceinline__ void load8<T_Q2K>(const u8* row, int e, int, bool, float* v) {
+    const u8* b = row + (e / 256) * 84;
+    int k = e % 256, g = k / 32, l = k % 32;
+    int sc = b[2 * g + l / 16];
+    float d = ldh(b + 80) * (float)(sc & 0xF), o = ldh(b + 82) * (float)(sc >> 4);
+    const u8* q = b + 16 + 32 * (g / 4) + l;
+    int sh = 2 * (g % 4);
+    for (int i = 0; i < 8; i++) v[i] = d * (float)((q[i] >> sh) & 3) - o;
+}
+template <>
+__device__ __forceinline__ void load8<T_Q3K>(const u8* row, int e, int, bool, float* v) {
+    const u8* b = row + (e / 256) * 110;
+    int k = e % 256, g = k / 32, l = k % 32, j = 2 * g + l / 16;
+    const u8* s = b + 96;
+    int low = j < 8 ? (s[j] & 0xF) : (s[j - 8] >> 4);
+    int high = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
+    float d = ldh(b + 108) * (float)((low | (high << 4)) - 32);
+    const u8* q = b + 32 + 32 * (g / 4) + l;
+    const u8* hm = b + l;
+    int sh = 2 * (g % 4);
+    for (int i = 0; i < 8; i++)
+        v[i] = d * (float)(((q[i] >> sh) & 3) - (((hm[i] >> g) & 1) ? 0 : 4));
+}
+template <>
+__device__ __forceinline__ void load8<T_Q5K>(const u8* row, int e, int, bool, float* v) {
+    const u8* b = row + (e / 256) * 176;
+    int k = e % 256, sub = k / 32, l = k % 32;
+    int sc, m;
+    q4k_scale_min(sub, b + 4, &sc, &m);
+    float d = ldh(b) * (float)sc, o = ldh(b + 2) * (float)m;
+    const u8* qh = b + 16 + l;
+    const u8* q = b + 48 + 32 * (sub / 2) + l;
+    int sh = (sub & 1) * 4;
+    for (int i = 0; i < 8; i++)
+        v[i] = d * (float)(((q[i] >> sh) & 0xF) | (((qh[i] >> sub) & 1) << 4)) - o;
+}
+template <>
+__device__ __forceinline__ void load8<T_IQ4NL>(const u8* row, int e, int, bool, float* v) {
+    const u8* b = row + (e / 32) * 18;
+    float d = ldh(b);
+    int j = e % 32, sh = j < 16 ? 0 : 4;
+    const u8* q = b + 2 + (j & 15);
+    for (int i = 0; i < 8; i++) v[i] = d * (float)KV_IQ4NL[(q[i] >> sh) & 0xF];
+}
+template <>
+__device__ __forceinline__ void load8<T_IQ4XS>(const u8* row, int e, int, bool, float* v) {
+    const u8* b = row + (e / 256) * 136;
+    int k = e % 256, sub = k / 32, j = k % 32, sh = j < 16 ? 0 : 4;
+    int ls = ((b[4 + sub / 2] >> (4 * (sub % 2))) & 0xF) | (((ld16(b + 2) >> (2 * sub)) & 3) << 4);
+    float d = ldh(b) * (float)(ls - 32);
+    const u8* q = b + 8 + 16 * sub + (j & 15);
+    for (int i = 0; i < 8; i++) v[i] = d * (float)KV_IQ4NL[(q[i] >> sh) & 0xF];
+}
+
 template <int T>
 __device__ __forceinline__ size_t row_bytes(int cols) {
     return (size_t)(cols / Blk<T>::LEN) * Blk<T>::BYTES;
@@ -182,4 +262,5 @@ __device__ __forceinline__ float act_apply(int act, float x) {
 }
 
 #define FOR_TYPES(X) X(f32, T_F32) X(f16, T_F16) X(bf16, T_BF16) X(q8_0, T_Q8_0) X(q4_0, T_Q4_0) \
-    X(q4_1, T_Q4_1) X(q5_0, T_Q5_0) X(q4_k, T_Q4K) X(q6_k, T_Q6K)
+    X(q4_1, T_Q4_1) X(q5_0, T_Q5_0) X(q4_k, T_Q4K) X(q6_k, T_Q6K) X(q5_1, T_Q5_1) X(q2_k, T_Q2K) \
+    X(q3_k, T_Q3K) X(q5_k, T_Q5K) X(iq4_nl, T_IQ4NL) X(iq4_xs, T_IQ4XS)

@@ -51,9 +51,7 @@ pub fn random_matrix(r: &mut ChaCha8Rng, q: QuantType, rows: usize, cols: usize)
             }
             &[]
         }
-        QuantType::Q4_1 | QuantType::Q4K => &[0, 2],
-        QuantType::Q6K => &[208],
-        _ => &[0],
+        _ => q.scale_offsets(),
     };
     for blk in b.chunks_exact_mut(q.block_bytes()) {
         for &at in scale_at {

@@ -1,10 +1,11 @@
 //! `dejavu quantize`: a loaded model (GGUF or Hugging Face directory, any supported
-//! architecture) written as a GGUF of one weight type.
+//! architecture) written as a GGUF of one of llama.cpp's file types.
 //!
-//! - Tensors keep the canonical (GGUF) names (`model::names`). Every matrix whose rows hold
-//!   whole blocks is stored in the chosen type (else F16); OPT's learned positions stay F16; norm
-//!   gains and biases F32. Each row is dequantized to f32 and quantized again with the
-//!   error-minimising scales of `dejavu_backend_api::quantize`.
+//! - Tensors keep the canonical (GGUF) names (`model::names`). Each matrix gets the type
+//!   `llama-quantize` would give it for the file type ([`mix`]: the `_S`/`_M`/`_L` mixes and the
+//!   fallbacks for rows that are not whole blocks); OPT's learned positions stay F16; norm gains
+//!   and biases F32. Each row is dequantized to f32 and quantized again with ggml's rounding
+//!   (`dejavu_backend_api::quantize`), weighted by an importance matrix ([`imatrix`]) if given.
 //! - A Hugging Face llama's Q and K rows are permuted from NeoX to interleaved RoPE order, as
 //!   llama.cpp's converter does, so the GGUF runs with llama's interleaved RoPE.
 //! - Metadata: llama.cpp's keys where it has them; for OPT and the MLP activation the keys of
@@ -23,15 +24,19 @@ use dejavu_backend_api::{quantize, Backend, QuantType};
 use dejavu_formats::gguf::{GgmlType, GgufWriter, MetaValue};
 use std::path::Path;
 
-/// Types `dejavu quantize --type` accepts.
-pub const TARGETS: [QuantType; 6] = [
-    QuantType::Q8_0,
-    QuantType::Q4_0,
-    QuantType::Q4_1,
-    QuantType::Q5_0,
-    QuantType::F16,
-    QuantType::F32,
-];
+pub mod imatrix;
+pub mod mix;
+
+pub use imatrix::Imatrix;
+pub use mix::FileType;
+
+/// What to write.
+pub struct Options {
+    pub ftype: FileType,
+    /// `--pure`: every matrix in the file type's base type (no mix rules).
+    pub pure: bool,
+    pub imatrix: Option<Imatrix>,
+}
 
 /// Where one output tensor's values come from.
 enum Data<'a> {
@@ -62,23 +67,30 @@ pub struct Summary {
     pub bytes: u64,
 }
 
-/// Write `model` (with its `tokenizer`) to `out` as a GGUF of weight type `qtype`.
+/// Write `model` (with its `tokenizer`) to `out` as a GGUF of the file type `opts.ftype`.
 pub fn quantize(
     model: &Model,
     tokenizer: &Tokenizer,
     backend: &dyn Backend,
-    qtype: QuantType,
+    opts: &Options,
     out: &Path,
 ) -> Result<Summary> {
-    if !TARGETS.contains(&qtype) {
-        return Err(Error::Invalid(format!(
-            "--type {}: supported are q8_0, q4_0, q4_1, q5_0, f16, f32",
-            qtype.name()
-        )));
-    }
     crate::fsio::refuse_overwrite("--out", out, &model.path)?;
-    let meta = metadata(model, tokenizer)?;
-    let tensors = plan(model, qtype);
+    let mut meta = metadata(model, tokenizer)?;
+    meta.push(("general.file_type".into(), MetaValue::U32(opts.ftype.id())));
+    if opts.ftype.base().block_len() > 1 {
+        meta.push(("general.quantization_version".into(), MetaValue::U32(2)));
+    }
+    let c = &model.config;
+    let mut mix = mix::Mix::new(
+        opts.ftype,
+        opts.pure,
+        opts.imatrix.is_some(),
+        c.tied_output,
+        c.n_heads / c.n_kv_heads.max(1),
+        c.n_layers,
+    );
+    let tensors = plan(model, &mut mix);
     let infos: Vec<(&str, &[u64], GgmlType, usize)> = (tensors.iter())
         .map(|t| {
             (
@@ -92,14 +104,15 @@ pub fn quantize(
     let meta_refs: Vec<(&str, MetaValue)> =
         meta.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
     let total: u64 = tensors.iter().map(|t| t.n_bytes() as u64).sum();
-    let bar = crate::progress::bytes_bar(total, &format!("quantize to {}", qtype.name()));
+    let bar = crate::progress::bytes_bar(total, &format!("quantize to {}", opts.ftype.name()));
     // A unique temporary file beside `out`, renamed over it once whole (crate::fsio).
     crate::fsio::write_with(out, |file| {
         let mut w = GgufWriter::start(file, &meta_refs, &infos)?;
         let mut bytes = Vec::new();
         for t in &tensors {
             bytes.clear();
-            encode(model, backend, t, &mut bytes)?;
+            let importance = opts.imatrix.as_ref().and_then(|m| m.for_tensor(&t.name));
+            encode(model, backend, t, importance, &mut bytes)?;
             w.push(&bytes)?;
             bar.inc(bytes.len() as u64);
         }
@@ -113,8 +126,14 @@ pub fn quantize(
     })
 }
 
-/// One tensor's bytes in its output type.
-fn encode(model: &Model, backend: &dyn Backend, t: &Out, out: &mut Vec<u8>) -> Result<()> {
+/// One tensor's bytes in its output type; `importance`: its columns' (see [`Imatrix`]).
+fn encode(
+    model: &Model,
+    backend: &dyn Backend,
+    t: &Out,
+    importance: Option<&[f32]>,
+    out: &mut Vec<u8>,
+) -> Result<()> {
     let fail = || Error::Invalid(format!("cannot write {} as {}", t.name, t.qtype.name()));
     match &t.data {
         Data::Vector(v) => quantize::quantize_row(t.qtype, v, out).ok_or_else(fail),
@@ -135,6 +154,7 @@ fn encode(model: &Model, backend: &dyn Backend, t: &Out, out: &mut Vec<u8>) -> R
             };
             let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
             let per = rows.div_ceil(threads).max(1);
+            let w = importance.filter(|w| w.len() == cols);
             let parts: Vec<Option<Vec<u8>>> = std::thread::scope(|s| {
                 let jobs: Vec<_> = (0..rows)
                     .step_by(per)
@@ -146,7 +166,7 @@ fn encode(model: &Model, backend: &dyn Backend, t: &Out, out: &mut Vec<u8>) -> R
                             for r in r0..(r0 + per).min(rows) {
                                 let (src, from) = source(perm.as_ref().map_or(r, |p| p[r]));
                                 backend.dequantize_row(src, from, &mut row);
-                                quantize::quantize_row(t.qtype, &row, &mut bytes)?;
+                                quantize::quantize_row_weighted(t.qtype, &row, w, &mut bytes)?;
                             }
                             Some(bytes)
                         })
@@ -162,24 +182,14 @@ fn encode(model: &Model, backend: &dyn Backend, t: &Out, out: &mut Vec<u8>) -> R
     }
 }
 
-/// Every tensor of the output, in file order.
-fn matrix(name: String, w: &WeightRef, want: QuantType, perm: Option<Vec<usize>>) -> Out<'_> {
-    stacked(name, vec![w], want, perm)
+/// One matrix of the output, of type `q` (see [`mix::Mix::tensor_type`]).
+fn matrix(name: String, w: &WeightRef, q: QuantType, perm: Option<Vec<usize>>) -> Out<'_> {
+    stacked(name, vec![w], q, perm)
 }
 
 /// Matrices of one width stacked into one tensor (their rows in order).
-fn stacked(
-    name: String,
-    ws: Vec<&WeightRef>,
-    want: QuantType,
-    perm: Option<Vec<usize>>,
-) -> Out<'_> {
+fn stacked(name: String, ws: Vec<&WeightRef>, q: QuantType, perm: Option<Vec<usize>>) -> Out<'_> {
     let cols = ws[0].cols;
-    let q = if cols.is_multiple_of(want.block_len()) {
-        want
-    } else {
-        QuantType::F16
-    };
     Out {
         name,
         dims: vec![cols as u64, ws.iter().map(|w| w.rows as u64).sum()],
@@ -188,8 +198,14 @@ fn stacked(
     }
 }
 
-fn plan(model: &Model, qtype: QuantType) -> Vec<Out<'_>> {
+/// Every tensor of the output, in file order (the mix's counters follow it).
+fn plan<'a>(model: &'a Model, mix: &mut mix::Mix) -> Vec<Out<'a>> {
     let c = &model.config;
+    // A matrix (or several stacked) in the type the mix gives it.
+    let mut mat = |name: String, ws: Vec<&'a WeightRef>, perm: Option<Vec<usize>>| {
+        let q = mix.tensor_type(&name, ws[0].cols);
+        stacked(name, ws, q, perm)
+    };
     let mut v = Vec::new();
     let vector = |name: String, x: &[f32]| Out {
         name,
@@ -200,10 +216,9 @@ fn plan(model: &Model, qtype: QuantType) -> Vec<Out<'_>> {
     // HF llama Q/K rows: NeoX order to GGUF's interleaved order.
     let permute = matches!(model.source, Source::Hf(_)) && c.arch == Architecture::Llama;
     let perm = |heads: usize| permute.then(|| neox_to_interleaved(heads, c.head_dim));
-    v.push(matrix(
+    v.push(mat(
         GlobalTensor::TokenEmbd.name(),
-        &model.token_embd,
-        qtype,
+        vec![&model.token_embd],
         None,
     ));
     if let Some(p) = &model.pos_embd {
@@ -219,7 +234,7 @@ fn plan(model: &Model, qtype: QuantType) -> Vec<Out<'_>> {
         (GlobalTensor::ProjOut, &model.proj_out),
     ] {
         if let Some(w) = w {
-            v.push(matrix(t.name(), w, qtype, None));
+            v.push(mat(t.name(), vec![w], None));
         }
     }
     if let Some(n) = &model.output_norm {
@@ -236,12 +251,7 @@ fn plan(model: &Model, qtype: QuantType) -> Vec<Out<'_>> {
         v.push(vector(GlobalTensor::RopeFreqs.name(), f));
     }
     if !c.tied_output {
-        v.push(matrix(
-            GlobalTensor::Output.name(),
-            &model.output,
-            qtype,
-            None,
-        ));
+        v.push(mat(GlobalTensor::Output.name(), vec![&model.output], None));
     }
     let permuted = |b: &[f32], p: &Option<Vec<usize>>| match p {
         Some(p) => p.iter().map(|&i| b[i]).collect::<Vec<f32>>(),
@@ -293,32 +303,22 @@ fn plan(model: &Model, qtype: QuantType) -> Vec<Out<'_>> {
             // llama.cpp's phi3 layout: Q, K and V in one matrix, gate and up in `ffn_up`.
             (Architecture::Phi3, Some(g)) => {
                 let qkv = vec![&lw.wq, &lw.wk, &lw.wv];
-                v.push(stacked(
-                    format!("blk.{l}.attn_qkv.weight"),
-                    qkv,
-                    qtype,
-                    None,
-                ));
-                v.push(matrix(n(LayerTensor::AttnOutput), &lw.wo, qtype, None));
-                v.push(stacked(
-                    n(LayerTensor::FfnUp),
-                    vec![g, &lw.w_up],
-                    qtype,
-                    None,
-                ));
+                v.push(mat(format!("blk.{l}.attn_qkv.weight"), qkv, None));
+                v.push(mat(n(LayerTensor::AttnOutput), vec![&lw.wo], None));
+                v.push(mat(n(LayerTensor::FfnUp), vec![g, &lw.w_up], None));
             }
             _ => {
-                v.push(matrix(n(LayerTensor::AttnQ), &lw.wq, qtype, pq));
-                v.push(matrix(n(LayerTensor::AttnK), &lw.wk, qtype, pk));
-                v.push(matrix(n(LayerTensor::AttnV), &lw.wv, qtype, None));
-                v.push(matrix(n(LayerTensor::AttnOutput), &lw.wo, qtype, None));
+                v.push(mat(n(LayerTensor::AttnQ), vec![&lw.wq], pq));
+                v.push(mat(n(LayerTensor::AttnK), vec![&lw.wk], pk));
+                v.push(mat(n(LayerTensor::AttnV), vec![&lw.wv], None));
+                v.push(mat(n(LayerTensor::AttnOutput), vec![&lw.wo], None));
                 if let Some(g) = &lw.w_gate {
-                    v.push(matrix(n(LayerTensor::FfnGate), g, qtype, None));
+                    v.push(mat(n(LayerTensor::FfnGate), vec![g], None));
                 }
-                v.push(matrix(n(LayerTensor::FfnUp), &lw.w_up, qtype, None));
+                v.push(mat(n(LayerTensor::FfnUp), vec![&lw.w_up], None));
             }
         }
-        v.push(matrix(n(LayerTensor::FfnDown), &lw.w_down, qtype, None));
+        v.push(mat(n(LayerTensor::FfnDown), vec![&lw.w_down], None));
     }
     v
 }
@@ -341,7 +341,7 @@ pub fn neox_to_interleaved(heads: usize, head_dim: usize) -> Vec<usize> {
 fn metadata(model: &Model, tok: &Tokenizer) -> Result<Vec<(String, MetaValue)>> {
     if let Some(h) = model.gguf_header() {
         // The type of the whole file changes; everything else carries over.
-        let keep = |k: &str| k != "general.file_type";
+        let keep = |k: &str| k != "general.file_type" && k != "general.quantization_version";
         return Ok(h
             .metadata
             .iter()

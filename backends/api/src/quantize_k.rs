@@ -1,0 +1,819 @@
+//! ggml's quantizers for the super-block types (Q2_K .. Q6_K, IQ4_XS), for IQ4_NL, and the
+//! importance-weighted variants of the 32-wide types, ported from `ggml-quants.c` so that a file
+//! `dejavu quantize` writes rounds as `llama-quantize`'s does.
+//!
+//! Contract: every function takes whole blocks of `x` (a multiple of the type's block length) and
+//! returns the blocks. `qw`, where given, is the importance of each element (an importance
+//! matrix's per-column mean of squared activations, `x.len()` values); without it each type uses
+//! llama.cpp's own choice (the `_ref` rounding for the K-quants, element magnitudes for IQ4). The
+//! ports keep ggml's arithmetic order and its round-half-even `nearest_int`, so results agree
+//! with ggml's bit for bit up to the compiler's float contraction.
+// The ports index as ggml's C does, so that each line can be read against it.
+#![allow(clippy::needless_range_loop)]
+use crate::quant::*;
+use bytemuck::Zeroable;
+use half::f16;
+
+const GROUP_MAX_EPS: f32 = 1e-15;
+
+/// Round to nearest, ties to even (ggml's `nearest_int`: the 1.5 * 2^23 trick). ggml requires
+/// |f| < 2^22; larger values (and NaN, as 0) are clamped to that range first, so a caller that
+/// clamps the result to a few levels gets the nearest one.
+#[inline]
+pub(crate) fn nearest_int(f: f32) -> i32 {
+    let f = if f.is_nan() {
+        0.0
+    } else {
+        f.clamp(-4194303.0, 4194303.0)
+    };
+    let v = f + 12582912.0;
+    (v.to_bits() & 0x007f_ffff) as i32 - 0x0040_0000
+}
+
+fn h(v: f32) -> f16 {
+    f16::from_f32(v)
+}
+
+/// Symmetric levels `L - nmax` in `-nmax..nmax` and their scale (ggml's `make_qx_quants`):
+/// weighted least squares over 19 candidate scales around `-nmax / max`.
+fn make_qx_quants(
+    nmax: i32,
+    x: &[f32],
+    l_out: &mut [i8],
+    rmse_type: i32,
+    qw: Option<&[f32]>,
+) -> f32 {
+    let n = x.len();
+    let (mut amax, mut max) = (0f32, 0f32);
+    for &v in x {
+        if v.abs() > amax {
+            amax = v.abs();
+            max = v;
+        }
+    }
+    if amax < GROUP_MAX_EPS {
+        l_out.iter_mut().for_each(|l| *l = 0);
+        return 0.0;
+    }
+    let weight = |i: usize| match qw {
+        Some(w) => w[i],
+        None => match rmse_type {
+            1 => x[i] * x[i],
+            2 => 1.0,
+            3 => x[i].abs(),
+            _ => x[i].abs().sqrt(),
+        },
+    };
+    let mut iscale = -(nmax as f32) / max;
+    let (mut sumlx, mut suml2) = (0f32, 0f32);
+    for i in 0..n {
+        let l = nearest_int(iscale * x[i]).clamp(-nmax, nmax - 1);
+        l_out[i] = (l + nmax) as i8;
+        let w = weight(i);
+        sumlx += w * x[i] * l as f32;
+        suml2 += w * (l * l) as f32;
+    }
+    let mut scale = if suml2 != 0.0 { sumlx / suml2 } else { 0.0 };
+    let mut best = scale * sumlx;
+    for is in -9..=9 {
+        if is == 0 {
+            continue;
+        }
+        iscale = -(nmax as f32 + 0.1 * is as f32) / max;
+        sumlx = 0.0;
+        suml2 = 0.0;
+        for i in 0..n {
+            let l = nearest_int(iscale * x[i]).clamp(-nmax, nmax - 1);
+            let w = weight(i);
+            sumlx += w * x[i] * l as f32;
+            suml2 += w * (l * l) as f32;
+        }
+        if suml2 > 0.0 && sumlx * sumlx > best * suml2 {
+            for i in 0..n {
+                l_out[i] = (nearest_int(iscale * x[i]).clamp(-nmax, nmax - 1) + nmax) as i8;
+            }
+            scale = sumlx / suml2;
+            best = scale * sumlx;
+        }
+    }
+    scale
+}
+
+/// Q3_K's symmetric levels with coordinate-descent refinement (ggml's `make_q3_quants`, rmse on).
+fn make_q3_quants(nmax: i32, x: &[f32], l_out: &mut [i8]) -> f32 {
+    let (mut amax, mut max) = (0f32, 0f32);
+    for &v in x {
+        if v.abs() > amax {
+            amax = v.abs();
+            max = v;
+        }
+    }
+    if amax < GROUP_MAX_EPS {
+        l_out.iter_mut().for_each(|l| *l = 0);
+        return 0.0;
+    }
+    let iscale = -(nmax as f32) / max;
+    let (mut sumlx, mut suml2) = (0f32, 0f32);
+    let mut l = [0i32; 16];
+    for i in 0..x.len() {
+        l[i] = nearest_int(iscale * x[i]).clamp(-nmax, nmax - 1);
+        let w = x[i] * x[i];
+        sumlx += w * x[i] * l[i] as f32;
+        suml2 += w * (l[i] * l[i]) as f32;
+    }
+    for _ in 0..5 {
+        let mut changed = 0;
+        for i in 0..x.len() {
+            let w = x[i] * x[i];
+            let mut slx = sumlx - w * x[i] * l[i] as f32;
+            if slx > 0.0 {
+                let mut sl2 = suml2 - w * (l[i] * l[i]) as f32;
+                let new_l = nearest_int(x[i] * sl2 / slx).clamp(-nmax, nmax - 1);
+                if new_l != l[i] {
+                    slx += w * x[i] * new_l as f32;
+                    sl2 += w * (new_l * new_l) as f32;
+                    if sl2 > 0.0 && slx * slx * suml2 > sumlx * sumlx * sl2 {
+                        l[i] = new_l;
+                        sumlx = slx;
+                        suml2 = sl2;
+                        changed += 1;
+                    }
+                }
+            }
+        }
+        if changed == 0 {
+            break;
+        }
+    }
+    for i in 0..x.len() {
+        l_out[i] = (l[i] + nmax) as i8;
+    }
+    if suml2 > 0.0 {
+        sumlx / suml2
+    } else {
+        0.0
+    }
+}
+
+/// Levels `0..=nmax` with a scale and a min, `x ~= scale * L - min` (ggml's `make_qkx2_quants`
+/// when `qw` is given, `make_qkx3_quants` otherwise: weights `x^2`): a search over `nstep + 1`
+/// scales from `(rmin + nmax) / (max - min)` in steps of `rdelta`, each with its least-squares
+/// (scale, min). Returns (scale, min).
+#[allow(clippy::too_many_arguments)]
+fn make_qkx_quants(
+    nmax: i32,
+    x: &[f32],
+    weights: Option<&[f32]>,
+    l_out: &mut [u8],
+    rmin: f32,
+    rdelta: f32,
+    nstep: i32,
+    use_mad: bool,
+) -> (f32, f32) {
+    let n = x.len();
+    let w = |i: usize| weights.map_or(x[i] * x[i], |w| w[i]);
+    let (mut min, mut max) = (x[0], x[0]);
+    let mut sum_w = w(0);
+    let mut sum_x = sum_w * x[0];
+    for i in 1..n {
+        min = min.min(x[i]);
+        max = max.max(x[i]);
+        sum_w += w(i);
+        sum_x += w(i) * x[i];
+    }
+    if min > 0.0 {
+        min = 0.0;
+    }
+    if max <= min {
+        l_out.iter_mut().for_each(|l| *l = 0);
+        return (0.0, -min);
+    }
+    let err = |d: f32| if use_mad { d.abs() } else { d * d };
+    let mut iscale = nmax as f32 / (max - min);
+    let mut scale = 1.0 / iscale;
+    let mut best = 0f32;
+    for i in 0..n {
+        l_out[i] = nearest_int(iscale * (x[i] - min)).clamp(0, nmax) as u8;
+        best += w(i) * err(scale * l_out[i] as f32 + min - x[i]);
+    }
+    let mut laux = [0u8; QK];
+    let laux = &mut laux[..n];
+    for is in 0..=nstep {
+        iscale = (rmin + rdelta * is as f32 + nmax as f32) / (max - min);
+        let (mut sum_l, mut sum_l2, mut sum_xl) = (0f32, 0f32, 0f32);
+        for i in 0..n {
+            let l = nearest_int(iscale * (x[i] - min)).clamp(0, nmax);
+            laux[i] = l as u8;
+            let lf = l as f32;
+            sum_l += w(i) * lf;
+            sum_l2 += w(i) * lf * lf;
+            sum_xl += w(i) * lf * x[i];
+        }
+        let det = sum_w * sum_l2 - sum_l * sum_l;
+        if det > 0.0 {
+            let mut this_scale = (sum_w * sum_xl - sum_x * sum_l) / det;
+            let mut this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det;
+            if this_min > 0.0 {
+                this_min = 0.0;
+                this_scale = sum_xl / sum_l2;
+            }
+            let cur: f32 = (0..n)
+                .map(|i| w(i) * err(this_scale * laux[i] as f32 + this_min - x[i]))
+                .sum();
+            if cur < best {
+                l_out.copy_from_slice(laux);
+                best = cur;
+                scale = this_scale;
+                min = this_min;
+            }
+        }
+    }
+    (scale, -min)
+}
+
+/// Non-negative levels `0..=nmax` of the sub-block scales (ggml's `make_qp_quants`).
+fn make_qp_quants(nmax: i32, x: &[f32], l_out: &mut [u8], qw: &[f32]) -> f32 {
+    let n = x.len();
+    let max = x.iter().fold(0f32, |m, &v| m.max(v));
+    if max < GROUP_MAX_EPS {
+        l_out.iter_mut().for_each(|l| *l = 0);
+        return 0.0;
+    }
+    let mut iscale = nmax as f32 / max;
+    let scale = 1.0 / iscale;
+    let mut best_mse = 0f32;
+    for i in 0..n {
+        let l = nearest_int(iscale * x[i]);
+        let d = x[i] - scale * l as f32;
+        best_mse += qw[i] * d * d;
+    }
+    for is in -4..=4 {
+        if is == 0 {
+            continue;
+        }
+        let iscale_is = (0.1 * is as f32 + nmax as f32) / max;
+        let scale_is = 1.0 / iscale_is;
+        let mse: f32 = (0..n)
+            .map(|i| {
+                let l = nearest_int(iscale_is * x[i]).min(nmax);
+                let d = x[i] - scale_is * l as f32;
+                qw[i] * d * d
+            })
+            .sum();
+        if mse < best_mse {
+            best_mse = mse;
+            iscale = iscale_is;
+        }
+    }
+    let (mut sumlx, mut suml2) = (0f32, 0f32);
+    let mut l = [0i32; 16];
+    for i in 0..n {
+        l[i] = nearest_int(iscale * x[i]).min(nmax);
+        sumlx += qw[i] * x[i] * l[i] as f32;
+        suml2 += qw[i] * (l[i] * l[i]) as f32;
+    }
+    for _ in 0..5 {
+        let mut changed = 0;
+        for i in 0..n {
+            let w = qw[i];
+            let mut slx = sumlx - w * x[i] * l[i] as f32;
+            let mut sl2 = suml2 - w * (l[i] * l[i]) as f32;
+            if slx > 0.0 && sl2 > 0.0 {
+                let new_l = nearest_int(x[i] * sl2 / slx).min(nmax);
+                if new_l != l[i] {
+                    slx += w * x[i] * new_l as f32;
+                    sl2 += w * (new_l * new_l) as f32;
+                    if slx * slx * suml2 > sumlx * sumlx * sl2 {
+                        l[i] = new_l;
+                        sumlx = slx;
+                        suml2 = sl2;
+                        changed += 1;
+                    }
+                }
+            }
+        }
+        if changed == 0 {
+            break;
+        }
+    }
+    for i in 0..n {
+        l_out[i] = l[i] as u8;
+    }
+    if suml2 > 0.0 {
+        sumlx / suml2
+    } else {
+        0.0
+    }
+}
+
+/// `x` (a super-block) as 2-bit planes: `qs[32n + l]` holds the levels of elements `128n + l`,
+/// `+32`, `+64`, `+96` in bits 0-1, 2-3, 4-5, 6-7 (Q2_K and Q3_K).
+fn pack_2bit(l: &[u8; QK_K]) -> [u8; QK_K / 4] {
+    std::array::from_fn(|i| {
+        let (n, j) = (i / 32, i % 32);
+        let b = 128 * n + j;
+        l[b] | (l[b + 32] << 2) | (l[b + 64] << 4) | (l[b + 96] << 6)
+    })
+}
+
+/// The sum of squares of `x` over its length times `k` (ggml's `sigma2`).
+fn sigma2(x: &[f32], k: f32) -> f32 {
+    k * x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32
+}
+
+/// Q2_K (ggml's `quantize_row_q2_K_ref`, or `_impl` with importance weights).
+pub fn q2_k(x: &[f32], qw: Option<&[f32]>) -> BlockQ2K {
+    let mut l = [0u8; QK_K];
+    let (mut scales, mut mins) = ([0f32; 16], [0f32; 16]);
+    let mut y = BlockQ2K::zeroed();
+    match qw {
+        None => {
+            for j in 0..16 {
+                let xs = &x[16 * j..16 * j + 16];
+                let w: [f32; 16] = std::array::from_fn(|i| xs[i].abs());
+                (scales[j], mins[j]) = make_qkx_quants(
+                    3,
+                    xs,
+                    Some(&w),
+                    &mut l[16 * j..16 * j + 16],
+                    -0.5,
+                    0.1,
+                    15,
+                    true,
+                );
+            }
+            let max_scale = scales.iter().fold(0f32, |m, &v| m.max(v));
+            let max_min = mins.iter().fold(0f32, |m, &v| m.max(v));
+            if max_scale > 0.0 {
+                let iscale = 15.0 / max_scale;
+                for j in 0..16 {
+                    y.scales[j] = nearest_int(iscale * scales[j]) as u8;
+                }
+                y.d = h(max_scale / 15.0);
+            }
+            if max_min > 0.0 {
+                let iscale = 15.0 / max_min;
+                for j in 0..16 {
+                    y.scales[j] |= (nearest_int(iscale * mins[j]) << 4) as u8;
+                }
+                y.dmin = h(max_min / 15.0);
+            }
+        }
+        Some(qw) => {
+            let s2 = sigma2(x, 1.0);
+            let mut sw = [0f32; 16];
+            for j in 0..16 {
+                let xs = &x[16 * j..16 * j + 16];
+                let w: [f32; 16] =
+                    std::array::from_fn(|i| qw[16 * j + i] * (s2 + xs[i] * xs[i]).sqrt());
+                sw[j] = w.iter().sum();
+                (scales[j], mins[j]) = make_qkx_quants(
+                    3,
+                    xs,
+                    Some(&w),
+                    &mut l[16 * j..16 * j + 16],
+                    -0.9,
+                    0.05,
+                    36,
+                    false,
+                );
+            }
+            let (mut ls, mut lm) = ([0u8; 16], [0u8; 16]);
+            let dm = make_qp_quants(15, &scales, &mut ls, &sw);
+            let mm = make_qp_quants(15, &mins, &mut lm, &sw);
+            y.d = h(dm);
+            y.dmin = h(mm);
+            for j in 0..16 {
+                y.scales[j] = ls[j] | (lm[j] << 4);
+            }
+        }
+    }
+    let (d, dmin) = (y.d.to_f32(), y.dmin.to_f32());
+    for j in 0..16 {
+        let dj = d * (y.scales[j] & 0xF) as f32;
+        if dj == 0.0 {
+            continue;
+        }
+        let mj = dmin * (y.scales[j] >> 4) as f32;
+        for i in 0..16 {
+            l[16 * j + i] = nearest_int((x[16 * j + i] + mj) / dj).clamp(0, 3) as u8;
+        }
+    }
+    y.qs = pack_2bit(&l);
+    y
+}
+
+/// Q3_K (ggml's `quantize_row_q3_K_ref`, or `_impl` with importance weights).
+pub fn q3_k(x: &[f32], qw: Option<&[f32]>) -> BlockQ3K {
+    let mut l = [0i8; QK_K];
+    let mut scales = [0f32; 16];
+    let mut y = BlockQ3K::zeroed();
+    // Scale j (0..64, stored + 32): low nibble in byte j (j < 8) or the high nibble of byte
+    // j - 8, the top 2 bits in byte 8 + j % 4 at bit 2 (j / 4).
+    let put_scale = |y: &mut BlockQ3K, j: usize, v: i32| {
+        let v = v as u8;
+        if j < 8 {
+            y.scales[j] = v & 0xF;
+        } else {
+            y.scales[j - 8] |= (v & 0xF) << 4;
+        }
+        y.scales[j % 4 + 8] |= (v >> 4) << (2 * (j / 4));
+    };
+    match qw {
+        None => {
+            let (mut amax, mut max_scale) = (0f32, 0f32);
+            for j in 0..16 {
+                scales[j] = make_q3_quants(4, &x[16 * j..16 * j + 16], &mut l[16 * j..16 * j + 16]);
+                if scales[j].abs() > amax {
+                    amax = scales[j].abs();
+                    max_scale = scales[j];
+                }
+            }
+            if max_scale != 0.0 {
+                let iscale = -32.0 / max_scale;
+                for j in 0..16 {
+                    let v = (nearest_int(iscale * scales[j]) as i8 as i32).clamp(-32, 31) + 32;
+                    put_scale(&mut y, j, v);
+                }
+                y.d = h(1.0 / iscale);
+            }
+        }
+        Some(qw) => {
+            let s2 = sigma2(x, 2.0);
+            let mut sw = [0f32; 16];
+            for j in 0..16 {
+                let xs = &x[16 * j..16 * j + 16];
+                let w: [f32; 16] =
+                    std::array::from_fn(|i| qw[16 * j + i] * (s2 + xs[i] * xs[i]).sqrt());
+                sw[j] = w.iter().sum();
+                scales[j] = make_qx_quants(4, xs, &mut l[16 * j..16 * j + 16], 1, Some(&w));
+            }
+            let mut ls = [0i8; 16];
+            let d_block = make_qx_quants(32, &scales, &mut ls, 1, Some(&sw));
+            for j in 0..16 {
+                put_scale(&mut y, j, ls[j] as i32);
+            }
+            y.d = h(d_block);
+        }
+    }
+    let sc = q3k_scales(&y.scales);
+    let d = y.d.to_f32();
+    for j in 0..16 {
+        let dj = d * sc[j] as f32;
+        if dj == 0.0 {
+            continue;
+        }
+        for i in 0..16 {
+            l[16 * j + i] = (nearest_int(x[16 * j + i] / dj).clamp(-4, 3) + 4) as i8;
+        }
+    }
+    // The high bit of element j goes to bit j / 32 of hmask[j % 32].
+    let mut lu = [0u8; QK_K];
+    for j in 0..QK_K {
+        let mut v = l[j] as u8;
+        if v > 3 {
+            y.hmask[j % 32] |= 1 << (j / 32);
+            v -= 4;
+        }
+        lu[j] = v;
+    }
+    y.qs = pack_2bit(&lu);
+    y
+}
+
+/// Q4_K/Q5_K's 8 scales and mins, 6 bits each, packed into 12 bytes (ggml's layout, read by
+/// [`q4k_scale_min`]).
+fn pack_k_scales(ls: &[u8; 8], lm: &[u8; 8]) -> [u8; 12] {
+    let mut s = [0u8; 12];
+    for j in 0..8 {
+        let (a, m) = (ls[j].min(63), lm[j].min(63));
+        if j < 4 {
+            s[j] = a;
+            s[j + 4] = m;
+        } else {
+            s[j + 4] = (a & 0xF) | ((m & 0xF) << 4);
+            s[j - 4] |= (a >> 4) << 6;
+            s[j] |= (m >> 4) << 6;
+        }
+    }
+    s
+}
+
+/// The shared body of Q4_K and Q5_K: 8 sub-blocks of 32 with levels `0..=nmax`; returns
+/// (d, dmin, packed scales, levels).
+fn k_scaled(x: &[f32], qw: Option<&[f32]>, nmax: i32) -> (f16, f16, [u8; 12], [u8; QK_K]) {
+    let mut l = [0u8; QK_K];
+    let (mut scales, mut mins) = ([0f32; 8], [0f32; 8]);
+    let (ls, lm, d, dmin);
+    match qw {
+        None => {
+            let (rmin, rdelta, nstep) = if nmax == 15 {
+                (-1.0, 0.1, 20)
+            } else {
+                (-0.5, 0.1, 15)
+            };
+            for j in 0..8 {
+                let xs = &x[32 * j..32 * j + 32];
+                let av_x = (xs.iter().map(|v| v * v).sum::<f32>() / 32.0).sqrt();
+                let w: [f32; 32] = std::array::from_fn(|i| av_x + xs[i].abs());
+                (scales[j], mins[j]) = make_qkx_quants(
+                    nmax,
+                    xs,
+                    Some(&w),
+                    &mut l[32 * j..32 * j + 32],
+                    rmin,
+                    rdelta,
+                    nstep,
+                    false,
+                );
+            }
+            let max_scale = scales.iter().fold(0f32, |m, &v| m.max(v));
+            let max_min = mins.iter().fold(0f32, |m, &v| m.max(v));
+            let inv_scale = if max_scale > 0.0 {
+                63.0 / max_scale
+            } else {
+                0.0
+            };
+            let inv_min = if max_min > 0.0 { 63.0 / max_min } else { 0.0 };
+            ls = scales.map(|s| nearest_int(inv_scale * s) as u8);
+            lm = mins.map(|m| nearest_int(inv_min * m) as u8);
+            d = h(max_scale / 63.0);
+            dmin = h(max_min / 63.0);
+        }
+        Some(qw) => {
+            let s2 = sigma2(x, 2.0);
+            let mut sw = [0f32; 8];
+            for j in 0..8 {
+                let xs = &x[32 * j..32 * j + 32];
+                let w: [f32; 32] =
+                    std::array::from_fn(|i| qw[32 * j + i] * (s2 + xs[i] * xs[i]).sqrt());
+                sw[j] = w.iter().sum();
+                (scales[j], mins[j]) = make_qkx_quants(
+                    nmax,
+                    xs,
+                    Some(&w),
+                    &mut l[32 * j..32 * j + 32],
+                    -0.9,
+                    0.05,
+                    36,
+                    false,
+                );
+            }
+            let (mut a, mut b) = ([0u8; 8], [0u8; 8]);
+            d = h(make_qp_quants(63, &scales, &mut a, &sw));
+            dmin = h(make_qp_quants(63, &mins, &mut b, &sw));
+            (ls, lm) = (a, b);
+        }
+    }
+    let packed = pack_k_scales(&ls, &lm);
+    for j in 0..8 {
+        let (sc, m) = q4k_scale_min(j, &packed);
+        let dj = d.to_f32() * sc as f32;
+        if dj == 0.0 {
+            continue;
+        }
+        let dm = dmin.to_f32() * m as f32;
+        for i in 0..32 {
+            l[32 * j + i] = nearest_int((x[32 * j + i] + dm) / dj).clamp(0, nmax) as u8;
+        }
+    }
+    (d, dmin, packed, l)
+}
+
+/// Q4_K (ggml's `quantize_row_q4_K_ref`, or `_impl` with importance weights).
+pub fn q4_k(x: &[f32], qw: Option<&[f32]>) -> BlockQ4K {
+    let (d, dmin, scales, l) = k_scaled(x, qw, 15);
+    BlockQ4K {
+        d,
+        dmin,
+        scales,
+        qs: std::array::from_fn(|i| {
+            let (g, j) = (i / 32, i % 32);
+            l[64 * g + j] | (l[64 * g + j + 32] << 4)
+        }),
+    }
+}
+
+/// Q5_K (ggml's `quantize_row_q5_K_ref`, or `_impl` with importance weights).
+pub fn q5_k(x: &[f32], qw: Option<&[f32]>) -> BlockQ5K {
+    let (d, dmin, scales, l) = k_scaled(x, qw, 31);
+    let mut y = BlockQ5K {
+        d,
+        dmin,
+        scales,
+        qh: [0; 32],
+        qs: [0; 128],
+    };
+    for i in 0..QK_K {
+        let (sub, j) = (i / 32, i % 32);
+        y.qh[j] |= (l[i] >> 4) << sub;
+        y.qs[32 * (sub / 2) + j] |= (l[i] & 0xF) << (4 * (sub % 2));
+    }
+    y
+}
+
+/// Q6_K (ggml's `quantize_row_q6_K_ref`, or `_impl` with importance weights).
+pub fn q6_k(x: &[f32], qw: Option<&[f32]>) -> BlockQ6K {
+    let mut l = [0i8; QK_K];
+    let mut scales = [0f32; 16];
+    let (mut max_abs, mut max_scale) = (0f32, 0f32);
+    for j in 0..16 {
+        let w = qw.map(|w| &w[16 * j..16 * j + 16]);
+        scales[j] = make_qx_quants(
+            32,
+            &x[16 * j..16 * j + 16],
+            &mut l[16 * j..16 * j + 16],
+            1,
+            w,
+        );
+        if scales[j].abs() > max_abs {
+            max_abs = scales[j].abs();
+            max_scale = scales[j];
+        }
+    }
+    let mut y = BlockQ6K::zeroed();
+    if max_abs < GROUP_MAX_EPS {
+        return y;
+    }
+    let iscale = -128.0 / max_scale;
+    y.d = h(1.0 / iscale);
+    for j in 0..16 {
+        y.scales[j] = nearest_int(iscale * scales[j]).min(127) as i8;
+    }
+    for j in 0..16 {
+        let dj = y.d.to_f32() * y.scales[j] as f32;
+        if dj == 0.0 {
+            continue;
+        }
+        for i in 0..16 {
+            l[16 * j + i] = (nearest_int(x[16 * j + i] / dj).clamp(-32, 31) + 32) as i8;
+        }
+    }
+    for n in 0..2 {
+        for j in 0..32 {
+            let q = |k: usize| l[128 * n + j + 32 * k] as u8;
+            y.ql[64 * n + j] = (q(0) & 0xF) | ((q(2) & 0xF) << 4);
+            y.ql[64 * n + j + 32] = (q(1) & 0xF) | ((q(3) & 0xF) << 4);
+            y.qh[32 * n + j] =
+                (q(0) >> 4) | ((q(1) >> 4) << 2) | ((q(2) >> 4) << 4) | ((q(3) >> 4) << 6);
+        }
+    }
+    y
+}
+
+/// The index of the IQ4_NL level nearest `v` (ggml's `best_index_int8`).
+fn best_index(v: f32) -> u8 {
+    let k = &KVALUES_IQ4NL;
+    if v <= k[0] as f32 {
+        return 0;
+    }
+    if v >= k[15] as f32 {
+        return 15;
+    }
+    let (mut lo, mut hi) = (0usize, 15usize);
+    while hi - lo > 1 {
+        let mid = (lo + hi) / 2;
+        if v < k[mid] as f32 {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    if v - (k[hi - 1] as f32) < k[hi] as f32 - v {
+        (hi - 1) as u8
+    } else {
+        hi as u8
+    }
+}
+
+/// IQ4's per-32 search (ggml's `quantize_row_iq4_nl_impl` for one sub-block, `ntry = 7`): the
+/// scale and the level indices of `xb` under weights `w`.
+fn iq4_block(xb: &[f32], w: &[f32], l: &mut [u8]) -> f32 {
+    let k = |i: u8| KVALUES_IQ4NL[i as usize] as f32;
+    let (mut amax, mut max) = (0f32, 0f32);
+    for &v in xb {
+        if v.abs() > amax {
+            amax = v.abs();
+            max = v;
+        }
+    }
+    if amax < GROUP_MAX_EPS {
+        return 0.0;
+    }
+    let mut d = -max / k(0);
+    let mut id = 1.0 / d;
+    let (mut sumqx, mut sumq2) = (0f32, 0f32);
+    for j in 0..xb.len() {
+        l[j] = best_index(id * xb[j]);
+        let q = k(l[j]);
+        sumqx += w[j] * q * xb[j];
+        sumq2 += w[j] * q * q;
+    }
+    d = if sumq2 > 0.0 { sumqx / sumq2 } else { 0.0 };
+    let mut best = d * sumqx;
+    for itry in -7..=7 {
+        id = (itry as f32 + k(0)) / max;
+        sumqx = 0.0;
+        sumq2 = 0.0;
+        for j in 0..xb.len() {
+            let q = k(best_index(id * xb[j]));
+            sumqx += w[j] * q * xb[j];
+            sumq2 += w[j] * q * q;
+        }
+        if sumq2 > 0.0 && sumqx * sumqx > best * sumq2 {
+            d = sumqx / sumq2;
+            best = d * sumqx;
+        }
+    }
+    d
+}
+
+/// The weights of IQ4's search: importance times `sqrt(sigma2 + x^2)`, or `x^2`.
+fn iq4_weights(xb: &[f32], qw: Option<&[f32]>, s2: f32) -> Vec<f32> {
+    match qw {
+        Some(qw) => (0..xb.len())
+            .map(|j| qw[j] * (s2 + xb[j] * xb[j]).sqrt())
+            .collect(),
+        None => xb.iter().map(|v| v * v).collect(),
+    }
+}
+
+fn pack_nibbles(l: &[u8]) -> [u8; 16] {
+    std::array::from_fn(|j| l[j] | (l[j + 16] << 4))
+}
+
+/// IQ4_NL (ggml's `quantize_iq4_nl`).
+pub fn iq4_nl(x: &[f32], qw: Option<&[f32]>) -> BlockIQ4NL {
+    let w = iq4_weights(x, qw, sigma2(x, 2.0));
+    let mut l = [0u8; QK];
+    let d = iq4_block(x, &w, &mut l);
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    for j in 0..QK {
+        l[j] = best_index(id * x[j]);
+    }
+    BlockIQ4NL {
+        d: h(d),
+        qs: pack_nibbles(&l),
+    }
+}
+
+/// IQ4_XS (ggml's `quantize_iq4_xs`).
+pub fn iq4_xs(x: &[f32], qw: Option<&[f32]>) -> BlockIQ4XS {
+    let s2 = sigma2(x, 2.0);
+    let mut l = [0u8; QK_K];
+    let mut scales = [0f32; 8];
+    let (mut amax, mut max_scale) = (0f32, 0f32);
+    for ib in 0..8 {
+        let xb = &x[32 * ib..32 * ib + 32];
+        let w = iq4_weights(xb, qw.map(|q| &q[32 * ib..32 * ib + 32]), s2);
+        scales[ib] = iq4_block(xb, &w, &mut l[32 * ib..32 * ib + 32]);
+        if scales[ib].abs() > amax {
+            amax = scales[ib].abs();
+            max_scale = scales[ib];
+        }
+    }
+    let mut y = BlockIQ4XS::zeroed();
+    let d = -max_scale / 32.0;
+    y.d = h(d);
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    let mut scales_h = 0u16;
+    for ib in 0..8 {
+        let ls = nearest_int(id * scales[ib]).clamp(-32, 31);
+        let dl = d * ls as f32;
+        let idl = if dl != 0.0 { 1.0 / dl } else { 0.0 };
+        for j in 0..32 {
+            l[32 * ib + j] = best_index(idl * x[32 * ib + j]);
+        }
+        let u = (ls + 32) as u8;
+        y.scales_l[ib / 2] |= (u & 0xF) << (4 * (ib % 2));
+        scales_h |= ((u >> 4) as u16) << (2 * ib);
+        y.qs[16 * ib..16 * ib + 16].copy_from_slice(&pack_nibbles(&l[32 * ib..32 * ib + 32]));
+    }
+    y.scales_h = scales_h.to_le_bytes();
+    y
+}
+
+/// Symmetric levels of a 32-wide type with importance weights (ggml's `quantize_row_q4_0_impl`,
+/// `q5_0_impl`: `nmax` 8 or 16; `s2` is [`row_sigma2`] of the whole row): (d, levels `L` in
+/// `0..2 nmax`).
+pub fn symmetric_weighted(x: &[f32], qw: &[f32], nmax: i32, s2: f32) -> (f32, [u8; QK]) {
+    let w: [f32; QK] = std::array::from_fn(|j| qw[j] * (s2 + x[j] * x[j]).sqrt());
+    let mut l = [0i8; QK];
+    let d = make_qx_quants(nmax, x, &mut l, 1, Some(&w));
+    (d, l.map(|v| v as u8))
+}
+
+/// Levels `0..=nmax` with a min of a 32-wide type with importance weights (ggml's
+/// `quantize_row_q4_1_impl`, `q5_1_impl`; `s2` as for [`symmetric_weighted`]): (d, m, levels),
+/// `x ~= d * L + m`.
+pub fn asymmetric_weighted(x: &[f32], qw: &[f32], nmax: i32, s2: f32) -> (f32, f32, [u8; QK]) {
+    let w: [f32; QK] = std::array::from_fn(|j| qw[j] * (s2 + x[j] * x[j]).sqrt());
+    let mut l = [0u8; QK];
+    let (d, min) = make_qkx_quants(nmax, x, Some(&w), &mut l, -0.9, 0.05, 36, false);
+    (d, -min, l)
+}
+
+/// The row-wide `sigma2` the 32-wide weighted quantizers use (mean square over the whole row).
+pub fn row_sigma2(row: &[f32]) -> f32 {
+    sigma2(row, 1.0)
+}
