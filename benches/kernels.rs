@@ -16,12 +16,7 @@ fn synthetic(qtype: QuantType, rows: usize, cols: usize) -> Vec<u8> {
     let mut bytes: Vec<u8> = (0..n).map(|i| (i * 7 + 3) as u8).collect();
     let scale = f16::from_f32(0.01).to_le_bytes();
     let bb = qtype.block_bytes();
-    let offsets: &[usize] = match qtype {
-        QuantType::F32 | QuantType::F16 | QuantType::BF16 => &[],
-        QuantType::Q4_1 | QuantType::Q4K => &[0, 2],
-        QuantType::Q6K => &[208],
-        _ => &[0],
-    };
+    let offsets = qtype.scale_offsets();
     if offsets.is_empty() {
         let one: Vec<u8> = match qtype {
             QuantType::F32 => 0.01f32.to_le_bytes().to_vec(),

@@ -145,6 +145,7 @@ pub fn check_quantized<D: Device>(dev: &D) -> f32 {
             ftype,
             pure,
             imatrix: None,
+            rounding: dejavu_backend_api::quantize::Rounding::Ggml,
         };
         dejavu::quantize::quantize(&m, &t, &b, &opts, &out).unwrap();
         let opts = EngineOptions {

@@ -37,6 +37,7 @@ fn quantize_with(src: &Path, ftype: FileType, pure: bool, imatrix: Option<Imatri
         ftype,
         pure,
         imatrix,
+        rounding: dejavu_backend_api::quantize::Rounding::Ggml,
     };
     dejavu::quantize::quantize(&m, &t, &b, &opts, out).unwrap();
 }

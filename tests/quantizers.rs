@@ -8,7 +8,7 @@
 //! and the importance-weighted squared error within 0.5% of ggml's. Where we do not port it (the
 //! 32-wide types without an importance matrix: ggml writes plain max-scaled blocks, we search for
 //! the scale of least error), our squared error is at most ggml's.
-use dejavu_backend_api::quantize::quantize_row_weighted;
+use dejavu_backend_api::quantize::{quantize_row_weighted, Rounding};
 use dejavu_backend_api::QuantType;
 use dejavu_backend_cpu::dequant::dequantize_row;
 use dejavu_formats::GgufFile;
@@ -50,7 +50,12 @@ fn quantizers_match_ggml() {
     let cols = im.len();
     let weights: Vec<f32> = im.iter().cycle().take(x.len()).copied().collect();
     for q in QuantType::ALL.into_iter().filter(|q| q.block_len() > 1) {
-        for imatrix in [false, true] {
+        for (imatrix, rounding) in [
+            (false, Rounding::Ggml),
+            (true, Rounding::Ggml),
+            (false, Rounding::Search),
+            (true, Rounding::Search),
+        ] {
             let name = format!("{}{}", q.name(), if imatrix { ".imatrix" } else { "" });
             let t = f
                 .tensor(&name)
@@ -59,7 +64,7 @@ fn quantizers_match_ggml() {
             let mut ours = Vec::new();
             for (r, xr) in x.chunks_exact(cols).enumerate() {
                 let w = imatrix.then(|| &weights[r * cols..(r + 1) * cols]);
-                quantize_row_weighted(q, xr, w, &mut ours).unwrap();
+                quantize_row_weighted(q, xr, w, rounding, &mut ours).unwrap();
             }
             assert_eq!(ours.len(), theirs.len(), "{name}: length");
             let w = imatrix.then_some(im.as_slice());
@@ -73,10 +78,13 @@ fn quantizers_match_ggml() {
                 .count();
             let blocks = ours.len() / bb;
             eprintln!(
-                "{name}: {same}/{blocks} blocks identical, error ours {e_ours:.4e} ggml {e_theirs:.4e}"
+                "{name} {rounding:?}: {same}/{blocks} blocks identical, error ours {e_ours:.4e} ggml {e_theirs:.4e}"
             );
-            let ported =
-                q != QuantType::Q8_0 && (imatrix || q.block_len() > 32 || q == QuantType::IQ4NL);
+            // What Search rounds its own way: the 32-wide linear types without importances
+            // (Q8_0 ignores them).
+            let searched =
+                q.block_len() == 32 && q != QuantType::IQ4NL && (!imatrix || q == QuantType::Q8_0);
+            let ported = rounding == Rounding::Ggml || !searched;
             if ported {
                 assert!(
                     same * 100 >= blocks * 97,

@@ -28,6 +28,7 @@ p.add_argument("--imatrix-types", default="q4_k_m,q2_k")
 p.add_argument("--types", default="q8_0,q6_k,q5_k_m,q4_k_m,q4_k_s,iq4_xs,q3_k_m,q2_k")
 p.add_argument("--dejavu", default=os.path.join(os.path.dirname(__file__), "..", "target", "release", "dejavu"))
 p.add_argument("--threads", default="2")
+p.add_argument("--dejavu-args", default="", help="more arguments of dejavu quantize, e.g. --search-scales")
 a = p.parse_args()
 tmp = tempfile.mkdtemp(prefix="qvl-")
 
@@ -51,21 +52,33 @@ def both(t, imatrix=None):
     if imatrix:
         cmd += ["--imatrix", imatrix[0]]
     run(cmd + [a.model, lq, t.upper(), a.threads])
-    cmd = [a.dejavu, "quantize", a.model, "--type", t, "-o", dj, "-t", a.threads]
+    cmd = [a.dejavu, "quantize", a.model, "--type", t, "-o", dj, "-t", a.threads] + a.dejavu_args.split()
     if imatrix:
         cmd += ["--imatrix", imatrix[1]]
     run(cmd)
-    pl, pd = ppl(lq), ppl(dj)
+    same, total = same_tensors(lq, dj)
+    pl = ppl(lq)
+    pd = pl if same == total else ppl(dj)  # identical tensors: the same file to llama.cpp
     row = (t + (" + imatrix" if imatrix else ""), pl, pd, pd / pl, os.path.getsize(lq) / 1e6,
-           os.path.getsize(dj) / 1e6)
+           os.path.getsize(dj) / 1e6, same, total)
     for f in (lq, dj):
         os.remove(f)
-    print("| %s | %.4f | %.4f | %.4f | %.1f | %.1f |" % row, flush=True)
+    print("| %s | %.4f | %.4f | %.4f | %.1f | %.1f | %d/%d |" % row, flush=True)
+
+
+def same_tensors(x, y):
+    """Tensors of equal name, type and bytes in two GGUF files, and the count in the first."""
+    import gguf
+    rx, ry = gguf.GGUFReader(x), gguf.GGUFReader(y)
+    ty = {t.name: t for t in ry.tensors}
+    same = sum(1 for t in rx.tensors if t.name in ty and ty[t.name].tensor_type == t.tensor_type
+               and bytes(ty[t.name].data.tobytes()) == bytes(t.data.tobytes()))
+    return same, len(rx.tensors)
 
 
 print(f"source {os.path.basename(a.model)}: llama-perplexity {ppl(a.model):.4f} on {os.path.basename(a.text)}")
-print("| type | llama-quantize ppl | dejavu ppl | ratio | llama-quantize MB | dejavu MB |")
-print("|---|---|---|---|---|---|", flush=True)
+print("| type | llama-quantize ppl | dejavu ppl | ratio | llama-quantize MB | dejavu MB | identical tensors |")
+print("|---|---|---|---|---|---|---|", flush=True)
 for t in a.types.split(","):
     both(t)
 if a.imatrix_text:

@@ -36,6 +36,9 @@ pub struct Options {
     /// `--pure`: every matrix in the file type's base type (no mix rules).
     pub pure: bool,
     pub imatrix: Option<Imatrix>,
+    /// How the 32-wide types round without an importance matrix: `Ggml` (llama-quantize's
+    /// bytes) or `Search` (lower squared error).
+    pub rounding: quantize::Rounding,
 }
 
 /// Where one output tensor's values come from.
@@ -112,7 +115,7 @@ pub fn quantize(
         for t in &tensors {
             bytes.clear();
             let importance = opts.imatrix.as_ref().and_then(|m| m.for_tensor(&t.name));
-            encode(model, backend, t, importance, &mut bytes)?;
+            encode(model, backend, t, importance, opts.rounding, &mut bytes)?;
             w.push(&bytes)?;
             bar.inc(bytes.len() as u64);
         }
@@ -132,6 +135,7 @@ fn encode(
     backend: &dyn Backend,
     t: &Out,
     importance: Option<&[f32]>,
+    rounding: quantize::Rounding,
     out: &mut Vec<u8>,
 ) -> Result<()> {
     let fail = || Error::Invalid(format!("cannot write {} as {}", t.name, t.qtype.name()));
@@ -166,7 +170,9 @@ fn encode(
                             for r in r0..(r0 + per).min(rows) {
                                 let (src, from) = source(perm.as_ref().map_or(r, |p| p[r]));
                                 backend.dequantize_row(src, from, &mut row);
-                                quantize::quantize_row_weighted(t.qtype, &row, w, &mut bytes)?;
+                                quantize::quantize_row_weighted(
+                                    t.qtype, &row, w, rounding, &mut bytes,
+                                )?;
                             }
                             Some(bytes)
                         })

@@ -13,20 +13,32 @@ use half::{bf16, f16};
 /// Types [`quantize_row`] can write: all of them.
 pub const WRITABLE: [QuantType; 15] = QuantType::ALL;
 
-/// Quantize `x` into `qtype.row_bytes(x.len())` bytes appended to `out`. `x.len()` must be a
-/// multiple of the block length (else `None`).
+/// How [`quantize_row_weighted`] rounds the 32-wide types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) when it
+/// has no importances (other types, and these with importances, always round as ggml does).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rounding {
+    /// ggml's one-pass max scaling: the bytes `llama-quantize` writes.
+    Ggml,
+    /// The scale of least squared error among candidates (lower error than ggml's).
+    Search,
+}
+
+/// Quantize `x` into `qtype.row_bytes(x.len())` bytes appended to `out`, with the lowest-error
+/// rounding ([`Rounding::Search`]). `x.len()` must be a multiple of the block length (else
+/// `None`).
 pub fn quantize_row(qtype: QuantType, x: &[f32], out: &mut Vec<u8>) -> Option<()> {
-    quantize_row_weighted(qtype, x, None, out)
+    quantize_row_weighted(qtype, x, None, Rounding::Search, out)
 }
 
 /// [`quantize_row`] with an importance per element (`qw`, `x.len()` values: an importance
 /// matrix's column weights, repeated for every row), which the scale searches weight their
-/// squared errors by, as `llama-quantize --imatrix` does (ggml's `quantize_*_impl`). Q8_0 and the
-/// float types ignore it.
+/// squared errors by, as `llama-quantize --imatrix` does (ggml's `quantize_*_impl`); without
+/// one, the 32-wide types round as `rounding` says. Q8_0 and the float types ignore importances.
 pub fn quantize_row_weighted(
     qtype: QuantType,
     x: &[f32],
     qw: Option<&[f32]>,
+    rounding: Rounding,
     out: &mut Vec<u8>,
 ) -> Option<()> {
     let bl = qtype.block_len();
@@ -34,6 +46,7 @@ pub fn quantize_row_weighted(
         return None;
     }
     let s2 = qw.map(|_| k::row_sigma2(x));
+    let ggml = rounding == Rounding::Ggml;
     // Block `i`'s elements and importances.
     let blocks = x
         .chunks_exact(bl)
@@ -48,24 +61,29 @@ pub fn quantize_row_weighted(
             (QuantType::BF16, ..) => b
                 .iter()
                 .for_each(|v| put(&bf16::from_f32(*v).to_le_bytes())),
+            (QuantType::Q8_0, ..) if ggml => put(bytes_of(&k::q8_0_ref(b))),
             (QuantType::Q8_0, ..) => put(bytes_of(&q8_0(symmetric(b, -127, 127)))),
             (QuantType::Q4_0, Some(w), Some(s2)) => put(bytes_of(&q4_0(levels_signed(
                 k::symmetric_weighted(b, w, 8, s2),
                 8,
             )))),
+            (QuantType::Q4_0, ..) if ggml => put(bytes_of(&k::q4_0_ref(b))),
             (QuantType::Q4_0, ..) => put(bytes_of(&q4_0(symmetric(b, -8, 7)))),
             (QuantType::Q5_0, Some(w), Some(s2)) => put(bytes_of(&q5_0(levels_signed(
                 k::symmetric_weighted(b, w, 16, s2),
                 16,
             )))),
+            (QuantType::Q5_0, ..) if ggml => put(bytes_of(&k::q5_0_ref(b))),
             (QuantType::Q5_0, ..) => put(bytes_of(&q5_0(symmetric(b, -16, 15)))),
             (QuantType::Q4_1, Some(w), Some(s2)) => {
                 put(bytes_of(&q4_1(k::asymmetric_weighted(b, w, 15, s2))))
             }
+            (QuantType::Q4_1, ..) if ggml => put(bytes_of(&k::q4_1_ref(b))),
             (QuantType::Q4_1, ..) => put(bytes_of(&q4_1(asymmetric(b, 15)))),
             (QuantType::Q5_1, Some(w), Some(s2)) => {
                 put(bytes_of(&q5_1(k::asymmetric_weighted(b, w, 31, s2))))
             }
+            (QuantType::Q5_1, ..) if ggml => put(bytes_of(&k::q5_1_ref(b))),
             (QuantType::Q5_1, ..) => put(bytes_of(&q5_1(asymmetric(b, 31)))),
             (QuantType::IQ4NL, ..) => put(bytes_of(&k::iq4_nl(b, w))),
             (QuantType::Q2K, ..) => put(bytes_of(&k::q2_k(b, w))),

@@ -817,3 +817,97 @@ pub fn asymmetric_weighted(x: &[f32], qw: &[f32], nmax: i32, s2: f32) -> (f32, f
 pub fn row_sigma2(row: &[f32]) -> f32 {
     sigma2(row, 1.0)
 }
+
+/// ggml's one-pass reference rounding of the 32-wide types (`quantize_row_q4_0_ref` ..
+/// `q8_0_ref`), which `llama-quantize` writes without an importance matrix: the value of largest
+/// magnitude maps to the low end (-8, -16; Q8_0: +-127 by `roundf`), levels rounded by adding
+/// one half and truncating; Q4_1/Q5_1 span min..max.
+pub fn q4_0_ref(x: &[f32]) -> BlockQ4_0 {
+    let (d, l) = symmetric_ref(x, 8);
+    BlockQ4_0 {
+        d: h(d),
+        qs: pack_nibbles(&l.map(|v| v.min(15))),
+    }
+}
+
+/// See [`q4_0_ref`].
+pub fn q5_0_ref(x: &[f32]) -> BlockQ5_0 {
+    let (d, l) = symmetric_ref(x, 16);
+    let l = l.map(|v| v.min(31));
+    BlockQ5_0 {
+        d: h(d),
+        qh: high_bits(&l),
+        qs: pack_nibbles(&l.map(|v| v & 0xF)),
+    }
+}
+
+/// See [`q4_0_ref`].
+pub fn q4_1_ref(x: &[f32]) -> BlockQ4_1 {
+    let (d, m, l) = min_max_ref(x, 15);
+    BlockQ4_1 {
+        d: h(d),
+        m: h(m),
+        qs: pack_nibbles(&l.map(|v| v.min(15))),
+    }
+}
+
+/// See [`q4_0_ref`].
+pub fn q5_1_ref(x: &[f32]) -> BlockQ5_1 {
+    let (d, m, l) = min_max_ref(x, 31);
+    BlockQ5_1 {
+        d: h(d),
+        m: h(m),
+        qh: high_bits(&l),
+        qs: pack_nibbles(&l.map(|v| v & 0xF)),
+    }
+}
+
+/// See [`q4_0_ref`].
+pub fn q8_0_ref(x: &[f32]) -> BlockQ8_0 {
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    BlockQ8_0 {
+        d: h(d),
+        qs: std::array::from_fn(|j| (x[j] * id).round() as i8),
+    }
+}
+
+/// `d = max / -nmax` (max: the signed value of largest magnitude) and levels
+/// `(x / d + nmax + 0.5)` truncated (ggml's q4_0/q5_0 rounding; the caller caps the top level).
+fn symmetric_ref(x: &[f32], nmax: i32) -> (f32, [u8; QK]) {
+    let (mut amax, mut max) = (0f32, 0f32);
+    for &v in x {
+        if amax < v.abs() {
+            amax = v.abs();
+            max = v;
+        }
+    }
+    let d = max / -(nmax as f32);
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    let bias = nmax as f32 + 0.5;
+    (d, std::array::from_fn(|j| (x[j] * id + bias) as i32 as u8))
+}
+
+/// `d = (max - min) / nmax`, `m = min`, levels `((x - min) / d + 0.5)` truncated.
+fn min_max_ref(x: &[f32], nmax: i32) -> (f32, f32, [u8; QK]) {
+    let (mut min, mut max) = (f32::MAX, -f32::MAX);
+    for &v in x {
+        min = min.min(v);
+        max = max.max(v);
+    }
+    let d = (max - min) / nmax as f32;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    (
+        d,
+        min,
+        std::array::from_fn(|j| ((x[j] - min) * id + 0.5) as i32 as u8),
+    )
+}
+
+/// The fifth bits of 32 five-bit levels, element j at bit j.
+fn high_bits(l: &[u8; QK]) -> [u8; 4] {
+    (0..QK)
+        .fold(0u32, |acc, j| acc | ((((l[j] >> 4) & 1) as u32) << j))
+        .to_le_bytes()
+}

@@ -9,6 +9,7 @@ use dejavu::model::tokenizer::Tokenizer;
 use dejavu::model::weights::Model;
 use dejavu::quantize::{FileType, Imatrix, Options};
 use dejavu::sparsity::policy::Policy;
+use dejavu_backend_api::quantize::Rounding;
 use std::path::{Path, PathBuf};
 
 #[derive(Args)]
@@ -28,6 +29,11 @@ pub struct QuantizeArgs {
     /// tokens).
     #[arg(long)]
     imatrix: Option<PathBuf>,
+    /// Round the 32-wide types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, and the K-quant mixes' fallbacks)
+    /// to the scale of least squared error instead of ggml's max scaling, where no importance
+    /// matrix weights them (lower error; the file is then not llama-quantize's bytes).
+    #[arg(long)]
+    search_scales: bool,
     /// At most this many chunks of the --imatrix text.
     #[arg(long)]
     chunks: Option<usize>,
@@ -65,6 +71,10 @@ pub fn cmd_quantize(a: QuantizeArgs) -> Result<()> {
         ftype,
         pure: a.pure,
         imatrix,
+        rounding: match a.search_scales {
+            true => Rounding::Search,
+            false => Rounding::Ggml,
+        },
     };
     let t0 = std::time::Instant::now();
     let s = dejavu::quantize::quantize(&model, &tokenizer, &backend, &opts, &a.out)?;
