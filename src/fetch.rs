@@ -7,7 +7,11 @@ use std::process::{Command, Stdio};
 
 const SCRIPT: &str = include_str!("../tools/fetch_models.py");
 pub const DEFAULT_MODEL: &str = "smollm2-135m-instruct";
-pub const KNOWN_MODELS: [&str; 2] = ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"];
+pub const KNOWN_MODELS: [&str; 3] = [
+    "smollm2-135m-instruct",
+    "qwen2.5-coder-0.5b-instruct",
+    "gemma-3-270m",
+];
 /// Test data the script also fetches: llama.cpp's tokenizer test vocabularies and chat
 /// templates (a directory).
 pub const TEST_DATA: [&str; 1] = ["llama.cpp-vocab"];

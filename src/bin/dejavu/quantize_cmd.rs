@@ -62,7 +62,9 @@ pub fn cmd_quantize(a: QuantizeArgs) -> Result<()> {
         Ok((m, t))
     };
     let (model, tokenizer) = load().with_context(|| format!("loading {}", a.input.display()))?;
-    let backend = dejavu_backend_cpu::CpuBackend::new(1)?;
+    // The scalar reference dequantizes the source (plain `d * q + m`, as ggml's dequantizers),
+    // so a requantized file is llama-quantize's to the bit.
+    let backend = dejavu_backend_cpu::CpuBackend::f32_reference(1);
     let imatrix = match &a.imatrix {
         Some(path) => Some(importance(&a, path)?),
         None => None,

@@ -75,11 +75,14 @@ unsafe fn x86_body<const VNNI: bool, const PF: bool>(w: &[BlockIQ4XS], act: &[Bl
         if PF {
             prefetch_block_ahead(b);
         }
-        let p: [__m256i; 8] = std::array::from_fn(|j| {
+        // Plain loops, not closures: a closure would not inherit the tier's target features.
+        let mut p = [_mm256_setzero_si256(); 8];
+        let mut sc = [0i32; 8];
+        for j in 0..8 {
             let lv = iq4nl_levels(unpack_nibbles(b.qs.as_ptr().add(16 * j)));
-            dot_i8i8_v::<VNNI>(lv, load_i8x32(&a8[j].qs))
-        });
-        let sc: [i32; 8] = std::array::from_fn(|j| iq4xs_scale(b, j));
+            p[j] = dot_i8i8_v::<VNNI>(lv, load_i8x32(&a8[j].qs));
+            sc[j] = iq4xs_scale(b, j);
+        }
         let scf = _mm256_cvtepi32_ps(_mm256_loadu_si256(sc.as_ptr() as *const __m256i));
         let (ad, _) = act_d_s_x8(a8);
         let fac = _mm256_mul_ps(_mm256_mul_ps(scf, _mm256_set1_ps(f16(b.d))), ad);
