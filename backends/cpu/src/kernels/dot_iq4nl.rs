@@ -40,31 +40,7 @@ pub fn portable(row: &[u8], act: &[BlockQ8A]) -> f32 {
     generic(row, act, super::dot_q8_0::dot32_wide)
 }
 
-#[cfg(target_arch = "x86_64")]
-fn avx2<const PF: bool>(row: &[u8], act: &[BlockQ8A]) -> f32 {
-    super::check_q8a(QTYPE, row, act);
-    // SAFETY: handed out by `select` only for tiers whose features this CPU has.
-    unsafe { avx2_impl::<PF>(&blocks(row), act) }
-}
-
-#[cfg(target_arch = "x86_64")]
-fn avx512<const PF: bool>(row: &[u8], act: &[BlockQ8A]) -> f32 {
-    super::check_q8a(QTYPE, row, act);
-    // SAFETY: handed out by `select` only for tiers whose features this CPU has.
-    unsafe { avx512_impl::<PF>(&blocks(row), act) }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn avx2_impl<const PF: bool>(w: &[BlockIQ4NL], act: &[BlockQ8A]) -> f32 {
-    super::x86::pair_loop::<BlockIQ4NL, false, PF>(w, act)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn avx512_impl<const PF: bool>(w: &[BlockIQ4NL], act: &[BlockQ8A]) -> f32 {
-    super::x86::pair_loop::<BlockIQ4NL, true, PF>(w, act)
-}
+x86_q8a_tiers!(BlockIQ4NL, pairs);
 
 /// For `x86::pair_loop`: levels looked up by `pshufb`, a signed dot, no offset term.
 #[cfg(target_arch = "x86_64")]

@@ -51,37 +51,13 @@ pub fn portable(row: &[u8], act: &[BlockQ8A]) -> f32 {
     generic(row, act, super::dot_q6k::dot16_wide)
 }
 
-#[cfg(target_arch = "x86_64")]
-fn avx2<const PF: bool>(row: &[u8], act: &[BlockQ8A]) -> f32 {
-    super::check_q8a(QTYPE, row, act);
-    // SAFETY: handed out by `select` only for tiers whose features this CPU has.
-    unsafe { avx2_impl::<PF>(&blocks(row), act) }
-}
-
-#[cfg(target_arch = "x86_64")]
-fn avx512<const PF: bool>(row: &[u8], act: &[BlockQ8A]) -> f32 {
-    super::check_q8a(QTYPE, row, act);
-    // SAFETY: handed out by `select` only for tiers whose features this CPU has.
-    unsafe { avx512_impl::<PF>(&blocks(row), act) }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn avx2_impl<const PF: bool>(w: &[BlockQ2K], act: &[BlockQ8A]) -> f32 {
-    x86_body::<PF>(w, act)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn avx512_impl<const PF: bool>(w: &[BlockQ2K], act: &[BlockQ8A]) -> f32 {
-    x86_body::<PF>(w, act)
-}
+x86_q8a_tiers!(BlockQ2K, x86_body);
 
 /// Per group: `maddubs` of the 2-bit values (and of ones: the activation sums) with the
 /// activation quants, `madd` with the per-16 scales (and mins); one float scaling per super-block.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn x86_body<const PF: bool>(w: &[BlockQ2K], act: &[BlockQ8A]) -> f32 {
+unsafe fn x86_body<const VNNI: bool, const PF: bool>(w: &[BlockQ2K], act: &[BlockQ8A]) -> f32 {
     use super::x86::*;
     use std::arch::x86_64::*;
     let (mut acc, mut acc_min) = (_mm256_setzero_ps(), _mm256_setzero_ps());

@@ -51,31 +51,7 @@ pub fn portable(row: &[u8], act: &[BlockQ8A]) -> f32 {
     generic(row, act, super::dot_q8_0::dot32_wide)
 }
 
-#[cfg(target_arch = "x86_64")]
-fn avx2<const PF: bool>(row: &[u8], act: &[BlockQ8A]) -> f32 {
-    super::check_q8a(QTYPE, row, act);
-    // SAFETY: handed out by `select` only for tiers whose features this CPU has.
-    unsafe { avx2_impl::<PF>(&blocks(row), act) }
-}
-
-#[cfg(target_arch = "x86_64")]
-fn avx512<const PF: bool>(row: &[u8], act: &[BlockQ8A]) -> f32 {
-    super::check_q8a(QTYPE, row, act);
-    // SAFETY: handed out by `select` only for tiers whose features this CPU has.
-    unsafe { avx512_impl::<PF>(&blocks(row), act) }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn avx2_impl<const PF: bool>(w: &[BlockQ5K], act: &[BlockQ8A]) -> f32 {
-    x86_body::<false, PF>(w, act)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn avx512_impl<const PF: bool>(w: &[BlockQ5K], act: &[BlockQ8A]) -> f32 {
-    x86_body::<true, PF>(w, act)
-}
+x86_q8a_tiers!(BlockQ5K, x86_body);
 
 /// Q4_K's x86 kernel with the fifth bits or-ed in (`fifth_bit` of the 32 `qh` bytes).
 #[cfg(target_arch = "x86_64")]

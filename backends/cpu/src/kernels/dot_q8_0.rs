@@ -46,31 +46,7 @@ pub fn portable(row: &[u8], act: &[BlockQ8A]) -> f32 {
     acc
 }
 
-#[cfg(target_arch = "x86_64")]
-fn avx2<const PF: bool>(row: &[u8], act: &[BlockQ8A]) -> f32 {
-    super::check_q8a(QTYPE, row, act);
-    // SAFETY: handed out by `select` only for tiers whose features this CPU has.
-    unsafe { avx2_impl::<PF>(&blocks(row), act) }
-}
-
-#[cfg(target_arch = "x86_64")]
-fn avx512<const PF: bool>(row: &[u8], act: &[BlockQ8A]) -> f32 {
-    super::check_q8a(QTYPE, row, act);
-    // SAFETY: handed out by `select` only for tiers whose features this CPU has.
-    unsafe { avx512_impl::<PF>(&blocks(row), act) }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn avx2_impl<const PF: bool>(w: &[BlockQ8_0], act: &[BlockQ8A]) -> f32 {
-    super::x86::pair_loop::<BlockQ8_0, false, PF>(w, act)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn avx512_impl<const PF: bool>(w: &[BlockQ8_0], act: &[BlockQ8A]) -> f32 {
-    super::x86::pair_loop::<BlockQ8_0, true, PF>(w, act)
-}
+x86_q8a_tiers!(BlockQ8_0, pairs);
 
 /// For `x86::pair_loop`: signed quants, value `d_w d_a (qw . qa)` (no offset term).
 #[cfg(target_arch = "x86_64")]

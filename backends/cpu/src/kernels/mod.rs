@@ -24,6 +24,54 @@ macro_rules! select_q8a_kernel {
     };
 }
 
+/// The x86 tiers of a Q8A dot kernel file: `avx2::<PF>` and `avx512::<PF>` check the row's
+/// length (in release builds) and hand its blocks of type `$block` to the file's kernel compiled
+/// for the tier's features: `$body::<VNNI, PF>`, or with `pairs`, the 32-wide
+/// `x86::pair_loop` over the file's [`x86::Step32`] blocks.
+macro_rules! x86_q8a_tiers {
+    ($block:ty, pairs) => {
+        #[cfg(target_arch = "x86_64")]
+        #[inline(always)]
+        unsafe fn x86_pairs<const VNNI: bool, const PF: bool>(
+            w: &[$block],
+            act: &[dejavu_backend_api::quant::BlockQ8A],
+        ) -> f32 {
+            super::x86::pair_loop::<$block, VNNI, PF>(w, act)
+        }
+        x86_q8a_tiers!($block, x86_pairs);
+    };
+    ($block:ty, $body:ident) => {
+        #[cfg(target_arch = "x86_64")]
+        fn avx2<const PF: bool>(row: &[u8], act: &[dejavu_backend_api::quant::BlockQ8A]) -> f32 {
+            super::check_q8a(QTYPE, row, act);
+            // SAFETY: handed out by `select` only for tiers whose features this CPU has.
+            unsafe { avx2_impl::<PF>(&super::as_blocks::<$block>(row), act) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        fn avx512<const PF: bool>(row: &[u8], act: &[dejavu_backend_api::quant::BlockQ8A]) -> f32 {
+            super::check_q8a(QTYPE, row, act);
+            // SAFETY: handed out by `select` only for tiers whose features this CPU has.
+            unsafe { avx512_impl::<PF>(&super::as_blocks::<$block>(row), act) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn avx2_impl<const PF: bool>(
+            w: &[$block],
+            act: &[dejavu_backend_api::quant::BlockQ8A],
+        ) -> f32 {
+            $body::<false, PF>(w, act)
+        }
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+        unsafe fn avx512_impl<const PF: bool>(
+            w: &[$block],
+            act: &[dejavu_backend_api::quant::BlockQ8A],
+        ) -> f32 {
+            $body::<true, PF>(w, act)
+        }
+    };
+}
+
 /// The length contract of a row dot against [`BlockQ8A`] activations, checked by every tier in
 /// release builds (the SIMD tiers read through raw pointers): `row` holds exactly the
 /// `act.len() * 32` elements of type `q`.
