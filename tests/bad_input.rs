@@ -99,10 +99,10 @@ fn model_level_errors() {
             .iter_mut()
             .find(|(n, ..)| n == "blk.0.ffn_down.weight")
             .unwrap();
-        w.2 = dejavu_formats::GgmlType::Q5_1; // same 32-element blocks, 24 bytes: resize the data
-        w.3 = vec![0; w.3.len() / 34 * 24];
+        w.2 = dejavu_formats::GgmlType::Q8_1; // same 32-element blocks, 36 bytes: resize the data
+        w.3 = vec![0; w.3.len() / 34 * 36];
     });
-    generate_on(&unsupported, "unsupported weight type Q5_1");
+    generate_on(&unsupported, "unsupported weight type Q8_1");
 }
 
 #[test]
@@ -192,7 +192,10 @@ fn unknown_quant_type_in_a_model_file() {
     let at = bytes.windows(name.len()).position(|w| w == name).unwrap() + name.len() + 4 + 2 * 8;
     assert_eq!(bytes[at..at + 4], 8u32.to_le_bytes());
     bytes[at..at + 4].copy_from_slice(&99u32.to_le_bytes());
-    generate_on(&bytes, "unknown ggml type id 99");
+    generate_on(&bytes, "ggml type id 99 (unknown) is not supported");
+    // A type ggml has and we do not read is named.
+    bytes[at..at + 4].copy_from_slice(&16u32.to_le_bytes());
+    generate_on(&bytes, "ggml type IQ2_XXS (id 16) is not supported");
 }
 
 /// A GGUF may set `general.alignment` to 1: a tensor whose data then starts at an odd offset
