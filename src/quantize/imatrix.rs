@@ -74,14 +74,22 @@ impl Imatrix {
             let h = s.run(chunk, Logits::Hidden(0, n))?;
             add_squares(&mut m.hidden, h, c.d_embed);
             let cap = s.take_capture();
+            // A layer the capture did not record (none should be missing) adds nothing.
+            fn of(v: &[Vec<f32>], l: usize) -> &[f32] {
+                v.get(l).map_or(&[], |x| x.as_slice())
+            }
             for l in 0..nl {
-                add_squares(&mut m.attn_in[l], &cap.attn_in[l], c.d_model);
-                add_squares(&mut m.mlp_in[l], &cap.mlp_in[l], c.d_model);
-                let sq = &cap.attn_out_sq[l];
-                m.attn_out[l].resize(sq.len(), 0.0);
+                let (attn_in, mlp_in) = (of(&cap.attn_in, l), of(&cap.mlp_in, l));
+                add_squares(&mut m.attn_in[l], attn_in, c.d_model);
+                add_squares(&mut m.mlp_in[l], mlp_in, c.d_model);
+                let sq = of(&cap.attn_out_sq, l);
+                let n = sq.len().max(m.attn_out[l].len());
+                m.attn_out[l].resize(n, 0.0);
                 m.attn_out[l].iter_mut().zip(sq).for_each(|(a, s)| *a += s);
-                let act = s.mlp_activations(l, &cap.mlp_in[l])?;
-                add_squares(&mut m.down_in[l], &act, c.n_ff);
+                if !mlp_in.is_empty() {
+                    let act = s.mlp_activations(l, mlp_in)?;
+                    add_squares(&mut m.down_in[l], &act, c.n_ff);
+                }
             }
             m.tokens += n;
             bar.inc(1);
