@@ -9,6 +9,7 @@ mod index_set;
 pub mod quant;
 pub mod quantize;
 mod quantize_k;
+mod quantize_search;
 
 pub use backend::{
     Activation, AttnShape, Backend, BackendError, KvSlice, MatmulJob, RopeStyle, RowLayout,

@@ -61,29 +61,29 @@ pub fn quantize_row_weighted(
             (QuantType::BF16, ..) => b
                 .iter()
                 .for_each(|v| put(&bf16::from_f32(*v).to_le_bytes())),
-            (QuantType::Q8_0, ..) if ggml => put(bytes_of(&k::q8_0_ref(b))),
+            (QuantType::Q8_0, ..) if ggml => put(bytes_of(&q8_0(k::q8_0_ref(b)))),
             (QuantType::Q8_0, ..) => put(bytes_of(&q8_0(symmetric(b, -127, 127)))),
             (QuantType::Q4_0, Some(w), Some(s2)) => put(bytes_of(&q4_0(levels_signed(
                 k::symmetric_weighted(b, w, 8, s2),
                 8,
             )))),
-            (QuantType::Q4_0, ..) if ggml => put(bytes_of(&k::q4_0_ref(b))),
+            (QuantType::Q4_0, ..) if ggml => put(bytes_of(&q4_0(k::symmetric_ref(b, 8)))),
             (QuantType::Q4_0, ..) => put(bytes_of(&q4_0(symmetric(b, -8, 7)))),
             (QuantType::Q5_0, Some(w), Some(s2)) => put(bytes_of(&q5_0(levels_signed(
                 k::symmetric_weighted(b, w, 16, s2),
                 16,
             )))),
-            (QuantType::Q5_0, ..) if ggml => put(bytes_of(&k::q5_0_ref(b))),
+            (QuantType::Q5_0, ..) if ggml => put(bytes_of(&q5_0(k::symmetric_ref(b, 16)))),
             (QuantType::Q5_0, ..) => put(bytes_of(&q5_0(symmetric(b, -16, 15)))),
             (QuantType::Q4_1, Some(w), Some(s2)) => {
                 put(bytes_of(&q4_1(k::asymmetric_weighted(b, w, 15, s2))))
             }
-            (QuantType::Q4_1, ..) if ggml => put(bytes_of(&k::q4_1_ref(b))),
+            (QuantType::Q4_1, ..) if ggml => put(bytes_of(&q4_1(k::min_max_ref(b, 15)))),
             (QuantType::Q4_1, ..) => put(bytes_of(&q4_1(asymmetric(b, 15)))),
             (QuantType::Q5_1, Some(w), Some(s2)) => {
                 put(bytes_of(&q5_1(k::asymmetric_weighted(b, w, 31, s2))))
             }
-            (QuantType::Q5_1, ..) if ggml => put(bytes_of(&k::q5_1_ref(b))),
+            (QuantType::Q5_1, ..) if ggml => put(bytes_of(&q5_1(k::min_max_ref(b, 31)))),
             (QuantType::Q5_1, ..) => put(bytes_of(&q5_1(asymmetric(b, 31)))),
             (QuantType::IQ4NL, ..) => put(bytes_of(&k::iq4_nl(b, w))),
             (QuantType::Q2K, ..) => put(bytes_of(&k::q2_k(b, w))),
@@ -249,7 +249,7 @@ fn asymmetric(x: &[f32], nmax: u8) -> (f32, f32, [u8; QK]) {
             for _ in 0..3 {
                 let id = 1.0 / d;
                 let q: [u8; QK] = std::array::from_fn(|i| {
-                    k::nearest_int((x[i] - m) * id).clamp(0, nmax as i32) as u8
+                    crate::quantize_search::nearest_int((x[i] - m) * id).clamp(0, nmax as i32) as u8
                 });
                 let n = QK as f32;
                 let (sq, sx, sqq, sxq) = (0..QK).fold((0f32, 0f32, 0f32, 0f32), |a, i| {
