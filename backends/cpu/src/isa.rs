@@ -1,26 +1,42 @@
-//! Instruction-set tiers, detected once, overridable with `DEJAVU_ISA=scalar|portable|avx2|avx512`.
+//! Instruction-set tiers, detected once, overridable with
+//! `DEJAVU_ISA=scalar|portable|neon|dotprod|avx2|avx512`.
 //!
 //! - `Scalar`: the plain reference kernels (any CPU);
 //! - `Portable`: `wide` vectors, no intrinsics (builds and vectorises on ARM too);
+//! - `Neon`: aarch64 Advanced SIMD (every ARMv8-A core), byte dots by widening multiplies;
+//! - `Dotprod`: aarch64 NEON with the ARMv8.2 dot product (`sdot`);
 //! - `Avx2`: x86 AVX2 + FMA + F16C;
 //! - `Avx512`: x86 AVX-512 F/BW/VL with VNNI (`vpdpbusd`).
+//!
+//! A tier's operations without a kernel of their own run the portable (`wide`) kernel.
 use std::sync::OnceLock;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Isa {
     Scalar,
     Portable,
+    Neon,
+    Dotprod,
     Avx2,
     Avx512,
 }
 
 impl Isa {
-    pub const ALL: [Isa; 4] = [Isa::Scalar, Isa::Portable, Isa::Avx2, Isa::Avx512];
+    pub const ALL: [Isa; 6] = [
+        Isa::Scalar,
+        Isa::Portable,
+        Isa::Neon,
+        Isa::Dotprod,
+        Isa::Avx2,
+        Isa::Avx512,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
             Isa::Scalar => "scalar",
             Isa::Portable => "portable",
+            Isa::Neon => "neon",
+            Isa::Dotprod => "dotprod",
             Isa::Avx2 => "avx2",
             Isa::Avx512 => "avx512",
         }
@@ -48,7 +64,13 @@ impl Isa {
                     && is_x86_feature_detected!("avx512vl")
                     && is_x86_feature_detected!("avx512vnni")
             }
-            #[cfg(not(target_arch = "x86_64"))]
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => std::arch::is_aarch64_feature_detected!("neon"),
+            #[cfg(target_arch = "aarch64")]
+            Isa::Dotprod => {
+                Isa::Neon.is_supported() && std::arch::is_aarch64_feature_detected!("dotprod")
+            }
+            #[allow(unreachable_patterns)] // every tier of this architecture is listed above
             _ => false,
         }
     }
@@ -77,7 +99,7 @@ impl std::fmt::Display for Isa {
 /// Why `DEJAVU_ISA` could not be honoured.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum IsaError {
-    #[error("DEJAVU_ISA={0}: unknown tier (scalar, portable, avx2, avx512)")]
+    #[error("DEJAVU_ISA={0}: unknown tier (scalar, portable, neon, dotprod, avx2, avx512)")]
     Unknown(String),
     #[error("DEJAVU_ISA={0}: this CPU does not support that tier (best: {1})")]
     Unsupported(String, Isa),

@@ -16,7 +16,7 @@ pub fn select(isa: Isa) -> AxpyRowsFn {
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 | Isa::Avx512 => avx2,
-        Isa::Portable => portable,
+        Isa::Portable | Isa::Neon | Isa::Dotprod => portable,
         _ => scalar,
     }
 }
@@ -26,7 +26,7 @@ pub fn select_f16(isa: Isa) -> AxpyRowsFn<f16> {
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 | Isa::Avx512 => avx2_f16,
-        Isa::Portable => portable,
+        Isa::Portable | Isa::Neon | Isa::Dotprod => portable,
         _ => scalar,
     }
 }

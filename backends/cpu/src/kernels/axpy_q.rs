@@ -23,7 +23,7 @@ pub fn select(isa: Isa) -> AxpyQFn {
         Isa::Avx512 => avx512,
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => avx2,
-        Isa::Portable => portable,
+        Isa::Portable | Isa::Neon | Isa::Dotprod => portable,
         _ => scalar,
     }
 }
@@ -144,11 +144,17 @@ unsafe fn avx512_impl<const F: u8>(rows: &[&[u8]], c: &[f32], y: &mut [f32]) {
 }
 
 /// Format codes of the fused kernel's const parameter.
+#[cfg(target_arch = "x86_64")]
 const Q8_0: u8 = 0;
+#[cfg(target_arch = "x86_64")]
 const Q4_0: u8 = 1;
+#[cfg(target_arch = "x86_64")]
 const Q4_1: u8 = 2;
+#[cfg(target_arch = "x86_64")]
 const Q5_0: u8 = 3;
+#[cfg(target_arch = "x86_64")]
 const F16: u8 = 4;
+#[cfg(target_arch = "x86_64")]
 const BF16: u8 = 5;
 
 /// Per block of 32 outputs: four 8-lane partial sums in registers; per row, its block's quants

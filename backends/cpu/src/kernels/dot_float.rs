@@ -7,7 +7,9 @@ pub fn select_f32(isa: Isa) -> super::table::DotF32Fn {
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 | Isa::Avx512 => avx2_f32,
-        Isa::Portable => |r, x| portable(r, x, 4, |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+        Isa::Portable | Isa::Neon | Isa::Dotprod => {
+            |r, x| portable(r, x, 4, |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        }
         _ => |r, x| scalar(r, x, 4, |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
     }
 }
@@ -16,7 +18,9 @@ pub fn select_f16(isa: Isa) -> super::table::DotF32Fn {
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 | Isa::Avx512 => avx2_f16,
-        Isa::Portable => |r, x| portable(r, x, 2, |b| f16::from_le_bytes([b[0], b[1]]).to_f32()),
+        Isa::Portable | Isa::Neon | Isa::Dotprod => {
+            |r, x| portable(r, x, 2, |b| f16::from_le_bytes([b[0], b[1]]).to_f32())
+        }
         _ => |r, x| scalar(r, x, 2, |b| f16::from_le_bytes([b[0], b[1]]).to_f32()),
     }
 }
@@ -25,7 +29,9 @@ pub fn select_bf16(isa: Isa) -> super::table::DotF32Fn {
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 | Isa::Avx512 => avx2_bf16,
-        Isa::Portable => |r, x| portable(r, x, 2, |b| bf16::from_le_bytes([b[0], b[1]]).to_f32()),
+        Isa::Portable | Isa::Neon | Isa::Dotprod => {
+            |r, x| portable(r, x, 2, |b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
+        }
         _ => |r, x| scalar(r, x, 2, |b| bf16::from_le_bytes([b[0], b[1]]).to_f32()),
     }
 }

@@ -5,7 +5,7 @@
 use crate::isa::Isa;
 use dejavu_backend_api::quant::{BlockQ4_0, BlockQ8A, QK};
 
-select_q8a_kernel!();
+select_q8a_kernel!(neon);
 const QTYPE: dejavu_backend_api::quant::QuantType = dejavu_backend_api::quant::QuantType::Q4_0;
 
 fn blocks(row: &[u8]) -> std::borrow::Cow<'_, [BlockQ4_0]> {
@@ -48,6 +48,24 @@ pub fn portable(row: &[u8], act: &[BlockQ8A]) -> f32 {
 }
 
 x86_q8a_tiers!(BlockQ4_0, pairs);
+arm_q8a_tiers!(BlockQ4_0, blocks);
+
+/// For `arm::block_loop`: unsigned nibbles, offset factor `-8 d_w`.
+#[cfg(target_arch = "aarch64")]
+impl super::arm::Block32 for BlockQ4_0 {
+    #[inline(always)]
+    unsafe fn d(&self) -> f32 {
+        super::arm::f16(self.d.to_bits())
+    }
+    #[inline(always)]
+    unsafe fn off_w(&self, d: f32) -> f32 {
+        -8.0 * d
+    }
+    #[inline(always)]
+    unsafe fn quants(&self) -> [std::arch::aarch64::int8x16_t; 2] {
+        super::arm::nibbles(self.qs.as_ptr())
+    }
+}
 
 /// For `x86::pair_loop`: unsigned nibbles q, value `d_w d_a (q . qa) - 8 d_w s_a`.
 #[cfg(target_arch = "x86_64")]

@@ -5,7 +5,7 @@
 use crate::isa::Isa;
 use dejavu_backend_api::quant::{BlockQ4_1, BlockQ8A, QK};
 
-select_q8a_kernel!();
+select_q8a_kernel!(neon);
 const QTYPE: dejavu_backend_api::quant::QuantType = dejavu_backend_api::quant::QuantType::Q4_1;
 
 fn blocks(row: &[u8]) -> std::borrow::Cow<'_, [BlockQ4_1]> {
@@ -49,6 +49,24 @@ pub fn portable(row: &[u8], act: &[BlockQ8A]) -> f32 {
 }
 
 x86_q8a_tiers!(BlockQ4_1, pairs);
+arm_q8a_tiers!(BlockQ4_1, blocks);
+
+/// For `arm::block_loop`: unsigned nibbles, offset factor the min `m`.
+#[cfg(target_arch = "aarch64")]
+impl super::arm::Block32 for BlockQ4_1 {
+    #[inline(always)]
+    unsafe fn d(&self) -> f32 {
+        super::arm::f16(self.d.to_bits())
+    }
+    #[inline(always)]
+    unsafe fn off_w(&self, _: f32) -> f32 {
+        super::arm::f16(self.m.to_bits())
+    }
+    #[inline(always)]
+    unsafe fn quants(&self) -> [std::arch::aarch64::int8x16_t; 2] {
+        super::arm::nibbles(self.qs.as_ptr())
+    }
+}
 
 /// For `x86::pair_loop`: unsigned nibbles q, value `d_w d_a (q . qa) + m s_a`.
 #[cfg(target_arch = "x86_64")]

@@ -6,7 +6,7 @@
 use crate::isa::Isa;
 use dejavu_backend_api::quant::{q4k_scale_min, BlockQ4K, BlockQ8A, QK};
 
-select_q8a_kernel!();
+select_q8a_kernel!(neon);
 const QTYPE: dejavu_backend_api::quant::QuantType = dejavu_backend_api::quant::QuantType::Q4K;
 
 fn blocks(row: &[u8]) -> std::borrow::Cow<'_, [BlockQ4K]> {
@@ -51,10 +51,14 @@ pub fn portable(row: &[u8], act: &[BlockQ8A]) -> f32 {
 }
 
 x86_q8a_tiers!(BlockQ4K, x86_body);
+arm_q8a_tiers!(BlockQ4K, arm_body);
 
 /// The 8 scales and 8 mins of a super-block, unpacked from 12 bytes, as the bytes of two u64
 /// (byte j = sub-block j; same values as [`q4k_scale_min`]).
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+#[cfg_attr(
+    not(any(target_arch = "x86_64", target_arch = "aarch64")),
+    allow(dead_code)
+)]
 #[inline(always)]
 pub(crate) fn scales_mins(s: &[u8; 12]) -> (u64, u64) {
     let u = |i: usize| u32::from_le_bytes([s[i], s[i + 1], s[i + 2], s[i + 3]]);
@@ -100,6 +104,41 @@ unsafe fn x86_body<const VNNI: bool, const PF: bool>(w: &[BlockQ4K], act: &[Bloc
         acc_min = _mm256_fmadd_ps(mins, asum, acc_min);
     }
     hsum_ps(_mm256_sub_ps(acc, acc_min))
+}
+
+/// The NEON kernel: per super-block, 8 sub-block dots as 4-lane partial sums, reduced to one
+/// vector per 4 sub-blocks, then scaled by `d * sc_j * d_a(j)` in float lanes; the min terms
+/// `dmin * m_j * s_a(j)` accumulate beside them.
+#[cfg(target_arch = "aarch64")]
+#[inline(always)]
+unsafe fn arm_body<const DOT: bool>(w: &[BlockQ4K], act: &[BlockQ8A]) -> f32 {
+    use super::arm::*;
+    use std::arch::aarch64::*;
+    let (mut acc, mut acc_min) = (vdupq_n_f32(0.0), vdupq_n_f32(0.0));
+    for (b, a8) in w.iter().zip(act.chunks_exact(8)) {
+        let mut p = [vdupq_n_s32(0); 8];
+        for g in 0..4 {
+            let [lo0, hi0] = nibbles(b.qs.as_ptr().add(32 * g));
+            let [lo1, hi1] = nibbles(b.qs.as_ptr().add(32 * g + 16));
+            p[2 * g] = dot32::<DOT>([lo0, lo1], load32(a8[2 * g].qs.as_ptr()));
+            p[2 * g + 1] = dot32::<DOT>([hi0, hi1], load32(a8[2 * g + 1].qs.as_ptr()));
+        }
+        let sums = [
+            hsum4([p[0], p[1], p[2], p[3]]),
+            hsum4([p[4], p[5], p[6], p[7]]),
+        ];
+        let (sc, mn) = scales_mins(&b.scales);
+        let (sc, mn) = (bytes_f32(sc), bytes_f32(mn));
+        let (d, dmin) = (f16(b.d.to_bits()), f16(b.dmin.to_bits()));
+        for h in 0..2 {
+            let ad: [f32; 4] = std::array::from_fn(|j| a8[4 * h + j].d);
+            let asum: [f32; 4] = std::array::from_fn(|j| a8[4 * h + j].s);
+            let fac = vmulq_f32(vmulq_n_f32(sc[h], d), vld1q_f32(ad.as_ptr()));
+            acc = vfmaq_f32(acc, vcvtq_f32_s32(sums[h]), fac);
+            acc_min = vfmaq_f32(acc_min, vmulq_n_f32(mn[h], dmin), vld1q_f32(asum.as_ptr()));
+        }
+    }
+    vaddvq_f32(vsubq_f32(acc, acc_min))
 }
 
 #[cfg(test)]

@@ -5,7 +5,7 @@
 use crate::isa::Isa;
 use dejavu_backend_api::quant::{BlockQ5_0, BlockQ8A, QK};
 
-select_q8a_kernel!();
+select_q8a_kernel!(neon);
 const QTYPE: dejavu_backend_api::quant::QuantType = dejavu_backend_api::quant::QuantType::Q5_0;
 
 fn blocks(row: &[u8]) -> std::borrow::Cow<'_, [BlockQ5_0]> {
@@ -50,6 +50,36 @@ pub fn portable(row: &[u8], act: &[BlockQ8A]) -> f32 {
 }
 
 x86_q8a_tiers!(BlockQ5_0, pairs);
+arm_q8a_tiers!(BlockQ5_0, blocks);
+
+/// For `arm::block_loop`: nibbles plus the fifth bits of `qh` (bit `i`: element `i`), offset
+/// factor `-16 d_w`.
+#[cfg(target_arch = "aarch64")]
+impl super::arm::Block32 for BlockQ5_0 {
+    #[inline(always)]
+    unsafe fn d(&self) -> f32 {
+        super::arm::f16(self.d.to_bits())
+    }
+    #[inline(always)]
+    unsafe fn off_w(&self, d: f32) -> f32 {
+        -16.0 * d
+    }
+    #[inline(always)]
+    unsafe fn quants(&self) -> [std::arch::aarch64::int8x16_t; 2] {
+        use std::arch::aarch64::*;
+        let [lo, hi] = super::arm::nibbles(self.qs.as_ptr());
+        // Byte i of a half: byte i / 8 of its 16 qh bits, tested against bit i % 8, to 0x10.
+        let bit = vreinterpretq_u8_u64(vdupq_n_u64(0x8040_2010_0804_0201));
+        let fifth = |h: [u8; 2]| {
+            let v = vcombine_u8(vdup_n_u8(h[0]), vdup_n_u8(h[1]));
+            vreinterpretq_s8_u8(vandq_u8(vtstq_u8(v, bit), vdupq_n_u8(0x10)))
+        };
+        [
+            vorrq_s8(lo, fifth([self.qh[0], self.qh[1]])),
+            vorrq_s8(hi, fifth([self.qh[2], self.qh[3]])),
+        ]
+    }
+}
 
 /// For `x86::pair_loop`: unsigned 5-bit q, value `d_w d_a (q . qa) - 16 d_w s_a`.
 #[cfg(target_arch = "x86_64")]

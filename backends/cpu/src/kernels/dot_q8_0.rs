@@ -4,7 +4,7 @@
 use crate::isa::Isa;
 use dejavu_backend_api::quant::{BlockQ8A, BlockQ8_0, QK};
 
-select_q8a_kernel!();
+select_q8a_kernel!(neon);
 const QTYPE: dejavu_backend_api::quant::QuantType = dejavu_backend_api::quant::QuantType::Q8_0;
 
 fn blocks(row: &[u8]) -> std::borrow::Cow<'_, [BlockQ8_0]> {
@@ -47,6 +47,24 @@ pub fn portable(row: &[u8], act: &[BlockQ8A]) -> f32 {
 }
 
 x86_q8a_tiers!(BlockQ8_0, pairs);
+arm_q8a_tiers!(BlockQ8_0, blocks);
+
+/// For `arm::block_loop`: signed quants, no offset term.
+#[cfg(target_arch = "aarch64")]
+impl super::arm::Block32 for BlockQ8_0 {
+    #[inline(always)]
+    unsafe fn d(&self) -> f32 {
+        super::arm::f16(self.d.to_bits())
+    }
+    #[inline(always)]
+    unsafe fn off_w(&self, _: f32) -> f32 {
+        0.0
+    }
+    #[inline(always)]
+    unsafe fn quants(&self) -> [std::arch::aarch64::int8x16_t; 2] {
+        super::arm::load32(self.qs.as_ptr())
+    }
+}
 
 /// For `x86::pair_loop`: signed quants, value `d_w d_a (qw . qa)` (no offset term).
 #[cfg(target_arch = "x86_64")]

@@ -3,8 +3,9 @@
 //! per (operation, weight type) for the selected [`crate::isa::Isa`].
 /// The `select(isa, prefetch)` of a quantized dot kernel file: the file's `avx512::<PF>` and
 /// `avx2::<PF>` (x86-64; `PF`: the kernel prefetches the weight bytes ahead of the row it reads,
-/// for dense products; sparse row loops prefetch the selected rows themselves), `portable` and
-/// `scalar` functions, chosen by tier.
+/// for dense products; sparse row loops prefetch the selected rows themselves), with `neon` the
+/// file's `neon::<DOT>` (aarch64, [`arm_q8a_tiers`]), `portable` and `scalar` functions, chosen by
+/// tier. A file without NEON kernels runs its portable one on the NEON tiers.
 macro_rules! select_q8a_kernel {
     () => {
         pub fn select(isa: Isa, prefetch: bool) -> super::table::DotQ8AFn {
@@ -17,9 +18,75 @@ macro_rules! select_q8a_kernel {
                 (Isa::Avx2, true) => avx2::<true>,
                 #[cfg(target_arch = "x86_64")]
                 (Isa::Avx2, false) => avx2::<false>,
+                (Isa::Portable | Isa::Neon | Isa::Dotprod, _) => portable,
+                _ => scalar,
+            }
+        }
+    };
+    (neon) => {
+        pub fn select(isa: Isa, prefetch: bool) -> super::table::DotQ8AFn {
+            match (isa, prefetch) {
+                #[cfg(target_arch = "x86_64")]
+                (Isa::Avx512, true) => avx512::<true>,
+                #[cfg(target_arch = "x86_64")]
+                (Isa::Avx512, false) => avx512::<false>,
+                #[cfg(target_arch = "x86_64")]
+                (Isa::Avx2, true) => avx2::<true>,
+                #[cfg(target_arch = "x86_64")]
+                (Isa::Avx2, false) => avx2::<false>,
+                #[cfg(target_arch = "aarch64")]
+                (Isa::Dotprod, _) => neon::<true>,
+                #[cfg(target_arch = "aarch64")]
+                (Isa::Neon, _) => neon::<false>,
                 (Isa::Portable, _) => portable,
                 _ => scalar,
             }
+        }
+    };
+}
+
+/// The NEON tiers of a Q8A dot kernel file: `neon::<DOT>` checks the row's length (in release
+/// builds) and hands its blocks of type `$block` to the file's kernel compiled with `neon` (and
+/// `dotprod` when `DOT`): `$body::<DOT>`, or with `blocks`, [`arm::block_loop`] over the file's
+/// [`arm::Block32`] blocks.
+macro_rules! arm_q8a_tiers {
+    ($block:ty, blocks) => {
+        #[cfg(target_arch = "aarch64")]
+        #[inline(always)]
+        unsafe fn arm_blocks<const DOT: bool>(
+            w: &[$block],
+            act: &[dejavu_backend_api::quant::BlockQ8A],
+        ) -> f32 {
+            super::arm::block_loop::<$block, DOT>(w, act)
+        }
+        arm_q8a_tiers!($block, arm_blocks);
+    };
+    ($block:ty, $body:ident) => {
+        #[cfg(target_arch = "aarch64")]
+        fn neon<const DOT: bool>(row: &[u8], act: &[dejavu_backend_api::quant::BlockQ8A]) -> f32 {
+            super::check_q8a(QTYPE, row, act);
+            let w = super::as_blocks::<$block>(row);
+            // SAFETY: handed out by `select` only for tiers whose features this CPU has.
+            unsafe {
+                if DOT {
+                    arm_dotprod_impl(&w, act)
+                } else {
+                    arm_neon_impl(&w, act)
+                }
+            }
+        }
+        #[cfg(target_arch = "aarch64")]
+        #[target_feature(enable = "neon")]
+        unsafe fn arm_neon_impl(w: &[$block], act: &[dejavu_backend_api::quant::BlockQ8A]) -> f32 {
+            $body::<false>(w, act)
+        }
+        #[cfg(target_arch = "aarch64")]
+        #[target_feature(enable = "neon,dotprod")]
+        unsafe fn arm_dotprod_impl(
+            w: &[$block],
+            act: &[dejavu_backend_api::quant::BlockQ8A],
+        ) -> f32 {
+            $body::<true>(w, act)
         }
     };
 }
@@ -92,6 +159,8 @@ pub(crate) fn check_q8a(
     );
 }
 
+#[cfg(target_arch = "aarch64")]
+mod arm;
 pub mod axpy;
 pub mod axpy_q;
 pub mod dequantize;

@@ -12,7 +12,7 @@ pub fn select(isa: Isa) -> QuantizeFn {
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 | Isa::Avx512 => avx2,
-        Isa::Portable => portable,
+        Isa::Portable | Isa::Neon | Isa::Dotprod => portable,
         _ => scalar,
     }
 }
