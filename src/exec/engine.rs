@@ -266,7 +266,7 @@ impl Engine {
         2 * c.n_layers * len * c.kv_dim() * self.kv_type.bytes()
     }
 
-    /// The CPU kernel tier in use (`scalar`, `portable`, `avx2`, `avx512`).
+    /// The CPU kernel tier in use (`scalar`, `portable`, `neon`, `dotprod`, `avx2`, `avx512`).
     pub fn isa(&self) -> &'static str {
         self.device.isa().name()
     }

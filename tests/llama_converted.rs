@@ -1,0 +1,95 @@
+//! GGUFs written by llama.cpp's own converter (convert_hf_to_gguf.py) from the Hugging Face
+//! fixtures: the engine loads each one, tokenizes the reference prompts to the same ids, and
+//! gives the logits of its load of the fixture's directory.
+//!
+//! The files come from `tools/llama_convert.py` (it needs torch, so it runs on the device
+//! machine), into `$DEJAVU_LLAMA_CONVERTED` or `~/.cache/dejavu/llama-converted`. Without them
+//! this test says so and checks nothing: CI has no torch, and the files (12 MB) are not
+//! committed.
+//!
+//! Tolerance: both loads hold the same 16-bit weights (the converter's `--outtype auto` keeps the
+//! checkpoint's type; its norms are f32, Gemma's with the 1 added in f32 as the engine does) and
+//! compute in f32; llama.cpp's converter permutes Q and K rows for its RoPE layout, which changes
+//! only summation order. So |gguf - hf| <= 0.01 + 0.001 |hf| on every logit (hf_reference.rs's
+//! tolerance), and the same top-1 wherever the directory's margin exceeds 0.05.
+mod common;
+use common::*;
+use dejavu::exec::Logits;
+use dejavu::exec::{Engine, EngineOptions};
+use dejavu::sparsity::SparsePlan;
+use dejavu::text::sampling::argmax;
+use dejavu_backend_cpu::isa::Isa;
+use dejavu_backend_cpu::CpuBackend;
+use std::path::PathBuf;
+
+fn converted_dir() -> Option<PathBuf> {
+    let dir = match std::env::var_os("DEJAVU_LLAMA_CONVERTED") {
+        Some(d) => PathBuf::from(d),
+        None => PathBuf::from(std::env::var_os("HOME")?).join(".cache/dejavu/llama-converted"),
+    };
+    dir.is_dir().then_some(dir)
+}
+
+/// Teacher-forced logits of every reference case of `name` (prompt plus greedy tokens).
+fn logits(eng: &Engine, name: &str) -> Vec<(Vec<u32>, Vec<f32>)> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf");
+    let text = std::fs::read_to_string(dir.join(name).join("reference.json")).unwrap();
+    let r: Reference = serde_json::from_str(&text).unwrap();
+    let cpu = OnCpu::new(eng, CpuBackend::with_isa(Isa::detect(), 2).unwrap(), false);
+    let plan = SparsePlan::dense(&eng.model.config);
+    (r.greedy.cases.iter())
+        .map(|case| {
+            let ids = eng.tokenizer.encode_prompt(&case.prompt).unwrap();
+            let mut seq = ids.clone();
+            seq.extend(&case.greedy_ids);
+            let mut s = cpu.fixed(&plan, eng.n_ctx);
+            let l = s.run(&seq, Logits::Range(0, seq.len())).unwrap().to_vec();
+            (ids, l)
+        })
+        .collect()
+}
+
+#[test]
+fn llama_cpp_conversions_match_the_directories() {
+    let Some(conv) = converted_dir() else {
+        eprintln!(
+            "SKIPPED: no llama.cpp conversions (run tools/llama_convert.py where torch is \
+             installed, then set DEJAVU_LLAMA_CONVERTED)"
+        );
+        return;
+    };
+    let mut checked = 0;
+    for name in HF_FIXTURES {
+        let file = conv.join(format!("{name}.gguf"));
+        if !file.is_file() {
+            eprintln!("{name}: no {}", file.display());
+            continue;
+        }
+        let hf_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf").join(name);
+        let opts = EngineOptions::default();
+        let gguf = Engine::load(&file, &opts).unwrap_or_else(|e| panic!("{name} (llama.cpp): {e}"));
+        let hf = Engine::load(&hf_dir, &opts).unwrap();
+        assert_eq!(gguf.model.config.vocab_size, hf.model.config.vocab_size, "{name}");
+        let vocab = hf.model.config.vocab_size;
+        let (mut worst, mut steps) = (0f32, 0);
+        for ((ids_g, lg), (ids_h, lh)) in logits(&gguf, name).iter().zip(logits(&hf, name)) {
+            assert_eq!(ids_g, &ids_h, "{name}: prompt ids");
+            for (rg, rh) in lg.chunks_exact(vocab).zip(lh.chunks_exact(vocab)) {
+                for (g, h) in rg.iter().zip(rh) {
+                    let err = (g - h).abs();
+                    worst = worst.max(err);
+                    assert!(err <= 0.01 + 0.001 * h.abs(), "{name}: logit {g} vs {h}");
+                }
+                let mut sorted = rh.to_vec();
+                sorted.sort_by(|a, b| b.total_cmp(a));
+                if sorted[0] - sorted[1] > 0.05 {
+                    assert_eq!(argmax(rg), argmax(rh), "{name}: top-1");
+                }
+                steps += 1;
+            }
+        }
+        eprintln!("{name}: llama.cpp's GGUF = directory over {steps} positions, worst logit error {worst:.2e}");
+        checked += 1;
+    }
+    eprintln!("{checked} llama.cpp conversions checked in {}", conv.display());
+}
