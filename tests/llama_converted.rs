@@ -12,10 +12,21 @@
 //! compute in f32; llama.cpp's converter permutes Q and K rows for its RoPE layout, which changes
 //! only summation order. So |gguf - hf| <= 0.01 + 0.001 |hf| on every logit (hf_reference.rs's
 //! tolerance), and the same top-1 wherever the directory's margin exceeds 0.05.
+//!
+//! Some settings llama.cpp's converter does not write, and llama.cpp then runs its own default:
+//! the `llama` architecture has no activation key (llama-relu's `hidden_act: relu` is dropped:
+//! SwiGLU), Mistral is written as `llama` without its sliding window (full attention), and
+//! Gemma 2's `query_pre_attn_scalar` is dropped (llama.cpp scales by 1/sqrt(head_dim)), and so
+//! is Gemma 3's `layer_types` (llama.cpp makes every 6th layer global; the gemma3 fixture's
+//! layer 2 of 4 is global). The
+//! engine reads such a file as llama.cpp does; the test checks that it reads exactly these
+//! defaults, then runs the directory with them, so every other setting and every weight is
+//! still compared on every position. (Use `dejavu quantize` for such models: it writes them.)
 mod common;
 use common::*;
 use dejavu::exec::Logits;
 use dejavu::exec::{Engine, EngineOptions};
+use dejavu::model::config::MlpKind;
 use dejavu::sparsity::SparsePlan;
 use dejavu::text::sampling::argmax;
 use dejavu_backend_cpu::isa::Isa;
@@ -49,6 +60,49 @@ fn logits(eng: &Engine, name: &str) -> Vec<(Vec<u32>, Vec<f32>)> {
         .collect()
 }
 
+/// Checks that `gguf` differs from the directory's `hf` only by the settings the converter drops
+/// (see the header), each read as llama.cpp's default, and sets those on `hf`; returns their
+/// Hugging Face names.
+fn llama_cpp_defaults(name: &str, gguf: &Engine, hf: &mut Engine) -> Vec<&'static str> {
+    let (g, h) = (&gguf.model.config, &mut hf.model.config);
+    let mut dropped = Vec::new();
+    if g.mlp != h.mlp {
+        assert_eq!(
+            (h.mlp, g.mlp),
+            (MlpKind::GatedRelu, MlpKind::SwiGlu),
+            "{name}: MLP"
+        );
+        h.mlp = g.mlp;
+        dropped.push("hidden_act");
+    }
+    if g.attn.window != h.attn.window {
+        assert!(
+            g.attn.window.is_none() && g.attn.local.is_empty(),
+            "{name}: window"
+        );
+        (h.attn.window, h.attn.local) = (None, Vec::new());
+        dropped.push("sliding_window");
+    }
+    if g.attn.window == h.attn.window && g.attn.local != h.attn.local {
+        // llama.cpp's Gemma 3 pattern: every 6th layer global.
+        let every_6th: Vec<bool> = (0..g.n_layers).map(|l| (l + 1) % 6 != 0).collect();
+        assert_eq!(g.attn.local, every_6th, "{name}: local layers");
+        h.attn.local = g.attn.local.clone();
+        dropped.push("layer_types");
+    }
+    if g.attn.scale != h.attn.scale {
+        let llama_cpp = 1.0 / (g.head_dim as f32).sqrt();
+        assert_eq!(
+            g.attn.scale.unwrap_or(llama_cpp),
+            llama_cpp,
+            "{name}: attention scale"
+        );
+        h.attn.scale = g.attn.scale;
+        dropped.push("query_pre_attn_scalar");
+    }
+    dropped
+}
+
 #[test]
 fn llama_cpp_conversions_match_the_directories() {
     let Some(conv) = converted_dir() else {
@@ -65,11 +119,16 @@ fn llama_cpp_conversions_match_the_directories() {
             eprintln!("{name}: no {}", file.display());
             continue;
         }
-        let hf_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf").join(name);
+        let hf_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/hf")
+            .join(name);
         let opts = EngineOptions::default();
         let gguf = Engine::load(&file, &opts).unwrap_or_else(|e| panic!("{name} (llama.cpp): {e}"));
-        let hf = Engine::load(&hf_dir, &opts).unwrap();
-        assert_eq!(gguf.model.config.vocab_size, hf.model.config.vocab_size, "{name}");
+        let mut hf = Engine::load(&hf_dir, &opts).unwrap();
+        let dropped = llama_cpp_defaults(name, &gguf, &mut hf);
+        if !dropped.is_empty() {
+            eprintln!("{name}: llama.cpp's file drops {dropped:?}; the directory is run with llama.cpp's defaults");
+        }
         let vocab = hf.model.config.vocab_size;
         let (mut worst, mut steps) = (0f32, 0);
         for ((ids_g, lg), (ids_h, lh)) in logits(&gguf, name).iter().zip(logits(&hf, name)) {
@@ -91,5 +150,8 @@ fn llama_cpp_conversions_match_the_directories() {
         eprintln!("{name}: llama.cpp's GGUF = directory over {steps} positions, worst logit error {worst:.2e}");
         checked += 1;
     }
-    eprintln!("{checked} llama.cpp conversions checked in {}", conv.display());
+    eprintln!(
+        "{checked} llama.cpp conversions checked in {}",
+        conv.display()
+    );
 }
