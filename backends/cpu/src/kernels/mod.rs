@@ -7,7 +7,7 @@
 /// file's `neon::<DOT>` (aarch64, [`arm_q8a_tiers`]), `portable` and `scalar` functions, chosen by
 /// tier. A file without NEON kernels runs its portable one on the NEON tiers.
 macro_rules! select_q8a_kernel {
-    () => {
+    ($($neon:ident)?) => {
         pub fn select(isa: Isa, prefetch: bool) -> super::table::DotQ8AFn {
             match (isa, prefetch) {
                 #[cfg(target_arch = "x86_64")]
@@ -18,31 +18,26 @@ macro_rules! select_q8a_kernel {
                 (Isa::Avx2, true) => avx2::<true>,
                 #[cfg(target_arch = "x86_64")]
                 (Isa::Avx2, false) => avx2::<false>,
-                (Isa::Portable | Isa::Neon | Isa::Dotprod, _) => portable,
-                _ => scalar,
-            }
-        }
-    };
-    (neon) => {
-        pub fn select(isa: Isa, prefetch: bool) -> super::table::DotQ8AFn {
-            match (isa, prefetch) {
-                #[cfg(target_arch = "x86_64")]
-                (Isa::Avx512, true) => avx512::<true>,
-                #[cfg(target_arch = "x86_64")]
-                (Isa::Avx512, false) => avx512::<false>,
-                #[cfg(target_arch = "x86_64")]
-                (Isa::Avx2, true) => avx2::<true>,
-                #[cfg(target_arch = "x86_64")]
-                (Isa::Avx2, false) => avx2::<false>,
-                #[cfg(target_arch = "aarch64")]
-                (Isa::Dotprod, _) => neon::<true>,
-                #[cfg(target_arch = "aarch64")]
-                (Isa::Neon, _) => neon::<false>,
+                (Isa::Neon | Isa::Dotprod, _) => select_q8a_kernel!(@neon isa $($neon)?),
                 (Isa::Portable, _) => portable,
                 _ => scalar,
             }
         }
     };
+    (@neon $isa:ident) => {
+        portable
+    };
+    (@neon $isa:ident neon) => {{
+        #[cfg(target_arch = "aarch64")]
+        let f: super::table::DotQ8AFn = match $isa {
+            Isa::Dotprod => neon::<true>,
+            _ => neon::<false>,
+        };
+        // The NEON tiers are never supported off aarch64: unreachable, but total.
+        #[cfg(not(target_arch = "aarch64"))]
+        let f: super::table::DotQ8AFn = portable;
+        f
+    }};
 }
 
 /// The NEON tiers of a Q8A dot kernel file: `neon::<DOT>` checks the row's length (in release
