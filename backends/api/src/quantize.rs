@@ -165,9 +165,7 @@ fn levels(x: &[f32], id: f32, lo: f32, hi: f32) -> [f32; QK] {
 /// ggml's reference rounding: the scale maps the signed value of largest magnitude to the end of
 /// the range with more room, with no search (one pass; for bulk data such as synthetic weights).
 fn absmax(x: &[f32], lo: i32, hi: i32) -> (f32, [i32; QK]) {
-    let vmax = x
-        .iter()
-        .fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+    let vmax = crate::quantize_search::max_by_magnitude(x);
     let d = vmax / if vmax < 0.0 { lo as f32 } else { hi as f32 };
     // f16 scale, as stored; a zero block stays zero.
     let d = f16::from_f32(d).to_f32();

@@ -130,14 +130,10 @@ pub fn q3_k(x: &[f32], qw: Option<&[f32]>) -> BlockQ3K {
     };
     match qw {
         None => {
-            let (mut amax, mut max_scale) = (0f32, 0f32);
             for j in 0..16 {
                 scales[j] = make_q3_quants(4, &x[16 * j..16 * j + 16], &mut l[16 * j..16 * j + 16]);
-                if scales[j].abs() > amax {
-                    amax = scales[j].abs();
-                    max_scale = scales[j];
-                }
             }
+            let max_scale = max_by_magnitude(&scales);
             if max_scale != 0.0 {
                 let iscale = -32.0 / max_scale;
                 for j in 0..16 {
@@ -325,7 +321,6 @@ pub fn q5_k(x: &[f32], qw: Option<&[f32]>) -> BlockQ5K {
 pub fn q6_k(x: &[f32], qw: Option<&[f32]>) -> BlockQ6K {
     let mut l = [0i8; QK_K];
     let mut scales = [0f32; 16];
-    let (mut max_abs, mut max_scale) = (0f32, 0f32);
     for j in 0..16 {
         let w = qw.map(|w| &w[16 * j..16 * j + 16]);
         scales[j] = make_qx_quants(
@@ -335,13 +330,10 @@ pub fn q6_k(x: &[f32], qw: Option<&[f32]>) -> BlockQ6K {
             1,
             w,
         );
-        if scales[j].abs() > max_abs {
-            max_abs = scales[j].abs();
-            max_scale = scales[j];
-        }
     }
+    let max_scale = max_by_magnitude(&scales);
     let mut y = BlockQ6K::zeroed();
-    if max_abs < GROUP_MAX_EPS {
+    if max_scale.abs() < GROUP_MAX_EPS {
         return y;
     }
     let iscale = -128.0 / max_scale;
@@ -399,14 +391,8 @@ fn best_index(v: f32) -> u8 {
 /// scale and the level indices of `xb` under weights `w`.
 fn iq4_block(xb: &[f32], w: &[f32], l: &mut [u8]) -> f32 {
     let k = |i: u8| KVALUES_IQ4NL[i as usize] as f32;
-    let (mut amax, mut max) = (0f32, 0f32);
-    for &v in xb {
-        if v.abs() > amax {
-            amax = v.abs();
-            max = v;
-        }
-    }
-    if amax < GROUP_MAX_EPS {
+    let max = max_by_magnitude(xb);
+    if max.abs() < GROUP_MAX_EPS {
         return 0.0;
     }
     let mut d = -max / k(0);
@@ -471,16 +457,12 @@ pub fn iq4_xs(x: &[f32], qw: Option<&[f32]>) -> BlockIQ4XS {
     let s2 = sigma2(x, 2.0);
     let mut l = [0u8; QK_K];
     let mut scales = [0f32; 8];
-    let (mut amax, mut max_scale) = (0f32, 0f32);
     for ib in 0..8 {
         let xb = &x[32 * ib..32 * ib + 32];
         let w = iq4_weights(xb, qw.map(|q| &q[32 * ib..32 * ib + 32]), s2);
         scales[ib] = iq4_block(xb, &w, &mut l[32 * ib..32 * ib + 32]);
-        if scales[ib].abs() > amax {
-            amax = scales[ib].abs();
-            max_scale = scales[ib];
-        }
     }
+    let max_scale = max_by_magnitude(&scales);
     let mut y = BlockIQ4XS::zeroed();
     let d = -max_scale / 32.0;
     y.d = h(d);
@@ -532,14 +514,7 @@ pub fn row_sigma2(row: &[f32]) -> f32 {
 /// magnitude maps to the low end, `d = max / -nmax` (-8, -16), and the levels `x / d + nmax + 1/2`
 /// are truncated and capped at `2 nmax - 1`; returned as signed levels `L - nmax`.
 pub fn symmetric_ref(x: &[f32], nmax: i32) -> (f32, [i32; QK]) {
-    let (mut amax, mut max) = (0f32, 0f32);
-    for &v in x {
-        if amax < v.abs() {
-            amax = v.abs();
-            max = v;
-        }
-    }
-    let d = max / -(nmax as f32);
+    let d = max_by_magnitude(x) / -(nmax as f32);
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     let bias = nmax as f32 + 0.5;
     let l = |v: f32| ((v * id + bias) as i32).min(2 * nmax - 1) - nmax;

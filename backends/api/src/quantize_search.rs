@@ -8,6 +8,14 @@ use crate::quant::QK;
 
 pub(crate) const GROUP_MAX_EPS: f32 = 1e-15;
 
+/// The value of largest magnitude in `x`, with its sign (the first of equals; 0 for an empty or
+/// all-NaN slice): the anchor of ggml's symmetric scales.
+#[inline]
+pub(crate) fn max_by_magnitude(x: &[f32]) -> f32 {
+    x.iter()
+        .fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m })
+}
+
 /// Round to nearest, ties to even (ggml's `nearest_int`: the 1.5 * 2^23 trick). ggml requires
 /// |f| < 2^22; larger values (and NaN, as 0) are clamped to that range first, so a caller that
 /// clamps the result to a few levels gets the nearest one.
@@ -32,14 +40,8 @@ pub(crate) fn make_qx_quants(
     qw: Option<&[f32]>,
 ) -> f32 {
     let n = x.len();
-    let (mut amax, mut max) = (0f32, 0f32);
-    for &v in x {
-        if v.abs() > amax {
-            amax = v.abs();
-            max = v;
-        }
-    }
-    if amax < GROUP_MAX_EPS {
+    let max = max_by_magnitude(x);
+    if max.abs() < GROUP_MAX_EPS {
         l_out.iter_mut().for_each(|l| *l = 0);
         return 0.0;
     }
@@ -89,14 +91,8 @@ pub(crate) fn make_qx_quants(
 
 /// Q3_K's symmetric levels with coordinate-descent refinement (ggml's `make_q3_quants`, rmse on).
 pub(crate) fn make_q3_quants(nmax: i32, x: &[f32], l_out: &mut [i8]) -> f32 {
-    let (mut amax, mut max) = (0f32, 0f32);
-    for &v in x {
-        if v.abs() > amax {
-            amax = v.abs();
-            max = v;
-        }
-    }
-    if amax < GROUP_MAX_EPS {
+    let max = max_by_magnitude(x);
+    if max.abs() < GROUP_MAX_EPS {
         l_out.iter_mut().for_each(|l| *l = 0);
         return 0.0;
     }
