@@ -41,14 +41,11 @@ fn converted_dir() -> Option<PathBuf> {
     dir.is_dir().then_some(dir)
 }
 
-/// Teacher-forced logits of every reference case of `name` (prompt plus greedy tokens).
-fn logits(eng: &Engine, name: &str) -> Vec<(Vec<u32>, Vec<f32>)> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf");
-    let text = std::fs::read_to_string(dir.join(name).join("reference.json")).unwrap();
-    let r: Reference = serde_json::from_str(&text).unwrap();
+/// Prompt ids and teacher-forced logits of every case (prompt plus greedy tokens).
+fn logits(eng: &Engine, cases: &[RefCase]) -> Vec<(Vec<u32>, Vec<f32>)> {
     let cpu = OnCpu::new(eng, CpuBackend::with_isa(Isa::detect(), 2).unwrap(), false);
     let plan = SparsePlan::dense(&eng.model.config);
-    (r.greedy.cases.iter())
+    (cases.iter())
         .map(|case| {
             let ids = eng.tokenizer.encode_prompt(&case.prompt).unwrap();
             let mut seq = ids.clone();
@@ -122,6 +119,11 @@ fn llama_cpp_conversions_match_the_directories() {
         let hf_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
             .join("tests/fixtures/hf")
             .join(name);
+        let text = std::fs::read_to_string(hf_dir.join("reference.json")).unwrap();
+        let cases = serde_json::from_str::<Reference>(&text)
+            .unwrap()
+            .greedy
+            .cases;
         let opts = EngineOptions::default();
         let gguf = Engine::load(&file, &opts).unwrap_or_else(|e| panic!("{name} (llama.cpp): {e}"));
         let mut hf = Engine::load(&hf_dir, &opts).unwrap();
@@ -131,7 +133,7 @@ fn llama_cpp_conversions_match_the_directories() {
         }
         let vocab = hf.model.config.vocab_size;
         let (mut worst, mut steps) = (0f32, 0);
-        for ((ids_g, lg), (ids_h, lh)) in logits(&gguf, name).iter().zip(logits(&hf, name)) {
+        for ((ids_g, lg), (ids_h, lh)) in logits(&gguf, &cases).iter().zip(logits(&hf, &cases)) {
             assert_eq!(ids_g, &ids_h, "{name}: prompt ids");
             for (rg, rh) in lg.chunks_exact(vocab).zip(lh.chunks_exact(vocab)) {
                 for (g, h) in rg.iter().zip(rh) {
