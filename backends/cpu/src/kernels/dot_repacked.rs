@@ -28,13 +28,36 @@ pub fn repacks(isa: Isa, q: QuantType) -> bool {
     repack::supports(q) && matches!(isa, Isa::Avx2 | Isa::Avx512 | Isa::Neon | Isa::Dotprod)
 }
 
+/// A repacked type, for the SIMD tiers' `Group` impls: its ggml type, and the factor of its
+/// offset term `sum(off_w * s_a)` (0: none; `off_w` is `d_w`, or the Q4_1 mins).
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+pub(crate) trait Repacked {
+    const Q: QuantType;
+    const OFF_SCALE: f32;
+}
+
+macro_rules! repacked_types {
+    ($($t:ident: $q:ident, $off:expr;)*) => {$(
+        #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+        pub(crate) struct $t;
+        #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+        impl Repacked for $t {
+            const Q: QuantType = QuantType::$q;
+            const OFF_SCALE: f32 = $off;
+        }
+    )*};
+}
+
+repacked_types! {
+    R8_0: Q8_0, 0.0;
+    R4_0: Q4_0, -8.0;
+    R4_1: Q4_1, 1.0;
+    R5_0: Q5_0, -16.0;
+}
+
 /// The dot of repacked rows of `q` (one of [`repack::supports`]) for `isa`, prefetching ahead
 /// if `prefetch` (dense products; the NEON tiers never prefetch).
 pub fn select(q: QuantType, isa: Isa, prefetch: bool) -> DotR8Fn {
-    #[cfg(target_arch = "aarch64")]
-    use arm::{R4_0, R4_1, R5_0, R8_0};
-    #[cfg(target_arch = "x86_64")]
-    use x86::{R4_0, R4_1, R5_0, R8_0};
     #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
     macro_rules! pick {
         ($t:ty) => {
@@ -148,30 +171,20 @@ fn scalar(q: QuantType, row: &[u8], act: &[BlockQ8A]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::super::x86::*;
-    use super::check;
     use super::repack::{layout, ActGroup, GROUP};
-    use dejavu_backend_api::quant::{
-        BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8A, BlockQ8_0, QuantType,
-    };
+    use super::{check, Repacked, R4_0, R4_1, R5_0, R8_0};
+    use dejavu_backend_api::quant::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8A, BlockQ8_0};
     use std::arch::x86_64::*;
 
-    /// One repacked type: its 8 block sums per group, and its offset term.
-    pub trait Group {
-        const Q: QuantType;
+    /// One repacked type: its 8 block sums per group, and its offset factors.
+    pub trait Group: Repacked {
         /// The ggml block, for the tail (its `Step32` does the per-block work).
         type Block: Step32 + bytemuck::Pod;
-        /// Multiplies `sum(off_w * s_a)` (0: no offset term).
-        const OFF_SCALE: f32;
         /// The 8 blocks' integer dots with the activation group `a`, lane `j` = block `j`.
         unsafe fn isums<const VNNI: bool>(g: *const u8, a: &ActGroup) -> __m256i;
         /// The offset factor of the 8 blocks (`d_w`, or the Q4_1 mins), given `d_w`.
         unsafe fn off_w(g: *const u8, dw: __m256) -> __m256;
     }
-
-    pub struct R8_0;
-    pub struct R4_0;
-    pub struct R4_1;
-    pub struct R5_0;
 
     #[inline(always)]
     unsafe fn step(a: &ActGroup, s: usize) -> __m256i {
@@ -235,9 +248,7 @@ mod x86 {
     }
 
     impl Group for R8_0 {
-        const Q: QuantType = QuantType::Q8_0;
         type Block = BlockQ8_0;
-        const OFF_SCALE: f32 = 0.0;
         /// Signed x signed by the sign trick; each maddubs lane reaches 2 * 128 * 127, so
         /// AVX2 widens every step.
         #[inline(always)]
@@ -259,9 +270,7 @@ mod x86 {
     }
 
     impl Group for R4_0 {
-        const Q: QuantType = QuantType::Q4_0;
         type Block = BlockQ4_0;
-        const OFF_SCALE: f32 = -8.0;
         #[inline(always)]
         unsafe fn isums<const VNNI: bool>(g: *const u8, a: &ActGroup) -> __m256i {
             four_bit_sums::<VNNI>(g.add(layout(Self::Q).qs), None, a)
@@ -273,9 +282,7 @@ mod x86 {
     }
 
     impl Group for R4_1 {
-        const Q: QuantType = QuantType::Q4_1;
         type Block = BlockQ4_1;
-        const OFF_SCALE: f32 = 1.0;
         #[inline(always)]
         unsafe fn isums<const VNNI: bool>(g: *const u8, a: &ActGroup) -> __m256i {
             four_bit_sums::<VNNI>(g.add(layout(Self::Q).qs), None, a)
@@ -288,9 +295,7 @@ mod x86 {
     }
 
     impl Group for R5_0 {
-        const Q: QuantType = QuantType::Q5_0;
         type Block = BlockQ5_0;
-        const OFF_SCALE: f32 = -16.0;
         #[inline(always)]
         unsafe fn isums<const VNNI: bool>(g: *const u8, a: &ActGroup) -> __m256i {
             let lay = layout(Self::Q);
@@ -376,30 +381,20 @@ mod x86 {
 #[cfg(target_arch = "aarch64")]
 mod arm {
     use super::super::arm::*;
-    use super::check;
     use super::repack::{layout, ActGroup, GROUP};
-    use dejavu_backend_api::quant::{
-        BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8A, BlockQ8_0, QuantType,
-    };
+    use super::{check, Repacked, R4_0, R4_1, R5_0, R8_0};
+    use dejavu_backend_api::quant::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8A, BlockQ8_0};
     use std::arch::aarch64::*;
 
     /// One repacked type for the NEON tiers: its 8 block sums per group (blocks 0..4 and
-    /// 4..8, lane `j` = block `j`), and its offset term.
-    pub trait Group {
-        const Q: QuantType;
+    /// 4..8, lane `j` = block `j`), and its offset factors.
+    pub trait Group: Repacked {
         /// The ggml block, for the tail.
         type Block: Block32 + bytemuck::Pod;
-        /// Multiplies `sum(off_w * s_a)` (0: no offset term).
-        const OFF_SCALE: f32;
         unsafe fn isums<const DOT: bool>(g: *const u8, a: &ActGroup) -> [int32x4_t; 2];
         /// The offset factors of the 8 blocks (`d_w`, or the Q4_1 mins), given `d_w`.
         unsafe fn off_w(g: *const u8, dw: [float32x4_t; 2]) -> [float32x4_t; 2];
     }
-
-    pub struct R8_0;
-    pub struct R4_0;
-    pub struct R4_1;
-    pub struct R5_0;
 
     /// `acc` plus step `s` of the 8 blocks' quants `w` dotted with the activations' step `s`.
     #[inline(always)]
@@ -445,9 +440,7 @@ mod arm {
     }
 
     impl Group for R8_0 {
-        const Q: QuantType = QuantType::Q8_0;
         type Block = BlockQ8_0;
-        const OFF_SCALE: f32 = 0.0;
         #[inline(always)]
         unsafe fn isums<const DOT: bool>(g: *const u8, a: &ActGroup) -> [int32x4_t; 2] {
             let qs = g.add(layout(Self::Q).qs) as *const i8;
@@ -464,9 +457,7 @@ mod arm {
     }
 
     impl Group for R4_0 {
-        const Q: QuantType = QuantType::Q4_0;
         type Block = BlockQ4_0;
-        const OFF_SCALE: f32 = -8.0;
         #[inline(always)]
         unsafe fn isums<const DOT: bool>(g: *const u8, a: &ActGroup) -> [int32x4_t; 2] {
             four_bit_sums::<DOT>(g.add(layout(Self::Q).qs), None, a)
@@ -478,9 +469,7 @@ mod arm {
     }
 
     impl Group for R4_1 {
-        const Q: QuantType = QuantType::Q4_1;
         type Block = BlockQ4_1;
-        const OFF_SCALE: f32 = 1.0;
         #[inline(always)]
         unsafe fn isums<const DOT: bool>(g: *const u8, a: &ActGroup) -> [int32x4_t; 2] {
             four_bit_sums::<DOT>(g.add(layout(Self::Q).qs), None, a)
@@ -493,9 +482,7 @@ mod arm {
     }
 
     impl Group for R5_0 {
-        const Q: QuantType = QuantType::Q5_0;
         type Block = BlockQ5_0;
-        const OFF_SCALE: f32 = -16.0;
         #[inline(always)]
         unsafe fn isums<const DOT: bool>(g: *const u8, a: &ActGroup) -> [int32x4_t; 2] {
             let lay = layout(Self::Q);
