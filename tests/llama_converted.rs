@@ -4,7 +4,7 @@
 //!
 //! The files come from `tools/llama_convert.py` (it needs torch, so it runs on the device
 //! machine), into `$DEJAVU_LLAMA_CONVERTED` or `~/.cache/dejavu/llama-converted`. Without them
-//! this test says so and checks nothing: CI has no torch, and the files (12 MB) are not
+//! this test says so and checks nothing: CI has no torch, and the files (20 MB) are not
 //! committed.
 //!
 //! Tolerance: both loads hold the same 16-bit weights (the converter's `--outtype auto` keeps the
