@@ -18,7 +18,9 @@ fn dejavu(args: &[&str]) -> (String, String) {
 }
 
 /// `generate` greedy for 12 tokens of the reference's first case; asserts stdout is the
-/// continuation (no prompt echo) that decodes the reference's greedy ids, and returns stderr.
+/// continuation (no prompt echo) that starts with the reference's greedy ids up to its first near
+/// tie (top-2 margin <= 0.5, where 8-bit activations may pick the other token; at least 3
+/// tokens), and returns stderr.
 fn streams_the_reference_continuation() -> String {
     let model = model_path(SMOLLM2);
     let r = reference(SMOLLM2);
@@ -37,8 +39,21 @@ fn streams_the_reference_continuation() -> String {
     ];
     let (out, err) = dejavu(&args);
     let eng = engine(SMOLLM2);
-    let want = eng.tokenizer.decode(&case.greedy_ids[..12]).unwrap();
-    assert_eq!(out.trim_end_matches('\n'), want);
+    let sure = case
+        .steps
+        .iter()
+        .take(12)
+        .take_while(|s| s.top5[0].1 - s.top5[1].1 > 0.5)
+        .count();
+    assert!(
+        sure >= 3,
+        "the reference case has {sure} tokens before a near tie"
+    );
+    let want = eng.tokenizer.decode(&case.greedy_ids[..sure]).unwrap();
+    assert!(
+        out.starts_with(&want),
+        "{out:?} does not start with {want:?}"
+    );
     err
 }
 

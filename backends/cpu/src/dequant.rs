@@ -28,153 +28,187 @@ pub fn check(qtype: QuantType, row: &[u8], out: &[f32]) {
 }
 
 /// Dequantize one block (`qtype.block_bytes()` bytes) into `y` (`qtype.block_len()` elements).
+/// Integer types go through [`unpack_block`]: `y[i] = scale[i / G] * q[i] + off[i / G]`.
 #[inline]
 pub fn dequantize_block(qtype: QuantType, b: &[u8], y: &mut [f32]) {
     match qtype {
         QuantType::F32 => y[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
         QuantType::F16 => y[0] = f16::from_le_bytes([b[0], b[1]]).to_f32(),
         QuantType::BF16 => y[0] = bf16::from_le_bytes([b[0], b[1]]).to_f32(),
+        _ => {
+            const MAX_GROUPS: usize = QK_K / 16;
+            let (mut q, mut scale, mut off) = ([0i8; QK_K], [0f32; MAX_GROUPS], [0f32; MAX_GROUPS]);
+            let (bl, g) = (qtype.block_len(), group_len(qtype));
+            unpack_block(
+                qtype,
+                b,
+                &mut q[..bl],
+                &mut scale[..bl / g],
+                &mut off[..bl / g],
+            );
+            for ((y, q), i) in y.iter_mut().zip(&q[..bl]).zip(0..) {
+                *y = scale[i / g] * *q as f32 + off[i / g];
+            }
+        }
+    }
+}
+
+/// Elements that share one scale and one offset in [`unpack_block`]'s output: 16 for the types
+/// with 16-element sub-blocks (Q2_K, Q3_K, Q6_K), 32 for the other integer types.
+pub fn group_len(qtype: QuantType) -> usize {
+    match qtype {
+        QuantType::Q2K | QuantType::Q3K | QuantType::Q6K => 16,
+        _ => 32,
+    }
+}
+
+/// Whether [`unpack_block`]'s offsets can be nonzero (the types with a min term).
+pub fn has_offset(qtype: QuantType) -> bool {
+    matches!(
+        qtype,
+        QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q2K | QuantType::Q4K | QuantType::Q5K
+    )
+}
+
+/// One block of an integer type as 8-bit integers with a float scale and offset per group of
+/// [`group_len`] elements: value `i` is `scale[i / G] * q[i] + off[i / G]` exactly as ggml's
+/// formula computes it (the block formulas of `dejavu_backend_api::quant`). `q` holds
+/// `qtype.block_len()` values, `scale` and `off` one per group; float types panic.
+pub fn unpack_block(qtype: QuantType, b: &[u8], q: &mut [i8], scale: &mut [f32], off: &mut [f32]) {
+    off.fill(0.0);
+    match qtype {
         QuantType::Q8_0 => {
             let b: BlockQ8_0 = pod_read_unaligned(b);
-            let d = b.d.to_f32();
-            for (y, &q) in y.iter_mut().zip(&b.qs) {
-                *y = d * q as f32;
+            scale[0] = b.d.to_f32();
+            q.copy_from_slice(&b.qs);
+        }
+        QuantType::Q4_0 | QuantType::Q4_1 | QuantType::IQ4NL => {
+            let (d, qs, map): (f32, [u8; QK / 2], fn(u8) -> i8) = match qtype {
+                QuantType::Q4_0 => {
+                    let b: BlockQ4_0 = pod_read_unaligned(b);
+                    (b.d.to_f32(), b.qs, |n| n as i8 - 8)
+                }
+                QuantType::Q4_1 => {
+                    let b: BlockQ4_1 = pod_read_unaligned(b);
+                    off[0] = b.m.to_f32();
+                    (b.d.to_f32(), b.qs, |n| n as i8)
+                }
+                _ => {
+                    let b: BlockIQ4NL = pod_read_unaligned(b);
+                    (b.d.to_f32(), b.qs, |n| KVALUES_IQ4NL[n as usize])
+                }
+            };
+            scale[0] = d;
+            for (j, &n) in qs.iter().enumerate() {
+                q[j] = map(n & 0xF);
+                q[j + QK / 2] = map(n >> 4);
             }
         }
-        QuantType::Q4_0 => {
-            let b: BlockQ4_0 = pod_read_unaligned(b);
-            let d = b.d.to_f32();
-            for (j, &q) in b.qs.iter().enumerate() {
-                y[j] = d * ((q & 0xF) as i32 - 8) as f32;
-                y[j + QK / 2] = d * ((q >> 4) as i32 - 8) as f32;
-            }
-        }
-        QuantType::Q4_1 => {
-            let b: BlockQ4_1 = pod_read_unaligned(b);
-            let (d, m) = (b.d.to_f32(), b.m.to_f32());
-            for (j, &q) in b.qs.iter().enumerate() {
-                y[j] = d * (q & 0xF) as f32 + m;
-                y[j + QK / 2] = d * (q >> 4) as f32 + m;
-            }
-        }
-        QuantType::Q5_0 => {
-            let b: BlockQ5_0 = pod_read_unaligned(b);
-            let d = b.d.to_f32();
-            let qh = u32::from_le_bytes(b.qh);
-            for (j, &q) in b.qs.iter().enumerate() {
+        QuantType::Q5_0 | QuantType::Q5_1 => {
+            let (d, qh, qs, zero) = match qtype {
+                QuantType::Q5_0 => {
+                    let b: BlockQ5_0 = pod_read_unaligned(b);
+                    (b.d.to_f32(), b.qh, b.qs, 16)
+                }
+                _ => {
+                    let b: BlockQ5_1 = pod_read_unaligned(b);
+                    off[0] = b.m.to_f32();
+                    (b.d.to_f32(), b.qh, b.qs, 0)
+                }
+            };
+            scale[0] = d;
+            let qh = u32::from_le_bytes(qh);
+            for (j, &n) in qs.iter().enumerate() {
                 let h0 = ((qh >> j) << 4) & 0x10;
                 let h1 = (qh >> (j + 12)) & 0x10;
-                y[j] = d * (((q as u32 & 0xF) | h0) as i32 - 16) as f32;
-                y[j + QK / 2] = d * (((q as u32 >> 4) | h1) as i32 - 16) as f32;
+                q[j] = ((n as u32 & 0xF) | h0) as i8 - zero;
+                q[j + QK / 2] = ((n as u32 >> 4) | h1) as i8 - zero;
             }
         }
-        QuantType::Q4K => {
-            let b: BlockQ4K = pod_read_unaligned(b);
-            let (d, dmin) = (b.d.to_f32(), b.dmin.to_f32());
-            // 4 groups of 64: low nibbles use sub-block 2g, high nibbles sub-block 2g+1.
-            for g in 0..4 {
-                let (s0, m0) = q4k_scale_min(2 * g, &b.scales);
-                let (s1, m1) = q4k_scale_min(2 * g + 1, &b.scales);
-                let (d0, d1) = (d * s0 as f32, d * s1 as f32);
-                let (o0, o1) = (dmin * m0 as f32, dmin * m1 as f32);
-                let q = &b.qs[32 * g..32 * g + 32];
-                let y = &mut y[64 * g..64 * g + 64];
-                for l in 0..32 {
-                    y[l] = d0 * (q[l] & 0xF) as f32 - o0;
-                    y[l + 32] = d1 * (q[l] >> 4) as f32 - o1;
+        QuantType::Q4K | QuantType::Q5K => {
+            // Sub-block j: 32 values, low nibbles of bytes 32(j/2).. for even j, high for odd;
+            // Q5_K adds bit j of each qh byte as the fifth bit.
+            let (d, dmin, scales, qs, qh) = match qtype {
+                QuantType::Q4K => {
+                    let b: BlockQ4K = pod_read_unaligned(b);
+                    (b.d.to_f32(), b.dmin.to_f32(), b.scales, b.qs, None)
+                }
+                _ => {
+                    let b: BlockQ5K = pod_read_unaligned(b);
+                    (b.d.to_f32(), b.dmin.to_f32(), b.scales, b.qs, Some(b.qh))
+                }
+            };
+            for (j, q) in q.chunks_exact_mut(32).enumerate() {
+                let (sc, m) = q4k_scale_min(j, &scales);
+                scale[j] = d * sc as f32;
+                off[j] = -(dmin * m as f32);
+                for (l, (q, &n)) in q.iter_mut().zip(&qs[32 * (j / 2)..][..32]).enumerate() {
+                    let low = if j % 2 == 0 { n & 0xF } else { n >> 4 };
+                    let high = qh.map_or(0, |h| ((h[l] >> j) & 1) << 4);
+                    *q = (low | high) as i8;
                 }
             }
         }
         QuantType::Q6K => {
             let b: BlockQ6K = pod_read_unaligned(b);
             let d = b.d.to_f32();
-            // 2 halves of 128; each reads 64 bytes of ql, 32 of qh, 8 scales.
+            for (s, sc) in scale.iter_mut().zip(&b.scales) {
+                *s = d * *sc as f32;
+            }
+            // 2 halves of 128; each reads 64 bytes of ql, 32 of qh.
             for n in 0..2 {
-                let ql = &b.ql[64 * n..64 * n + 64];
-                let qh = &b.qh[32 * n..32 * n + 32];
-                let sc = &b.scales[8 * n..8 * n + 8];
-                let y = &mut y[128 * n..128 * n + 128];
+                let (ql, qh) = (&b.ql[64 * n..][..64], &b.qh[32 * n..][..32]);
+                let q = &mut q[128 * n..][..128];
                 for l in 0..32 {
-                    let is = l / 16;
-                    let q1 = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i32 - 32;
-                    let q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
-                    let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
-                    let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
-                    y[l] = d * sc[is] as f32 * q1 as f32;
-                    y[l + 32] = d * sc[is + 2] as f32 * q2 as f32;
-                    y[l + 64] = d * sc[is + 4] as f32 * q3 as f32;
-                    y[l + 96] = d * sc[is + 6] as f32 * q4 as f32;
+                    q[l] = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i8 - 32;
+                    q[l + 32] = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i8 - 32;
+                    q[l + 64] = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i8 - 32;
+                    q[l + 96] = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i8 - 32;
                 }
             }
         }
-        QuantType::Q5_1 => {
-            let b: BlockQ5_1 = pod_read_unaligned(b);
-            let (d, m) = (b.d.to_f32(), b.m.to_f32());
-            let qh = u32::from_le_bytes(b.qh);
-            for (j, &q) in b.qs.iter().enumerate() {
-                let h0 = ((qh >> j) << 4) & 0x10;
-                let h1 = (qh >> (j + 12)) & 0x10;
-                y[j] = d * ((q as u32 & 0xF) | h0) as f32 + m;
-                y[j + QK / 2] = d * ((q as u32 >> 4) | h1) as f32 + m;
-            }
-        }
-        QuantType::Q2K => {
-            let b: BlockQ2K = pod_read_unaligned(b);
-            let (d, dmin) = (b.d.to_f32(), b.dmin.to_f32());
-            // Halves of 128: 4 shifts of the same 32 bytes, each two sub-blocks of 16.
-            for (k, y) in y.chunks_exact_mut(32).enumerate() {
+        QuantType::Q2K | QuantType::Q3K => {
+            // Halves of 128: 4 shifts of the same 32 bytes, each two sub-blocks of 16; Q3_K
+            // subtracts 4 where the value's bit of `hmask` is clear.
+            let (qs, hmask) = if qtype == QuantType::Q2K {
+                let b: BlockQ2K = pod_read_unaligned(b);
+                let (d, dmin) = (b.d.to_f32(), b.dmin.to_f32());
+                for (i, &sc) in b.scales.iter().enumerate() {
+                    scale[i] = d * (sc & 0xF) as f32;
+                    off[i] = -(dmin * (sc >> 4) as f32);
+                }
+                (b.qs, None)
+            } else {
+                let b: BlockQ3K = pod_read_unaligned(b);
+                for (s, sc) in scale.iter_mut().zip(q3k_scales(&b.scales)) {
+                    *s = b.d.to_f32() * sc as f32;
+                }
+                (b.qs, Some(b.hmask))
+            };
+            for (k, q) in q.chunks_exact_mut(32).enumerate() {
                 let (n, shift) = (k / 4, 2 * (k % 4));
-                for (l, y) in y.iter_mut().enumerate() {
-                    let sc = b.scales[8 * n + 2 * (k % 4) + l / 16];
-                    let q = (b.qs[32 * n + l] >> shift) & 3;
-                    *y = d * (sc & 0xF) as f32 * q as f32 - dmin * (sc >> 4) as f32;
+                for (l, q) in q.iter_mut().enumerate() {
+                    let low = ((qs[32 * n + l] >> shift) & 3) as i8;
+                    *q = match hmask {
+                        Some(h) if h[l] >> k & 1 == 0 => low - 4,
+                        _ => low,
+                    };
                 }
-            }
-        }
-        QuantType::Q3K => {
-            let b: BlockQ3K = pod_read_unaligned(b);
-            let d = b.d.to_f32();
-            let sc = q3k_scales(&b.scales);
-            for (k, y) in y.chunks_exact_mut(32).enumerate() {
-                let (n, shift) = (k / 4, 2 * (k % 4));
-                for (l, y) in y.iter_mut().enumerate() {
-                    let low = ((b.qs[32 * n + l] >> shift) & 3) as i32;
-                    let high = if b.hmask[l] >> k & 1 == 1 { 0 } else { 4 };
-                    *y = d * sc[8 * n + 2 * (k % 4) + l / 16] as f32 * (low - high) as f32;
-                }
-            }
-        }
-        QuantType::Q5K => {
-            let b: BlockQ5K = pod_read_unaligned(b);
-            let (d, dmin) = (b.d.to_f32(), b.dmin.to_f32());
-            for (j, y) in y.chunks_exact_mut(32).enumerate() {
-                let (sc, m) = q4k_scale_min(j, &b.scales);
-                let q = &b.qs[32 * (j / 2)..][..32];
-                for (l, y) in y.iter_mut().enumerate() {
-                    let low = if j % 2 == 0 { q[l] & 0xF } else { q[l] >> 4 };
-                    let q5 = low | (((b.qh[l] >> j) & 1) << 4);
-                    *y = d * sc as f32 * q5 as f32 - dmin * m as f32;
-                }
-            }
-        }
-        QuantType::IQ4NL => {
-            let b: BlockIQ4NL = pod_read_unaligned(b);
-            let d = b.d.to_f32();
-            for (j, &q) in b.qs.iter().enumerate() {
-                y[j] = d * KVALUES_IQ4NL[(q & 0xF) as usize] as f32;
-                y[j + QK / 2] = d * KVALUES_IQ4NL[(q >> 4) as usize] as f32;
             }
         }
         QuantType::IQ4XS => {
             let b: BlockIQ4XS = pod_read_unaligned(b);
             let d = b.d.to_f32();
-            for (j, y) in y.chunks_exact_mut(32).enumerate() {
-                let dl = d * iq4xs_scale(&b, j) as f32;
-                for (l, &q) in b.qs[16 * j..16 * j + 16].iter().enumerate() {
-                    y[l] = dl * KVALUES_IQ4NL[(q & 0xF) as usize] as f32;
-                    y[l + 16] = dl * KVALUES_IQ4NL[(q >> 4) as usize] as f32;
+            for (j, q) in q.chunks_exact_mut(32).enumerate() {
+                scale[j] = d * iq4xs_scale(&b, j) as f32;
+                for (l, &n) in b.qs[16 * j..16 * j + 16].iter().enumerate() {
+                    q[l] = KVALUES_IQ4NL[(n & 0xF) as usize];
+                    q[l + 16] = KVALUES_IQ4NL[(n >> 4) as usize];
                 }
             }
+        }
+        QuantType::F32 | QuantType::F16 | QuantType::BF16 => {
+            panic!("{} rows are not integers", qtype.name())
         }
     }
 }

@@ -4,8 +4,11 @@
 //! - few tokens (decode) or a row subset: each token's activations are quantized once to Q8A
 //!   (for quantized weights) and every selected row is dotted with the tier's integer kernel,
 //!   one contiguous range of rows per thread of the [`SpinPool`];
-//! - many tokens with every row (prefill): each thread of the pool takes a range of rows and walks
-//!   it in cache-sized tiles, dequantized to f32 and multiplied with the `gemm` crate.
+//! - many tokens with every row (prefill): the pool's threads take tiles of rows; on tiers with
+//!   an integer prefill kernel (`gemm_q8a`) integer weights are unpacked to 8-bit panels and
+//!   multiplied with the tokens quantized once to Q8A; otherwise a tile is dequantized to f32 and
+//!   multiplied with the `gemm` crate.
+use crate::kernels::gemm_q8a::{Acts, Gemm, Panel, NT, PR};
 use crate::kernels::repack::{self, ActGroup, GROUP};
 use crate::kernels::table::{Kernels, RowDot};
 use crate::pool::SpinPool;
@@ -29,7 +32,13 @@ thread_local! {
     static ACT_GROUPS: RefCell<Vec<ActGroup>> = const { RefCell::new(Vec::new()) };
     /// Dequantized weight tile of this thread (prefill path).
     static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// Integer prefill: this thread's unpacked panel and a row's ggml bytes (repacked rows).
+    static PANEL: RefCell<(Panel, Vec<u8>)> = RefCell::new(Default::default());
+    /// Integer prefill: the calling thread's tokens, prepared once per call and group size.
+    static INT_INPUT: RefCell<IntInput> = RefCell::new(Default::default());
 }
+
+const _: () = assert!(GEMM_TILE_ROWS.is_multiple_of(PR));
 
 pub fn matmul(k: &Kernels, pool: &SpinPool, w: &Weight, rows: &IndexSet, x: &[f32], y: &mut [f32]) {
     matmul_shared(k, pool, x, &mut [MatmulJob { w: *w, rows, y }])
@@ -59,13 +68,19 @@ pub fn matmul_shared(k: &Kernels, pool: &SpinPool, x: &[f32], jobs: &mut [Matmul
         assert_eq!(j.rows.universe(), j.w.rows, "matmul: row set universe");
     }
     if n_tok >= GEMM_MIN_TOKENS || jobs.len() > MAX_JOBS {
-        for j in jobs {
-            if n_tok >= GEMM_MIN_TOKENS && j.rows.is_full() {
-                matmul_gemm(k, pool, &j.w, x, j.y, n_tok);
-            } else {
-                dot_path(k, pool, x, cols, n_tok, std::slice::from_mut(j));
+        INT_INPUT.with_borrow_mut(|input| {
+            input.built = [false; 2];
+            for j in jobs {
+                if n_tok < GEMM_MIN_TOKENS || !j.rows.is_full() {
+                    dot_path(k, pool, x, cols, n_tok, std::slice::from_mut(j));
+                } else if let Some(f) = k.gemm_q8a.filter(|_| integer_prefill(&j.w)) {
+                    let acts = input.acts(k, x, cols, crate::dequant::group_len(j.w.qtype));
+                    matmul_int(k, f, pool, &j.w, acts, j.y, n_tok);
+                } else {
+                    matmul_gemm(k, pool, &j.w, x, j.y, n_tok);
+                }
             }
-        }
+        })
     } else {
         dot_path(k, pool, x, cols, n_tok, jobs);
     }
@@ -344,6 +359,90 @@ fn matmul_gemm(
                 );
             }
         });
+    });
+}
+
+/// Whether `w` goes through the integer prefill kernel: an integer type whose rows are whole
+/// Q8A blocks.
+fn integer_prefill(w: &Weight) -> bool {
+    w.qtype.block_len() > 1 && w.cols.is_multiple_of(QK.max(w.qtype.block_len()))
+}
+
+/// The tokens of one `matmul_shared` call for the integer kernel: quantized once, then prepared
+/// per group size on first use (`built`).
+#[derive(Default)]
+struct IntInput {
+    blocks: Vec<BlockQ8A>,
+    acts: [Acts; 2],
+    built: [bool; 2],
+}
+
+impl IntInput {
+    fn acts(&mut self, k: &Kernels, x: &[f32], cols: usize, g: usize) -> &Acts {
+        let i = usize::from(g == QK);
+        if !self.built[i] {
+            if !self.built[1 - i] {
+                self.blocks
+                    .resize(x.len() / QK, bytemuck::Zeroable::zeroed());
+                for (xt, bt) in x
+                    .chunks_exact(cols)
+                    .zip(self.blocks.chunks_exact_mut(cols / QK))
+                {
+                    (k.quantize)(xt, bt);
+                }
+            }
+            self.acts[i].build(g, cols, &self.blocks);
+            self.built[i] = true;
+        }
+        &self.acts[i]
+    }
+}
+
+/// The prefill product on the integer kernel: fixed tiles of `GEMM_TILE_ROWS` rows, taken by
+/// whichever thread is free, as [`matmul_gemm`]; each tile is unpacked panel by panel, and a
+/// panel is multiplied with every token while it is in cache. A product's value does not depend
+/// on the tile or thread that computed it.
+fn matmul_int(
+    k: &Kernels,
+    f: Gemm,
+    pool: &SpinPool,
+    w: &Weight,
+    acts: &Acts,
+    y: &mut [f32],
+    n_tok: usize,
+) {
+    let yp = SyncPtr::new(y.as_mut_ptr());
+    pool.run(w.rows.div_ceil(GEMM_TILE_ROWS), &|t| {
+        PANEL.with_borrow_mut(|(panel, ggml)| {
+            let tile = t * GEMM_TILE_ROWS..((t + 1) * GEMM_TILE_ROWS).min(w.rows);
+            for p0 in tile.step_by(PR) {
+                let nr = PR.min(w.rows - p0);
+                panel.reset(w.qtype, w.cols);
+                for r in p0..p0 + nr {
+                    match w.layout {
+                        RowLayout::Ggml => panel.set_row(w.row(r), f.unpack),
+                        RowLayout::Repacked => {
+                            ggml.resize(w.row(r).len(), 0);
+                            (k.unpack)(w.qtype, w.row(r), ggml);
+                            panel.set_row(ggml, f.unpack);
+                        }
+                    }
+                }
+                panel.finish(f.finish);
+                let mut out = [[0f32; PR]; NT];
+                for t0 in (0..n_tok).step_by(NT) {
+                    (f.kernel)(panel, acts, t0, &mut out);
+                    for (tt, o) in out.iter().enumerate().take(n_tok - t0) {
+                        for (r, &v) in o.iter().enumerate().take(nr) {
+                            // SAFETY: t0 + tt < n_tok and p0 + r < w.rows, inside y (checked
+                            // by `matmul_shared`); tiles are disjoint, so each element has one
+                            // writer; y outlives `pool.run`.
+                            unsafe { *yp.get().add((t0 + tt) * w.rows + p0 + r) = v };
+                        }
+                    }
+                }
+            }
+        })
     });
 }
 

@@ -474,7 +474,7 @@ impl Device for CpuDevice {
     ) -> Result<(), BackendError> {
         need("glu gate", gate.len(), n)?;
         need("glu up", up.len(), n)?;
-        ops::glu(act, &mut gate[..n], &up[..n]);
+        (self.cpu.kernels.glu)(act, &mut gate[..n], &up[..n]);
         Ok(())
     }
 

@@ -174,6 +174,8 @@ pub mod dot_q6k;
 pub mod dot_q8_0;
 pub mod dot_repacked;
 pub mod dot_rows;
+pub mod gemm_q8a;
+pub mod glu;
 pub mod quantize_act;
 pub mod repack;
 pub mod table;

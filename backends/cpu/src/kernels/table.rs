@@ -2,7 +2,7 @@
 use super::{
     axpy, axpy_q, dequantize, dot_float, dot_iq4nl, dot_iq4xs, dot_q2k, dot_q3k, dot_q4_0,
     dot_q4_1, dot_q4k, dot_q5_0, dot_q5_1, dot_q5k, dot_q6k, dot_q8_0, dot_repacked, dot_rows,
-    quantize_act, repack,
+    gemm_q8a, glu, quantize_act, repack,
 };
 use crate::isa::{self, Isa, IsaError};
 use dejavu_backend_api::quant::{BlockQ8A, QuantType};
@@ -29,6 +29,10 @@ pub struct Kernels {
     pub quantize: quantize_act::QuantizeFn,
     /// Row dequantization for the prefill tiles.
     pub dequantize: dequantize::DequantFn,
+    /// The integer prefill kernel, on tiers where it beats dequantized tiles and `gemm`.
+    pub gemm_q8a: Option<gemm_q8a::Gemm>,
+    /// Gated activation of the MLP.
+    pub glu: glu::GluFn,
     /// f32 vector against rows (attention's scores) and weighted sum of rows (its value sum).
     pub dot_rows: dot_rows::DotRowsFn,
     pub axpy_rows: axpy::AxpyRowsFn,
@@ -89,6 +93,8 @@ impl Kernels {
             dequantize_repacked: repack::select_dequantize(isa),
             quantize: quantize_act::select(isa),
             dequantize: dequantize::select(isa),
+            gemm_q8a: gemm_q8a::select(isa),
+            glu: glu::select(isa),
             dot_rows: dot_rows::select(isa),
             axpy_rows: axpy::select(isa),
             dot_rows_f16: dot_rows::select_f16(isa),
@@ -147,6 +153,8 @@ impl Kernels {
             dequantize_repacked: repack::dequantize_row,
             quantize: quantize_act::scalar,
             dequantize: crate::dequant::dequantize_row,
+            gemm_q8a: None,
+            glu: glu::scalar,
             dot_rows: dot_rows::scalar,
             axpy_rows: axpy::scalar,
             dot_rows_f16: dot_rows::scalar,
