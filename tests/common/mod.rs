@@ -38,6 +38,7 @@ pub fn fails_with(args: &[&str], needle: &str) {
 
 pub const SMOLLM2: &str = "smollm2-135m-instruct";
 pub const QWEN: &str = "qwen2.5-coder-0.5b-instruct";
+pub const GEMMA: &str = "gemma-3-270m";
 
 /// The directory of llama.cpp's reference outputs, one JSON per real model.
 pub fn reference_dir() -> PathBuf {

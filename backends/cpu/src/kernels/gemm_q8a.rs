@@ -239,6 +239,10 @@ fn unpack_avx2(qtype: QuantType, bytes: &[u8], q: &mut [i8], scale: &mut [f32], 
         | QuantType::Q5_0
         | QuantType::Q5_1
         | QuantType::IQ4NL => unsafe { unpack32_avx2(qtype, bytes, q, scale, off) },
+        // SAFETY: as above.
+        QuantType::Q4K | QuantType::Q5K | QuantType::Q6K => unsafe {
+            unpack256_avx2(qtype, bytes, q, scale, off)
+        },
         _ => unpack_scalar(qtype, bytes, q, scale, off),
     }
 }
@@ -285,6 +289,82 @@ unsafe fn unpack32_avx2(
             off[i] = 0.0;
         }
         _mm256_storeu_si256(q.as_mut_ptr().add(32 * i) as *mut __m256i, v);
+    }
+}
+
+/// Q4_K, Q5_K and Q6_K: the quants 32 at a time (the formulas of `dequant::unpack_block`), the
+/// scales and mins in scalar.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn unpack256_avx2(
+    qtype: QuantType,
+    bytes: &[u8],
+    q: &mut [i8],
+    scale: &mut [f32],
+    off: &mut [f32],
+) {
+    use super::x86::*;
+    use dejavu_backend_api::quant::{q4k_scale_min, BlockQ4K, BlockQ5K, BlockQ6K, QK_K};
+    use std::arch::x86_64::*;
+    let bb = qtype.block_bytes();
+    let load = |p: &[u8]| _mm256_loadu_si256(p.as_ptr() as *const __m256i);
+    let low4 = _mm256_set1_epi8(0x0F);
+    let hi2 = _mm256_set1_epi8(0x30);
+    for (i, b) in bytes.chunks_exact(bb).enumerate() {
+        let out = q.as_mut_ptr().add(QK_K * i) as *mut __m256i;
+        match qtype {
+            QuantType::Q6K => {
+                let b: BlockQ6K = bytemuck::pod_read_unaligned(b);
+                let d = f16(b.d);
+                for (s, &sc) in scale[16 * i..][..16].iter_mut().zip(&b.scales) {
+                    *s = d * sc as f32;
+                }
+                off[16 * i..][..16].fill(0.0);
+                for n in 0..2 {
+                    let (a, c) = (load(&b.ql[64 * n..]), load(&b.ql[64 * n + 32..]));
+                    let h = load(&b.qh[32 * n..]);
+                    let parts = [
+                        (a, _mm256_slli_epi16::<4>(h)),
+                        (c, _mm256_slli_epi16::<2>(h)),
+                        (_mm256_srli_epi16::<4>(a), h),
+                        (_mm256_srli_epi16::<4>(c), _mm256_srli_epi16::<2>(h)),
+                    ];
+                    for (k, (lo, hi)) in parts.into_iter().enumerate() {
+                        let v =
+                            _mm256_or_si256(_mm256_and_si256(lo, low4), _mm256_and_si256(hi, hi2));
+                        let v = _mm256_sub_epi8(v, _mm256_set1_epi8(32));
+                        _mm256_storeu_si256(out.add(4 * n + k), v);
+                    }
+                }
+            }
+            _ => {
+                let (d, dmin, scales, qs, qh) = if qtype == QuantType::Q4K {
+                    let b: BlockQ4K = bytemuck::pod_read_unaligned(b);
+                    (b.d, b.dmin, b.scales, b.qs, None)
+                } else {
+                    let b: BlockQ5K = bytemuck::pod_read_unaligned(b);
+                    (b.d, b.dmin, b.scales, b.qs, Some(load(&b.qh)))
+                };
+                let (d, dmin) = (f16(d), f16(dmin));
+                for j in 0..8 {
+                    let (sc, m) = q4k_scale_min(j, &scales);
+                    scale[8 * i + j] = d * sc as f32;
+                    off[8 * i + j] = -(dmin * m as f32);
+                    let v = load(&qs[32 * (j / 2)..]);
+                    let v = if j % 2 == 0 {
+                        v
+                    } else {
+                        _mm256_srli_epi16::<4>(v)
+                    };
+                    let v = _mm256_and_si256(v, low4);
+                    let v = match qh {
+                        Some(h) => _mm256_or_si256(v, fifth_bit(h, j)),
+                        None => v,
+                    };
+                    _mm256_storeu_si256(out.add(j), v);
+                }
+            }
+        }
     }
 }
 
