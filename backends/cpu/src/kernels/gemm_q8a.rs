@@ -23,7 +23,7 @@ use dejavu_backend_api::quant::{BlockQ8A, QuantType, QK};
 /// Rows of a panel: the 16 f32 lanes of an AVX-512 register.
 pub const PR: usize = 16;
 /// Tokens of one kernel call.
-pub const NT: usize = 8;
+pub const NT: usize = 12;
 
 /// `PR` weight rows unpacked for [`GemmFn`]: [`Panel::reset`], [`Panel::set_row`] for the
 /// rows present, then [`Panel::finish`] (rows never set are zero).
