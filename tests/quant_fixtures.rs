@@ -75,7 +75,7 @@ fn dequantize_and_dot_match_ggml_reference() {
         let float = matches!(qtype, QuantType::F32 | QuantType::F16 | QuantType::BF16);
         for isa in Isa::supported() {
             let k = Kernels::for_isa(isa).unwrap();
-            let int_batch = !float && k.gemm_q8a.is_some();
+            let int_batch = k.gemm_q8a.is_some_and(|g| (g.types)(qtype));
             let mut y = vec![0f32; n * w.rows];
             matmul::matmul(&k, &pool, &w, &IndexSet::full(w.rows), &xs, &mut y);
             let mut y1 = vec![0f32; w.rows];

@@ -73,7 +73,7 @@ pub fn matmul_shared(k: &Kernels, pool: &SpinPool, x: &[f32], jobs: &mut [Matmul
             for j in jobs {
                 if n_tok < GEMM_MIN_TOKENS || !j.rows.is_full() {
                     dot_path(k, pool, x, cols, n_tok, std::slice::from_mut(j));
-                } else if let Some(f) = k.gemm_q8a.filter(|_| integer_prefill(&j.w)) {
+                } else if let Some(f) = k.gemm_q8a.filter(|f| integer_prefill(f, &j.w)) {
                     let acts = input.acts(k, x, cols, crate::dequant::group_len(j.w.qtype));
                     matmul_int(k, f, pool, &j.w, acts, j.y, n_tok);
                 } else {
@@ -362,10 +362,10 @@ fn matmul_gemm(
     });
 }
 
-/// Whether `w` goes through the integer prefill kernel: an integer type whose rows are whole
-/// Q8A blocks.
-fn integer_prefill(w: &Weight) -> bool {
-    w.qtype.block_len() > 1 && w.cols.is_multiple_of(QK.max(w.qtype.block_len()))
+/// Whether `w` goes through the integer prefill kernel `f`: a type it takes, rows of whole Q8A
+/// blocks.
+fn integer_prefill(f: &Gemm, w: &Weight) -> bool {
+    (f.types)(w.qtype) && w.cols.is_multiple_of(QK.max(w.qtype.block_len()))
 }
 
 /// The tokens of one `matmul_shared` call for the integer kernel: quantized once, then prepared

@@ -187,6 +187,46 @@ unsafe fn finish_avx512_impl(p: &mut Panel) {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+fn finish_avx2(p: &mut Panel) {
+    check_finish(p);
+    // SAFETY: handed out by `select` only for the AVX2 tier; extents checked above.
+    unsafe { finish_avx2_impl(p) }
+}
+
+/// [`finish_avx512_impl`] in two halves of 8 rows; the group sums by `vpmaddubsw` with 128 in
+/// every unsigned byte (a pair, `128 (q0 + q1)`, lies in `-2^15..=2^15 - 256`: no saturation).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn finish_avx2_impl(p: &mut Panel) {
+    use std::arch::x86_64::*;
+    let (cols, g) = (p.groups * p.g, p.g);
+    let rows = _mm256_mullo_epi32(
+        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+        _mm256_set1_epi32(cols as i32),
+    );
+    let (k128, ones) = (_mm256_set1_epi8(-128), _mm256_set1_epi16(1));
+    let (src, dst) = (p.rows.as_ptr(), p.q.as_mut_ptr());
+    for gi in 0..p.groups {
+        for h in 0..2 {
+            let mut sum = _mm256_setzero_si256();
+            let base = src.add(h * 8 * cols);
+            for s in 0..g / 4 {
+                let c = gi * g / 4 + s;
+                let v = _mm256_i32gather_epi32::<1>(base.add(4 * c) as *const i32, rows);
+                _mm256_storeu_si256(dst.add(c * 4 * PR + 32 * h) as *mut __m256i, v);
+                let pairs = _mm256_maddubs_epi16(k128, v);
+                sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, ones));
+            }
+            let init = _mm256_sub_epi32(_mm256_setzero_si256(), sum);
+            _mm256_storeu_si256(
+                p.init.as_mut_ptr().add(gi * PR + 8 * h) as *mut __m256i,
+                init,
+            );
+        }
+    }
+}
+
 /// A row of an integer type decoded as [`crate::dequant::unpack_block`] does, block by block:
 /// `(qtype, ggml bytes, q[cols], scale[cols / G], off[cols / G])`.
 pub type UnpackFn = fn(QuantType, &[u8], &mut [i8], &mut [f32], &mut [f32]);
@@ -416,9 +456,23 @@ pub type GemmFn = fn(&Panel, &Acts, usize, &mut [[f32; PR]; NT]);
 /// A tier's integer prefill: its row decoder and its kernel.
 #[derive(Clone, Copy)]
 pub struct Gemm {
+    /// The weight types the kernel multiplies exactly (others take the f32 path).
+    pub types: fn(QuantType) -> bool,
     pub unpack: UnpackFn,
     pub finish: FinishFn,
     pub kernel: GemmFn,
+}
+
+/// Every integer type (`vpdpbusd` sums in i32).
+fn all_integer_types(q: QuantType) -> bool {
+    q.block_len() > 1
+}
+
+/// The types whose values stay within +-64, so AVX2's `vpmaddubsw` (pairs of (qa + 128) * q
+/// summed in i16, saturating) never saturates: 2 * 255 * 64 < 2^15. Q8_0 and the IQ4 types
+/// (values up to +-127) are left out.
+fn small_integer_types(q: QuantType) -> bool {
+    all_integer_types(q) && !matches!(q, QuantType::Q8_0 | QuantType::IQ4NL | QuantType::IQ4XS)
 }
 
 /// The tier's kernels; `None` where the f32 `gemm` path is faster (tiers without `vpdpbusd`).
@@ -426,9 +480,17 @@ pub fn select(isa: Isa) -> Option<Gemm> {
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => Some(Gemm {
+            types: all_integer_types,
             unpack: unpack_avx2,
             finish: finish_avx512,
             kernel: avx512,
+        }),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => Some(Gemm {
+            types: small_integer_types,
+            unpack: unpack_avx2,
+            finish: finish_avx2,
+            kernel: avx2,
         }),
         _ => None,
     }
@@ -538,6 +600,86 @@ unsafe fn avx512_impl<const G: usize, const OFF: bool>(
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+fn avx2(p: &Panel, a: &Acts, t0: usize, out: &mut [[f32; PR]; NT]) {
+    check(p, a, t0);
+    assert!(
+        small_integer_types(p.qtype),
+        "gemm_q8a: {} values saturate AVX2's byte products",
+        p.qtype.name()
+    );
+    // SAFETY: handed out by `select` only for the AVX2 tier, whose features this CPU has; the
+    // extents were checked above, and the type's values keep `vpmaddubsw` from saturating.
+    unsafe {
+        match (p.g, p.has_off) {
+            (16, false) => avx2_impl::<16, false>(p, a, t0, out),
+            (16, true) => avx2_impl::<16, true>(p, a, t0, out),
+            (_, false) => avx2_impl::<32, false>(p, a, t0, out),
+            (_, true) => avx2_impl::<32, true>(p, a, t0, out),
+        }
+    }
+}
+
+/// Tokens of one register block on AVX2 (16 registers: 2 per token's integer sums, the two
+/// weight halves, a broadcast, the ones).
+#[cfg(target_arch = "x86_64")]
+const TB2: usize = 6;
+#[cfg(target_arch = "x86_64")]
+const _: () = assert!(NT.is_multiple_of(TB2));
+
+/// The AVX-512 kernel's operations on 8-row halves: `vpmaddubsw` + `vpmaddwd` for
+/// `vpdpbusd`, the float sums kept in `out` (L1) between groups.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn avx2_impl<const G: usize, const OFF: bool>(
+    p: &Panel,
+    a: &Acts,
+    t0: usize,
+    out: &mut [[f32; PR]; NT],
+) {
+    use std::arch::x86_64::*;
+    let (groups, cols) = (p.groups, a.cols);
+    let ones = _mm256_set1_epi16(1);
+    *out = [[0.0; PR]; NT];
+    for tb in (0..NT).step_by(TB2) {
+        for gi in 0..groups {
+            let init = p.init.as_ptr().add(gi * PR) as *const __m256i;
+            let (i0, i1) = (_mm256_loadu_si256(init), _mm256_loadu_si256(init.add(1)));
+            let mut dots = [[i0, i1]; TB2];
+            let q = p.q.as_ptr().add(gi * G * PR);
+            let u = a.u.as_ptr().add((t0 + tb) * cols + gi * G);
+            for s in 0..G / 4 {
+                let w = q.add(s * 4 * PR) as *const __m256i;
+                let (w0, w1) = (_mm256_loadu_si256(w), _mm256_loadu_si256(w.add(1)));
+                for (t, dot) in dots.iter_mut().enumerate() {
+                    let x = (u.add(t * cols + 4 * s) as *const i32).read_unaligned();
+                    let x = _mm256_set1_epi32(x);
+                    let p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(x, w0), ones);
+                    let p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(x, w1), ones);
+                    dot[0] = _mm256_add_epi32(dot[0], p0);
+                    dot[1] = _mm256_add_epi32(dot[1], p1);
+                }
+            }
+            for (t, dot) in dots.iter().enumerate() {
+                let i = (t0 + tb + t) * groups + gi;
+                let (d, sa) = (*a.d.get_unchecked(i), *a.s.get_unchecked(i));
+                let o = out[tb + t].as_mut_ptr();
+                for (h, &dot) in dot.iter().enumerate() {
+                    let scale = _mm256_loadu_ps(p.scale.as_ptr().add(gi * PR + 8 * h));
+                    let ds = _mm256_mul_ps(scale, _mm256_set1_ps(d));
+                    let acc = _mm256_loadu_ps(o.add(8 * h));
+                    let mut acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), ds, acc);
+                    if OFF {
+                        let off = _mm256_loadu_ps(p.off.as_ptr().add(gi * PR + 8 * h));
+                        acc = _mm256_fmadd_ps(off, _mm256_set1_ps(sa), acc);
+                    }
+                    _mm256_storeu_ps(o.add(8 * h), acc);
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -552,7 +694,7 @@ mod tests {
     fn tiers_match_scalar_and_dequantized() {
         let tiers: Vec<_> = Isa::supported()
             .into_iter()
-            .filter_map(|i| select(i).map(|f| (i, f.kernel)))
+            .filter_map(|i| select(i).map(|f| (i, f)))
             .collect();
         eprintln!(
             "gemm_q8a: checking tiers {:?} against scalar",
@@ -581,9 +723,9 @@ mod tests {
                 for t0 in (0..acts.n_tok).step_by(NT) {
                     let mut want = [[0f32; PR]; NT];
                     scalar(&panel, &acts, t0, &mut want);
-                    for &(isa, f) in &tiers {
+                    for (isa, f) in tiers.iter().filter(|(_, f)| (f.types)(q)) {
                         let mut got = [[1f32; PR]; NT];
-                        f(&panel, &acts, t0, &mut got);
+                        (f.kernel)(&panel, &acts, t0, &mut got);
                         assert_eq!(got, want, "{isa} {q:?} cols {cols} from token {t0}");
                     }
                     for (t, want) in want.iter().enumerate().filter(|(t, _)| t0 + t < n_tok) {
