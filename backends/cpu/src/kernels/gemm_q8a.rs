@@ -464,6 +464,7 @@ pub struct Gemm {
 }
 
 /// Every integer type (`vpdpbusd` sums in i32).
+#[cfg(target_arch = "x86_64")]
 fn all_integer_types(q: QuantType) -> bool {
     q.block_len() > 1
 }
@@ -471,6 +472,7 @@ fn all_integer_types(q: QuantType) -> bool {
 /// The types whose values stay within +-64, so AVX2's `vpmaddubsw` (pairs of (qa + 128) * q
 /// summed in i16, saturating) never saturates: 2 * 255 * 64 < 2^15. Q8_0 and the IQ4 types
 /// (values up to +-127) are left out.
+#[cfg(target_arch = "x86_64")]
 fn small_integer_types(q: QuantType) -> bool {
     all_integer_types(q) && !matches!(q, QuantType::Q8_0 | QuantType::IQ4NL | QuantType::IQ4XS)
 }
