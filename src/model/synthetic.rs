@@ -34,7 +34,12 @@ pub struct Shape {
     d_model: usize,
     n_layers: usize,
     n_heads: usize,
+    /// Key/value heads (grouped-query attention when fewer than `n_heads`).
+    n_kv_heads: usize,
     n_ff: usize,
+    vocab: usize,
+    context: usize,
+    rope_theta: f64,
 }
 
 const fn opt(name: &'static str, d: usize, l: usize, h: usize) -> Shape {
@@ -44,11 +49,43 @@ const fn opt(name: &'static str, d: usize, l: usize, h: usize) -> Shape {
         d_model: d,
         n_layers: l,
         n_heads: h,
+        n_kv_heads: h,
         n_ff: 4 * d,
+        vocab: 50272,
+        context: 2048,
+        rope_theta: 0.0,
     }
 }
 
-pub const SHAPES: [Shape; 8] = [
+/// A SwiGLU llama of the published config: `(d, layers, heads, kv heads, ffn, vocab, context,
+/// RoPE base)`.
+#[allow(clippy::too_many_arguments)]
+const fn llama(
+    name: &'static str,
+    d: usize,
+    l: usize,
+    h: usize,
+    kv: usize,
+    ff: usize,
+    vocab: usize,
+    context: usize,
+    rope_theta: f64,
+) -> Shape {
+    Shape {
+        name,
+        llama: true,
+        d_model: d,
+        n_layers: l,
+        n_heads: h,
+        n_kv_heads: kv,
+        n_ff: ff,
+        vocab,
+        context,
+        rope_theta,
+    }
+}
+
+pub const SHAPES: [Shape; 10] = [
     opt("opt-125m", 768, 12, 12),
     opt("opt-1.3b", 2048, 24, 32),
     opt("opt-6.7b", 4096, 32, 32),
@@ -56,14 +93,10 @@ pub const SHAPES: [Shape; 8] = [
     opt("opt-30b", 7168, 48, 56),
     opt("opt-66b", 9216, 64, 72),
     opt("opt-175b", 12288, 96, 96),
-    Shape {
-        name: "llama-7b",
-        llama: true,
-        d_model: 4096,
-        n_layers: 32,
-        n_heads: 32,
-        n_ff: 11008,
-    },
+    llama("llama-7b", 4096, 32, 32, 32, 11008, 32000, 2048, 10000.0),
+    llama("llama-2-7b", 4096, 32, 32, 32, 11008, 32000, 4096, 10000.0),
+    // Grouped-query attention (32 query heads over 8 KV heads), the 128256-token vocabulary.
+    llama("llama-3-8b", 4096, 32, 32, 8, 14336, 128256, 8192, 500000.0),
 ];
 
 /// How a synthetic model is built.
@@ -124,11 +157,11 @@ impl Shape {
                 "intermediate_size": self.n_ff,
                 "num_hidden_layers": self.n_layers,
                 "num_attention_heads": self.n_heads,
-                "num_key_value_heads": self.n_heads,
-                "vocab_size": 32000,
-                "max_position_embeddings": 4096,
+                "num_key_value_heads": self.n_kv_heads,
+                "vocab_size": self.vocab,
+                "max_position_embeddings": self.context,
                 "rms_norm_eps": 1e-5,
-                "rope_theta": 10000.0,
+                "rope_theta": self.rope_theta,
                 "hidden_act": "silu",
                 "tie_word_embeddings": false,
             })
@@ -139,8 +172,8 @@ impl Shape {
                 "ffn_dim": self.n_ff,
                 "num_hidden_layers": self.n_layers,
                 "num_attention_heads": self.n_heads,
-                "vocab_size": 50272,
-                "max_position_embeddings": 2048,
+                "vocab_size": self.vocab,
+                "max_position_embeddings": self.context,
                 "do_layer_norm_before": true,
                 "word_embed_proj_dim": self.d_model,
                 "activation_function": "relu",
@@ -478,18 +511,29 @@ mod tests {
         assert_ne!(gauss(key(1, "a"), 5), gauss(key(2, "a"), 5));
     }
 
-    /// Every published shape parses as a valid config, and opt-6.7b's size is the known one.
+    /// Every published shape parses as a valid config, and the sizes are the known ones.
     #[test]
     fn shapes_are_valid() {
         for s in &SHAPES {
             s.config().unwrap();
         }
-        let b = model_bytes(
-            parse("synthetic:opt-6.7b").unwrap().unwrap(),
-            QuantType::F16,
-        )
-        .unwrap();
+        let bytes = |name: &str| {
+            let shape = parse(&format!("synthetic:{name}")).unwrap().unwrap();
+            model_bytes(shape, QuantType::F16).unwrap() as f64
+        };
         // 6.66e9 weights in f16 (embedding, positions in f32, vectors).
-        assert!((13.0e9..13.7e9).contains(&(b as f64)), "{b}");
+        let b = bytes("opt-6.7b");
+        assert!((13.0e9..13.7e9).contains(&b), "{b}");
+        // Llama 2 7B: 6.74e9 weights; Llama 3 8B: 8.03e9 (GQA's K/V are a quarter of Q).
+        let b = bytes("llama-2-7b");
+        assert!((13.4e9..13.6e9).contains(&b), "{b}");
+        let b = bytes("llama-3-8b");
+        assert!((16.0e9..16.1e9).contains(&b), "{b}");
+        let c = parse("synthetic:llama-3-8b")
+            .unwrap()
+            .unwrap()
+            .config()
+            .unwrap();
+        assert_eq!((c.n_heads, c.n_kv_heads, c.vocab_size), (32, 8, 128256));
     }
 }
