@@ -11,8 +11,8 @@
 //! ```
 //!
 //! The integer sum is exact; it is computed as `sum (qa + 128) * q - 128 * sum(q)`, the form of
-//! AVX-512 VNNI's `vpdpbusd` (unsigned by signed bytes), whose row-only correction is the panel's
-//! `init`. Layout: the panel holds, per group, the rows' bytes interleaved by 4
+//! AVX-512 VNNI's `vpdpbusd` and AVX2's `vpmaddubsw` (unsigned by signed bytes), whose row-only
+//! correction is the panel's `init`. Layout: the panel holds, per group, the rows' bytes interleaved by 4
 //! (`[G / 4][PR][4]`), so one 64-byte load is 4 bytes of each of 16 rows and a broadcast
 //! token's 4 bytes meet all 16 rows in one instruction (rows in lanes, as ggml's repacked
 //! GEMMs). Every tier equals the scalar reference bit for bit (same operations, same order), so
@@ -472,7 +472,8 @@ pub fn select(isa: Isa) -> Option<Gemm> {
 fn check(p: &Panel, a: &Acts, t0: usize) {
     let n = p.groups * PR;
     assert!(
-        p.g == a.g
+        (p.g == 16 || p.g == QK)
+            && p.g == a.g
             && p.groups * p.g == a.cols
             && p.q.len() == a.cols * PR
             && p.init.len() == n
