@@ -29,36 +29,61 @@ fn avx2(qtype: QuantType, row: &[u8], out: &mut [f32]) {
     }
 }
 
+/// One block of a 32-element type (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL; `b` its bytes) as
+/// `dequant::unpack_block` gives it: 32 signed values in a register, the scale `d` and the
+/// offset (`m` for Q4_1 and Q5_1, else 0). Shared by this file and the integer prefill's panels.
+/// Callers guarantee AVX2/F16C and a whole block.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn block32_avx2(
+    qtype: QuantType,
+    b: &[u8],
+) -> (std::arch::x86_64::__m256i, f32, f32) {
+    use super::x86::*;
+    use std::arch::x86_64::*;
+    let p = b.as_ptr();
+    let f16_at = |o: usize| f16(half::f16::from_le_bytes([b[o], b[o + 1]]));
+    let fifth = |o: usize| {
+        let qh = u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
+        _mm256_and_si256(bytes_from_bits_32(qh), _mm256_set1_epi8(0x10))
+    };
+    let d = f16_at(0);
+    match qtype {
+        QuantType::Q8_0 => (_mm256_loadu_si256(p.add(2) as *const __m256i), d, 0.0),
+        QuantType::Q4_0 => (
+            _mm256_sub_epi8(unpack_nibbles(p.add(2)), _mm256_set1_epi8(8)),
+            d,
+            0.0,
+        ),
+        QuantType::IQ4NL => (iq4nl_levels(unpack_nibbles(p.add(2))), d, 0.0),
+        QuantType::Q4_1 => (unpack_nibbles(p.add(4)), d, f16_at(2)),
+        QuantType::Q5_0 => (
+            _mm256_sub_epi8(
+                _mm256_or_si256(unpack_nibbles(p.add(6)), fifth(2)),
+                _mm256_set1_epi8(16),
+            ),
+            d,
+            0.0,
+        ),
+        QuantType::Q5_1 => (
+            _mm256_or_si256(unpack_nibbles(p.add(8)), fifth(4)),
+            d,
+            f16_at(2),
+        ),
+        _ => unreachable!("{} is not a 32-element integer type", qtype.name()),
+    }
+}
+
+/// `y = d * q` (`y = fma(d, q, m)` for Q4_1) from [`block32_avx2`], 8 values at a time.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn avx2_impl(qtype: QuantType, row: &[u8], out: &mut [f32]) {
-    use super::x86::*;
     use std::arch::x86_64::*;
     let bb = qtype.block_bytes();
     for (b, y) in row.chunks_exact(bb).zip(out.chunks_exact_mut(32)) {
-        let p = b.as_ptr();
-        let sc = f16x2_at(p); // [d, second f16 (m for Q4_1), ..]
-        let d = _mm256_broadcastss_ps(sc);
-        // 32 values as bytes (unsigned for the nibble formats, signed for Q8_0) and an offset.
-        let (q, off, signed) = match qtype {
-            QuantType::Q4_0 => (unpack_nibbles(p.add(2)), _mm256_set1_ps(-8.0), false),
-            QuantType::Q4_1 => (unpack_nibbles(p.add(4)), _mm256_setzero_ps(), false),
-            QuantType::Q5_0 => {
-                let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
-                let hi = _mm256_and_si256(bytes_from_bits_32(qh), _mm256_set1_epi8(0x10));
-                (
-                    _mm256_or_si256(unpack_nibbles(p.add(6)), hi),
-                    _mm256_set1_ps(-16.0),
-                    false,
-                )
-            }
-            _ => (
-                _mm256_loadu_si256(p.add(2) as *const __m256i),
-                _mm256_setzero_ps(),
-                true,
-            ),
-        };
-        let m = _mm256_broadcastss_ps(_mm_movehdup_ps(sc));
+        let (q, d, m) = block32_avx2(qtype, b);
+        let (d, m) = (_mm256_set1_ps(d), _mm256_set1_ps(m));
         let yp = y.as_mut_ptr();
         for k in 0..4 {
             let lane = match k {
@@ -67,12 +92,7 @@ unsafe fn avx2_impl(qtype: QuantType, row: &[u8], out: &mut [f32]) {
                 2 => _mm256_extracti128_si256(q, 1),
                 _ => _mm_srli_si128(_mm256_extracti128_si256(q, 1), 8),
             };
-            let ints = if signed {
-                _mm256_cvtepi8_epi32(lane)
-            } else {
-                _mm256_cvtepu8_epi32(lane)
-            };
-            let v = _mm256_add_ps(_mm256_cvtepi32_ps(ints), off);
+            let v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lane));
             let v = if qtype == QuantType::Q4_1 {
                 _mm256_fmadd_ps(d, v, m)
             } else {

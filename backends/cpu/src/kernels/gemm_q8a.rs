@@ -256,7 +256,8 @@ fn unpack_avx2(qtype: QuantType, bytes: &[u8], q: &mut [i8], scale: &mut [f32], 
     }
 }
 
-/// The 32-element block types: 32 bytes per block in one register.
+/// The 32-element block types: one block per register (`dequantize::block32_avx2`), the loop
+/// instantiated per type so the decoder's type dispatch folds away.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn unpack32_avx2(
@@ -266,38 +267,23 @@ unsafe fn unpack32_avx2(
     scale: &mut [f32],
     off: &mut [f32],
 ) {
-    use super::x86::*;
-    use std::arch::x86_64::*;
-    let bb = qtype.block_bytes();
-    for (i, b) in bytes.chunks_exact(bb).enumerate() {
-        let p = b.as_ptr();
-        let f16_at = |o: usize| f16(half::f16::from_le_bytes([b[o], b[o + 1]]));
-        scale[i] = f16_at(0);
-        let fifth = |o: usize| {
-            let qh = u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
-            _mm256_and_si256(bytes_from_bits_32(qh), _mm256_set1_epi8(0x10))
-        };
-        let v = match qtype {
-            QuantType::Q8_0 => _mm256_loadu_si256(p.add(2) as *const __m256i),
-            QuantType::Q4_0 => _mm256_sub_epi8(unpack_nibbles(p.add(2)), _mm256_set1_epi8(8)),
-            QuantType::IQ4NL => iq4nl_levels(unpack_nibbles(p.add(2))),
-            QuantType::Q4_1 => {
-                off[i] = f16_at(2);
-                unpack_nibbles(p.add(4))
-            }
-            QuantType::Q5_0 => _mm256_sub_epi8(
-                _mm256_or_si256(unpack_nibbles(p.add(6)), fifth(2)),
-                _mm256_set1_epi8(16),
-            ),
-            _ => {
-                off[i] = f16_at(2);
-                _mm256_or_si256(unpack_nibbles(p.add(8)), fifth(4))
-            }
-        };
-        if !matches!(qtype, QuantType::Q4_1 | QuantType::Q5_1) {
-            off[i] = 0.0;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn each(t: QuantType, bytes: &[u8], q: &mut [i8], scale: &mut [f32], off: &mut [f32]) {
+        use std::arch::x86_64::*;
+        for (i, b) in bytes.chunks_exact(t.block_bytes()).enumerate() {
+            let (v, d, m) = super::dequantize::block32_avx2(t, b);
+            (scale[i], off[i]) = (d, m);
+            _mm256_storeu_si256(q.as_mut_ptr().add(32 * i) as *mut __m256i, v);
         }
-        _mm256_storeu_si256(q.as_mut_ptr().add(32 * i) as *mut __m256i, v);
+    }
+    match qtype {
+        QuantType::Q8_0 => each(QuantType::Q8_0, bytes, q, scale, off),
+        QuantType::Q4_0 => each(QuantType::Q4_0, bytes, q, scale, off),
+        QuantType::Q4_1 => each(QuantType::Q4_1, bytes, q, scale, off),
+        QuantType::Q5_0 => each(QuantType::Q5_0, bytes, q, scale, off),
+        QuantType::Q5_1 => each(QuantType::Q5_1, bytes, q, scale, off),
+        _ => each(QuantType::IQ4NL, bytes, q, scale, off),
     }
 }
 
