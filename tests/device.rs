@@ -378,6 +378,70 @@ fn rules_that_select_from_activations_run<D: Device>(dev: &D) {
     }
 }
 
+/// Input sparsity (`teal`, `wina`, with a head rule too) on the device against the same policy
+/// on the reference device, on gated and ungated, grouped-query, biased and post-norm fixtures,
+/// thresholds calibrated on the fixture. Tolerance: an input whose score lies within rounding
+/// of its threshold may be kept on one side and dropped on the other, so 0.1 + 0.01 |ref|
+/// (measured: printed). Returns the worst error.
+pub fn input_sparsity_conforms<D: Device>(dev: &D) -> f32 {
+    use dejavu::sparsity::predictors_file::Predictors;
+    let mut worst = 0f32;
+    for (name, spec) in [
+        ("llama-silu", "teal:0.4"),
+        ("qwen2", "wina:0.5"),
+        ("opt-relu", "teal:0.3+attn-norm:0.5"),
+        ("opt-postln-proj", "wina:0.3"),
+    ] {
+        let eng = load(name);
+        let c = &eng.model.config;
+        let tokens: Vec<u32> = TOKENS.repeat(4);
+        let stats = dejavu::tune::thresholds::input_stats(&eng, &eng, &tokens, 32).unwrap();
+        let preds = Predictors {
+            path: None,
+            metadata: Default::default(),
+            output: None,
+            mlp: Vec::new().into(),
+            heads: Vec::new().into(),
+            inputs: Some(std::sync::Arc::new(stats)),
+        };
+        let pol = eng.policy(spec, Some(&preds)).unwrap();
+        let run =
+            |d: &dyn Fn(&[u32]) -> Vec<f32>| TOKENS.iter().map(|&t| d(&[t])).collect::<Vec<_>>();
+        let on = |dev: &D| {
+            let dm = eng.device_model(dev, &[&pol]).unwrap();
+            let plan = DevicePlan::policy(dev, c, &pol).unwrap();
+            let sess = std::cell::RefCell::new(DeviceSession::new(dev, &dm, plan, 16).unwrap());
+            run(&|t| sess.borrow_mut().forward(t).unwrap().to_vec())
+        };
+        let got = on(dev);
+        let r = CpuDevice::reference();
+        let rm = eng.device_model(&r, &[&pol]).unwrap();
+        let rplan = DevicePlan::policy(&r, c, &pol).unwrap();
+        let mut rs = DeviceSession::new(&r, &rm, rplan, 16).unwrap();
+        for (i, (g, &t)) in got.iter().zip(&TOKENS).enumerate() {
+            let want = rs.forward(&[t]).unwrap();
+            for (j, (a, b)) in g.iter().zip(want.iter()).enumerate() {
+                let err = (a - b).abs();
+                assert!(
+                    err <= 0.1 + 0.01 * b.abs(),
+                    "{name} {spec} step {i} logit {j}: device {a}, reference {b}"
+                );
+                worst = worst.max(err);
+            }
+        }
+    }
+    worst
+}
+
+#[test]
+fn input_sparsity_on_every_cpu_tier_conforms_to_the_reference() {
+    use dejavu_backend_cpu::isa::Isa;
+    for isa in Isa::supported() {
+        let worst = input_sparsity_conforms(&CpuDevice::with_isa(isa, 2).unwrap());
+        eprintln!("{isa}: teal and wina, worst |logit error| {worst:.2e}");
+    }
+}
+
 /// The CPU device on every SIMD tier this machine has (2 threads, the f16 and bf16 fixtures'
 /// f32 activations) against the reference, dense and sparse, on every fixture; and on
 /// SmolLM2's repacked rows (as `--backend cpu` runs them) the reference's own model in its

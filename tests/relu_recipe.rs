@@ -84,6 +84,7 @@ fn calibration_uses_relu_labels_and_per_layer_budgets() {
         output: None,
         mlp: t.mlp.into(),
         heads: t.heads.into(),
+        inputs: None,
     };
     let pol = e.policy("dejavu:auto:2", Some(&preds)).unwrap();
     for (l, r) in pol.mlp.iter().enumerate() {

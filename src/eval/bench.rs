@@ -320,7 +320,8 @@ pub fn on_device<D: Device>(
     tick: &mut dyn FnMut(),
 ) -> Result<Vec<BenchResult>> {
     let (e, n_ctx) = (spec.engine, spec.n_ctx());
-    let model = DeviceModel::upload(dev, &e.model, spec.layout()?)?;
+    let policies: Vec<&Policy> = spec.policies.iter().collect();
+    let model = e.device_model(dev, &policies)?;
     let mut sessions = (spec.policies.iter())
         .map(|p| {
             let plan = DevicePlan::policy(dev, &e.model.config, p)?;

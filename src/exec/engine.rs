@@ -4,7 +4,8 @@ use crate::exec::{DeviceModel, DevicePlan, DeviceSession};
 use crate::model::synthetic::SyntheticOptions;
 use crate::model::tokenizer::Tokenizer;
 use crate::model::weights::Model;
-use crate::sparsity::layout::SparseLayout;
+use crate::sparsity::input::{InputNorms, InputStats};
+use crate::sparsity::layout::{Kind, SparseLayout};
 use crate::sparsity::policy::Policy;
 use crate::sparsity::predictors_file::Predictors;
 use crate::sparsity::SparsePlan;
@@ -89,13 +90,17 @@ pub struct Engine {
     pub n_ctx: usize,
     /// The CPU device the engine runs on (its kernels and thread pool).
     device: CpuDevice,
-    /// The model on the CPU device, reading the mapped weights in place: without and with the
-    /// sparse layout (made on first use).
-    on_cpu: [std::sync::OnceLock<DeviceModel<CpuDevice>>; 2],
+    /// The model on the CPU device, reading the mapped weights in place: without the sparse
+    /// layouts, with the units' layout, and with the inputs' too (each made on first use).
+    on_cpu: [std::sync::OnceLock<DeviceModel<CpuDevice>>; 3],
     threads: usize,
     kv_type: KvType,
     /// The neuron-major layout, loaded or built on first use by a sparse policy.
     layout: std::sync::OnceLock<SparseLayout>,
+    /// Input sparsity's input-major layout and WINA's norms, made on first use.
+    inputs_layout: std::sync::OnceLock<(SparseLayout, InputNorms)>,
+    /// A synthetic model's input thresholds (from random tokens), made on first use.
+    synthetic_inputs: std::sync::OnceLock<std::sync::Arc<InputStats>>,
     /// A synthetic model's random predictors, made on first use.
     synthetic_predictors: std::sync::OnceLock<Predictors>,
 }
@@ -158,6 +163,8 @@ impl Engine {
             threads,
             kv_type: opts.kv_type,
             layout: std::sync::OnceLock::new(),
+            inputs_layout: std::sync::OnceLock::new(),
+            synthetic_inputs: std::sync::OnceLock::new(),
             synthetic_predictors: std::sync::OnceLock::new(),
         })
     }
@@ -170,6 +177,40 @@ impl Engine {
         }
         let l = SparseLayout::load_or_build(&self.model, self.device.backend())?;
         Ok(self.layout.get_or_init(|| l))
+    }
+
+    /// Input sparsity's input-major layout (see [`Kind::Inputs`]) and the weight-row norms of
+    /// every input (WINA's scales), loaded or built on first use.
+    pub fn input_layout(&self) -> Result<&(SparseLayout, InputNorms)> {
+        if let Some(l) = self.inputs_layout.get() {
+            return Ok(l);
+        }
+        let units = self.sparse_layout()?;
+        let backend = self.device.backend();
+        let inputs = SparseLayout::load_or_build_kind(&self.model, backend, Kind::Inputs)?;
+        let norms = InputNorms::compute(backend, units, &inputs, self.model.config.n_layers);
+        Ok(self.inputs_layout.get_or_init(|| (inputs, norms)))
+    }
+
+    /// `model` on `dev` with the layouts that `policies` read: none for dense ones, the units'
+    /// for the Deja Vu rules, the inputs' too for input sparsity.
+    pub fn device_model<D: dejavu_backend_api::Device>(
+        &self,
+        dev: &D,
+        policies: &[&Policy],
+    ) -> Result<DeviceModel<D>> {
+        let sparse = policies.iter().any(|p| !p.is_dense());
+        let layout = if sparse {
+            Some(self.sparse_layout()?)
+        } else {
+            None
+        };
+        let mut m = DeviceModel::upload(dev, &self.model, layout)?;
+        if let (Some(units), true) = (layout, policies.iter().any(|p| p.inputs.is_some())) {
+            let (inputs, norms) = self.input_layout()?;
+            m.attach_inputs(dev, units, inputs, norms)?;
+        }
+        Ok(m)
     }
 
     /// The sparse layout, if a policy has loaded it.
@@ -204,13 +245,58 @@ impl Engine {
         }
     }
 
-    /// Parse a `--sparsity` spec and prepare what it needs (the sparse layout for MLP rules).
+    /// Parse a `--sparsity` spec and prepare what it needs (the sparse layouts). A synthetic
+    /// model's input thresholds (`teal`, `wina`) are measured on random tokens first.
     pub fn policy(&self, spec: &str, predictors: Option<&Predictors>) -> Result<Policy> {
+        let mut with_stats;
+        let mut predictors = predictors;
+        let wants_inputs = spec
+            .split('+')
+            .any(|part| part.starts_with("teal:") || part.starts_with("wina:"));
+        let synthetic = self.model.synthetic_source().is_some();
+        if wants_inputs && synthetic && predictors.is_none_or(|p| p.inputs.is_none()) {
+            with_stats = match predictors {
+                Some(p) => p.clone(),
+                None => self
+                    .predictors(None)?
+                    .ok_or_else(|| Error::Invalid("a synthetic model without predictors".into()))?,
+            };
+            with_stats.inputs = Some(self.synthetic_input_stats()?);
+            predictors = Some(&with_stats);
+        }
         let p = Policy::parse(spec, &self.model.config, predictors)?;
         if p.sparse_mlp() || p.sparse_heads() {
             self.sparse_layout()?;
         }
+        if p.inputs.is_some() {
+            self.input_layout()?;
+        }
         Ok(p)
+    }
+
+    /// A synthetic model's input thresholds: the quantiles of its activations over random
+    /// tokens (of no meaning: they make `teal:S` drop the fraction S of a synthetic model's
+    /// inputs, for speed measurements).
+    fn synthetic_input_stats(&self) -> Result<std::sync::Arc<InputStats>> {
+        if let Some(s) = self.synthetic_inputs.get() {
+            return Ok(s.clone());
+        }
+        let c = &self.model.config;
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let tokens: Vec<u32> = (0..crate::tune::thresholds::SYNTHETIC_TOKENS)
+            .map(|_| {
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((state >> 33) % c.vocab_size as u64) as u32
+            })
+            .collect();
+        let ctx = tokens.len().min(self.n_ctx);
+        let st = crate::tune::thresholds::input_stats(self, self, &tokens, ctx)?;
+        Ok(self
+            .synthetic_inputs
+            .get_or_init(|| std::sync::Arc::new(st))
+            .clone())
     }
 
     /// The CPU's kernels and pool, for work outside the forward pass (repacking, layouts,
@@ -224,24 +310,34 @@ impl Engine {
         &self.device
     }
 
-    /// The model on the CPU device (with the sparse layout when `sparse`: made on first use).
-    pub fn cpu_model(&self, sparse: bool) -> Result<&DeviceModel<CpuDevice>> {
-        if let Some(m) = self.on_cpu[sparse as usize].get() {
+    /// The model on the CPU device, with the layouts of `level` (0: none, 1: the units', 2:
+    /// the inputs' too), made on first use.
+    pub fn cpu_model(&self, level: usize) -> Result<&DeviceModel<CpuDevice>> {
+        let level = level.min(2);
+        if let Some(m) = self.on_cpu[level].get() {
             return Ok(m);
         }
-        let layout = if sparse {
-            Some(self.sparse_layout()?)
-        } else {
-            None
+        let layout = match level {
+            0 => None,
+            _ => Some(self.sparse_layout()?),
         };
-        let m = DeviceModel::upload(&self.device, &self.model, layout)?;
-        Ok(self.on_cpu[sparse as usize].get_or_init(|| m))
+        let mut m = DeviceModel::upload(&self.device, &self.model, layout)?;
+        if let (2, Some(units)) = (level, layout) {
+            let (inputs, norms) = self.input_layout()?;
+            m.attach_inputs(&self.device, units, inputs, norms)?;
+        }
+        Ok(self.on_cpu[level].get_or_init(|| m))
     }
 
     /// A sequence on the CPU under `plan` (of [`Self::plan`] or [`Self::fixed_plan`]), with an
     /// empty cache of the engine's context.
     pub fn session(&self, plan: DevicePlan<CpuDevice>) -> Result<DeviceSession<'_, CpuDevice>> {
-        let model = self.cpu_model(plan.needs_layout())?;
+        let level = match (plan.needs_inputs(), plan.needs_layout()) {
+            (true, _) => 2,
+            (false, true) => 1,
+            (false, false) => 0,
+        };
+        let model = self.cpu_model(level)?;
         DeviceSession::new(&self.device, model, plan, self.n_ctx)
     }
 

@@ -2,7 +2,8 @@
 use crate::exec::parallel::Shard;
 use crate::model::config::ModelConfig;
 use crate::model::weights::{Model, NormWeights, WeightRef};
-use crate::sparsity::layout::SparseLayout;
+use crate::sparsity::input::{Group, InputNorms};
+use crate::sparsity::layout::{Kind, Part, SparseLayout};
 use crate::{Error, Result};
 use dejavu_backend_api::{Device, Rotary, Weight};
 use std::ops::Range;
@@ -37,6 +38,19 @@ pub(super) struct Layer<D: Device> {
     pub(super) post_ffn_norm: Option<Norm<D>>,
 }
 
+/// Input sparsity's matrices of one layer (`teal`, `wina`): Q, K, V, gate and up input-major
+/// (the units' layout holds W_o's and the down projection's), and per input [`Group`] the
+/// norms of its weight rows (WINA's scales) and the bytes of one input's rows.
+pub(super) struct InputMats<D: Device> {
+    pub(super) q: D::Mat,
+    pub(super) k: D::Mat,
+    pub(super) v: D::Mat,
+    pub(super) gate: Option<D::Mat>,
+    pub(super) up: D::Mat,
+    pub(super) norms: [D::Buf; 4],
+    pub(super) row_bytes: [usize; 4],
+}
+
 /// Every weight of a model on the device (plus, for sparse plans, the neuron-major down
 /// projections and head-major W_o of the [`SparseLayout`]); under tensor parallelism, one
 /// rank's [`Shard`] of them.
@@ -63,6 +77,8 @@ pub struct DeviceModel<D: Device> {
     pub(super) layers: Vec<Layer<D>>,
     /// Per layer `(down_t, wo_t)`.
     pub(super) sparse: Option<Vec<(D::Mat, D::Mat)>>,
+    /// Per layer, input sparsity's matrices ([`DeviceModel::attach_inputs`]).
+    pub(super) inputs: Option<Vec<InputMats<D>>>,
     /// Weight bytes of a dense step, and per layer those of one MLP neuron (its rows of the
     /// MLP's matrices) and of one head (its rows of W_q and W_o), for the step's byte count.
     pub(super) dense_bytes: usize,
@@ -114,6 +130,71 @@ impl<D: Device> DeviceModel<D> {
                 factors: self.rope_factors.as_ref(),
             },
         })
+    }
+
+    /// Attach input sparsity's input-major matrices (`layout`, of [`Kind::Inputs`]) and WINA's
+    /// norms to a whole model uploaded with its units' layout (`units`).
+    pub fn attach_inputs(
+        &mut self,
+        dev: &D,
+        units: &SparseLayout,
+        layout: &SparseLayout,
+        norms: &InputNorms,
+    ) -> Result<()> {
+        if self.sparse.is_none() {
+            return Err(Error::Invalid(
+                "input sparsity needs the model uploaded with its units' layout".into(),
+            ));
+        };
+        if !self.shard.is_whole() || layout.kind() != Kind::Inputs {
+            return Err(Error::Invalid(
+                "input sparsity runs on a whole model (not under tensor parallelism)".into(),
+            ));
+        }
+        let c = &self.local;
+        if norms.layers.len() != c.n_layers {
+            return Err(Error::Invalid("input norms of another model".into()));
+        }
+        let owner = layout.owner();
+        let mut out = Vec::with_capacity(c.n_layers);
+        for (l, nl) in norms.layers.iter().enumerate() {
+            let get = |p: Part| -> Result<Weight<'_>> {
+                (layout.get(l, p).or_else(|| units.get(l, p)))
+                    .ok_or_else(|| Error::Invalid(format!("no {p:?} in the layouts")))
+            };
+            let share = |p: Part| -> Result<D::Mat> { Ok(dev.share_mat(&get(p)?, &owner)?) };
+            let bytes = |p: Part| get(p).map_or(0, |w| w.qtype.row_bytes(w.cols));
+            let gate = match c.mlp.gated() {
+                true => Some(share(Part::Gate)?),
+                false => None,
+            };
+            let row_bytes = Group::ALL.map(|g| g.parts().iter().map(|&p| bytes(p)).sum());
+            let widths = [c.d_model, c.n_heads * c.head_dim, c.d_model, c.n_ff];
+            for (g, (n, w)) in nl.iter().zip(widths).enumerate() {
+                if n.len() != w {
+                    return Err(Error::Invalid(format!(
+                        "layer {l}: {} norms of input group {g}, width {w}",
+                        n.len()
+                    )));
+                }
+            }
+            out.push(InputMats {
+                q: share(Part::Q)?,
+                k: share(Part::K)?,
+                v: share(Part::V)?,
+                gate,
+                up: share(Part::Up)?,
+                norms: [
+                    dev.upload(&nl[0])?,
+                    dev.upload(&nl[1])?,
+                    dev.upload(&nl[2])?,
+                    dev.upload(&nl[3])?,
+                ],
+                row_bytes,
+            });
+        }
+        self.inputs = Some(out);
+        Ok(())
     }
 
     /// The output head's matrix.
@@ -267,6 +348,7 @@ impl<D: Device> DeviceModel<D> {
             output,
             layers,
             sparse,
+            inputs: None,
             dense_bytes: layer_bytes
                 + head_bytes
                 + projections

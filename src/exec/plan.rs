@@ -156,6 +156,18 @@ pub struct DevicePlan<D: Device> {
     pub(super) lookahead: bool,
     /// The contextual output head (`head:RANK:CANDIDATES`), or the dense one.
     pub(super) output: Option<OutputHead<D>>,
+    /// Input sparsity (`teal`, `wina`): per layer, each input group's threshold.
+    pub(super) inputs: Option<InputPlan>,
+}
+
+/// Input sparsity on the device: the thresholds of each layer's four input groups (in
+/// `Group::ALL` order), compared on the device with `|x|` (TEAL) or `|x|` times the model's
+/// weight-row norms (WINA).
+pub(super) struct InputPlan {
+    pub(super) thresholds: Vec<[f32; 4]>,
+    pub(super) wina: bool,
+    /// The target sparsity, for the step's expected byte count.
+    pub(super) sparsity: f64,
 }
 
 impl<D: Device> DevicePlan<D> {
@@ -212,6 +224,7 @@ impl<D: Device> DevicePlan<D> {
             lazy_kv: false,
             lookahead: false,
             output: None,
+            inputs: None,
         })
     }
 
@@ -303,6 +316,26 @@ impl<D: Device> DevicePlan<D> {
             mlp_rule.push(mr);
             head_rule.push(hr);
         }
+        let inputs = match &p.inputs {
+            Some(_) if !shard.is_whole() => {
+                return Err(unsupported(
+                    "input sparsity (teal, wina) under tensor parallelism".into(),
+                ))
+            }
+            Some(r) if r.thresholds.len() != cfg.n_layers => {
+                return Err(Error::BadPlan(format!(
+                    "input thresholds of {} layers for {}",
+                    r.thresholds.len(),
+                    cfg.n_layers
+                )))
+            }
+            Some(r) => Some(InputPlan {
+                thresholds: r.thresholds.clone(),
+                wina: r.score == crate::sparsity::input::Score::Wina,
+                sparsity: r.sparsity,
+            }),
+            None => None,
+        };
         if (mlp_rule.iter().chain(&head_rule)).any(|r| *r != Computed::Given) && !shard.is_whole() {
             return Err(unsupported(
                 "rules that select from a layer's own activations under tensor parallelism".into(),
@@ -319,17 +352,23 @@ impl<D: Device> DevicePlan<D> {
             lazy_kv: p.kv == KvRule::Lazy,
             lookahead: p.lookahead,
             output,
+            inputs,
         })
     }
 
-    /// Every unit of every layer (the output head may still be contextual).
+    /// Every unit of every layer, every input (the output head may still be contextual).
     pub fn is_dense(&self) -> bool {
-        self.mlp.iter().chain(&self.heads).all(Sel::is_all)
+        self.mlp.iter().chain(&self.heads).all(Sel::is_all) && self.inputs.is_none()
     }
 
     /// Does a step read the sparse layout (a selection, or rows of zero activations skipped)?
     pub fn needs_layout(&self) -> bool {
         let nonzero = |r: &Computed| matches!(r, Computed::Nonzero { .. });
         !self.is_dense() || self.mlp_rule.iter().any(nonzero)
+    }
+
+    /// Does a step read the input-major layout too (input sparsity)?
+    pub fn needs_inputs(&self) -> bool {
+        self.inputs.is_some()
     }
 }

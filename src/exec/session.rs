@@ -6,6 +6,7 @@ use crate::{Error, Result};
 use dejavu_backend_api::{Device, MAX_ROWS};
 
 mod batch;
+mod inputs;
 mod rows;
 mod step;
 
@@ -33,6 +34,10 @@ struct Scratch<D: Device> {
     score: D::Buf,
     /// The contextual head's exact logits of its candidates (compact).
     exact: D::Buf,
+    /// Input sparsity: a projection's kept inputs (zeros elsewhere), and per layer and input
+    /// group the count of kept inputs (`layer * 4 + group`).
+    sparse: D::Buf,
+    kept: D::Buf,
     /// Per layer, the nonzero activations a step of a rule that skips zeros computed.
     nonzero: D::Buf,
     logits: D::Buf,
@@ -256,6 +261,11 @@ impl<'a, D: Device> DeviceSession<'a, D> {
                 "the contextual output head does not run under tensor parallelism".into(),
             ));
         }
+        if plan.needs_inputs() && model.inputs.is_none() {
+            return Err(Error::Invalid(
+                "input sparsity on the device needs the model with its input-major layout".into(),
+            ));
+        }
         if plan.needs_layout() && model.sparse.is_none() {
             return Err(Error::Invalid(
                 "a sparse plan on the device needs the model uploaded with its sparse layout"
@@ -274,6 +284,9 @@ impl<'a, D: Device> DeviceSession<'a, D> {
             .max()
             .unwrap_or(1);
         let wide = c.d_model.max(c.d_embed);
+        // Input sparsity's outputs start from zeros: Q, K, V, gate and up of one row.
+        let inputs = plan.needs_inputs();
+        let widest = wide.max(c.n_heads * c.head_dim).max(c.n_ff);
         let tp = !model.shard.is_whole();
         let per_rank = model.shard.vocab_per_rank(c.vocab_size);
         let [x, h, e, q, k_row, v_row, att, gate, up, part] = Scratch::row_bufs(dev, model, 1)?;
@@ -297,10 +310,16 @@ impl<'a, D: Device> DeviceSession<'a, D> {
             full: dev.zeros(c.n_ff.max(c.n_heads * c.head_dim))?,
             score: dev.zeros(c.n_ff.max(c.n_heads))?,
             exact: dev.zeros(plan.output.as_ref().map_or(1, |o| o.candidates))?,
+            sparse: dev.zeros(if inputs { widest } else { 1 })?,
+            kept: dev.zeros(4 * c.n_layers.max(1))?,
             nonzero: dev.zeros(c.n_layers.max(1))?,
             logits: dev.zeros(per_rank * model.shard.world)?,
             part,
-            zero: dev.zeros(if model.partial_outputs() { wide } else { 1 })?,
+            zero: dev.zeros(match (inputs, model.partial_outputs()) {
+                (true, _) => widest,
+                (false, true) => wide,
+                (false, false) => 1,
+            })?,
             part_logits: dev.zeros(if tp { per_rank } else { 1 })?,
         };
         let step_bytes = step_bytes(model, Some(&plan));
@@ -553,6 +572,16 @@ fn step_bytes<D: Device>(m: &DeviceModel<D>, plan: Option<&DevicePlan<D>>) -> St
         };
         attention += c.n_heads * (u.head + u.kv_head) - (c.n_heads - nh) * (per_head - read_head);
         mlp += c.n_ff * u.neuron - (c.n_ff - nm) * (u.neuron - read_neuron);
+    }
+    if let (Some(ip), Some(im)) = (&p.inputs, &m.inputs) {
+        // Input sparsity: the rows of the kept inputs, at the target density.
+        let keep = 1.0 - ip.sparsity;
+        let widths = [c.d_model, c.n_heads * c.head_dim, c.d_model, c.n_ff];
+        let read = |im: &crate::exec::model::InputMats<D>, g: usize| {
+            (widths[g] as f64 * keep).round() as usize * im.row_bytes[g]
+        };
+        attention = im.iter().map(|im| read(im, 0) + read(im, 1)).sum();
+        mlp = im.iter().map(|im| read(im, 2) + read(im, 3)).sum();
     }
     let output = match &p.output {
         // A share of the head's rows (the candidates), plus the preview.

@@ -410,24 +410,25 @@ pub(crate) fn build(
     Ok((c, specs, synth))
 }
 
-/// The sparse layout's transposed matrices of layer `l`, generated from the same elements as the
-/// model's (row `j` of `ffn_down_t` is column `j` of `ffn_down`; likewise W_o), in `qtype`.
+/// A sparse layout's transposed matrix (`rows x cols` in `qtype`, into `out`), generated from
+/// the same elements as the model's tensor `name` (`cols x rows`): row `j` of `ffn_down_t` is
+/// column `j` of `ffn_down`; likewise W_o and the input-major projections.
 pub(crate) fn transposed(
     synth: &Synthetic,
     name: &str,
     [rows, cols]: [usize; 2],
     qtype: QuantType,
-) -> Vec<u8> {
+    out: &mut [u8],
+) {
     // The source is `cols x rows`: element (i, j) of the source is at i * rows + j.
     let k = key(synth.options.seed, name);
-    let mut out = vec![0u8; rows * qtype.row_bytes(cols)];
-    parallel_rows(&mut out, qtype.row_bytes(cols), |j, dst| {
+    assert_eq!(out.len(), rows * qtype.row_bytes(cols), "transposed: size");
+    parallel_rows(out, qtype.row_bytes(cols), |j, dst| {
         let row: Vec<f32> = (0..cols)
             .map(|i| INIT_STD * gauss(k, (i * rows + j) as u64))
             .collect();
         quantize_into(qtype, &row, dst);
     });
-    out
 }
 
 /// Fill `out` (rows of `cols` elements of `qtype`) with `std * N(0, 1)` elements of generator `k`.

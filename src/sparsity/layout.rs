@@ -1,23 +1,27 @@
-//! The sparse-friendly weight layout: each layer's down projection stored neuron-major, and its
-//! attention output projection W_o stored head-major.
+//! The sparse-friendly weight layouts: matrices stored input-major (transposed), so that a
+//! skipped input skips contiguous bytes.
 //!
-//! GGUF stores `ffn_down` as `[d_model rows][n_ff cols]`, quantized in blocks along the neuron
-//! axis, so skipping a neuron skips no bytes. The conversion here ("down-t") dequantizes each
-//! layer's down projection, transposes it to `[n_ff rows][d_model cols]` and quantizes every
-//! neuron's row again (error-minimising scales, `dejavu_backend_api::quantize`): a skipped neuron
-//! is then a skipped contiguous row. Float weights are transposed exactly. W_o
-//! (`[d_model][n_heads x head_dim]`) is transposed the same way ("wo-t"), so a skipped query head
-//! skips `head_dim` contiguous rows.
+//! GGUF stores a projection as `[outputs rows][inputs cols]`, quantized in blocks along the
+//! input axis, so skipping an input skips no bytes. The conversion here dequantizes each matrix,
+//! transposes it to `[inputs][outputs]` and quantizes every input's row again (error-minimising
+//! scales, `dejavu_backend_api::quantize`). Float weights are transposed exactly. Two layouts
+//! ([`Kind`]), each its own file, built on first use:
+//! - the units' ("down-t", "wo-t"): each layer's down projection neuron-major, so a skipped
+//!   neuron is a skipped row, and W_o (`[d_model][n_heads x head_dim]`) head-major, so a skipped
+//!   query head skips `head_dim` contiguous rows. What the Deja Vu rules read.
+//! - the inputs': Q, K, V, gate and up input-major, `[d_model][outputs]`. Input sparsity
+//!   (`teal`, `wina`) reads them with the units' layout (W_o's and the down projection's
+//!   inputs). It holds a second copy of those matrices (the file's rows serve prompts' batches).
 //!
 //! Target types (chosen to keep bytes per weight close to the source; the requantization error is
 //! measured in docs/sparsity.md): sources of 2 to 5.5 bits (Q2_K, Q3_K, Q4_0, Q4_1, Q4_K,
 //! IQ4_NL, IQ4_XS, Q5_0, Q5_1, Q5_K) become Q5_0 (5.5 bits, 0.69 bytes per weight); Q6_K and
 //! Q8_0 become Q8_0.
 //!
-//! The result is cached in dejavu's cache directory as `layouts/<model file>-<path hash>.sparse-
-//! <TYPE>.v3.gguf` (built once, checked against the source's content hash (model::content_key)
-//! and the shapes on every load, rebuilt when stale); where that directory is not writable, it is
-//! built in memory for the process.
+//! The result is cached in dejavu's cache directory as `layouts/<model file>-<path hash>.<kind>-
+//! <TYPE>.v4.gguf` (built once, straight into the memory that holds it; checked against the
+//! source's content hash (model::content_key) and the shapes on every load, rebuilt when
+//! stale); where that directory is not writable, it is built in memory for the process.
 use crate::model::synthetic;
 use crate::model::weights::{ggml_type, weight_ref, Model, WeightRef};
 use crate::{Error, Result};
@@ -60,32 +64,89 @@ pub fn down_t_type(src: QuantType) -> QuantType {
     }
 }
 
-/// The transposed matrices of one layer: the down projection, then W_o.
-#[derive(Clone, Copy, PartialEq)]
-enum Part {
+/// One transposed matrix of a layer. Each is the source (`[out][in]` in the file) stored
+/// input-major, `[in][out]`: row `i` is input `i`'s column, so a skipped input (a neuron, a
+/// head's dimension, or an entry TEAL or WINA drops) skips one contiguous row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Part {
     Down,
     Wo,
+    Q,
+    K,
+    V,
+    /// Absent from a plain (ungated) MLP.
+    Gate,
+    /// The up projection (fc1 of a plain MLP).
+    Up,
 }
-const PARTS: [Part; 2] = [Part::Down, Part::Wo];
+
+/// Which matrices a layout holds: the units' (`Units`: the neuron-major down projection and
+/// head-major W_o that the Deja Vu rules read) or the inputs' (`Inputs`: Q, K, V, gate and up,
+/// input-major, that input sparsity reads with the units' layout for W_o and the down
+/// projection). Each is its own cached file: a model that never runs input sparsity never
+/// holds the second copy of its first projections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Units,
+    Inputs,
+}
+
+impl Kind {
+    fn parts(self, gated: bool) -> &'static [Part] {
+        match (self, gated) {
+            (Kind::Units, _) => &[Part::Down, Part::Wo],
+            (Kind::Inputs, true) => &[Part::Q, Part::K, Part::V, Part::Gate, Part::Up],
+            (Kind::Inputs, false) => &[Part::Q, Part::K, Part::V, Part::Up],
+        }
+    }
+    fn stem(self) -> &'static str {
+        match self {
+            Kind::Units => "sparse",
+            Kind::Inputs => "inputs",
+        }
+    }
+    fn what(self) -> &'static str {
+        match self {
+            Kind::Units => "sparse layout (down projection, W_o)",
+            Kind::Inputs => "input-major layout (Q, K, V, gate, up)",
+        }
+    }
+}
 
 fn tensor_name(l: usize, part: Part) -> String {
-    match part {
-        Part::Down => format!("blk.{l}.ffn_down_t.weight"),
-        Part::Wo => format!("blk.{l}.attn_output_t.weight"),
-    }
+    let t = match part {
+        Part::Down => "ffn_down_t",
+        Part::Wo => "attn_output_t",
+        Part::Q => "attn_q_t",
+        Part::K => "attn_k_t",
+        Part::V => "attn_v_t",
+        Part::Gate => "ffn_gate_t",
+        Part::Up => "ffn_up_t",
+    };
+    format!("blk.{l}.{t}.weight")
 }
 
 /// The source weight of `part` in layer `l`, and its transposed shape `[rows, cols]`.
 fn source(model: &Model, l: usize, part: Part) -> (&WeightRef, [usize; 2]) {
-    let c = &model.config;
-    match part {
-        Part::Down => (&model.layers[l].w_down, [c.n_ff, c.d_model]),
-        Part::Wo => (&model.layers[l].wo, [c.n_heads * c.head_dim, c.d_model]),
-    }
+    let lw = &model.layers[l];
+    let w = match part {
+        Part::Down => &lw.w_down,
+        Part::Wo => &lw.wo,
+        Part::Q => &lw.wq,
+        Part::K => &lw.wk,
+        Part::V => &lw.wv,
+        Part::Gate => lw
+            .w_gate
+            .as_ref()
+            .expect("Kind::parts names the gate of gated MLPs only"),
+        Part::Up => &lw.w_up,
+    };
+    (w, [w.cols, w.rows])
 }
 
-/// Where the converted layout of `model` is cached (one file per target type of its first layer).
-pub fn cache_path(model: &Model) -> PathBuf {
+/// Where the converted layout of `model` is cached (one file per kind and target type of its
+/// first layer's down projection).
+pub fn cache_path(model: &Model, kind: Kind) -> PathBuf {
     let qt = down_t_type(
         model
             .layers
@@ -94,7 +155,7 @@ pub fn cache_path(model: &Model) -> PathBuf {
     );
     model.cache_path(
         "layouts",
-        &format!("sparse-{}.v{LAYOUT_VERSION}.gguf", qt.name()),
+        &format!("{}-{}.v{LAYOUT_VERSION}.gguf", kind.stem(), qt.name()),
     )
 }
 
@@ -110,21 +171,29 @@ impl AsRef<[u8]> for Storage {
 }
 
 impl Storage {
-    fn copy_of(bytes: &[u8]) -> Result<Self> {
-        let mut m = memmap2::MmapMut::map_anon(bytes.len().max(1))?;
+    fn zeroed(len: usize) -> Result<Self> {
+        let m = memmap2::MmapMut::map_anon(len.max(1))?;
         #[cfg(target_os = "linux")]
         let _ = m.advise(memmap2::Advice::HugePage);
-        m[..bytes.len()].copy_from_slice(bytes);
         Ok(Self(m))
+    }
+    fn copy_of(bytes: &[u8]) -> Result<Self> {
+        let mut m = Self::zeroed(bytes.len())?;
+        m.0[..bytes.len()].copy_from_slice(bytes);
+        Ok(m)
     }
 }
 
-/// The neuron-major down projections (`[n_ff][d_model]`) and head-major W_o (`[n_heads *
-/// head_dim][d_model]`) of every layer.
+/// Transposed matrices of every layer (see [`Kind`]): the units' neuron-major down projections
+/// (`[n_ff][d_model]`) and head-major W_o (`[n_heads * head_dim][d_model]`), or the inputs'
+/// Q, K, V, gate and up (`[d_model][outputs]`).
 pub struct SparseLayout {
     storage: std::sync::Arc<Storage>,
-    /// Per layer, one per [`PARTS`].
-    tensors: Vec<[WeightRef; 2]>,
+    kind: Kind,
+    /// The matrices of each layer (`kind.parts`), in the order of `tensors`' entries.
+    parts: &'static [Part],
+    /// Per layer, one per part.
+    tensors: Vec<Vec<WeightRef>>,
     /// Where it was loaded from or written to (`None`: in memory only).
     pub path: Option<PathBuf>,
 }
@@ -140,71 +209,94 @@ impl SparseLayout {
         &self.storage.0
     }
 
-    /// Layer `l`'s neuron-major down projection.
+    pub fn kind(&self) -> Kind {
+        self.kind
+    }
+
+    /// Layer `l`'s transposed `part`, if this layout holds it.
+    pub fn get(&self, l: usize, part: Part) -> Option<Weight<'_>> {
+        let i = self.parts.iter().position(|&p| p == part)?;
+        Some(self.tensors.get(l)?[i].view(&self.storage.0))
+    }
+
+    /// Layer `l`'s neuron-major down projection (a units layout).
     pub fn down_t(&self, l: usize) -> Weight<'_> {
-        self.tensors[l][0].view(&self.storage.0)
+        self.get(l, Part::Down)
+            .expect("a units layout holds the down projection")
     }
 
-    /// Layer `l`'s head-major W_o: row `h * head_dim + i` is the output column of query head `h`'s
-    /// dimension `i`.
+    /// Layer `l`'s head-major W_o (a units layout): row `h * head_dim + i` is the output column
+    /// of query head `h`'s dimension `i`.
     pub fn wo_t(&self, l: usize) -> Weight<'_> {
-        self.tensors[l][1].view(&self.storage.0)
+        self.get(l, Part::Wo).expect("a units layout holds W_o")
     }
 
-    /// Load the cached layout of `model`, or build (and cache) it.
+    /// Load the cached units layout of `model`, or build (and cache) it.
     pub fn load_or_build(model: &Model, backend: &dyn Backend) -> Result<Self> {
+        Self::load_or_build_kind(model, backend, Kind::Units)
+    }
+
+    /// Load the cached layout of `kind`, or build (and cache) it.
+    pub fn load_or_build_kind(model: &Model, backend: &dyn Backend, kind: Kind) -> Result<Self> {
         if let Some(synth) = model.synthetic_source() {
-            // Generated as the exact transposes of the random weights; never cached.
-            let bytes = build(model, |l, part| {
+            // Generated as the exact transposes of the random weights; never cached. The
+            // generator splits each matrix's rows over the cores.
+            let storage = build(model, kind, 1, |l, part, out| {
                 let (src, shape) = source(model, l, part);
-                synthetic::transposed(synth, &src.name, shape, expected_type(model, l, part))
+                let qt = expected_type(model, l, part);
+                synthetic::transposed(synth, &src.name, shape, qt, out)
             })?;
-            return Self::in_memory(model, &bytes);
+            return Self::from_storage(model, kind, storage, None);
         }
-        let path = cache_path(model);
+        let path = cache_path(model, kind);
         if let Ok(f) = GgufFile::open(&path) {
-            if let Ok(tensors) = check(model, &f) {
+            if let Ok(tensors) = check(model, kind, &f) {
                 return Ok(Self {
                     storage: std::sync::Arc::new(Storage::copy_of(f.bytes())?),
+                    kind,
+                    parts: kind.parts(model.config.mlp.gated()),
                     tensors,
                     path: Some(path),
                 });
             }
         }
-        let bytes = build(model, |l, part| transpose(model, backend, l, part))?;
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let storage = build(model, kind, threads, |l, part, out| {
+            transpose(model, backend, l, part, out)
+        })?;
         let dir_ok = path
             .parent()
             .is_none_or(|d| std::fs::create_dir_all(d).is_ok());
-        if dir_ok && crate::fsio::write(&path, &bytes).is_ok() {
-            if let Ok(f) = GgufFile::open(&path) {
-                let tensors = check(model, &f)?;
-                return Ok(Self {
-                    storage: std::sync::Arc::new(Storage::copy_of(f.bytes())?),
-                    tensors,
-                    path: Some(path),
-                });
-            }
-        }
-        Self::in_memory(model, &bytes)
+        // Where the cache is not writable, the layout lives in memory for this process.
+        let written = dir_ok && crate::fsio::write(&path, &storage.0).is_ok();
+        Self::from_storage(model, kind, storage, written.then_some(path))
     }
 
-    /// The layout serialized in `bytes`, for this process only.
-    fn in_memory(model: &Model, bytes: &[u8]) -> Result<Self> {
-        let header = gguf::parse(bytes)?;
+    /// The layout serialized in `storage`.
+    fn from_storage(
+        model: &Model,
+        kind: Kind,
+        storage: Storage,
+        path: Option<PathBuf>,
+    ) -> Result<Self> {
+        let header = gguf::parse(&storage.0)?;
         let tensors = (0..model.config.n_layers)
             .map(|l| {
-                let get = |part| {
-                    let name = tensor_name(l, part);
-                    let t = header.tensor(&name).ok_or(Error::MissingTensor(name))?;
-                    WeightRef::from_info(t, expected_type(model, l, part))
-                };
-                Ok([get(Part::Down)?, get(Part::Wo)?])
+                (kind.parts(model.config.mlp.gated()).iter())
+                    .map(|&part| {
+                        let name = tensor_name(l, part);
+                        let t = header.tensor(&name).ok_or(Error::MissingTensor(name))?;
+                        WeightRef::from_info(t, expected_type(model, l, part))
+                    })
+                    .collect::<Result<Vec<_>>>()
             })
             .collect::<Result<_>>()?;
         Ok(Self {
-            storage: std::sync::Arc::new(Storage::copy_of(bytes)?),
+            storage: std::sync::Arc::new(storage),
+            kind,
+            parts: kind.parts(model.config.mlp.gated()),
             tensors,
-            path: None,
+            path,
         })
     }
 }
@@ -214,7 +306,7 @@ fn expected_type(model: &Model, l: usize, part: Part) -> QuantType {
 }
 
 /// The cached file's tensors, if it matches this model (version, source size, shapes, types).
-fn check(model: &Model, f: &GgufFile) -> Result<Vec<[WeightRef; 2]>> {
+fn check(model: &Model, kind: Kind, f: &GgufFile) -> Result<Vec<Vec<WeightRef>>> {
     let stale = |why: &str| Error::BadTensor {
         tensor: f.path.display().to_string(),
         reason: format!("stale sparse layout: {why}"),
@@ -228,108 +320,102 @@ fn check(model: &Model, f: &GgufFile) -> Result<Vec<[WeightRef; 2]>> {
     }
     (0..model.config.n_layers)
         .map(|l| {
-            let get = |part| {
-                let w = weight_ref(f, tensor_name(l, part), source(model, l, part).1)?;
-                if w.qtype != expected_type(model, l, part) {
-                    return Err(stale("type"));
-                }
-                Ok(w)
-            };
-            Ok([get(Part::Down)?, get(Part::Wo)?])
+            (kind.parts(model.config.mlp.gated()).iter())
+                .map(|&part| {
+                    let w = weight_ref(f, tensor_name(l, part), source(model, l, part).1)?;
+                    if w.qtype != expected_type(model, l, part) {
+                        return Err(stale("type"));
+                    }
+                    Ok(w)
+                })
+                .collect()
         })
         .collect()
 }
 
-/// Convert every layer (`convert(layer, part)`, in parallel over layers) and serialize as GGUF.
-fn build(model: &Model, convert: impl Fn(usize, Part) -> Vec<u8> + Sync) -> Result<Vec<u8>> {
+/// Convert every matrix of `kind` (`convert(layer, part, out)` writes its bytes into `out`,
+/// on `threads` threads over the matrices) straight into the buffer that holds the GGUF
+/// serialization, so the layout is held once while it is built.
+fn build(
+    model: &Model,
+    kind: Kind,
+    threads: usize,
+    convert: impl Fn(usize, Part, &mut [u8]) + Sync,
+) -> Result<Storage> {
     let c = &model.config;
-    // The converted matrices, their serialization and the final copy: twice the layout at once.
-    let layout: usize = (0..c.n_layers)
-        .flat_map(|l| PARTS.map(|p| (l, p)))
-        .map(|(l, p)| {
+    let jobs: Vec<(usize, Part)> = (0..c.n_layers)
+        .flat_map(|l| kind.parts(c.mlp.gated()).iter().map(move |&p| (l, p)))
+        .collect();
+    let names: Vec<String> = jobs.iter().map(|&(l, p)| tensor_name(l, p)).collect();
+    // GGUF dims are innermost first: [cols, rows].
+    let dims: Vec<[u64; 2]> = (jobs.iter())
+        .map(|&(l, p)| {
             let [rows, cols] = source(model, l, p).1;
-            rows * expected_type(model, l, p).row_bytes(cols)
+            [cols as u64, rows as u64]
         })
-        .sum();
+        .collect();
+    let infos: Vec<(&str, &[u64], GgmlType, usize)> = (jobs.iter().enumerate())
+        .map(|(i, &(l, p))| {
+            let qt = expected_type(model, l, p);
+            let [rows, cols] = source(model, l, p).1;
+            (
+                names[i].as_str(),
+                &dims[i][..],
+                ggml_type(qt),
+                rows * qt.row_bytes(cols),
+            )
+        })
+        .collect();
+    let meta = [
+        (KEY_VERSION, MetaValue::U32(LAYOUT_VERSION)),
+        (
+            KEY_SOURCE,
+            MetaValue::String(model.fingerprint().to_string()),
+        ),
+        (KEY_STAMP, MetaValue::String(model.stamp().to_string())),
+    ];
+    let (header, starts, len) = gguf::layout(&meta, &infos);
     if let Some(avail) = crate::memstat::available() {
-        if 2 * layout > avail {
+        if len > avail {
             return Err(Error::Invalid(format!(
-                "the sparse layout ({:.1} GiB) needs {:.1} GiB to build; {:.1} GiB are available",
-                layout as f64 / (1u64 << 30) as f64,
-                2.0 * layout as f64 / (1u64 << 30) as f64,
+                "the {} ({:.1} GiB) does not fit in the {:.1} GiB available",
+                kind.what(),
+                len as f64 / (1u64 << 30) as f64,
                 avail as f64 / (1u64 << 30) as f64
             )));
         }
     }
-    let bar = crate::progress::bar(c.n_layers as u64, "sparse layout (down projection, W_o)");
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let layers: Vec<usize> = (0..c.n_layers).collect();
-    let mut converted: Vec<(usize, Part, Vec<u8>)> = std::thread::scope(|s| {
-        let handles: Vec<_> = layers
-            .chunks(c.n_layers.div_ceil(threads))
-            .map(|ls| {
-                let (bar, convert) = (&bar, &convert);
-                s.spawn(move || {
-                    let mut out = Vec::new();
-                    for &l in ls {
-                        for part in PARTS {
-                            out.push((l, part, convert(l, part)));
-                        }
-                        bar.inc(1);
-                    }
-                    out
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .flat_map(|h| h.join().unwrap_or_default())
-            .collect()
+    let mut storage = Storage::zeroed(len)?;
+    storage.0[..header.len()].copy_from_slice(&header);
+    // Each matrix's bytes, split off in file order.
+    let mut outs: Vec<(usize, Part, &mut [u8])> = Vec::with_capacity(jobs.len());
+    let mut rest = &mut storage.0[..];
+    let mut at = 0;
+    for (i, &(l, p)) in jobs.iter().enumerate() {
+        let (_, tail) = std::mem::take(&mut rest).split_at_mut(starts[i] - at);
+        let (out, tail) = tail.split_at_mut(infos[i].3);
+        outs.push((l, p, out));
+        (rest, at) = (tail, starts[i] + infos[i].3);
+    }
+    let bar = crate::progress::bar(jobs.len() as u64, kind.what());
+    let per = outs.len().div_ceil(threads.max(1)).max(1);
+    std::thread::scope(|s| {
+        for chunk in outs.chunks_mut(per) {
+            let (bar, convert) = (&bar, &convert);
+            s.spawn(move || {
+                for (l, p, out) in chunk.iter_mut() {
+                    convert(*l, *p, out);
+                    bar.inc(1);
+                }
+            });
+        }
     });
     bar.finish_and_clear();
-    converted.sort_by_key(|(l, p, _)| (*l, *p == Part::Wo));
-    if converted.len() != c.n_layers * PARTS.len() {
-        return Err(Error::Invalid("sparse layout conversion failed".into()));
-    }
-    let names: Vec<String> = converted
-        .iter()
-        .map(|(l, p, _)| tensor_name(*l, *p))
-        .collect();
-    // GGUF dims are innermost first: [cols, rows].
-    let dims: Vec<[u64; 2]> = converted
-        .iter()
-        .map(|(l, p, _)| {
-            let [rows, cols] = source(model, *l, *p).1;
-            [cols as u64, rows as u64]
-        })
-        .collect();
-    let tensors: Vec<(&str, &[u64], GgmlType, &[u8])> = converted
-        .iter()
-        .enumerate()
-        .map(|(i, (l, p, bytes))| {
-            (
-                names[i].as_str(),
-                &dims[i][..],
-                ggml_type(expected_type(model, *l, *p)),
-                bytes.as_slice(),
-            )
-        })
-        .collect();
-    Ok(gguf::write(
-        &[
-            (KEY_VERSION, MetaValue::U32(LAYOUT_VERSION)),
-            (
-                KEY_SOURCE,
-                MetaValue::String(model.fingerprint().to_string()),
-            ),
-            (KEY_STAMP, MetaValue::String(model.stamp().to_string())),
-        ],
-        &tensors,
-    ))
+    Ok(storage)
 }
 
-/// Layer `l`'s `part`, dequantized, transposed and quantized row by row.
-fn transpose(model: &Model, backend: &dyn Backend, l: usize, part: Part) -> Vec<u8> {
+/// Layer `l`'s `part`, dequantized, transposed and quantized row by row into `out`.
+fn transpose(model: &Model, backend: &dyn Backend, l: usize, part: Part, out: &mut [u8]) {
     let (src, [rows, cols]) = source(model, l, part);
     let w = model.weight(src);
     // The source is `cols` rows of `rows` elements.
@@ -338,13 +424,14 @@ fn transpose(model: &Model, backend: &dyn Backend, l: usize, part: Part) -> Vec<
         backend.dequantize_row(&w, r, out);
     }
     let qt = down_t_type(w.qtype);
-    let mut bytes = Vec::with_capacity(rows * qt.row_bytes(cols));
-    let mut row = vec![0f32; cols];
-    for j in 0..rows {
+    let row_bytes = qt.row_bytes(cols);
+    let (mut row, mut bytes) = (vec![0f32; cols], Vec::with_capacity(row_bytes));
+    for (j, dst) in out.chunks_exact_mut(row_bytes).enumerate().take(rows) {
         for (i, v) in row.iter_mut().enumerate() {
             *v = dense[i * rows + j];
         }
+        bytes.clear();
         quantize::quantize_row(qt, &row, &mut bytes).expect("down_t_type returns writable types");
+        dst.copy_from_slice(&bytes);
     }
-    bytes
 }

@@ -17,6 +17,10 @@
 //!   selection keeping the fraction KEEP of each layer's heads (see [`HeadRule`]);
 //! - `head:RANK:CANDIDATES`: the contextual output head (needs a predictors file): a rank-RANK
 //!   preview of the output matrix picks CANDIDATES tokens whose logits are computed exactly;
+//! - `teal:S` and `wina:S` (input sparsity, needs calibrated thresholds: [`InputRule`]): every
+//!   projection reads only the inputs whose score exceeds its calibrated threshold, each input
+//!   of each layer at sparsity S (`teal`: by magnitude, `wina`: by magnitude times the weight
+//!   column's norm); the MLP's and W_o's inputs included, so no other MLP rule;
 //! - `lookahead`: run the `dejavu` predictors on a spare thread, overlapped with the layer's
 //!   attention (needs a `dejavu` rule; same plans, so the same output, as without it);
 //! - `lazy-kv` (multi-head attention, with a head rule): compute keys and values for the selected
@@ -25,6 +29,7 @@
 //!
 //! Contextual rules apply to single-token steps (decoding); batches (prompt processing) are dense.
 use crate::model::config::ModelConfig;
+use crate::sparsity::input::{Group, InputStats, Score};
 use crate::sparsity::predictor::{HeadPredictor, MlpPredictor};
 use crate::sparsity::predictors_file::{OutputPreview, Predictors};
 use crate::sparsity::{HeadRule, KvRule, MlpRule};
@@ -46,6 +51,29 @@ pub struct OutputRule {
     pub candidates: usize,
 }
 
+/// Input sparsity (`teal:S`, `wina:S`): per layer, the threshold of each input [`Group`] (in
+/// `Group::ALL` order), from the calibration statistics at sparsity `sparsity`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InputRule {
+    pub score: Score,
+    pub sparsity: f64,
+    pub thresholds: Vec<[f32; 4]>,
+}
+
+impl InputRule {
+    /// Every layer's groups at `sparsity` by `stats`.
+    pub fn uniform(score: Score, sparsity: f64, stats: &InputStats) -> Self {
+        let thresholds = (0..stats.n_layers)
+            .map(|l| Group::ALL.map(|g| stats.threshold(score, l, g, sparsity)))
+            .collect();
+        Self {
+            score,
+            sparsity,
+            thresholds,
+        }
+    }
+}
+
 pub struct Policy {
     /// The spec it was parsed from (`recommended` resolved to its setting).
     pub name: String,
@@ -60,6 +88,8 @@ pub struct Policy {
     pub lookahead: bool,
     /// Keys and values of skipped heads (`lazy-kv`: the paper's recompute).
     pub kv: KvRule,
+    /// Input sparsity (`teal`, `wina`).
+    pub inputs: Option<InputRule>,
 }
 
 impl Policy {
@@ -73,6 +103,7 @@ impl Policy {
             head_predictors: Arc::new([]),
             lookahead: false,
             kv: KvRule::All,
+            inputs: None,
         }
     }
 
@@ -82,7 +113,7 @@ impl Policy {
         self.mlp.iter().map(kept).sum::<f64>() / self.mlp.len().max(1) as f64
     }
     pub fn is_dense(&self) -> bool {
-        self.output.is_none() && !self.sparse_mlp() && !self.sparse_heads()
+        self.output.is_none() && !self.sparse_mlp() && !self.sparse_heads() && self.inputs.is_none()
     }
 
     /// Whether any layer skips query heads (and so reads the head-major W_o).
@@ -275,6 +306,29 @@ impl Policy {
                         *r = if inner { rule } else { HeadRule::Dense };
                     }
                 }
+                "teal" | "wina" => {
+                    if mlp_set || pol.inputs.is_some() || args.len() != 1 {
+                        return Err(bad(format!(
+                            "one `{kind}:S` rule, and no other MLP rule (it sparsifies the MLP's inputs)"
+                        )));
+                    }
+                    mlp_set = true;
+                    let s = num(0, "S")?;
+                    if !(0.0..1.0).contains(&s) {
+                        return Err(bad(format!("sparsity S {s} must be in [0, 1)")));
+                    }
+                    let stats = predictors.and_then(|p| p.inputs.as_ref()).ok_or_else(|| {
+                        bad(format!("`{kind}` needs input thresholds: run `dejavu calibrate` (this version) first"))
+                    })?;
+                    if stats.n_layers != cfg.n_layers {
+                        return Err(bad(format!(
+                            "input thresholds of {} layers for {} layers",
+                            stats.n_layers, cfg.n_layers
+                        )));
+                    }
+                    let score = if kind == "teal" { Score::Teal } else { Score::Wina };
+                    pol.inputs = Some(InputRule::uniform(score, s, stats));
+                }
                 "lookahead" if args.is_empty() => pol.lookahead = true,
                 "lazy-kv" if args.is_empty() => {
                     if cfg.n_kv_heads != cfg.n_heads {
@@ -303,7 +357,7 @@ impl Policy {
                 }
                 _ => {
                     return Err(bad(format!(
-                        "unknown part `{kind}` (dense, recommended, paper, oracle, gate-first, up-first, dejavu, relu-exact, attn-norm, dejavu-attn, lazy-kv, head, lookahead)"
+                        "unknown part `{kind}` (dense, recommended, paper, oracle, gate-first, up-first, dejavu, relu-exact, teal, wina, attn-norm, dejavu-attn, lazy-kv, head, lookahead)"
                     )))
                 }
             }
@@ -312,6 +366,19 @@ impl Policy {
             return Err(bad(
                 "`lazy-kv` needs a head rule (attn-norm or dejavu-attn)".into(),
             ));
+        }
+        if let Some(r) = &pol.inputs {
+            if pol.kv == KvRule::Lazy {
+                return Err(bad(
+                    "`lazy-kv` recomputes keys from whole inputs: not with input sparsity".into(),
+                ));
+            }
+            if r.score == Score::Wina && pol.sparse_heads() {
+                return Err(bad(
+                    "`wina` with a head rule: W_o's compact input has no column norms; use `teal`"
+                        .into(),
+                ));
+            }
         }
         if pol.lookahead && !pol.uses_predictors() {
             return Err(bad(

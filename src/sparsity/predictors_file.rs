@@ -13,6 +13,7 @@
 //!
 //! The file: safetensors, metadata `format = dejavu-predictors`, `version`, the model file it was
 //! calibrated for (`model`, `model_size`), the `recommended` policy and a calibration summary.
+use crate::sparsity::input::{InputStats, POINTS};
 use crate::sparsity::predictor::{HeadPredictor, LowRankPredictor, MlpPredictor};
 use crate::{Error, Result};
 use dejavu_backend_api::quant::{BlockQ8_0, QK};
@@ -118,6 +119,8 @@ pub struct Predictors {
     pub mlp: Arc<[MlpPredictor]>,
     /// One per layer (empty when not trained): layer l's scores the heads of layer l + 1.
     pub heads: Arc<[HeadPredictor]>,
+    /// Input sparsity's calibration quantiles (`teal`, `wina`), if calibrated.
+    pub inputs: Option<Arc<InputStats>>,
 }
 
 /// A Q8_0 matrix stored as two tensors: `NAME.qs` (I8, rows x cols) and `NAME.d` (F16, rows x
@@ -202,6 +205,7 @@ impl Predictors {
             output: None,
             mlp,
             heads,
+            inputs: None,
         })
     }
 
@@ -309,12 +313,42 @@ impl Predictors {
         };
         let mlp = low_rank("mlp_pred", c.n_ff)?;
         let heads = low_rank("head_pred", c.n_heads)?;
+        // Input sparsity's quantiles: `inputs.teal` and `inputs.wina`, F32 [layers][4][POINTS].
+        let quantiles = |name: &str| -> Result<Option<Vec<f32>>> {
+            let Some(t) = f.tensors.get(name) else {
+                return Ok(None);
+            };
+            if t.dtype != Dtype::F32 || t.shape != [c.n_layers, 4, POINTS] {
+                return Err(bad(format!("`{name}` has the wrong type or shape")));
+            }
+            let v: Vec<f32> = (f.data(t).chunks_exact(4))
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            match v.iter().all(|x| x.is_finite()) {
+                true => Ok(Some(v)),
+                false => Err(bad(format!("`{name}` holds values that are not finite"))),
+            }
+        };
+        let inputs = match (quantiles("inputs.teal")?, quantiles("inputs.wina")?) {
+            (Some(teal), Some(wina)) => Some(Arc::new(InputStats {
+                teal,
+                wina,
+                n_layers: c.n_layers,
+            })),
+            (None, None) => None,
+            _ => {
+                return Err(bad(
+                    "one of `inputs.teal` and `inputs.wina` is missing".into()
+                ))
+            }
+        };
         Ok(Self {
             path: Some(path.to_path_buf()),
             metadata: f.metadata.clone(),
             output,
             mlp: mlp.into(),
             heads: heads.into(),
+            inputs,
         })
     }
 
@@ -357,6 +391,17 @@ impl Predictors {
                 let pre = format!("blk.{l}.{name}");
                 push_q8(&mut owned, &format!("{pre}.w1"), &p.w1, p.rank, p.d);
                 push_q8(&mut owned, &format!("{pre}.w2"), &p.w2, p.n_out, p.rank);
+            }
+        }
+        if let Some(st) = &self.inputs {
+            for (name, q) in [("inputs.teal", &st.teal), ("inputs.wina", &st.wina)] {
+                let shape = vec![st.n_layers, 4, POINTS];
+                owned.push((
+                    name.into(),
+                    Dtype::F32,
+                    shape,
+                    bytemuck::cast_slice(q).to_vec(),
+                ));
             }
         }
         let views: Vec<(String, TensorView)> = owned

@@ -178,12 +178,20 @@ pub fn calibrate(
         metadata.insert("mlp_density".into(), stored.join(","));
         (mlp, heads) = (t.mlp, t.heads);
     }
+    // Input sparsity's thresholds (teal, wina): quantiles of every layer's inputs.
+    let inputs = crate::tune::thresholds::input_stats(engine, on, train, ctx)?;
+    log(&format!(
+        "input thresholds (teal, wina): {} layers x 4 inputs, on {} tokens",
+        inputs.n_layers,
+        train.len().min(crate::tune::thresholds::MAX_TOKENS)
+    ));
     let mut preds = Predictors {
         path: None,
         metadata: metadata.clone(),
         output: Some(std::sync::Arc::new(preview)),
         mlp: mlp.into(),
         heads: heads.into(),
+        inputs: Some(std::sync::Arc::new(inputs)),
     };
     let mut tried = Vec::new();
     if !opts.no_search {

@@ -56,6 +56,18 @@ fn rules_that_select_from_activations_run_on_the_gpu() {
     eprintln!("{}: gate-first, up-first, oracle, relu-exact and attn-norm run their own selections on 5 fixtures", g.name());
 }
 
+/// Input sparsity on the GPU (see `input_sparsity_conforms`): thresholds compared on the
+/// device, inside the recorded step.
+#[test]
+fn input_sparsity_on_the_gpu_conforms_to_the_reference() {
+    let Some(g) = gpu() else { return };
+    let worst = input_sparsity_conforms(&g);
+    eprintln!(
+        "{}: teal and wina on 4 fixtures, worst |logit error| {worst:.2e}",
+        g.name()
+    );
+}
+
 /// Prompts in batches on the GPU (see `prompts_in_batches_match_the_reference`).
 #[test]
 fn prompts_on_the_gpu_run_in_batches() {

@@ -104,6 +104,29 @@ pub struct TopK<'a, D: Device + ?Sized> {
     pub out: &'a mut D::Idx,
 }
 
+/// Which inputs [`Device::sparsify`] keeps: those whose score `|x[i]| * scale[i]` (or `|x[i]|`
+/// without scales) exceeds `threshold` (finite, or infinite: none kept; negative: every one).
+pub struct InputMask<'a, B> {
+    pub threshold: f32,
+    pub scale: Option<&'a B>,
+}
+
+impl<B> Clone for InputMask<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<B> Copy for InputMask<'_, B> {}
+
+/// The scalar definition of [`Device::sparsify`] (NaN never compares below a threshold, so a
+/// NaN input is kept, and a NaN threshold keeps every input).
+pub fn sparsify_ref(x: &[f32], threshold: f32, scale: Option<&[f32]>, out: &mut [f32]) {
+    for (i, (o, &v)) in out.iter_mut().zip(x).enumerate() {
+        let s = v.abs() * scale.map_or(1.0, |s| s[i]);
+        *o = if s <= threshold { 0.0 } else { v };
+    }
+}
+
 /// One layer's lazy K/V ([`Device::kv_fill`], multi-head attention): its key and value
 /// projections, the heads selected at this step, and the layer's kept attention inputs
 /// (`inputs` row `p`: the input at position `p`, [`Device::store_row`]).
@@ -332,6 +355,19 @@ pub trait Device: Send + Sync {
         count: usize,
         group: usize,
         dst: &mut Self::Buf,
+    ) -> Result<(), BackendError>;
+
+    /// Input sparsity (TEAL, WINA): `out[i] = x[i]` where `|x[i]| * scale[i] > threshold`, else
+    /// 0, for `i < n` (`scale[i]` = 1 without `scale`: TEAL's magnitude threshold; with an
+    /// input-major matrix's row norms, WINA's weight-informed score). A NaN input is kept (it
+    /// is not dropped silently). The kept inputs then feed [`Device::axpy`] over the
+    /// input-major matrix, which leaves the rows of the zeros unread.
+    fn sparsify(
+        &self,
+        x: &Self::Buf,
+        n: usize,
+        mask: InputMask<'_, Self::Buf>,
+        out: &mut Self::Buf,
     ) -> Result<(), BackendError>;
 
     /// `x[i] = |x[i]|` for `i < n` (scores by magnitude, for [`Device::top_k`]).

@@ -16,8 +16,8 @@ pub use backend::{
     Scoring, Weight,
 };
 pub use device::{
-    check_scale_cap, AttnGeom, Device, LazyKv, Product, Rotary, Rows, SharedBytes, StepRow, TopK,
-    MAX_ROWS,
+    check_scale_cap, sparsify_ref, AttnGeom, Device, InputMask, LazyKv, Product, Rotary, Rows,
+    SharedBytes, StepRow, TopK, MAX_ROWS,
 };
 pub use index_set::{IndexSet, IndexSetError};
 pub use quant::QuantType;

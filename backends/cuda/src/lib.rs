@@ -14,8 +14,8 @@ use cudarc::driver::{
     DevicePtr, PushKernelArg,
 };
 use dejavu_backend_api::{
-    check_scale_cap, Activation, AttnGeom, BackendError, Device, LazyKv, Product, QuantType,
-    RopeStyle, Rotary, Rows, StepRow, TopK, Weight, MAX_ROWS,
+    check_scale_cap, Activation, AttnGeom, BackendError, Device, InputMask, LazyKv, Product,
+    QuantType, RopeStyle, Rotary, Rows, StepRow, TopK, Weight, MAX_ROWS,
 };
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -23,6 +23,7 @@ use std::sync::{Arc, Mutex};
 
 mod attention;
 mod compile;
+mod input_sparsity;
 mod kv;
 mod launch;
 mod matmul;
@@ -166,6 +167,7 @@ impl CudaDevice {
             "scatter_f32",
             "gather_f32",
             "abs_f32",
+            "sparsify_f32",
             "count_nonzero_f32",
             "group_norms",
             "store_f16",
@@ -564,6 +566,16 @@ impl Device for CudaDevice {
         let mut b = self.lane().launch_builder(self.func("gather_f32"));
         b.arg(&sp).arg(&ip).arg(&ci).arg(&gi).arg(&dp).arg(&len);
         launch::run(b, launch::grid(n, 256))
+    }
+
+    fn sparsify(
+        &self,
+        x: &Buf,
+        n: usize,
+        mask: InputMask<'_, Buf>,
+        out: &mut Buf,
+    ) -> Result<(), BackendError> {
+        self.launch_sparsify(x, n, mask, out)
     }
 
     fn abs(&self, x: &mut Buf, n: usize) -> Result<(), BackendError> {

@@ -18,7 +18,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 mod write;
-pub use write::{write, GgufWriter};
+pub use write::{layout, write, GgufWriter};
 
 pub const MAGIC: [u8; 4] = *b"GGUF";
 pub const DEFAULT_ALIGNMENT: u64 = 32;

@@ -26,6 +26,24 @@ pub fn write(
     out
 }
 
+/// Where [`write`] puts each tensor: the header's bytes, each tensor's data offset in the file,
+/// and the file's length; so a caller can fill a buffer of that length in place (the header at
+/// 0, tensor `i` at `starts[i]`, zeros between) instead of holding the tensors twice.
+pub fn layout(
+    metadata: &[(&str, MetaValue)],
+    tensors: &[(&str, &[u64], GgmlType, usize)],
+) -> (Vec<u8>, Vec<usize>, usize) {
+    let header = header_bytes(metadata, tensors);
+    let align = |n: usize| n.div_ceil(DEFAULT_ALIGNMENT as usize) * DEFAULT_ALIGNMENT as usize;
+    let (mut starts, mut end) = (Vec::with_capacity(tensors.len()), header.len());
+    for t in tensors {
+        let at = align(end);
+        starts.push(at);
+        end = at + t.3;
+    }
+    (header, starts, end)
+}
+
 /// A GGUF v3 file written as a stream: the header (metadata and the tensor table, from each
 /// tensor's name, dims, type and byte size) first, then each tensor's data in table order.
 pub struct GgufWriter<W: std::io::Write> {
@@ -163,6 +181,28 @@ fn header_bytes(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn layout_places_tensors_as_write_does() {
+        let a: Vec<u8> = (0..70).map(|i| i as u8).collect();
+        let b: Vec<u8> = (0..33).map(|i| (i * 5) as u8).collect();
+        let meta = [("k", MetaValue::U32(7))];
+        let tensors: [(&str, &[u64], GgmlType, &[u8]); 2] = [
+            ("a", &[70], GgmlType::I8, &a),
+            ("b", &[33], GgmlType::I8, &b),
+        ];
+        let want = write(&meta, &tensors);
+        let infos: Vec<_> = tensors
+            .iter()
+            .map(|&(n, d, t, x)| (n, d, t, x.len()))
+            .collect();
+        let (header, starts, len) = layout(&meta, &infos);
+        let mut got = vec![0u8; len];
+        got[..header.len()].copy_from_slice(&header);
+        got[starts[0]..starts[0] + 70].copy_from_slice(&a);
+        got[starts[1]..starts[1] + 33].copy_from_slice(&b);
+        assert_eq!(got, want);
+    }
 
     #[test]
     fn streaming_writer_matches_in_memory_writer() {

@@ -119,8 +119,7 @@ fn on_device<D: dejavu_backend_api::Device, R>(
     f: impl FnOnce(&mut dyn Decoder) -> Result<R>,
 ) -> Result<R> {
     use dejavu::exec::{DeviceModel, DevicePlan, DeviceSession};
-    let layout = layout_for(engine, policy)?;
-    let model = DeviceModel::upload(dev, &engine.model, layout)?;
+    let model: DeviceModel<D> = engine.device_model(dev, &[policy])?;
     let plan = DevicePlan::policy(dev, &engine.model.config, policy)?;
     let mut session = DeviceSession::new(dev, &model, plan, engine.n_ctx)?;
     f(&mut session)

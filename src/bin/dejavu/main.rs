@@ -200,8 +200,9 @@ fn policy_for(
     spec: &str,
     predictors: Option<&std::path::Path>,
 ) -> Result<dejavu::sparsity::policy::Policy> {
-    // Parts that read the predictors file: recommended, paper, head:, dejavu:, dejavu-attn:.
-    let needs = ["recommended", "paper", "head", "dejavu"]
+    // Parts that read the predictors file: recommended, paper, head:, dejavu:, dejavu-attn:,
+    // teal:, wina:.
+    let needs = ["recommended", "paper", "head", "dejavu", "teal", "wina"]
         .iter()
         .any(|p| spec.contains(p));
     let preds = if needs || predictors.is_some() {

@@ -32,6 +32,8 @@ pub struct Capture {
     /// Per column of the attention output (W_o's input, `n_heads * head_dim`), the sum over the
     /// rows of its squares (importance matrices need no more).
     pub attn_out_sq: Vec<Vec<f32>>,
+    /// The attention outputs themselves (W_o's inputs), `[n][n_heads * head_dim]`.
+    pub attn_out: Vec<Vec<f32>>,
 }
 
 /// What one decode step reads and computes under the plan.
@@ -291,6 +293,15 @@ impl<D: Device> DeviceSession<'_, D> {
             bytes.mlp -= (c.n_ff - k) * skipped;
             mlp_kept += k;
         }
+        let inputs = self.model.inputs.as_deref();
+        if let (Some(_), Some(im), true) = (&self.plan.inputs, inputs, self.measure) {
+            // Input sparsity: the rows of the inputs each layer kept at this step.
+            let mut kept = vec![0.0; 4 * c.n_layers];
+            self.dev.download(&self.s.kept, &mut kept)?;
+            let read = |l: usize, g: usize| kept[4 * l + g] as usize * im[l].row_bytes[g];
+            bytes.attention = (0..c.n_layers).map(|l| read(l, 0) + read(l, 1)).sum();
+            bytes.mlp = (0..c.n_layers).map(|l| read(l, 2) + read(l, 3)).sum();
+        }
         Ok(StepStats {
             weight_bytes: bytes.total(),
             mlp_kept,
@@ -338,6 +349,8 @@ pub(super) fn keep<D: Device>(
             for row in v.chunks_exact(width) {
                 sq.iter_mut().zip(row).for_each(|(s, a)| *s += a * a);
             }
+            cap.attn_out.resize(c.n_layers, Vec::new());
+            cap.attn_out[l].extend_from_slice(&v);
         }
         _ => list[l].extend_from_slice(&v),
     }

@@ -194,6 +194,12 @@ impl<D: Device> DeviceSession<'_, D> {
         }
         // `attn-norm`: every head's attention, then W_o over the top heads by output norm.
         let by_norm = step && self.plan.head_rule[l] == Computed::HeadNorm;
+        // Input sparsity (no lazy K/V: the policy refuses both): Q, K and V from the kept
+        // inputs here; the rest of the block as without.
+        let th = if step { self.input_thresholds(l) } else { None };
+        if let Some(th) = th {
+            self.input_qkv(l, th[0], by_norm)?;
+        }
         let every = Sel::All;
         let heads = if step { &self.plan.heads[l] } else { &every };
         let s = &mut self.s;
@@ -218,11 +224,13 @@ impl<D: Device> DeviceSession<'_, D> {
                 }
             }
             None => {
-                let k = Product::new(&lw.wk, Rows::All, &mut s.k).bias(lw.bk.as_ref());
-                let v = Product::new(&lw.wv, Rows::All, &mut s.v).bias(lw.bv.as_ref());
-                match n_sel {
-                    0 => products(dev, &s.h, pass, &mut [k, v])?,
-                    _ => products(dev, &s.h, pass, &mut [q, k, v])?,
+                if th.is_none() {
+                    let k = Product::new(&lw.wk, Rows::All, &mut s.k).bias(lw.bk.as_ref());
+                    let v = Product::new(&lw.wv, Rows::All, &mut s.v).bias(lw.bv.as_ref());
+                    match n_sel {
+                        0 => products(dev, &s.h, pass, &mut [k, v])?,
+                        _ => products(dev, &s.h, pass, &mut [q, k, v])?,
+                    }
                 }
                 if n_sel > 0 {
                     head_norm(dev, c, lw.q_norm.as_ref(), &mut s.q, &mut s.att, rows * n_q)?;
@@ -252,26 +260,37 @@ impl<D: Device> DeviceSession<'_, D> {
             if !step {
                 keep(dev, m, &mut self.capture, Kept::HeadNorms, l, &s.att, rows)?;
             }
-            let att = match (by_norm, &mut self.plan.heads[l]) {
+            let gathered = match (by_norm, &mut self.plan.heads[l]) {
                 (true, Sel::Predicted { idx, k }) => {
                     dev.group_norms(&s.att, c.n_heads, hd, &mut s.score)?;
                     dev.top_k(&s.score, c.n_heads, *k, idx)?;
                     dev.gather(&s.att, idx, *k, hd, &mut s.full)?;
-                    &s.full
+                    true
                 }
-                _ => &s.att,
+                _ => false,
             };
-            let heads = if step { &self.plan.heads[l] } else { &every };
-            let y = if out { &mut s.part } else { &mut s.x };
-            match (heads.is_all(), &m.sparse) {
-                (false, Some(sp)) => {
-                    dev.axpy(&sp[l].1, heads.rows(hd), att, lw.bo.as_ref(), y)?;
+            match th {
+                Some(th) => {
+                    let n = self.plan.heads[l].count(c.n_heads) * hd;
+                    self.input_wo(l, th[1], gathered, n, out)?;
                 }
-                _ => row_parallel(dev, &lw.wo, lw.bo.as_ref(), att, y, out, pass)?,
+                None => {
+                    let s = &mut self.s;
+                    let att = if gathered { &s.full } else { &s.att };
+                    let heads = if step { &self.plan.heads[l] } else { &every };
+                    let y = if out { &mut s.part } else { &mut s.x };
+                    match (heads.is_all(), &m.sparse) {
+                        (false, Some(sp)) => {
+                            dev.axpy(&sp[l].1, heads.rows(hd), att, lw.bo.as_ref(), y)?;
+                        }
+                        _ => row_parallel(dev, &lw.wo, lw.bo.as_ref(), att, y, out, pass)?,
+                    }
+                }
             }
         } else if let Some(b) = &lw.bo {
             dev.add(if out { &mut s.part } else { &mut s.x }, b, c.d_model)?;
         }
+        let s = &mut self.s;
         reduce_residual(
             dev,
             m,
@@ -296,9 +315,13 @@ impl<D: Device> DeviceSession<'_, D> {
         let (rows, step) = (pass.rows(), pass == Pass::Step);
         block_input(dev, c, &lw.ffn_norm, &self.s.x, &mut self.s.h, rows)?;
         keep(dev, m, &mut self.capture, Kept::MlpIn, l, &self.s.h, rows)?;
-        let s = &mut self.s;
         let post = lw.post_ffn_norm.as_ref();
-        let out = residual_out(dev, m, s, pass, post.is_some())?;
+        let out = residual_out(dev, m, &mut self.s, pass, post.is_some())?;
+        if let Some(th) = step.then(|| self.input_thresholds(l)).flatten() {
+            self.input_mlp(l, th[2], th[3], out)?;
+            return mlp_out(dev, m, lw, &mut self.s, rows, clock, out);
+        }
+        let s = &mut self.s;
         let mut every = Sel::All;
         let n = if step {
             self.plan.mlp[l].count(c.n_ff)

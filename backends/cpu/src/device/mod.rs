@@ -18,8 +18,8 @@ use crate::pool::SpinPool;
 use crate::world::HostWorld;
 use crate::{ops, CpuBackend};
 use dejavu_backend_api::{
-    Activation, AttnGeom, BackendError, Device, LazyKv, Product, QuantType, Rotary, Rows,
-    SharedBytes, StepRow, Weight, MAX_ROWS,
+    sparsify_ref, Activation, AttnGeom, BackendError, Device, InputMask, LazyKv, Product,
+    QuantType, Rotary, Rows, SharedBytes, StepRow, Weight, MAX_ROWS,
 };
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -379,6 +379,26 @@ impl Device for CpuDevice {
         let rs = rows_of(sel, src.len() / group.max(1) * group)?;
         need("gather output", dst.len(), rs.len())?;
         (dst.iter_mut().zip(&rs)).for_each(|(d, &r)| *d = src[r]);
+        Ok(())
+    }
+
+    fn sparsify(
+        &self,
+        x: &Vec<f32>,
+        n: usize,
+        mask: InputMask<'_, Vec<f32>>,
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        need("sparsify input", x.len(), n)?;
+        need("sparsify output", out.len(), n)?;
+        let scale = match mask.scale {
+            Some(s) => {
+                need("sparsify scales", s.len(), n)?;
+                Some(&s[..n])
+            }
+            None => None,
+        };
+        sparsify_ref(&x[..n], mask.threshold, scale, &mut out[..n]);
         Ok(())
     }
 

@@ -38,6 +38,15 @@ extern "C" __global__ void abs_f32(float* x, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] = fabsf(x[i]);
 }
+// Input sparsity (Device::sparsify): out[i] = x[i] where |x[i]| * scale[i] > t (scale 1 when
+// null), else 0; a NaN score is kept, as in the host's reference.
+extern "C" __global__ void sparsify_f32(const float* x, int n, float t, const float* scale,
+                                        float* out) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float v = x[i], s = fabsf(v) * (scale ? scale[i] : 1.0f);
+    out[i] = s <= t ? 0.0f : v;
+}
 // out[slot] = the number of nonzero x[i], i < n: one block of 1024 threads.
 extern "C" __global__ void count_nonzero_f32(const float* x, int n, float* out, int slot) {
     __shared__ int part[1024];

@@ -1,0 +1,172 @@
+//! Input sparsity in a decode step (`teal`, `wina`; see [`crate::sparsity::input`]): each
+//! projection's input keeps the entries whose score passes the layer's threshold for that input
+//! ([`Device::sparsify`], on the device), and the product is [`Device::axpy`] over the
+//! input-major matrix, which reads only the rows of the kept entries. Outputs that are not a
+//! residual start from zeros.
+use super::{DeviceSession, Scratch};
+use crate::exec::model::{DeviceModel, InputMats};
+use crate::sparsity::input::Group;
+use crate::Result;
+use dejavu_backend_api::{Device, InputMask, Rows};
+
+impl<D: Device> DeviceSession<'_, D> {
+    /// Layer `l`'s input thresholds under the plan (`None`: its inputs are dense).
+    pub(super) fn input_thresholds(&self, l: usize) -> Option<[f32; 4]> {
+        self.plan.inputs.as_ref().map(|p| p.thresholds[l])
+    }
+
+    /// `s.sparse` = the kept entries of `x` (`n` values) for layer `l`'s input group `g` at
+    /// threshold `t`; counted per layer and group when the session measures.
+    fn keep_inputs(&mut self, l: usize, g: Group, t: f32, which: Input) -> Result<()> {
+        let (dev, m) = (self.dev, self.model);
+        let im = inputs_of(m, l)?;
+        let gi = Group::ALL.iter().position(|&x| x == g).unwrap_or(0);
+        let wina = self.plan.inputs.as_ref().is_some_and(|p| p.wina);
+        let mask = InputMask {
+            threshold: t,
+            scale: wina.then_some(&im.norms[gi]),
+        };
+        let s = &mut self.s;
+        let (x, n) = match which {
+            Input::H => (&s.h, m.local.d_model),
+            Input::Att { n } => (&s.att, n),
+            Input::Full { n } => (&s.full, n),
+            Input::Gate => (&s.gate, m.local.n_ff),
+            Input::Up => (&s.up, m.local.n_ff),
+        };
+        dev.sparsify(x, n, mask, &mut s.sparse)?;
+        if self.measure {
+            dev.count_nonzero(&s.sparse, n, &mut s.kept, 4 * l + gi)?;
+        }
+        Ok(())
+    }
+
+    /// Q (of the plan's heads, compact in `s.q`; of every head when `all_heads`), K and V of
+    /// `s.h` at threshold `t`.
+    pub(super) fn input_qkv(&mut self, l: usize, t: f32, all_heads: bool) -> Result<()> {
+        self.keep_inputs(l, Group::Qkv, t, Input::H)?;
+        let (dev, m) = (self.dev, self.model);
+        let (c, lw, im) = (&m.local, &m.layers[l], inputs_of(m, l)?);
+        let s = &mut self.s;
+        let hd = c.head_dim;
+        let heads = match all_heads {
+            true => Rows::All,
+            false => self.plan.heads[l].rows(hd),
+        };
+        match heads {
+            Rows::All => from_zero(dev, s, &im.q, lw.bq.as_ref(), Out::Q, c.n_heads * hd)?,
+            Rows::Sel { idx, count, .. } => {
+                // Every head's queries (a column of the input-major W_q holds them all),
+                // then the selected heads' gathered.
+                from_zero(dev, s, &im.q, lw.bq.as_ref(), Out::Full, c.n_heads * hd)?;
+                dev.gather(&s.full, idx, count, hd, &mut s.q)?;
+            }
+        }
+        from_zero(dev, s, &im.k, lw.bk.as_ref(), Out::K, c.kv_dim())?;
+        from_zero(dev, s, &im.v, lw.bv.as_ref(), Out::V, c.kv_dim())
+    }
+
+    /// W_o of the attention output (`att`: `s.att`, or `s.full` for a rule that gathered the
+    /// kept heads there; `n` values, the heads of `heads`) at threshold `t`, added to `y`.
+    pub(super) fn input_wo(
+        &mut self,
+        l: usize,
+        t: f32,
+        gathered: bool,
+        n: usize,
+        out: bool,
+    ) -> Result<()> {
+        let which = match gathered {
+            true => Input::Full { n },
+            false => Input::Att { n },
+        };
+        self.keep_inputs(l, Group::O, t, which)?;
+        let (dev, m) = (self.dev, self.model);
+        let (c, lw) = (&m.local, &m.layers[l]);
+        let wo_t = &units_of(m, l)?.1;
+        let heads = self.plan.heads[l].rows(c.head_dim);
+        let s = &mut self.s;
+        let y = if out { &mut s.part } else { &mut s.x };
+        Ok(dev.axpy(wo_t, heads, &s.sparse, lw.bo.as_ref(), y)?)
+    }
+
+    /// The MLP of `s.h` at thresholds `t_in` (gate and up) and `t_down` (the down
+    /// projection), added to `s.part` (`out`) or the residual.
+    pub(super) fn input_mlp(&mut self, l: usize, t_in: f32, t_down: f32, out: bool) -> Result<()> {
+        self.keep_inputs(l, Group::GateUp, t_in, Input::H)?;
+        let (dev, m) = (self.dev, self.model);
+        let (c, lw, im) = (&m.local, &m.layers[l], inputs_of(m, l)?);
+        let (ff, act) = (c.n_ff, c.mlp.activation());
+        let s = &mut self.s;
+        let a = match &im.gate {
+            Some(gate) => {
+                from_zero(dev, s, gate, None, Out::Gate, ff)?;
+                from_zero(dev, s, &im.up, None, Out::Up, ff)?;
+                dev.glu(act, &mut s.gate, &s.up, ff)?;
+                Input::Gate
+            }
+            None => {
+                from_zero(dev, s, &im.up, lw.b_up.as_ref(), Out::Up, ff)?;
+                dev.activate(act, &mut s.up, ff)?;
+                Input::Up
+            }
+        };
+        self.keep_inputs(l, Group::Down, t_down, a)?;
+        let down_t = &units_of(m, l)?.0;
+        let s = &mut self.s;
+        let y = if out { &mut s.part } else { &mut s.x };
+        Ok(dev.axpy(down_t, Rows::All, &s.sparse, lw.b_down.as_ref(), y)?)
+    }
+}
+
+/// Which buffer [`DeviceSession::keep_inputs`] reads.
+#[derive(Clone, Copy)]
+enum Input {
+    H,
+    Att { n: usize },
+    Full { n: usize },
+    Gate,
+    Up,
+}
+
+/// Which buffer [`from_zero`] writes.
+#[derive(Clone, Copy)]
+enum Out {
+    Q,
+    K,
+    V,
+    Full,
+    Gate,
+    Up,
+}
+
+/// `y[..n] = sum over kept i of s.sparse[i] * w[i] (+ bias)`, `y` the scratch buffer `out`.
+fn from_zero<D: Device>(
+    dev: &D,
+    s: &mut Scratch<D>,
+    w: &D::Mat,
+    bias: Option<&D::Buf>,
+    out: Out,
+    n: usize,
+) -> Result<()> {
+    let y = match out {
+        Out::Q => &mut s.q,
+        Out::K => &mut s.k,
+        Out::V => &mut s.v,
+        Out::Full => &mut s.full,
+        Out::Gate => &mut s.gate,
+        Out::Up => &mut s.up,
+    };
+    dev.copy(&s.zero, y, n)?;
+    Ok(dev.axpy(w, Rows::All, &s.sparse, bias, y)?)
+}
+
+fn inputs_of<D: Device>(m: &DeviceModel<D>, l: usize) -> Result<&InputMats<D>> {
+    (m.inputs.as_ref().and_then(|v| v.get(l)))
+        .ok_or_else(|| crate::Error::Invalid("the model has no input-major layout".into()))
+}
+
+fn units_of<D: Device>(m: &DeviceModel<D>, l: usize) -> Result<&(D::Mat, D::Mat)> {
+    (m.sparse.as_ref().and_then(|v| v.get(l)))
+        .ok_or_else(|| crate::Error::Invalid("the model has no sparse layout".into()))
+}

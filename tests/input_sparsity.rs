@@ -1,0 +1,202 @@
+//! Input sparsity (`teal`, `wina`) on the tiny crafted model with every projection in f32 (so
+//! the input-major layouts are exact transposes and only the order of summation differs):
+//! - thresholds below every score keep every input: the dense model's logits;
+//! - a threshold above every score of one input group drops it: the logits of the dense model
+//!   whose matrices reading that input are zero (each group wired to its own matrices);
+//! - calibrated thresholds drop about the requested fraction, and the step reads fewer bytes;
+//! - the policy grammar's refusals.
+mod common;
+use common::*;
+use dejavu::exec::{Engine, EngineOptions, Logits};
+use dejavu::sparsity::input::{Group, Score};
+use dejavu::sparsity::policy::{InputRule, Policy};
+use dejavu_formats::GgmlType;
+
+const TOKENS: [u32; 8] = [72, 101, 108, 108, 111, 33, 10, 84];
+
+/// Every projection of the tiny model as F32; the matrices named by `zero` (name suffixes)
+/// zeroed.
+fn f32_model(zero: &[&str]) -> Vec<u8> {
+    tiny_llama_gguf(|_, tensors| {
+        for (name, _, ty, bytes) in tensors.iter_mut() {
+            if !name.starts_with("blk.") || *ty != GgmlType::Q8_0 {
+                continue;
+            }
+            let z = zero.iter().any(|s| name.ends_with(s));
+            let vals: Vec<u8> = (bytes.chunks_exact(34))
+                .flat_map(|b| {
+                    let d = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+                    b[2..]
+                        .iter()
+                        .map(move |&q| if z { 0.0 } else { d * q as i8 as f32 })
+                })
+                .flat_map(|v| v.to_le_bytes())
+                .collect();
+            (*bytes, *ty) = (vals, GgmlType::F32);
+        }
+    })
+}
+
+fn load(bytes: &[u8]) -> (tempfile::TempDir, Engine) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny.gguf");
+    std::fs::write(&path, bytes).unwrap();
+    let opts = EngineOptions {
+        threads: Some(2),
+        ..Default::default()
+    };
+    (dir, Engine::load(&path, &opts).unwrap())
+}
+
+/// The logits of every token of [`TOKENS`], fed one at a time, under `pol`.
+fn decode(e: &Engine, pol: &Policy) -> Vec<f32> {
+    let mut s = e.decoder(pol).unwrap();
+    (TOKENS.iter())
+        .flat_map(|&t| s.run(&[t], Logits::Last).unwrap().to_vec())
+        .collect()
+}
+
+/// `teal` with thresholds `th` (per group, every layer).
+fn with_thresholds(e: &Engine, th: [f32; 4]) -> Policy {
+    let c = &e.model.config;
+    let mut pol = Policy::dense(c);
+    pol.name = format!("teal {th:?}");
+    pol.inputs = Some(InputRule {
+        score: Score::Teal,
+        sparsity: 0.5,
+        thresholds: vec![th; c.n_layers],
+    });
+    pol
+}
+
+fn assert_close(what: &str, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len());
+    let worst = (got.iter().zip(want))
+        .map(|(a, b)| (a - b).abs() / (1.0 + b.abs()))
+        .fold(0f32, f32::max);
+    assert!(worst < 1e-4, "{what}: worst relative error {worst}");
+}
+
+#[test]
+fn keeping_every_input_is_the_dense_model() {
+    let (_d, e) = load(&f32_model(&[]));
+    let dense = decode(&e, &Policy::dense(&e.model.config));
+    assert_close(
+        "all kept",
+        &decode(&e, &with_thresholds(&e, [-1.0; 4])),
+        &dense,
+    );
+}
+
+#[test]
+fn dropping_a_group_is_zeroing_the_matrices_that_read_it() {
+    let (_d, e) = load(&f32_model(&[]));
+    for (g, zero) in [
+        (
+            Group::Qkv,
+            &["attn_q.weight", "attn_k.weight", "attn_v.weight"][..],
+        ),
+        (Group::O, &["attn_output.weight"][..]),
+        (Group::GateUp, &["ffn_gate.weight", "ffn_up.weight"][..]),
+        (Group::Down, &["ffn_down.weight"][..]),
+    ] {
+        let mut th = [-1.0; 4];
+        th[Group::ALL.iter().position(|&x| x == g).unwrap()] = f32::INFINITY;
+        let (_z, ez) = load(&f32_model(zero));
+        let want = decode(&ez, &Policy::dense(&ez.model.config));
+        assert_close(
+            &format!("{g:?} dropped"),
+            &decode(&e, &with_thresholds(&e, th)),
+            &want,
+        );
+    }
+}
+
+/// Thresholds calibrated on the model's own activations drop about the requested fraction of
+/// inputs (each input's rows go unread: the step's bytes), for TEAL's and WINA's scores.
+#[test]
+fn calibrated_thresholds_drop_about_the_requested_fraction() {
+    let (_d, e) = load(&f32_model(&[]));
+    let text = "The quick brown fox jumps over the lazy dog. fn main() {} ".repeat(4);
+    let tokens = e.tokenizer.encode(&text).unwrap();
+    let stats = dejavu::tune::thresholds::input_stats(&e, &e, &tokens, 32).unwrap();
+    let mut preds = e.predictors(None).unwrap().unwrap_or_else(|| {
+        dejavu::sparsity::predictors_file::Predictors {
+            path: None,
+            metadata: Default::default(),
+            output: None,
+            mlp: Vec::new().into(),
+            heads: Vec::new().into(),
+            inputs: None,
+        }
+    });
+    preds.inputs = Some(std::sync::Arc::new(stats));
+    let dense_bytes = {
+        let mut s = e.decoder(&Policy::dense(&e.model.config)).unwrap();
+        s.run(&TOKENS, Logits::Last).unwrap();
+        s.info().unwrap().step.weight_bytes
+    };
+    for spec in ["teal:0.5", "wina:0.5", "teal:0.2"] {
+        let pol = e.policy(spec, Some(&preds)).unwrap();
+        let mut s = e.decoder(&pol).unwrap();
+        let (mut layers, mut sum) = (0, 0usize);
+        for &t in &tokens[..16] {
+            s.run(&[t], Logits::Last).unwrap();
+            sum += s.last_step().unwrap().bytes.mlp;
+            layers += 1;
+        }
+        let st = s.last_step().unwrap();
+        assert!(
+            st.weight_bytes < dense_bytes,
+            "{spec}: {} bytes",
+            st.weight_bytes
+        );
+        // The MLP's bytes are its inputs' rows: about (1 - S) of dense on the calibration text.
+        let dense_mlp = {
+            let mut d = e.decoder(&Policy::dense(&e.model.config)).unwrap();
+            d.run(&[tokens[0]], Logits::Last).unwrap();
+            d.last_step().unwrap().bytes.mlp
+        };
+        let s_req: f64 = spec[5..].parse().unwrap();
+        let kept = sum as f64 / (layers * dense_mlp) as f64;
+        assert!(
+            (kept - (1.0 - s_req)).abs() < 0.15,
+            "{spec}: the MLP read {kept:.2} of its bytes"
+        );
+    }
+}
+
+#[test]
+fn bad_input_sparsity_specs_are_refused() {
+    let (_d, e) = load(&f32_model(&[]));
+    let err = |spec: &str| e.policy(spec, None).err().unwrap().to_string();
+    assert!(
+        err("teal:0.5").contains("input thresholds"),
+        "{}",
+        err("teal:0.5")
+    );
+    let text = "Some calibration text, repeated. ".repeat(4);
+    let tokens = e.tokenizer.encode(&text).unwrap();
+    let stats = dejavu::tune::thresholds::input_stats(&e, &e, &tokens, 32).unwrap();
+    let preds = dejavu::sparsity::predictors_file::Predictors {
+        path: None,
+        metadata: Default::default(),
+        output: None,
+        mlp: Vec::new().into(),
+        heads: Vec::new().into(),
+        inputs: Some(std::sync::Arc::new(stats)),
+    };
+    let err = |spec: &str| e.policy(spec, Some(&preds)).err().unwrap().to_string();
+    for (spec, why) in [
+        ("teal:1.0", "[0, 1)"),
+        ("teal:-0.1", "[0, 1)"),
+        ("teal:0.5+gate-first:0.5", "one rule of this kind"),
+        ("gate-first:0.5+teal:0.5", "no other MLP rule"),
+        ("teal:0.5+wina:0.5", "no other MLP rule"),
+        ("wina:0.5+attn-norm:0.5", "column norms"),
+        ("teal", "one `teal:S`"),
+    ] {
+        assert!(err(spec).contains(why), "{spec}: {}", err(spec));
+    }
+    assert!(e.policy("teal:0.3+attn-norm:0.5", Some(&preds)).is_ok());
+}
