@@ -231,12 +231,72 @@ fn row_dot_kernel(c: &mut Criterion) {
     }
 }
 
+/// Input sparsity's product (`axpy_matmul::axpy_blocks`) over an input-block matrix against
+/// the dense matvec of the same matrix in the file's layout, on the best tier and every thread:
+/// SmolLM2's gate (576 inputs, 1536 outputs) and Llama-3-8B's (4096 x 14336), every input kept
+/// and half of them; throughput in bytes of the kept inputs' rows.
+fn input_blocks(c: &mut Criterion) {
+    use dejavu_backend_api::RowLayout;
+    use dejavu_backend_cpu::axpy_matmul::axpy_blocks;
+    let pool = SpinPool::new(std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let k = Kernels::for_isa(*Isa::supported().last().unwrap()).unwrap();
+    for (n_in, n_out) in [(576, 1536), (4096, 14336)] {
+        let mut g = c.benchmark_group(format!("input_blocks_{n_in}x{n_out}"));
+        for qtype in [QuantType::Q8_0, QuantType::Q4_0, QuantType::Q4_1] {
+            // Same bytes, two readings: rows of the file (dense matvec), input blocks (axpy).
+            let data = synthetic(qtype, n_out, n_in);
+            let w = Weight::new(qtype, n_out, n_in, &data).unwrap();
+            // The same bytes with every input block's scale table set to small finite f16s.
+            let mut tdata = data.clone();
+            let (bb, sb) = (
+                32 * qtype.row_bytes(n_out),
+                2 * n_out * (1 + (qtype == QuantType::Q4_1) as usize),
+            );
+            for blk in tdata.chunks_exact_mut(bb) {
+                for h in blk[..sb].chunks_exact_mut(2) {
+                    h.copy_from_slice(&f16::from_f32(0.01).to_le_bytes());
+                }
+            }
+            let wt = Weight::new(qtype, n_in, n_out, &tdata)
+                .unwrap()
+                .with_layout(RowLayout::InputBlocks);
+            let x: Vec<f32> = (0..n_in).map(|i| (i as f32 * 0.37).sin()).collect();
+            let mut y = vec![0f32; n_out];
+            g.throughput(Throughput::Bytes(data.len() as u64));
+            let all = IndexSet::full(n_out);
+            g.bench_function(BenchmarkId::new("dense_matvec", qtype.name()), |b| {
+                b.iter(|| matmul(&k, &pool, &w, &all, &x, &mut y))
+            });
+            g.bench_function(BenchmarkId::new("axpy_all", qtype.name()), |b| {
+                b.iter(|| axpy_blocks(&k, &pool, &wt, &x, &mut y))
+            });
+            // Every other input dropped at random-looking places (about half).
+            let half: Vec<f32> = (x.iter().enumerate())
+                .map(|(i, v)| {
+                    if (i * 2654435761usize) % 7 < 3 {
+                        0.0
+                    } else {
+                        *v
+                    }
+                })
+                .collect();
+            let kept = half.iter().filter(|v| **v != 0.0).count();
+            g.throughput(Throughput::Bytes((data.len() * kept / n_in) as u64));
+            g.bench_function(BenchmarkId::new("axpy_half", qtype.name()), |b| {
+                b.iter(|| axpy_blocks(&k, &pool, &wt, &half, &mut y))
+            });
+        }
+        g.finish();
+    }
+}
+
 criterion_group!(
     benches,
     matvec,
     prefill,
     sparse,
     axpy_kernel,
-    row_dot_kernel
+    row_dot_kernel,
+    input_blocks
 );
 criterion_main!(benches);

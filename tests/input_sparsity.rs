@@ -3,6 +3,8 @@
 //! - thresholds below every score keep every input: the dense model's logits;
 //! - a threshold above every score of one input group drops it: the logits of the dense model
 //!   whose matrices reading that input are zero (each group wired to its own matrices);
+//! - on 8- and 4-bit weights (the input-block layout, the file's own values transposed), every
+//!   input kept is the dense model with f32 activations (the reference device);
 //! - calibrated thresholds drop about the requested fraction, and the step reads fewer bytes;
 //! - the policy grammar's refusals.
 mod common;
@@ -86,6 +88,56 @@ fn keeping_every_input_is_the_dense_model() {
         &decode(&e, &with_thresholds(&e, [-1.0; 4])),
         &dense,
     );
+}
+
+/// The tiny model's Q8_0 projections as Q4_1 (requantized from their values).
+fn q4_1_model() -> Vec<u8> {
+    tiny_llama_gguf(|_, tensors| {
+        for (name, _, ty, bytes) in tensors.iter_mut() {
+            if !name.starts_with("blk.") || *ty != GgmlType::Q8_0 {
+                continue;
+            }
+            let vals: Vec<f32> = (bytes.chunks_exact(34))
+                .flat_map(|b| {
+                    let d = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+                    b[2..].iter().map(move |&q| d * q as i8 as f32)
+                })
+                .collect();
+            let mut out = Vec::new();
+            dejavu_backend_api::quantize::quantize_row(
+                dejavu_backend_api::QuantType::Q4_1,
+                &vals,
+                &mut out,
+            )
+            .unwrap();
+            (*bytes, *ty) = (out, GgmlType::Q4_1);
+        }
+    })
+}
+
+/// On the reference device (f32 activations everywhere), every input kept through the
+/// input-block layout is the dense model: the layout holds the file's own values. (The tiers'
+/// kernels are held to the reference in `kernels::axpy_blocks`.)
+#[test]
+fn input_blocks_keep_the_files_values() {
+    use dejavu::exec::{DevicePlan, DeviceSession};
+    use dejavu_backend_cpu::device::CpuDevice;
+    for (what, bytes) in [("q8_0", tiny_llama_gguf(|_, _| {})), ("q4_1", q4_1_model())] {
+        let (_d, e) = load(&bytes);
+        let c = &e.model.config;
+        let dev = CpuDevice::reference();
+        let run = |pol: &Policy| -> Vec<f32> {
+            let m = e.device_model(&dev, &[pol]).unwrap();
+            let plan = DevicePlan::policy(&dev, c, pol).unwrap();
+            let mut s = DeviceSession::new(&dev, &m, plan, 64).unwrap();
+            (TOKENS.iter())
+                .flat_map(|&t| s.forward(&[t]).unwrap().to_vec())
+                .collect()
+        };
+        let want = run(&Policy::dense(c));
+        let got = run(&with_thresholds(&e, [-1.0; 4]));
+        assert_close(&format!("{what}: every input kept"), &got, &want);
+    }
 }
 
 #[test]

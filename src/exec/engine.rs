@@ -5,7 +5,7 @@ use crate::model::synthetic::SyntheticOptions;
 use crate::model::tokenizer::Tokenizer;
 use crate::model::weights::Model;
 use crate::sparsity::input::{InputNorms, InputStats};
-use crate::sparsity::layout::{Kind, SparseLayout};
+use crate::sparsity::layout::{Form, Kind, SparseLayout};
 use crate::sparsity::policy::Policy;
 use crate::sparsity::predictors_file::Predictors;
 use crate::sparsity::SparsePlan;
@@ -97,8 +97,9 @@ pub struct Engine {
     kv_type: KvType,
     /// The neuron-major layout, loaded or built on first use by a sparse policy.
     layout: std::sync::OnceLock<SparseLayout>,
-    /// Input sparsity's input-major layout and WINA's norms, made on first use.
-    inputs_layout: std::sync::OnceLock<(SparseLayout, InputNorms)>,
+    /// Input sparsity's input-major layout and WINA's norms, per [`Form`] (rows, blocks),
+    /// made on first use.
+    inputs_layout: [std::sync::OnceLock<(SparseLayout, InputNorms)>; 2],
     /// A synthetic model's input thresholds (from random tokens), made on first use.
     synthetic_inputs: std::sync::OnceLock<std::sync::Arc<InputStats>>,
     /// A synthetic model's random predictors, made on first use.
@@ -163,7 +164,7 @@ impl Engine {
             threads,
             kv_type: opts.kv_type,
             layout: std::sync::OnceLock::new(),
-            inputs_layout: std::sync::OnceLock::new(),
+            inputs_layout: Default::default(),
             synthetic_inputs: std::sync::OnceLock::new(),
             synthetic_predictors: std::sync::OnceLock::new(),
         })
@@ -179,36 +180,41 @@ impl Engine {
         Ok(self.layout.get_or_init(|| l))
     }
 
-    /// Input sparsity's input-major layout (see [`Kind::Inputs`]) and the weight-row norms of
-    /// every input (WINA's scales), loaded or built on first use.
-    pub fn input_layout(&self) -> Result<&(SparseLayout, InputNorms)> {
-        if let Some(l) = self.inputs_layout.get() {
+    /// Input sparsity's input-major layout in `form` (see [`Kind::Inputs`]; the CPU reads
+    /// [`Form::Blocks`]) and the weight-row norms of every input (WINA's scales), loaded or
+    /// built on first use.
+    pub fn input_layout(&self, form: Form) -> Result<&(SparseLayout, InputNorms)> {
+        let slot = &self.inputs_layout[(form == Form::Blocks) as usize];
+        if let Some(l) = slot.get() {
             return Ok(l);
         }
-        let units = self.sparse_layout()?;
         let backend = self.device.backend();
-        let inputs = SparseLayout::load_or_build_kind(&self.model, backend, Kind::Inputs)?;
-        let norms = InputNorms::compute(backend, units, &inputs, self.model.config.n_layers);
-        Ok(self.inputs_layout.get_or_init(|| (inputs, norms)))
+        let inputs = SparseLayout::load_or_build_kind(&self.model, backend, Kind::Inputs, form)?;
+        let norms = InputNorms::compute(backend, &inputs, self.model.config.n_layers);
+        Ok(slot.get_or_init(|| (inputs, norms)))
     }
 
     /// `model` on `dev` with the layouts that `policies` read: none for dense ones, the units'
-    /// for the Deja Vu rules, the inputs' too for input sparsity.
+    /// for the Deja Vu rules, the inputs' for input sparsity (in the form `dev` reads).
     pub fn device_model<D: dejavu_backend_api::Device>(
         &self,
         dev: &D,
         policies: &[&Policy],
     ) -> Result<DeviceModel<D>> {
-        let sparse = policies.iter().any(|p| !p.is_dense());
-        let layout = if sparse {
+        let units = policies.iter().any(|p| p.inputs.is_none() && !p.is_dense());
+        let layout = if units {
             Some(self.sparse_layout()?)
         } else {
             None
         };
         let mut m = DeviceModel::upload(dev, &self.model, layout)?;
-        if let (Some(units), true) = (layout, policies.iter().any(|p| p.inputs.is_some())) {
-            let (inputs, norms) = self.input_layout()?;
-            m.attach_inputs(dev, units, inputs, norms)?;
+        if policies.iter().any(|p| p.inputs.is_some()) {
+            let form = match dev.reads_input_blocks() {
+                true => Form::Blocks,
+                false => Form::Rows,
+            };
+            let (inputs, norms) = self.input_layout(form)?;
+            m.attach_inputs(dev, inputs, norms)?;
         }
         Ok(m)
     }
@@ -265,11 +271,10 @@ impl Engine {
             predictors = Some(&with_stats);
         }
         let p = Policy::parse(spec, &self.model.config, predictors)?;
-        if p.sparse_mlp() || p.sparse_heads() {
-            self.sparse_layout()?;
-        }
-        if p.inputs.is_some() {
-            self.input_layout()?;
+        match p.inputs.is_some() {
+            true => drop(self.input_layout(Form::Blocks)?),
+            false if p.sparse_mlp() || p.sparse_heads() => drop(self.sparse_layout()?),
+            false => {}
         }
         Ok(p)
     }
@@ -311,20 +316,20 @@ impl Engine {
     }
 
     /// The model on the CPU device, with the layouts of `level` (0: none, 1: the units', 2:
-    /// the inputs' too), made on first use.
+    /// the inputs', in input blocks), made on first use.
     pub fn cpu_model(&self, level: usize) -> Result<&DeviceModel<CpuDevice>> {
         let level = level.min(2);
         if let Some(m) = self.on_cpu[level].get() {
             return Ok(m);
         }
         let layout = match level {
-            0 => None,
-            _ => Some(self.sparse_layout()?),
+            1 => Some(self.sparse_layout()?),
+            _ => None,
         };
         let mut m = DeviceModel::upload(&self.device, &self.model, layout)?;
-        if let (2, Some(units)) = (level, layout) {
-            let (inputs, norms) = self.input_layout()?;
-            m.attach_inputs(&self.device, units, inputs, norms)?;
+        if level == 2 {
+            let (inputs, norms) = self.input_layout(Form::Blocks)?;
+            m.attach_inputs(&self.device, inputs, norms)?;
         }
         Ok(self.on_cpu[level].get_or_init(|| m))
     }

@@ -38,15 +38,17 @@ pub(super) struct Layer<D: Device> {
     pub(super) post_ffn_norm: Option<Norm<D>>,
 }
 
-/// Input sparsity's matrices of one layer (`teal`, `wina`): Q, K, V, gate and up input-major
-/// (the units' layout holds W_o's and the down projection's), and per input [`Group`] the
-/// norms of its weight rows (WINA's scales) and the bytes of one input's rows.
+/// Input sparsity's matrices of one layer (`teal`, `wina`): every projection input-major, and
+/// per input [`Group`] the norms of its weight rows (WINA's scales) and the bytes of one
+/// input's rows.
 pub(super) struct InputMats<D: Device> {
     pub(super) q: D::Mat,
     pub(super) k: D::Mat,
     pub(super) v: D::Mat,
+    pub(super) wo: D::Mat,
     pub(super) gate: Option<D::Mat>,
     pub(super) up: D::Mat,
+    pub(super) down: D::Mat,
     pub(super) norms: [D::Buf; 4],
     pub(super) row_bytes: [usize; 4],
 }
@@ -133,19 +135,13 @@ impl<D: Device> DeviceModel<D> {
     }
 
     /// Attach input sparsity's input-major matrices (`layout`, of [`Kind::Inputs`]) and WINA's
-    /// norms to a whole model uploaded with its units' layout (`units`).
+    /// norms to a whole model.
     pub fn attach_inputs(
         &mut self,
         dev: &D,
-        units: &SparseLayout,
         layout: &SparseLayout,
         norms: &InputNorms,
     ) -> Result<()> {
-        if self.sparse.is_none() {
-            return Err(Error::Invalid(
-                "input sparsity needs the model uploaded with its units' layout".into(),
-            ));
-        };
         if !self.shard.is_whole() || layout.kind() != Kind::Inputs {
             return Err(Error::Invalid(
                 "input sparsity runs on a whole model (not under tensor parallelism)".into(),
@@ -159,8 +155,7 @@ impl<D: Device> DeviceModel<D> {
         let mut out = Vec::with_capacity(c.n_layers);
         for (l, nl) in norms.layers.iter().enumerate() {
             let get = |p: Part| -> Result<Weight<'_>> {
-                (layout.get(l, p).or_else(|| units.get(l, p)))
-                    .ok_or_else(|| Error::Invalid(format!("no {p:?} in the layouts")))
+                (layout.get(l, p)).ok_or_else(|| Error::Invalid(format!("no {p:?} in the layout")))
             };
             let share = |p: Part| -> Result<D::Mat> { Ok(dev.share_mat(&get(p)?, &owner)?) };
             let bytes = |p: Part| get(p).map_or(0, |w| w.qtype.row_bytes(w.cols));
@@ -182,8 +177,10 @@ impl<D: Device> DeviceModel<D> {
                 q: share(Part::Q)?,
                 k: share(Part::K)?,
                 v: share(Part::V)?,
+                wo: share(Part::Wo)?,
                 gate,
                 up: share(Part::Up)?,
+                down: share(Part::Down)?,
                 norms: [
                     dev.upload(&nl[0])?,
                     dev.upload(&nl[1])?,

@@ -361,10 +361,12 @@ impl<D: Device> DevicePlan<D> {
         self.mlp.iter().chain(&self.heads).all(Sel::is_all) && self.inputs.is_none()
     }
 
-    /// Does a step read the sparse layout (a selection, or rows of zero activations skipped)?
+    /// Does a step read the units' sparse layout (a selection, or rows of zero activations
+    /// skipped)? Input sparsity reads the inputs' layout instead ([`Self::needs_inputs`]).
     pub fn needs_layout(&self) -> bool {
         let nonzero = |r: &Computed| matches!(r, Computed::Nonzero { .. });
-        !self.is_dense() || self.mlp_rule.iter().any(nonzero)
+        let units = !self.mlp.iter().chain(&self.heads).all(Sel::is_all);
+        self.inputs.is_none() && (units || self.mlp_rule.iter().any(nonzero))
     }
 
     /// Does a step read the input-major layout too (input sparsity)?

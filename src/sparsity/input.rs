@@ -50,18 +50,13 @@ pub struct InputNorms {
 }
 
 impl InputNorms {
-    /// From the units' and the inputs' layouts of a model of `n_layers` layers, on the
-    /// backend's dequantization (rows of every layer in parallel over the cores).
-    pub fn compute(
-        backend: &dyn Backend,
-        units: &SparseLayout,
-        inputs: &SparseLayout,
-        n_layers: usize,
-    ) -> Self {
+    /// From the inputs' layout of a model of `n_layers` layers, on the backend's
+    /// dequantization (rows of every layer in parallel over the cores).
+    pub fn compute(backend: &dyn Backend, inputs: &SparseLayout, n_layers: usize) -> Self {
         let norms = |l: usize| -> [Vec<f32>; 4] {
             Group::ALL.map(|g| {
                 let mats: Vec<Weight> = (g.parts().iter())
-                    .filter_map(|&p| units.get(l, p).or_else(|| inputs.get(l, p)))
+                    .filter_map(|&p| inputs.get(l, p))
                     .collect();
                 let n = mats.first().map_or(0, |w| w.rows);
                 let mut sq = vec![0f64; n];

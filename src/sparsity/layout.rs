@@ -25,7 +25,7 @@
 use crate::model::synthetic;
 use crate::model::weights::{ggml_type, weight_ref, Model, WeightRef};
 use crate::{Error, Result};
-use dejavu_backend_api::{quantize, Backend, QuantType, Weight};
+use dejavu_backend_api::{quantize, Backend, QuantType, RowLayout, Weight};
 use dejavu_formats::gguf::{self, GgmlType, MetaValue};
 use dejavu_formats::GgufFile;
 use std::path::PathBuf;
@@ -81,10 +81,9 @@ pub enum Part {
 }
 
 /// Which matrices a layout holds: the units' (`Units`: the neuron-major down projection and
-/// head-major W_o that the Deja Vu rules read) or the inputs' (`Inputs`: Q, K, V, gate and up,
-/// input-major, that input sparsity reads with the units' layout for W_o and the down
-/// projection). Each is its own cached file: a model that never runs input sparsity never
-/// holds the second copy of its first projections.
+/// head-major W_o that the Deja Vu rules read) or the inputs' (`Inputs`: every projection
+/// input-major, what input sparsity reads). Each is its own cached file: a model that never runs
+/// input sparsity never holds the second copy of its projections.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
     Units,
@@ -95,21 +94,49 @@ impl Kind {
     fn parts(self, gated: bool) -> &'static [Part] {
         match (self, gated) {
             (Kind::Units, _) => &[Part::Down, Part::Wo],
-            (Kind::Inputs, true) => &[Part::Q, Part::K, Part::V, Part::Gate, Part::Up],
-            (Kind::Inputs, false) => &[Part::Q, Part::K, Part::V, Part::Up],
+            (Kind::Inputs, true) => &[
+                Part::Q,
+                Part::K,
+                Part::V,
+                Part::Wo,
+                Part::Gate,
+                Part::Up,
+                Part::Down,
+            ],
+            (Kind::Inputs, false) => &[Part::Q, Part::K, Part::V, Part::Wo, Part::Up, Part::Down],
         }
     }
-    fn stem(self) -> &'static str {
-        match self {
-            Kind::Units => "sparse",
-            Kind::Inputs => "inputs",
+    fn stem(self, form: Form) -> &'static str {
+        match (self, form) {
+            (Kind::Units, _) => "sparse",
+            (Kind::Inputs, Form::Rows) => "inputs",
+            (Kind::Inputs, Form::Blocks) => "inputs-blocks",
         }
     }
     fn what(self) -> &'static str {
         match self {
             Kind::Units => "sparse layout (down projection, W_o)",
-            Kind::Inputs => "input-major layout (Q, K, V, gate, up)",
+            Kind::Inputs => "input-major layout (every projection)",
         }
+    }
+}
+
+/// How a quantized matrix is stored input-major: `Rows`, each input's row requantized in the
+/// file's row layout (every device reads it); `Blocks`, the source's own values in the
+/// input-block layout where its type has one ([`crate::sparsity::blocks`]: Q8_0, Q4_0, Q4_1,
+/// Q4_K; read by devices that [`dejavu_backend_api::Device::reads_input_blocks`]), else `Rows`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Form {
+    Rows,
+    Blocks,
+}
+
+/// The type and row layout of layer `l`'s transposed `part` in `form`.
+fn target(model: &Model, l: usize, part: Part, form: Form) -> (QuantType, RowLayout) {
+    let (src, [rows, cols]) = source(model, l, part);
+    match (form, crate::sparsity::blocks::target(src.qtype, cols, rows)) {
+        (Form::Blocks, Some(q)) => (q, RowLayout::InputBlocks),
+        _ => (down_t_type(src.qtype), RowLayout::Ggml),
     }
 }
 
@@ -144,9 +171,9 @@ fn source(model: &Model, l: usize, part: Part) -> (&WeightRef, [usize; 2]) {
     (w, [w.cols, w.rows])
 }
 
-/// Where the converted layout of `model` is cached (one file per kind and target type of its
-/// first layer's down projection).
-pub fn cache_path(model: &Model, kind: Kind) -> PathBuf {
+/// Where the converted layout of `model` is cached (one file per kind, form and target type of
+/// its first layer's down projection).
+pub fn cache_path(model: &Model, kind: Kind, form: Form) -> PathBuf {
     let qt = down_t_type(
         model
             .layers
@@ -155,7 +182,7 @@ pub fn cache_path(model: &Model, kind: Kind) -> PathBuf {
     );
     model.cache_path(
         "layouts",
-        &format!("{}-{}.v{LAYOUT_VERSION}.gguf", kind.stem(), qt.name()),
+        &format!("{}-{}.v{LAYOUT_VERSION}.gguf", kind.stem(form), qt.name()),
     )
 }
 
@@ -190,6 +217,7 @@ impl Storage {
 pub struct SparseLayout {
     storage: std::sync::Arc<Storage>,
     kind: Kind,
+    form: Form,
     /// The matrices of each layer (`kind.parts`), in the order of `tensors`' entries.
     parts: &'static [Part],
     /// Per layer, one per part.
@@ -212,6 +240,9 @@ impl SparseLayout {
     pub fn kind(&self) -> Kind {
         self.kind
     }
+    pub fn form(&self) -> Form {
+        self.form
+    }
 
     /// Layer `l`'s transposed `part`, if this layout holds it.
     pub fn get(&self, l: usize, part: Part) -> Option<Weight<'_>> {
@@ -233,27 +264,44 @@ impl SparseLayout {
 
     /// Load the cached units layout of `model`, or build (and cache) it.
     pub fn load_or_build(model: &Model, backend: &dyn Backend) -> Result<Self> {
-        Self::load_or_build_kind(model, backend, Kind::Units)
+        Self::load_or_build_kind(model, backend, Kind::Units, Form::Rows)
     }
 
-    /// Load the cached layout of `kind`, or build (and cache) it.
-    pub fn load_or_build_kind(model: &Model, backend: &dyn Backend, kind: Kind) -> Result<Self> {
+    /// Load the cached layout of `kind` in `form` (the units' are always rows), or build (and
+    /// cache) it.
+    pub fn load_or_build_kind(
+        model: &Model,
+        backend: &dyn Backend,
+        kind: Kind,
+        form: Form,
+    ) -> Result<Self> {
+        let form = if kind == Kind::Units {
+            Form::Rows
+        } else {
+            form
+        };
         if let Some(synth) = model.synthetic_source() {
-            // Generated as the exact transposes of the random weights; never cached. The
-            // generator splits each matrix's rows over the cores.
-            let storage = build(model, kind, 1, |l, part, out| {
+            // Rows are generated as the exact transposes of the random weights (the generator
+            // splits each matrix's rows over the cores); input blocks hold the model's own
+            // quantized values. Never cached.
+            let storage = build(model, kind, form, 1, |l, part, out| {
                 let (src, shape) = source(model, l, part);
-                let qt = expected_type(model, l, part);
-                synthetic::transposed(synth, &src.name, shape, qt, out)
+                match target(model, l, part, form) {
+                    (qt, RowLayout::InputBlocks) => {
+                        crate::sparsity::blocks::convert(&model.weight(src), qt, out)
+                    }
+                    (qt, _) => synthetic::transposed(synth, &src.name, shape, qt, out),
+                }
             })?;
-            return Self::from_storage(model, kind, storage, None);
+            return Self::from_storage(model, kind, form, storage, None);
         }
-        let path = cache_path(model, kind);
+        let path = cache_path(model, kind, form);
         if let Ok(f) = GgufFile::open(&path) {
-            if let Ok(tensors) = check(model, kind, &f) {
+            if let Ok(tensors) = check(model, kind, form, &f) {
                 return Ok(Self {
                     storage: std::sync::Arc::new(Storage::copy_of(f.bytes())?),
                     kind,
+                    form,
                     parts: kind.parts(model.config.mlp.gated()),
                     tensors,
                     path: Some(path),
@@ -261,21 +309,28 @@ impl SparseLayout {
             }
         }
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let storage = build(model, kind, threads, |l, part, out| {
-            transpose(model, backend, l, part, out)
+        let storage = build(model, kind, form, threads, |l, part, out| {
+            match target(model, l, part, form) {
+                (qt, RowLayout::InputBlocks) => {
+                    let src = source(model, l, part).0;
+                    crate::sparsity::blocks::convert(&model.weight(src), qt, out)
+                }
+                _ => transpose(model, backend, l, part, out),
+            }
         })?;
         let dir_ok = path
             .parent()
             .is_none_or(|d| std::fs::create_dir_all(d).is_ok());
         // Where the cache is not writable, the layout lives in memory for this process.
         let written = dir_ok && crate::fsio::write(&path, &storage.0).is_ok();
-        Self::from_storage(model, kind, storage, written.then_some(path))
+        Self::from_storage(model, kind, form, storage, written.then_some(path))
     }
 
     /// The layout serialized in `storage`.
     fn from_storage(
         model: &Model,
         kind: Kind,
+        form: Form,
         storage: Storage,
         path: Option<PathBuf>,
     ) -> Result<Self> {
@@ -286,7 +341,10 @@ impl SparseLayout {
                     .map(|&part| {
                         let name = tensor_name(l, part);
                         let t = header.tensor(&name).ok_or(Error::MissingTensor(name))?;
-                        WeightRef::from_info(t, expected_type(model, l, part))
+                        let (qt, layout) = target(model, l, part, form);
+                        let mut w = WeightRef::from_info(t, qt)?;
+                        w.layout = layout;
+                        Ok(w)
                     })
                     .collect::<Result<Vec<_>>>()
             })
@@ -294,6 +352,7 @@ impl SparseLayout {
         Ok(Self {
             storage: std::sync::Arc::new(storage),
             kind,
+            form,
             parts: kind.parts(model.config.mlp.gated()),
             tensors,
             path,
@@ -301,12 +360,8 @@ impl SparseLayout {
     }
 }
 
-fn expected_type(model: &Model, l: usize, part: Part) -> QuantType {
-    down_t_type(source(model, l, part).0.qtype)
-}
-
 /// The cached file's tensors, if it matches this model (version, source size, shapes, types).
-fn check(model: &Model, kind: Kind, f: &GgufFile) -> Result<Vec<Vec<WeightRef>>> {
+fn check(model: &Model, kind: Kind, form: Form, f: &GgufFile) -> Result<Vec<Vec<WeightRef>>> {
     let stale = |why: &str| Error::BadTensor {
         tensor: f.path.display().to_string(),
         reason: format!("stale sparse layout: {why}"),
@@ -322,10 +377,12 @@ fn check(model: &Model, kind: Kind, f: &GgufFile) -> Result<Vec<Vec<WeightRef>>>
         .map(|l| {
             (kind.parts(model.config.mlp.gated()).iter())
                 .map(|&part| {
-                    let w = weight_ref(f, tensor_name(l, part), source(model, l, part).1)?;
-                    if w.qtype != expected_type(model, l, part) {
+                    let mut w = weight_ref(f, tensor_name(l, part), source(model, l, part).1)?;
+                    let (qt, layout) = target(model, l, part, form);
+                    if w.qtype != qt {
                         return Err(stale("type"));
                     }
+                    w.layout = layout;
                     Ok(w)
                 })
                 .collect()
@@ -339,6 +396,7 @@ fn check(model: &Model, kind: Kind, f: &GgufFile) -> Result<Vec<Vec<WeightRef>>>
 fn build(
     model: &Model,
     kind: Kind,
+    form: Form,
     threads: usize,
     convert: impl Fn(usize, Part, &mut [u8]) + Sync,
 ) -> Result<Storage> {
@@ -356,7 +414,7 @@ fn build(
         .collect();
     let infos: Vec<(&str, &[u64], GgmlType, usize)> = (jobs.iter().enumerate())
         .map(|(i, &(l, p))| {
-            let qt = expected_type(model, l, p);
+            let qt = target(model, l, p, form).0;
             let [rows, cols] = source(model, l, p).1;
             (
                 names[i].as_str(),

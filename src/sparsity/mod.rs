@@ -3,6 +3,7 @@
 //! `HeadPredictor`) and the file that stores them with the output preview
 //! ([`predictors_file`]), the neuron-major weight layout the sparse kernels read ([`layout`]),
 //! and `dejavu calibrate` (`crate::tune::calibrate`). The forward pass (`exec`) runs the plan.
+pub mod blocks;
 pub mod input;
 pub mod layout;
 pub mod plan;

@@ -22,7 +22,7 @@ pub fn input_stats(
     ctx: usize,
 ) -> Result<InputStats> {
     let c = &engine.model.config;
-    let (_, norms) = engine.input_layout()?;
+    let (_, norms) = engine.input_layout(crate::sparsity::layout::Form::Blocks)?;
     let mut session = on.open(&Policy::dense(c))?;
     session.capture(true)?;
     let tokens = &tokens[..tokens.len().min(MAX_TOKENS)];

@@ -25,11 +25,18 @@ pub struct Weight<'a> {
 /// The arrangement of a weight row's blocks. `Ggml` is the file's; `Repacked` is the CPU
 /// backend's interleaved groups of 8 blocks (`dejavu_backend_cpu::kernels::repack`), made once at
 /// load by [`Backend::repack`] for the types [`Backend::repacks`] names.
+///
+/// `InputBlocks` is an input-major matrix (`rows` inputs of `cols` outputs, both multiples of
+/// 32) that keeps its source's 8- or 4-bit quantization (Q8_0, Q4_0, Q4_1): per block of 32
+/// inputs, the outputs' scales (and Q4_1's offsets) as f16, then the 32 inputs' quants (see
+/// `dejavu_backend_cpu::kernels::axpy_blocks`). Its size is the type's `rows * row_bytes(cols)`;
+/// only [`crate::Device::axpy`] reads it, on a device that [`crate::Device::reads_input_blocks`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum RowLayout {
     #[default]
     Ggml,
     Repacked,
+    InputBlocks,
 }
 
 impl<'a> Weight<'a> {

@@ -215,6 +215,12 @@ pub trait Device: Send + Sync {
     fn name(&self) -> String;
     /// Can this device compute with weights of this type?
     fn supports(&self, qtype: QuantType) -> bool;
+    /// Does [`Device::axpy`] read matrices in the input-block layout
+    /// ([`crate::RowLayout::InputBlocks`])? Those that do not get input-major rows requantized
+    /// in the file's row layout instead.
+    fn reads_input_blocks(&self) -> bool {
+        false
+    }
 
     /// `n` zeros.
     fn zeros(&self, n: usize) -> Result<Self::Buf, BackendError>;

@@ -6,6 +6,7 @@
 //! read next and adds them, a few at a time, into its own partial sum with the tier's `axpy_q`
 //! (dequantization fused into the multiply-add); the caller adds the partials. [`reference()`] is the scalar definition the test compares against.
 use crate::dequant::dequantize_row;
+use crate::kernels::axpy_blocks;
 use crate::kernels::table::Kernels;
 use crate::matmul::SyncPtr;
 use crate::pool::SpinPool;
@@ -120,6 +121,106 @@ pub fn axpy_matmul(
             for p in rest.chunks_exact(cols) {
                 yt.iter_mut().zip(p).for_each(|(y, v)| *y += v);
             }
+        }
+    });
+}
+
+/// Bytes of kept rows per thread, at least (fewer go to fewer threads: a second thread's
+/// dispatch and partial sum cost more than it saves on small matrices such as K and V).
+const MIN_BYTES_PER_THREAD: usize = 64 << 10;
+
+/// `y += sum over r with x[r] != 0 of x[r] * W[r]` for `w` in the input-block layout
+/// (`RowLayout::InputBlocks`, see `kernels::axpy_blocks`): each block of 32 inputs with a
+/// nonzero one goes through the tier's `axpy_blocks` with its kept rows. The pool's threads take
+/// contiguous runs of those blocks (about equal kept rows each), so each streams its rows in
+/// memory order; each adds into its own partial sum, and the caller adds the partials.
+pub fn axpy_blocks(k: &Kernels, pool: &SpinPool, w: &Weight, x: &[f32], y: &mut [f32]) {
+    w.check();
+    assert_eq!(
+        w.layout,
+        dejavu_backend_api::RowLayout::InputBlocks,
+        "axpy_blocks reads input-block matrices"
+    );
+    let (rows, cols, q) = (w.rows, w.cols, w.qtype);
+    assert!(
+        rows.is_multiple_of(32) && cols.is_multiple_of(32),
+        "axpy_blocks: a {rows}x{cols} matrix is not in whole blocks of 32"
+    );
+    assert!(x.len() == rows && y.len() == cols, "axpy_blocks: lengths");
+    let block_bytes = 32 * q.row_bytes(cols);
+    // The blocks with a kept input, and their kept rows.
+    let kept: Vec<(usize, [u8; 32], usize)> = (0..rows / 32)
+        .filter_map(|b| {
+            let mut r = [0u8; 32];
+            let mut n = 0;
+            for (i, v) in x[32 * b..32 * b + 32].iter().enumerate() {
+                if *v != 0.0 {
+                    r[n] = i as u8;
+                    n += 1;
+                }
+            }
+            (n > 0).then_some((b, r, n))
+        })
+        .collect();
+    let total: usize = kept.iter().map(|k| k.2).sum();
+    if total == 0 {
+        return;
+    }
+    let threads = pool
+        .threads()
+        .min((total * q.row_bytes(cols)).div_ceil(MIN_BYTES_PER_THREAD))
+        .max(1);
+    // Thread t takes the blocks whose first kept row falls in its share of the kept rows.
+    let mut bounds = vec![0usize; threads + 1];
+    let (mut seen, mut t) = (0, 1);
+    for (i, kb) in kept.iter().enumerate() {
+        while t < threads && seen >= t * total / threads {
+            bounds[t] = i;
+            t += 1;
+        }
+        seen += kb.2;
+    }
+    for b in bounds.iter_mut().skip(t) {
+        *b = kept.len();
+    }
+    bounds[threads] = kept.len();
+    let block = |b: usize| &w.data[b * block_bytes..(b + 1) * block_bytes];
+    let run = |part: &mut [f32], t: usize| {
+        let mine = &kept[bounds[t]..bounds[t + 1]];
+        if let Some((b, r, n)) = mine.first() {
+            axpy_blocks::prefetch_first(q, block(*b), cols, &r[..*n]);
+        }
+        for (i, (b, r, n)) in mine.iter().enumerate() {
+            // The next block's first rows, while this one's are read.
+            if let Some((nb, nr, nn)) = mine.get(i + 1) {
+                axpy_blocks::prefetch_first(q, block(*nb), cols, &nr[..*nn]);
+            }
+            let xb: &[f32; 32] = x[32 * b..32 * b + 32].try_into().expect("32 inputs");
+            (k.axpy_blocks)(q, block(*b), cols, &r[..*n], xb, 0, part);
+        }
+    };
+    if threads == 1 {
+        return run(y, 0);
+    }
+    PARTS.with_borrow_mut(|parts| {
+        parts.clear();
+        parts.resize((threads - 1) * cols, 0.0);
+        let pp = SyncPtr::new(parts.as_mut_ptr());
+        let yp = SyncPtr::new(y.as_mut_ptr());
+        pool.run(threads, &|t| {
+            // SAFETY: task 0 alone writes `y` (cols floats); task t > 0 alone writes partial
+            // t - 1 (cols floats inside `parts`, which holds (threads - 1) * cols); both outlive
+            // `pool.run`.
+            let part = unsafe {
+                match t {
+                    0 => std::slice::from_raw_parts_mut(yp.get(), cols),
+                    _ => std::slice::from_raw_parts_mut(pp.get().add((t - 1) * cols), cols),
+                }
+            };
+            run(part, t);
+        });
+        for p in parts.chunks_exact(cols) {
+            y.iter_mut().zip(p).for_each(|(y, v)| *y += v);
         }
     });
 }

@@ -257,6 +257,7 @@ fn part_rows(p: &Part, a: usize, b: usize, input: &Input, tokens: std::ops::Rang
     let unit = match p.w.layout {
         RowLayout::Ggml => bl.max(QK) / bl,
         RowLayout::Repacked => GROUP,
+        RowLayout::InputBlocks => panic!("input-block matrices are read by axpy only"),
     };
     let seg_blocks = (SEGMENT_BYTES / bb).max(1).div_ceil(unit) * unit;
     let n_seg = match sparse && rb >= 2 * SEGMENT_BYTES && cols.is_multiple_of(bl.max(QK)) {
@@ -426,6 +427,9 @@ fn matmul_int(
                             (k.unpack)(w.qtype, w.row(r), ggml);
                             panel.set_row(ggml, f.unpack);
                         }
+                        RowLayout::InputBlocks => {
+                            panic!("input-block matrices are read by axpy only")
+                        }
                     }
                 }
                 panel.finish(f.finish);
@@ -451,6 +455,11 @@ pub fn dequantize_row(k: &Kernels, w: &Weight, r: usize, out: &mut [f32]) {
     match w.layout {
         RowLayout::Ggml => (k.dequantize)(w.qtype, w.row(r), out),
         RowLayout::Repacked => (k.dequantize_repacked)(w.qtype, w.row(r), out),
+        RowLayout::InputBlocks => {
+            let block = 32 * w.qtype.row_bytes(w.cols);
+            let b = &w.data[r / 32 * block..(r / 32 + 1) * block];
+            crate::kernels::axpy_blocks::input_row(w.qtype, b, w.cols, r % 32, out)
+        }
     }
 }
 

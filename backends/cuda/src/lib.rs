@@ -370,7 +370,10 @@ impl Device for CudaDevice {
         if w.layout != dejavu_backend_api::RowLayout::Ggml {
             return Err(BackendError::Unsupported {
                 backend: self.name(),
-                what: "repacked rows (load the model with --no-repack)".into(),
+                what: format!(
+                    "{:?} rows (the file's row layout only: load the model with --no-repack)",
+                    w.layout
+                ),
             });
         }
         if w.cols > i32::MAX as usize || w.rows > i32::MAX as usize {

@@ -31,8 +31,11 @@ pub struct CalibrateArgs {
     #[arg(long, default_value_t = 2048)]
     pub validation_tokens: usize,
     /// Largest perplexity increase the recommended setting may cost on the held-out tokens.
-    #[arg(long, default_value_t = 0.05)]
+    #[arg(long, default_value_t = 0.03)]
     pub max_ppl_increase: f64,
+    /// Smallest top-1 agreement with dense the recommended setting must keep on them.
+    #[arg(long, default_value_t = 0.9)]
+    pub min_top1_agreement: f64,
     /// Tokens per chunk.
     #[arg(long, default_value_t = 512)]
     pub ctx: usize,
@@ -130,6 +133,7 @@ pub fn cmd_calibrate(a: CalibrateArgs) -> Result<()> {
             rank: a.rank,
             validation_tokens: a.validation_tokens,
             max_ppl_increase: a.max_ppl_increase,
+            min_top1_agreement: a.min_top1_agreement,
             no_search: a.no_search,
             mlp_tokens: a.mlp_tokens,
             mlp: dejavu::sparsity::predictor::TrainOptions {

@@ -83,7 +83,7 @@ impl<D: Device> DeviceSession<'_, D> {
         self.keep_inputs(l, Group::O, t, which)?;
         let (dev, m) = (self.dev, self.model);
         let (c, lw) = (&m.local, &m.layers[l]);
-        let wo_t = &units_of(m, l)?.1;
+        let wo_t = &inputs_of(m, l)?.wo;
         let heads = self.plan.heads[l].rows(c.head_dim);
         let s = &mut self.s;
         let y = if out { &mut s.part } else { &mut s.x };
@@ -112,7 +112,7 @@ impl<D: Device> DeviceSession<'_, D> {
             }
         };
         self.keep_inputs(l, Group::Down, t_down, a)?;
-        let down_t = &units_of(m, l)?.0;
+        let down_t = &inputs_of(m, l)?.down;
         let s = &mut self.s;
         let y = if out { &mut s.part } else { &mut s.x };
         Ok(dev.axpy(down_t, Rows::All, &s.sparse, lw.b_down.as_ref(), y)?)
@@ -164,9 +164,4 @@ fn from_zero<D: Device>(
 fn inputs_of<D: Device>(m: &DeviceModel<D>, l: usize) -> Result<&InputMats<D>> {
     (m.inputs.as_ref().and_then(|v| v.get(l)))
         .ok_or_else(|| crate::Error::Invalid("the model has no input-major layout".into()))
-}
-
-fn units_of<D: Device>(m: &DeviceModel<D>, l: usize) -> Result<&(D::Mat, D::Mat)> {
-    (m.sparse.as_ref().and_then(|v| v.get(l)))
-        .ok_or_else(|| crate::Error::Invalid("the model has no sparse layout".into()))
 }

@@ -1,7 +1,7 @@
 //! The CPU device's matrices: a weight's bytes read in place from the mapped file or buffer
 //! that holds them (`Device::share_mat`), or a copy.
 use crate::dequant;
-use crate::kernels::repack;
+use crate::kernels::{axpy_blocks, repack};
 use dejavu_backend_api::{BackendError, QuantType, RowLayout, SharedBytes, Weight};
 
 /// A matrix in host memory, in the file's layout or the CPU's repacked one: the bytes of the
@@ -36,6 +36,11 @@ impl CpuMat {
                 let mut ggml = vec![0u8; rb];
                 repack::unpack_row(self.qtype, row, &mut ggml);
                 dequant::dequantize_row(self.qtype, &ggml, out)
+            }
+            RowLayout::InputBlocks => {
+                let block = 32 * rb;
+                let b = &self.bytes()[r / 32 * block..(r / 32 + 1) * block];
+                axpy_blocks::input_row(self.qtype, b, self.cols, r % 32, out)
             }
         }
     }

@@ -382,6 +382,10 @@ impl Device for CpuDevice {
         Ok(())
     }
 
+    fn reads_input_blocks(&self) -> bool {
+        true
+    }
+
     fn sparsify(
         &self,
         x: &Vec<f32>,

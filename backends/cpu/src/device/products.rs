@@ -15,6 +15,9 @@ impl CpuDevice {
         let mut sels = Vec::with_capacity(jobs.len());
         for p in jobs.iter() {
             let w = p.w;
+            if w.layout == RowLayout::InputBlocks {
+                return Err(shape("an input-block matrix is read by axpy only".into()));
+            }
             let (set, rs) = selection(p.rows, w.rows)?;
             need("matvec input", p.x.unwrap_or(x).len(), w.cols)?;
             need("matvec output", p.y.len(), count(&rs, w.rows))?;
@@ -74,6 +77,9 @@ impl CpuDevice {
             let (w, xp) = (p.w, p.x.unwrap_or(x));
             if !matches!(p.rows, Rows::All) {
                 return Err(shape("a batch's products read every row".into()));
+            }
+            if w.layout == RowLayout::InputBlocks {
+                return Err(shape("an input-block matrix is read by axpy only".into()));
             }
             self.batch("matmul input", xp.len(), w.cols, rows)?;
             self.batch("matmul output", p.y.len(), w.rows, rows)?;
@@ -162,9 +168,9 @@ impl CpuDevice {
         bias: Option<&Vec<f32>>,
         y: &mut [f32],
     ) -> Result<(), BackendError> {
-        if w.layout != RowLayout::Ggml {
+        if w.layout == RowLayout::Repacked {
             return Err(shape(
-                "axpy reads neuron-major rows in the file's layout".into(),
+                "axpy reads neuron-major rows in the file's or the input-block layout".into(),
             ));
         }
         let rs = match rows {
@@ -178,14 +184,23 @@ impl CpuDevice {
         }
         // The compact activations back at their rows, for the kernel's row-indexed input; the
         // rows of zero activations go unread (the contract allows it: ReLU's zeros).
-        let full = match &rs {
-            None => a[..w.rows].to_vec(),
+        let full: std::borrow::Cow<[f32]> = match &rs {
+            None => a[..w.rows].into(),
             Some(rs) => {
                 let mut full = vec![0f32; w.rows];
                 (rs.iter().zip(a.iter())).for_each(|(&r, &v)| full[r] += v);
-                full
+                full.into()
             }
         };
+        if w.layout == RowLayout::InputBlocks {
+            let wt = w.weight()?;
+            let y = &mut y[..w.cols];
+            axpy_matmul::axpy_blocks(&self.cpu.kernels, &self.cpu.pool, &wt, &full[..w.rows], y);
+            if let Some(b) = bias {
+                y.iter_mut().zip(b).for_each(|(y, b)| *y += b);
+            }
+            return Ok(());
+        }
         let nonzero = (0..w.rows as u32)
             .filter(|&r| full[r as usize] != 0.0)
             .collect();

@@ -157,6 +157,7 @@ pub(crate) fn check_q8a(
 #[cfg(target_arch = "aarch64")]
 mod arm;
 pub mod axpy;
+pub mod axpy_blocks;
 pub mod axpy_q;
 pub mod dequantize;
 pub mod dot_float;

@@ -1,8 +1,8 @@
 //! The kernel table: one function per (operation, weight type) for one ISA tier, built once.
 use super::{
-    axpy, axpy_q, dequantize, dot_float, dot_iq4nl, dot_iq4xs, dot_q2k, dot_q3k, dot_q4_0,
-    dot_q4_1, dot_q4k, dot_q5_0, dot_q5_1, dot_q5k, dot_q6k, dot_q8_0, dot_repacked, dot_rows,
-    gemm_q8a, glu, quantize_act, repack,
+    axpy, axpy_blocks, axpy_q, dequantize, dot_float, dot_iq4nl, dot_iq4xs, dot_q2k, dot_q3k,
+    dot_q4_0, dot_q4_1, dot_q4k, dot_q5_0, dot_q5_1, dot_q5k, dot_q6k, dot_q8_0, dot_repacked,
+    dot_rows, gemm_q8a, glu, quantize_act, repack,
 };
 use crate::isa::{self, Isa, IsaError};
 use dejavu_backend_api::quant::{BlockQ8A, QuantType};
@@ -41,6 +41,8 @@ pub struct Kernels {
     pub axpy_rows_f16: axpy::AxpyRowsFn<half::f16>,
     /// Weighted sum of a few quantized rows (the sparse down projection).
     pub axpy_q: axpy_q::AxpyQFn,
+    /// The same over a block of 32 rows of an input-block matrix (input sparsity).
+    pub axpy_blocks: axpy_blocks::AxpyBlocksFn,
     /// Row dots per weight type: `dots` prefetch ahead of the row they read (dense products),
     /// `sparse_dots` do not (the sparse row loop prefetches the rows it selected).
     dots: [RowDot; QuantType::ALL.len()],
@@ -100,6 +102,7 @@ impl Kernels {
             dot_rows_f16: dot_rows::select_f16(isa),
             axpy_rows_f16: axpy::select_f16(isa),
             axpy_q: axpy_q::select(isa),
+            axpy_blocks: axpy_blocks::select(isa),
             dots: dots_with(true),
             sparse_dots: dots_with(false),
         })
@@ -160,6 +163,7 @@ impl Kernels {
             dot_rows_f16: dot_rows::scalar,
             axpy_rows_f16: axpy::scalar,
             axpy_q: axpy_q::scalar,
+            axpy_blocks: axpy_blocks::scalar,
             dots,
             sparse_dots: dots,
         }
@@ -189,6 +193,8 @@ impl Kernels {
                 table[slot(w.qtype)]
                     .unwrap_or_else(|| panic!("{:?} rows are never repacked", w.qtype))
             }
+            // The device refuses products of these before any kernel runs.
+            RowLayout::InputBlocks => panic!("input-block matrices are read by axpy only"),
         }
     }
 }

@@ -1,0 +1,157 @@
+//! The input-block layout of a projection (`RowLayout::InputBlocks`, read by the CPU's
+//! `kernels::axpy_blocks`): the source's own 8- or 4-bit values, transposed, so input sparsity
+//! reads each kept input's quants without a second rounding.
+//!
+//! Sources and their target type: Q8_0, Q4_0 and Q4_1 keep their type and every value exactly;
+//! Q4_K becomes Q4_1 (each sub-block's scale `d * sc` and min `-dmin * m` rounded to f16, a
+//! relative change below 2^-11 of a scale; the 4-bit quants are unchanged). Other types keep
+//! the requantized rows of [`crate::sparsity::layout`].
+use dejavu_backend_api::{QuantType, RowLayout, Weight};
+use dejavu_backend_cpu::dequant::{group_len, unpack_block};
+use dejavu_backend_cpu::kernels::{axpy_blocks, repack};
+
+/// The input-block type a source of `src` becomes, if it has one, for a `[outputs][inputs]`
+/// source of this shape (both multiples of 32).
+pub fn target(src: QuantType, outputs: usize, inputs: usize) -> Option<QuantType> {
+    if !outputs.is_multiple_of(32) || !inputs.is_multiple_of(32) {
+        return None;
+    }
+    match src {
+        QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q4_1 => Some(src),
+        QuantType::Q4K => Some(QuantType::Q4_1),
+        _ => None,
+    }
+}
+
+/// Write `w` (`[outputs][inputs]`, ggml or repacked rows of a type [`target`] takes) into `out`
+/// in the input-block layout of `inputs` rows of `outputs` columns of type `qt`.
+pub fn convert(w: &Weight, qt: QuantType, out: &mut [u8]) {
+    let (n_out, n_in) = (w.rows, w.cols);
+    assert_eq!(
+        target(w.qtype, n_out, n_in),
+        Some(qt),
+        "input blocks of {:?}",
+        w.qtype
+    );
+    assert_eq!(out.len(), n_in * qt.row_bytes(n_out), "input blocks: size");
+    let (bl, g) = (w.qtype.block_len(), group_len(w.qtype));
+    assert_eq!(g, 32, "input blocks take groups of 32");
+    let bb = w.qtype.block_bytes();
+    let block_bytes = 32 * qt.row_bytes(n_out);
+    let scales = match qt {
+        QuantType::Q4_1 => 4 * n_out,
+        _ => 2 * n_out,
+    };
+    let mut ggml = vec![0u8; w.qtype.row_bytes(n_in)];
+    let (mut q, mut sc, mut off) = (vec![0i8; bl], vec![0f32; bl / g], vec![0f32; bl / g]);
+    // 32 outputs at a time: their quants of every input, then each input's 32 (one ggml
+    // group of the target's row).
+    let mut quants = vec![0u8; 32 * n_in];
+    for o0 in (0..n_out).step_by(32) {
+        for k in 0..32 {
+            let o = o0 + k;
+            let row = match w.layout {
+                RowLayout::Repacked => {
+                    repack::unpack_row(w.qtype, w.row(o), &mut ggml);
+                    &ggml[..]
+                }
+                _ => w.row(o),
+            };
+            for (blk, src) in row.chunks_exact(bb).enumerate() {
+                unpack_block(w.qtype, src, &mut q, &mut sc, &mut off);
+                for j in 0..bl / g {
+                    let b = (blk * bl + j * g) / 32;
+                    let block = &mut out[b * block_bytes..(b + 1) * block_bytes];
+                    let h = |v: f32| half::f16::from_f32(v).to_le_bytes();
+                    block[2 * o..2 * o + 2].copy_from_slice(&h(sc[j]));
+                    if qt == QuantType::Q4_1 {
+                        block[2 * (n_out + o)..2 * (n_out + o) + 2].copy_from_slice(&h(off[j]));
+                    }
+                    for r in 0..32 {
+                        // Q4_0's unpacked values are `n - 8`: store the nibble `n`.
+                        let v = q[j * g + r];
+                        quants[k * n_in + b * 32 + r] = match w.qtype {
+                            QuantType::Q4_0 => (v + 8) as u8,
+                            _ => v as u8,
+                        };
+                    }
+                }
+            }
+        }
+        for i in 0..n_in {
+            let (b, r) = (i / 32, i % 32);
+            let block = &mut out[b * block_bytes..(b + 1) * block_bytes];
+            let col: [u8; 32] = std::array::from_fn(|k| quants[k * n_in + i]);
+            match qt {
+                QuantType::Q8_0 => {
+                    let at = scales + r * n_out + o0;
+                    block[at..at + 32].copy_from_slice(&col);
+                }
+                _ => {
+                    let at = scales + r * n_out / 2 + o0 / 2;
+                    for k in 0..16 {
+                        block[at + k] = (col[k] & 0xF) | (col[k + 16] << 4);
+                    }
+                }
+            }
+        }
+    }
+    debug_assert!(axpy_blocks::supports(qt));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dejavu_backend_api::quantize;
+
+    /// Every input's row of the converted matrix equals the source's column (dequantized), for
+    /// each source type: exactly for Q8_0, Q4_0 and Q4_1; for Q4_K within the f16 rounding of
+    /// its scale and min terms (2^-10 of the row's largest magnitude).
+    #[test]
+    fn converted_rows_are_the_source_columns() {
+        let (n_out, n_in) = (64, 256);
+        let vals: Vec<f32> = (0..n_out * n_in)
+            .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * (1.0 + (i % 13) as f32))
+            .collect();
+        for src in [
+            QuantType::Q8_0,
+            QuantType::Q4_0,
+            QuantType::Q4_1,
+            QuantType::Q4K,
+        ] {
+            let mut bytes = Vec::new();
+            for row in vals.chunks_exact(n_in) {
+                quantize::quantize_row(src, row, &mut bytes).unwrap();
+            }
+            let w = Weight::new(src, n_out, n_in, &bytes).unwrap();
+            let qt = target(src, n_out, n_in).unwrap();
+            let mut out = vec![0u8; n_in * qt.row_bytes(n_out)];
+            convert(&w, qt, &mut out);
+            let t = Weight::new(qt, n_in, n_out, &out)
+                .unwrap()
+                .with_layout(RowLayout::InputBlocks);
+            let mut src_row = vec![0f32; n_in];
+            let mut col = vec![0f32; n_out];
+            let k = dejavu_backend_cpu::kernels::table::Kernels::f32_reference();
+            for i in 0..n_in {
+                dejavu_backend_cpu::matmul::dequantize_row(&k, &t, i, &mut col);
+                for (o, c) in col.iter().enumerate() {
+                    dejavu_backend_cpu::dequant::dequantize_row(src, w.row(o), &mut src_row);
+                    let want = src_row[i];
+                    // Q4_K: f16 rounding of `d * sc` and `dmin * m`, each term up to the row's
+                    // largest magnitude.
+                    let big = src_row.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    let tol = if src == QuantType::Q4K {
+                        2.0 * big / 1024.0
+                    } else {
+                        0.0
+                    };
+                    assert!(
+                        (c - want).abs() <= tol,
+                        "{src:?} input {i} output {o}: {c} vs {want}"
+                    );
+                }
+            }
+        }
+    }
+}
