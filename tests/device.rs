@@ -399,14 +399,7 @@ pub fn input_sparsity_conforms<D: Device>(dev: &D) -> f32 {
         let vocab = c.vocab_size as u32;
         let tokens: Vec<u32> = (0..64u32).map(|i| (i * 37 + 11) % vocab).collect();
         let stats = dejavu::tune::thresholds::input_stats(&eng, &eng, &tokens, 32).unwrap();
-        let preds = Predictors {
-            path: None,
-            metadata: Default::default(),
-            output: None,
-            mlp: Vec::new().into(),
-            heads: Vec::new().into(),
-            inputs: Some(std::sync::Arc::new(stats)),
-        };
+        let preds = Predictors::inputs_only(stats);
         let pol = eng.policy(spec, Some(&preds)).unwrap();
         let run =
             |d: &dyn Fn(&[u32]) -> Vec<f32>| TOKENS.iter().map(|&t| d(&[t])).collect::<Vec<_>>();

@@ -172,17 +172,7 @@ fn calibrated_thresholds_drop_about_the_requested_fraction() {
     let text = "The quick brown fox jumps over the lazy dog. fn main() {} ".repeat(4);
     let tokens = e.tokenizer.encode(&text).unwrap();
     let stats = dejavu::tune::thresholds::input_stats(&e, &e, &tokens, 32).unwrap();
-    let mut preds = e.predictors(None).unwrap().unwrap_or_else(|| {
-        dejavu::sparsity::predictors_file::Predictors {
-            path: None,
-            metadata: Default::default(),
-            output: None,
-            mlp: Vec::new().into(),
-            heads: Vec::new().into(),
-            inputs: None,
-        }
-    });
-    preds.inputs = Some(std::sync::Arc::new(stats));
+    let preds = dejavu::sparsity::predictors_file::Predictors::inputs_only(stats);
     let dense_bytes = {
         let mut s = e.decoder(&Policy::dense(&e.model.config)).unwrap();
         s.run(&TOKENS, Logits::Last).unwrap();
@@ -230,14 +220,7 @@ fn bad_input_sparsity_specs_are_refused() {
     let text = "Some calibration text, repeated. ".repeat(4);
     let tokens = e.tokenizer.encode(&text).unwrap();
     let stats = dejavu::tune::thresholds::input_stats(&e, &e, &tokens, 32).unwrap();
-    let preds = dejavu::sparsity::predictors_file::Predictors {
-        path: None,
-        metadata: Default::default(),
-        output: None,
-        mlp: Vec::new().into(),
-        heads: Vec::new().into(),
-        inputs: Some(std::sync::Arc::new(stats)),
-    };
+    let preds = dejavu::sparsity::predictors_file::Predictors::inputs_only(stats);
     let err = |spec: &str| e.policy(spec, Some(&preds)).err().unwrap().to_string();
     for (spec, why) in [
         ("teal:1.0", "[0, 1)"),

@@ -209,6 +209,18 @@ impl Predictors {
         })
     }
 
+    /// A file of input thresholds only (what `teal` and `wina` read).
+    pub fn inputs_only(stats: InputStats) -> Self {
+        Self {
+            path: None,
+            metadata: HashMap::new(),
+            output: None,
+            mlp: Vec::new().into(),
+            heads: Vec::new().into(),
+            inputs: Some(Arc::new(stats)),
+        }
+    }
+
     /// Per-layer MLP density measured at calibration (the fraction of nonzero activations), if
     /// stored.
     pub fn mlp_density(&self) -> Option<Vec<f64>> {

@@ -253,18 +253,7 @@ pub fn train_predictors(
     let m = &engine.model;
     let c = &m.config;
     let (d, ff) = (c.d_model, c.n_ff);
-    let mut session = on.open(&Policy::dense(c))?;
-    session.capture(true)?;
-    let chunks: Vec<&[u32]> = tokens.chunks(ctx).filter(|ch| ch.len() >= 2).collect();
-    let bar = crate::progress::bar(chunks.len() as u64, "activations for the predictors");
-    for chunk in chunks {
-        session.truncate(0);
-        let n = chunk.len();
-        session.run(chunk, Logits::Hidden(n - 1, n))?;
-        bar.inc(1);
-    }
-    bar.finish_and_clear();
-    let cap = session.take_capture();
+    let (mut session, cap) = captured(on, c, tokens, ctx, "activations for the predictors")?;
     let bar = crate::progress::bar(c.n_layers as u64, "MLP and head predictors");
     let mut t = Trained {
         mlp: Vec::new(),
@@ -308,6 +297,33 @@ pub fn train_predictors(
     }
     bar.finish_and_clear();
     Ok(t)
+}
+
+/// A dense session of `on` that ran `tokens` in passes of `ctx` (chunks of at least 2 tokens)
+/// under capture, and what it captured (every layer's block inputs and attention outputs).
+pub(crate) fn captured<'a>(
+    on: &'a dyn Sessions,
+    c: &crate::model::config::ModelConfig,
+    tokens: &[u32],
+    ctx: usize,
+    what: &str,
+) -> Result<(Box<dyn crate::exec::Decoder + 'a>, crate::exec::Capture)> {
+    let mut session = on.open(&Policy::dense(c))?;
+    session.capture(true)?;
+    let chunks: Vec<&[u32]> = tokens
+        .chunks(ctx.max(2))
+        .filter(|ch| ch.len() >= 2)
+        .collect();
+    let bar = crate::progress::bar(chunks.len() as u64, what);
+    for chunk in chunks {
+        session.truncate(0);
+        let n = chunk.len();
+        session.run(chunk, Logits::Hidden(n - 1, n))?;
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let cap = session.take_capture();
+    Ok((session, cap))
 }
 
 /// Sigma = mean over tokens of h h^T, h the final normed hidden state (f64, d x d).

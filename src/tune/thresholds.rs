@@ -1,9 +1,8 @@
 //! Input sparsity's calibration (`teal`, `wina`): each layer's four projection inputs over
 //! calibration tokens, from dense batched passes, reduced to quantiles of their scores
 //! ([`InputStats`]); `teal:S` then sets each threshold at the quantile `S`.
-use crate::exec::{Engine, Logits, Sessions};
+use crate::exec::{Engine, Sessions};
 use crate::sparsity::input::InputStats;
-use crate::sparsity::policy::Policy;
 use crate::Result;
 
 /// Random tokens a synthetic model's thresholds are measured on.
@@ -23,19 +22,9 @@ pub fn input_stats(
 ) -> Result<InputStats> {
     let c = &engine.model.config;
     let (_, norms) = engine.input_layout(crate::sparsity::layout::Form::Blocks)?;
-    let mut session = on.open(&Policy::dense(c))?;
-    session.capture(true)?;
     let tokens = &tokens[..tokens.len().min(MAX_TOKENS)];
-    let chunks: Vec<&[u32]> = tokens.chunks(ctx.max(1)).collect();
-    let bar = crate::progress::bar(chunks.len() as u64, "activations for the input thresholds");
-    for chunk in chunks {
-        session.truncate(0);
-        let n = chunk.len();
-        session.run(chunk, Logits::Hidden(n - 1, n))?;
-        bar.inc(1);
-    }
-    bar.finish_and_clear();
-    let cap = session.take_capture();
+    let what = "activations for the input thresholds";
+    let (mut session, cap) = crate::tune::calibrate::captured(on, c, tokens, ctx, what)?;
     let mut st = InputStats::new();
     for (l, norms) in norms.layers.iter().enumerate() {
         let act = session.mlp_activations(l, &cap.mlp_in[l])?;
