@@ -1,10 +1,36 @@
-//! The launch of attention.cu: one block per selected query head and batch row over the f16
-//! caches.
+//! The launches of attention.cu (one block per selected query head and batch row over the f16
+//! caches) and of rope.cu.
 use crate::{launch, need, shape, Buf, Cache, CudaDevice, Idx};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
-use dejavu_backend_api::{AttnGeom, BackendError, Device, Rows};
+use dejavu_backend_api::{AttnGeom, BackendError, Device, RopeStyle, Rotary, Rows};
 
 impl CudaDevice {
+    /// rope.cu over `nx` heads at `x` and `ny` at `y`, each of `rows` rows (lengths checked by
+    /// the caller).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn launch_rope(
+        &self,
+        x: u64,
+        nx: usize,
+        y: u64,
+        ny: usize,
+        hd: usize,
+        rope: Rotary<'_, Buf>,
+        rows: usize,
+    ) -> Result<(), BackendError> {
+        self.batch_rows("rope", rows)?;
+        if let Some(f) = rope.factors {
+            need("RoPE factors", f.0.len(), hd / 2)?;
+        }
+        let neox = (rope.style == RopeStyle::Neox) as i32;
+        let (nxi, nyi, hdi, sp) = (nx as i32, ny as i32, hd as i32, self.ptr(&self.step));
+        let fp = rope.factors.map_or(0, |f| self.ptr(&f.0));
+        let mut b = self.lane().launch_builder(self.func("rope"));
+        b.arg(&x).arg(&nxi).arg(&y).arg(&nyi).arg(&hdi).arg(&sp);
+        b.arg(&rope.theta).arg(&fp).arg(&neox);
+        launch::run(b, launch::rows(launch::grid((nx + ny) * hd / 2, 128), rows))
+    }
+
     /// `Device::attention`.
     pub(crate) fn launch_attention(
         &self,

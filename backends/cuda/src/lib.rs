@@ -15,7 +15,7 @@ use cudarc::driver::{
 };
 use dejavu_backend_api::{
     check_scale_cap, Activation, AttnGeom, BackendError, Device, InputMask, LazyKv, Product,
-    QuantType, RopeStyle, Rotary, Rows, StepRow, TopK, Weight, MAX_ROWS,
+    QuantType, Rotary, Rows, StepRow, TopK, Weight, MAX_ROWS,
 };
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -23,11 +23,11 @@ use std::sync::{Arc, Mutex};
 
 mod attention;
 mod compile;
-mod input_sparsity;
 mod kv;
 mod launch;
 mod matmul;
 mod products;
+mod selection;
 mod world;
 use compile::{ax_vec, mv_rows, tuning};
 pub use compile::{compile, nvrtc_present};
@@ -245,32 +245,6 @@ impl CudaDevice {
             true => Ok(()),
             false => Err(shape(format!("{what} of {rows} rows in a batch of {have}"))),
         }
-    }
-
-    /// rope.cu over `nx` heads at `x` and `ny` at `y`, each of `rows` rows (lengths checked by
-    /// the caller).
-    #[allow(clippy::too_many_arguments)]
-    fn launch_rope(
-        &self,
-        x: u64,
-        nx: usize,
-        y: u64,
-        ny: usize,
-        hd: usize,
-        rope: Rotary<'_, Buf>,
-        rows: usize,
-    ) -> Result<(), BackendError> {
-        self.batch_rows("rope", rows)?;
-        if let Some(f) = rope.factors {
-            need("RoPE factors", f.0.len(), hd / 2)?;
-        }
-        let neox = (rope.style == RopeStyle::Neox) as i32;
-        let (nxi, nyi, hdi, sp) = (nx as i32, ny as i32, hd as i32, self.ptr(&self.step));
-        let fp = rope.factors.map_or(0, |f| self.ptr(&f.0));
-        let mut b = self.lane().launch_builder(self.func("rope"));
-        b.arg(&x).arg(&nxi).arg(&y).arg(&nyi).arg(&hdi).arg(&sp);
-        b.arg(&rope.theta).arg(&fp).arg(&neox);
-        launch::run(b, launch::rows(launch::grid((nx + ny) * hd / 2, 128), rows))
     }
 
     /// The stream that verbs go to now (see `Device::fork`).
@@ -538,16 +512,7 @@ impl Device for CudaDevice {
     }
 
     fn scatter(&self, src: &Buf, idx: &Idx, n: usize, dst: &mut Buf) -> Result<(), BackendError> {
-        need("scatter input", src.0.len(), n)?;
-        need("scatter indices", idx.0.len(), n)?;
-        if dst.0.len() > i32::MAX as usize {
-            return Err(shape(format!("scatter into {} values", dst.0.len())));
-        }
-        let (sp, ip, dp) = (self.ptr(&src.0), self.ptr(&idx.0), self.ptr(&dst.0));
-        let (ni, len) = (n as i32, dst.0.len() as i32);
-        let mut b = self.lane().launch_builder(self.func("scatter_f32"));
-        b.arg(&sp).arg(&ip).arg(&ni).arg(&dp).arg(&len);
-        launch::run(b, launch::grid(n, 256))
+        self.launch_scatter(src, idx, n, dst)
     }
 
     fn gather(
@@ -558,17 +523,7 @@ impl Device for CudaDevice {
         group: usize,
         dst: &mut Buf,
     ) -> Result<(), BackendError> {
-        let n = count * group;
-        need("gather indices", idx.0.len(), count)?;
-        need("gather output", dst.0.len(), n)?;
-        if src.0.len() > i32::MAX as usize || n > i32::MAX as usize || group == 0 {
-            return Err(shape(format!("gather of {count} groups of {group}")));
-        }
-        let (sp, ip, dp) = (self.ptr(&src.0), self.ptr(&idx.0), self.ptr(&dst.0));
-        let (ci, gi, len) = (count as i32, group as i32, src.0.len() as i32);
-        let mut b = self.lane().launch_builder(self.func("gather_f32"));
-        b.arg(&sp).arg(&ip).arg(&ci).arg(&gi).arg(&dp).arg(&len);
-        launch::run(b, launch::grid(n, 256))
+        self.launch_gather(src, idx, count, group, dst)
     }
 
     fn sparsify(
@@ -582,11 +537,7 @@ impl Device for CudaDevice {
     }
 
     fn abs(&self, x: &mut Buf, n: usize) -> Result<(), BackendError> {
-        need("abs", x.0.len(), n)?;
-        let (xp, ni) = (self.ptr(&x.0), n as i32);
-        let mut b = self.lane().launch_builder(self.func("abs_f32"));
-        b.arg(&xp).arg(&ni);
-        launch::run(b, launch::grid(n, 256))
+        self.launch_abs(x, n)
     }
 
     fn count_nonzero(
@@ -596,12 +547,7 @@ impl Device for CudaDevice {
         out: &mut Buf,
         slot: usize,
     ) -> Result<(), BackendError> {
-        need("count_nonzero input", x.0.len(), n)?;
-        need("count_nonzero output", out.0.len(), slot + 1)?;
-        let (xp, ni, op, si) = (self.ptr(&x.0), n as i32, self.ptr(&out.0), slot as i32);
-        let mut b = self.lane().launch_builder(self.func("count_nonzero_f32"));
-        b.arg(&xp).arg(&ni).arg(&op).arg(&si);
-        launch::run(b, launch::one_block(1024))
+        self.launch_count_nonzero(x, n, out, slot)
     }
 
     fn group_norms(
@@ -611,15 +557,7 @@ impl Device for CudaDevice {
         width: usize,
         out: &mut Buf,
     ) -> Result<(), BackendError> {
-        need("group_norms input", x.0.len(), groups * width)?;
-        need("group_norms output", out.0.len(), groups)?;
-        if groups == 0 {
-            return Ok(());
-        }
-        let (xp, op, wi) = (self.ptr(&x.0), self.ptr(&out.0), width as i32);
-        let mut b = self.lane().launch_builder(self.func("group_norms"));
-        b.arg(&xp).arg(&wi).arg(&op);
-        launch::run(b, launch::blocks(launch::grid(32, 32), groups))
+        self.launch_group_norms(x, groups, width, out)
     }
 
     fn copy(&self, x: &Buf, y: &mut Buf, n: usize) -> Result<(), BackendError> {
