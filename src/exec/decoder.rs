@@ -32,6 +32,13 @@ pub trait Decoder {
             _ => Err(unsupported("rows other than the last")),
         }
     }
+    /// The dense model's logits of each of `tokens` run at the next positions (`[n][vocab]`),
+    /// each row as a dense decode step computes it, whatever the plan: the verification of a
+    /// speculative draft (see `DeviceSession::verify`). The cache then holds the tokens.
+    fn verify(&mut self, tokens: &[u32]) -> Result<&mut [f32]> {
+        let _ = tokens;
+        Err(unsupported("speculative verification"))
+    }
     /// Record each layer's block inputs from now on (see [`Capture`]), or stop.
     fn capture(&mut self, on: bool) -> Result<()> {
         let _ = on;

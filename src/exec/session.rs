@@ -108,6 +108,9 @@ impl<D: Device> crate::exec::Decoder for DeviceSession<'_, D> {
     fn run(&mut self, tokens: &[u32], want: Logits) -> Result<&mut [f32]> {
         DeviceSession::run(self, tokens, want)
     }
+    fn verify(&mut self, tokens: &[u32]) -> Result<&mut [f32]> {
+        DeviceSession::verify(self, tokens)
+    }
     fn capture(&mut self, on: bool) -> Result<()> {
         DeviceSession::capture(self, on);
         Ok(())

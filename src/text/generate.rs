@@ -41,6 +41,8 @@ pub struct GenerateStats {
     pub generated_tokens: usize,
     pub decode_secs: f64,
     pub stop: Stop,
+    /// Under `--speculate`: the dense passes and the drafts kept.
+    pub speculation: Option<super::speculate::SpecStats>,
 }
 
 impl GenerateStats {
@@ -102,90 +104,253 @@ pub fn generate_with(
     max_tokens: usize,
     sampler: &mut Sampler,
     rules: &StopRules,
-    mut on_text: impl FnMut(&str),
+    on_text: impl FnMut(&str),
 ) -> Result<(Vec<u32>, GenerateStats)> {
-    if new_tokens.is_empty() {
+    let run = Run::new(engine, dec, new_tokens, max_tokens, rules)?;
+    run.go(dec, new_tokens, sampler, None, on_text)
+}
+
+/// [`generate_with`], the decoder's plan drafting up to `k` tokens a round and the dense model
+/// verifying them in one pass (see [`crate::text::speculate`]): the dense model's text (under
+/// greedy decoding, its very tokens), faster when drafts are cheap and mostly kept.
+#[allow(clippy::too_many_arguments)]
+pub fn generate_speculative(
+    engine: &Engine,
+    dec: &mut dyn Decoder,
+    new_tokens: &[u32],
+    max_tokens: usize,
+    sampler: &mut Sampler,
+    rules: &StopRules,
+    k: usize,
+    on_text: impl FnMut(&str),
+) -> Result<(Vec<u32>, GenerateStats)> {
+    if k == 0 {
         return Err(Error::Invalid(
-            "the prompt is empty: nothing to condition on".into(),
+            "--speculate K: K is the draft length, at least 1".into(),
         ));
     }
-    let total = dec.len() + new_tokens.len();
-    if total >= dec.n_ctx() {
-        return Err(Error::ContextOverflow {
-            n_tokens: total,
-            n_ctx: dec.n_ctx(),
-        });
-    }
-    let eog = &engine.tokenizer.end_of_generation;
-    let mut stats = GenerateStats {
-        prompt_tokens: new_tokens.len(),
-        ..Default::default()
-    };
-    let mut history: Vec<u32> = new_tokens.to_vec();
-    let t0 = Instant::now();
-    let mut logits = dec.decode(new_tokens)?;
-    stats.prompt_secs = t0.elapsed().as_secs_f64();
+    let run = Run::new(engine, dec, new_tokens, max_tokens, rules)?;
+    run.go(dec, new_tokens, sampler, Some(k), on_text)
+}
 
-    let mut out = Vec::new();
-    let mut stream = TextStream::default();
-    let mut stops = super::stop::StopFilter::new(&rules.stop);
-    let t1 = Instant::now();
-    stats.stop = Stop::MaxTokens;
-    while out.len() < max_tokens {
-        let cancelled = rules.cancel.as_ref();
-        if cancelled.is_some_and(|c| c.swap(false, std::sync::atomic::Ordering::Relaxed)) {
-            stats.stop = Stop::Cancelled;
-            break;
+/// One generation's state: what was emitted, and what ends it.
+struct Run<'a> {
+    engine: &'a Engine,
+    rules: &'a StopRules,
+    max_tokens: usize,
+    n_ctx: usize,
+    history: Vec<u32>,
+    out: Vec<u32>,
+    stream: TextStream,
+    stops: super::stop::StopFilter<'a>,
+}
+
+impl<'a> Run<'a> {
+    fn new(
+        engine: &'a Engine,
+        dec: &dyn Decoder,
+        new_tokens: &[u32],
+        max_tokens: usize,
+        rules: &'a StopRules,
+    ) -> Result<Self> {
+        if new_tokens.is_empty() {
+            return Err(Error::Invalid(
+                "the prompt is empty: nothing to condition on".into(),
+            ));
         }
+        let total = dec.len() + new_tokens.len();
+        if total >= dec.n_ctx() {
+            return Err(Error::ContextOverflow {
+                n_tokens: total,
+                n_ctx: dec.n_ctx(),
+            });
+        }
+        Ok(Self {
+            engine,
+            rules,
+            max_tokens,
+            n_ctx: dec.n_ctx(),
+            history: new_tokens.to_vec(),
+            out: Vec::new(),
+            stream: TextStream::default(),
+            stops: super::stop::StopFilter::new(&rules.stop),
+        })
+    }
+
+    /// Logits ready for the sampler: finite, inside the vocabulary, end tokens masked under
+    /// `ignore_eos`.
+    fn prepare(engine: &Engine, rules: &StopRules, logits: &mut [f32]) -> Result<()> {
         check_logits(engine, logits)?;
         if rules.ignore_eos {
-            for &e in eog {
+            for &e in &engine.tokenizer.end_of_generation {
                 if let Some(l) = logits.get_mut(e as usize) {
                     *l = f32::NEG_INFINITY;
                 }
             }
         }
-        let next = sampler.sample(logits, &history);
-        if eog.contains(&next) {
-            stats.stop = Stop::EndOfGeneration;
-            break;
+        Ok(())
+    }
+
+    /// Emit `t`: `Some(why)` when generation ends with it (an end token, which is not emitted;
+    /// a stop string; `max_tokens`).
+    fn emit(&mut self, t: u32, on_text: &mut impl FnMut(&str)) -> Result<Option<Stop>> {
+        if self.engine.tokenizer.end_of_generation.contains(&t) {
+            return Ok(Some(Stop::EndOfGeneration));
         }
-        out.push(next);
-        history.push(next);
-        if let Some(piece) = stream.push(engine, next)? {
-            let (text, stopped) = stops.push(&piece);
+        self.out.push(t);
+        self.history.push(t);
+        if let Some(piece) = self.stream.push(self.engine, t)? {
+            let (text, stopped) = self.stops.push(&piece);
             if !text.is_empty() {
                 on_text(&text);
             }
             if stopped {
-                stats.stop = Stop::StopString;
-                break;
+                return Ok(Some(Stop::StopString));
             }
         }
-        if out.len() == max_tokens {
-            break;
-        }
-        if dec.len() + 1 >= dec.n_ctx() {
-            stats.stop = Stop::ContextFull;
-            break;
-        }
-        logits = dec.decode(&[next])?;
+        Ok((self.out.len() == self.max_tokens).then_some(Stop::MaxTokens))
     }
-    stats.decode_secs = t1.elapsed().as_secs_f64();
-    stats.generated_tokens = out.len();
-    if stats.stop != Stop::StopString {
-        let rest = stream.finish(engine)?.unwrap_or_default();
-        let (mut text, stopped) = stops.push(&rest);
-        if stopped {
-            stats.stop = Stop::StopString;
-        } else {
-            text.push_str(&stops.flush());
+
+    /// Whether the caller's cancel flag is up (and lower it).
+    fn cancelled(&self) -> bool {
+        let c = self.rules.cancel.as_ref();
+        c.is_some_and(|c| c.swap(false, std::sync::atomic::Ordering::Relaxed))
+    }
+
+    fn go(
+        mut self,
+        dec: &mut dyn Decoder,
+        new_tokens: &[u32],
+        sampler: &mut Sampler,
+        speculate: Option<usize>,
+        mut on_text: impl FnMut(&str),
+    ) -> Result<(Vec<u32>, GenerateStats)> {
+        let (engine, rules) = (self.engine, self.rules);
+        let mut stats = GenerateStats {
+            prompt_tokens: new_tokens.len(),
+            ..Default::default()
+        };
+        let t0 = Instant::now();
+        // Speculation's first token is the dense model's too: the prompt's last row through
+        // the dense head (a plan's contextual head would otherwise pick it).
+        let n = new_tokens.len();
+        let mut logits = match speculate {
+            Some(_) => dec.run(new_tokens, crate::exec::Logits::Range(n - 1, n))?,
+            None => dec.decode(new_tokens)?,
+        };
+        stats.prompt_secs = t0.elapsed().as_secs_f64();
+        let t1 = Instant::now();
+        stats.stop = Stop::MaxTokens;
+        let mut spec = speculate.map(|_| super::speculate::SpecStats::default());
+        while self.out.len() < self.max_tokens {
+            if self.cancelled() {
+                stats.stop = Stop::Cancelled;
+                break;
+            }
+            Self::prepare(engine, rules, logits)?;
+            let next = sampler.sample(logits, &self.history);
+            if let Some(stop) = self.emit(next, &mut on_text)? {
+                stats.stop = stop;
+                break;
+            }
+            if dec.len() + 1 >= self.n_ctx {
+                stats.stop = Stop::ContextFull;
+                break;
+            }
+            if let (Some(k), Some(spec)) = (speculate, spec.as_mut()) {
+                stats.stop = self.rounds(dec, sampler, next, k, spec, &mut on_text)?;
+                break;
+            }
+            logits = dec.decode(&[next])?;
         }
-        if !text.is_empty() {
-            on_text(&text);
+        stats.decode_secs = t1.elapsed().as_secs_f64();
+        stats.generated_tokens = self.out.len();
+        stats.speculation = spec;
+        if stats.stop != Stop::StopString {
+            let rest = self.stream.finish(engine)?.unwrap_or_default();
+            let (mut text, stopped) = self.stops.push(&rest);
+            if stopped {
+                stats.stop = Stop::StopString;
+            } else {
+                text.push_str(&self.stops.flush());
+            }
+            if !text.is_empty() {
+                on_text(&text);
+            }
+        }
+        Ok((self.out, stats))
+    }
+
+    /// Speculation's rounds after `next` (emitted, not yet in the cache), until one ends
+    /// generation (why it ended): each drafts up to `k` tokens, verifies them in one dense pass
+    /// and emits the kept ones and the dense model's own; the cache then holds the positions
+    /// whose rows were consulted (see [`crate::text::speculate`]).
+    fn rounds(
+        &mut self,
+        dec: &mut dyn Decoder,
+        sampler: &mut Sampler,
+        mut next: u32,
+        k: usize,
+        spec: &mut super::speculate::SpecStats,
+        on_text: &mut impl FnMut(&str),
+    ) -> Result<Stop> {
+        let (engine, rules) = (self.engine, self.rules);
+        let eog = &engine.tokenizer.end_of_generation;
+        loop {
+            if self.cancelled() {
+                return Ok(Stop::Cancelled);
+            }
+            let at = dec.len();
+            if at + 1 >= self.n_ctx {
+                return Ok(Stop::ContextFull);
+            }
+            // No more drafts than tokens still wanted, nor past the context.
+            let want = self.max_tokens - self.out.len();
+            let k = k.min(want.saturating_sub(1)).min(self.n_ctx - 2 - at);
+            let prep = |l: &mut [f32]| Self::prepare(engine, rules, l);
+            let stop_at = if rules.ignore_eos { &[][..] } else { &eog[..] };
+            let d =
+                super::speculate::draft(dec, sampler, next, k, &mut self.history, prep, stop_at)?;
+            dec.truncate(at);
+            let mut seq = Vec::with_capacity(d.tokens.len() + 1);
+            seq.push(next);
+            seq.extend(&d.tokens);
+            let vocab = engine.model.config.vocab_size;
+            let rows = dec.verify(&seq)?;
+            let rows_len = rows.len();
+            spec.dense_passes += 1;
+            spec.drafted += d.tokens.len();
+            let mut end = None;
+            for (i, row) in rows.chunks_exact_mut(vocab).enumerate() {
+                Self::prepare(engine, rules, row)?;
+                let p = sampler.choice(row, &self.history);
+                let (t, kept) = match (d.tokens.get(i), d.choices.get(i)) {
+                    (Some(&dt), Some(q)) => super::speculate::verdict(sampler, &p, q, dt),
+                    _ => (sampler.draw(&p), false),
+                };
+                spec.accepted += kept as usize;
+                let stop = self.emit(t, on_text)?;
+                if stop.is_some() || !kept {
+                    end = Some((i, t, stop));
+                    break;
+                }
+            }
+            let Some((i, t, stop)) = end else {
+                return Err(Error::Invalid(format!(
+                    "a verification of {} tokens returned {} values, not {} rows of {vocab}",
+                    seq.len(),
+                    rows_len,
+                    seq.len()
+                )));
+            };
+            // Positions `at..=at + i` were consulted: `next` and the kept drafts.
+            dec.truncate(at + i + 1);
+            if let Some(stop) = stop {
+                return Ok(stop);
+            }
+            next = t;
         }
     }
-    Ok((out, stats))
 }
 
 /// Incremental detokenizer: emits text only once it no longer ends in an incomplete UTF-8

@@ -2,4 +2,5 @@
 pub mod chat;
 pub mod generate;
 pub mod sampling;
+pub mod speculate;
 pub mod stop;

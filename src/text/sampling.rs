@@ -101,6 +101,13 @@ impl Sampler {
     /// Pick the next token from `logits` (modified in place by the penalty); `history` are the
     /// tokens seen so far.
     pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
+        let choice = self.choice(logits, history);
+        self.draw(&choice)
+    }
+
+    /// What [`Self::sample`] draws from: the penalties applied to `logits` (in place), then
+    /// the greedy token, or the candidates that survive the filters with their weights.
+    pub fn choice(&self, logits: &mut [f32], history: &[u32]) -> Choice {
         let c = &self.cfg;
         let penalized =
             c.repeat_penalty != 1.0 || c.presence_penalty != 0.0 || c.frequency_penalty != 0.0;
@@ -120,7 +127,7 @@ impl Sampler {
             }
         }
         if c.temperature <= 0.0 {
-            return argmax(logits);
+            return Choice::Token(argmax(logits));
         }
         let mut cand: Vec<(u32, f32)> = logits
             .iter()
@@ -159,9 +166,50 @@ impl Sampler {
             let floor = probs[0] * c.min_p;
             keep = keep.min(probs.iter().take_while(|&&p| p >= floor).count().max(1));
         }
-        match WeightedIndex::new(&probs[..keep]) {
-            Ok(dist) => cand[dist.sample(&mut self.rng)].0,
-            Err(_) => cand[0].0,
+        let tokens = cand[..keep].iter().map(|&(t, _)| t).collect();
+        probs.truncate(keep);
+        Choice::Weights(tokens, probs)
+    }
+
+    /// A token drawn from `choice` (the greedy token as it is).
+    pub fn draw(&mut self, choice: &Choice) -> u32 {
+        match choice {
+            Choice::Token(t) => *t,
+            Choice::Weights(tokens, w) => match WeightedIndex::new(w) {
+                Ok(dist) => tokens[dist.sample(&mut self.rng)],
+                Err(_) => tokens[0],
+            },
+        }
+    }
+
+    /// A uniform draw in `[0, 1)` from the sampler's stream (speculative acceptance).
+    pub fn uniform(&mut self) -> f32 {
+        rand::Rng::gen::<f32>(&mut self.rng)
+    }
+}
+
+/// What a sampler draws the next token from (see [`Sampler::choice`]).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Choice {
+    /// Greedy: this token.
+    Token(u32),
+    /// The candidates left by the filters, most likely first, and their weights (not
+    /// necessarily summing to 1).
+    Weights(Vec<u32>, Vec<f32>),
+}
+
+impl Choice {
+    /// The probability of `t` (0 outside the candidates).
+    pub fn prob(&self, t: u32) -> f32 {
+        match self {
+            Choice::Token(x) => (*x == t) as u8 as f32,
+            Choice::Weights(tokens, w) => {
+                let sum: f32 = w.iter().sum();
+                match tokens.iter().position(|&x| x == t) {
+                    Some(i) if sum > 0.0 => w[i] / sum,
+                    _ => 0.0,
+                }
+            }
         }
     }
 }

@@ -274,6 +274,20 @@ pub trait Device: Send + Sync {
         jobs: &mut [Product<'_, Self>],
     ) -> Result<(), BackendError>;
 
+    /// [`Device::matmul`], each row computed as [`Device::matvecs`] computes a one-row step:
+    /// a batch of decode rows (the rows a speculative draft asks the dense model to verify)
+    /// whose outputs must be a decode step's. A device that states batch invariance (the CPU)
+    /// makes them equal bit for bit, at the cost of the decode path's throughput; the default
+    /// is [`Device::matmul`] (equal within its rounding).
+    fn matmul_steps(
+        &self,
+        x: &Self::Buf,
+        rows: usize,
+        jobs: &mut [Product<'_, Self>],
+    ) -> Result<(), BackendError> {
+        self.matmul(x, rows, jobs)
+    }
+
     /// `y[j] = dot(W[row(j)], x) (+ bias[row(j)])`, or with `accumulate` `y[j] +=` that, for
     /// the outputs of `rows` (see [`Rows`]). `x`: `w.cols`.
     fn matvec(

@@ -51,22 +51,10 @@ const MAX_JOBS: usize = 4;
 /// quantized once per token and every job's selected rows go to one pool dispatch, split into one
 /// contiguous range per thread over the concatenated rows.
 pub fn matmul_shared(k: &Kernels, pool: &SpinPool, x: &[f32], jobs: &mut [MatmulJob]) {
-    let Some(cols) = jobs.first().map(|j| j.w.cols) else {
+    let Some(cols) = check_shared(x, jobs) else {
         return;
     };
     let n_tok = x.len() / cols.max(1);
-    // The kernels write `y` through raw pointers: check every extent for real.
-    assert_eq!(
-        x.len(),
-        n_tok * cols,
-        "matmul: input is not whole rows of {cols}"
-    );
-    for j in jobs.iter() {
-        j.w.check();
-        assert_eq!(j.w.cols, cols, "matmul: jobs of one input differ in width");
-        assert_eq!(j.y.len(), n_tok * j.w.rows, "matmul: output length");
-        assert_eq!(j.rows.universe(), j.w.rows, "matmul: row set universe");
-    }
     if n_tok >= GEMM_MIN_TOKENS || jobs.len() > MAX_JOBS {
         INT_INPUT.with_borrow_mut(|input| {
             input.built = [false; 2];
@@ -84,6 +72,39 @@ pub fn matmul_shared(k: &Kernels, pool: &SpinPool, x: &[f32], jobs: &mut [Matmul
     } else {
         dot_path(k, pool, x, cols, n_tok, jobs);
     }
+}
+
+/// [`matmul_shared`] through the decode path at any token count: each token's outputs are bit
+/// for bit those of a one-token call (a token's dot with a row does not depend on the others;
+/// see `part_rows`), which a batch of decode rows needs (`Device::matmul_steps`). The weights
+/// are read once per [`TOKEN_CHUNK`] tokens.
+pub fn matmul_shared_steps(k: &Kernels, pool: &SpinPool, x: &[f32], jobs: &mut [MatmulJob]) {
+    let Some(cols) = check_shared(x, jobs) else {
+        return;
+    };
+    let n_tok = x.len() / cols.max(1);
+    for chunk in jobs.chunks_mut(MAX_JOBS) {
+        dot_path(k, pool, x, cols, n_tok, chunk);
+    }
+}
+
+/// The input width of a shared-input call (`None`: no jobs), its extents checked for real (the
+/// kernels write `y` through raw pointers).
+fn check_shared(x: &[f32], jobs: &[MatmulJob]) -> Option<usize> {
+    let cols = jobs.first().map(|j| j.w.cols)?;
+    let n_tok = x.len() / cols.max(1);
+    assert_eq!(
+        x.len(),
+        n_tok * cols,
+        "matmul: input is not whole rows of {cols}"
+    );
+    for j in jobs.iter() {
+        j.w.check();
+        assert_eq!(j.w.cols, cols, "matmul: jobs of one input differ in width");
+        assert_eq!(j.y.len(), n_tok * j.w.rows, "matmul: output length");
+        assert_eq!(j.rows.universe(), j.w.rows, "matmul: row set universe");
+    }
+    Some(cols)
 }
 
 /// The decode path for at most `MAX_JOBS` jobs sharing the input.

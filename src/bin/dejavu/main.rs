@@ -182,6 +182,9 @@ struct SparsityArgs {
     ///   lookahead                predict layer l+1 while layer l runs
     ///   lazy-kv                  recompute skipped heads' K/V only when needed (MHA models)
     ///   head:RANK:CANDIDATES     output head: a rank-RANK preview picks CANDIDATES exact logits
+    ///   teal:S                   every projection: drop the share S of inputs smallest in |x|
+    ///                            (thresholds from calibrate; synthetic models: measured)
+    ///   wina:S                   as teal, ranking inputs by |x_i| * ||W[:, i]||
     #[arg(long, default_value = "dense", verbatim_doc_comment)]
     sparsity: String,
     /// Predictors file (default: the `dejavu calibrate` output next to the model, if present).
@@ -313,6 +316,12 @@ struct GenerateArgs {
     /// Context window in tokens (default: min(model's, 4096)).
     #[arg(long, short = 'c', visible_alias = "ctx-size")]
     ctx: Option<usize>,
+    /// Lossless speculation: the --sparsity plan drafts up to K tokens, the dense model checks
+    /// them in one pass and keeps the agreeing ones plus its own next token. The text is the
+    /// dense model's (greedy: the same tokens, bit for bit on the CPU); the speed depends on how
+    /// cheap the drafts are and how many survive (reported on stderr).
+    #[arg(long, value_name = "K")]
+    speculate: Option<usize>,
     #[command(flatten)]
     sampling: SamplingArgs,
     #[command(flatten)]
@@ -536,15 +545,27 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
     let policy = a.sparsity.policy(&engine)?;
     let mut stdout = std::io::stdout().lock();
     let (stats, last) = with_decoder(&engine, a.model.placement(), &policy, |dec| {
-        let (_, stats) = dejavu::text::generate::generate_with(
-            &engine,
-            dec,
-            &ids,
-            a.max_tokens,
-            &mut sampler,
-            &rules,
-            stream_to(&mut stdout),
-        )?;
+        let (_, stats) = match a.speculate {
+            Some(k) => dejavu::text::generate::generate_speculative(
+                &engine,
+                dec,
+                &ids,
+                a.max_tokens,
+                &mut sampler,
+                &rules,
+                k,
+                stream_to(&mut stdout),
+            )?,
+            None => dejavu::text::generate::generate_with(
+                &engine,
+                dec,
+                &ids,
+                a.max_tokens,
+                &mut sampler,
+                &rules,
+                stream_to(&mut stdout),
+            )?,
+        };
         Ok((stats, dec.last_step()?))
     })?;
     // A reader that went away (`| head -c 5`) is not an error: end quietly.
@@ -562,6 +583,16 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
             s.mlp_kept as f64 / s.mlp_total.max(1) as f64,
             s.heads_kept as f64 / s.heads_total.max(1) as f64,
             s.exact_logits
+        );
+    }
+    if let Some(sp) = stats.speculation {
+        eprintln!(
+            "speculation: {} dense passes, {:.2} tokens each | drafts kept: {} of {} ({:.0}%)",
+            sp.dense_passes,
+            sp.tokens_per_pass(),
+            sp.accepted,
+            sp.drafted,
+            100.0 * sp.acceptance()
         );
     }
     if stats.stop == Stop::ContextFull {

@@ -7,7 +7,7 @@ use super::rows::Want;
 use super::step::Pass;
 use super::DeviceSession;
 use crate::exec::plan::Sel;
-use crate::Result;
+use crate::{Error, Result};
 use dejavu_backend_api::Device;
 
 impl<D: Device> DeviceSession<'_, D> {
@@ -19,14 +19,15 @@ impl<D: Device> DeviceSession<'_, D> {
     }
 
     /// `tokens` (1 to [`dejavu_backend_api::MAX_ROWS`]) at the next positions as one batch,
-    /// handing back what `want` names of it.
-    pub(super) fn run_batch(&mut self, tokens: &[u32], want: Want) -> Result<()> {
+    /// handing back what `want` names of it; `steps`: each row as a dense decode step
+    /// computes it (see [`Pass::Batch`]).
+    pub(super) fn run_batch(&mut self, tokens: &[u32], want: Want, steps: bool) -> Result<()> {
         let (dev, n) = (self.dev, tokens.len());
         if self.s.grow(dev, self.model, n, self.n_ctx)? {
             self.graph = None;
         }
         dev.set_step(tokens, self.len)?;
-        self.layers(Pass::Batch { rows: n }, &mut None)?;
+        self.layers(Pass::Batch { rows: n, steps }, &mut None)?;
         match want {
             Want::Nothing => Ok(()),
             Want::Last => {
@@ -36,7 +37,47 @@ impl<D: Device> DeviceSession<'_, D> {
                 dev.copy(&s.h, &mut s.x, d)?;
                 self.output(&mut None)
             }
-            Want::Rows { rows, hidden } => self.batch_rows(rows, hidden),
+            Want::Rows { rows, hidden } => self.batch_rows(rows, hidden, steps),
         }
+    }
+
+    /// The dense model's verdict on a speculative draft: `tokens` (1 to
+    /// [`dejavu_backend_api::MAX_ROWS`]) at the next positions as one batch of every unit, the
+    /// logits of each (`[n][vocab]`), each row computed as a dense decode step at its position
+    /// computes it (bit for bit on the CPU: [`Device::matmul_steps`]), and the keys and values
+    /// of those positions written as dense decoding writes them. The caller then truncates the
+    /// cache past the rows it keeps. Whatever the plan, this is the dense model: a draft that
+    /// the sparse steps wrote at these positions is overwritten.
+    pub fn verify(&mut self, tokens: &[u32]) -> Result<&mut [f32]> {
+        self.check(tokens)?;
+        if tokens.len() > dejavu_backend_api::MAX_ROWS {
+            return Err(Error::Invalid(format!(
+                "a verification of {} tokens: at most {} at once",
+                tokens.len(),
+                dejavu_backend_api::MAX_ROWS
+            )));
+        }
+        if self.plan.lazy_kv {
+            return Err(Error::Invalid(
+                "speculation under lazy K/V: its caches fill from the sparse steps' inputs; \
+                 drop lazy-kv (the dense verification computes every key and value anyway)"
+                    .into(),
+            ));
+        }
+        if !self.model.shard.is_whole() {
+            return Err(Error::Invalid(
+                "speculation's verification needs every row's logits: one device only".into(),
+            ));
+        }
+        self.clamp_lazy()?;
+        self.rows_out.clear();
+        let n = tokens.len();
+        let want = Want::Rows {
+            rows: 0..n,
+            hidden: false,
+        };
+        self.run_batch(tokens, want, true)?;
+        self.len += n;
+        Ok(&mut self.rows_out)
     }
 }

@@ -141,7 +141,7 @@ impl<D: Device> DeviceSession<'_, D> {
                     },
                 },
             };
-            self.run_batch(chunk, want)?;
+            self.run_batch(chunk, want, false)?;
             self.len += chunk.len();
             Ok(())
         })
@@ -163,9 +163,19 @@ impl<D: Device> DeviceSession<'_, D> {
 
     /// The output head of batch rows `rows` (their final norm and projection, then the
     /// vocabulary's logits unless `hidden`), appended to `rows_out`.
-    pub(super) fn batch_rows(&mut self, rows: Range<usize>, hidden: bool) -> Result<()> {
+    /// `steps`: each row as a decode step computes it (see [`Pass::Batch`]).
+    pub(super) fn batch_rows(
+        &mut self,
+        rows: Range<usize>,
+        hidden: bool,
+        steps: bool,
+    ) -> Result<()> {
         let (dev, m, b) = (self.dev, self.model, &mut self.s);
         let (c, k) = (&m.local, rows.len());
+        let matmul = |x: &D::Buf, p: Product<'_, D>| match steps {
+            true => dev.matmul_steps(x, k, &mut [p]),
+            false => dev.matmul(x, k, &mut [p]),
+        };
         // The residual is done with: its rows move to the front of `h`, normed into `x`.
         dev.take_rows(&b.x, rows.start, k, c.d_model, &mut b.h)?;
         let mut head_in = match &m.output_norm {
@@ -176,7 +186,7 @@ impl<D: Device> DeviceSession<'_, D> {
             None => &b.h,
         };
         if let Some(p) = &m.proj_out {
-            dev.matmul(head_in, k, &mut [Product::new(p, Rows::All, &mut b.e)])?;
+            matmul(head_in, Product::new(p, Rows::All, &mut b.e))?;
             head_in = &b.e;
         }
         let at = self.rows_out.len();
@@ -185,11 +195,7 @@ impl<D: Device> DeviceSession<'_, D> {
             return Ok(dev.download(head_in, &mut self.rows_out[at..])?);
         }
         let mut logits = dev.zeros(k * c.vocab_size)?;
-        dev.matmul(
-            head_in,
-            k,
-            &mut [Product::new(m.head(), Rows::All, &mut logits)],
-        )?;
+        matmul(head_in, Product::new(m.head(), Rows::All, &mut logits))?;
         if let Some(cap) = c.final_softcap {
             dev.scale_cap(&mut logits, k * c.vocab_size, 1.0, Some(cap))?;
         }
@@ -233,7 +239,10 @@ impl<D: Device> DeviceSession<'_, D> {
             dev.set_step(&vec![0; n], 0)?;
             let mut input = dev.upload(rows)?;
             std::mem::swap(&mut self.s.h, &mut input);
-            let pass = Pass::Batch { rows: n };
+            let pass = Pass::Batch {
+                rows: n,
+                steps: false,
+            };
             let gated = first_projections(dev, c, &m.layers[l], Rows::All, ff, pass, &mut self.s);
             std::mem::swap(&mut self.s.h, &mut input);
             let a = if gated? {

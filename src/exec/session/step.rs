@@ -16,15 +16,17 @@ use dejavu_backend_api::{AttnGeom, Device, LazyKv, Product, Rows, StepRow, TopK}
 pub(super) enum Pass {
     /// A decode step of one row, under the plan.
     Step,
-    /// A prompt's batch of `rows` rows (the scratch holds them), every unit.
-    Batch { rows: usize },
+    /// A prompt's batch of `rows` rows (the scratch holds them), every unit; with `steps`, each
+    /// row's products as a dense decode step computes them ([`Device::matmul_steps`]: a
+    /// speculative draft's verification).
+    Batch { rows: usize, steps: bool },
 }
 
 impl Pass {
     fn rows(self) -> usize {
         match self {
             Pass::Step => 1,
-            Pass::Batch { rows } => rows,
+            Pass::Batch { rows, .. } => rows,
         }
     }
 }
@@ -34,7 +36,8 @@ impl Pass {
 fn products<D: Device>(dev: &D, x: &D::Buf, pass: Pass, jobs: &mut [Product<'_, D>]) -> Result<()> {
     match pass {
         Pass::Step => dev.matvecs(x, jobs)?,
-        Pass::Batch { rows } => dev.matmul(x, rows, jobs)?,
+        Pass::Batch { rows, steps: false } => dev.matmul(x, rows, jobs)?,
+        Pass::Batch { rows, steps: true } => dev.matmul_steps(x, rows, jobs)?,
     }
     Ok(())
 }

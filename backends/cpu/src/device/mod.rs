@@ -286,7 +286,16 @@ impl Device for CpuDevice {
         rows: usize,
         jobs: &mut [Product<'_, Self>],
     ) -> Result<(), BackendError> {
-        self.batch_products(x, rows, jobs)
+        self.batch_products(x, rows, jobs, false)
+    }
+
+    fn matmul_steps(
+        &self,
+        x: &Vec<f32>,
+        rows: usize,
+        jobs: &mut [Product<'_, Self>],
+    ) -> Result<(), BackendError> {
+        self.batch_products(x, rows, jobs, true)
     }
 
     fn axpy(

@@ -53,7 +53,7 @@ impl CpuDevice {
                     (p.x.map(|v| &v[..]), job)
                 })
                 .collect();
-            self.dispatch(x, 1, runs);
+            self.dispatch(x, 1, runs, false);
         }
         for (i, p) in jobs.iter_mut().enumerate() {
             if direct[i] && p.bias.is_none() && p.act.is_none() {
@@ -66,11 +66,13 @@ impl CpuDevice {
         Ok(())
     }
 
+    /// `steps`: each row as a one-row step computes it (`Device::matmul_steps`).
     pub(super) fn batch_products(
         &self,
         x: &Vec<f32>,
         rows: usize,
         jobs: &mut [Product<'_, Self>],
+        steps: bool,
     ) -> Result<(), BackendError> {
         // Checked first: the kernels assert their lengths.
         for p in jobs.iter() {
@@ -121,7 +123,7 @@ impl CpuDevice {
                     )
                 })
                 .collect();
-            self.dispatch(x, rows, runs);
+            self.dispatch(x, rows, runs, steps);
         }
         for (p, sum) in jobs.iter_mut().zip(&sums) {
             if !p.accumulate && p.bias.is_none() && p.act.is_none() {
@@ -139,7 +141,14 @@ impl CpuDevice {
     /// `jobs` over `rows` rows of their inputs (`None`: the call's `x`): the products of the
     /// call's input share one quantization of it and one pool dispatch (their widths agree: Q,
     /// K and V; gate and up); products of their own inputs run one by one.
-    fn dispatch<'a>(&self, x: &[f32], rows: usize, jobs: Vec<(Option<&'a [f32]>, MatmulJob<'a>)>) {
+    /// `steps`: through the decode path at any row count (see `matmul::matmul_shared_steps`).
+    fn dispatch<'a>(
+        &self,
+        x: &[f32],
+        rows: usize,
+        jobs: Vec<(Option<&'a [f32]>, MatmulJob<'a>)>,
+        steps: bool,
+    ) {
         let first = (jobs.iter())
             .find(|(input, _)| input.is_none())
             .map(|(_, j)| j.w.cols);
@@ -151,12 +160,16 @@ impl CpuDevice {
             }
         }
         let (k, pool) = (&self.cpu.kernels, &self.cpu.pool);
+        let run = match steps {
+            true => matmul::matmul_shared_steps,
+            false => matmul::matmul_shared,
+        };
         if let Some(cols) = first {
-            matmul::matmul_shared(k, pool, &x[..rows * cols], &mut shared);
+            run(k, pool, &x[..rows * cols], &mut shared);
         }
         for (xp, job) in own {
             let cols = job.w.cols;
-            matmul::matmul_shared(k, pool, &xp[..rows * cols], &mut [job]);
+            run(k, pool, &xp[..rows * cols], &mut [job]);
         }
     }
 
