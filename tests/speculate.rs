@@ -6,7 +6,7 @@
 mod common;
 use common::*;
 use dejavu::exec::{Decoder, Engine, EngineOptions};
-use dejavu::text::generate::{generate_speculative, generate_with, GenerateStats, Stop, StopRules};
+use dejavu::text::generate::{generate_speculative, GenerateStats, Stop, StopRules};
 use dejavu::text::sampling::{Sampler, SamplerConfig};
 use std::path::PathBuf;
 
@@ -49,12 +49,16 @@ fn turns(
     for prompt in turns {
         let base = dec.len();
         let dec: &mut dyn Decoder = &mut dec;
-        let r = match spec {
-            Some(k) => {
-                generate_speculative(e, dec, prompt, max_tokens, &mut sampler, rules, k, |_| {})
-            }
-            None => generate_with(e, dec, prompt, max_tokens, &mut sampler, rules, |_| {}),
-        };
+        let r = generate_speculative(
+            e,
+            dec,
+            prompt,
+            max_tokens,
+            &mut sampler,
+            rules,
+            spec,
+            |_| {},
+        );
         let (tokens, stats) = r.unwrap();
         // Every emitted token is in the cache but the last one, unless an end token followed.
         let undecoded = usize::from(stats.stop != Stop::EndOfGeneration && !tokens.is_empty());
@@ -224,12 +228,12 @@ fn speculation_refuses_what_it_cannot_verify() {
     let mut dec = e.decoder(&pol).unwrap();
     let mut s = Sampler::new(SamplerConfig::greedy());
     let rules = StopRules::default();
-    let err = generate_speculative(&e, &mut dec, &[5, 6, 7], 8, &mut s, &rules, 2, |_| {})
+    let err = generate_speculative(&e, &mut dec, &[5, 6, 7], 8, &mut s, &rules, Some(2), |_| {})
         .unwrap_err()
         .to_string();
     assert!(err.contains("lazy K/V"), "{err}");
     let mut dec = e.decoder(&e.policy("dense", None).unwrap()).unwrap();
-    let err = generate_speculative(&e, &mut dec, &[5, 6], 8, &mut s, &rules, 0, |_| {})
+    let err = generate_speculative(&e, &mut dec, &[5, 6], 8, &mut s, &rules, Some(0), |_| {})
         .unwrap_err()
         .to_string();
     assert!(err.contains("at least 1"), "{err}");

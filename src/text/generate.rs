@@ -106,13 +106,15 @@ pub fn generate_with(
     rules: &StopRules,
     on_text: impl FnMut(&str),
 ) -> Result<(Vec<u32>, GenerateStats)> {
-    let run = Run::new(engine, dec, new_tokens, max_tokens, rules)?;
-    run.go(dec, new_tokens, sampler, None, on_text)
+    generate_speculative(
+        engine, dec, new_tokens, max_tokens, sampler, rules, None, on_text,
+    )
 }
 
-/// [`generate_with`], the decoder's plan drafting up to `k` tokens a round and the dense model
-/// verifying them in one pass (see [`crate::text::speculate`]): the dense model's text (under
-/// greedy decoding, its very tokens), faster when drafts are cheap and mostly kept.
+/// [`generate_with`], with `speculate: Some(k)` the decoder's plan drafting up to `k` tokens a
+/// round and the dense model verifying them in one pass (see [`crate::text::speculate`]): the
+/// dense model's text (under greedy decoding, its very tokens), faster when drafts are cheap
+/// and mostly kept. `None`: plain decoding under the plan.
 #[allow(clippy::too_many_arguments)]
 pub fn generate_speculative(
     engine: &Engine,
@@ -121,16 +123,16 @@ pub fn generate_speculative(
     max_tokens: usize,
     sampler: &mut Sampler,
     rules: &StopRules,
-    k: usize,
+    speculate: Option<usize>,
     on_text: impl FnMut(&str),
 ) -> Result<(Vec<u32>, GenerateStats)> {
-    if k == 0 {
+    if speculate == Some(0) {
         return Err(Error::Invalid(
             "--speculate K: K is the draft length, at least 1".into(),
         ));
     }
     let run = Run::new(engine, dec, new_tokens, max_tokens, rules)?;
-    run.go(dec, new_tokens, sampler, Some(k), on_text)
+    run.go(dec, new_tokens, sampler, speculate, on_text)
 }
 
 /// One generation's state: what was emitted, and what ends it.

@@ -201,16 +201,18 @@ pub enum Choice {
 impl Choice {
     /// The probability of `t` (0 outside the candidates).
     pub fn prob(&self, t: u32) -> f32 {
-        match self {
-            Choice::Token(x) => (*x == t) as u8 as f32,
-            Choice::Weights(tokens, w) => {
-                let sum: f32 = w.iter().sum();
-                match tokens.iter().position(|&x| x == t) {
-                    Some(i) if sum > 0.0 => w[i] / sum,
-                    _ => 0.0,
-                }
-            }
-        }
+        self.probs().find(|&(x, _)| x == t).map_or(0.0, |(_, p)| p)
+    }
+
+    /// Each candidate and its probability (the weights normalized).
+    pub fn probs(&self) -> impl Iterator<Item = (u32, f32)> + '_ {
+        let (tokens, w): (&[u32], &[f32]) = match self {
+            Choice::Token(x) => (std::slice::from_ref(x), &[1.0]),
+            Choice::Weights(tokens, w) => (tokens, w),
+        };
+        let sum: f32 = w.iter().sum();
+        let norm = if sum > 0.0 { 1.0 / sum } else { 0.0 };
+        tokens.iter().zip(w).map(move |(&t, &x)| (t, x * norm))
     }
 }
 

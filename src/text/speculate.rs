@@ -49,17 +49,13 @@ pub fn verdict(sampler: &mut Sampler, p: &Choice, q: &Choice, d: u32) -> (u32, b
         return (d, true);
     }
     // The residual max(0, p - q) over p's candidates (q's others have p = 0).
-    let residual = match p {
-        Choice::Weights(tokens, _) => {
-            let w: Vec<f32> = (tokens.iter())
-                .map(|&t| (p.prob(t) - q.prob(t)).max(0.0))
-                .collect();
-            match w.iter().any(|&x| x > 0.0) {
-                true => Choice::Weights(tokens.clone(), w),
-                false => p.clone(),
-            }
-        }
-        Choice::Token(_) => unreachable!("greedy returned above"),
+    let q: std::collections::HashMap<u32, f32> = q.probs().collect();
+    let (tokens, w): (Vec<u32>, Vec<f32>) = (p.probs())
+        .map(|(t, pt)| (t, (pt - q.get(&t).copied().unwrap_or(0.0)).max(0.0)))
+        .unzip();
+    let residual = match w.iter().any(|&x| x > 0.0) {
+        true => Choice::Weights(tokens, w),
+        false => p.clone(),
     };
     (sampler.draw(&residual), false)
 }

@@ -545,27 +545,16 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
     let policy = a.sparsity.policy(&engine)?;
     let mut stdout = std::io::stdout().lock();
     let (stats, last) = with_decoder(&engine, a.model.placement(), &policy, |dec| {
-        let (_, stats) = match a.speculate {
-            Some(k) => dejavu::text::generate::generate_speculative(
-                &engine,
-                dec,
-                &ids,
-                a.max_tokens,
-                &mut sampler,
-                &rules,
-                k,
-                stream_to(&mut stdout),
-            )?,
-            None => dejavu::text::generate::generate_with(
-                &engine,
-                dec,
-                &ids,
-                a.max_tokens,
-                &mut sampler,
-                &rules,
-                stream_to(&mut stdout),
-            )?,
-        };
+        let (_, stats) = dejavu::text::generate::generate_speculative(
+            &engine,
+            dec,
+            &ids,
+            a.max_tokens,
+            &mut sampler,
+            &rules,
+            a.speculate,
+            stream_to(&mut stdout),
+        )?;
         Ok((stats, dec.last_step()?))
     })?;
     // A reader that went away (`| head -c 5`) is not an error: end quietly.
