@@ -438,6 +438,73 @@ fn input_sparsity_on_every_cpu_tier_conforms_to_the_reference() {
     }
 }
 
+/// Speculation's verification on `dev`: after a sparse plan's draft steps, the cache cut back
+/// and the same tokens verified in one batch, each row is the dense plan's decode step on the
+/// same device (`exact`: bit for bit, as the CPU promises; else within the suite's
+/// tolerance), and so are the steps after it (the verified positions' keys and values are
+/// dense decoding's). Returns the worst error.
+fn verification_is_the_dense_steps<D: Device>(dev: &D, exact: bool) -> f32 {
+    let mut worst = 0f32;
+    for (name, spec) in [
+        ("llama-silu", "gate-first:0.3+attn-norm:0.5"),
+        ("opt-relu", "oracle:0.3+attn-norm:0.5"),
+        ("qwen3", "up-first:0.4"),
+        ("opt-postln-proj", "attn-norm:0.5"),
+    ] {
+        let eng = load(name);
+        let c = &eng.model.config;
+        let (pol, dense) = (
+            eng.policy(spec, None).unwrap(),
+            eng.policy("dense", None).unwrap(),
+        );
+        let dm = eng.device_model(dev, &[&pol]).unwrap();
+        let open = |p| DeviceSession::new(dev, &dm, DevicePlan::policy(dev, c, p).unwrap(), 32);
+        let (mut sp, mut de) = (open(&pol).unwrap(), open(&dense).unwrap());
+        let (prompt, drafted, after) = (&TOKENS[..3], &TOKENS[3..8], TOKENS[8]);
+        sp.forward(prompt).unwrap();
+        de.forward(prompt).unwrap();
+        for &t in drafted {
+            sp.forward(&[t]).unwrap();
+        }
+        sp.truncate(prompt.len());
+        let rows = sp.verify(drafted).unwrap().to_vec();
+        let mut check = |what: String, got: &[f32], want: &[f32]| {
+            if exact {
+                let same = got
+                    .iter()
+                    .zip(want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{what}: not the dense step bit for bit");
+            }
+            worst = worst.max(assert_close(&what, got, want));
+        };
+        for (i, &t) in drafted.iter().enumerate() {
+            let want = de.forward(&[t]).unwrap();
+            let got = &rows[i * c.vocab_size..(i + 1) * c.vocab_size];
+            check(format!("{name} {spec}: verified row {i}"), got, want);
+        }
+        // A dense step after the verification reads the verified positions' keys and values.
+        sp.set_plan(DevicePlan::policy(dev, c, &dense).unwrap())
+            .unwrap();
+        let got = sp.forward(&[after]).unwrap().to_vec();
+        check(
+            format!("{name}: the step after"),
+            &got,
+            de.forward(&[after]).unwrap(),
+        );
+    }
+    worst
+}
+
+#[test]
+fn verification_on_every_cpu_tier_is_the_dense_steps() {
+    use dejavu_backend_cpu::isa::Isa;
+    verification_is_the_dense_steps(&CpuDevice::reference(), true);
+    for isa in Isa::supported() {
+        verification_is_the_dense_steps(&CpuDevice::with_isa(isa, 2).unwrap(), true);
+    }
+}
+
 /// The CPU device on every SIMD tier this machine has (2 threads, the f16 and bf16 fixtures'
 /// f32 activations) against the reference, dense and sparse, on every fixture; and on
 /// SmolLM2's repacked rows (as `--backend cpu` runs them) the reference's own model in its

@@ -68,6 +68,18 @@ fn input_sparsity_on_the_gpu_conforms_to_the_reference() {
     );
 }
 
+/// Speculation's verification on the GPU (see `verification_is_the_dense_steps`): each row
+/// within the suite's tolerance of the GPU's own dense decode step.
+#[test]
+fn verification_on_the_gpu_matches_its_dense_steps() {
+    let Some(g) = gpu() else { return };
+    let worst = verification_is_the_dense_steps(&g, false);
+    eprintln!(
+        "{}: verified rows against dense steps on 4 fixtures, worst |logit error| {worst:.2e}",
+        g.name()
+    );
+}
+
 /// Prompts in batches on the GPU (see `prompts_in_batches_match_the_reference`).
 #[test]
 fn prompts_on_the_gpu_run_in_batches() {
