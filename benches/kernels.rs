@@ -226,6 +226,27 @@ fn row_dot_kernel(c: &mut Criterion) {
                         .sum::<f32>()
                 })
             });
+            // Four tokens per row (a speculative verification's or a batch's decode rows):
+            // the multi-token kernel, against four one-token dots per row.
+            let tokens = dot_repacked::select_tokens(qtype, isa, true);
+            let (acts, grs) = ([&act[..]; 4], [&groups[..]; 4]);
+            g.bench_function(BenchmarkId::new("repacked_4_tokens", qtype.name()), |b| {
+                b.iter(|| {
+                    let mut out = [0f32; 4];
+                    packed
+                        .chunks_exact(rb)
+                        .for_each(|r| tokens(r, &acts, &grs, &mut out));
+                    out[0]
+                })
+            });
+            g.bench_function(BenchmarkId::new("repacked_4_x_1", qtype.name()), |b| {
+                b.iter(|| {
+                    packed
+                        .chunks_exact(rb)
+                        .map(|r| (0..4).map(|t| rep(r, acts[t], grs[t])).sum::<f32>())
+                        .sum::<f32>()
+                })
+            });
         }
         g.finish();
     }

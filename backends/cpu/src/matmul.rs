@@ -125,8 +125,8 @@ fn dot_path(
     let needs_q8a = dots
         .iter()
         .flatten()
-        .any(|d| matches!(d, RowDot::Q8A(_) | RowDot::R8(_)));
-    let needs_groups = dots.iter().flatten().any(|d| matches!(d, RowDot::R8(_)));
+        .any(|d| matches!(d, RowDot::Q8A(_) | RowDot::R8(..)));
+    let needs_groups = dots.iter().flatten().any(|d| matches!(d, RowDot::R8(..)));
     ACT.with_borrow_mut(|act| {
         ACT_GROUPS.with_borrow_mut(|groups| {
             // Every token's activations quantized once, so each row is read once per chunk of
@@ -204,14 +204,55 @@ impl Input<'_> {
         match dot {
             RowDot::F32(f) => f(w, &self.x[t * self.cols..][e0..e1]),
             RowDot::Q8A(f) => f(w, &self.act[t * self.bpr..][e0 / QK..e1 / QK]),
-            RowDot::R8(f) => {
-                // e1 <= cols, so the groups end within the token's `gpr`.
-                let g = &self.groups[t * self.gpr..][e0 / QK / GROUP..e1 / QK / GROUP];
-                f(w, &self.act[t * self.bpr..][e0 / QK..e1 / QK], g)
+            RowDot::R8(f, _) => f(w, self.act_of(t, e0, e1), self.groups_of(t, e0, e1)),
+        }
+    }
+
+    /// `v[i] += ` the dot of `w` with token `tokens.start + i`, as [`Self::dot`] computes it:
+    /// repacked rows through the tier's multi-token kernel (bit for bit the same sums).
+    #[inline(always)]
+    fn dots(&self, dot: RowDot, w: &[u8], tokens: std::ops::Range<usize>, seg: Seg, v: &mut [f32]) {
+        let (b0, b1, bl) = seg;
+        match dot {
+            RowDot::R8(_, f) if tokens.len() > 1 => {
+                let (e0, e1) = (b0 * bl, b1 * bl);
+                let n = tokens.len();
+                let acts: [&[BlockQ8A]; TOKEN_CHUNK] =
+                    std::array::from_fn(|i| self.act_of(tokens.start + i.min(n - 1), e0, e1));
+                let groups: [&[ActGroup]; TOKEN_CHUNK] =
+                    std::array::from_fn(|i| self.groups_of(tokens.start + i.min(n - 1), e0, e1));
+                let mut out = [0f32; TOKEN_CHUNK];
+                f(w, &acts[..n], &groups[..n], &mut out[..n]);
+                for (vt, o) in v.iter_mut().zip(&out[..n]) {
+                    *vt += o;
+                }
+            }
+            _ => {
+                for (vt, t) in v.iter_mut().zip(tokens) {
+                    *vt += self.dot(dot, w, t, b0, b1, bl);
+                }
             }
         }
     }
+
+    /// Token `t`'s activation blocks of the elements `e0..e1`.
+    #[inline(always)]
+    fn act_of(&self, t: usize, e0: usize, e1: usize) -> &[BlockQ8A] {
+        &self.act[t * self.bpr..][e0 / QK..e1 / QK]
+    }
+
+    /// The same blocks' groups (`e0` a whole number of groups; `e1 <= cols`, so the groups end
+    /// within the token's `gpr`).
+    #[inline(always)]
+    fn groups_of(&self, t: usize, e0: usize, e1: usize) -> &[ActGroup] {
+        &self.groups[t * self.gpr..][e0 / QK / GROUP..e1 / QK / GROUP]
+    }
 }
+
+/// Blocks `b0..b1` of a row of `bl`-element blocks.
+type Seg = (usize, usize, usize);
+
+const _: () = assert!(TOKEN_CHUNK <= crate::kernels::dot_repacked::MAX_TOKENS);
 
 /// Tokens dotted with one row while it is in L1: a row is read from memory once per chunk.
 const TOKEN_CHUNK: usize = 4;
@@ -300,10 +341,7 @@ fn part_rows(p: &Part, a: usize, b: usize, input: &Input, tokens: std::ops::Rang
                 Some(nx) if s == 0 => prefetch::prefetch(nx),
                 _ => {}
             }
-            let w = &row(r)[bytes];
-            for (vt, t) in v.iter_mut().zip(tokens.clone()) {
-                *vt += input.dot(p.dot, w, t, b0, b1, bl);
-            }
+            input.dots(p.dot, &row(r)[bytes], tokens.clone(), (b0, b1, bl), &mut v);
         }
         for (vt, t) in v.iter().zip(tokens.clone()) {
             // SAFETY: IndexSet entries are unique and < w.rows, t < n_tok, so t * w.rows + r
@@ -593,6 +631,57 @@ mod tests {
                     &mut one,
                 );
                 assert_eq!(&all[t * n..(t + 1) * n], &one[..], "{q:?} token {t}");
+            }
+        }
+    }
+    /// `matmul_shared_steps` gives each of 1-9 tokens its one-token product bit for bit, on
+    /// every tier, for ggml and repacked rows (the multi-token repacked kernel), full and sparse
+    /// sets, rows of whole groups and with a ragged tail of blocks, long (segmented) and short.
+    #[test]
+    fn steps_equal_one_token_calls() {
+        for isa in Isa::supported() {
+            let k = Kernels::for_isa(isa).unwrap();
+            let pool = SpinPool::new(2);
+            for q in QuantType::ALL.into_iter().filter(|&q| q.block_len() == QK) {
+                for cols in [QK * 8 * 3, QK * 11, QK * 8 * 20 + QK * 3] {
+                    let n = 21;
+                    let data: Vec<u8> = (0..n)
+                        .flat_map(|r| random_row(q, cols, r as u64 * 3 + 2))
+                        .collect();
+                    let mut layouts = vec![(data.clone(), RowLayout::Ggml)];
+                    if repack::supports(q) {
+                        let mut packed = vec![0u8; data.len()];
+                        repack::repack_matrix(q, cols, &data, &mut packed);
+                        layouts.push((packed, RowLayout::Repacked));
+                    }
+                    let sparse =
+                        IndexSet::new(n, (0..n as u32).filter(|i| i % 4 != 1).collect()).unwrap();
+                    for (bytes, layout) in &layouts {
+                        let w = Weight::new(q, n, cols, bytes).unwrap().with_layout(*layout);
+                        for set in [IndexSet::full(n), sparse.clone()] {
+                            let x = random_f32(9 * cols, cols as u64);
+                            for n_tok in 1..=9 {
+                                let x = &x[..n_tok * cols];
+                                let mut all = vec![7f32; n_tok * n];
+                                let mut jobs = [MatmulJob {
+                                    w,
+                                    rows: &set,
+                                    y: &mut all,
+                                }];
+                                matmul_shared_steps(&k, &pool, x, &mut jobs);
+                                for t in 0..n_tok {
+                                    let mut one = vec![7f32; n];
+                                    let xt = &x[t * cols..(t + 1) * cols];
+                                    matmul(&k, &pool, &w, &set, xt, &mut one);
+                                    let got: Vec<u32> =
+                                        all[t * n..][..n].iter().map(|v| v.to_bits()).collect();
+                                    let want: Vec<u32> = one.iter().map(|v| v.to_bits()).collect();
+                                    assert_eq!(got, want, "{isa} {q:?} {layout:?} cols {cols} {n_tok} tokens, token {t}");
+                                }
+                            }
+                        }
+                    }
+                }
             }
         }
     }

@@ -23,6 +23,16 @@ use dejavu_backend_api::quant::{BlockQ8A, QuantType};
 /// whole groups transposed ([`repack::act_groups`]).
 pub type DotR8Fn = fn(&[u8], &[BlockQ8A], &[ActGroup]) -> f32;
 
+/// Most tokens one [`DotR8TokensFn`] call takes.
+pub const MAX_TOKENS: usize = 4;
+
+/// `(row, acts, groups, out)`: one repacked row dotted with `out.len()` tokens (1..=
+/// [`MAX_TOKENS`]), token `t` given by its blocks `acts[t]` and their groups `groups[t]`.
+/// `out[t]` equals the same tier's [`DotR8Fn`] on token `t` bit for bit: a batch of decode rows
+/// gets its steps' logits. The x86 tiers unpack each group's quants once for all the tokens
+/// (the integer work a one-token dot repeats per token); the others call the one-token dot.
+pub type DotR8TokensFn = fn(&[u8], &[&[BlockQ8A]], &[&[ActGroup]], &mut [f32]);
+
 /// Does this tier read repacked rows faster than ggml rows (so the backend should repack)?
 pub fn repacks(isa: Isa, q: QuantType) -> bool {
     repack::supports(q) && matches!(isa, Isa::Avx2 | Isa::Avx512 | Isa::Neon | Isa::Dotprod)
@@ -93,6 +103,62 @@ pub fn select(q: QuantType, isa: Isa, prefetch: bool) -> DotR8Fn {
     }
 }
 
+/// The multi-token dot of repacked rows of `q` for `isa` (see [`DotR8TokensFn`]), prefetching
+/// ahead if `prefetch` (the NEON tiers never prefetch).
+pub fn select_tokens(q: QuantType, isa: Isa, prefetch: bool) -> DotR8TokensFn {
+    #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+    macro_rules! pick {
+        ($t:ty) => {
+            match (isa, prefetch) {
+                #[cfg(target_arch = "x86_64")]
+                (Isa::Avx512, true) => x86::avx512_tokens::<$t, true>,
+                #[cfg(target_arch = "x86_64")]
+                (Isa::Avx512, false) => x86::avx512_tokens::<$t, false>,
+                #[cfg(target_arch = "x86_64")]
+                (Isa::Avx2, true) => x86::avx2_tokens::<$t, true>,
+                #[cfg(target_arch = "x86_64")]
+                (Isa::Avx2, false) => x86::avx2_tokens::<$t, false>,
+                #[cfg(target_arch = "aarch64")]
+                (Isa::Dotprod, _) => arm::neon_tokens::<$t, true>,
+                #[cfg(target_arch = "aarch64")]
+                (Isa::Neon, _) => arm::neon_tokens::<$t, false>,
+                _ => scalar_tokens_of(q),
+            }
+        };
+    }
+    #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+    return match q {
+        QuantType::Q8_0 => pick!(R8_0),
+        QuantType::Q4_0 => pick!(R4_0),
+        QuantType::Q4_1 => pick!(R4_1),
+        QuantType::Q5_0 => pick!(R5_0),
+        _ => scalar_tokens_of(q),
+    };
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    {
+        let _ = (isa, prefetch);
+        scalar_tokens_of(q)
+    }
+}
+
+/// The scalar reference token by token.
+fn scalar_tokens_of(q: QuantType) -> DotR8TokensFn {
+    macro_rules! each {
+        ($($q:ident)*) => {
+            match q {
+                $(QuantType::$q => |r, a, g, o| {
+                    check_tokens(QuantType::$q, r, a, g, o);
+                    for ((a, g), o) in a.iter().zip(g).zip(o.iter_mut()) {
+                        *o = scalar_of(QuantType::$q)(r, a, g);
+                    }
+                },)*
+                _ => panic!("{q:?} rows are never repacked"),
+            }
+        };
+    }
+    each!(Q8_0 Q4_0 Q4_1 Q5_0)
+}
+
 /// The scalar reference for repacked rows of `q`.
 pub fn scalar_of(q: QuantType) -> DotR8Fn {
     match q {
@@ -139,6 +205,27 @@ fn check(q: QuantType, row: &[u8], act: &[BlockQ8A], groups: &[ActGroup]) {
     );
 }
 
+/// [`check`] for every token of a [`DotR8TokensFn`] call, and 1..=[`MAX_TOKENS`] tokens with one
+/// output each.
+fn check_tokens(
+    q: QuantType,
+    row: &[u8],
+    acts: &[&[BlockQ8A]],
+    groups: &[&[ActGroup]],
+    out: &[f32],
+) {
+    assert!(
+        (1..=MAX_TOKENS).contains(&out.len()) && acts.len() == out.len() && groups.len() == out.len(),
+        "repacked row dot: {} tokens' blocks and {} tokens' groups for {} outputs (1..={MAX_TOKENS})",
+        acts.len(),
+        groups.len(),
+        out.len()
+    );
+    for (a, g) in acts.iter().zip(groups) {
+        check(q, row, a, g);
+    }
+}
+
 fn scalar(q: QuantType, row: &[u8], act: &[BlockQ8A]) -> f32 {
     super::check_q8a(q, row, act);
     let gb = repack::layout(q).bytes;
@@ -172,16 +259,23 @@ fn scalar(q: QuantType, row: &[u8], act: &[BlockQ8A]) -> f32 {
 mod x86 {
     use super::super::x86::*;
     use super::repack::{layout, ActGroup, GROUP};
-    use super::{check, Repacked, R4_0, R4_1, R5_0, R8_0};
+    use super::{check, check_tokens, Repacked, R4_0, R4_1, R5_0, R8_0};
     use dejavu_backend_api::quant::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8A, BlockQ8_0};
     use std::arch::x86_64::*;
 
-    /// One repacked type: its 8 block sums per group, and its offset factors.
+    /// One repacked type: its group's quants, their 8 block sums with an activation group, and
+    /// its offset factors. The quants are unpacked once per group and dotted with every token of
+    /// a [`row_dots`] call.
     pub trait Group: Repacked {
         /// The ggml block, for the tail (its `Step32` does the per-block work).
         type Block: Step32 + bytemuck::Pod;
-        /// The 8 blocks' integer dots with the activation group `a`, lane `j` = block `j`.
-        unsafe fn isums<const VNNI: bool>(g: *const u8, a: &ActGroup) -> __m256i;
+        /// The group's quants as [`Self::qsums`] takes them: 8 unpacked steps of 32 (step `s`
+        /// holds element `s` of each block's 32-wide lanes), or where unpacking is a plain load,
+        /// the group itself.
+        type Quants: Copy;
+        unsafe fn quants(g: *const u8) -> Self::Quants;
+        /// The 8 blocks' integer dots of `q` with the activation group `a`, lane `j` = block `j`.
+        unsafe fn qsums<const VNNI: bool>(q: &Self::Quants, a: &ActGroup) -> __m256i;
         /// The offset factor of the 8 blocks (`d_w`, or the Q4_1 mins), given `d_w`.
         unsafe fn off_w(g: *const u8, dw: __m256) -> __m256;
     }
@@ -218,13 +312,9 @@ mod x86 {
         }
     }
 
-    /// The 8 steps of a 4-bit group (`high`: the Q5_0 fifth bits) dotted with `a`.
+    /// The 8 steps of a 4-bit group's nibbles (`high`: OR the Q5_0 fifth bits in).
     #[inline(always)]
-    unsafe fn four_bit_sums<const VNNI: bool>(
-        qs: *const u8,
-        high: Option<__m256i>,
-        a: &ActGroup,
-    ) -> __m256i {
+    unsafe fn four_bit_quants(qs: *const u8, high: Option<__m256i>) -> [__m256i; GROUP] {
         let m = _mm256_set1_epi8(0x0F);
         let mut q = [_mm256_setzero_si256(); GROUP];
         for c in 0..4 {
@@ -232,34 +322,32 @@ mod x86 {
             q[c] = _mm256_and_si256(v, m);
             q[c + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m);
         }
-        match high {
-            // 5-bit quants: 2 * 31 * 127 per maddubs lane, so at most 4 steps per i16 sum.
-            Some(h) => {
-                for (s, qs) in q.iter_mut().enumerate() {
-                    *qs = _mm256_or_si256(*qs, fifth_bit(h, s));
-                }
-                let lo = sum_u8i8::<VNNI, 4>(&[q[0], q[1], q[2], q[3]], a, [0, 1, 2, 3]);
-                let hi = sum_u8i8::<VNNI, 4>(&[q[4], q[5], q[6], q[7]], a, [4, 5, 6, 7]);
-                _mm256_add_epi32(lo, hi)
+        if let Some(h) = high {
+            for (s, qs) in q.iter_mut().enumerate() {
+                *qs = _mm256_or_si256(*qs, fifth_bit(h, s));
             }
-            // 4-bit quants: 2 * 15 * 127 per lane, 8 steps fit an i16.
-            None => sum_u8i8::<VNNI, 8>(&q, a, [0, 1, 2, 3, 4, 5, 6, 7]),
         }
+        q
     }
 
     impl Group for R8_0 {
         type Block = BlockQ8_0;
+        /// The quants' address: 8-bit quants need no unpacking, and loading them per token
+        /// (from L1 after the first) measured faster than holding 8 registers.
+        type Quants = *const u8;
+        #[inline(always)]
+        unsafe fn quants(g: *const u8) -> *const u8 {
+            g.add(layout(Self::Q).qs)
+        }
         /// Signed x signed by the sign trick; each maddubs lane reaches 2 * 128 * 127, so
         /// AVX2 widens every step.
         #[inline(always)]
-        unsafe fn isums<const VNNI: bool>(g: *const u8, a: &ActGroup) -> __m256i {
-            let qs = g.add(layout(Self::Q).qs);
+        unsafe fn qsums<const VNNI: bool>(qs: &*const u8, a: &ActGroup) -> __m256i {
+            let w = |s: usize| _mm256_loadu_si256(qs.add(32 * s) as *const __m256i);
             let (mut x, mut y) = (_mm256_setzero_si256(), _mm256_setzero_si256());
             for s in (0..GROUP).step_by(2) {
-                let w0 = _mm256_loadu_si256(qs.add(32 * s) as *const __m256i);
-                let w1 = _mm256_loadu_si256(qs.add(32 * s + 32) as *const __m256i);
-                x = _mm256_add_epi32(x, dot_i8i8_v::<VNNI>(w0, step(a, s)));
-                y = _mm256_add_epi32(y, dot_i8i8_v::<VNNI>(w1, step(a, s + 1)));
+                x = _mm256_add_epi32(x, dot_i8i8_v::<VNNI>(w(s), step(a, s)));
+                y = _mm256_add_epi32(y, dot_i8i8_v::<VNNI>(w(s + 1), step(a, s + 1)));
             }
             _mm256_add_epi32(x, y)
         }
@@ -269,12 +357,24 @@ mod x86 {
         }
     }
 
+    /// 4-bit quants: 2 * 15 * 127 per maddubs lane, so 8 steps fit an i16 sum.
+    macro_rules! four_bit_qsums {
+        () => {
+            type Quants = [__m256i; GROUP];
+            #[inline(always)]
+            unsafe fn qsums<const VNNI: bool>(q: &[__m256i; GROUP], a: &ActGroup) -> __m256i {
+                sum_u8i8::<VNNI, 8>(q, a, [0, 1, 2, 3, 4, 5, 6, 7])
+            }
+        };
+    }
+
     impl Group for R4_0 {
         type Block = BlockQ4_0;
         #[inline(always)]
-        unsafe fn isums<const VNNI: bool>(g: *const u8, a: &ActGroup) -> __m256i {
-            four_bit_sums::<VNNI>(g.add(layout(Self::Q).qs), None, a)
+        unsafe fn quants(g: *const u8) -> [__m256i; GROUP] {
+            four_bit_quants(g.add(layout(Self::Q).qs), None)
         }
+        four_bit_qsums!();
         #[inline(always)]
         unsafe fn off_w(_: *const u8, dw: __m256) -> __m256 {
             dw
@@ -284,9 +384,10 @@ mod x86 {
     impl Group for R4_1 {
         type Block = BlockQ4_1;
         #[inline(always)]
-        unsafe fn isums<const VNNI: bool>(g: *const u8, a: &ActGroup) -> __m256i {
-            four_bit_sums::<VNNI>(g.add(layout(Self::Q).qs), None, a)
+        unsafe fn quants(g: *const u8) -> [__m256i; GROUP] {
+            four_bit_quants(g.add(layout(Self::Q).qs), None)
         }
+        four_bit_qsums!();
         #[inline(always)]
         unsafe fn off_w(g: *const u8, _: __m256) -> __m256 {
             let m = layout(Self::Q).mins.unwrap_or(16);
@@ -296,11 +397,19 @@ mod x86 {
 
     impl Group for R5_0 {
         type Block = BlockQ5_0;
+        type Quants = [__m256i; GROUP];
         #[inline(always)]
-        unsafe fn isums<const VNNI: bool>(g: *const u8, a: &ActGroup) -> __m256i {
+        unsafe fn quants(g: *const u8) -> [__m256i; GROUP] {
             let lay = layout(Self::Q);
             let h = _mm256_loadu_si256(g.add(lay.high.unwrap_or(16)) as *const __m256i);
-            four_bit_sums::<VNNI>(g.add(lay.qs), Some(h), a)
+            four_bit_quants(g.add(lay.qs), Some(h))
+        }
+        /// 5-bit quants: 2 * 31 * 127 per maddubs lane, so at most 4 steps per i16 sum.
+        #[inline(always)]
+        unsafe fn qsums<const VNNI: bool>(q: &[__m256i; GROUP], a: &ActGroup) -> __m256i {
+            let lo = sum_u8i8::<VNNI, 4>(&[q[0], q[1], q[2], q[3]], a, [0, 1, 2, 3]);
+            let hi = sum_u8i8::<VNNI, 4>(&[q[4], q[5], q[6], q[7]], a, [4, 5, 6, 7]);
+            _mm256_add_epi32(lo, hi)
         }
         #[inline(always)]
         unsafe fn off_w(_: *const u8, dw: __m256) -> __m256 {
@@ -308,18 +417,22 @@ mod x86 {
         }
     }
 
-    /// Whole groups, then the ggml tail blocks through the type's per-block step.
+    /// One row dotted with `T` tokens: whole groups (each group's quants unpacked once, then
+    /// dotted with every token), then the ggml tail blocks through the type's per-block step.
+    /// Each token's float operations are those of a one-token call in the same order, so its
+    /// result is bit for bit the same at any `T` (the integer sums are exact).
+    /// Caller: every `acts[t]` holds the row's blocks and `groups[t]` its whole groups.
     #[inline(always)]
-    unsafe fn row_dot<G: Group, const VNNI: bool, const PF: bool>(
+    unsafe fn row_dots<G: Group, const VNNI: bool, const PF: bool, const T: usize>(
         row: &[u8],
-        act: &[BlockQ8A],
-        groups: &[ActGroup],
-    ) -> f32 {
+        acts: [&[BlockQ8A]; T],
+        groups: [&[ActGroup]; T],
+    ) -> [f32; T] {
         let (bb, gb) = (G::Q.block_bytes(), layout(G::Q).bytes);
-        let blocks = (row.len() / bb).min(act.len());
-        let n = (blocks / GROUP).min(groups.len());
-        let (mut acc, mut off) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-        for (i, a) in groups[..n].iter().enumerate() {
+        let blocks = acts.iter().fold(row.len() / bb, |b, a| b.min(a.len()));
+        let n = groups.iter().fold(blocks / GROUP, |n, g| n.min(g.len()));
+        let (mut acc, mut off) = ([_mm256_setzero_ps(); T], [_mm256_setzero_ps(); T]);
+        for i in 0..n {
             let g = row.as_ptr().add(i * gb);
             if PF {
                 let mut o = 0;
@@ -328,53 +441,135 @@ mod x86 {
                     o += 64;
                 }
             }
-            let isum = G::isums::<VNNI>(g, a);
+            let q = G::quants(g);
             let dw = _mm256_cvtph_ps(_mm_loadu_si128(g as *const __m128i));
-            let da = _mm256_load_ps(a.d.as_ptr());
-            acc = _mm256_fmadd_ps(_mm256_mul_ps(dw, da), _mm256_cvtepi32_ps(isum), acc);
-            if G::OFF_SCALE != 0.0 {
-                let sa = _mm256_load_ps(a.s.as_ptr());
-                off = _mm256_fmadd_ps(G::off_w(g, dw), sa, off);
+            let ow = G::off_w(g, dw);
+            for t in 0..T {
+                // i < n <= groups[t].len().
+                let a = groups[t].get_unchecked(i);
+                let isum = G::qsums::<VNNI>(&q, a);
+                let da = _mm256_load_ps(a.d.as_ptr());
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, da), _mm256_cvtepi32_ps(isum), acc[t]);
+                if G::OFF_SCALE != 0.0 {
+                    let sa = _mm256_load_ps(a.s.as_ptr());
+                    off[t] = _mm256_fmadd_ps(ow, sa, off[t]);
+                }
             }
         }
         let tail: &[G::Block] =
             bytemuck::cast_slice(&row[n * gb..n * gb + (blocks - n * GROUP) * bb]);
-        let mut total = hsum_ps(acc) + pair_loop::<G::Block, VNNI, false>(tail, &act[n * GROUP..]);
-        if G::OFF_SCALE != 0.0 {
-            total += G::OFF_SCALE * hsum_ps(off);
+        // A loop, not a closure: a closure would not inherit the caller's target features,
+        // and the SIMD helpers would not inline into it.
+        let mut out = [0f32; T];
+        for t in 0..T {
+            out[t] =
+                hsum_ps(acc[t]) + pair_loop::<G::Block, VNNI, false>(tail, &acts[t][n * GROUP..]);
+            if G::OFF_SCALE != 0.0 {
+                out[t] += G::OFF_SCALE * hsum_ps(off[t]);
+            }
         }
-        total
+        out
+    }
+
+    /// [`row_dots`] over `out.len()` tokens (1..=[`super::MAX_TOKENS`]), `T` a constant.
+    #[inline(always)]
+    unsafe fn row_dots_any<G: Group, const VNNI: bool, const PF: bool>(
+        row: &[u8],
+        acts: &[&[BlockQ8A]],
+        groups: &[&[ActGroup]],
+        out: &mut [f32],
+    ) {
+        macro_rules! with {
+            ($t:literal) => {
+                out.copy_from_slice(&row_dots::<G, VNNI, PF, $t>(
+                    row,
+                    std::array::from_fn(|t| acts[t]),
+                    std::array::from_fn(|t| groups[t]),
+                ))
+            };
+        }
+        match out.len() {
+            1 => with!(1),
+            2 => with!(2),
+            3 => with!(3),
+            4 => with!(4),
+            n => unreachable!("{n} tokens: the caller checks 1..=MAX_TOKENS"),
+        }
     }
 
     pub fn avx2<G: Group, const PF: bool>(row: &[u8], act: &[BlockQ8A], g: &[ActGroup]) -> f32 {
         check(G::Q, row, act, g);
         // SAFETY: handed out by `select` only for tiers whose features this CPU has; every
         // read lies inside `row`, `act` and `g` (whole groups and blocks of each, counted).
-        unsafe { avx2_impl::<G, PF>(row, act, g) }
+        unsafe { avx2_one::<G, PF>(row, act, g) }
+    }
+
+    /// One token: no dispatch on the count (short rows make per-call work count).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn avx2_one<G: Group, const PF: bool>(
+        row: &[u8],
+        act: &[BlockQ8A],
+        g: &[ActGroup],
+    ) -> f32 {
+        row_dots::<G, false, PF, 1>(row, [act], [g])[0]
+    }
+
+    pub fn avx2_tokens<G: Group, const PF: bool>(
+        row: &[u8],
+        acts: &[&[BlockQ8A]],
+        groups: &[&[ActGroup]],
+        out: &mut [f32],
+    ) {
+        check_tokens(G::Q, row, acts, groups, out);
+        // SAFETY: as `avx2`, for every token (`check_tokens`).
+        unsafe { avx2_impl::<G, PF>(row, acts, groups, out) }
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn avx2_impl<G: Group, const PF: bool>(
         row: &[u8],
-        act: &[BlockQ8A],
-        g: &[ActGroup],
-    ) -> f32 {
-        row_dot::<G, false, PF>(row, act, g)
+        acts: &[&[BlockQ8A]],
+        groups: &[&[ActGroup]],
+        out: &mut [f32],
+    ) {
+        row_dots_any::<G, false, PF>(row, acts, groups, out)
     }
 
     pub fn avx512<G: Group, const PF: bool>(row: &[u8], act: &[BlockQ8A], g: &[ActGroup]) -> f32 {
         check(G::Q, row, act, g);
         // SAFETY: as `avx2`.
-        unsafe { avx512_impl::<G, PF>(row, act, g) }
+        unsafe { avx512_one::<G, PF>(row, act, g) }
+    }
+
+    /// One token: no dispatch on the count (short rows make per-call work count).
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn avx512_one<G: Group, const PF: bool>(
+        row: &[u8],
+        act: &[BlockQ8A],
+        g: &[ActGroup],
+    ) -> f32 {
+        row_dots::<G, true, PF, 1>(row, [act], [g])[0]
+    }
+
+    pub fn avx512_tokens<G: Group, const PF: bool>(
+        row: &[u8],
+        acts: &[&[BlockQ8A]],
+        groups: &[&[ActGroup]],
+        out: &mut [f32],
+    ) {
+        check_tokens(G::Q, row, acts, groups, out);
+        // SAFETY: as `avx2`, for every token (`check_tokens`).
+        unsafe { avx512_impl::<G, PF>(row, acts, groups, out) }
     }
 
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     unsafe fn avx512_impl<G: Group, const PF: bool>(
         row: &[u8],
-        act: &[BlockQ8A],
-        g: &[ActGroup],
-    ) -> f32 {
-        row_dot::<G, true, PF>(row, act, g)
+        acts: &[&[BlockQ8A]],
+        groups: &[&[ActGroup]],
+        out: &mut [f32],
+    ) {
+        row_dots_any::<G, true, PF>(row, acts, groups, out)
     }
 }
 
@@ -382,7 +577,7 @@ mod x86 {
 mod arm {
     use super::super::arm::*;
     use super::repack::{layout, ActGroup, GROUP};
-    use super::{check, Repacked, R4_0, R4_1, R5_0, R8_0};
+    use super::{check, check_tokens, Repacked, R4_0, R4_1, R5_0, R8_0};
     use dejavu_backend_api::quant::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8A, BlockQ8_0};
     use std::arch::aarch64::*;
 
@@ -543,6 +738,19 @@ mod arm {
         }
     }
 
+    /// Token by token through [`neon`] (the NEON tiers do not share unpacked quants yet).
+    pub fn neon_tokens<G: Group, const DOT: bool>(
+        row: &[u8],
+        acts: &[&[BlockQ8A]],
+        groups: &[&[ActGroup]],
+        out: &mut [f32],
+    ) {
+        check_tokens(G::Q, row, acts, groups, out);
+        for ((a, g), o) in acts.iter().zip(groups).zip(out.iter_mut()) {
+            *o = neon::<G, DOT>(row, a, g);
+        }
+    }
+
     #[target_feature(enable = "neon")]
     unsafe fn neon_impl<G: Group>(row: &[u8], act: &[BlockQ8A], g: &[ActGroup]) -> f32 {
         row_dot::<G, false>(row, act, g)
@@ -622,6 +830,49 @@ mod tests {
                             (got - reference).abs() <= 1e-5 * mag + 1e-6,
                             "{isa} {q:?} {blocks} blocks (prefetch {pf}): {got} vs {reference}"
                         );
+                    }
+                }
+            }
+        }
+    }
+
+    /// Every tier's multi-token dot gives each token its one-token dot bit for bit (1 to
+    /// `MAX_TOKENS` tokens, whole groups, ragged tails and tail-only rows, prefetching or not),
+    /// and refuses mismatched token counts.
+    #[test]
+    fn tokens_equal_one_token_dots() {
+        for q in TYPES {
+            for blocks in [1usize, 8, 9, 28, 67] {
+                let n = blocks * QK;
+                let row = random_row(q, n, 3 * blocks as u64);
+                let mut packed = vec![0u8; row.len()];
+                repack_row(q, &row, &mut packed);
+                let acts: Vec<Vec<BlockQ8A>> = (0..MAX_TOKENS as u64)
+                    .map(|t| act_of(&random_f32(n, 17 + t)))
+                    .collect();
+                let groups: Vec<Vec<ActGroup>> = acts.iter().map(|a| groups_of(a)).collect();
+                for isa in Isa::supported() {
+                    for pf in [false, true] {
+                        let (one, many) = (select(q, isa, pf), select_tokens(q, isa, pf));
+                        for k in 1..=MAX_TOKENS {
+                            let a: Vec<&[BlockQ8A]> = acts[..k].iter().map(|a| &a[..]).collect();
+                            let g: Vec<&[ActGroup]> = groups[..k].iter().map(|g| &g[..]).collect();
+                            let mut out = vec![f32::NAN; k];
+                            many(&packed, &a, &g, &mut out);
+                            for t in 0..k {
+                                let want = one(&packed, &acts[t], &groups[t]);
+                                assert_eq!(
+                                    out[t].to_bits(),
+                                    want.to_bits(),
+                                    "{isa} {q:?} {blocks} blocks, {k} tokens, token {t}"
+                                );
+                            }
+                        }
+                        let a = [&acts[0][..]];
+                        let refused = std::panic::catch_unwind(|| {
+                            many(&packed, &a, &[&groups[0][..]], &mut [0.0; 2])
+                        });
+                        assert!(refused.is_err(), "{isa} {q:?}: 1 token, 2 outputs");
                     }
                 }
             }

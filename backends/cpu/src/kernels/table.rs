@@ -19,8 +19,9 @@ pub type DotF32Fn = fn(&[u8], &[f32]) -> f32;
 pub enum RowDot {
     Q8A(DotQ8AFn),
     F32(DotF32Fn),
-    /// Repacked rows: Q8A blocks and their transposed groups (`repack::ActGroup`).
-    R8(dot_repacked::DotR8Fn),
+    /// Repacked rows: Q8A blocks and their transposed groups (`repack::ActGroup`); one token,
+    /// and up to `dot_repacked::MAX_TOKENS` tokens per call with the same results.
+    R8(dot_repacked::DotR8Fn, dot_repacked::DotR8TokensFn),
 }
 
 #[derive(Clone, Copy)]
@@ -82,8 +83,14 @@ impl Kernels {
             })
         };
         let repacked_with = |pf: bool| {
-            QuantType::ALL
-                .map(|q| repack::supports(q).then(|| RowDot::R8(dot_repacked::select(q, isa, pf))))
+            QuantType::ALL.map(|q| {
+                repack::supports(q).then(|| {
+                    RowDot::R8(
+                        dot_repacked::select(q, isa, pf),
+                        dot_repacked::select_tokens(q, isa, pf),
+                    )
+                })
+            })
         };
         let (repack, unpack) = repack::select(isa);
         Some(Self {
