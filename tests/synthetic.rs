@@ -252,12 +252,28 @@ fn speed_report_and_per_block_bench() {
     ];
     a.extend(base);
     run(&a);
-    let json = std::fs::read_to_string(dir.path().join("synthetic-opt-125m.speed.json")).unwrap();
-    let rows: Vec<serde_json::Value> = serde_json::from_str(&json).unwrap();
+    let speed = dir.path().join("synthetic-opt-125m.speed.json");
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&speed).unwrap()).unwrap();
+    assert_eq!(report["rule"], "dejavu");
+    assert!(report["backend"].as_str().unwrap().starts_with("cpu"));
+    let rows = report["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 2);
     assert_eq!(rows[0]["mlp_density"].as_f64().unwrap(), 1.0);
+    assert_eq!(rows[1]["density"].as_f64().unwrap(), 0.5);
     assert!((rows[1]["mlp_density"].as_f64().unwrap() - 0.5).abs() < 0.01);
     assert!(rows[1]["mlp_ms"].as_f64().unwrap() > 0.0);
+    // The map of that report: a table row with its speedup at 0.5 (and the plot where a font is).
+    run(&[
+        "report",
+        "--speed-map",
+        speed.to_str().unwrap(),
+        "--out",
+        out,
+    ]);
+    let map = std::fs::read_to_string(dir.path().join("speed-map.md")).unwrap();
+    assert!(map.lines().nth(0).unwrap().ends_with("| 0.5 |"), "{map}");
+    assert!(map.contains("synthetic:opt-125m"), "{map}");
     let bench = dir.path().join("b.json");
     let mut a = vec![
         "bench",

@@ -1,5 +1,7 @@
-//! One line chart as a PNG: frame, axes, series of lines with dots, and a legend. Shared by
-//! `report --speed` (speedup against density) and `bench --plot` (CPU against GPU gains).
+//! Line charts as PNGs: frame, axes, series of lines with dots, and a legend; one chart, or
+//! several side by side. Shared by `report --speed` (speedup against density), `report
+//! --speed-map` (the same for many models, CPU and GPU panels) and `bench --plot` (CPU against
+//! GPU gains).
 use crate::{Error, Result};
 use plotters::prelude::*;
 use std::path::Path;
@@ -15,6 +17,7 @@ pub struct Series {
 }
 
 /// The axes of a chart: x from 0 to `x_max`, y from 0 to `y_max`.
+#[derive(Clone, Copy)]
 pub struct Axes<'a> {
     pub x_desc: &'a str,
     pub x_max: f64,
@@ -22,18 +25,53 @@ pub struct Axes<'a> {
     pub y_max: f64,
 }
 
+/// One chart of [`panels`].
+pub struct Panel<'a> {
+    pub title: String,
+    pub axes: Axes<'a>,
+    pub series: Vec<Series>,
+}
+
 /// Draw `series` on `axes` into a 760x560 PNG at `path` (written as `crate::fsio` writes), the
 /// legend at the upper right.
 pub fn line_chart(path: &Path, title: &str, axes: Axes, series: &[Series]) -> Result<()> {
     crate::eval::report::register_font()?;
-    crate::fsio::write_via_path(path, |tmp| draw(tmp, title, axes, series))
+    crate::fsio::write_via_path(path, |tmp| {
+        let root = BitMapBackend::new(tmp, (760, 560)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| err(&e))?;
+        draw(&root, title, axes, series)?;
+        root.present().map_err(|e| err(&e))
+    })
 }
 
-fn draw(path: &Path, title: &str, axes: Axes, series: &[Series]) -> Result<()> {
-    let err = |e: &dyn std::fmt::Display| Error::Invalid(format!("plot: {e}"));
-    let root = BitMapBackend::new(path, (760, 560)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| err(&e))?;
-    let mut chart = ChartBuilder::on(&root)
+/// Charts side by side (760x560 each) under one `title`, into a PNG at `path`.
+pub fn panels(path: &Path, title: &str, charts: &[Panel]) -> Result<()> {
+    crate::eval::report::register_font()?;
+    crate::fsio::write_via_path(path, |tmp| {
+        let n = charts.len().max(1) as u32;
+        let root = BitMapBackend::new(tmp, (760 * n, 600)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| err(&e))?;
+        let root = root
+            .titled(title, ("sans-serif", 20))
+            .map_err(|e| err(&e))?;
+        for (area, c) in root.split_evenly((1, n as usize)).iter().zip(charts) {
+            draw(area, &c.title, c.axes, &c.series)?;
+        }
+        root.present().map_err(|e| err(&e))
+    })
+}
+
+fn err(e: &dyn std::fmt::Display) -> Error {
+    Error::Invalid(format!("plot: {e}"))
+}
+
+fn draw<DB: DrawingBackend>(
+    root: &DrawingArea<DB, plotters::coord::Shift>,
+    title: &str,
+    axes: Axes,
+    series: &[Series],
+) -> Result<()> {
+    let mut chart = ChartBuilder::on(root)
         .caption(title, ("sans-serif", 17))
         .margin(14)
         .x_label_area_size(44)
@@ -68,6 +106,5 @@ fn draw(path: &Path, title: &str, axes: Axes, series: &[Series]) -> Result<()> {
         .label_font(("sans-serif", 13))
         .draw()
         .map_err(|e| err(&e))?;
-    root.present().map_err(|e| err(&e))?;
     Ok(())
 }

@@ -15,7 +15,8 @@ use std::path::Path;
 #[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct FrontierRow {
     pub policy: String,
-    /// The rule (`oracle`, `gate-first`, `up-first`, `dejavu`, `attn-norm`, `dejavu-attn`, `head`),
+    /// The rule (`oracle`, `gate-first`, `up-first`, `dejavu`, `attn-norm`, `dejavu-attn`, `head`,
+    /// `teal`, `wina`),
     /// `mixed` (several parts) or `recommended`.
     pub family: String,
     pub ppl_dense: f64,
@@ -45,6 +46,18 @@ pub struct Recall {
     /// The recall of a random choice at the same budget.
     pub chance: f64,
 }
+
+/// Families whose points are one rule at several budgets (joined by a line in the plot).
+const SWEEPS: [&str; 8] = [
+    "oracle",
+    "gate-first",
+    "up-first",
+    "dejavu",
+    "attn-norm",
+    "dejavu-attn",
+    "teal",
+    "wina",
+];
 
 fn family(spec: &str) -> String {
     if spec.starts_with("recommended") {
@@ -137,24 +150,33 @@ fn system_font() -> Option<&'static [u8]> {
         .map(|b| &*Box::leak(b.into_boxed_slice()))
 }
 
-/// Three panels: PPL ratio and KL against the measured speedup, PPL ratio against MLP density,
-/// one colour per family, oracle points joined; and,
-/// when `recall` is not empty (learned predictors' held-out recall per layer), a fourth panel.
+/// Six panels in two rows. Top: PPL ratio and KL against the measured speedup, and the learned
+/// predictors' held-out recall per layer (`recall`; without it, top-1 agreement against the
+/// speedup). Bottom: PPL ratio, KL and top-1 agreement against model-wide sparsity (the fraction
+/// of dense decoding's weight bytes a policy does not read), where rules of every kind (MLP
+/// neurons, heads, projection inputs) compare at equal bytes. One colour per family; the points
+/// of a sweep joined.
 pub fn plot(rows: &[FrontierRow], recall: &[Recall], title: &str, path: &Path) -> Result<()> {
     register_font()?;
     crate::fsio::write_via_path(path, |tmp| draw(rows, recall, title, tmp))
 }
 
+impl FrontierRow {
+    /// The fraction of dense decoding's weight bytes per token this policy does not read.
+    pub fn model_sparsity(&self) -> f64 {
+        1.0 - 1.0 / self.byte_speedup.max(1e-9)
+    }
+}
+
 fn draw(rows: &[FrontierRow], recall: &[Recall], title: &str, path: &Path) -> Result<()> {
     use plotters::prelude::*;
     let err = |e: &dyn std::fmt::Display| Error::Invalid(format!("plot: {e}"));
-    let n_panels: usize = if recall.is_empty() { 3 } else { 4 };
-    let root = BitMapBackend::new(path, (500 * n_panels as u32, 520)).into_drawing_area();
+    let root = BitMapBackend::new(path, (1500, 1000)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;
     let root = root
         .titled(title, ("sans-serif", 22))
         .map_err(|e| err(&e))?;
-    let panels = root.split_evenly((1, n_panels));
+    let panels = root.split_evenly((2, 3));
     let colour = |f: &str| match f {
         "oracle" => RGBColor(120, 120, 120),
         "gate-first" => RGBColor(31, 119, 180),
@@ -163,11 +185,22 @@ fn draw(rows: &[FrontierRow], recall: &[Recall], title: &str, path: &Path) -> Re
         "dejavu" => RGBColor(140, 86, 75),
         "attn-norm" => RGBColor(23, 190, 207),
         "dejavu-attn" => RGBColor(188, 189, 34),
+        "teal" => RGBColor(255, 127, 14),
+        "wina" => RGBColor(227, 119, 194),
         "recommended" => RGBColor(0, 0, 0),
         _ => RGBColor(148, 103, 189),
     };
     type Pick = fn(&FrontierRow) -> (f64, f64);
-    let specs: [(&str, &str, &str, Pick); 3] = [
+    const SPARSITY: &str = "model-wide sparsity (weight bytes not read)";
+    // (caption, x label, y label, point)
+    type Panel = (&'static str, &'static str, &'static str, Pick);
+    let top1_speed: Panel = (
+        "top-1 agreement vs measured speedup",
+        "measured decode speedup",
+        "top-1 agreement with dense",
+        |r| (r.speedup, r.top1_agreement),
+    );
+    let specs: [Panel; 6] = [
         (
             "PPL ratio vs measured speedup",
             "measured decode speedup",
@@ -180,25 +213,48 @@ fn draw(rows: &[FrontierRow], recall: &[Recall], title: &str, path: &Path) -> Re
             "KL(dense || sparse), nats",
             |r| (r.speedup, r.kl),
         ),
+        top1_speed,
         (
-            "PPL ratio vs MLP density",
-            "MLP density (fraction of neurons computed)",
+            "PPL ratio vs model-wide sparsity",
+            SPARSITY,
             "PPL / dense PPL",
-            |r| (r.mlp_density, r.ppl_ratio),
+            |r| (r.model_sparsity(), r.ppl_ratio),
+        ),
+        (
+            "KL vs model-wide sparsity",
+            SPARSITY,
+            "KL(dense || sparse), nats",
+            |r| (r.model_sparsity(), r.kl),
+        ),
+        (
+            "top-1 agreement vs model-wide sparsity",
+            SPARSITY,
+            "top-1 agreement with dense",
+            |r| (r.model_sparsity(), r.top1_agreement),
         ),
     ];
-    for (i, (area, (caption, xl, yl, pick))) in panels.iter().zip(specs).enumerate() {
+    for (i, (caption, xl, yl, pick)) in specs.into_iter().enumerate() {
+        if i == 2 && !recall.is_empty() {
+            continue;
+        }
+        let area = &panels[i];
         // Quality axes stop at +60% PPL / 0.6 nats: points beyond sit on the top edge.
-        let cap = if i == 1 { 0.6 } else { 1.6 };
+        let (kl, top1) = (yl.starts_with("KL"), yl.starts_with("top-1"));
+        let cap = if kl { 0.6 } else { 1.6 };
         let pick = move |r: &FrontierRow| {
             let (x, y) = pick(r);
-            (x, y.min(cap))
+            (x, if top1 { y } else { y.min(cap) })
         };
         let pts: Vec<(f64, f64)> = rows.iter().map(pick).collect();
-        let (x0, x1) = pts
-            .iter()
-            .fold((1f64, 1f64), |(a, b), p| (a.min(p.0), b.max(p.0)));
-        let x0 = if i == 2 { 0.0 } else { x0 };
+        let sparsity_axis = xl == SPARSITY;
+        let (x0, x1) = pts.iter().fold(
+            if sparsity_axis {
+                (0f64, 0f64)
+            } else {
+                (1f64, 1f64)
+            },
+            |(a, b), p| (a.min(p.0), b.max(p.0)),
+        );
         let (y0, y1) = pts
             .iter()
             .fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.1), b.max(p.1)));
@@ -218,7 +274,6 @@ fn draw(rows: &[FrontierRow], recall: &[Recall], title: &str, path: &Path) -> Re
             .draw()
             .map_err(|e| err(&e))?;
         let mut fams: Vec<String> = rows.iter().map(|r| family(&r.policy)).collect();
-        fams.dedup();
         fams.sort();
         fams.dedup();
         for f in &fams {
@@ -229,7 +284,7 @@ fn draw(rows: &[FrontierRow], recall: &[Recall], title: &str, path: &Path) -> Re
                 .map(pick)
                 .collect();
             fp.sort_by(|a, b| a.0.total_cmp(&b.0));
-            if f == "oracle" {
+            if SWEEPS.contains(&f.as_str()) {
                 chart
                     .draw_series(LineSeries::new(fp.clone(), c.stroke_width(1)))
                     .map_err(|e| err(&e))?;
@@ -242,14 +297,18 @@ fn draw(rows: &[FrontierRow], recall: &[Recall], title: &str, path: &Path) -> Re
         }
         chart
             .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
+            .position(if top1 {
+                SeriesLabelPosition::LowerLeft
+            } else {
+                SeriesLabelPosition::UpperLeft
+            })
             .background_style(WHITE.mix(0.8))
             .border_style(BLACK)
             .label_font(("sans-serif", 12))
             .draw()
             .map_err(|e| err(&e))?;
     }
-    if let (false, Some(area)) = (recall.is_empty(), panels.get(3)) {
+    if let (false, Some(area)) = (recall.is_empty(), panels.get(2)) {
         let n_layers = recall.iter().map(|r| r.per_layer.len()).max().unwrap_or(1);
         let mut chart = ChartBuilder::on(area)
             .caption("learned predictors: recall per layer", ("sans-serif", 16))

@@ -1,12 +1,14 @@
-//! `dejavu report --speed`: decode speed against MLP density, the paper's latency-vs-sparsity
-//! figure, as a markdown table, JSON and a PNG plot with the ideal `1 / density` line.
+//! `dejavu report --speed`: decode speed against density, the paper's latency-vs-sparsity
+//! figure, as a markdown table, JSON and a PNG plot with the ideal `1 / density` line; and
+//! `report --speed-map`: several of those JSONs (model sizes, CPU and GPU) on one map.
 //!
-//! For each density D the policy is `dejavu:D` (the low-rank predictors pick D of every layer's
-//! neurons; attention stays dense), timed against dense decoding with the two alternating in one
-//! process ([`crate::eval::bench`], on any device). The MLP block's speedup is the one that should
-//! follow `1 / D`; the whole step's is bounded by the dense attention and output head. On a
-//! synthetic model (the paper's method) the predictors are random, so the sets are random too:
-//! a speed measurement, not a quality one.
+//! For each density D the policy is `dejavu:D` on a ReLU model (the low-rank predictors pick D of
+//! every layer's neurons; attention stays dense) and `teal:1-D` on a gated (SwiGLU/GeGLU) one,
+//! whose neurons are not sparse (every projection reads the fraction D of its inputs), timed
+//! against dense decoding with the two alternating in one process ([`crate::eval::bench`], on any
+//! device). The MLP block's speedup is the one that should follow `1 / D`; the whole step's is
+//! bounded by what stays dense. On a synthetic model (the paper's method) the predictors and
+//! thresholds are random or measured on random tokens: a speed measurement, not a quality one.
 use crate::eval::bench::BenchResult;
 use crate::exec::Engine;
 use crate::sparsity::policy::Policy;
@@ -14,9 +16,12 @@ use crate::{Error, Result};
 use serde::Serialize;
 use std::path::Path;
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct SpeedRow {
     pub policy: String,
+    /// The density asked for: MLP neurons kept (`dejavu:D`) or projection inputs kept
+    /// (`teal:1-D`); 1 for dense.
+    pub density: f64,
     /// Mean fraction of MLP neurons computed (1 for dense).
     pub mlp_density: f64,
     pub tok_per_s: f64,
@@ -31,21 +36,53 @@ pub struct SpeedRow {
     pub ideal_mlp_speedup: f64,
 }
 
-/// The policies a speed frontier times: dense, then `dejavu:D` for each density.
-pub fn policies(engine: &Engine, densities: &[f64]) -> Result<Vec<Policy>> {
+/// One model's speed frontier on one device, as `report --speed` writes it (JSON).
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
+pub struct SpeedReport {
+    /// The model's label (`synthetic:opt-13b f16 (random weights)`, a file name, ...).
+    pub model: String,
+    /// The device (`cpu (2 threads, avx512)`, `cuda (NVIDIA H200)`).
+    pub backend: String,
+    pub cpu: String,
+    pub commit: String,
+    /// The rule swept: `dejavu` or `teal`.
+    pub rule: String,
+    /// Tokens decoded per repetition.
+    pub n_gen: usize,
+    pub rows: Vec<SpeedRow>,
+}
+
+/// The rule a speed frontier sweeps on `engine`'s model (see the module's comment).
+pub fn rule(engine: &Engine) -> &'static str {
+    match engine.model.config.mlp.activation() {
+        dejavu_backend_api::Activation::Relu => "dejavu",
+        _ => "teal",
+    }
+}
+
+/// The policies a speed frontier times, each with its density: dense (1), then the rule at each
+/// density.
+pub fn policies(engine: &Engine, densities: &[f64]) -> Result<Vec<(f64, Policy)>> {
     let preds = engine.predictors(None)?.ok_or_else(|| {
         Error::Invalid("no predictors: run `dejavu calibrate` (or use a synthetic model)".into())
     })?;
-    let mut specs = vec!["dense".to_string()];
-    specs.extend(densities.iter().map(|d| format!("dejavu:{d}")));
+    let mut specs = vec![(1.0, "dense".to_string())];
+    for &d in densities {
+        specs.push(match rule(engine) {
+            "dejavu" => (d, format!("dejavu:{d}")),
+            // Rounded: 1 - 0.9 prints as 0.09999999999999998.
+            _ => (d, format!("teal:{}", ((1.0 - d) * 1e6).round() / 1e6)),
+        });
+    }
     (specs.iter())
-        .map(|s| engine.policy(s, Some(&preds)))
+        .map(|(d, s)| Ok((*d, engine.policy(s, Some(&preds))?)))
         .collect()
 }
 
-/// The frontier from a bench of [`policies`] (decode rows only, dense first; `bench --sparsity`
-/// times them alternating within each repetition, on any device).
-pub fn rows(results: &[BenchResult]) -> Result<Vec<SpeedRow>> {
+/// The frontier from a bench of [`policies`] (decode rows only, dense first, in the order of
+/// `densities`, the policies' own; `bench --sparsity` times them alternating within each
+/// repetition, on any device).
+pub fn rows(results: &[BenchResult], densities: &[f64]) -> Result<Vec<SpeedRow>> {
     let decode: Vec<&BenchResult> = results
         .iter()
         .filter(|r| r.test.starts_with("tg"))
@@ -55,10 +92,18 @@ pub fn rows(results: &[BenchResult]) -> Result<Vec<SpeedRow>> {
             "a speed frontier needs a dense decode run first".into(),
         ));
     };
+    if decode.len() != densities.len() {
+        return Err(Error::Invalid(format!(
+            "a speed frontier of {} policies got {} decode runs",
+            densities.len(),
+            decode.len()
+        )));
+    }
     let dense_mlp = dense.blocks.mlp.ms;
-    Ok((decode.iter())
-        .map(|r| SpeedRow {
+    Ok((decode.iter().zip(densities))
+        .map(|(r, &density)| SpeedRow {
             policy: r.sparsity.clone(),
+            density,
             mlp_density: r.mlp_density,
             tok_per_s: r.tok_per_s_median,
             step_speedup: r.tok_per_s_median / dense.tok_per_s_median,
@@ -66,20 +111,21 @@ pub fn rows(results: &[BenchResult]) -> Result<Vec<SpeedRow>> {
             mlp_speedup: dense_mlp / r.blocks.mlp.ms.max(1e-9),
             mlp_gb_per_s: r.blocks.mlp.gb_per_s,
             predict_ms: r.blocks.predictors.ms,
-            ideal_mlp_speedup: 1.0 / r.mlp_density.max(1e-9),
+            ideal_mlp_speedup: 1.0 / density.max(1e-9),
         })
         .collect())
 }
 
 pub fn markdown(rows: &[SpeedRow]) -> String {
     let mut s = String::from(
-        "| policy | MLP density | t/s | step speedup | MLP ms/token | MLP speedup | ideal (1/density) | MLP GB/s | predictors ms/token |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "| policy | density | MLP density | t/s | step speedup | MLP ms/token | MLP speedup | ideal (1/density) | MLP GB/s | predictors ms/token |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for r in rows {
         s += &format!(
-            "| {} | {:.3} | {:.2} | {:.2}x | {:.2} | {:.2}x | {:.1}x | {:.1} | {:.2} |\n",
+            "| {} | {:.2} | {:.3} | {:.2} | {:.2}x | {:.2} | {:.2}x | {:.1}x | {:.1} | {:.2} |\n",
             r.policy,
+            r.density,
             r.mlp_density,
             r.tok_per_s,
             r.step_speedup,
@@ -93,8 +139,8 @@ pub fn markdown(rows: &[SpeedRow]) -> String {
     s
 }
 
-/// Speedup against MLP density: the MLP block and the whole step, measured, and the ideal.
-pub fn plot(rows: &[SpeedRow], title: &str, path: &Path) -> Result<()> {
+/// Speedup against density: the MLP block and the whole step, measured, and the ideal.
+pub fn plot(rows: &[SpeedRow], x_desc: &str, title: &str, path: &Path) -> Result<()> {
     use crate::eval::plot::{line_chart, Axes, Series};
     use plotters::style::RGBColor;
     let ymax = rows
@@ -103,7 +149,7 @@ pub fn plot(rows: &[SpeedRow], title: &str, path: &Path) -> Result<()> {
         .fold(2.0, f64::max)
         * 1.05;
     let mut sorted = rows.to_vec();
-    sorted.sort_by(|a, b| a.mlp_density.total_cmp(&b.mlp_density));
+    sorted.sort_by(|a, b| a.density.total_cmp(&b.density));
     type Pick = fn(&SpeedRow) -> f64;
     let picks: [(&str, RGBColor, Pick); 3] = [
         ("ideal MLP (1 / density)", RGBColor(150, 150, 150), |r| {
@@ -123,14 +169,213 @@ pub fn plot(rows: &[SpeedRow], title: &str, path: &Path) -> Result<()> {
             color,
             width: 2,
             dots: true,
-            points: sorted.iter().map(|r| (r.mlp_density, pick(r))).collect(),
+            points: sorted.iter().map(|r| (r.density, pick(r))).collect(),
         })
         .collect();
     let axes = Axes {
-        x_desc: "MLP density (fraction of neurons computed)",
+        x_desc,
         x_max: 1.05,
         y_desc: "speedup over dense",
         y_max: ymax,
     };
     line_chart(path, title, axes, &series)
+}
+
+/// The x-axis of `rule`'s frontier.
+pub fn x_desc(rule: &str) -> &'static str {
+    match rule {
+        "dejavu" => "MLP density (fraction of neurons computed)",
+        _ => "density (fraction of each projection's inputs read)",
+    }
+}
+
+/// The map's table: per model and device, the dense t/s and the step speedup at each density.
+pub fn map_markdown(reports: &[SpeedReport]) -> String {
+    let mut ds: Vec<f64> = (reports.iter())
+        .flat_map(|r| r.rows.iter().map(|x| x.density))
+        .filter(|d| *d < 1.0)
+        .collect();
+    ds.sort_by(|a, b| b.total_cmp(a));
+    ds.dedup();
+    let mut s = String::from("| device | model | rule | dense t/s |");
+    for d in &ds {
+        s += &format!(" {d} |");
+    }
+    s += "\n|---|---|---|---:|";
+    s += &"---:|".repeat(ds.len());
+    s += "\n";
+    for r in reports {
+        let dense = r.rows.iter().find(|x| x.density >= 1.0);
+        s += &format!(
+            "| {} | {} | {} | {} |",
+            r.backend,
+            r.model,
+            r.rule,
+            dense.map_or("-".into(), |x| format!("{:.2}", x.tok_per_s))
+        );
+        for d in &ds {
+            s += &match r.rows.iter().find(|x| (x.density - d).abs() < 1e-9) {
+                Some(x) => format!(" {:.2}x |", x.step_speedup),
+                None => " - |".into(),
+            };
+        }
+        s += "\n";
+    }
+    s
+}
+
+/// Is `backend` a GPU (the map's right panel)?
+fn on_gpu(backend: &str) -> bool {
+    !backend.starts_with("cpu")
+}
+
+/// One map of several [`SpeedReport`]s: the whole step's speedup over the same device's dense
+/// against density, a line per model, the CPU's reports in the left panel and the GPU's in the
+/// right, with the ideal `1 / density` for reference.
+pub fn map_plot(reports: &[SpeedReport], title: &str, path: &Path) -> Result<()> {
+    use crate::eval::plot::{panels, Axes, Panel, Series};
+    use plotters::style::RGBColor;
+    const COLOURS: [RGBColor; 8] = [
+        RGBColor(31, 119, 180),
+        RGBColor(255, 127, 14),
+        RGBColor(44, 160, 44),
+        RGBColor(214, 39, 40),
+        RGBColor(148, 103, 189),
+        RGBColor(140, 86, 75),
+        RGBColor(227, 119, 194),
+        RGBColor(23, 190, 207),
+    ];
+    let ymax = (reports.iter())
+        .flat_map(|r| r.rows.iter().map(|x| x.step_speedup))
+        .fold(2.0f64, f64::max)
+        * 1.15;
+    let mut models: Vec<&str> = Vec::new();
+    for m in reports.iter().map(|r| short_model(&r.model)) {
+        if !models.contains(&m) {
+            models.push(m);
+        }
+    }
+    let panel = |gpu: bool| {
+        let mut series = vec![Series {
+            label: "ideal (1 / density)".into(),
+            color: RGBColor(170, 170, 170),
+            width: 1,
+            dots: false,
+            points: (5..=100)
+                .map(|i| i as f64 / 100.0)
+                .filter(|d| 1.0 / d <= ymax)
+                .map(|d| (d, 1.0 / d))
+                .collect(),
+        }];
+        for r in reports.iter().filter(|r| on_gpu(&r.backend) == gpu) {
+            let mut pts: Vec<(f64, f64)> =
+                r.rows.iter().map(|x| (x.density, x.step_speedup)).collect();
+            pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+            // One colour per model in both panels.
+            let i = models
+                .iter()
+                .position(|m| *m == short_model(&r.model))
+                .unwrap_or(0);
+            series.push(Series {
+                label: format!("{} {} ({})", short_model(&r.model), dtype(&r.model), r.rule),
+                color: COLOURS[i % COLOURS.len()],
+                width: 2,
+                dots: true,
+                points: pts,
+            });
+        }
+        let device = (reports.iter())
+            .find(|r| on_gpu(&r.backend) == gpu)
+            .map_or(if gpu { "GPU" } else { "CPU" }.into(), |r| {
+                r.backend.clone()
+            });
+        Panel {
+            title: device,
+            axes: Axes {
+                x_desc: "density (MLP neurons kept for dejavu, projection inputs kept for teal)",
+                x_max: 1.05,
+                y_desc: "decode speedup over the same device's dense",
+                y_max: ymax,
+            },
+            series,
+        }
+    };
+    panels(path, title, &[panel(false), panel(true)])
+}
+
+/// A model label without its description (`synthetic:opt-13b (synthetic random weights, f16)`
+/// -> `synthetic:opt-13b`).
+fn short_model(label: &str) -> &str {
+    label.split(" (").next().unwrap_or(label)
+}
+
+/// The weight type at the end of a synthetic model's description (`f16`), or nothing.
+fn dtype(label: &str) -> &str {
+    (label.strip_suffix(')'))
+        .and_then(|l| l.rsplit(", ").next())
+        .filter(|t| !t.contains(' '))
+        .unwrap_or("")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(model: &str, backend: &str, speedups: &[(f64, f64)]) -> SpeedReport {
+        let row = |(density, step_speedup): (f64, f64)| SpeedRow {
+            policy: format!("p{density}"),
+            density,
+            mlp_density: density,
+            tok_per_s: 10.0 * step_speedup,
+            step_speedup,
+            mlp_ms: 1.0,
+            mlp_speedup: 1.0,
+            mlp_gb_per_s: 1.0,
+            predict_ms: 0.0,
+            ideal_mlp_speedup: 1.0 / density,
+        };
+        SpeedReport {
+            model: model.into(),
+            backend: backend.into(),
+            cpu: "cpu".into(),
+            commit: "c".into(),
+            rule: "dejavu".into(),
+            n_gen: 16,
+            rows: speedups.iter().copied().map(row).collect(),
+        }
+    }
+
+    /// The map's table has a column per density of any report (a dash where a report lacks
+    /// one) and each report's dense t/s; labels lose their description but keep the weight type.
+    #[test]
+    fn map_table_and_labels() {
+        let a = report(
+            "synthetic:opt-13b (synthetic random weights, f16)",
+            "cuda (NVIDIA H200)",
+            &[(1.0, 1.0), (0.5, 1.25)],
+        );
+        let b = report(
+            "model.gguf",
+            "cpu (2 threads, avx2)",
+            &[(1.0, 1.0), (0.25, 0.9)],
+        );
+        let md = map_markdown(&[a, b]);
+        let lines: Vec<&str> = md.lines().collect();
+        assert_eq!(
+            lines[0],
+            "| device | model | rule | dense t/s | 0.5 | 0.25 |"
+        );
+        assert!(lines[2].ends_with("| 10.00 | 1.25x | - |"), "{}", lines[2]);
+        assert!(lines[3].ends_with("| 10.00 | - | 0.90x |"), "{}", lines[3]);
+        assert_eq!(
+            short_model("synthetic:opt-13b (synthetic random weights, f16)"),
+            "synthetic:opt-13b"
+        );
+        assert_eq!(
+            dtype("synthetic:opt-13b (synthetic random weights, f16)"),
+            "f16"
+        );
+        assert_eq!(dtype("model.gguf"), "");
+        assert!(on_gpu("cuda (NVIDIA H200)") && !on_gpu("cpu (2 threads, avx2)"));
+    }
 }

@@ -58,13 +58,18 @@ pub struct ReportArgs {
     #[command(flatten)]
     pub model: ModelArgs,
     /// The text to score (token by token, dense and every policy side by side).
-    #[arg(long, short, required_unless_present = "speed")]
+    #[arg(long, short, required_unless_present_any = ["speed", "speed_map"])]
     pub file: Option<std::path::PathBuf>,
-    /// Instead: decode speed against MLP density (dense and `dejavu:D` for each of
-    /// `--densities`; real or synthetic models), as `<model>.speed.{md,json,png}`.
+    /// Instead: decode speed against density (dense, and for each of `--densities` D
+    /// `dejavu:D` on a ReLU model or `teal:1-D` on a gated one; real or synthetic models), as
+    /// `<model>.speed.{md,json,png}`.
     #[arg(long)]
     pub speed: bool,
-    /// MLP densities of `--speed`.
+    /// Instead: one map of `--speed` JSONs (model sizes; CPU and GPU runs in two panels), as
+    /// `speed-map.{md,png}` in `--out`.
+    #[arg(long, num_args = 1.., conflicts_with = "speed")]
+    pub speed_map: Vec<std::path::PathBuf>,
+    /// Densities of `--speed`.
     #[arg(long, value_delimiter = ',', default_value = "0.5,0.25,0.1,0.05")]
     pub densities: Vec<f64>,
     /// Tokens decoded per repetition of `--speed` (3 repetitions after a warm-up).
@@ -159,6 +164,9 @@ pub fn cmd_calibrate(a: CalibrateArgs) -> Result<()> {
 pub fn cmd_report(a: ReportArgs) -> Result<()> {
     if a.speed {
         return cmd_speed(&a);
+    }
+    if !a.speed_map.is_empty() {
+        return cmd_speed_map(&a);
     }
     let path = a.file.clone().unwrap_or_default();
     let text = dejavu::fsio::read_text(path.as_ref(), dejavu::fsio::MAX_TEXT_BYTES, false)?;
@@ -263,6 +271,13 @@ pub fn cmd_report(a: ReportArgs) -> Result<()> {
                 .map(String::from),
             );
         }
+        if preds.as_ref().is_some_and(|p| p.inputs.is_some()) {
+            // Input sparsity at model-wide budgets (issue 26): TEAL's and WINA's scores.
+            for s in ["0.2", "0.3", "0.4", "0.5"] {
+                specs.push(format!("teal:{s}"));
+                specs.push(format!("wina:{s}"));
+            }
+        }
         specs.extend(["attn-norm:0.8", "attn-norm:0.6"].map(String::from));
         if preds.as_ref().is_some_and(|p| !p.heads.is_empty()) {
             specs.extend(["dejavu-attn:0.8", "dejavu-attn:0.8+lookahead"].map(String::from));
@@ -342,7 +357,10 @@ fn cmd_speed(a: &ReportArgs) -> Result<()> {
         &outputs.each_ref().map(|p| ("--out", Some(p.as_path()))),
         &[&engine.model.path],
     )?;
-    let policies = speed_frontier::policies(&engine, &a.densities)?;
+    let (densities, policies): (Vec<f64>, Vec<_>) =
+        speed_frontier::policies(&engine, &a.densities)?
+            .into_iter()
+            .unzip();
     let spec = dejavu::eval::bench::BenchSpec {
         engine: &engine,
         policies: &policies,
@@ -353,26 +371,64 @@ fn cmd_speed(a: &ReportArgs) -> Result<()> {
     let bar = dejavu::progress::bar((3 * policies.len()) as u64, "speed against density");
     let results = crate::backend_choice::bench_on(a.model.placement(), &spec, &mut || bar.inc(1))?;
     bar.finish_and_clear();
-    let rows = speed_frontier::rows(&results)?;
-    let device = results.first().map_or(String::new(), |r| r.backend.clone());
+    let report = speed_frontier::SpeedReport {
+        model: label.clone(),
+        backend: results.first().map_or(String::new(), |r| r.backend.clone()),
+        cpu: bench_cpu(),
+        commit: dejavu::eval::bench::COMMIT.into(),
+        rule: speed_frontier::rule(&engine).into(),
+        n_gen: a.n_gen,
+        rows: speed_frontier::rows(&results, &densities)?,
+    };
     std::fs::create_dir_all(&a.out)?;
     let md = format!(
-        "{label} | {} | {device} | tg{} x 3 | commit {}\n\n{}",
-        bench_cpu(),
+        "{label} | {} | {} | tg{} x 3 | commit {}\n\n{}",
+        report.cpu,
+        report.backend,
         a.n_gen,
-        dejavu::eval::bench::COMMIT,
-        speed_frontier::markdown(&rows)
+        report.commit,
+        speed_frontier::markdown(&report.rows)
     );
     dejavu::fsio::write(&file("md"), &md)?;
-    dejavu::fsio::write(&file("json"), serde_json::to_string_pretty(&rows)?)?;
+    dejavu::fsio::write(&file("json"), serde_json::to_string_pretty(&report)?)?;
     print!("{md}");
     match speed_frontier::plot(
-        &rows,
-        &format!("{label}: speed against MLP density"),
+        &report.rows,
+        speed_frontier::x_desc(&report.rule),
+        &format!("{label}: speed against density ({})", report.rule),
         &file("png"),
     ) {
         Ok(()) => eprintln!("wrote {} (md, json, png)", file("*").display()),
         Err(e) => eprintln!("wrote {} (md, json); no plot: {e}", file("*").display()),
+    }
+    Ok(())
+}
+
+/// `report --speed-map`: the `--speed` JSONs given, on one map (see
+/// `dejavu::eval::speed_frontier::map_plot`).
+fn cmd_speed_map(a: &ReportArgs) -> Result<()> {
+    use dejavu::eval::speed_frontier::{self, SpeedReport};
+    let mut reports = Vec::new();
+    for p in &a.speed_map {
+        let text = dejavu::fsio::read_text(p, dejavu::fsio::MAX_TEXT_BYTES, false)?;
+        let r: SpeedReport = serde_json::from_str(&text)
+            .with_context(|| format!("{}: not a `report --speed` JSON", p.display()))?;
+        reports.push(r);
+    }
+    let (md, png) = (a.out.join("speed-map.md"), a.out.join("speed-map.png"));
+    let inputs: Vec<&std::path::Path> = a.speed_map.iter().map(|p| p.as_path()).collect();
+    crate::refuse_overwrites(&[("--out", Some(&md)), ("--out", Some(&png))], &inputs)?;
+    std::fs::create_dir_all(&a.out)?;
+    let table = speed_frontier::map_markdown(&reports);
+    dejavu::fsio::write(&md, &table)?;
+    print!("{table}");
+    match speed_frontier::map_plot(
+        &reports,
+        "decode speedup over dense against density, per model and device (synthetic weights where labelled)",
+        &png,
+    ) {
+        Ok(()) => eprintln!("wrote {} and {}", md.display(), png.display()),
+        Err(e) => eprintln!("wrote {}; no plot: {e}", md.display()),
     }
     Ok(())
 }
