@@ -272,7 +272,7 @@ fn speed_report_and_per_block_bench() {
         out,
     ]);
     let map = std::fs::read_to_string(dir.path().join("speed-map.md")).unwrap();
-    assert!(map.lines().nth(0).unwrap().ends_with("| 0.5 |"), "{map}");
+    assert!(map.lines().next().unwrap().ends_with("| 0.5 |"), "{map}");
     assert!(map.contains("synthetic:opt-125m"), "{map}");
     let bench = dir.path().join("b.json");
     let mut a = vec![
