@@ -634,6 +634,7 @@ mod tests {
             }
         }
     }
+
     /// `matmul_shared_steps` gives each of 1-9 tokens its one-token product bit for bit, on
     /// every tier, for ggml and repacked rows (the multi-token repacked kernel), full and sparse
     /// sets, rows of whole groups and with a ragged tail of blocks, long (segmented) and short.
