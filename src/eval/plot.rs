@@ -16,6 +16,23 @@ pub struct Series {
     pub points: Vec<(f64, f64)>,
 }
 
+impl Series {
+    /// The ideal speedup `1 / density` (thin grey, no dots), up to `y_max`.
+    pub fn ideal(y_max: f64) -> Self {
+        Series {
+            label: "ideal (1 / density)".into(),
+            color: RGBColor(160, 160, 160),
+            width: 1,
+            dots: false,
+            points: (1..=100)
+                .map(|i| i as f64 / 100.0)
+                .filter(|d| 1.0 / d <= y_max)
+                .map(|d| (d, 1.0 / d))
+                .collect(),
+        }
+    }
+}
+
 /// The axes of a chart: x from 0 to `x_max`, y from 0 to `y_max`.
 #[derive(Clone, Copy)]
 pub struct Axes<'a> {

@@ -256,17 +256,7 @@ pub fn map_plot(reports: &[SpeedReport], title: &str, path: &Path) -> Result<()>
         }
     }
     let panel = |gpu: bool| {
-        let mut series = vec![Series {
-            label: "ideal (1 / density)".into(),
-            color: RGBColor(170, 170, 170),
-            width: 1,
-            dots: false,
-            points: (5..=100)
-                .map(|i| i as f64 / 100.0)
-                .filter(|d| 1.0 / d <= ymax)
-                .map(|d| (d, 1.0 / d))
-                .collect(),
-        }];
+        let mut series = vec![Series::ideal(ymax)];
         for r in reports.iter().filter(|r| on_gpu(&r.backend) == gpu) {
             let mut pts: Vec<(f64, f64)> =
                 r.rows.iter().map(|x| (x.density, x.step_speedup)).collect();

@@ -143,17 +143,7 @@ pub fn plot_gains(rows: &[GainRow], title: &str, path: &std::path::Path) -> Resu
     use crate::eval::plot::{line_chart, Axes, Series};
     use plotters::style::RGBColor;
     let ymax = rows.iter().map(|r| r.speedup_vs_dense).fold(4.0, f64::max) * 1.1;
-    let mut series = vec![Series {
-        label: "ideal (1 / density)".into(),
-        color: RGBColor(150, 150, 150),
-        width: 1,
-        dots: false,
-        points: (1..=100)
-            .map(|i| i as f64 / 100.0)
-            .filter(|d| 1.0 / d <= ymax)
-            .map(|d| (d, 1.0 / d))
-            .collect(),
-    }];
+    let mut series = vec![Series::ideal(ymax)];
     let mut backends: Vec<&str> = rows.iter().map(|r| r.backend.as_str()).collect();
     backends.dedup();
     let colors = [

@@ -65,80 +65,68 @@ repacked_types! {
     R5_0: Q5_0, -16.0;
 }
 
+/// The function of `isa` (and `prefetch`) for the repacked type `$t`: `x86::$avx512` or
+/// `x86::$avx2` (`::<$t, PREFETCH>`), `arm::$neon` (`::<$t, DOTPROD>`), else `$other`.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+macro_rules! tier_fn {
+    ($t:ty, $isa:expr, $pf:expr, $avx512:ident, $avx2:ident, $neon:ident, $other:expr) => {
+        match ($isa, $pf) {
+            #[cfg(target_arch = "x86_64")]
+            (Isa::Avx512, true) => x86::$avx512::<$t, true>,
+            #[cfg(target_arch = "x86_64")]
+            (Isa::Avx512, false) => x86::$avx512::<$t, false>,
+            #[cfg(target_arch = "x86_64")]
+            (Isa::Avx2, true) => x86::$avx2::<$t, true>,
+            #[cfg(target_arch = "x86_64")]
+            (Isa::Avx2, false) => x86::$avx2::<$t, false>,
+            #[cfg(target_arch = "aarch64")]
+            (Isa::Dotprod, _) => arm::$neon::<$t, true>,
+            #[cfg(target_arch = "aarch64")]
+            (Isa::Neon, _) => arm::$neon::<$t, false>,
+            _ => $other,
+        }
+    };
+}
+
+/// [`tier_fn`] for the repacked type of `q`; `$other` for the tiers without one, the other
+/// types and other architectures.
+macro_rules! by_type {
+    ($q:expr, $isa:expr, $pf:expr, $avx512:ident, $avx2:ident, $neon:ident, $other:expr) => {{
+        #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+        let f = match $q {
+            QuantType::Q8_0 => tier_fn!(R8_0, $isa, $pf, $avx512, $avx2, $neon, $other),
+            QuantType::Q4_0 => tier_fn!(R4_0, $isa, $pf, $avx512, $avx2, $neon, $other),
+            QuantType::Q4_1 => tier_fn!(R4_1, $isa, $pf, $avx512, $avx2, $neon, $other),
+            QuantType::Q5_0 => tier_fn!(R5_0, $isa, $pf, $avx512, $avx2, $neon, $other),
+            _ => $other,
+        };
+        #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+        let f = {
+            let _ = ($isa, $pf);
+            $other
+        };
+        f
+    }};
+}
+
 /// The dot of repacked rows of `q` (one of [`repack::supports`]) for `isa`, prefetching ahead
 /// if `prefetch` (dense products; the NEON tiers never prefetch).
 pub fn select(q: QuantType, isa: Isa, prefetch: bool) -> DotR8Fn {
-    #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
-    macro_rules! pick {
-        ($t:ty) => {
-            match (isa, prefetch) {
-                #[cfg(target_arch = "x86_64")]
-                (Isa::Avx512, true) => x86::avx512::<$t, true>,
-                #[cfg(target_arch = "x86_64")]
-                (Isa::Avx512, false) => x86::avx512::<$t, false>,
-                #[cfg(target_arch = "x86_64")]
-                (Isa::Avx2, true) => x86::avx2::<$t, true>,
-                #[cfg(target_arch = "x86_64")]
-                (Isa::Avx2, false) => x86::avx2::<$t, false>,
-                #[cfg(target_arch = "aarch64")]
-                (Isa::Dotprod, _) => arm::neon::<$t, true>,
-                #[cfg(target_arch = "aarch64")]
-                (Isa::Neon, _) => arm::neon::<$t, false>,
-                _ => scalar_of(q),
-            }
-        };
-    }
-    #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
-    return match q {
-        QuantType::Q8_0 => pick!(R8_0),
-        QuantType::Q4_0 => pick!(R4_0),
-        QuantType::Q4_1 => pick!(R4_1),
-        QuantType::Q5_0 => pick!(R5_0),
-        _ => scalar_of(q),
-    };
-    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
-    {
-        let _ = (isa, prefetch);
-        scalar_of(q)
-    }
+    by_type!(q, isa, prefetch, avx512, avx2, neon, scalar_of(q))
 }
 
 /// The multi-token dot of repacked rows of `q` for `isa` (see [`DotR8TokensFn`]), prefetching
 /// ahead if `prefetch` (the NEON tiers never prefetch).
 pub fn select_tokens(q: QuantType, isa: Isa, prefetch: bool) -> DotR8TokensFn {
-    #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
-    macro_rules! pick {
-        ($t:ty) => {
-            match (isa, prefetch) {
-                #[cfg(target_arch = "x86_64")]
-                (Isa::Avx512, true) => x86::avx512_tokens::<$t, true>,
-                #[cfg(target_arch = "x86_64")]
-                (Isa::Avx512, false) => x86::avx512_tokens::<$t, false>,
-                #[cfg(target_arch = "x86_64")]
-                (Isa::Avx2, true) => x86::avx2_tokens::<$t, true>,
-                #[cfg(target_arch = "x86_64")]
-                (Isa::Avx2, false) => x86::avx2_tokens::<$t, false>,
-                #[cfg(target_arch = "aarch64")]
-                (Isa::Dotprod, _) => arm::neon_tokens::<$t, true>,
-                #[cfg(target_arch = "aarch64")]
-                (Isa::Neon, _) => arm::neon_tokens::<$t, false>,
-                _ => scalar_tokens_of(q),
-            }
-        };
-    }
-    #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
-    return match q {
-        QuantType::Q8_0 => pick!(R8_0),
-        QuantType::Q4_0 => pick!(R4_0),
-        QuantType::Q4_1 => pick!(R4_1),
-        QuantType::Q5_0 => pick!(R5_0),
-        _ => scalar_tokens_of(q),
-    };
-    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
-    {
-        let _ = (isa, prefetch);
+    by_type!(
+        q,
+        isa,
+        prefetch,
+        avx512_tokens,
+        avx2_tokens,
+        neon_tokens,
         scalar_tokens_of(q)
-    }
+    )
 }
 
 /// The scalar reference token by token.
