@@ -317,6 +317,26 @@ pub trait Device: Send + Sync {
         y: &mut Self::Buf,
     ) -> Result<(), BackendError>;
 
+    /// [`Device::axpy`] of each job with the same coefficients `a` (`job.x` is not read): `y +=`
+    /// the product over the job's `rows` of its matrix, plus its bias (`act` and `accumulate`
+    /// are not read: an axpy always adds). Q, K and V of one input under input sparsity; gate
+    /// and up. One launch where the device can; at most 3 jobs.
+    fn axpys(&self, a: &Self::Buf, jobs: &mut [Product<'_, Self>]) -> Result<(), BackendError> {
+        if jobs.is_empty() || jobs.len() > 3 {
+            return Err(BackendError::Shape(format!(
+                "{} axpys in one launch (1 to 3)",
+                jobs.len()
+            )));
+        }
+        for p in jobs.iter_mut() {
+            self.axpy(p.w, p.rows, a, p.bias, p.y)?;
+        }
+        Ok(())
+    }
+
+    /// `x[..n] = 0` for each `(x, n)` (at most 3): the outputs an axpy then adds to.
+    fn clear(&self, bufs: &mut [(&mut Self::Buf, usize)]) -> Result<(), BackendError>;
+
     /// `out = x / sqrt(mean(x^2) + eps) * w` for each of `rows` rows of `w`'s length: a batch's
     /// rows, or each head of them (qwen3's Q and K norms: `rows` x heads rows of `head_dim`).
     fn rmsnorm(

@@ -27,11 +27,12 @@ fn defines() -> Vec<(String, String)> {
 
 /// A tuning constant of `DEJAVU_CUDA_DEFINES` that the host's launch shapes depend on too
 /// (`MV_ROWS`: rows per warp of matvec.cu; `MV_FILL`, `MV_FILL_SEL`: the blocks per SM under
-/// which a product of every row, or a gather over a selection, splits its rows; `AX_VEC`:
+/// which a product of every row, or a gather over a selection, splits its rows; `MV_AHEAD_F16`:
+/// f16 products of every row load ahead as bf16's do (matvec.cu's `MV_UNROLL`); `AX_VEC`:
 /// 256-column chunks per block of axpy.cu; `AX_FILL`: axpy blocks per SM), or `default` when
-/// unset or outside `range`. Defaults measured on the H200: an `AX_FILL` of 2 ran the axpy over
-/// 10% of OPT-30B's fc2 rows at 3.2 TB/s, against 2.6 for 4; a fill of 8 the gather of 10% of
-/// its fc1 rows at 3.3 TB/s, against 2.5 for 2, but its dense step 2-3% slower than 2.
+/// unset or outside `range`. Defaults measured on the H200: a fill of 8 ran the gather of 10%
+/// of OPT-30B's fc1 rows at 3.3 TB/s, against 2.5 for 2, but its dense step 2-3% slower than 2;
+/// the axpy's (`AX_VEC` 1, `AX_FILL` 4) are in axpy.cu.
 pub(crate) fn tuning(name: &str, default: usize, range: std::ops::RangeInclusive<usize>) -> usize {
     (defines().into_iter().find(|(k, _)| k == name))
         .and_then(|(_, v)| v.parse().ok())
@@ -44,10 +45,9 @@ pub(crate) fn mv_rows() -> usize {
     tuning("MV_ROWS", 1, 1..=8)
 }
 
-/// 256-column chunks per block of axpy.cu (4: 2.4 TB/s over 10% of OPT-30B's fc2 rows on the
-/// H200, against 1.9 for 2 and 1.3 for 1).
+/// 256-column chunks per block of axpy.cu.
 pub(crate) fn ax_vec() -> usize {
-    tuning("AX_VEC", 4, 1..=4)
+    tuning("AX_VEC", 1, 1..=4)
 }
 
 /// Can NVRTC be loaded?

@@ -98,6 +98,8 @@ pub struct CudaDevice {
     mv_rows: usize,
     mv_fill: usize,
     mv_fill_sel: usize,
+    /// `MV_AHEAD_F16=1`: f16 products of every row take the kernel that loads ahead, as bf16's.
+    mv_ahead_f16: bool,
     /// The global state of `top_k_select`: 3 selections' `products::TK_SCRATCH`, zero between
     /// launches.
     tk_scratch: CudaSlice<u32>,
@@ -167,6 +169,9 @@ impl CudaDevice {
             "scatter_f32",
             "gather_f32",
             "abs_f32",
+            "clear_f32",
+            "matvec_f16_ahead",
+            "matvec_bf16_ahead",
             "sparsify_f32",
             "count_nonzero_f32",
             "group_norms",
@@ -224,8 +229,9 @@ impl CudaDevice {
             mv_rows: mv_rows(),
             mv_fill: tuning("MV_FILL", 2, 1..=64),
             mv_fill_sel: tuning("MV_FILL_SEL", 8, 1..=64),
+            mv_ahead_f16: tuning("MV_AHEAD_F16", 0, 0..=1) == 1,
             ax_vec: ax_vec(),
-            ax_fill: tuning("AX_FILL", 2, 1..=64),
+            ax_fill: tuning("AX_FILL", 4, 1..=64),
             name,
             smem: Mutex::default(),
             world: None,
@@ -455,7 +461,16 @@ impl Device for CudaDevice {
         bias: Option<&Buf>,
         y: &mut Buf,
     ) -> Result<(), BackendError> {
-        self.launch_axpy(w, rows, a, bias, y)
+        let mut job = [Product::new(w, rows, y).bias(bias)];
+        self.launch_axpys(a, &mut job)
+    }
+
+    fn axpys(&self, a: &Buf, jobs: &mut [Product<'_, Self>]) -> Result<(), BackendError> {
+        self.launch_axpys(a, jobs)
+    }
+
+    fn clear(&self, bufs: &mut [(&mut Buf, usize)]) -> Result<(), BackendError> {
+        self.launch_clear(bufs)
     }
 
     fn rmsnorm(

@@ -1,8 +1,8 @@
-//! Launch shapes of the products (matvec.cu, axpy.cu) and of the top-k selection (topk.cu):
+//! Launch shapes of the products (matvec.cu, axpy.cu), `Device::clear` (elementwise.cu) and of the top-k selection (topk.cu):
 //! the checks of every buffer against the sizes the kernels will touch, then one launch.
-use crate::{launch, need, shape, type_suffix, Buf, CudaDevice, Idx, Mat};
+use crate::{launch, need, shape, type_suffix, Buf, CudaDevice};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
-use dejavu_backend_api::{Activation, BackendError, Product, Rows, TopK};
+use dejavu_backend_api::{Activation, BackendError, Product, QuantType, Rows, TopK};
 
 /// One product of `matvec_jobs` (`MvJob` in matvec.cu: same fields, same order).
 #[repr(C)]
@@ -35,6 +35,36 @@ struct MvJobs {
 // SAFETY: plain `repr(C)` data of integers, laid out as the kernel's struct (8-byte pointers
 // first, then 4-byte ints: no padding inside; 224 bytes in all).
 unsafe impl cudarc::driver::DeviceRepr for MvJobs {}
+
+/// One product of the `axpy` kernels (`AxJob` in axpy.cu: same fields, same order).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct AxJob {
+    w: u64,
+    idx: u64,
+    bias: u64,
+    y: u64,
+    rows: i32,
+    cols: i32,
+    n_out: i32,
+    group: i32,
+    first_tile: i32,
+    _pad: i32,
+}
+
+/// `AxJobs` in axpy.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct AxJobs {
+    job: [AxJob; 3],
+    a: u64,
+    n: i32,
+    _pad: i32,
+}
+
+// SAFETY: as for `MvJobs`: 8-byte pointers, then 4-byte ints, each struct a multiple of 8
+// bytes (56 a job, 184 in all), no padding inside.
+unsafe impl cudarc::driver::DeviceRepr for AxJobs {}
 
 /// One selection of `top_k_jobs` (`TkJob` in topk.cu).
 #[repr(C)]
@@ -139,50 +169,103 @@ impl CudaDevice {
             blocks += o.div_ceil(per_block);
         }
         mv.split = split as i32;
-        let f = self.func(&format!("matvec_{}", type_suffix(jobs[0].w.qtype)));
+        // Products of every row of a bf16 matrix, unsplit: the kernel that loads ahead (f16 has
+        // one too, not the default: OPT-13B f16 dense ran 1-2% slower with it).
+        let q = jobs[0].w.qtype;
+        let ahead = split == 1
+            && !gather
+            && (q == QuantType::BF16 || self.mv_ahead_f16 && q == QuantType::F16);
+        let f = match ahead {
+            true => self.func(&format!("matvec_{}_ahead", type_suffix(q))),
+            false => self.func(&format!("matvec_{}", type_suffix(q))),
+        };
         let mut b = self.lane().launch_builder(f);
         b.arg(&mv);
         launch::run(b, launch::grid(blocks * 256, 256))
     }
 
-    /// `Device::axpy`: blocks of `256 * ax_vec` columns, the outputs split so that the grid
-    /// holds about `ax_fill` blocks per SM.
-    pub(crate) fn launch_axpy(
+    /// `Device::axpys`: each job in tiles of `256 * ax_vec` columns, one launch; the outputs
+    /// (input rows) split into contiguous ranges so that the grid holds about `ax_fill` blocks
+    /// per SM.
+    pub(crate) fn launch_axpys(
         &self,
-        w: &Mat,
-        rows: Rows<'_, Idx>,
         a: &Buf,
-        bias: Option<&Buf>,
-        y: &mut Buf,
+        jobs: &mut [Product<'_, Self>],
     ) -> Result<(), BackendError> {
-        let (ip, n_out, group, outs) = self.sel(rows, w.rows)?;
-        need("axpy activations", a.0.len(), outs)?;
-        need("axpy output", y.0.len(), w.cols)?;
-        if let Some(bb) = bias {
-            need("axpy bias", bb.0.len(), w.cols)?;
+        if jobs.is_empty() || jobs.len() > 3 {
+            return Err(shape(format!(
+                "{} axpys in one launch (1 to 3)",
+                jobs.len()
+            )));
         }
-        let f = self.func(&format!("axpy_{}", type_suffix(w.qtype)));
-        let tiles = w.cols.div_ceil(256 * self.ax_vec);
-        let splits = (self.ax_fill * self.n_sm / tiles).clamp(1, outs.div_ceil(8).max(1));
-        let (r, c) = (w.rows as i32, w.cols as i32);
-        let (wp, ap, yp) = (self.ptr(&w.data), self.ptr(&a.0), self.ptr(&y.0));
-        let bp = bias.map_or(0, |bb| self.ptr(&bb.0));
+        if jobs.iter().any(|p| p.w.qtype != jobs[0].w.qtype) {
+            return jobs
+                .iter_mut()
+                .try_for_each(|p| self.launch_axpys(a, std::slice::from_mut(p)));
+        }
+        let mut ax = AxJobs {
+            a: self.ptr(&a.0),
+            n: jobs.len() as i32,
+            ..Default::default()
+        };
+        let (mut tiles, mut most) = (0, 1);
+        for (i, p) in jobs.iter().enumerate() {
+            let w = p.w;
+            let (ip, n_out, group, outs) = self.sel(p.rows, w.rows)?;
+            need("axpy activations", a.0.len(), outs)?;
+            need("axpy output", p.y.0.len(), w.cols)?;
+            if let Some(bb) = p.bias {
+                need("axpy bias", bb.0.len(), w.cols)?;
+            }
+            ax.job[i] = AxJob {
+                w: self.ptr(&w.data),
+                idx: ip,
+                bias: p.bias.map_or(0, |bb| self.ptr(&bb.0)),
+                y: self.ptr(&p.y.0),
+                rows: w.rows as i32,
+                cols: w.cols as i32,
+                n_out,
+                group,
+                first_tile: tiles as i32,
+                _pad: 0,
+            };
+            tiles += w.cols.div_ceil(256 * self.ax_vec);
+            most = most.max(outs.div_ceil(8));
+        }
+        let splits = (self.ax_fill * self.n_sm / tiles.max(1)).clamp(1, most);
+        let f = self.func(&format!("axpy_{}", type_suffix(jobs[0].w.qtype)));
         let mut b = self.lane().launch_builder(f);
-        b.arg(&wp)
-            .arg(&r)
-            .arg(&c)
-            .arg(&ip)
-            .arg(&n_out)
-            .arg(&group)
-            .arg(&ap)
-            .arg(&bp)
-            .arg(&yp);
+        b.arg(&ax);
         let cfg = LaunchConfig {
             grid_dim: (tiles as u32, splits as u32, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
         launch::run(b, cfg)
+    }
+
+    /// `Device::clear`: up to 3 buffers in one launch.
+    pub(crate) fn launch_clear(&self, bufs: &mut [(&mut Buf, usize)]) -> Result<(), BackendError> {
+        if bufs.len() > 3 {
+            return Err(shape(format!(
+                "{} buffers cleared in one call (at most 3)",
+                bufs.len()
+            )));
+        }
+        let mut args = [(0u64, 0i32); 3];
+        for (i, (x, n)) in bufs.iter().enumerate() {
+            need("clear", x.0.len(), *n)?;
+            if *n > i32::MAX as usize {
+                return Err(shape(format!("clear of {n} values")));
+            }
+            args[i] = (self.ptr(&x.0), *n as i32);
+        }
+        let most = args.iter().map(|a| a.1 as usize).max().unwrap_or(0);
+        let mut b = self.lane().launch_builder(self.func("clear_f32"));
+        for (p, n) in &args {
+            b.arg(p).arg(n);
+        }
+        launch::run(b, launch::grid(most, 256))
     }
 
     /// `Device::top_ks`: `top_k_hist` then `top_k_select` (topk.cu), blocks of 1024 threads, a

@@ -243,6 +243,128 @@ fn several_products_of_mixed_types_in_one_launch() {
     });
 }
 
+/// The 16-bit products of every row that fill the GPU without split-K (the dense step's, which
+/// take the kernel that loads chunks ahead): rows 8-aligned, a ragged tail past the unrolled
+/// loop, three jobs in one launch.
+#[test]
+fn dense_16_bit_products_match_the_scalar_reference() {
+    let Some(gpu) = gpu() else { return };
+    let host = CpuDevice::reference();
+    let mut r = rng(11);
+    for q in [QuantType::F16, QuantType::BF16] {
+        for cols in [1032, 4096] {
+            let rows = [3000, 700, 700];
+            let bytes: Vec<Vec<u8>> = rows
+                .iter()
+                .map(|&n| random_matrix(&mut r, q, n, cols))
+                .collect();
+            let ws: Vec<Weight> = (0..3)
+                .map(|i| Weight::new(q, rows[i], cols, &bytes[i]).unwrap())
+                .collect();
+            let x = randv(&mut r, cols);
+            let want = dense_products_on(&host, &ws, &x);
+            let got = dense_products_on(&gpu, &ws, &x);
+            let mut deq = vec![0.0; cols];
+            let mags: Vec<f32> = (ws.iter())
+                .flat_map(|w| (0..w.rows).map(|row| (w, row)).collect::<Vec<_>>())
+                .map(|(w, row)| {
+                    dejavu_backend_cpu::dequant::dequantize_row(q, w.row(row), &mut deq);
+                    magnitude(&deq, &x)
+                })
+                .collect();
+            close(&format!("dense {q:?} x{cols}"), &got, &want, |i| {
+                1e-4 * (2.0 + mags[i])
+            });
+        }
+    }
+}
+
+fn dense_products_on<D: Device>(d: &D, ws: &[Weight], x: &[f32]) -> Vec<f32> {
+    let m: Vec<D::Mat> = ws.iter().map(|w| d.upload_mat(w).unwrap()).collect();
+    let xb = d.upload(x).unwrap();
+    let mut ys: Vec<D::Buf> = ws.iter().map(|w| d.zeros(w.rows).unwrap()).collect();
+    let [a, b, c] = &mut ys[..] else {
+        unreachable!()
+    };
+    let mut jobs = [
+        Product::new(&m[0], Rows::All, a),
+        Product::new(&m[1], Rows::All, b),
+        Product::new(&m[2], Rows::All, c),
+    ];
+    d.matvecs(&xb, &mut jobs).unwrap();
+    (ys.iter().zip(ws))
+        .flat_map(|(y, w)| down(d, y, w.rows))
+        .collect()
+}
+
+/// Three axpys of one input (`Device::axpys`, as Q, K and V under input sparsity): the second
+/// output cleared first (`Device::clear`), the others added to; each with a bias.
+fn axpys_on<D: Device>(d: &D, ws: &[Weight], a: &[f32], y0: &[f32]) -> Vec<f32> {
+    let m: Vec<D::Mat> = ws.iter().map(|w| d.upload_mat(w).unwrap()).collect();
+    let ab = d.upload(a).unwrap();
+    let bias: Vec<D::Buf> = (ws.iter())
+        .map(|w| d.upload(&vec![0.5; w.cols]).unwrap())
+        .collect();
+    let mut ys: Vec<D::Buf> = (ws.iter())
+        .map(|w| d.upload(&y0[..w.cols]).unwrap())
+        .collect();
+    let [y0b, y1b, y2b] = &mut ys[..] else {
+        unreachable!()
+    };
+    d.clear(&mut [(&mut *y1b, ws[1].cols)]).unwrap();
+    let p = |i: usize, y| Product::new(&m[i], Rows::All, y).bias(Some(&bias[i]));
+    d.axpys(&ab, &mut [p(0, y0b), p(1, y1b), p(2, y2b)])
+        .unwrap();
+    (ys.iter().zip(ws))
+        .flat_map(|(y, w)| down(d, y, w.cols))
+        .collect()
+}
+
+/// Input-major matrices of 3000 inputs, about half of them zero: one type in one launch (the
+/// widest walked in several 256-input segments per row of blocks), then mixed types.
+#[test]
+fn axpys_of_one_input_match_the_scalar_reference() {
+    let Some(gpu) = gpu() else { return };
+    let host = CpuDevice::reference();
+    let mut r = rng(9);
+    let rows = 3000;
+    let mut a = randv(&mut r, rows);
+    a.iter_mut().step_by(2).for_each(|v| *v = 0.0);
+    a[7] = 0.0;
+    let y0 = randv(&mut r, 40000);
+    for types in [
+        [QuantType::BF16; 3],
+        [QuantType::F16, QuantType::Q8_0, QuantType::BF16],
+    ] {
+        // Q8_0 rows hold whole blocks of 32.
+        let cols = [33000, 1024, 1003];
+        let bytes: Vec<Vec<u8>> = (0..3)
+            .map(|i| random_matrix(&mut r, types[i], rows, cols[i]))
+            .collect();
+        let ws: Vec<Weight> = (0..3)
+            .map(|i| Weight::new(types[i], rows, cols[i], &bytes[i]).unwrap())
+            .collect();
+        // |a| |w| summed per output column: the rounding error's scale.
+        let mut mags = Vec::new();
+        for w in &ws {
+            let mut col = vec![0.0f32; w.cols];
+            let mut deq = vec![0.0; w.cols];
+            for (j, &aj) in a.iter().enumerate() {
+                dejavu_backend_cpu::dequant::dequantize_row(w.qtype, w.row(j), &mut deq);
+                col.iter_mut()
+                    .zip(&deq)
+                    .for_each(|(c, d)| *c += (aj * d).abs());
+            }
+            mags.extend(col);
+        }
+        let want = axpys_on(&host, &ws, &a, &y0);
+        let got = axpys_on(&gpu, &ws, &a, &y0);
+        close(&format!("axpys {types:?}"), &got, &want, |i| {
+            1e-4 * (2.0 + mags[i])
+        });
+    }
+}
+
 /// A batch of 3 rows: token rows, then position rows (offset 1) added; then the same tokens
 /// looked up as in a vocabulary shard from row `rows / 2` on (token 0 falls outside: zeros),
 /// over a buffer of ones.

@@ -1,13 +1,14 @@
 //! Input sparsity in a decode step (`teal`, `wina`; see [`crate::sparsity::input`]): each
 //! projection's input keeps the entries whose score passes the layer's threshold for that input
 //! ([`Device::sparsify`], on the device), and the product is [`Device::axpy`] over the
-//! input-major matrix, which reads only the rows of the kept entries. Outputs that are not a
-//! residual start from zeros.
+//! input-major matrix, which reads only the rows of the kept entries ([`Device::axpys`]: the
+//! products of one input in one launch). Outputs that are not a residual start from zeros
+//! ([`Device::clear`]).
 use super::{DeviceSession, Scratch};
 use crate::exec::model::{DeviceModel, InputMats};
 use crate::sparsity::input::Group;
 use crate::Result;
-use dejavu_backend_api::{Device, InputMask, Rows};
+use dejavu_backend_api::{Device, InputMask, Product, Rows};
 
 impl<D: Device> DeviceSession<'_, D> {
     /// Layer `l`'s input thresholds under the plan (`None`: its inputs are dense).
@@ -53,17 +54,34 @@ impl<D: Device> DeviceSession<'_, D> {
             true => Rows::All,
             false => self.plan.heads[l].rows(hd),
         };
-        match heads {
-            Rows::All => from_zero(dev, s, &im.q, lw.bq.as_ref(), Out::Q, c.n_heads * hd)?,
-            Rows::Sel { idx, count, .. } => {
-                // Every head's queries (a column of the input-major W_q holds them all),
-                // then the selected heads' gathered.
-                from_zero(dev, s, &im.q, lw.bq.as_ref(), Out::Full, c.n_heads * hd)?;
-                dev.gather(&s.full, idx, count, hd, &mut s.q)?;
-            }
+        // Every head's queries (a column of the input-major W_q holds them all); under a
+        // selection into `s.full`, then the selected heads' gathered.
+        let (nq, nkv) = (c.n_heads * hd, c.kv_dim());
+        let Scratch {
+            q,
+            k,
+            v,
+            full,
+            sparse,
+            ..
+        } = s;
+        let qo = match heads {
+            Rows::All => &mut *q,
+            Rows::Sel { .. } => &mut *full,
+        };
+        dev.clear(&mut [(&mut *qo, nq), (&mut *k, nkv), (&mut *v, nkv)])?;
+        dev.axpys(
+            sparse,
+            &mut [
+                Product::new(&im.q, Rows::All, qo).bias(lw.bq.as_ref()),
+                Product::new(&im.k, Rows::All, k).bias(lw.bk.as_ref()),
+                Product::new(&im.v, Rows::All, v).bias(lw.bv.as_ref()),
+            ],
+        )?;
+        if let Rows::Sel { idx, count, .. } = heads {
+            dev.gather(full, idx, count, hd, q)?;
         }
-        from_zero(dev, s, &im.k, lw.bk.as_ref(), Out::K, c.kv_dim())?;
-        from_zero(dev, s, &im.v, lw.bv.as_ref(), Out::V, c.kv_dim())
+        Ok(())
     }
 
     /// W_o of the attention output (`att`: `s.att`, or `s.full` for a rule that gathered the
@@ -100,13 +118,26 @@ impl<D: Device> DeviceSession<'_, D> {
         let s = &mut self.s;
         let a = match &im.gate {
             Some(gate) => {
-                from_zero(dev, s, gate, None, Out::Gate, ff)?;
-                from_zero(dev, s, &im.up, None, Out::Up, ff)?;
+                let Scratch {
+                    gate: g,
+                    up,
+                    sparse,
+                    ..
+                } = s;
+                dev.clear(&mut [(&mut *g, ff), (&mut *up, ff)])?;
+                dev.axpys(
+                    sparse,
+                    &mut [
+                        Product::new(gate, Rows::All, g),
+                        Product::new(&im.up, Rows::All, up),
+                    ],
+                )?;
                 dev.glu(act, &mut s.gate, &s.up, ff)?;
                 Input::Gate
             }
             None => {
-                from_zero(dev, s, &im.up, lw.b_up.as_ref(), Out::Up, ff)?;
+                dev.clear(&mut [(&mut s.up, ff)])?;
+                dev.axpy(&im.up, Rows::All, &s.sparse, lw.b_up.as_ref(), &mut s.up)?;
                 dev.activate(act, &mut s.up, ff)?;
                 Input::Up
             }
@@ -127,38 +158,6 @@ enum Input {
     Full { n: usize },
     Gate,
     Up,
-}
-
-/// Which buffer [`from_zero`] writes.
-#[derive(Clone, Copy)]
-enum Out {
-    Q,
-    K,
-    V,
-    Full,
-    Gate,
-    Up,
-}
-
-/// `y[..n] = sum over kept i of s.sparse[i] * w[i] (+ bias)`, `y` the scratch buffer `out`.
-fn from_zero<D: Device>(
-    dev: &D,
-    s: &mut Scratch<D>,
-    w: &D::Mat,
-    bias: Option<&D::Buf>,
-    out: Out,
-    n: usize,
-) -> Result<()> {
-    let y = match out {
-        Out::Q => &mut s.q,
-        Out::K => &mut s.k,
-        Out::V => &mut s.v,
-        Out::Full => &mut s.full,
-        Out::Gate => &mut s.gate,
-        Out::Up => &mut s.up,
-    };
-    dev.copy(&s.zero, y, n)?;
-    Ok(dev.axpy(w, Rows::All, &s.sparse, bias, y)?)
 }
 
 fn inputs_of<D: Device>(m: &DeviceModel<D>, l: usize) -> Result<&InputMats<D>> {

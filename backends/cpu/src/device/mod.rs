@@ -452,6 +452,20 @@ impl Device for CpuDevice {
         Ok(())
     }
 
+    fn clear(&self, bufs: &mut [(&mut Vec<f32>, usize)]) -> Result<(), BackendError> {
+        if bufs.len() > 3 {
+            return Err(shape(format!(
+                "{} buffers cleared in one call (at most 3)",
+                bufs.len()
+            )));
+        }
+        for (x, n) in bufs.iter_mut() {
+            need("clear", x.len(), *n)?;
+            x[..*n].fill(0.0);
+        }
+        Ok(())
+    }
+
     fn copy(&self, x: &Vec<f32>, y: &mut Vec<f32>, n: usize) -> Result<(), BackendError> {
         need("copy input", x.len(), n)?;
         need("copy output", y.len(), n)?;

@@ -34,6 +34,13 @@ extern "C" __global__ void gather_f32(const float* src, const u32* idx, int coun
         dst[j] = r < (u32)len ? src[r] : 0.f;
     }
 }
+// x[i] = 0 for i < nx, y[i] = 0 for i < ny, z[i] = 0 for i < nz (Device::clear, one launch).
+extern "C" __global__ void clear_f32(float* x, int nx, float* y, int ny, float* z, int nz) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < nx) x[i] = 0.f;
+    if (i < ny) y[i] = 0.f;
+    if (i < nz) z[i] = 0.f;
+}
 extern "C" __global__ void abs_f32(float* x, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] = fabsf(x[i]);
