@@ -260,7 +260,10 @@ fn input_blocks(c: &mut Criterion) {
     use dejavu_backend_api::RowLayout;
     use dejavu_backend_cpu::axpy_matmul::axpy_blocks;
     let pool = SpinPool::new(std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let k = Kernels::for_isa(*Isa::supported().last().unwrap()).unwrap();
+    let isa = *Isa::supported().last().unwrap();
+    let k = Kernels::for_isa(isa).unwrap();
+    let mut kf = k;
+    kf.axpy_blocks = dejavu_backend_cpu::kernels::axpy_blocks::select(isa);
     for (n_in, n_out) in [(576, 1536), (4096, 14336)] {
         let mut g = c.benchmark_group(format!("input_blocks_{n_in}x{n_out}"));
         for qtype in [QuantType::Q8_0, QuantType::Q4_0, QuantType::Q4_1] {
@@ -305,6 +308,10 @@ fn input_blocks(c: &mut Criterion) {
             g.throughput(Throughput::Bytes((data.len() * kept / n_in) as u64));
             g.bench_function(BenchmarkId::new("axpy_half", qtype.name()), |b| {
                 b.iter(|| axpy_blocks(&k, &pool, &wt, &half, &mut y))
+            });
+            // The same with the tier's f32 kernel (the AVX-512 tier's own rounds x to 8 bits).
+            g.bench_function(BenchmarkId::new("axpy_half_f32", qtype.name()), |b| {
+                b.iter(|| axpy_blocks(&kf, &pool, &wt, &half, &mut y))
             });
         }
         g.finish();

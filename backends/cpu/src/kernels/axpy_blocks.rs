@@ -38,7 +38,7 @@ pub fn select(isa: Isa) -> AxpyBlocksFn {
 }
 
 /// Bytes of the scale table at the start of a block.
-fn scale_bytes(q: QuantType, cols: usize) -> usize {
+pub(super) fn scale_bytes(q: QuantType, cols: usize) -> usize {
     match q {
         QuantType::Q4_1 => 4 * cols,
         _ => 2 * cols,
@@ -47,7 +47,7 @@ fn scale_bytes(q: QuantType, cols: usize) -> usize {
 
 /// Check the call's extents (every tier, in release builds: the x86 loops read through raw
 /// pointers).
-fn check(q: QuantType, block: &[u8], cols: usize, kept: &[u8], lo: usize, y: &[f32]) {
+pub(super) fn check(q: QuantType, block: &[u8], cols: usize, kept: &[u8], lo: usize, y: &[f32]) {
     assert!(supports(q), "axpy_blocks: {q:?} has no input-block layout");
     assert_eq!(
         block.len(),
@@ -135,7 +135,7 @@ fn avx2(
 }
 
 #[cfg(target_arch = "x86_64")]
-fn avx512(
+pub(super) fn avx512(
     q: QuantType,
     block: &[u8],
     cols: usize,

@@ -158,6 +158,7 @@ pub(crate) fn check_q8a(
 mod arm;
 pub mod axpy;
 pub mod axpy_blocks;
+pub mod axpy_blocks_i8;
 pub mod axpy_q;
 pub mod dequantize;
 pub mod dot_float;

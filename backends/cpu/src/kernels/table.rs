@@ -1,6 +1,6 @@
 //! The kernel table: one function per (operation, weight type) for one ISA tier, built once.
 use super::{
-    axpy, axpy_blocks, axpy_q, dequantize, dot_float, dot_iq4nl, dot_iq4xs, dot_q2k, dot_q3k,
+    axpy, axpy_blocks, axpy_blocks_i8, axpy_q, dequantize, dot_float, dot_iq4nl, dot_iq4xs, dot_q2k, dot_q3k,
     dot_q4_0, dot_q4_1, dot_q4k, dot_q5_0, dot_q5_1, dot_q5k, dot_q6k, dot_q8_0, dot_repacked,
     dot_rows, gemm_q8a, glu, quantize_act, repack,
 };
@@ -109,7 +109,7 @@ impl Kernels {
             dot_rows_f16: dot_rows::select_f16(isa),
             axpy_rows_f16: axpy::select_f16(isa),
             axpy_q: axpy_q::select(isa),
-            axpy_blocks: axpy_blocks::select(isa),
+            axpy_blocks: axpy_blocks_i8::select(isa).unwrap_or(axpy_blocks::select(isa)),
             dots: dots_with(true),
             sparse_dots: dots_with(false),
         })

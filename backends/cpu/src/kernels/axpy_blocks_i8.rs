@@ -1,0 +1,309 @@
+//! [`super::axpy_blocks`] with the kept inputs rounded to 8 bits, for `vpdpbusd`: the AVX-512
+//! tier's kernel of input sparsity (TEAL, WINA) over the input-block layout.
+//!
+//! Per block of 32 inputs, with `amax` the largest |x| kept: `sx = amax / 127` and, for the j-th
+//! kept input, `xq[j] = round_ties_even(x * (127 / amax))` ([`quantize`]). Per output `o`,
+//! `t = sum_j xq[j] q[kept[j]][o]` in exact integers, then `y[o] = d[o] * (sx * t) + (off[o] *
+//! (sx * sum_j xq[j]) + y[o])` (two fused multiply-adds; `off` as in `axpy_blocks`). The rounding
+//! of x is the dense path's (activations in 8 bits per block of 32, as `quantize_act`'s): its
+//! error per term is at most `|x| / 254` of the kept block's largest input. A block whose kept
+//! inputs are not all finite, or all zero, takes the f32 kernel (a NaN is not dropped).
+//!
+//! The AVX-512 VNNI loop takes the kept rows 4 at a time: their quants of a tile of 64 outputs
+//! are interleaved in registers (two rounds of byte and word unpacks give 4 bytes per output,
+//! one from each row), and one `vpdpbusd` per 16 outputs multiplies them with the 4 inputs'
+//! bytes. A fifth to eighth row repeats a kept row with a zero input. Q8_0's signed quants enter
+//! `vpdpbusd`'s unsigned operand as `q + 128`, the excess `128 * sum xq` taken off once. The 4-bit
+//! types' tile holds outputs 0-15 and 32-47 (low nibbles) before 16-31 and 48-63 (high): the
+//! sums are put back in output order once per tile.
+use super::axpy_blocks::{self, AxpyBlocksFn};
+use crate::isa::Isa;
+use dejavu_backend_api::quant::QuantType;
+use half::f16;
+
+/// The AVX-512 tier's `axpy_blocks`; other tiers keep their f32 kernels.
+pub fn select(isa: Isa) -> Option<AxpyBlocksFn> {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => Some(avx512),
+        _ => None,
+    }
+}
+
+/// The kept inputs of a block in 8 bits, in `kept` order: `(sx, xq, sum of xq)`; `None` when
+/// they are not all finite or all zero (the caller takes the f32 kernel).
+pub fn quantize(x: &[f32; 32], kept: &[u8]) -> Option<(f32, [i8; 32], i32)> {
+    let amax = kept.iter().fold(0f32, |m, &r| m.max(x[r as usize].abs()));
+    let finite = kept.iter().all(|&r| x[r as usize].is_finite());
+    if !finite || amax == 0.0 {
+        return None;
+    }
+    let inv = 127.0 / amax;
+    let mut xq = [0i8; 32];
+    let mut sum = 0;
+    for (j, &r) in kept.iter().enumerate() {
+        let v = (x[r as usize] * inv).round_ties_even() as i8;
+        xq[j] = v;
+        sum += v as i32;
+    }
+    Some((amax / 127.0, xq, sum))
+}
+
+/// Scale `d[o]` and offset `off[o]` of a block, read from its table (as `axpy_blocks`).
+fn scale_off(q: QuantType, block: &[u8], cols: usize, o: usize) -> (f32, f32) {
+    let h = |i: usize| f16::from_le_bytes([block[2 * i], block[2 * i + 1]]).to_f32();
+    let d = h(o);
+    match q {
+        QuantType::Q4_1 => (d, h(cols + o)),
+        QuantType::Q4_0 => (d, -8.0 * d),
+        _ => (d, 0.0),
+    }
+}
+
+/// The definition.
+pub fn scalar(
+    q: QuantType,
+    block: &[u8],
+    cols: usize,
+    kept: &[u8],
+    x: &[f32; 32],
+    lo: usize,
+    y: &mut [f32],
+) {
+    axpy_blocks::check(q, block, cols, kept, lo, y);
+    let Some((sx, xq, sum)) = quantize(x, kept) else {
+        return axpy_blocks::scalar(q, block, cols, kept, x, lo, y);
+    };
+    let base = axpy_blocks::scale_bytes(q, cols);
+    let quant = |r: usize, o: usize| -> i32 {
+        match q {
+            QuantType::Q8_0 => block[base + r * cols + o] as i8 as i32,
+            _ => {
+                let b = block[base + r * cols / 2 + (o / 32) * 16 + o % 16];
+                (if o % 32 < 16 { b & 0xF } else { b >> 4 }) as i32
+            }
+        }
+    };
+    let so = sx * sum as f32;
+    for (j, yj) in y.iter_mut().enumerate() {
+        let o = lo + j;
+        let t: i32 = (kept.iter().zip(xq))
+            .map(|(&r, v)| v as i32 * quant(r as usize, o))
+            .sum();
+        let (d, off) = scale_off(q, block, cols, o);
+        *yj = d.mul_add(sx * t as f32, off.mul_add(so, *yj));
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avx512(
+    q: QuantType,
+    block: &[u8],
+    cols: usize,
+    kept: &[u8],
+    x: &[f32; 32],
+    lo: usize,
+    y: &mut [f32],
+) {
+    axpy_blocks::check(q, block, cols, kept, lo, y);
+    let Some((sx, xq, sum)) = quantize(x, kept) else {
+        return axpy_blocks::avx512(q, block, cols, kept, x, lo, y);
+    };
+    // SAFETY: handed out by `select` for the AVX-512 tier only (which has VNNI); extents
+    // checked above.
+    unsafe { avx512_impl(q, block, cols, kept, (sx, &xq, sum), lo, y) }
+}
+
+/// Outputs of a tile ahead that the loop prefetches for the rows it reads.
+#[cfg(target_arch = "x86_64")]
+const AHEAD_OUTPUTS: usize = 256;
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn avx512_impl(
+    q: QuantType,
+    block: &[u8],
+    cols: usize,
+    kept: &[u8],
+    (sx, xq, sum): (f32, &[i8; 32], i32),
+    lo: usize,
+    y: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    let base = block.as_ptr();
+    let quants = base.add(axpy_blocks::scale_bytes(q, cols));
+    let q8 = q == QuantType::Q8_0;
+    // Row bytes per output: 1 (Q8_0) or 1/2.
+    let (row, shift) = if q8 { (cols, 0) } else { (cols / 2, 1) };
+    // The kept rows in groups of 4 (a short last group repeats row kept[0] with input 0), and
+    // each group's 4 input bytes as one 32-bit lane.
+    let groups = kept.len().div_ceil(4);
+    let mut rows = [kept[0] as usize; 32];
+    let mut x4 = [0i32; 8];
+    for (j, &r) in kept.iter().enumerate() {
+        rows[j] = r as usize;
+        x4[j / 4] |= ((xq[j] as u8) as i32) << (8 * (j % 4));
+    }
+    let nib = _mm256_set1_epi8(0x0F);
+    let flip = _mm512_set1_epi8(-128);
+    let end = lo + y.len();
+    let (sxv, so) = (_mm512_set1_ps(sx), _mm512_set1_ps(sx * sum as f32));
+    let excess = _mm512_set1_epi32(128 * sum);
+    for g in (lo..end).step_by(64) {
+        let n = (end - g).min(64); // 32 or 64 outputs
+        // Bytes of this tile in a row: Q8_0 64 (or 32), 4-bit 32 (or 16); the loads past them
+        // are masked (they do not fault past the block).
+        let mask: u64 = if n == 64 { !0 } else { (1u64 << 32) - 1 };
+        let mut acc = [_mm512_setzero_si512(); 4];
+        for (gi, xg) in x4.iter().enumerate().take(groups) {
+            let xb = _mm512_set1_epi32(*xg);
+            // A loop, not a closure: a closure would not inherit this function's features.
+            let mut v = [_mm512_setzero_si512(); 4];
+            for (k, vk) in v.iter_mut().enumerate() {
+                let p = quants.add(rows[4 * gi + k] * row + (g >> shift));
+                if g + AHEAD_OUTPUTS < end {
+                    _mm_prefetch::<_MM_HINT_T0>(p.add(AHEAD_OUTPUTS >> shift) as *const i8);
+                }
+                *vk = if q8 {
+                    _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, p as *const i8), flip)
+                } else {
+                    let w = _mm256_maskz_loadu_epi8(mask as u32 >> (32 - n / 2), p as *const i8);
+                    let l = _mm256_and_si256(w, nib);
+                    let h = _mm256_and_si256(_mm256_srli_epi16(w, 4), nib);
+                    _mm512_inserti64x4(_mm512_castsi256_si512(l), h, 1)
+                };
+            }
+            let a = _mm512_unpacklo_epi8(v[0], v[1]);
+            let b = _mm512_unpackhi_epi8(v[0], v[1]);
+            let c = _mm512_unpacklo_epi8(v[2], v[3]);
+            let d = _mm512_unpackhi_epi8(v[2], v[3]);
+            acc[0] = _mm512_dpbusd_epi32(acc[0], _mm512_unpacklo_epi16(a, c), xb);
+            acc[1] = _mm512_dpbusd_epi32(acc[1], _mm512_unpackhi_epi16(a, c), xb);
+            acc[2] = _mm512_dpbusd_epi32(acc[2], _mm512_unpacklo_epi16(b, d), xb);
+            acc[3] = _mm512_dpbusd_epi32(acc[3], _mm512_unpackhi_epi16(b, d), xb);
+        }
+        // acc[k]'s 128-bit lane l holds tile positions 16 l + 4 k .. + 4: transpose the 4x4
+        // lanes so that p[l] holds positions 16 l .. 16 l + 16.
+        let t0 = _mm512_shuffle_i32x4::<0x44>(acc[0], acc[1]);
+        let t1 = _mm512_shuffle_i32x4::<0xEE>(acc[0], acc[1]);
+        let t2 = _mm512_shuffle_i32x4::<0x44>(acc[2], acc[3]);
+        let t3 = _mm512_shuffle_i32x4::<0xEE>(acc[2], acc[3]);
+        let p = [
+            _mm512_shuffle_i32x4::<0x88>(t0, t2),
+            _mm512_shuffle_i32x4::<0xDD>(t0, t2),
+            _mm512_shuffle_i32x4::<0x88>(t1, t3),
+            _mm512_shuffle_i32x4::<0xDD>(t1, t3),
+        ];
+        // Position block l's first output: Q8_0 in order; 4-bit: low nibbles of both groups,
+        // then high nibbles.
+        let first = if q8 { [0, 16, 32, 48] } else { [0, 32, 16, 48] };
+        for (pl, f) in p.into_iter().zip(first) {
+            if f >= n {
+                continue;
+            }
+            let o = g + f;
+            let t = if q8 { _mm512_sub_epi32(pl, excess) } else { pl };
+            let tf = _mm512_mul_ps(_mm512_cvtepi32_ps(t), sxv);
+            let d = _mm512_cvtph_ps(_mm256_loadu_si256(base.add(2 * o) as *const __m256i));
+            let off = match q {
+                QuantType::Q4_1 => _mm512_cvtph_ps(_mm256_loadu_si256(
+                    base.add(2 * (cols + o)) as *const __m256i
+                )),
+                QuantType::Q4_0 => _mm512_mul_ps(d, _mm512_set1_ps(-8.0)),
+                _ => _mm512_setzero_ps(),
+            };
+            let yp = y.as_mut_ptr().add(o - lo);
+            let v = _mm512_fmadd_ps(d, tf, _mm512_fmadd_ps(off, so, _mm512_loadu_ps(yp)));
+            _mm512_storeu_ps(yp, v);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::axpy_blocks::pack_block;
+    use rand::{Rng, SeedableRng};
+
+    fn block(q: QuantType, cols: usize, r: &mut impl Rng) -> Vec<u8> {
+        let d: Vec<f32> = (0..cols).map(|_| r.gen_range(0.001f32..0.1)).collect();
+        let m: Vec<f32> = (0..cols).map(|_| r.gen_range(-0.5f32..0.5)).collect();
+        let quants: Vec<u8> = (0..32 * cols)
+            .map(|_| match q {
+                QuantType::Q8_0 => r.gen_range(-127i8..=127) as u8,
+                _ => r.gen_range(0u8..16),
+            })
+            .collect();
+        pack_block(q, cols, &d, &m, &quants)
+    }
+
+    /// The definition against the f32 kernel: the rounding of x costs at most half a step
+    /// (`amax / 254`) per kept input, times |w|, summed; the AVX-512 tier equals the definition
+    /// bit for bit (the same integer sums, the same two fused multiply-adds), on ragged output
+    /// ranges (tails of 32), kept sets of 1 to 32 rows (groups of 4 padded), every type; a NaN
+    /// input and an all-zero block take the f32 path.
+    #[test]
+    fn the_tier_equals_the_definition_within_the_rounding_of_x() {
+        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+        for q in [QuantType::Q8_0, QuantType::Q4_0, QuantType::Q4_1] {
+            for cols in [32, 64, 96, 352, 2112] {
+                let bytes = block(q, cols, &mut r);
+                let mut x: [f32; 32] = std::array::from_fn(|_| r.gen_range(-2f32..2.0));
+                let sets: Vec<Vec<u8>> = vec![
+                    vec![7],
+                    vec![3, 9, 30],
+                    (0..32).filter(|_| r.gen_bool(0.5)).collect(),
+                    (0..32).rev().collect(),
+                ];
+                for kept in sets.iter().filter(|k| !k.is_empty()) {
+                    for (lo, n) in [(0, cols), (32, cols - 32), (0, 32), (cols - 32, 32)] {
+                        if n == 0 {
+                            continue;
+                        }
+                        let y0: Vec<f32> = (0..n).map(|j| j as f32 * 0.01).collect();
+                        let mut want = y0.clone();
+                        scalar(q, &bytes, cols, kept, &x, lo, &mut want);
+                        let mut f32_ref = y0.clone();
+                        axpy_blocks::scalar(q, &bytes, cols, kept, &x, lo, &mut f32_ref);
+                        let amax = kept.iter().map(|&k| x[k as usize].abs()).fold(0., f32::max);
+                        let mut deq = vec![0f32; cols];
+                        let mut wsum = vec![0f32; n];
+                        for &k in kept {
+                            axpy_blocks::input_row(q, &bytes, cols, k as usize, &mut deq);
+                            (wsum.iter_mut().zip(&deq[lo..])).for_each(|(s, w)| *s += w.abs());
+                        }
+                        for j in 0..n {
+                            let tol = amax / 254.0 * wsum[j] * 1.01 + 1e-4 * (1.0 + want[j].abs());
+                            let e = (want[j] - f32_ref[j]).abs();
+                            assert!(e <= tol, "{q:?} {cols} {lo}+{j}: {e} > {tol}");
+                        }
+                        for isa in Isa::supported() {
+                            if let Some(f) = select(isa) {
+                                let mut got = y0.clone();
+                                f(q, &bytes, cols, kept, &x, lo, &mut got);
+                                assert_eq!(got, want, "{isa} {q:?} cols {cols} lo {lo} n {n}");
+                            }
+                        }
+                    }
+                }
+                // Not finite, or all zero: the f32 kernel's result.
+                for bad in [f32::NAN, 0.0] {
+                    let kept: Vec<u8> = vec![2, 5];
+                    (x[2], x[5]) = (bad, 0.0);
+                    let mut want = vec![0.5f32; cols];
+                    axpy_blocks::scalar(q, &bytes, cols, &kept, &x, 0, &mut want);
+                    let mut got = vec![0.5f32; cols];
+                    scalar(q, &bytes, cols, &kept, &x, 0, &mut got);
+                    assert_eq!(got.iter().filter(|v| v.is_nan()).count(), want.iter().filter(|v| v.is_nan()).count());
+                    for isa in Isa::supported() {
+                        if let Some(f) = select(isa) {
+                            let mut t = vec![0.5f32; cols];
+                            f(q, &bytes, cols, &kept, &x, 0, &mut t);
+                            assert_eq!(t.iter().filter(|v| v.is_nan()).count(), want.iter().filter(|v| v.is_nan()).count());
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
