@@ -150,9 +150,9 @@ unsafe fn avx512_impl(
     let (sxv, so) = (_mm512_set1_ps(sx), _mm512_set1_ps(sx * sum as f32));
     let excess = _mm512_set1_epi32(128 * sum);
     for g in (lo..end).step_by(64) {
-        let n = (end - g).min(64); // 32 or 64 outputs
-        // Bytes of this tile in a row: Q8_0 64 (or 32), 4-bit 32 (or 16); the loads past them
-        // are masked (they do not fault past the block).
+        // 32 or 64 outputs; bytes of this tile in a row: Q8_0 64 (or 32), 4-bit 32 (or 16).
+        // The loads past them are masked (they do not fault past the block).
+        let n = (end - g).min(64);
         let mask: u64 = if n == 64 { !0 } else { (1u64 << 32) - 1 };
         let mut acc = [_mm512_setzero_si512(); 4];
         for (gi, xg) in x4.iter().enumerate().take(groups) {
@@ -294,12 +294,18 @@ mod tests {
                     axpy_blocks::scalar(q, &bytes, cols, &kept, &x, 0, &mut want);
                     let mut got = vec![0.5f32; cols];
                     scalar(q, &bytes, cols, &kept, &x, 0, &mut got);
-                    assert_eq!(got.iter().filter(|v| v.is_nan()).count(), want.iter().filter(|v| v.is_nan()).count());
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&got),
+                        bits(&want),
+                        "{q:?} {bad}: the f32 kernel's sums"
+                    );
+                    let nans = |v: &[f32]| v.iter().filter(|f| f.is_nan()).count();
                     for isa in Isa::supported() {
                         if let Some(f) = select(isa) {
                             let mut t = vec![0.5f32; cols];
                             f(q, &bytes, cols, &kept, &x, 0, &mut t);
-                            assert_eq!(t.iter().filter(|v| v.is_nan()).count(), want.iter().filter(|v| v.is_nan()).count());
+                            assert_eq!(nans(&t), nans(&want), "{isa} {q:?} {bad}");
                         }
                     }
                 }

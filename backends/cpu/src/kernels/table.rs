@@ -1,8 +1,8 @@
 //! The kernel table: one function per (operation, weight type) for one ISA tier, built once.
 use super::{
-    axpy, axpy_blocks, axpy_blocks_i8, axpy_q, dequantize, dot_float, dot_iq4nl, dot_iq4xs, dot_q2k, dot_q3k,
-    dot_q4_0, dot_q4_1, dot_q4k, dot_q5_0, dot_q5_1, dot_q5k, dot_q6k, dot_q8_0, dot_repacked,
-    dot_rows, gemm_q8a, glu, quantize_act, repack,
+    axpy, axpy_blocks, axpy_blocks_i8, axpy_q, dequantize, dot_float, dot_iq4nl, dot_iq4xs,
+    dot_q2k, dot_q3k, dot_q4_0, dot_q4_1, dot_q4k, dot_q5_0, dot_q5_1, dot_q5k, dot_q6k, dot_q8_0,
+    dot_repacked, dot_rows, gemm_q8a, glu, quantize_act, repack,
 };
 use crate::isa::{self, Isa, IsaError};
 use dejavu_backend_api::quant::{BlockQ8A, QuantType};
