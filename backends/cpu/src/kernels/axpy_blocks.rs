@@ -66,7 +66,7 @@ pub(super) fn check(q: QuantType, block: &[u8], cols: usize, kept: &[u8], lo: us
 }
 
 /// The per-output scale `d[o]` and offset `off[o]` of a block (offset `m`, `-8 d` or 0).
-fn scale_off(q: QuantType, block: &[u8], cols: usize, o: usize) -> (f32, f32) {
+pub(super) fn scale_off(q: QuantType, block: &[u8], cols: usize, o: usize) -> (f32, f32) {
     let h = |i: usize| f16::from_le_bytes([block[2 * i], block[2 * i + 1]]).to_f32();
     let d = h(o);
     match q {
@@ -77,7 +77,7 @@ fn scale_off(q: QuantType, block: &[u8], cols: usize, o: usize) -> (f32, f32) {
 }
 
 /// Quant `q[r][o]` (unsigned nibble for the 4-bit types, signed byte for Q8_0).
-fn quant(q: QuantType, block: &[u8], cols: usize, r: usize, o: usize) -> f32 {
+pub(super) fn quant(q: QuantType, block: &[u8], cols: usize, r: usize, o: usize) -> f32 {
     let base = scale_bytes(q, cols);
     match q {
         QuantType::Q8_0 => block[base + r * cols + o] as i8 as f32,
@@ -343,19 +343,68 @@ unsafe fn avx512_impl(
         let sv = _mm512_set1_ps(s);
         for (k, tk) in t.iter().enumerate().take(2 * n) {
             let o = g + 16 * k;
-            let d = _mm512_cvtph_ps(_mm256_loadu_si256(base.add(2 * o) as *const __m256i));
-            let off = match q {
-                QuantType::Q4_1 => _mm512_cvtph_ps(_mm256_loadu_si256(
-                    base.add(2 * (cols + o)) as *const __m256i
-                )),
-                QuantType::Q4_0 => _mm512_mul_ps(d, _mm512_set1_ps(-8.0)),
-                _ => _mm512_setzero_ps(),
-            };
-            let yp = y.as_mut_ptr().add(o - lo);
-            let v = _mm512_fmadd_ps(d, *tk, _mm512_fmadd_ps(off, sv, _mm512_loadu_ps(yp)));
-            _mm512_storeu_ps(yp, v);
+            add_scaled16(q, base, cols, o, *tk, sv, y.as_mut_ptr().add(o - lo));
         }
     }
+}
+
+/// `y[..16] = d * t + (off * s + y)` for the 16 outputs from `o` of a block at `base` (`d`,
+/// `off` from its table, as [`scale_off`]): the end of a tile of the AVX-512 loops. The caller
+/// keeps `o + 16 <= cols` and 16 floats at `y`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+#[inline]
+pub(super) unsafe fn add_scaled16(
+    q: QuantType,
+    base: *const u8,
+    cols: usize,
+    o: usize,
+    t: std::arch::x86_64::__m512,
+    s: std::arch::x86_64::__m512,
+    y: *mut f32,
+) {
+    use std::arch::x86_64::*;
+    let d = _mm512_cvtph_ps(_mm256_loadu_si256(base.add(2 * o) as *const __m256i));
+    let off = match q {
+        QuantType::Q4_1 => _mm512_cvtph_ps(_mm256_loadu_si256(
+            base.add(2 * (cols + o)) as *const __m256i
+        )),
+        QuantType::Q4_0 => _mm512_mul_ps(d, _mm512_set1_ps(-8.0)),
+        _ => _mm512_setzero_ps(),
+    };
+    _mm512_storeu_ps(
+        y,
+        _mm512_fmadd_ps(d, t, _mm512_fmadd_ps(off, s, _mm512_loadu_ps(y))),
+    );
+}
+
+/// A random block (scales, offsets, quants) and its values as the layout defines them, for the
+/// tests of this layout's kernels.
+#[cfg(test)]
+pub(super) fn random_block(q: QuantType, cols: usize, seed: u64) -> (Vec<u8>, Vec<f32>) {
+    use rand::{Rng, SeedableRng};
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let d: Vec<f32> = (0..cols).map(|_| r.gen_range(0.001f32..0.1)).collect();
+    let m: Vec<f32> = (0..cols).map(|_| r.gen_range(-0.5f32..0.5)).collect();
+    let quants: Vec<u8> = (0..32 * cols)
+        .map(|_| match q {
+            QuantType::Q8_0 => r.gen_range(-127i8..=127) as u8,
+            _ => r.gen_range(0u8..16),
+        })
+        .collect();
+    let bytes = pack_block(q, cols, &d, &m, &quants);
+    let rd = |v: f32| f16::from_f32(v).to_f32();
+    let values = (0..32 * cols)
+        .map(|i| {
+            let (o, qv) = (i % cols, quants[i]);
+            match q {
+                QuantType::Q8_0 => rd(d[o]) * qv as i8 as f32,
+                QuantType::Q4_0 => rd(d[o]) * (qv as f32 - 8.0),
+                _ => rd(d[o]) * qv as f32 + rd(m[o]),
+            }
+        })
+        .collect();
+    (bytes, values)
 }
 
 /// The block `b` of a matrix in the input-block layout built from ggml rows: for tests and the
@@ -386,32 +435,6 @@ mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
 
-    /// A random block, with its values as the layout defines them.
-    fn block(q: QuantType, cols: usize, seed: u64) -> (Vec<u8>, Vec<f32>) {
-        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-        let d: Vec<f32> = (0..cols).map(|_| r.gen_range(0.001f32..0.1)).collect();
-        let m: Vec<f32> = (0..cols).map(|_| r.gen_range(-0.5f32..0.5)).collect();
-        let quants: Vec<u8> = (0..32 * cols)
-            .map(|_| match q {
-                QuantType::Q8_0 => r.gen_range(-127i8..=127) as u8,
-                _ => r.gen_range(0u8..16),
-            })
-            .collect();
-        let bytes = pack_block(q, cols, &d, &m, &quants);
-        let rd = |v: f32| f16::from_f32(v).to_f32();
-        let values = (0..32 * cols)
-            .map(|i| {
-                let (o, qv) = (i % cols, quants[i]);
-                match q {
-                    QuantType::Q8_0 => rd(d[o]) * qv as i8 as f32,
-                    QuantType::Q4_0 => rd(d[o]) * (qv as f32 - 8.0),
-                    _ => rd(d[o]) * qv as f32 + rd(m[o]),
-                }
-            })
-            .collect();
-        (bytes, values)
-    }
-
     /// The reference equals the sum over kept rows of x times the block's values (within 1e-5
     /// of the sum of |terms|); every tier equals the reference within 1e-5 of the same sum (the
     /// sums are ordered alike: per output, rows in `kept` order), for each type, ragged output
@@ -421,7 +444,7 @@ mod tests {
         let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(3);
         for q in [QuantType::Q8_0, QuantType::Q4_0, QuantType::Q4_1] {
             for cols in [32, 96, 256, 352, 2112] {
-                let (bytes, values) = block(q, cols, cols as u64);
+                let (bytes, values) = random_block(q, cols, cols as u64);
                 let x: [f32; 32] = std::array::from_fn(|_| r.gen_range(-2f32..2.0));
                 let sets: Vec<Vec<u8>> = vec![
                     vec![],
@@ -477,7 +500,7 @@ mod tests {
     #[test]
     #[should_panic(expected = "outputs past the row")]
     fn extents_are_checked() {
-        let (bytes, _) = block(QuantType::Q4_0, 64, 1);
+        let (bytes, _) = random_block(QuantType::Q4_0, 64, 1);
         let mut y = vec![0f32; 64];
         for isa in Isa::supported() {
             select(isa)(QuantType::Q4_0, &bytes, 64, &[1], &[1.0; 32], 32, &mut y);

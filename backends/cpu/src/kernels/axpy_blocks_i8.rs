@@ -19,7 +19,6 @@
 use super::axpy_blocks::{self, AxpyBlocksFn};
 use crate::isa::Isa;
 use dejavu_backend_api::quant::QuantType;
-use half::f16;
 
 /// The AVX-512 tier's `axpy_blocks`; other tiers keep their f32 kernels.
 pub fn select(isa: Isa) -> Option<AxpyBlocksFn> {
@@ -49,17 +48,6 @@ pub fn quantize(x: &[f32; 32], kept: &[u8]) -> Option<(f32, [i8; 32], i32)> {
     Some((amax / 127.0, xq, sum))
 }
 
-/// Scale `d[o]` and offset `off[o]` of a block, read from its table (as `axpy_blocks`).
-fn scale_off(q: QuantType, block: &[u8], cols: usize, o: usize) -> (f32, f32) {
-    let h = |i: usize| f16::from_le_bytes([block[2 * i], block[2 * i + 1]]).to_f32();
-    let d = h(o);
-    match q {
-        QuantType::Q4_1 => (d, h(cols + o)),
-        QuantType::Q4_0 => (d, -8.0 * d),
-        _ => (d, 0.0),
-    }
-}
-
 /// The definition.
 pub fn scalar(
     q: QuantType,
@@ -74,23 +62,15 @@ pub fn scalar(
     let Some((sx, xq, sum)) = quantize(x, kept) else {
         return axpy_blocks::scalar(q, block, cols, kept, x, lo, y);
     };
-    let base = axpy_blocks::scale_bytes(q, cols);
-    let quant = |r: usize, o: usize| -> i32 {
-        match q {
-            QuantType::Q8_0 => block[base + r * cols + o] as i8 as i32,
-            _ => {
-                let b = block[base + r * cols / 2 + (o / 32) * 16 + o % 16];
-                (if o % 32 < 16 { b & 0xF } else { b >> 4 }) as i32
-            }
-        }
-    };
+    // The quants are small integers, exact in f32.
+    let quant = |r: usize, o: usize| axpy_blocks::quant(q, block, cols, r, o) as i32;
     let so = sx * sum as f32;
     for (j, yj) in y.iter_mut().enumerate() {
         let o = lo + j;
         let t: i32 = (kept.iter().zip(xq))
             .map(|(&r, v)| v as i32 * quant(r as usize, o))
             .sum();
-        let (d, off) = scale_off(q, block, cols, o);
+        let (d, off) = axpy_blocks::scale_off(q, block, cols, o);
         *yj = d.mul_add(sx * t as f32, off.mul_add(so, *yj));
     }
 }
@@ -204,17 +184,7 @@ unsafe fn avx512_impl(
             let o = g + f;
             let t = if q8 { _mm512_sub_epi32(pl, excess) } else { pl };
             let tf = _mm512_mul_ps(_mm512_cvtepi32_ps(t), sxv);
-            let d = _mm512_cvtph_ps(_mm256_loadu_si256(base.add(2 * o) as *const __m256i));
-            let off = match q {
-                QuantType::Q4_1 => _mm512_cvtph_ps(_mm256_loadu_si256(
-                    base.add(2 * (cols + o)) as *const __m256i
-                )),
-                QuantType::Q4_0 => _mm512_mul_ps(d, _mm512_set1_ps(-8.0)),
-                _ => _mm512_setzero_ps(),
-            };
-            let yp = y.as_mut_ptr().add(o - lo);
-            let v = _mm512_fmadd_ps(d, tf, _mm512_fmadd_ps(off, so, _mm512_loadu_ps(yp)));
-            _mm512_storeu_ps(yp, v);
+            axpy_blocks::add_scaled16(q, base, cols, o, tf, so, y.as_mut_ptr().add(o - lo));
         }
     }
 }
@@ -222,20 +192,7 @@ unsafe fn avx512_impl(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::axpy_blocks::pack_block;
     use rand::{Rng, SeedableRng};
-
-    fn block(q: QuantType, cols: usize, r: &mut impl Rng) -> Vec<u8> {
-        let d: Vec<f32> = (0..cols).map(|_| r.gen_range(0.001f32..0.1)).collect();
-        let m: Vec<f32> = (0..cols).map(|_| r.gen_range(-0.5f32..0.5)).collect();
-        let quants: Vec<u8> = (0..32 * cols)
-            .map(|_| match q {
-                QuantType::Q8_0 => r.gen_range(-127i8..=127) as u8,
-                _ => r.gen_range(0u8..16),
-            })
-            .collect();
-        pack_block(q, cols, &d, &m, &quants)
-    }
 
     /// The definition against the f32 kernel: the rounding of x costs at most half a step
     /// (`amax / 254`) per kept input, times |w|, summed; the AVX-512 tier equals the definition
@@ -247,7 +204,7 @@ mod tests {
         let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(5);
         for q in [QuantType::Q8_0, QuantType::Q4_0, QuantType::Q4_1] {
             for cols in [32, 64, 96, 352, 2112] {
-                let bytes = block(q, cols, &mut r);
+                let (bytes, _) = axpy_blocks::random_block(q, cols, r.gen());
                 let mut x: [f32; 32] = std::array::from_fn(|_| r.gen_range(-2f32..2.0));
                 let sets: Vec<Vec<u8>> = vec![
                     vec![7],
