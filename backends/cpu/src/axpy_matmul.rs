@@ -130,41 +130,24 @@ pub fn axpy_matmul(
 const MIN_BYTES_PER_THREAD: usize = 64 << 10;
 
 /// `y += sum over r with x[r] != 0 of x[r] * W[r]` for `w` in the input-block layout
-/// (`RowLayout::InputBlocks`, see `kernels::axpy_blocks`): [`axpy_blocks_many`] of one matrix.
+/// (`RowLayout::InputBlocks`, see `kernels::axpy_blocks`): each block of 32 inputs with a
+/// nonzero one goes through the tier's `axpy_blocks` with its kept rows. The pool's threads take
+/// contiguous runs of those blocks (about equal kept rows each), so each streams its rows in
+/// memory order; each adds into its own partial sum, and the caller adds the partials.
 pub fn axpy_blocks(k: &Kernels, pool: &SpinPool, w: &Weight, x: &[f32], y: &mut [f32]) {
-    axpy_blocks_many(k, pool, &[w], x, &mut [y]);
-}
-
-/// `ys[j] += sum over r with x[r] != 0 of x[r] * ws[j][r]` for up to a few matrices of the same
-/// inputs in the input-block layout (Q, K and V of one input; gate and up), in one dispatch:
-/// each block of 32 inputs with a nonzero one goes through the tier's `axpy_blocks` with its
-/// kept rows, for every matrix in turn. The pool's threads take contiguous runs of those blocks
-/// (about equal kept rows each), so each streams its rows in memory order; each adds into its
-/// own partial sums, and the caller adds the partials.
-pub fn axpy_blocks_many(
-    k: &Kernels,
-    pool: &SpinPool,
-    ws: &[&Weight],
-    x: &[f32],
-    ys: &mut [&mut [f32]],
-) {
-    assert_eq!(ws.len(), ys.len(), "axpy_blocks: one output per matrix");
-    let rows = ws.first().map_or(0, |w| w.rows);
-    for (w, y) in ws.iter().zip(ys.iter()) {
-        w.check();
-        assert_eq!(
-            w.layout,
-            dejavu_backend_api::RowLayout::InputBlocks,
-            "axpy_blocks reads input-block matrices"
-        );
-        let (cols, q) = (w.cols, w.qtype);
-        assert!(
-            w.rows == rows && rows.is_multiple_of(32) && cols.is_multiple_of(32),
-            "axpy_blocks: a {}x{cols} {q:?} matrix is not in whole blocks of 32 of {rows} inputs",
-            w.rows
-        );
-        assert!(x.len() == rows && y.len() == cols, "axpy_blocks: lengths");
-    }
+    w.check();
+    assert_eq!(
+        w.layout,
+        dejavu_backend_api::RowLayout::InputBlocks,
+        "axpy_blocks reads input-block matrices"
+    );
+    let (rows, cols, q) = (w.rows, w.cols, w.qtype);
+    assert!(
+        rows.is_multiple_of(32) && cols.is_multiple_of(32),
+        "axpy_blocks: a {rows}x{cols} matrix is not in whole blocks of 32"
+    );
+    assert!(x.len() == rows && y.len() == cols, "axpy_blocks: lengths");
+    let block_bytes = 32 * q.row_bytes(cols);
     // The blocks with a kept input, and their kept rows.
     let kept: Vec<(usize, [u8; 32], usize)> = (0..rows / 32)
         .filter_map(|b| {
@@ -183,10 +166,9 @@ pub fn axpy_blocks_many(
     if total == 0 {
         return;
     }
-    let row_bytes: usize = ws.iter().map(|w| w.qtype.row_bytes(w.cols)).sum();
     let threads = pool
         .threads()
-        .min((total * row_bytes).div_ceil(MIN_BYTES_PER_THREAD))
+        .min((total * q.row_bytes(cols)).div_ceil(MIN_BYTES_PER_THREAD))
         .max(1);
     // Thread t takes the blocks whose first kept row falls in its share of the kept rows.
     let mut bounds = vec![0usize; threads + 1];
@@ -202,74 +184,43 @@ pub fn axpy_blocks_many(
         *b = kept.len();
     }
     bounds[threads] = kept.len();
-    fn block<'a>(w: &'a Weight, b: usize) -> &'a [u8] {
-        let bb = 32 * w.qtype.row_bytes(w.cols);
-        &w.data[b * bb..(b + 1) * bb]
-    }
-    let prefetch = |b: usize, r: &[u8]| {
-        for w in ws {
-            axpy_blocks::prefetch_first(w.qtype, block(w, b), w.cols, r);
-        }
-    };
-    // Thread t's outputs: one slice per matrix.
-    let run = |parts: &mut [&mut [f32]], t: usize| {
+    let block = |b: usize| &w.data[b * block_bytes..(b + 1) * block_bytes];
+    let run = |part: &mut [f32], t: usize| {
         let mine = &kept[bounds[t]..bounds[t + 1]];
         if let Some((b, r, n)) = mine.first() {
-            prefetch(*b, &r[..*n]);
+            axpy_blocks::prefetch_first(q, block(*b), cols, &r[..*n]);
         }
         for (i, (b, r, n)) in mine.iter().enumerate() {
             // The next block's first rows, while this one's are read.
             if let Some((nb, nr, nn)) = mine.get(i + 1) {
-                prefetch(*nb, &nr[..*nn]);
+                axpy_blocks::prefetch_first(q, block(*nb), cols, &nr[..*nn]);
             }
             let xb: &[f32; 32] = x[32 * b..32 * b + 32].try_into().expect("32 inputs");
-            for (w, part) in ws.iter().zip(parts.iter_mut()) {
-                (k.axpy_blocks)(w.qtype, block(w, *b), w.cols, &r[..*n], xb, 0, part);
-            }
+            (k.axpy_blocks)(q, block(*b), cols, &r[..*n], xb, 0, part);
         }
     };
     if threads == 1 {
-        return run(ys, 0);
+        return run(y, 0);
     }
-    let all: usize = ws.iter().map(|w| w.cols).sum();
     PARTS.with_borrow_mut(|parts| {
         parts.clear();
-        parts.resize((threads - 1) * all, 0.0);
+        parts.resize((threads - 1) * cols, 0.0);
         let pp = SyncPtr::new(parts.as_mut_ptr());
-        let yps: Vec<SyncPtr> = ys
-            .iter_mut()
-            .map(|y| SyncPtr::new(y.as_mut_ptr()))
-            .collect();
+        let yp = SyncPtr::new(y.as_mut_ptr());
         pool.run(threads, &|t| {
-            let mut off = 0;
-            // SAFETY: task 0 alone writes the outputs `ys` (w.cols floats each); task t > 0
-            // alone writes partial t - 1 (`all` floats inside `parts`, which holds
-            // (threads - 1) * all), split into one run of w.cols per matrix; all outlive
+            // SAFETY: task 0 alone writes `y` (cols floats); task t > 0 alone writes partial
+            // t - 1 (cols floats inside `parts`, which holds (threads - 1) * cols); both outlive
             // `pool.run`.
-            let mut mine: Vec<&mut [f32]> = (ws.iter().zip(&yps))
-                .map(|(w, yp)| unsafe {
-                    let s = match t {
-                        0 => std::slice::from_raw_parts_mut(yp.get(), w.cols),
-                        _ => std::slice::from_raw_parts_mut(
-                            pp.get().add((t - 1) * all + off),
-                            w.cols,
-                        ),
-                    };
-                    off += w.cols;
-                    s
-                })
-                .collect();
-            run(&mut mine, t);
+            let part = unsafe {
+                match t {
+                    0 => std::slice::from_raw_parts_mut(yp.get(), cols),
+                    _ => std::slice::from_raw_parts_mut(pp.get().add((t - 1) * cols), cols),
+                }
+            };
+            run(part, t);
         });
-        for p in parts.chunks_exact(all) {
-            let mut off = 0;
-            for y in ys.iter_mut() {
-                let n = y.len();
-                y.iter_mut()
-                    .zip(&p[off..off + n])
-                    .for_each(|(y, v)| *y += v);
-                off += n;
-            }
+        for p in parts.chunks_exact(cols) {
+            y.iter_mut().zip(p).for_each(|(y, v)| *y += v);
         }
     });
 }
@@ -284,64 +235,6 @@ mod tests {
     /// Every tier and thread count within 1e-5 (relative to the sum of |terms|) of the reference,
     /// plus the integer kernels' rounding bound (`axpy_q::rounding_bound`), for every weight type,
     /// ragged row counts and subsets (empty, one row, random, full).
-    /// Three input-block matrices of one input in one dispatch (`axpy_blocks_many`) equal each
-    /// matrix on its own (`axpy_blocks`), on every tier, one and two threads, within 1e-5 of the
-    /// sum of |terms| (only the grouping of the threads' partial sums differs).
-    #[test]
-    fn many_matrices_in_one_dispatch_equal_one_at_a_time() {
-        use crate::kernels::axpy_blocks::{input_row, random_block};
-        let rows = 256;
-        let types = [QuantType::Q8_0, QuantType::Q4_0, QuantType::Q4_1];
-        let cols = [96, 64, 2080];
-        let data: Vec<Vec<u8>> = (0..3)
-            .map(|i| {
-                (0..rows / 32)
-                    .flat_map(|b| random_block(types[i], cols[i], (10 * i + b) as u64).0)
-                    .collect()
-            })
-            .collect();
-        let ws: Vec<Weight> = (0..3)
-            .map(|i| {
-                Weight::new(types[i], rows, cols[i], &data[i])
-                    .unwrap()
-                    .with_layout(dejavu_backend_api::RowLayout::InputBlocks)
-            })
-            .collect();
-        let mut x = random_f32(rows, 3);
-        x.iter_mut().step_by(3).for_each(|v| *v = 0.0);
-        x[64..96].iter_mut().for_each(|v| *v = 0.0); // a block with no kept input
-        for isa in Isa::supported() {
-            let k = Kernels::for_isa(isa).unwrap();
-            for threads in [1, 2] {
-                let pool = SpinPool::new(threads);
-                let mut got: Vec<Vec<f32>> = cols.iter().map(|&c| vec![0.5; c]).collect();
-                let mut ys: Vec<&mut [f32]> = got.iter_mut().map(|y| &mut y[..]).collect();
-                let refs: Vec<&Weight> = ws.iter().collect();
-                axpy_blocks_many(&k, &pool, &refs, &x, &mut ys);
-                for (i, w) in ws.iter().enumerate() {
-                    let mut want = vec![0.5; cols[i]];
-                    axpy_blocks(&k, &SpinPool::new(1), w, &x, &mut want);
-                    let mut mag = vec![0.5f32; cols[i]];
-                    let mut row = vec![0f32; cols[i]];
-                    let bb = 32 * types[i].row_bytes(cols[i]);
-                    for (r, &xr) in x.iter().enumerate().filter(|(_, v)| **v != 0.0) {
-                        let block = &data[i][r / 32 * bb..(r / 32 + 1) * bb];
-                        input_row(types[i], block, cols[i], r % 32, &mut row);
-                        (mag.iter_mut().zip(&row)).for_each(|(m, v)| *m += (xr * v).abs());
-                    }
-                    for o in 0..cols[i] {
-                        let e = (got[i][o] - want[o]).abs();
-                        assert!(
-                            e <= 1e-5 * mag[o],
-                            "{isa} {threads} {:?} {o}: {e}",
-                            types[i]
-                        );
-                    }
-                }
-            }
-        }
-    }
-
     #[test]
     fn tiers_match_reference() {
         for isa in Isa::supported() {

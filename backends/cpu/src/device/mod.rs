@@ -452,10 +452,6 @@ impl Device for CpuDevice {
         Ok(())
     }
 
-    fn axpys(&self, a: &Vec<f32>, jobs: &mut [Product<'_, Self>]) -> Result<(), BackendError> {
-        self.axpys_rows(a, jobs)
-    }
-
     fn clear(&self, bufs: &mut [(&mut Vec<f32>, usize)]) -> Result<(), BackendError> {
         if bufs.len() > 3 {
             return Err(shape(format!(

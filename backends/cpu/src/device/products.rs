@@ -173,48 +173,6 @@ impl CpuDevice {
         }
     }
 
-    /// `Device::axpys`: matrices of every input in the input-block layout in one dispatch
-    /// ([`axpy_matmul::axpy_blocks_many`]), anything else one `axpy` each.
-    pub(super) fn axpys_rows(
-        &self,
-        a: &[f32],
-        jobs: &mut [Product<'_, CpuDevice>],
-    ) -> Result<(), BackendError> {
-        if jobs.is_empty() || jobs.len() > 3 {
-            return Err(shape(format!("{} axpys in one call (1 to 3)", jobs.len())));
-        }
-        let rows = jobs[0].w.rows;
-        let together = jobs.iter().all(|p| {
-            p.w.layout == RowLayout::InputBlocks && matches!(p.rows, Rows::All) && p.w.rows == rows
-        });
-        if !together {
-            for p in jobs.iter_mut() {
-                self.axpy_rows(p.w, p.rows, a, p.bias, p.y)?;
-            }
-            return Ok(());
-        }
-        need("axpy activations", a.len(), rows)?;
-        for p in jobs.iter() {
-            need("axpy output", p.y.len(), p.w.cols)?;
-            if let Some(b) = p.bias {
-                need("axpy bias", b.len(), p.w.cols)?;
-            }
-        }
-        let mats: Vec<&CpuMat> = jobs.iter().map(|p| p.w).collect();
-        let weights = (mats.iter().map(|w| w.weight())).collect::<Result<Vec<_>, _>>()?;
-        let refs: Vec<&_> = weights.iter().collect();
-        let mut ys: Vec<&mut [f32]> = (jobs.iter_mut()).map(|p| &mut p.y[..p.w.cols]).collect();
-        let (k, pool) = (&self.cpu.kernels, &self.cpu.pool);
-        axpy_matmul::axpy_blocks_many(k, pool, &refs, &a[..rows], &mut ys);
-        for p in jobs.iter_mut() {
-            if let Some(b) = p.bias {
-                let n = p.w.cols;
-                p.y[..n].iter_mut().zip(&b[..n]).for_each(|(y, b)| *y += b);
-            }
-        }
-        Ok(())
-    }
-
     pub(super) fn axpy_rows(
         &self,
         w: &CpuMat,

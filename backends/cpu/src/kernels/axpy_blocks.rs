@@ -381,7 +381,7 @@ pub(super) unsafe fn add_scaled16(
 /// A random block (scales, offsets, quants) and its values as the layout defines them, for the
 /// tests of this layout's kernels.
 #[cfg(test)]
-pub(crate) fn random_block(q: QuantType, cols: usize, seed: u64) -> (Vec<u8>, Vec<f32>) {
+pub(super) fn random_block(q: QuantType, cols: usize, seed: u64) -> (Vec<u8>, Vec<f32>) {
     use rand::{Rng, SeedableRng};
     let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let d: Vec<f32> = (0..cols).map(|_| r.gen_range(0.001f32..0.1)).collect();
