@@ -42,11 +42,9 @@ struct Scratch<D: Device> {
     nonzero: D::Buf,
     logits: D::Buf,
     /// Tensor parallelism (and Gemma's norms of block outputs): a row-parallel product's
-    /// output before the all-reduce (or the norm), zeros to start a sparse one from, and the
-    /// logits of this rank's vocabulary rows (before the all-gather into `logits`). One value
+    /// output before the all-reduce (or the norm), and the logits of this rank's vocabulary rows (before the all-gather into `logits`). One value
     /// each for a whole model without those norms.
     part: D::Buf,
-    zero: D::Buf,
     part_logits: D::Buf,
 }
 
@@ -287,7 +285,6 @@ impl<'a, D: Device> DeviceSession<'a, D> {
             .max()
             .unwrap_or(1);
         let wide = c.d_model.max(c.d_embed);
-        // Input sparsity's outputs start from zeros: Q, K, V, gate and up of one row.
         let inputs = plan.needs_inputs();
         let widest = wide.max(c.n_heads * c.head_dim).max(c.n_ff);
         let tp = !model.shard.is_whole();
@@ -318,11 +315,6 @@ impl<'a, D: Device> DeviceSession<'a, D> {
             nonzero: dev.zeros(c.n_layers.max(1))?,
             logits: dev.zeros(per_rank * model.shard.world)?,
             part,
-            zero: dev.zeros(match (inputs, model.partial_outputs()) {
-                (true, _) => widest,
-                (false, true) => wide,
-                (false, false) => 1,
-            })?,
             part_logits: dev.zeros(if tp { per_rank } else { 1 })?,
         };
         let step_bytes = step_bytes(model, Some(&plan));

@@ -9,30 +9,14 @@
 //! `cargo run --release -p dejavu-backend-cuda --example profile_layer [d] [heads] [kv_heads]
 //! [n_ff] [f16|bf16] [pos]`
 use dejavu_backend_api::{
-    Activation, AttnGeom, BackendError, Device, InputMask, Product, QuantType, RopeStyle, Rotary,
-    Rows, Scoring, Weight,
+    Activation, AttnGeom, Device, InputMask, Product, QuantType, RopeStyle, Rotary, Rows, Scoring,
+    Weight,
 };
 use dejavu_backend_cuda::{Buf, CudaDevice, Mat};
-use std::time::Instant;
 
-const REPS: usize = 20;
-
-/// Microseconds per run of `f`, recorded `REPS` times in one graph.
-fn time(dev: &CudaDevice, mut f: impl FnMut() -> Result<(), BackendError>) -> f64 {
-    dev.begin_capture().unwrap();
-    for _ in 0..REPS {
-        f().unwrap();
-    }
-    let g = dev.end_capture().unwrap();
-    dev.replay(&g).unwrap();
-    dev.synchronize().unwrap();
-    let t0 = Instant::now();
-    for _ in 0..5 {
-        dev.replay(&g).unwrap();
-    }
-    dev.synchronize().unwrap();
-    t0.elapsed().as_secs_f64() * 1e6 / (5 * REPS) as f64
-}
+#[path = "common/graph_time.rs"]
+mod graph_time;
+use graph_time::graph_us as time;
 
 fn line(what: &str, us: f64, bytes: usize) {
     let gbs = if bytes > 0 {

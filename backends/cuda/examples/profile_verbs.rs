@@ -8,27 +8,17 @@ use dejavu_backend_api::{AttnGeom, Device, LazyKv, Product, QuantType, Rows, Top
 use dejavu_backend_cuda::{Buf, CudaDevice};
 use std::time::Instant;
 
-const REPS: usize = 20;
+#[path = "common/graph_time.rs"]
+mod graph_time;
+use graph_time::{graph_us, REPS};
 
 fn time(
     dev: &CudaDevice,
     what: &str,
     bytes: usize,
-    mut f: impl FnMut() -> Result<(), dejavu_backend_api::BackendError>,
+    f: impl FnMut() -> Result<(), dejavu_backend_api::BackendError>,
 ) {
-    dev.begin_capture().unwrap();
-    for _ in 0..REPS {
-        f().unwrap();
-    }
-    let g = dev.end_capture().unwrap();
-    dev.replay(&g).unwrap();
-    dev.synchronize().unwrap();
-    let t0 = Instant::now();
-    for _ in 0..5 {
-        dev.replay(&g).unwrap();
-    }
-    dev.synchronize().unwrap();
-    let us = t0.elapsed().as_secs_f64() * 1e6 / (5 * REPS) as f64;
+    let us = graph_us(dev, f);
     println!(
         "{what:<44} {us:9.2} us  {:7.0} GB/s",
         bytes as f64 / us / 1e3

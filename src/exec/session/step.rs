@@ -507,7 +507,7 @@ fn residual_out<D: Device>(
         return Ok(false);
     }
     if pass == Pass::Step {
-        dev.copy(&s.zero, &mut s.part, m.local.d_model)?;
+        dev.clear(&mut [(&mut s.part, m.local.d_model)])?;
     }
     Ok(true)
 }

@@ -407,6 +407,29 @@ pub(super) fn random_block(q: QuantType, cols: usize, seed: u64) -> (Vec<u8>, Ve
     (bytes, values)
 }
 
+/// The cases of this layout's kernel tests: kept-row sets (none, one, three, about half at
+/// random, all 32 in reverse), each with the output ranges `(lo, n)` over `cols` outputs (all,
+/// all but the first group, the first group, the last; empty ones left out).
+#[cfg(test)]
+pub(crate) fn test_cases(r: &mut impl rand::Rng, cols: usize) -> Vec<(Vec<u8>, usize, usize)> {
+    let sets: Vec<Vec<u8>> = vec![
+        vec![],
+        vec![7],
+        vec![3, 9, 30],
+        (0..32).filter(|_| r.gen_bool(0.5)).collect(),
+        (0..32).rev().collect(),
+    ];
+    let ranges = [(0, cols), (32, cols - 32), (0, 32), (cols - 32, 32)];
+    (sets.iter())
+        .flat_map(|k| {
+            ranges
+                .iter()
+                .filter(|r| r.1 > 0)
+                .map(|&(lo, n)| (k.clone(), lo, n))
+        })
+        .collect()
+}
+
 /// The block `b` of a matrix in the input-block layout built from ggml rows: for tests and the
 /// layout conversion's reference (`values[r][o]` for its 32 inputs of `cols` outputs, and the
 /// per-output scales and offsets of the 32-input group, as `(d, m)` with the quants `q`).
@@ -438,7 +461,7 @@ mod tests {
     /// The reference equals the sum over kept rows of x times the block's values (within 1e-5
     /// of the sum of |terms|); every tier equals the reference within 1e-5 of the same sum (the
     /// sums are ordered alike: per output, rows in `kept` order), for each type, ragged output
-    /// ranges (32 to 2080 outputs at offsets), and kept sets empty, single, random, full.
+    /// ranges (32 to 2080 outputs at offsets), and the kept sets of [`test_cases`].
     #[test]
     fn tiers_match_reference() {
         let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(3);
@@ -446,50 +469,40 @@ mod tests {
             for cols in [32, 96, 256, 352, 2112] {
                 let (bytes, values) = random_block(q, cols, cols as u64);
                 let x: [f32; 32] = std::array::from_fn(|_| r.gen_range(-2f32..2.0));
-                let sets: Vec<Vec<u8>> = vec![
-                    vec![],
-                    vec![7],
-                    (0..32).filter(|_| r.gen_bool(0.5)).collect(),
-                    (0..32).rev().collect(),
-                ];
-                for kept in &sets {
-                    for (lo, n) in [(0, cols), (32, cols - 32), (0, 32), (cols - 32, 32)] {
-                        if n == 0 {
-                            continue;
+                for (kept, lo, n) in &test_cases(&mut r, cols) {
+                    let (kept, lo, n) = (kept, *lo, *n);
+                    let y0: Vec<f32> = (0..n).map(|j| j as f32 * 0.01).collect();
+                    let mut want = y0.clone();
+                    scalar(q, &bytes, cols, kept, &x, lo, &mut want);
+                    for j in 0..n {
+                        let o = lo + j;
+                        let (mut exact, mut mag) = (y0[j] as f64, y0[j].abs() as f64);
+                        for &k in kept {
+                            let v = (x[k as usize] * values[k as usize * cols + o]) as f64;
+                            exact += v;
+                            mag += v.abs();
                         }
-                        let y0: Vec<f32> = (0..n).map(|j| j as f32 * 0.01).collect();
-                        let mut want = y0.clone();
-                        scalar(q, &bytes, cols, kept, &x, lo, &mut want);
+                        let tol = 1e-5 * mag + 1e-6;
+                        assert!(((want[j] as f64) - exact).abs() <= tol, "{q:?} ref {o}");
+                    }
+                    for isa in Isa::supported() {
+                        let mut got = y0.clone();
+                        select(isa)(q, &bytes, cols, kept, &x, lo, &mut got);
                         for j in 0..n {
-                            let o = lo + j;
-                            let (mut exact, mut mag) = (y0[j] as f64, y0[j].abs() as f64);
-                            for &k in kept {
-                                let v = (x[k as usize] * values[k as usize * cols + o]) as f64;
-                                exact += v;
-                                mag += v.abs();
-                            }
-                            let tol = 1e-5 * mag + 1e-6;
-                            assert!(((want[j] as f64) - exact).abs() <= tol, "{q:?} ref {o}");
-                        }
-                        for isa in Isa::supported() {
-                            let mut got = y0.clone();
-                            select(isa)(q, &bytes, cols, kept, &x, lo, &mut got);
-                            for j in 0..n {
-                                let mag: f32 = kept
-                                    .iter()
-                                    .map(|&k| {
-                                        (x[k as usize] * values[k as usize * cols + lo + j]).abs()
-                                    })
-                                    .sum::<f32>()
-                                    + y0[j].abs();
-                                assert!(
-                                    (got[j] - want[j]).abs() <= 1e-5 * mag + 1e-6,
-                                    "{isa} {q:?} cols {cols} lo {lo} n {n} kept {}: {} vs {}",
-                                    kept.len(),
-                                    got[j],
-                                    want[j]
-                                );
-                            }
+                            let mag: f32 = kept
+                                .iter()
+                                .map(|&k| {
+                                    (x[k as usize] * values[k as usize * cols + lo + j]).abs()
+                                })
+                                .sum::<f32>()
+                                + y0[j].abs();
+                            assert!(
+                                (got[j] - want[j]).abs() <= 1e-5 * mag + 1e-6,
+                                "{isa} {q:?} cols {cols} lo {lo} n {n} kept {}: {} vs {}",
+                                kept.len(),
+                                got[j],
+                                want[j]
+                            );
                         }
                     }
                 }

@@ -206,40 +206,31 @@ mod tests {
             for cols in [32, 64, 96, 352, 2112] {
                 let (bytes, _) = axpy_blocks::random_block(q, cols, r.gen());
                 let mut x: [f32; 32] = std::array::from_fn(|_| r.gen_range(-2f32..2.0));
-                let sets: Vec<Vec<u8>> = vec![
-                    vec![7],
-                    vec![3, 9, 30],
-                    (0..32).filter(|_| r.gen_bool(0.5)).collect(),
-                    (0..32).rev().collect(),
-                ];
-                for kept in sets.iter().filter(|k| !k.is_empty()) {
-                    for (lo, n) in [(0, cols), (32, cols - 32), (0, 32), (cols - 32, 32)] {
-                        if n == 0 {
-                            continue;
-                        }
-                        let y0: Vec<f32> = (0..n).map(|j| j as f32 * 0.01).collect();
-                        let mut want = y0.clone();
-                        scalar(q, &bytes, cols, kept, &x, lo, &mut want);
-                        let mut f32_ref = y0.clone();
-                        axpy_blocks::scalar(q, &bytes, cols, kept, &x, lo, &mut f32_ref);
-                        let amax = kept.iter().map(|&k| x[k as usize].abs()).fold(0., f32::max);
-                        let mut deq = vec![0f32; cols];
-                        let mut wsum = vec![0f32; n];
-                        for &k in kept {
-                            axpy_blocks::input_row(q, &bytes, cols, k as usize, &mut deq);
-                            (wsum.iter_mut().zip(&deq[lo..])).for_each(|(s, w)| *s += w.abs());
-                        }
-                        for j in 0..n {
-                            let tol = amax / 254.0 * wsum[j] * 1.01 + 1e-4 * (1.0 + want[j].abs());
-                            let e = (want[j] - f32_ref[j]).abs();
-                            assert!(e <= tol, "{q:?} {cols} {lo}+{j}: {e} > {tol}");
-                        }
-                        for isa in Isa::supported() {
-                            if let Some(f) = select(isa) {
-                                let mut got = y0.clone();
-                                f(q, &bytes, cols, kept, &x, lo, &mut got);
-                                assert_eq!(got, want, "{isa} {q:?} cols {cols} lo {lo} n {n}");
-                            }
+                let cases = axpy_blocks::test_cases(&mut r, cols);
+                for (kept, lo, n) in cases.iter().filter(|c| !c.0.is_empty()) {
+                    let (kept, lo, n) = (kept, *lo, *n);
+                    let y0: Vec<f32> = (0..n).map(|j| j as f32 * 0.01).collect();
+                    let mut want = y0.clone();
+                    scalar(q, &bytes, cols, kept, &x, lo, &mut want);
+                    let mut f32_ref = y0.clone();
+                    axpy_blocks::scalar(q, &bytes, cols, kept, &x, lo, &mut f32_ref);
+                    let amax = kept.iter().map(|&k| x[k as usize].abs()).fold(0., f32::max);
+                    let mut deq = vec![0f32; cols];
+                    let mut wsum = vec![0f32; n];
+                    for &k in kept {
+                        axpy_blocks::input_row(q, &bytes, cols, k as usize, &mut deq);
+                        (wsum.iter_mut().zip(&deq[lo..])).for_each(|(s, w)| *s += w.abs());
+                    }
+                    for j in 0..n {
+                        let tol = amax / 254.0 * wsum[j] * 1.01 + 1e-4 * (1.0 + want[j].abs());
+                        let e = (want[j] - f32_ref[j]).abs();
+                        assert!(e <= tol, "{q:?} {cols} {lo}+{j}: {e} > {tol}");
+                    }
+                    for isa in Isa::supported() {
+                        if let Some(f) = select(isa) {
+                            let mut got = y0.clone();
+                            f(q, &bytes, cols, kept, &x, lo, &mut got);
+                            assert_eq!(got, want, "{isa} {q:?} cols {cols} lo {lo} n {n}");
                         }
                     }
                 }
