@@ -6,6 +6,8 @@
 //! - on 8- and 4-bit weights (the input-block layout, the file's own values transposed), every
 //!   input kept is the dense model with f32 activations (the reference device);
 //! - calibrated thresholds drop about the requested fraction, and the step reads fewer bytes;
+//! - a masked batch (calibration's allocation search) is the decode steps under the thresholds;
+//! - the greedy allocation rises to its end, and `teal:S` reads it (`:uniform` does not);
 //! - the policy grammar's refusals.
 mod common;
 use common::*;
@@ -208,6 +210,89 @@ fn calibrated_thresholds_drop_about_the_requested_fraction() {
     }
 }
 
+/// Calibrated input statistics of `e` on a short text.
+fn stats(e: &Engine) -> dejavu::sparsity::input::InputStats {
+    let text = "The quick brown fox jumps over the lazy dog. fn main() {} ".repeat(4);
+    let tokens = e.tokenizer.encode(&text).unwrap();
+    dejavu::tune::thresholds::input_stats(e, e, &tokens, 32).unwrap()
+}
+
+/// A prompt's batch under `mask_batches` computes each row as the plan's decode step does:
+/// every group's thresholds calibrated (so each drops about half its inputs), every row's
+/// logits against the step's, on the f32 model (only the order of summation differs).
+#[test]
+fn a_masked_batch_is_the_decode_steps() {
+    let (_d, e) = load(&f32_model(&[]));
+    let preds = dejavu::sparsity::predictors_file::Predictors::inputs_only(stats(&e));
+    let pol = e.policy("teal:0.5:uniform", Some(&preds)).unwrap();
+    let steps = decode(&e, &pol);
+    let mut s = e.decoder(&pol).unwrap();
+    s.mask_batches(true).unwrap();
+    let batch = s
+        .run(&TOKENS, Logits::Range(0, TOKENS.len()))
+        .unwrap()
+        .to_vec();
+    assert_close("masked batch", &batch, &steps);
+    // Unmasked, the batch is the dense model's: the masking changed it.
+    let mut s = e.decoder(&pol).unwrap();
+    let plain = s
+        .run(&TOKENS, Logits::Range(0, TOKENS.len()))
+        .unwrap()
+        .to_vec();
+    let moved = plain.iter().zip(&steps).any(|(a, b)| (a - b).abs() > 1e-2);
+    assert!(moved, "the thresholds changed no logit");
+    // A plan without thresholds, or with WINA's, refuses.
+    let mut d = e.decoder(&Policy::dense(&e.model.config)).unwrap();
+    assert!(d.mask_batches(true).is_err());
+    let wina = e.policy("wina:0.5", Some(&preds)).unwrap();
+    assert!(e.decoder(&wina).unwrap().mask_batches(true).is_err());
+}
+
+/// The greedy search's rows rise in model-wide sparsity one step of one group at a time to the
+/// search's end; `teal:S` takes the groups' sparsities from them (at a row, exactly), the
+/// file keeps them, and `teal:S:uniform` keeps every group at S.
+#[test]
+fn the_greedy_allocation_rises_to_its_end_and_teal_reads_it() {
+    use dejavu::tune::allocation::{greedy, model_wide, weights, MAX, STEP};
+    let (dir, e) = load(&f32_model(&[]));
+    let mut st = stats(&e);
+    let text = "Pack my box with five dozen liquor jugs; 1 + 2 = 3. ".repeat(6);
+    let tokens = e.tokenizer.encode(&text).unwrap();
+    st.alloc = greedy(&e, &st, &tokens, 64).unwrap();
+    let w = weights(&e.model.config);
+    let mut prev = [0f64; 4];
+    for row in &st.alloc {
+        let s = [row[1], row[2], row[3], row[4]].map(f64::from);
+        let raised: Vec<f64> = s.iter().zip(prev).map(|(a, b)| a - b).collect();
+        let ones = raised.iter().filter(|d| (*d - STEP).abs() < 1e-6).count();
+        let zeros = raised.iter().filter(|d| d.abs() < 1e-6).count();
+        assert_eq!((ones, zeros), (1, 3), "one group a step: {raised:?}");
+        assert!((model_wide(&w, &s) - row[0] as f64).abs() < 1e-5);
+        prev = s;
+    }
+    let last = st.alloc.last().expect("rows");
+    assert!(last[0] as f64 >= MAX - 1e-5, "stopped at {}", last[0]);
+    // `teal:S` at a row's model-wide sparsity: that row's thresholds.
+    let row = st.alloc[st.alloc.len() / 2];
+    let out = dir.path().join("p.safetensors");
+    let preds = dejavu::sparsity::predictors_file::Predictors::inputs_only(st.clone());
+    preds.save(&out, &e.model).unwrap();
+    let loaded = e.predictors(Some(&out)).unwrap().unwrap();
+    assert_eq!(loaded.inputs.as_ref().unwrap().alloc, st.alloc);
+    let spec = format!("teal:{}", row[0]);
+    let got = e.policy(&spec, Some(&loaded)).unwrap().inputs.unwrap();
+    let groups = [row[1], row[2], row[3], row[4]].map(f64::from);
+    let want = InputRule::groups(Score::Teal, row[0] as f64, groups, &st);
+    for (a, b) in got.thresholds.iter().zip(&want.thresholds) {
+        for (x, y) in a.iter().zip(b) {
+            assert!((x - y).abs() <= 1e-4 * y.abs().max(1.0), "{a:?} vs {b:?}");
+        }
+    }
+    let uniform = e.policy(&format!("{spec}:uniform"), Some(&loaded)).unwrap();
+    let want = InputRule::uniform(Score::Teal, row[0] as f64, &st);
+    assert_eq!(uniform.inputs.unwrap().thresholds, want.thresholds);
+}
+
 #[test]
 fn bad_input_sparsity_specs_are_refused() {
     let (_d, e) = load(&f32_model(&[]));
@@ -230,6 +315,7 @@ fn bad_input_sparsity_specs_are_refused() {
         ("teal:0.5+wina:0.5", "no other MLP rule"),
         ("wina:0.5+attn-norm:0.5", "column norms"),
         ("teal", "one `teal:S`"),
+        ("teal:0.5:even", "one `teal:S`"),
     ] {
         assert!(err(spec).contains(why), "{spec}: {}", err(spec));
     }

@@ -55,6 +55,14 @@ pub trait Decoder {
         let _ = (l, h);
         Err(unsupported("MLP activations"))
     }
+    /// From now on (or no longer), a prompt's batches apply a `teal` plan's thresholds: each
+    /// projection's input rows zeroed below them, then multiplied as dense, so every row of a
+    /// batch is what a decode step under the plan computes (up to the order of summation).
+    /// What calibration's allocation search runs its candidates on.
+    fn mask_batches(&mut self, on: bool) -> Result<()> {
+        let _ = on;
+        Err(unsupported("masked batches"))
+    }
 }
 
 fn unsupported(what: &str) -> Error {

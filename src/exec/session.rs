@@ -119,6 +119,9 @@ impl<D: Device> crate::exec::Decoder for DeviceSession<'_, D> {
     fn mlp_activations(&mut self, l: usize, h: &[f32]) -> Result<Vec<f32>> {
         DeviceSession::mlp_activations(self, l, h)
     }
+    fn mask_batches(&mut self, on: bool) -> Result<()> {
+        DeviceSession::mask_batches(self, on)
+    }
 }
 
 /// A session's plan and device, and what its decode steps and its prompt's batches read.
@@ -245,6 +248,8 @@ pub struct DeviceSession<'a, D: Device> {
     capture: Option<Capture>,
     /// Count the nonzero activations of rules that skip zeros ([`Self::measure`]).
     measure: bool,
+    /// A prompt's batches zero the inputs below the plan's thresholds ([`Self::mask_batches`]).
+    mask_batches: bool,
     /// Weight bytes one step reads under the plan.
     step_bytes: StepBytes,
 }
@@ -343,6 +348,7 @@ impl<'a, D: Device> DeviceSession<'a, D> {
             rows_out: Vec::new(),
             capture: None,
             measure: true,
+            mask_batches: false,
             step_bytes,
         })
     }

@@ -9,8 +9,11 @@
 //! column norm of the stacked matrices, e.g. `[W_q; W_k; W_v]`).
 //!
 //! Thresholds come from calibration ([`InputStats`]): per layer and group, quantiles of the
-//! scores over calibration tokens; `teal:S` and `wina:S` keep each group's threshold at its
-//! quantile `S` (a uniform allocation: every group of every layer at sparsity `S`).
+//! scores over calibration tokens; `wina:S` keeps each group's threshold at its quantile `S`
+//! (a uniform allocation: every group of every layer at sparsity `S`). `teal:S` does too
+//! unless calibration stored TEAL's greedy allocation across the groups
+//! ([`InputStats::alloc`], `crate::tune::allocation`): then each group's sparsity is the
+//! allocation's at model-wide sparsity `S` (the same for every layer).
 use crate::sparsity::layout::{Part, SparseLayout};
 use crate::{Error, Result};
 use dejavu_backend_api::{Backend, Weight};
@@ -101,6 +104,10 @@ pub struct InputStats {
     pub teal: Vec<f32>,
     pub wina: Vec<f32>,
     pub n_layers: usize,
+    /// TEAL's allocation across the input groups: rows of the model-wide sparsity (the groups'
+    /// sparsities weighted by the weights that read them) and then each group's sparsity (in
+    /// `Group::ALL` order), the model-wide sparsity increasing. Empty: uniform.
+    pub alloc: Vec<[f32; 5]>,
 }
 
 /// Quantile levels stored per layer and group.
@@ -126,6 +133,7 @@ impl InputStats {
             teal: Vec::new(),
             wina: Vec::new(),
             n_layers: 0,
+            alloc: Vec::new(),
         }
     }
 
@@ -175,6 +183,31 @@ impl InputStats {
     }
 }
 
+impl InputStats {
+    /// Each group's sparsity (in `Group::ALL` order) at model-wide `sparsity` under `score`:
+    /// for TEAL with an allocation, linear between its rows (from every group dense at 0);
+    /// else, and past the allocation's last row, `sparsity` for every group.
+    pub fn group_sparsity(&self, score: Score, sparsity: f64) -> [f64; 4] {
+        let uniform = [sparsity; 4];
+        if score != Score::Teal {
+            return uniform;
+        }
+        let mut lo = [0f64; 5];
+        for row in &self.alloc {
+            let hi = row.map(f64::from);
+            if sparsity <= hi[0] {
+                let f = match hi[0] - lo[0] {
+                    w if w > 0.0 => (sparsity - lo[0]) / w,
+                    _ => 1.0,
+                };
+                return std::array::from_fn(|g| lo[g + 1] + f * (hi[g + 1] - lo[g + 1]));
+            }
+            lo = hi;
+        }
+        uniform
+    }
+}
+
 /// `POINTS` quantiles of `v` (sorted in place; NaN sorts last).
 fn quantiles(mut v: Vec<f32>) -> Vec<f32> {
     v.sort_unstable_by(|a, b| a.total_cmp(b));
@@ -219,8 +252,26 @@ mod tests {
             }
             assert!(st.threshold(Score::Teal, 0, g, 0.0) < 0.0);
         }
+        // No allocation: every group at the model-wide sparsity.
+        assert_eq!(st.group_sparsity(Score::Teal, 0.3), [0.3; 4]);
         assert!(InputStats::new()
             .push_layer([&[1.0][..]; 4], &norms.layers[0])
             .is_err());
+    }
+
+    #[test]
+    fn an_allocation_is_read_between_its_rows() {
+        let mut st = InputStats::new();
+        st.alloc = vec![[0.1, 0.0, 0.0, 0.2, 0.1], [0.3, 0.2, 0.0, 0.4, 0.5]];
+        let close = |a: [f64; 4], b: [f64; 4]| a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-6);
+        let at = |s| st.group_sparsity(Score::Teal, s);
+        assert!(close(at(0.05), [0.0, 0.0, 0.1, 0.05]), "{:?}", at(0.05));
+        assert!(close(at(0.1), [0.0, 0.0, 0.2, 0.1]));
+        assert!(close(at(0.2), [0.1, 0.0, 0.3, 0.3]), "{:?}", at(0.2));
+        assert!(close(at(0.3), [0.2, 0.0, 0.4, 0.5]));
+        assert_eq!(at(0.0), [0.0; 4]);
+        // Past the last row, and for WINA: uniform.
+        assert_eq!(at(0.5), [0.5; 4]);
+        assert_eq!(st.group_sparsity(Score::Wina, 0.2), [0.2; 4]);
     }
 }

@@ -20,7 +20,9 @@
 //! - `teal:S` and `wina:S` (input sparsity, needs calibrated thresholds: [`InputRule`]): every
 //!   projection reads only the inputs whose score exceeds its calibrated threshold, each input
 //!   of each layer at sparsity S (`teal`: by magnitude, `wina`: by magnitude times the weight
-//!   column's norm); the MLP's and W_o's inputs included, so no other MLP rule;
+//!   column's norm); the MLP's and W_o's inputs included, so no other MLP rule. `teal:S` takes
+//!   the allocation across the inputs that calibration found, where it stored one
+//!   (`crate::tune::allocation`); `teal:S:uniform` keeps every input at S;
 //! - `lookahead`: run the `dejavu` predictors on a spare thread, overlapped with the layer's
 //!   attention (needs a `dejavu` rule; same plans, so the same output, as without it);
 //! - `lazy-kv` (multi-head attention, with a head rule): compute keys and values for the selected
@@ -63,8 +65,30 @@ pub struct InputRule {
 impl InputRule {
     /// Every layer's groups at `sparsity` by `stats`.
     pub fn uniform(score: Score, sparsity: f64, stats: &InputStats) -> Self {
+        Self::groups(score, sparsity, [sparsity; 4], stats)
+    }
+
+    /// Model-wide `sparsity` as `stats` allocates it across the groups (see
+    /// [`InputStats::group_sparsity`]).
+    pub fn allocated(score: Score, sparsity: f64, stats: &InputStats) -> Self {
+        Self::groups(
+            score,
+            sparsity,
+            stats.group_sparsity(score, sparsity),
+            stats,
+        )
+    }
+
+    /// Every layer's group `g` at sparsity `per_group[g]` (model-wide `sparsity`).
+    pub fn groups(score: Score, sparsity: f64, per_group: [f64; 4], stats: &InputStats) -> Self {
         let thresholds = (0..stats.n_layers)
-            .map(|l| Group::ALL.map(|g| stats.threshold(score, l, g, sparsity)))
+            .map(|l| {
+                let mut th = [0f32; 4];
+                for (gi, g) in Group::ALL.into_iter().enumerate() {
+                    th[gi] = stats.threshold(score, l, g, per_group[gi]);
+                }
+                th
+            })
             .collect();
         Self {
             score,
@@ -307,9 +331,10 @@ impl Policy {
                     }
                 }
                 "teal" | "wina" => {
-                    if mlp_set || pol.inputs.is_some() || args.len() != 1 {
+                    let uniform = args.get(1) == Some(&"uniform");
+                    if mlp_set || pol.inputs.is_some() || args.len() != 1 + uniform as usize {
                         return Err(bad(format!(
-                            "one `{kind}:S` rule, and no other MLP rule (it sparsifies the MLP's inputs)"
+                            "one `{kind}:S` or `{kind}:S:uniform` rule, and no other MLP rule (it sparsifies the MLP's inputs)"
                         )));
                     }
                     mlp_set = true;
@@ -327,7 +352,10 @@ impl Policy {
                         )));
                     }
                     let score = if kind == "teal" { Score::Teal } else { Score::Wina };
-                    pol.inputs = Some(InputRule::uniform(score, s, stats));
+                    pol.inputs = Some(match uniform {
+                        true => InputRule::uniform(score, s, stats),
+                        false => InputRule::allocated(score, s, stats),
+                    });
                 }
                 "lookahead" if args.is_empty() => pol.lookahead = true,
                 "lazy-kv" if args.is_empty() => {

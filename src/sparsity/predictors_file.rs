@@ -341,11 +341,33 @@ impl Predictors {
                 false => Err(bad(format!("`{name}` holds values that are not finite"))),
             }
         };
+        // TEAL's allocation across the groups (optional): `inputs.teal_alloc`, F32 [rows][5].
+        let alloc = match f.tensors.get("inputs.teal_alloc") {
+            None => Vec::new(),
+            Some(t) if t.dtype == Dtype::F32 && t.shape.len() == 2 && t.shape[1] == 5 => {
+                let v: Vec<f32> = (f.data(t).chunks_exact(4))
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect();
+                let rows: Vec<[f32; 5]> = (v.chunks_exact(5))
+                    .map(|r| [r[0], r[1], r[2], r[3], r[4]])
+                    .collect();
+                let fractions = v.iter().all(|x| (0.0..=1.0).contains(x));
+                let rising = rows.windows(2).all(|w| w[0][0] < w[1][0]);
+                if !fractions || !rising {
+                    return Err(bad(
+                        "`inputs.teal_alloc` holds sparsities outside [0, 1] or not rising".into(),
+                    ));
+                }
+                rows
+            }
+            Some(_) => return Err(bad("`inputs.teal_alloc` has the wrong type or shape".into())),
+        };
         let inputs = match (quantiles("inputs.teal")?, quantiles("inputs.wina")?) {
             (Some(teal), Some(wina)) => Some(Arc::new(InputStats {
                 teal,
                 wina,
                 n_layers: c.n_layers,
+                alloc,
             })),
             (None, None) => None,
             _ => {
@@ -413,6 +435,14 @@ impl Predictors {
                     Dtype::F32,
                     shape,
                     bytemuck::cast_slice(q).to_vec(),
+                ));
+            }
+            if !st.alloc.is_empty() {
+                owned.push((
+                    "inputs.teal_alloc".into(),
+                    Dtype::F32,
+                    vec![st.alloc.len(), 5],
+                    bytemuck::cast_slice(&st.alloc).to_vec(),
                 ));
             }
         }

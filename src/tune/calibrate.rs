@@ -185,12 +185,25 @@ pub fn calibrate(
         (mlp, heads) = (t.mlp, t.heads);
     }
     // Input sparsity's thresholds (teal, wina): quantiles of every layer's inputs.
-    let inputs = crate::tune::thresholds::input_stats(engine, on, train, ctx)?;
+    let mut inputs = crate::tune::thresholds::input_stats(engine, on, train, ctx)?;
     log(&format!(
         "input thresholds (teal, wina): {} layers x 4 inputs, on {} tokens",
         inputs.n_layers,
         train.len().min(crate::tune::thresholds::MAX_TOKENS)
     ));
+    let t0 = std::time::Instant::now();
+    inputs.alloc = crate::tune::allocation::greedy(on, &inputs, train, ctx)?;
+    if let Some(last) = inputs.alloc.last() {
+        log(&format!(
+            "teal allocation ({:.0} s): at {:.0}% model-wide, Q/K/V {:.0}%, W_o {:.0}%, gate/up {:.0}%, down {:.0}%",
+            t0.elapsed().as_secs_f64(),
+            last[0] * 100.0,
+            last[1] * 100.0,
+            last[2] * 100.0,
+            last[3] * 100.0,
+            last[4] * 100.0
+        ));
+    }
     let mut preds = Predictors {
         path: None,
         metadata: metadata.clone(),

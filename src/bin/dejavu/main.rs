@@ -182,8 +182,10 @@ struct SparsityArgs {
     ///   lookahead                predict layer l+1 while layer l runs
     ///   lazy-kv                  recompute skipped heads' K/V only when needed (MHA models)
     ///   head:RANK:CANDIDATES     output head: a rank-RANK preview picks CANDIDATES exact logits
-    ///   teal:S                   every projection: drop the share S of inputs smallest in |x|
-    ///                            (thresholds from calibrate; synthetic models: measured)
+    ///   teal:S[:uniform]         every projection: drop the share S of inputs smallest in |x|
+    ///                            (thresholds from calibrate; synthetic models: measured),
+    ///                            shared across the inputs as calibrate's greedy search found
+    ///                            (`:uniform`: S at every input)
     ///   wina:S                   as teal, ranking inputs by |x_i| * ||W[:, i]||
     #[arg(long, default_value = "dense", verbatim_doc_comment)]
     sparsity: String,

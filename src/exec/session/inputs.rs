@@ -150,6 +150,64 @@ impl<D: Device> DeviceSession<'_, D> {
     }
 }
 
+impl<D: Device> DeviceSession<'_, D> {
+    /// See [`crate::exec::Decoder::mask_batches`]: a `teal` plan only (WINA scales each entry
+    /// by its column's norm, which a batch's rows would need repeated).
+    pub fn mask_batches(&mut self, on: bool) -> Result<()> {
+        match &self.plan.inputs {
+            Some(p) if on && p.wina => Err(crate::Error::Invalid(
+                "masked batches: `teal` thresholds only, not `wina`".into(),
+            )),
+            None if on => Err(crate::Error::Invalid(
+                "masked batches: the plan has no input thresholds (`teal:S`)".into(),
+            )),
+            _ => {
+                self.mask_batches = on;
+                Ok(())
+            }
+        }
+    }
+
+    /// Layer `l`'s thresholds for a batch of the pass (`None`: a decode step, or a batch that
+    /// is not masked).
+    pub(super) fn batch_thresholds(&self, l: usize, step: bool) -> Option<[f32; 4]> {
+        match step || !self.mask_batches {
+            true => None,
+            false => self.input_thresholds(l),
+        }
+    }
+
+    /// A masked batch's `rows` rows of `which` with every entry of magnitude at most `t`
+    /// zeroed (through a free buffer of the same rows, then swapped in).
+    pub(super) fn mask_rows(&mut self, t: f32, which: Masked, rows: usize) -> Result<()> {
+        let (dev, c) = (self.dev, &self.model.local);
+        let mask = InputMask {
+            threshold: t,
+            scale: None,
+        };
+        let s = &mut self.s;
+        let (x, free, n) = match which {
+            Masked::H => (&mut s.h, &mut s.e, c.d_model),
+            Masked::Att => (&mut s.att, &mut s.q, c.n_heads * c.head_dim),
+            Masked::Act { gated: true } => (&mut s.gate, &mut s.up, c.n_ff),
+            Masked::Act { gated: false } => (&mut s.up, &mut s.gate, c.n_ff),
+        };
+        dev.sparsify(x, rows * n, mask, free)?;
+        std::mem::swap(x, free);
+        Ok(())
+    }
+}
+
+/// What [`DeviceSession::mask_rows`] masks: the block's normed input `h` (its row buffer
+/// `e` free during the layers), the attention output (`q` free after attention), or the MLP
+/// activation (`gate` after the GLU, with `up` free; `up` for an ungated MLP).
+#[derive(Clone, Copy)]
+pub(super) enum Masked {
+    H,
+    Att,
+    Act { gated: bool },
+}
+
 /// Which buffer [`DeviceSession::keep_inputs`] reads.
 #[derive(Clone, Copy)]
 enum Input {

@@ -3,6 +3,7 @@
 //! or a prompt's batch (every unit of every layer, each product over all rows at once through
 //! [`Device::matmul`], so the weights are read once per batch); then the output head (dense or
 //! contextual) of one row.
+use super::inputs::Masked;
 use super::rows::{keep, Kept};
 use super::{collective, lap, BlockTimes, Clock, DeviceSession, Scratch};
 use crate::exec::model::{DeviceModel, Layer, Norm};
@@ -179,6 +180,10 @@ impl<D: Device> DeviceSession<'_, D> {
         let (hd, rows, step) = (c.head_dim, pass.rows(), pass == Pass::Step);
         block_input(dev, c, &lw.attn_norm, &self.s.x, &mut self.s.h, rows)?;
         keep(dev, m, &mut self.capture, Kept::AttnIn, l, &self.s.h, rows)?;
+        let masked = self.batch_thresholds(l, step);
+        if let Some(th) = masked {
+            self.mask_rows(th[0], Masked::H, rows)?;
+        }
         lap(clock, dev, |t| &mut t.attention)?;
         // Lookahead: the predictors on a second lane while this layer's attention (and its
         // all-reduce) runs, unless they pick this layer's own heads (layer 0) or the blocks are
@@ -278,6 +283,9 @@ impl<D: Device> DeviceSession<'_, D> {
                     self.input_wo(l, th[1], gathered, n, out)?;
                 }
                 None => {
+                    if let Some(th) = masked {
+                        self.mask_rows(th[1], Masked::Att, rows)?;
+                    }
                     let s = &mut self.s;
                     let att = if gathered { &s.full } else { &s.att };
                     let heads = if step { &self.plan.heads[l] } else { &every };
@@ -323,6 +331,16 @@ impl<D: Device> DeviceSession<'_, D> {
         if let Some(th) = step.then(|| self.input_thresholds(l)).flatten() {
             self.input_mlp(l, th[2], th[3], out)?;
             return mlp_out(dev, m, lw, &mut self.s, rows, clock, out);
+        }
+        if let Some(th) = self.batch_thresholds(l, step) {
+            self.mask_rows(th[2], Masked::H, rows)?;
+            let gated = first_projections(dev, c, lw, Rows::All, c.n_ff, pass, &mut self.s)?;
+            self.mask_rows(th[3], Masked::Act { gated }, rows)?;
+            let s = &mut self.s;
+            let a = if gated { &s.gate } else { &s.up };
+            let y = if out { &mut s.part } else { &mut s.x };
+            row_parallel(dev, &lw.w_down, lw.b_down.as_ref(), a, y, out, pass)?;
+            return mlp_out(dev, m, lw, s, rows, clock, out);
         }
         let s = &mut self.s;
         let mut every = Sel::All;
