@@ -57,6 +57,7 @@ impl Server {
             queue_timeout: Duration::from_secs(30),
             max_body: 4096,
             default_max_tokens: 8,
+            vocab: eng.model.config.vocab_size,
             sparsity: "dense".into(),
             mlp_density: 1.0,
             reuse_prefix: true,
@@ -429,7 +430,8 @@ fn the_key_is_checked_before_the_body_is_read() {
 }
 
 /// Item 14: a field that asks for what the server does not do is a 400 naming it; the neutral
-/// values clients send by default are accepted.
+/// values clients send by default are accepted. The sampling fields it does take are 400s
+/// naming them when out of range.
 #[test]
 fn unsupported_fields_are_refused_by_name_unless_neutral() {
     let s = Server::start(None, false);
@@ -440,17 +442,20 @@ fn unsupported_fields_are_refused_by_name_unless_neutral() {
         s.post("/v1/chat/completions", &b.to_string(), None)
     };
     let asks = [
-        ("logprobs", json!(true)),
-        ("top_logprobs", json!(3)),
-        ("logit_bias", json!({"15": 100})),
         (
             "tools",
             json!([{"type": "function", "function": {"name": "f"}}]),
         ),
         ("tool_choice", json!("required")),
         ("response_format", json!({"type": "json_object"})),
-        ("presence_penalty", json!(0.5)),
-        ("frequency_penalty", json!(-1.0)),
+        ("presence_penalty", json!(2.5)),
+        ("frequency_penalty", json!(-3.0)),
+        ("top_logprobs", json!(21)),
+        ("logprobs", json!(3)),
+        ("logit_bias", json!({"x": 1})),
+        ("logit_bias", json!({"5": -101})),
+        ("min_p", json!(1.5)),
+        ("repeat_penalty", json!(0)),
     ];
     for (k, v) in asks {
         let (st, e) = with(k, v.clone());
@@ -458,18 +463,22 @@ fn unsupported_fields_are_refused_by_name_unless_neutral() {
         assert_eq!(e["error"]["param"], k, "{e}");
         assert!(e["error"]["message"].as_str().unwrap().contains(k), "{e}");
     }
-    let neutral = [
+    let taken = [
         ("logprobs", json!(false)),
+        ("logprobs", json!(true)),
         ("top_logprobs", json!(0)),
         ("logit_bias", json!({})),
+        ("logit_bias", json!({"15": 100})),
         ("tools", json!([])),
         ("tool_choice", json!("none")),
         ("response_format", json!({"type": "text"})),
-        ("presence_penalty", json!(0)),
-        ("frequency_penalty", json!(0.0)),
+        ("presence_penalty", json!(0.5)),
+        ("frequency_penalty", json!(-1.0)),
         ("logprobs", Value::Null),
+        ("ignore_eos", json!(true)),
+        ("cache_prompt", json!(false)),
     ];
-    for (k, v) in neutral {
+    for (k, v) in taken {
         let (st, e) = with(k, v.clone());
         assert_eq!(st, 200, "{k}: {v}: {e}");
     }

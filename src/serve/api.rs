@@ -124,12 +124,29 @@ pub struct Request {
     pub stream: Option<bool>,
     #[serde(default)]
     pub stream_options: Option<StreamOptions>,
+    /// Chat: `true` for each reply token's log-probability; completions: how many alternatives
+    /// (0-20) to list beside each.
     #[serde(default)]
     logprobs: Option<Value>,
+    /// Chat: how many alternatives (0-20) to list beside each token (needs `logprobs`).
     #[serde(default)]
     top_logprobs: Option<Value>,
+    /// Token id (a decimal string) to a bias in [-100, 100] added to its logit.
     #[serde(default)]
     logit_bias: Option<Value>,
+    /// llama-server's extensions its clients send: min-p, the repetition penalty and its
+    /// window, generating past end-of-generation tokens, and whether the prompt may reuse the
+    /// slot's cached prefix.
+    #[serde(default)]
+    min_p: Option<f64>,
+    #[serde(default)]
+    repeat_penalty: Option<f64>,
+    #[serde(default)]
+    repeat_last_n: Option<u64>,
+    #[serde(default)]
+    ignore_eos: Option<bool>,
+    #[serde(default)]
+    cache_prompt: Option<bool>,
     #[serde(default)]
     tools: Option<Value>,
     #[serde(default)]
@@ -141,9 +158,9 @@ pub struct Request {
     #[serde(default)]
     response_format: Option<Value>,
     #[serde(default)]
-    presence_penalty: Option<Value>,
+    presence_penalty: Option<f64>,
     #[serde(default)]
-    frequency_penalty: Option<Value>,
+    frequency_penalty: Option<f64>,
     #[serde(default)]
     echo: Option<Value>,
     #[serde(default)]
@@ -154,17 +171,12 @@ pub struct Request {
 
 /// Fields that ask for what the server does not do yet, and the values that ask for nothing
 /// (what clients send by default): a field is refused unless absent, null or neutral.
-pub const UNSUPPORTED: [&str; 13] = [
-    "logprobs",
-    "top_logprobs",
-    "logit_bias",
+pub const UNSUPPORTED: [&str; 8] = [
     "tools",
     "tool_choice",
     "functions",
     "function_call",
     "response_format",
-    "presence_penalty",
-    "frequency_penalty",
     "echo",
     "suffix",
     "best_of",
@@ -172,21 +184,99 @@ pub const UNSUPPORTED: [&str; 13] = [
 
 /// Whether `v`, the value of the unsupported field `name`, asks for nothing.
 fn neutral(name: &str, v: &Value) -> bool {
-    let zero = v.as_f64() == Some(0.0);
     let empty = |v: &Value| {
         v.as_array().is_some_and(|a| a.is_empty()) || v.as_object().is_some_and(|o| o.is_empty())
     };
     v.is_null()
         || match name {
-            "logprobs" | "echo" => v == &Value::Bool(false) || zero,
-            "top_logprobs" | "presence_penalty" | "frequency_penalty" => zero,
-            "logit_bias" | "tools" | "functions" => empty(v),
+            "echo" => v == &Value::Bool(false),
+            "tools" | "functions" => empty(v),
             "tool_choice" | "function_call" => v == "none" || v == "auto",
             "response_format" => v.get("type").and_then(Value::as_str) == Some("text"),
             "suffix" => v == "",
             "best_of" => v.as_f64() == Some(1.0),
             _ => false,
         }
+}
+
+/// Most alternatives a reply token's log-probabilities list (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// How many alternatives to list per token: `None` for no log-probabilities. Chat takes
+/// `logprobs: true` and `top_logprobs: K`; completions take `logprobs: K`.
+fn logprobs(
+    chat: bool,
+    lp: Option<&Value>,
+    top: Option<&Value>,
+) -> Result<Option<usize>, ApiError> {
+    let count = |v: &Value, name: &'static str| match v.as_u64() {
+        Some(k) if k as usize <= MAX_TOP_LOGPROBS => Ok(k as usize),
+        _ => Err(ApiError::invalid(
+            format!("`{name}` must be an integer in [0, {MAX_TOP_LOGPROBS}]"),
+            Some(name),
+        )),
+    };
+    let lp = lp.filter(|v| !v.is_null());
+    let top = top.filter(|v| !v.is_null());
+    if !chat {
+        if top.is_some() {
+            return Err(ApiError::invalid(
+                "`top_logprobs` is a chat field: completions take `logprobs: K`",
+                Some("top_logprobs"),
+            ));
+        }
+        return lp.map(|v| count(v, "logprobs")).transpose();
+    }
+    let on = match lp {
+        None => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "`logprobs` is true or false in a chat request",
+                Some("logprobs"),
+            ))
+        }
+    };
+    let k = top.map(|v| count(v, "top_logprobs")).transpose()?;
+    match (on, k) {
+        (false, Some(k)) if k > 0 => Err(ApiError::invalid(
+            "`top_logprobs` needs `logprobs: true`",
+            Some("top_logprobs"),
+        )),
+        (false, _) => Ok(None),
+        (true, k) => Ok(Some(k.unwrap_or(0))),
+    }
+}
+
+/// `logit_bias`: token ids (decimal strings, below `vocab`) to biases in [-100, 100].
+fn logit_bias(v: Option<&Value>, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
+    let bad = |m: String| ApiError::invalid(m, Some("logit_bias"));
+    let Some(v) = v.filter(|v| !v.is_null()) else {
+        return Ok(Vec::new());
+    };
+    let map = v
+        .as_object()
+        .ok_or_else(|| bad("`logit_bias` maps token ids to biases".into()))?;
+    if map.len() > 1024 {
+        return Err(bad("`logit_bias`: at most 1024 tokens".into()));
+    }
+    map.iter()
+        .map(|(k, b)| {
+            let id = (k.parse::<u32>().ok())
+                .filter(|&id| (id as usize) < vocab)
+                .ok_or_else(|| {
+                    bad(format!(
+                        "`logit_bias`: `{k}` is not a token id below {vocab}"
+                    ))
+                })?;
+            match b.as_f64() {
+                Some(b) if (-100.0..=100.0).contains(&b) => Ok((id, b as f32)),
+                _ => Err(bad(format!(
+                    "`logit_bias`: the bias of {k} must lie in [-100, 100]"
+                ))),
+            }
+        })
+        .collect()
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -211,6 +301,12 @@ pub struct GenRequest {
     pub stop: Vec<String>,
     pub stream: bool,
     pub include_usage: bool,
+    /// Each reply token's log-probability with this many alternatives (`None`: none).
+    pub logprobs: Option<usize>,
+    /// Generate past end-of-generation tokens (they are banned), to `max_tokens`.
+    pub ignore_eos: bool,
+    /// The prompt may reuse the slot's cached prefix (llama-server's `cache_prompt`).
+    pub cache_prompt: bool,
 }
 
 /// Replies are capped at this many tokens (and by the context).
@@ -224,19 +320,19 @@ impl Request {
     }
 
     /// Check every field we read; `chat` says which endpoint this is. `default_max` applies
-    /// when the request names none.
-    pub fn validate(self, chat: bool, default_max: usize) -> Result<GenRequest, ApiError> {
+    /// when the request names none; token ids are below `vocab`.
+    pub fn validate(
+        self,
+        chat: bool,
+        default_max: usize,
+        vocab: usize,
+    ) -> Result<GenRequest, ApiError> {
         let asked = [
-            &self.logprobs,
-            &self.top_logprobs,
-            &self.logit_bias,
             &self.tools,
             &self.tool_choice,
             &self.functions,
             &self.function_call,
             &self.response_format,
-            &self.presence_penalty,
-            &self.frequency_penalty,
             &self.echo,
             &self.suffix,
             &self.best_of,
@@ -293,13 +389,29 @@ impl Request {
             temperature: temperature as f32,
             top_k: self.top_k.unwrap_or(0).min(u32::MAX as u64) as usize,
             top_p: top_p as f32,
-            min_p: 0.0,
-            repeat_penalty: 1.0,
-            repeat_last_n: 64,
-            presence_penalty: 0.0,
-            frequency_penalty: 0.0,
+            min_p: self.min_p.unwrap_or(0.0) as f32,
+            repeat_penalty: self.repeat_penalty.unwrap_or(1.0) as f32,
+            repeat_last_n: self.repeat_last_n.unwrap_or(64).min(1 << 20) as usize,
+            presence_penalty: self.presence_penalty.unwrap_or(0.0) as f32,
+            frequency_penalty: self.frequency_penalty.unwrap_or(0.0) as f32,
+            logit_bias: logit_bias(self.logit_bias.as_ref(), vocab)?,
             seed: self.seed.unwrap_or(0),
         };
+        if let Err(e) = sampling.validate() {
+            // Temperature and top-p were checked above: what is left names one of these.
+            let field = ["presence", "frequency", "repeat", "min-p"]
+                .into_iter()
+                .zip([
+                    "presence_penalty",
+                    "frequency_penalty",
+                    "repeat_penalty",
+                    "min_p",
+                ])
+                .find_map(|(word, field)| e.contains(word).then_some(field))
+                .unwrap_or("min_p");
+            return Err(ApiError::invalid(format!("{field}: {e}"), Some(field)));
+        }
+        let logprobs = logprobs(chat, self.logprobs.as_ref(), self.top_logprobs.as_ref())?;
         Ok(GenRequest {
             input,
             max_tokens,
@@ -307,6 +419,9 @@ impl Request {
             stop,
             stream: self.stream.unwrap_or(false),
             include_usage: self.stream_options.is_some_and(|o| o.include_usage),
+            logprobs,
+            ignore_eos: self.ignore_eos.unwrap_or(false),
+            cache_prompt: self.cache_prompt.unwrap_or(true),
         })
     }
 }
@@ -396,7 +511,7 @@ mod tests {
     use super::*;
 
     fn req(s: &str) -> Result<GenRequest, ApiError> {
-        Request::parse(s.as_bytes())?.validate(true, 16)
+        Request::parse(s.as_bytes())?.validate(true, 16, 100)
     }
 
     #[test]
@@ -427,12 +542,66 @@ mod tests {
         assert_eq!(Request::parse(b"\xff\xfe").unwrap_err().status, 400);
         let c = Request::parse(br#"{"prompt":["once"]}"#)
             .unwrap()
-            .validate(false, 8)
+            .validate(false, 8, 100)
             .unwrap();
         assert_eq!(c.input, Input::Text("once".into()));
         assert!(Request::parse(br#"{"prompt":[1,2]}"#)
             .unwrap()
-            .validate(false, 8)
+            .validate(false, 8, 100)
             .is_err());
+    }
+
+    #[test]
+    fn sampling_fields_and_logprobs_are_read() {
+        let r = req(r#"{"messages":[{"role":"user","content":"hi"}],"logit_bias":{"7":-100,"99":2.5},
+            "presence_penalty":0.5,"frequency_penalty":-1,"min_p":0.1,"repeat_penalty":1.2,
+            "repeat_last_n":8,"logprobs":true,"top_logprobs":4,"ignore_eos":true,"cache_prompt":false}"#)
+        .unwrap();
+        let mut bias = r.sampling.logit_bias.clone();
+        bias.sort_by_key(|b| b.0);
+        assert_eq!(bias, [(7, -100.0), (99, 2.5)]);
+        let c = &r.sampling;
+        assert_eq!((c.presence_penalty, c.frequency_penalty), (0.5, -1.0));
+        assert_eq!((c.min_p, c.repeat_penalty, c.repeat_last_n), (0.1, 1.2, 8));
+        assert_eq!(
+            (r.logprobs, r.ignore_eos, r.cache_prompt),
+            (Some(4), true, false)
+        );
+        let plain = req(r#"{"messages":[{"role":"user","content":"hi"}]}"#).unwrap();
+        assert_eq!(
+            (plain.logprobs, plain.ignore_eos, plain.cache_prompt),
+            (None, false, true)
+        );
+        let on = req(r#"{"messages":[{"role":"user","content":"hi"}],"logprobs":true}"#).unwrap();
+        assert_eq!(on.logprobs, Some(0));
+        let comp = |body: &str| Request::parse(body.as_bytes())?.validate(false, 8, 100);
+        assert_eq!(
+            comp(r#"{"prompt":"a","logprobs":3}"#).unwrap().logprobs,
+            Some(3)
+        );
+        for bad in [
+            r#"{"prompt":"a","logprobs":true}"#,
+            r#"{"prompt":"a","logprobs":21}"#,
+            r#"{"prompt":"a","top_logprobs":2}"#,
+        ] {
+            assert_eq!(comp(bad).map(|_| ()).unwrap_err().status, 400, "{bad}");
+        }
+        for (bad, field) in [
+            (r#""logit_bias":{"100":1}"#, "logit_bias"),
+            (r#""logit_bias":{"-1":1}"#, "logit_bias"),
+            (r#""logit_bias":[1]"#, "logit_bias"),
+            (r#""logit_bias":{"1":"x"}"#, "logit_bias"),
+            (r#""top_logprobs":3"#, "top_logprobs"),
+            (r#""logprobs":true,"top_logprobs":-1"#, "top_logprobs"),
+            (r#""logprobs":1"#, "logprobs"),
+            (r#""presence_penalty":-2.5"#, "presence_penalty"),
+            (r#""frequency_penalty":9"#, "frequency_penalty"),
+            (r#""repeat_penalty":-1"#, "repeat_penalty"),
+            (r#""min_p":-0.1"#, "min_p"),
+        ] {
+            let body = format!(r#"{{"messages":[{{"role":"user","content":"x"}}],{bad}}}"#);
+            let e = req(&body).map(|_| ()).unwrap_err();
+            assert_eq!((e.status, e.param), (400, Some(field)), "{bad}");
+        }
     }
 }

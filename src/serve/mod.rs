@@ -28,7 +28,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
-use worker::{Event, Finish, Job, Jobs};
+use worker::{Event, Finish, Job, Jobs, TokenLogprob};
 
 /// How the server runs (the CLI's flags).
 #[derive(Debug, Clone)]
@@ -46,6 +46,8 @@ pub struct ServeOptions {
     pub max_body: usize,
     /// `max_tokens` when a request names none.
     pub default_max_tokens: usize,
+    /// The model's vocabulary size (token ids a request names are below it).
+    pub vocab: usize,
     /// The policy's name and its mean MLP density, for `/metrics`.
     pub sparsity: String,
     pub mlp_density: f64,
@@ -387,13 +389,13 @@ async fn generate(s: Shared, headers: HeaderMap, body: Bytes, chat: bool) -> Res
                 ))
             }
         }
-        r.validate(chat, s.opts.default_max_tokens)
+        r.validate(chat, s.opts.default_max_tokens, s.opts.vocab)
     });
     let req = match parsed {
         Ok(r) => r,
         Err(e) => return error(e),
     };
-    let (stream, usage_chunk) = (req.stream, req.include_usage);
+    let (stream, usage_chunk, logprobs) = (req.stream, req.include_usage, req.logprobs.is_some());
     let (tx, mut rx) = mpsc::channel(64);
     let job = Job {
         req,
@@ -431,6 +433,7 @@ async fn generate(s: Shared, headers: HeaderMap, body: Bytes, chat: bool) -> Res
         model: s.opts.model_id.clone(),
         chat,
         prompt_tokens,
+        logprobs,
     };
     match stream {
         true => streamed(reply, rx, usage_chunk).into_response(),
@@ -446,6 +449,8 @@ struct Reply {
     model: String,
     chat: bool,
     prompt_tokens: usize,
+    /// The request asked for log-probabilities.
+    logprobs: bool,
 }
 
 impl Reply {
@@ -457,11 +462,12 @@ impl Reply {
         }
     }
 
-    /// One choice: the whole message, a chunk's delta, or a completion's text.
-    fn choice(&self, text: Option<&str>, finish: Option<Finish>, chunk: bool) -> Value {
+    /// One choice: the whole message, a chunk's delta, or a completion's text; with the
+    /// log-probabilities `lp` of its tokens (from [`Self::logprobs`]).
+    fn choice(&self, text: Option<&str>, finish: Option<Finish>, chunk: bool, lp: Value) -> Value {
         let finish = finish.map(Finish::as_str);
         match (self.chat, chunk) {
-            (true, false) => json!({"index": 0, "finish_reason": finish,
+            (true, false) => json!({"index": 0, "finish_reason": finish, "logprobs": lp,
                 "message": {"role": "assistant", "content": text.unwrap_or("")}}),
             (true, true) => {
                 let delta = match text {
@@ -469,11 +475,53 @@ impl Reply {
                     None if finish.is_none() => json!({"role": "assistant", "content": ""}),
                     None => json!({}),
                 };
-                json!({"index": 0, "delta": delta, "finish_reason": finish})
+                json!({"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish})
             }
-            (false, _) => json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null,
+            (false, _) => json!({"index": 0, "text": text.unwrap_or(""), "logprobs": lp,
                 "finish_reason": finish}),
         }
+    }
+
+    /// The `logprobs` of a choice holding `tokens` (null unless asked for): chat's `content`
+    /// list, or the completions' `tokens`, `token_logprobs`, `top_logprobs` and `text_offset`
+    /// (`offset`: bytes of the reply before these tokens, advanced past them).
+    fn logprobs(&self, tokens: &[TokenLogprob], offset: &mut usize) -> Value {
+        if !self.logprobs {
+            return Value::Null;
+        }
+        if self.chat {
+            let entry = |p: &worker::Piece, l: f32| json!({"token": p.text, "logprob": l, "bytes": p.bytes});
+            let content: Vec<Value> = (tokens.iter())
+                .map(|t| {
+                    let mut e = entry(&t.token, t.logprob);
+                    let top: Vec<Value> = t.top.iter().map(|(p, l)| entry(p, *l)).collect();
+                    e["top_logprobs"] = json!(top);
+                    e
+                })
+                .collect();
+            return json!({"content": content, "refusal": null});
+        }
+        let offsets: Vec<usize> = (tokens.iter())
+            .map(|t| {
+                let at = *offset;
+                *offset += t.token.text.len();
+                at
+            })
+            .collect();
+        let top: Vec<serde_json::Map<String, Value>> = (tokens.iter())
+            .map(|t| {
+                t.top
+                    .iter()
+                    .map(|(p, l)| (p.text.clone(), json!(l)))
+                    .collect()
+            })
+            .collect();
+        json!({
+            "tokens": tokens.iter().map(|t| t.token.text.as_str()).collect::<Vec<_>>(),
+            "token_logprobs": tokens.iter().map(|t| t.logprob).collect::<Vec<_>>(),
+            "top_logprobs": top,
+            "text_offset": offsets,
+        })
     }
 
     fn body(&self, choices: Vec<Value>, usage: Option<Usage>, chunk: bool) -> Value {
@@ -488,15 +536,17 @@ impl Reply {
 
 /// A reply collected whole.
 async fn whole(reply: Reply, mut rx: mpsc::Receiver<Event>) -> Response {
-    let mut text = String::new();
+    let (mut text, mut tokens) = (String::new(), Vec::new());
     while let Some(ev) = rx.recv().await {
         match ev {
             Event::Text(t) => text += &t,
+            Event::Token(t) => tokens.push(t),
             Event::Done {
                 finish,
                 completion_tokens,
             } => {
-                let choice = reply.choice(Some(&text), Some(finish), false);
+                let lp = reply.logprobs(&tokens, &mut 0);
+                let choice = reply.choice(Some(&text), Some(finish), false, lp);
                 let usage = Usage::new(reply.prompt_tokens, completion_tokens);
                 return Json(reply.body(vec![choice], Some(usage), false)).into_response();
             }
@@ -508,8 +558,10 @@ async fn whole(reply: Reply, mut rx: mpsc::Receiver<Event>) -> Response {
 }
 
 /// A reply as server-sent events: a role chunk (chat), text chunks, a finishing chunk, usage if
-/// asked, `[DONE]`. Dropping the stream (the client went away) drops the receiver, which stops
-/// the slot's generation at its next token.
+/// asked, `[DONE]`. A text chunk carries the log-probabilities of the tokens since the last
+/// one (when asked for); those of tokens whose text never came (held back, then cut by a stop
+/// sequence) go in a chunk of their own before the finishing one. Dropping the stream (the
+/// client went away) drops the receiver, which stops the slot's generation at its next token.
 fn streamed(
     reply: Reply,
     rx: mpsc::Receiver<Event>,
@@ -518,28 +570,45 @@ fn streamed(
     let data = |v: Value| SseEvent::default().data(v.to_string());
     let first = match reply.chat {
         true => vec![data(reply.body(
-            vec![reply.choice(None, None, true)],
+            vec![reply.choice(None, None, true, Value::Null)],
             None,
             true,
         ))],
         false => Vec::new(),
     };
     let r = reply.clone();
+    let (mut pending, mut offset) = (Vec::new(), 0usize);
     let events = ReceiverStream::new(rx).map(move |ev| match ev {
-        Event::Text(t) => vec![data(r.body(
-            vec![r.choice(Some(&t), None, true)],
-            None,
-            true,
-        ))],
+        Event::Token(t) => {
+            pending.push(t);
+            Vec::new()
+        }
+        Event::Text(t) => {
+            let lp = r.logprobs(&std::mem::take(&mut pending), &mut offset);
+            vec![data(r.body(
+                vec![r.choice(Some(&t), None, true, lp)],
+                None,
+                true,
+            ))]
+        }
         Event::Done {
             finish,
             completion_tokens,
         } => {
-            let mut out = vec![data(r.body(
-                vec![r.choice(None, Some(finish), true)],
+            let mut out = Vec::new();
+            if !pending.is_empty() {
+                let lp = r.logprobs(&std::mem::take(&mut pending), &mut offset);
+                out.push(data(r.body(
+                    vec![r.choice(Some(""), None, true, lp)],
+                    None,
+                    true,
+                )));
+            }
+            out.push(data(r.body(
+                vec![r.choice(None, Some(finish), true, Value::Null)],
                 None,
                 true,
-            ))];
+            )));
             if usage_chunk {
                 let u = Usage::new(r.prompt_tokens, completion_tokens);
                 out.push(data(r.body(Vec::new(), Some(u), true)));

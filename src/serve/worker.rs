@@ -42,11 +42,70 @@ pub enum Event {
     Started {
         prompt_tokens: usize,
     },
+    /// A reply token's log-probabilities (when asked for), sent before the text it adds.
+    Token(TokenLogprob),
     Text(String),
     Done {
         finish: Finish,
         completion_tokens: usize,
     },
+}
+
+/// A reply token's log-probability and its most likely alternatives, under the model's own
+/// distribution (the log-softmax of its logits, before `logit_bias`, penalties and temperature:
+/// what vLLM reports by default).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub token: Piece,
+    pub logprob: f32,
+    /// Most likely first.
+    pub top: Vec<(Piece, f32)>,
+}
+
+/// A token's text (its bytes may be part of a character: the text then holds U+FFFD).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Piece {
+    pub text: String,
+    pub bytes: Vec<u8>,
+}
+
+impl TokenLogprob {
+    /// Of token `chosen` under `logits` (the model's, unmodified), with the `k` most likely.
+    pub fn of(engine: &Engine, logits: &[f32], chosen: u32, k: usize) -> Self {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let sum: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
+        let log_z = max + sum.ln() as f32;
+        let lp = |t: u32| {
+            logits
+                .get(t as usize)
+                .map_or(f32::NEG_INFINITY, |l| l - log_z)
+        };
+        let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
+        let k = k.min(ids.len());
+        if k > 0 && k < ids.len() {
+            ids.select_nth_unstable_by(k - 1, |&a, &b| {
+                logits[b as usize].total_cmp(&logits[a as usize])
+            });
+        }
+        ids.truncate(k);
+        ids.sort_by(|&a, &b| {
+            logits[b as usize]
+                .total_cmp(&logits[a as usize])
+                .then(a.cmp(&b))
+        });
+        let piece = |t: u32| {
+            let text = engine.tokenizer.decode(&[t]).unwrap_or_default();
+            Piece {
+                bytes: text.as_bytes().to_vec(),
+                text,
+            }
+        };
+        Self {
+            token: piece(chosen),
+            logprob: lp(chosen),
+            top: ids.into_iter().map(|t| (piece(t), lp(t))).collect(),
+        }
+    }
 }
 
 /// One request in the queue.
@@ -249,15 +308,20 @@ fn run_job(
             reused: 0,
         });
     }
-    let reused = match jobs.reuse_prefix {
+    let reused = match jobs.reuse_prefix && req.cache_prompt {
         true => reusable(cached, &ids),
         false => 0,
     };
     cached.truncate(reused.min(dec.len()));
     dec.truncate(cached.len());
     let reused = cached.len();
-    let mut sampler = Sampler::new(req.sampling.clone());
     let eog = &engine.tokenizer.end_of_generation;
+    let mut sampling = req.sampling.clone();
+    if req.ignore_eos {
+        (sampling.logit_bias).extend(eog.iter().map(|&t| (t, f32::NEG_INFINITY)));
+    }
+    let mut sampler = Sampler::new(sampling);
+    let mut raw = Vec::new();
     let mut stops = StopFilter::new(&req.stop);
     let (mut history, mut n, mut stream) = (ids.clone(), 0, TextStream::default());
     let mut logits = dec.decode(&ids[reused..]).map_err(internal)?;
@@ -267,9 +331,22 @@ fn run_job(
             break Finish::Length;
         }
         crate::text::generate::check_logits(engine, logits).map_err(internal)?;
+        if req.logprobs.is_some() {
+            raw.clear();
+            raw.extend_from_slice(logits);
+        }
         let next = sampler.sample(logits, &history);
         if eog.contains(&next) {
             break Finish::Stop;
+        }
+        if let Some(k) = req.logprobs {
+            if !send(Event::Token(TokenLogprob::of(engine, &raw, next, k))) {
+                return Ok(Ran {
+                    n,
+                    cancelled: true,
+                    reused,
+                });
+            }
         }
         n += 1;
         history.push(next);

@@ -1,8 +1,8 @@
 //! Turning logits into the next token: greedy, or temperature sampling with top-k, top-p (nucleus)
 //! and min-p filters, and a repetition penalty; seeded so the same seed gives the same text.
 //!
-//! Order (as llama.cpp's default chain): repetition penalty -> greedy if `temperature <= 0` ->
-//! top-k -> softmax(logits / temperature) -> top-p -> min-p -> draw.
+//! Order (as llama.cpp's default chain): logit bias -> repetition penalty -> greedy if
+//! `temperature <= 0` -> top-k -> softmax(logits / temperature) -> top-p -> min-p -> draw.
 use rand::distributions::{Distribution, WeightedIndex};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -26,6 +26,9 @@ pub struct SamplerConfig {
     pub presence_penalty: f32,
     /// Subtracted once per occurrence in that window (frequency penalty; 0 = off).
     pub frequency_penalty: f32,
+    /// Added to the logits of these tokens before anything else (OpenAI's `logit_bias`;
+    /// `-inf` bans a token). Ids past the vocabulary are ignored.
+    pub logit_bias: Vec<(u32, f32)>,
     pub seed: u64,
 }
 
@@ -40,6 +43,7 @@ impl Default for SamplerConfig {
             repeat_last_n: 64,
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
+            logit_bias: Vec::new(),
             seed: 0,
         }
     }
@@ -109,6 +113,11 @@ impl Sampler {
     /// the greedy token, or the candidates that survive the filters with their weights.
     pub fn choice(&self, logits: &mut [f32], history: &[u32]) -> Choice {
         let c = &self.cfg;
+        for &(t, b) in &c.logit_bias {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l += b;
+            }
+        }
         let penalized =
             c.repeat_penalty != 1.0 || c.presence_penalty != 0.0 || c.frequency_penalty != 0.0;
         if penalized {

@@ -654,6 +654,7 @@ pub fn sample_texts(
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             seed: seed.wrapping_add(i as u64),
+            ..Default::default()
         });
         session.truncate(0);
         // A prompt that fills the context leaves no room to generate.

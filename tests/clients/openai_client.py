@@ -1,8 +1,10 @@
 """The official `openai` package against a running `dejavu serve` (argv: base URL, model id).
 
-Chat (whole and streamed), text completions, and errors as the package raises them. Exits
-non-zero on the first failed check. Run by tests/serve_openai.rs.
+Chat (whole and streamed), text completions, log-probabilities, logit bias, the penalties,
+llama-server's extensions (`extra_body`), and errors as the package raises them. Exits non-zero
+on the first failed check. Run by tests/serve_openai.rs.
 """
+import math
 import sys
 
 import openai
@@ -28,6 +30,59 @@ assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens, chun
 comp = client.completions.create(model=model, prompt="Once upon a time", max_tokens=6, temperature=0)
 assert comp.object == "text_completion" and comp.choices[0].text, comp
 
+# Log-probabilities: greedy picks the most likely token, so each chosen token is its own first
+# alternative; the streamed chunks carry the same entries as the whole reply.
+lp = client.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0,
+                                    logprobs=True, top_logprobs=3)
+content = lp.choices[0].logprobs.content
+assert len(content) == lp.usage.completion_tokens, (len(content), lp.usage)
+assert "".join(c.token for c in content) == lp.choices[0].message.content, content
+for c in content:
+    assert c.logprob <= 0 and len(c.top_logprobs) == 3, c
+    assert c.top_logprobs[0].token == c.token and abs(c.top_logprobs[0].logprob - c.logprob) < 1e-6, c
+    assert [t.logprob for t in c.top_logprobs] == sorted((t.logprob for t in c.top_logprobs), reverse=True), c
+    assert bytes(c.bytes) == c.token.encode(), c
+    assert sum(math.exp(t.logprob) for t in c.top_logprobs) <= 1 + 1e-4, c
+chunks = list(client.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0,
+                                             logprobs=True, top_logprobs=3, stream=True))
+streamed_lp = [e for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+assert [(e.token, round(e.logprob, 4)) for e in streamed_lp] == [(e.token, round(e.logprob, 4)) for e in content]
+assert lp.choices[0].logprobs is not None and whole.choices[0].logprobs is None
+clp = client.completions.create(model=model, prompt="Once upon a time", max_tokens=6, temperature=0, logprobs=2)
+L = clp.choices[0].logprobs
+assert len(L.tokens) == len(L.token_logprobs) == len(L.top_logprobs) == len(L.text_offset) == clp.usage.completion_tokens, L
+assert "".join(L.tokens) == clp.choices[0].text and L.text_offset[0] == 0, L
+assert all(len(t) <= 2 and max(t.values()) >= p - 1e-6 for t, p in zip(L.top_logprobs, L.token_logprobs)), L
+
+# logit_bias: +100 on one token makes greedy decoding repeat it; its raw log-probability (the
+# model's own, before the bias) stays what the model gave it.
+forced = 300
+b = client.chat.completions.create(model=model, messages=msgs, max_tokens=4, temperature=0,
+                                   logit_bias={str(forced): 100}, logprobs=True)
+toks = [c.token for c in b.choices[0].logprobs.content]
+assert len(set(toks)) == 1 and len(toks) == 4, toks
+assert b.choices[0].message.content == toks[0] * 4, (b.choices[0].message.content, toks)
+# Banning that token (-100) keeps it out of a greedy reply that would take it.
+ban = client.chat.completions.create(model=model, messages=msgs, max_tokens=4, temperature=0,
+                                     logit_bias={str(forced): -100, "301": 100}, logprobs=True)
+assert toks[0] not in [c.token for c in ban.choices[0].logprobs.content], ban
+
+# Penalties (OpenAI's) and llama-server's extensions are accepted and change greedy text that
+# repeats: the forced token's run breaks under a frequency penalty past the bias.
+pen = client.chat.completions.create(model=model, messages=msgs, max_tokens=6, temperature=0,
+                                     logit_bias={str(forced): 3}, frequency_penalty=2.0,
+                                     presence_penalty=2.0, logprobs=True)
+ptoks = [c.token for c in pen.choices[0].logprobs.content]
+assert ptoks.count(toks[0]) <= 2, ptoks
+ext = client.chat.completions.create(model=model, messages=msgs, max_tokens=12, temperature=0.7, seed=5,
+                                     extra_body={"min_p": 0.1, "repeat_penalty": 1.1, "repeat_last_n": 16,
+                                                 "top_k": 20, "ignore_eos": True, "cache_prompt": False})
+assert ext.usage.completion_tokens == 12 and ext.choices[0].finish_reason == "length", ext
+again = client.chat.completions.create(model=model, messages=msgs, max_tokens=12, temperature=0.7, seed=5,
+                                       extra_body={"min_p": 0.1, "repeat_penalty": 1.1, "repeat_last_n": 16,
+                                                   "top_k": 20, "ignore_eos": True})
+assert again.choices[0].message.content == ext.choices[0].message.content, "same seed, same text"
+
 models = client.models.list()
 assert [m.id for m in models.data] == [model], models
 
@@ -35,6 +90,13 @@ for bad, kind in [
     (lambda: client.chat.completions.create(model=model, messages=[], max_tokens=2), openai.BadRequestError),
     (lambda: client.chat.completions.create(model="nope", messages=msgs, max_tokens=2), openai.NotFoundError),
     (lambda: client.chat.completions.create(model=model, messages=msgs, n=2), openai.BadRequestError),
+    (lambda: client.chat.completions.create(model=model, messages=msgs, logprobs=True, top_logprobs=21), openai.BadRequestError),
+    (lambda: client.chat.completions.create(model=model, messages=msgs, top_logprobs=2), openai.BadRequestError),
+    (lambda: client.chat.completions.create(model=model, messages=msgs, logit_bias={"99999": 1}), openai.BadRequestError),
+    (lambda: client.chat.completions.create(model=model, messages=msgs, logit_bias={"5": 101}), openai.BadRequestError),
+    (lambda: client.chat.completions.create(model=model, messages=msgs, presence_penalty=2.5), openai.BadRequestError),
+    (lambda: client.completions.create(model=model, prompt="x", logprobs=21), openai.BadRequestError),
+    (lambda: client.chat.completions.create(model=model, messages=msgs, extra_body={"min_p": 2}), openai.BadRequestError),
 ]:
     try:
         bad()
@@ -43,4 +105,5 @@ for bad, kind in [
     else:
         raise AssertionError(f"expected {kind.__name__}")
 
-print(f"openai {openai.__version__}: chat, streaming, completions, models and errors ok; reply {text!r}")
+print(f"openai {openai.__version__}: chat, streaming, completions, logprobs, logit_bias, penalties, "
+      f"extensions, models and errors ok; reply {text!r}")

@@ -169,7 +169,7 @@ pub fn chat_template(data: &[u8]) {
 pub fn request(data: &[u8]) {
     for chat in [true, false] {
         if let Ok(r) = Request::parse(data) {
-            let _ = r.validate(chat, 16);
+            let _ = r.validate(chat, 16, 4096);
         }
     }
 }

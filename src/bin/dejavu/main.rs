@@ -280,6 +280,7 @@ impl SamplingArgs {
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
             seed: self.seed.unwrap_or_else(random_seed),
+            ..Default::default()
         };
         if VERBOSE.load(std::sync::atomic::Ordering::Relaxed) {
             eprintln!("seed: {}", cfg.seed);

@@ -103,6 +103,7 @@ pub fn cmd_serve(a: ServeArgs) -> Result<()> {
                 queue_timeout: Duration::from_secs(a.queue_timeout),
                 max_body: 1 << 20,
                 default_max_tokens: a.max_tokens,
+                vocab: engine.model.config.vocab_size,
                 sparsity: policy.name.clone(),
                 mlp_density: policy.mean_mlp_density(engine.model.config.n_ff),
                 reuse_prefix: !a.no_prefix_reuse,
