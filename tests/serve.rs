@@ -58,6 +58,7 @@ impl Server {
             max_body: 4096,
             default_max_tokens: 8,
             vocab: eng.model.config.vocab_size,
+            tokenizer: eng.tokenizer.clone(),
             sparsity: "dense".into(),
             mlp_density: 1.0,
             reuse_prefix: true,
@@ -158,6 +159,10 @@ impl Decoder for Slow<'_> {
     }
     fn truncate(&mut self, len: usize) {
         self.inner.truncate(len)
+    }
+    fn run(&mut self, tokens: &[u32], want: dejavu::exec::Logits) -> dejavu::Result<&mut [f32]> {
+        std::thread::sleep(self.delay);
+        self.inner.run(tokens, want)
     }
 }
 
@@ -766,5 +771,95 @@ fn a_continued_chat_reuses_its_history() {
     // Another conversation shares only the template's start; it is still answered right.
     let other = [("user", "Count")];
     assert_eq!(chat(&other), reference(&other, 10).0);
+    s.shutdown().unwrap();
+}
+
+/// `/tokenize` and `/detokenize` (llama-server's) round-trip text through the model's
+/// tokenizer, with pieces and the BOS on request; ids past the vocabulary are 400s.
+#[test]
+fn tokenize_and_detokenize_round_trip() {
+    let s = Server::start(None, false);
+    let eng = engine();
+    let text = "Hello world, tokens!";
+    let (st, r) = s.post("/tokenize", &json!({ "content": text }).to_string(), None);
+    assert_eq!(st, 200, "{r}");
+    let ids: Vec<u32> = serde_json::from_value(r["tokens"].clone()).unwrap();
+    assert_eq!(ids, eng.tokenizer.encode_plain(text).unwrap());
+    let (_, back) = s.post("/detokenize", &json!({ "tokens": ids }).to_string(), None);
+    assert_eq!(
+        back["content"],
+        eng.tokenizer.decode(&ids).unwrap(),
+        "{back}"
+    );
+    assert_eq!(back["content"].as_str().unwrap().trim(), text);
+    let body = json!({"content": text, "add_special": true, "with_pieces": true});
+    let (_, p) = s.post("/tokenize", &body.to_string(), None);
+    let pieces = p["tokens"].as_array().unwrap();
+    let want = eng.tokenizer.encode_prompt(text).unwrap();
+    assert_eq!(pieces.len(), want.len(), "{p}");
+    for (t, &id) in pieces.iter().zip(&want) {
+        assert_eq!(t["id"], id);
+        assert_eq!(t["piece"], eng.tokenizer.decode(&[id]).unwrap());
+    }
+    for (path, bad) in [
+        ("/detokenize", json!({"tokens": [1, 1_000_000]})),
+        ("/detokenize", json!({"tokens": "x"})),
+        ("/tokenize", json!({"text": "x"})),
+    ] {
+        let (st, e) = s.post(path, &bad.to_string(), None);
+        assert_eq!(st, 400, "{path} {bad}: {e}");
+    }
+    s.shutdown().unwrap();
+}
+
+/// `/v1/embeddings`: one unit vector per input, of the head's input width, in order; the same
+/// text gives the same vector, whether alone or among others; bad inputs are 400s.
+#[test]
+fn embeddings_are_unit_vectors_in_input_order() {
+    let s = Server::start(None, false);
+    let d = engine().model.config.d_embed;
+    let embed = |input: Value| {
+        let (st, r) = s.post(
+            "/v1/embeddings",
+            &json!({ "input": input }).to_string(),
+            None,
+        );
+        assert_eq!(st, 200, "{r}");
+        let rows: Vec<Vec<f32>> = (r["data"].as_array().unwrap().iter())
+            .map(|e| serde_json::from_value(e["embedding"].clone()).unwrap())
+            .collect();
+        (rows, r)
+    };
+    let (rows, r) = embed(json!(["a cat sat", "the compiler"]));
+    assert_eq!(rows.len(), 2);
+    assert_eq!(
+        (r["data"][1]["index"].as_u64(), r["object"].as_str()),
+        (Some(1), Some("list"))
+    );
+    assert!(r["usage"]["prompt_tokens"].as_u64().unwrap() >= 4, "{r}");
+    for v in &rows {
+        assert_eq!(v.len(), d);
+        let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt();
+        assert!((norm - 1.0).abs() < 1e-4, "norm {norm}");
+    }
+    let (alone, _) = embed(json!("the compiler"));
+    let diff = |a: &[f32], b: &[f32]| {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max)
+    };
+    assert!(
+        diff(&alone[0], &rows[1]) < 1e-5,
+        "{}",
+        diff(&alone[0], &rows[1])
+    );
+    assert!(diff(&rows[0], &rows[1]) > 1e-3, "two texts, one vector");
+    for bad in [json!([]), json!([1, 2]), json!(7), json!({"x": 1})] {
+        let (st, e) = s.post("/v1/embeddings", &json!({ "input": bad }).to_string(), None);
+        assert_eq!(st, 400, "{bad}: {e}");
+    }
+    let fmt = json!({"input": "x", "encoding_format": "hex"}).to_string();
+    assert_eq!(s.post("/v1/embeddings", &fmt, None).0, 400);
     s.shutdown().unwrap();
 }

@@ -86,7 +86,8 @@ fn release_free_heap() {
 
 pub struct Engine {
     pub model: Model,
-    pub tokenizer: Tokenizer,
+    /// Shared with whoever serves the model (the HTTP layer tokenizes on its own threads).
+    pub tokenizer: std::sync::Arc<Tokenizer>,
     pub n_ctx: usize,
     /// The CPU device the engine runs on (its kernels and thread pool).
     device: CpuDevice,
@@ -157,7 +158,7 @@ impl Engine {
         }
         Ok(Self {
             model,
-            tokenizer,
+            tokenizer: std::sync::Arc::new(tokenizer),
             n_ctx,
             device,
             on_cpu: Default::default(),

@@ -45,6 +45,8 @@ pub enum Event {
     /// A reply token's log-probabilities (when asked for), sent before the text it adds.
     Token(TokenLogprob),
     Text(String),
+    /// One input's embedding (`/v1/embeddings`), in the order of the inputs.
+    Embedding(Vec<f32>),
     Done {
         finish: Finish,
         completion_tokens: usize,
@@ -108,9 +110,16 @@ impl TokenLogprob {
     }
 }
 
+/// What a job asks a slot for.
+pub enum Work {
+    Generate(GenRequest),
+    /// The pooled final hidden state of each text (`/v1/embeddings`).
+    Embed(Vec<String>),
+}
+
 /// One request in the queue.
 pub struct Job {
-    pub req: GenRequest,
+    pub work: Work,
     pub tx: Sender<Event>,
     pub queued: Instant,
 }
@@ -217,7 +226,10 @@ pub fn run_slot(engine: &Engine, dec: &mut dyn Decoder, jobs: &Jobs, metrics: &M
         }
         metrics.busy.fetch_add(1, Ordering::Relaxed);
         let t0 = Instant::now();
-        let done = run_job(engine, dec, &job, jobs, &mut cached);
+        let done = match &job.work {
+            Work::Generate(req) => run_job(engine, dec, req, &job, jobs, &mut cached),
+            Work::Embed(texts) => embed(engine, dec, texts, &job, jobs, &mut cached),
+        };
         metrics.busy.fetch_sub(1, Ordering::Relaxed);
         match done {
             Ok(Ran {
@@ -279,11 +291,11 @@ struct Ran {
 fn run_job(
     engine: &Engine,
     dec: &mut dyn Decoder,
+    req: &GenRequest,
     job: &Job,
     jobs: &Jobs,
     cached: &mut Vec<u32>,
 ) -> Result<Ran, ApiError> {
-    let req = &job.req;
     let ids = prompt_tokens(engine, &req.input)?;
     if ids.is_empty() {
         return Err(ApiError::invalid("the prompt is empty", None));
@@ -395,6 +407,75 @@ fn run_job(
         n,
         cancelled: false,
         reused,
+    })
+}
+
+/// Embed each of `texts` (with the model's BOS, as a plain prompt): the mean over its tokens
+/// of the final hidden state as the output head reads it (normed, and projected where the
+/// model projects it), scaled to unit L2 norm (llama-server's mean pooling and
+/// normalization). The slot's cache is overwritten.
+fn embed(
+    engine: &Engine,
+    dec: &mut dyn Decoder,
+    texts: &[String],
+    job: &Job,
+    jobs: &Jobs,
+    cached: &mut Vec<u32>,
+) -> Result<Ran, ApiError> {
+    let mut all = Vec::with_capacity(texts.len());
+    for t in texts {
+        let ids = prompt_tokens(engine, &Input::Text(t.clone()))?;
+        if ids.is_empty() || ids.len() > dec.n_ctx() {
+            return Err(ApiError::invalid(
+                format!(
+                    "an input of {} tokens: embeddings take 1 to {} (the context)",
+                    ids.len(),
+                    dec.n_ctx()
+                ),
+                Some("input"),
+            ));
+        }
+        all.push(ids);
+    }
+    let prompt_tokens: usize = all.iter().map(Vec::len).sum();
+    let send = |e: Event| send(&job.tx, e, jobs.stall_timeout);
+    let cancelled = Ran {
+        n: 0,
+        cancelled: true,
+        reused: 0,
+    };
+    if !send(Event::Started { prompt_tokens }) {
+        return Ok(cancelled);
+    }
+    cached.clear();
+    for ids in &all {
+        dec.truncate(0);
+        let n = ids.len();
+        let h = dec
+            .run(ids, crate::exec::Logits::Hidden(0, n))
+            .map_err(|e| ApiError::invalid(format!("embeddings: {e}"), None))?;
+        let d = h.len() / n;
+        let mut mean = vec![0f64; d];
+        for row in h.chunks_exact(d) {
+            mean.iter_mut().zip(row).for_each(|(m, &v)| *m += v as f64);
+        }
+        let norm = mean.iter().map(|v| v * v).sum::<f64>().sqrt();
+        let scale = if norm > 0.0 { 1.0 / norm } else { 0.0 };
+        let v = mean.iter().map(|&m| (m * scale) as f32).collect();
+        if !send(Event::Embedding(v)) || jobs.stopping() {
+            dec.truncate(0);
+            return Ok(cancelled);
+        }
+    }
+    dec.truncate(0);
+    send(Event::Done {
+        finish: Finish::Stop,
+        completion_tokens: 0,
+    });
+    Ok(Ran {
+        n: 0,
+        cancelled: false,
+        reused: 0,
     })
 }
 

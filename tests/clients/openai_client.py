@@ -83,6 +83,16 @@ again = client.chat.completions.create(model=model, messages=msgs, max_tokens=12
                                                    "top_k": 20, "ignore_eos": True})
 assert again.choices[0].message.content == ext.choices[0].message.content, "same seed, same text"
 
+# Embeddings: the package asks for base64 unless told otherwise; both give the same unit
+# vectors, in input order.
+emb = client.embeddings.create(model=model, input=["a cat sat", "the compiler"])
+flt = client.embeddings.create(model=model, input=["a cat sat", "the compiler"], encoding_format="float")
+assert [e.index for e in emb.data] == [0, 1] and emb.usage.prompt_tokens >= 4, emb.usage
+for a, b in zip(emb.data, flt.data):
+    assert len(a.embedding) == len(b.embedding) and max(abs(x - y) for x, y in zip(a.embedding, b.embedding)) < 1e-6
+    assert abs(sum(x * x for x in a.embedding) - 1) < 1e-3
+assert emb.data[0].embedding != emb.data[1].embedding
+
 models = client.models.list()
 assert [m.id for m in models.data] == [model], models
 
@@ -106,4 +116,4 @@ for bad, kind in [
         raise AssertionError(f"expected {kind.__name__}")
 
 print(f"openai {openai.__version__}: chat, streaming, completions, logprobs, logit_bias, penalties, "
-      f"extensions, models and errors ok; reply {text!r}")
+      f"extensions, embeddings, models and errors ok; reply {text!r}")

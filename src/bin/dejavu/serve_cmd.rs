@@ -104,6 +104,7 @@ pub fn cmd_serve(a: ServeArgs) -> Result<()> {
                 max_body: 1 << 20,
                 default_max_tokens: a.max_tokens,
                 vocab: engine.model.config.vocab_size,
+                tokenizer: engine.tokenizer.clone(),
                 sparsity: policy.name.clone(),
                 mlp_density: policy.mean_mlp_density(engine.model.config.n_ff),
                 reuse_prefix: !a.no_prefix_reuse,

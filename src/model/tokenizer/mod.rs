@@ -32,6 +32,16 @@ pub struct Tokenizer {
     plain: std::sync::OnceLock<tokenizers::Tokenizer>,
 }
 
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab", &self.tokens.len())
+            .field("bos", &self.bos)
+            .field("eos", &self.eos)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Tokenizer {
     /// The tokenizer of a loaded model (GGUF metadata or the checkpoint directory's files).
     pub fn from_model(model: &Model) -> Result<Self> {
