@@ -299,7 +299,7 @@ fn the_server_answers_like_generate_and_refuses_bad_requests() {
         ),
         (
             "/v1/chat/completions",
-            json!({"messages": [{"role": "user", "content": "x"}], "n": 2}).to_string(),
+            json!({"messages": [{"role": "user", "content": "x"}], "n": 17}).to_string(),
             400,
         ),
         (

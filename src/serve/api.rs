@@ -301,6 +301,8 @@ pub struct GenRequest {
     pub stop: Vec<String>,
     pub stream: bool,
     pub include_usage: bool,
+    /// Choices to generate from the one prompt (`n`).
+    pub n: usize,
     /// Each reply token's log-probability with this many alternatives (`None`: none).
     pub logprobs: Option<usize>,
     /// Generate past end-of-generation tokens (they are banned), to `max_tokens`.
@@ -308,6 +310,9 @@ pub struct GenRequest {
     /// The prompt may reuse the slot's cached prefix (llama-server's `cache_prompt`).
     pub cache_prompt: bool,
 }
+
+/// The most choices (`n`) one request may ask for.
+pub const MAX_CHOICES: u64 = 16;
 
 /// Replies are capped at this many tokens (and by the context).
 pub const MAX_TOKENS_CAP: u64 = 1 << 20;
@@ -345,9 +350,15 @@ impl Request {
                 ));
             }
         }
-        if self.n.is_some_and(|n| n != 1) {
-            return Err(ApiError::invalid("only n = 1 is supported", Some("n")));
-        }
+        let n = match self.n.unwrap_or(1) {
+            n @ 1..=MAX_CHOICES => n as usize,
+            _ => {
+                return Err(ApiError::invalid(
+                    format!("n must be in [1, {MAX_CHOICES}]"),
+                    Some("n"),
+                ))
+            }
+        };
         let input = match chat {
             true => Input::Chat(messages(self.messages)?),
             false => Input::Text(prompt(self.prompt)?),
@@ -419,6 +430,7 @@ impl Request {
             stop,
             stream: self.stream.unwrap_or(false),
             include_usage: self.stream_options.is_some_and(|o| o.include_usage),
+            n,
             logprobs,
             ignore_eos: self.ignore_eos.unwrap_or(false),
             cache_prompt: self.cache_prompt.unwrap_or(true),
@@ -529,7 +541,8 @@ mod tests {
             r#"{"messages":[]}"#,
             r#"{"messages":"hi"}"#,
             r#"{"messages":[{"role":"tool","content":"x"}]}"#,
-            r#"{"messages":[{"role":"user","content":"x"}],"n":2}"#,
+            r#"{"messages":[{"role":"user","content":"x"}],"n":0}"#,
+            r#"{"messages":[{"role":"user","content":"x"}],"n":17}"#,
             r#"{"messages":[{"role":"user","content":"x"}],"temperature":-1}"#,
             r#"{"messages":[{"role":"user","content":"x"}],"top_p":0}"#,
             r#"{"messages":[{"role":"user","content":"x"}],"max_tokens":0}"#,

@@ -656,10 +656,17 @@ impl Reply {
 
     /// One choice: the whole message, a chunk's delta, or a completion's text; with the
     /// log-probabilities `lp` of its tokens (from [`Self::logprobs`]).
-    fn choice(&self, text: Option<&str>, finish: Option<Finish>, chunk: bool, lp: Value) -> Value {
+    fn choice(
+        &self,
+        index: usize,
+        text: Option<&str>,
+        finish: Option<Finish>,
+        chunk: bool,
+        lp: Value,
+    ) -> Value {
         let finish = finish.map(Finish::as_str);
         match (self.chat, chunk) {
-            (true, false) => json!({"index": 0, "finish_reason": finish, "logprobs": lp,
+            (true, false) => json!({"index": index, "finish_reason": finish, "logprobs": lp,
                 "message": {"role": "assistant", "content": text.unwrap_or("")}}),
             (true, true) => {
                 let delta = match text {
@@ -667,9 +674,9 @@ impl Reply {
                     None if finish.is_none() => json!({"role": "assistant", "content": ""}),
                     None => json!({}),
                 };
-                json!({"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish})
+                json!({"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish})
             }
-            (false, _) => json!({"index": 0, "text": text.unwrap_or(""), "logprobs": lp,
+            (false, _) => json!({"index": index, "text": text.unwrap_or(""), "logprobs": lp,
                 "finish_reason": finish}),
         }
     }
@@ -726,21 +733,22 @@ impl Reply {
     }
 }
 
-/// A reply collected whole.
+/// A reply collected whole: its choices in order.
 async fn whole(reply: Reply, mut rx: mpsc::Receiver<Event>) -> Response {
-    let (mut text, mut tokens) = (String::new(), Vec::new());
+    let (mut text, mut tokens, mut choices) = (String::new(), Vec::new(), Vec::new());
     while let Some(ev) = rx.recv().await {
         match ev {
             Event::Text(t) => text += &t,
             Event::Token(t) => tokens.push(t),
-            Event::Done {
-                finish,
-                completion_tokens,
-            } => {
-                let lp = reply.logprobs(&tokens, &mut 0);
-                let choice = reply.choice(Some(&text), Some(finish), false, lp);
+            Event::Finish(finish) => {
+                let lp = reply.logprobs(&std::mem::take(&mut tokens), &mut 0);
+                let index = choices.len();
+                choices.push(reply.choice(index, Some(&text), Some(finish), false, lp));
+                text.clear();
+            }
+            Event::Done { completion_tokens } => {
                 let usage = Usage::new(reply.prompt_tokens, completion_tokens);
-                return Json(reply.body(vec![choice], Some(usage), false)).into_response();
+                return Json(reply.body(choices, Some(usage), false)).into_response();
             }
             Event::Error(e) => return error(e),
             Event::Started { .. } | Event::Embedding(_) => {}
@@ -749,58 +757,73 @@ async fn whole(reply: Reply, mut rx: mpsc::Receiver<Event>) -> Response {
     error(ApiError::internal("the slot ended the reply early"))
 }
 
-/// A reply as server-sent events: a role chunk (chat), text chunks, a finishing chunk, usage if
-/// asked, `[DONE]`. A text chunk carries the log-probabilities of the tokens since the last
-/// one (when asked for); those of tokens whose text never came (held back, then cut by a stop
-/// sequence) go in a chunk of their own before the finishing one. Dropping the stream (the
-/// client went away) drops the receiver, which stops the slot's generation at its next token.
+/// A reply as server-sent events: a role chunk per choice (chat), text chunks, a finishing
+/// chunk per choice, usage if asked, `[DONE]`. A text chunk carries the log-probabilities of
+/// the tokens since the last one (when asked for); those of tokens whose text never came
+/// (held back, then cut by a stop sequence) go in a chunk of their own before the finishing
+/// one. Dropping the stream (the client went away) drops the receiver, which stops the slot's
+/// generation at its next token.
 fn streamed(
     reply: Reply,
     rx: mpsc::Receiver<Event>,
     usage_chunk: bool,
 ) -> Sse<impl Stream<Item = Result<SseEvent, std::convert::Infallible>>> {
     let data = |v: Value| SseEvent::default().data(v.to_string());
-    let first = match reply.chat {
-        true => vec![data(reply.body(
-            vec![reply.choice(None, None, true, Value::Null)],
+    // Chat opens each choice with a chunk of its role.
+    let role = move |r: &Reply, index: usize| match r.chat {
+        true => vec![data(r.body(
+            vec![r.choice(index, None, None, true, Value::Null)],
             None,
             true,
         ))],
         false => Vec::new(),
     };
+    let first = role(&reply, 0);
     let r = reply.clone();
-    let (mut pending, mut offset) = (Vec::new(), 0usize);
+    // The current choice, whether it has started, its pending log-probabilities, and its
+    // text's bytes so far.
+    let (mut index, mut opened, mut pending, mut offset) = (0usize, true, Vec::new(), 0usize);
     let events = ReceiverStream::new(rx).map(move |ev| match ev {
         Event::Token(t) => {
             pending.push(t);
-            Vec::new()
+            match std::mem::replace(&mut opened, true) {
+                true => Vec::new(),
+                false => role(&r, index),
+            }
         }
         Event::Text(t) => {
+            let mut out = match std::mem::replace(&mut opened, true) {
+                true => Vec::new(),
+                false => role(&r, index),
+            };
             let lp = r.logprobs(&std::mem::take(&mut pending), &mut offset);
-            vec![data(r.body(
-                vec![r.choice(Some(&t), None, true, lp)],
+            out.push(data(r.body(
+                vec![r.choice(index, Some(&t), None, true, lp)],
                 None,
                 true,
-            ))]
+            )));
+            out
         }
-        Event::Done {
-            finish,
-            completion_tokens,
-        } => {
+        Event::Finish(finish) => {
             let mut out = Vec::new();
             if !pending.is_empty() {
                 let lp = r.logprobs(&std::mem::take(&mut pending), &mut offset);
                 out.push(data(r.body(
-                    vec![r.choice(Some(""), None, true, lp)],
+                    vec![r.choice(index, Some(""), None, true, lp)],
                     None,
                     true,
                 )));
             }
             out.push(data(r.body(
-                vec![r.choice(None, Some(finish), true, Value::Null)],
+                vec![r.choice(index, None, Some(finish), true, Value::Null)],
                 None,
                 true,
             )));
+            (index, offset, opened) = (index + 1, 0, false);
+            out
+        }
+        Event::Done { completion_tokens } => {
+            let mut out = Vec::new();
             if usage_chunk {
                 let u = Usage::new(r.prompt_tokens, completion_tokens);
                 out.push(data(r.body(Vec::new(), Some(u), true)));

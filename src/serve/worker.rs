@@ -35,7 +35,8 @@ impl Finish {
     }
 }
 
-/// What a job sends back, in order: `Started` (or one `Error`), `Text`s, then `Done`.
+/// What a job sends back, in order: `Started` (or one `Error`); per choice its `Token`s and
+/// `Text`s, then its `Finish`; then `Done`. An `Error` may end the events at any point.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
     Error(ApiError),
@@ -47,8 +48,9 @@ pub enum Event {
     Text(String),
     /// One input's embedding (`/v1/embeddings`), in the order of the inputs.
     Embedding(Vec<f32>),
+    /// The current choice ended; the next events (if any) are the next choice's.
+    Finish(Finish),
     Done {
-        finish: Finish,
         completion_tokens: usize,
     },
 }
@@ -286,8 +288,10 @@ struct Ran {
     reused: usize,
 }
 
-/// Generate one reply, sending its events. `cached` is what the decoder's cache holds; it is
-/// kept up to date with every token decoded.
+/// Generate a request's `n` choices, sending their events. `cached` is what the decoder's
+/// cache holds; it is kept up to date with every token decoded. The prompt runs once; each
+/// choice after the first starts again from its cached keys and values and its logits, with
+/// the seed plus the choice's index.
 fn run_job(
     engine: &Engine,
     dec: &mut dyn Decoder,
@@ -311,14 +315,15 @@ fn run_job(
         ));
     }
     let send = |e: Event| send(&job.tx, e, jobs.stall_timeout);
+    let mut ran = Ran {
+        n: 0,
+        cancelled: true,
+        reused: 0,
+    };
     if !send(Event::Started {
         prompt_tokens: ids.len(),
     }) {
-        return Ok(Ran {
-            n: 0,
-            cancelled: true,
-            reused: 0,
-        });
+        return Ok(ran);
     }
     let reused = match jobs.reuse_prefix && req.cache_prompt {
         true => reusable(cached, &ids),
@@ -326,18 +331,67 @@ fn run_job(
     };
     cached.truncate(reused.min(dec.len()));
     dec.truncate(cached.len());
-    let reused = cached.len();
+    ran.reused = cached.len();
+    let first = dec.decode(&ids[ran.reused..]).map_err(internal)?.to_vec();
+    cached.extend_from_slice(&ids[ran.reused..]);
+    for choice in 0..req.n {
+        if choice > 0 {
+            dec.truncate(ids.len());
+            cached.truncate(ids.len());
+        }
+        let mut logits = first.clone();
+        let seed = req.sampling.seed.wrapping_add(choice as u64);
+        let Some((finish, n)) = one_choice(
+            engine,
+            dec,
+            req,
+            seed,
+            &ids,
+            &mut logits,
+            &send,
+            job,
+            jobs,
+            cached,
+        )?
+        else {
+            return Ok(ran);
+        };
+        ran.n += n;
+        send(Event::Finish(finish));
+    }
+    send(Event::Done {
+        completion_tokens: ran.n,
+    });
+    ran.cancelled = false;
+    Ok(ran)
+}
+
+/// One choice from the prompt `ids` (whose next-token `logits` are given; the cache holds
+/// exactly the prompt): why it ended and its tokens, or `None` when its client went away.
+#[allow(clippy::too_many_arguments)]
+fn one_choice(
+    engine: &Engine,
+    dec: &mut dyn Decoder,
+    req: &GenRequest,
+    seed: u64,
+    ids: &[u32],
+    logits: &mut [f32],
+    send: &dyn Fn(Event) -> bool,
+    job: &Job,
+    jobs: &Jobs,
+    cached: &mut Vec<u32>,
+) -> Result<Option<(Finish, usize)>, ApiError> {
     let eog = &engine.tokenizer.end_of_generation;
     let mut sampling = req.sampling.clone();
+    sampling.seed = seed;
     if req.ignore_eos {
         (sampling.logit_bias).extend(eog.iter().map(|&t| (t, f32::NEG_INFINITY)));
     }
     let mut sampler = Sampler::new(sampling);
     let mut raw = Vec::new();
     let mut stops = StopFilter::new(&req.stop);
-    let (mut history, mut n, mut stream) = (ids.clone(), 0, TextStream::default());
-    let mut logits = dec.decode(&ids[reused..]).map_err(internal)?;
-    cached.extend_from_slice(&ids[reused..]);
+    let (mut history, mut n, mut stream) = (ids.to_vec(), 0, TextStream::default());
+    let mut logits = logits;
     let finish = loop {
         if n == req.max_tokens {
             break Finish::Length;
@@ -353,11 +407,7 @@ fn run_job(
         }
         if let Some(k) = req.logprobs {
             if !send(Event::Token(TokenLogprob::of(engine, &raw, next, k))) {
-                return Ok(Ran {
-                    n,
-                    cancelled: true,
-                    reused,
-                });
+                return Ok(None);
             }
         }
         n += 1;
@@ -365,21 +415,13 @@ fn run_job(
         let piece = stream.push(engine, next).map_err(internal)?;
         let (text, stopped) = stops.push(piece.as_deref().unwrap_or(""));
         if !text.is_empty() && !send(Event::Text(text)) {
-            return Ok(Ran {
-                n,
-                cancelled: true,
-                reused,
-            });
+            return Ok(None);
         }
         if stopped {
             break Finish::Stop;
         }
         if job.tx.is_closed() {
-            return Ok(Ran {
-                n,
-                cancelled: true,
-                reused,
-            });
+            return Ok(None);
         }
         if jobs.stopping() {
             return Err(shutting_down());
@@ -399,15 +441,7 @@ fn run_job(
             send(Event::Text(tail));
         }
     }
-    send(Event::Done {
-        finish,
-        completion_tokens: n,
-    });
-    Ok(Ran {
-        n,
-        cancelled: false,
-        reused,
-    })
+    Ok(Some((finish, n)))
 }
 
 /// Embed each of `texts` (with the model's BOS, as a plain prompt): the mean over its tokens
@@ -469,7 +503,6 @@ fn embed(
     }
     dec.truncate(0);
     send(Event::Done {
-        finish: Finish::Stop,
         completion_tokens: 0,
     });
     Ok(Ran {

@@ -93,13 +93,32 @@ for a, b in zip(emb.data, flt.data):
     assert abs(sum(x * x for x in a.embedding) - 1) < 1e-3
 assert emb.data[0].embedding != emb.data[1].embedding
 
+# n choices from one prompt: each choice i samples with seed + i (so choice 0 is the n = 1
+# reply of that seed), usage counts every choice's tokens, and the stream interleaves nothing
+# (choices one after another, each with its index).
+many = client.chat.completions.create(model=model, messages=msgs, max_tokens=6, temperature=1.0, seed=7,
+                                      n=3, logprobs=True)
+assert [c.index for c in many.choices] == [0, 1, 2], many
+assert many.usage.completion_tokens == sum(len(c.logprobs.content) for c in many.choices), many.usage
+one = client.chat.completions.create(model=model, messages=msgs, max_tokens=6, temperature=1.0, seed=7)
+assert many.choices[0].message.content == one.choices[0].message.content, (many, one)
+assert len({c.message.content for c in many.choices}) > 1, "three draws, one text"
+parts = {}
+for ch in client.chat.completions.create(model=model, messages=msgs, max_tokens=6, temperature=1.0, seed=7,
+                                         n=3, stream=True):
+    for c in ch.choices:
+        parts[c.index] = parts.get(c.index, "") + (c.delta.content or "")
+assert [parts[i] for i in range(3)] == [c.message.content for c in many.choices], parts
+cm = client.completions.create(model=model, prompt="Once upon a time", max_tokens=4, temperature=0, n=2)
+assert [c.index for c in cm.choices] == [0, 1] and cm.choices[0].text == cm.choices[1].text, cm
+
 models = client.models.list()
 assert [m.id for m in models.data] == [model], models
 
 for bad, kind in [
     (lambda: client.chat.completions.create(model=model, messages=[], max_tokens=2), openai.BadRequestError),
     (lambda: client.chat.completions.create(model="nope", messages=msgs, max_tokens=2), openai.NotFoundError),
-    (lambda: client.chat.completions.create(model=model, messages=msgs, n=2), openai.BadRequestError),
+    (lambda: client.chat.completions.create(model=model, messages=msgs, n=17), openai.BadRequestError),
     (lambda: client.chat.completions.create(model=model, messages=msgs, logprobs=True, top_logprobs=21), openai.BadRequestError),
     (lambda: client.chat.completions.create(model=model, messages=msgs, top_logprobs=2), openai.BadRequestError),
     (lambda: client.chat.completions.create(model=model, messages=msgs, logit_bias={"99999": 1}), openai.BadRequestError),
@@ -116,4 +135,4 @@ for bad, kind in [
         raise AssertionError(f"expected {kind.__name__}")
 
 print(f"openai {openai.__version__}: chat, streaming, completions, logprobs, logit_bias, penalties, "
-      f"extensions, embeddings, models and errors ok; reply {text!r}")
+      f"extensions, embeddings, n choices, models and errors ok; reply {text!r}")
