@@ -1,6 +1,8 @@
 //! The chat page at `/` in headless Chromium (tests/clients/chat_page.mjs, playwright-core
-//! over the system's Chromium): a message typed and sent, the reply streamed into the page, and
-//! a screenshot saved to target/chat-page.png. Skipped, with the reason printed, where node,
+//! over the system's Chromium): the model's name; settings (max tokens, temperature, system
+//! prompt) in the request; a message typed and sent, the reply streamed into the page as
+//! markdown (the model's own markup escaped); the theme toggled; a reply stopped mid-stream and
+//! the conversation going on; and a screenshot saved to target/chat-page.png. Skipped, with the reason printed, where node,
 //! Chromium or playwright-core is missing (`.ci/run` installs them).
 mod common;
 
@@ -46,6 +48,16 @@ fn the_chat_page_streams_a_reply_in_a_browser() {
     let v: Value = serde_json::from_str(stdout.trim()).unwrap();
     let reply = v["reply"].as_str().unwrap();
     assert!(!reply.is_empty() && reply != "…", "{v}");
+    for check in [
+        "model_name",
+        "settings",
+        "markdown",
+        "theme",
+        "stop",
+        "after_stop",
+    ] {
+        assert_eq!(v["checks"][check], true, "{check}: {v}");
+    }
     assert!(
         v["updates"].as_u64().unwrap() >= 2,
         "the reply came in pieces: {v}"
