@@ -1,6 +1,7 @@
 //! The OpenAI-compatible request and response shapes `dejavu serve` speaks, their validation,
 //! and errors in OpenAI's JSON shape (`{"error": {"message", "type", "param", "code"}}`) with
 //! their HTTP status. Parsing never panics: a body that is not a request is a 400.
+use crate::text::constrain::Constraint;
 use crate::text::sampling::SamplerConfig;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -155,8 +156,13 @@ pub struct Request {
     functions: Option<Value>,
     #[serde(default)]
     function_call: Option<Value>,
+    /// `{"type": "text"}`, `{"type": "json_object"}`, or `{"type": "json_schema",
+    /// "json_schema": {"schema": ...}}`: structured output (`crate::text::constrain`).
     #[serde(default)]
     response_format: Option<Value>,
+    /// A grammar the reply must match, in llguidance's Lark syntax (llama-server's field).
+    #[serde(default)]
+    grammar: Option<String>,
     #[serde(default)]
     presence_penalty: Option<f64>,
     #[serde(default)]
@@ -171,12 +177,11 @@ pub struct Request {
 
 /// Fields that ask for what the server does not do yet, and the values that ask for nothing
 /// (what clients send by default): a field is refused unless absent, null or neutral.
-pub const UNSUPPORTED: [&str; 8] = [
+pub const UNSUPPORTED: [&str; 7] = [
     "tools",
     "tool_choice",
     "functions",
     "function_call",
-    "response_format",
     "echo",
     "suffix",
     "best_of",
@@ -192,11 +197,51 @@ fn neutral(name: &str, v: &Value) -> bool {
             "echo" => v == &Value::Bool(false),
             "tools" | "functions" => empty(v),
             "tool_choice" | "function_call" => v == "none" || v == "auto",
-            "response_format" => v.get("type").and_then(Value::as_str) == Some("text"),
             "suffix" => v == "",
             "best_of" => v.as_f64() == Some(1.0),
             _ => false,
         }
+}
+
+/// What `response_format` and `grammar` ask the reply to match (`None`: free text).
+fn constraint(
+    format: Option<&Value>,
+    grammar: Option<&str>,
+) -> Result<Option<Constraint>, ApiError> {
+    let bad = |m: &str| ApiError::invalid(m.to_string(), Some("response_format"));
+    let format = match format.filter(|v| !v.is_null()) {
+        None => None,
+        Some(f) => match f.get("type").and_then(Value::as_str) {
+            Some("text") => None,
+            Some("json_object") => Some(Constraint::JsonSchema(
+                serde_json::json!({"type": "object"}),
+            )),
+            Some("json_schema") => match f.get("json_schema").and_then(|j| j.get("schema")) {
+                Some(s) if s.is_object() || s.is_boolean() => {
+                    Some(Constraint::JsonSchema(s.clone()))
+                }
+                _ => {
+                    return Err(bad(
+                        "`response_format.json_schema.schema` must be a JSON schema",
+                    ))
+                }
+            },
+            _ => {
+                return Err(bad(
+                    "`response_format.type` is `text`, `json_object` or `json_schema`",
+                ))
+            }
+        },
+    };
+    match (format, grammar.filter(|g| !g.trim().is_empty())) {
+        (Some(_), Some(_)) => Err(ApiError::invalid(
+            "`grammar` and a JSON `response_format` together: give one",
+            Some("grammar"),
+        )),
+        (Some(c), None) => Ok(Some(c)),
+        (None, Some(g)) => Ok(Some(Constraint::Lark(g.to_string()))),
+        (None, None) => Ok(None),
+    }
 }
 
 /// Most alternatives a reply token's log-probabilities list (OpenAI's limit).
@@ -309,6 +354,8 @@ pub struct GenRequest {
     pub ignore_eos: bool,
     /// The prompt may reuse the slot's cached prefix (llama-server's `cache_prompt`).
     pub cache_prompt: bool,
+    /// What the reply must match (structured output).
+    pub constraint: Option<Constraint>,
 }
 
 /// The most choices (`n`) one request may ask for.
@@ -337,7 +384,6 @@ impl Request {
             &self.tool_choice,
             &self.functions,
             &self.function_call,
-            &self.response_format,
             &self.echo,
             &self.suffix,
             &self.best_of,
@@ -423,6 +469,7 @@ impl Request {
             return Err(ApiError::invalid(format!("{field}: {e}"), Some(field)));
         }
         let logprobs = logprobs(chat, self.logprobs.as_ref(), self.top_logprobs.as_ref())?;
+        let constraint = constraint(self.response_format.as_ref(), self.grammar.as_deref())?;
         Ok(GenRequest {
             input,
             max_tokens,
@@ -434,6 +481,7 @@ impl Request {
             logprobs,
             ignore_eos: self.ignore_eos.unwrap_or(false),
             cache_prompt: self.cache_prompt.unwrap_or(true),
+            constraint,
         })
     }
 }

@@ -401,7 +401,7 @@ async fn generate(s: Shared, headers: HeaderMap, body: Bytes, chat: bool) -> Res
         Err(e) => return error(e),
     };
     let (stream, usage_chunk, logprobs) = (req.stream, req.include_usage, req.logprobs.is_some());
-    let (rx, prompt_tokens) = match enqueue(&s, Work::Generate(req)).await {
+    let (rx, prompt_tokens) = match enqueue(&s, Work::Generate(Box::new(req))).await {
         Ok(started) => started,
         Err(e) => return error(e),
     };

@@ -7,6 +7,7 @@ use super::Metrics;
 use crate::exec::Decoder;
 use crate::exec::Engine;
 use crate::text::chat::EncodeChat;
+use crate::text::constrain::{Grammars, Guide};
 use crate::text::generate::{reusable, TextStream};
 use crate::text::sampling::Sampler;
 use crate::text::stop::StopFilter;
@@ -114,7 +115,7 @@ impl TokenLogprob {
 
 /// What a job asks a slot for.
 pub enum Work {
-    Generate(GenRequest),
+    Generate(Box<GenRequest>),
     /// The pooled final hidden state of each text (`/v1/embeddings`).
     Embed(Vec<String>),
 }
@@ -211,6 +212,8 @@ fn send(tx: &Sender<Event>, mut e: Event, stall: Duration) -> bool {
 pub fn run_slot(engine: &Engine, dec: &mut dyn Decoder, jobs: &Jobs, metrics: &Metrics) {
     // The tokens whose keys and values the decoder's cache holds, in order.
     let mut cached: Vec<u32> = Vec::new();
+    // Structured output's compiler for this vocabulary, made on the first request that asks.
+    let mut grammars: Option<Grammars> = None;
     while let Some(job) = jobs.next() {
         metrics.queued.fetch_sub(1, Ordering::Relaxed);
         if job.tx.is_closed() {
@@ -229,7 +232,14 @@ pub fn run_slot(engine: &Engine, dec: &mut dyn Decoder, jobs: &Jobs, metrics: &M
         metrics.busy.fetch_add(1, Ordering::Relaxed);
         let t0 = Instant::now();
         let done = match &job.work {
-            Work::Generate(req) => run_job(engine, dec, req, &job, jobs, &mut cached),
+            Work::Generate(req) => {
+                let slot = Slot {
+                    engine,
+                    job: &job,
+                    jobs,
+                };
+                run_job(&slot, dec, req, &mut grammars, &mut cached)
+            }
             Work::Embed(texts) => embed(engine, dec, texts, &job, jobs, &mut cached),
         };
         metrics.busy.fetch_sub(1, Ordering::Relaxed);
@@ -288,18 +298,55 @@ struct Ran {
     reused: usize,
 }
 
+/// What a generation job runs with.
+struct Slot<'a> {
+    engine: &'a Engine,
+    job: &'a Job,
+    jobs: &'a Jobs,
+}
+
+impl Slot<'_> {
+    /// Send `e` (false: the client is gone).
+    fn send(&self, e: Event) -> bool {
+        send(&self.job.tx, e, self.jobs.stall_timeout)
+    }
+}
+
+/// The structured-output guide of `req` (`None`: free text), compiling the vocabulary's trie
+/// into `grammars` on first use; a schema or grammar that does not compile is a 400.
+fn guide(
+    engine: &Engine,
+    req: &GenRequest,
+    grammars: &mut Option<Grammars>,
+    n_vocab: usize,
+) -> Result<Option<Guide>, ApiError> {
+    let Some(c) = &req.constraint else {
+        return Ok(None);
+    };
+    if grammars.is_none() {
+        *grammars = Some(Grammars::new(&engine.tokenizer, n_vocab).map_err(internal)?);
+    }
+    let g = grammars.as_ref().expect("made above");
+    g.matcher(c).map(Some).map_err(|e| {
+        ApiError::invalid(
+            format!("the grammar or schema: {e}"),
+            Some("response_format"),
+        )
+    })
+}
+
 /// Generate a request's `n` choices, sending their events. `cached` is what the decoder's
 /// cache holds; it is kept up to date with every token decoded. The prompt runs once; each
 /// choice after the first starts again from its cached keys and values and its logits, with
 /// the seed plus the choice's index.
 fn run_job(
-    engine: &Engine,
+    slot: &Slot,
     dec: &mut dyn Decoder,
     req: &GenRequest,
-    job: &Job,
-    jobs: &Jobs,
+    grammars: &mut Option<Grammars>,
     cached: &mut Vec<u32>,
 ) -> Result<Ran, ApiError> {
+    let engine = slot.engine;
     let ids = prompt_tokens(engine, &req.input)?;
     if ids.is_empty() {
         return Err(ApiError::invalid("the prompt is empty", None));
@@ -314,18 +361,19 @@ fn run_job(
             None,
         ));
     }
-    let send = |e: Event| send(&job.tx, e, jobs.stall_timeout);
+    let n_vocab = engine.model.config.vocab_size;
+    let mut first_guide = guide(engine, req, grammars, n_vocab)?;
     let mut ran = Ran {
         n: 0,
         cancelled: true,
         reused: 0,
     };
-    if !send(Event::Started {
+    if !slot.send(Event::Started {
         prompt_tokens: ids.len(),
     }) {
         return Ok(ran);
     }
-    let reused = match jobs.reuse_prefix && req.cache_prompt {
+    let reused = match slot.jobs.reuse_prefix && req.cache_prompt {
         true => reusable(cached, &ids),
         false => 0,
     };
@@ -339,52 +387,58 @@ fn run_job(
             dec.truncate(ids.len());
             cached.truncate(ids.len());
         }
+        let guide = match first_guide.take() {
+            Some(g) => Some(g),
+            None => guide(engine, req, grammars, n_vocab)?,
+        };
         let mut logits = first.clone();
         let seed = req.sampling.seed.wrapping_add(choice as u64);
-        let Some((finish, n)) = one_choice(
-            engine,
-            dec,
-            req,
+        let start = Start {
+            ids: &ids,
             seed,
-            &ids,
-            &mut logits,
-            &send,
-            job,
-            jobs,
-            cached,
-        )?
-        else {
+            guide,
+        };
+        let Some((finish, n)) = one_choice(slot, dec, req, start, &mut logits, cached)? else {
             return Ok(ran);
         };
         ran.n += n;
-        send(Event::Finish(finish));
+        slot.send(Event::Finish(finish));
     }
-    send(Event::Done {
+    slot.send(Event::Done {
         completion_tokens: ran.n,
     });
     ran.cancelled = false;
     Ok(ran)
 }
 
-/// One choice from the prompt `ids` (whose next-token `logits` are given; the cache holds
-/// exactly the prompt): why it ended and its tokens, or `None` when its client went away.
-#[allow(clippy::too_many_arguments)]
+/// Where a choice starts: the prompt, its seed, and its grammar's guide.
+struct Start<'a> {
+    ids: &'a [u32],
+    seed: u64,
+    guide: Option<Guide>,
+}
+
+/// One choice from the prompt (whose next-token `logits` are given; the cache holds exactly
+/// the prompt): why it ended and its tokens, or `None` when its client went away.
 fn one_choice(
-    engine: &Engine,
+    slot: &Slot,
     dec: &mut dyn Decoder,
     req: &GenRequest,
-    seed: u64,
-    ids: &[u32],
+    start: Start,
     logits: &mut [f32],
-    send: &dyn Fn(Event) -> bool,
-    job: &Job,
-    jobs: &Jobs,
     cached: &mut Vec<u32>,
 ) -> Result<Option<(Finish, usize)>, ApiError> {
+    let (engine, job, jobs) = (slot.engine, slot.job, slot.jobs);
+    let send = |e: Event| slot.send(e);
+    let Start {
+        ids,
+        seed,
+        mut guide,
+    } = start;
     let eog = &engine.tokenizer.end_of_generation;
     let mut sampling = req.sampling.clone();
     sampling.seed = seed;
-    if req.ignore_eos {
+    if req.ignore_eos && guide.is_none() {
         (sampling.logit_bias).extend(eog.iter().map(|&t| (t, f32::NEG_INFINITY)));
     }
     let mut sampler = Sampler::new(sampling);
@@ -401,6 +455,9 @@ fn one_choice(
             raw.clear();
             raw.extend_from_slice(logits);
         }
+        if let Some(g) = &mut guide {
+            g.mask(logits).map_err(internal)?;
+        }
         let next = sampler.sample(logits, &history);
         if eog.contains(&next) {
             break Finish::Stop;
@@ -410,6 +467,10 @@ fn one_choice(
                 return Ok(None);
             }
         }
+        let complete = match &mut guide {
+            Some(g) => g.advance(next).map_err(internal)?,
+            None => false,
+        };
         n += 1;
         history.push(next);
         let piece = stream.push(engine, next).map_err(internal)?;
@@ -417,7 +478,7 @@ fn one_choice(
         if !text.is_empty() && !send(Event::Text(text)) {
             return Ok(None);
         }
-        if stopped {
+        if stopped || complete {
             break Finish::Stop;
         }
         if job.tx.is_closed() {

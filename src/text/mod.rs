@@ -1,5 +1,6 @@
 //! Text in and out: the model's tokenizer and chat template, sampling, streaming generation.
 pub mod chat;
+pub mod constrain;
 pub mod generate;
 pub mod sampling;
 pub mod speculate;

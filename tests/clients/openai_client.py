@@ -112,6 +112,28 @@ assert [parts[i] for i in range(3)] == [c.message.content for c in many.choices]
 cm = client.completions.create(model=model, prompt="Once upon a time", max_tokens=4, temperature=0, n=2)
 assert [c.index for c in cm.choices] == [0, 1] and cm.choices[0].text == cm.choices[1].text, cm
 
+# Structured output: a JSON schema (strict, with bounds so a tiny model's reply ends), any JSON
+# object, and a Lark grammar (llama-server's `grammar` field); each reply parses and matches.
+import json
+schema = {"type": "object", "additionalProperties": False, "required": ["name", "age", "ok", "tag"],
+          "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "ok": {"type": "boolean"}, "tag": {"enum": ["red", "green"]}}}
+for temperature in (0, 1.0):
+    js = client.chat.completions.create(model=model, messages=msgs, max_tokens=80, temperature=temperature, seed=3,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}})
+    doc = json.loads(js.choices[0].message.content)
+    assert js.choices[0].finish_reason == "stop", js
+    assert set(doc) == {"name", "age", "ok", "tag"} and isinstance(doc["name"], str) and len(doc["name"]) <= 8, doc
+    assert isinstance(doc["age"], int) and 0 <= doc["age"] <= 120 and isinstance(doc["ok"], bool), doc
+    assert doc["tag"] in ("red", "green"), doc
+yn = client.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=1.0, seed=1,
+                                    extra_body={"grammar": 'start: "yes" | "no"'})
+assert yn.choices[0].message.content in ("yes", "no") and yn.choices[0].finish_reason == "stop", yn
+obj = client.chat.completions.create(model=model, messages=msgs, max_tokens=120, temperature=0,
+                                     response_format={"type": "json_object"})
+assert obj.choices[0].finish_reason == "stop", obj
+assert isinstance(json.loads(obj.choices[0].message.content), dict), obj
+
 models = client.models.list()
 assert [m.id for m in models.data] == [model], models
 
@@ -126,6 +148,8 @@ for bad, kind in [
     (lambda: client.chat.completions.create(model=model, messages=msgs, presence_penalty=2.5), openai.BadRequestError),
     (lambda: client.completions.create(model=model, prompt="x", logprobs=21), openai.BadRequestError),
     (lambda: client.chat.completions.create(model=model, messages=msgs, extra_body={"min_p": 2}), openai.BadRequestError),
+    (lambda: client.chat.completions.create(model=model, messages=msgs, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 7}}}), openai.BadRequestError),
+    (lambda: client.chat.completions.create(model=model, messages=msgs, extra_body={"grammar": "start: ???"}), openai.BadRequestError),
 ]:
     try:
         bad()
@@ -135,4 +159,4 @@ for bad, kind in [
         raise AssertionError(f"expected {kind.__name__}")
 
 print(f"openai {openai.__version__}: chat, streaming, completions, logprobs, logit_bias, penalties, "
-      f"extensions, embeddings, n choices, models and errors ok; reply {text!r}")
+      f"extensions, embeddings, n choices, structured output, models and errors ok; reply {text!r}")
