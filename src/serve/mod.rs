@@ -9,6 +9,8 @@
 //! accepting, lets in-flight replies finish, and returns.
 pub mod api;
 mod connections;
+mod embed;
+mod tokens;
 pub mod worker;
 
 use api::{ApiError, Request, Usage};
@@ -185,9 +187,9 @@ fn router(state: Shared) -> Router {
         .route("/v1/models", get(models))
         .route("/v1/chat/completions", post(chat).layer(read_body()))
         .route("/v1/completions", post(completions).layer(read_body()))
-        .route("/v1/embeddings", post(embeddings).layer(read_body()))
-        .route("/tokenize", post(tokenize).layer(read_body()))
-        .route("/detokenize", post(detokenize).layer(read_body()))
+        .route("/v1/embeddings", post(embed::embeddings).layer(read_body()))
+        .route("/tokenize", post(tokens::tokenize).layer(read_body()))
+        .route("/detokenize", post(tokens::detokenize).layer(read_body()))
         .fallback(|| async { error(ApiError::not_found("no such route", "unknown_route")) })
         .method_not_allowed_fallback(|| async {
             error(ApiError {
@@ -457,180 +459,15 @@ async fn enqueue(s: &AppState, work: Work) -> Result<(mpsc::Receiver<Event>, usi
     Ok((rx, prompt_tokens))
 }
 
-/// The body of `/v1/embeddings`.
-#[derive(serde::Deserialize)]
-struct EmbeddingsRequest {
-    #[serde(default)]
-    model: Option<String>,
-    input: Value,
-    /// `float` (the default) or `base64` (little-endian f32s, what the `openai` package asks
-    /// for unless told otherwise).
-    #[serde(default)]
-    encoding_format: Option<String>,
-}
-
-/// The most inputs one `/v1/embeddings` request may hold.
-const MAX_EMBEDDING_INPUTS: usize = 256;
-
-/// `POST /v1/embeddings`: each input's pooled final hidden state (see `worker::embed`).
-async fn embeddings(State(s): State<Shared>, headers: HeaderMap, body: Bytes) -> Response {
-    if let Err(e) = authorized(&s, &headers) {
-        return error(e);
-    }
-    s.metrics.requests.fetch_add(1, Ordering::Relaxed);
-    let bad = |m: &str, p| error(ApiError::invalid(m.to_string(), p));
-    let req: EmbeddingsRequest = match serde_json::from_slice(&body) {
-        Ok(r) => r,
-        Err(e) => return bad(&format!("the body is not a valid request: {e}"), None),
-    };
-    if let Some(m) = req.model.as_deref().filter(|m| !m.is_empty()) {
-        if !s.opts.model_names.iter().any(|n| n == m) {
-            return error(ApiError::not_found(
-                format!("model `{m}` is not served here (GET /v1/models)"),
-                "model_not_found",
-            ));
-        }
-    }
-    let base64 = match req.encoding_format.as_deref() {
-        None | Some("float") => false,
-        Some("base64") => true,
-        Some(_) => {
-            return bad(
-                "`encoding_format` is `float` or `base64`",
-                Some("encoding_format"),
-            )
-        }
-    };
-    let texts: Vec<String> = match &req.input {
-        Value::String(t) => vec![t.clone()],
-        Value::Array(a) if !a.is_empty() && a.len() <= MAX_EMBEDDING_INPUTS => {
-            match a.iter().map(|v| v.as_str().map(String::from)).collect() {
-                Some(v) => v,
-                None => {
-                    return bad(
-                        "`input` holds strings only (not token arrays)",
-                        Some("input"),
-                    )
-                }
-            }
-        }
-        _ => {
-            return bad(
-                &format!("`input` is a string or a list of 1 to {MAX_EMBEDDING_INPUTS} strings"),
-                Some("input"),
-            )
-        }
-    };
-    let (mut rx, prompt_tokens) = match enqueue(&s, Work::Embed(texts)).await {
-        Ok(started) => started,
-        Err(e) => return error(e),
-    };
-    let mut data = Vec::new();
-    while let Some(ev) = rx.recv().await {
-        match ev {
-            Event::Embedding(v) => {
-                let embedding = match base64 {
-                    true => {
-                        use base64::Engine as _;
-                        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-                        json!(base64::engine::general_purpose::STANDARD.encode(bytes))
-                    }
-                    false => json!(v),
-                };
-                let index = data.len();
-                data.push(json!({"object": "embedding", "index": index, "embedding": embedding}));
-            }
-            Event::Done { .. } => {
-                return Json(
-                    json!({"object": "list", "data": data, "model": s.opts.model_id,
-                    "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}),
-                )
-                .into_response()
-            }
-            Event::Error(e) => return error(e),
-            _ => {}
-        }
-    }
-    error(ApiError::internal("the slot ended the reply early"))
-}
-
-/// The body of llama-server's `/tokenize`.
-#[derive(serde::Deserialize)]
-struct TokenizeRequest {
-    content: String,
-    /// Put the model's BOS first, as a prompt gets it.
-    #[serde(default)]
-    add_special: bool,
-    /// Each token with its text (`{"id", "piece"}`) instead of the bare ids.
-    #[serde(default)]
-    with_pieces: bool,
-}
-
-/// `POST /tokenize` (llama-server's): the ids of `content`, on the HTTP thread.
-async fn tokenize(State(s): State<Shared>, headers: HeaderMap, body: Bytes) -> Response {
-    if let Err(e) = authorized(&s, &headers) {
-        return error(e);
-    }
-    let req: TokenizeRequest = match serde_json::from_slice(&body) {
-        Ok(r) => r,
-        Err(e) => {
-            return error(ApiError::invalid(
-                format!("the body is not a valid request: {e}"),
-                None,
-            ))
-        }
-    };
-    let t = &s.opts.tokenizer;
-    let ids = match req.add_special {
-        true => t.encode_prompt(&req.content),
-        false => t.encode_plain(&req.content),
-    };
-    let ids = match ids {
-        Ok(ids) => ids,
-        Err(e) => return error(ApiError::invalid(e.to_string(), Some("content"))),
-    };
-    let tokens: Vec<Value> = match req.with_pieces {
-        true => (ids.iter())
-            .map(|&id| json!({"id": id, "piece": t.decode(&[id]).unwrap_or_default()}))
-            .collect(),
-        false => ids.iter().map(|&id| json!(id)).collect(),
-    };
-    Json(json!({ "tokens": tokens })).into_response()
-}
-
-/// The body of llama-server's `/detokenize`.
-#[derive(serde::Deserialize)]
-struct DetokenizeRequest {
-    tokens: Vec<u64>,
-}
-
-/// `POST /detokenize` (llama-server's): the text of `tokens` (special tokens skipped).
-async fn detokenize(State(s): State<Shared>, headers: HeaderMap, body: Bytes) -> Response {
-    if let Err(e) = authorized(&s, &headers) {
-        return error(e);
-    }
-    let req: DetokenizeRequest = match serde_json::from_slice(&body) {
-        Ok(r) => r,
-        Err(e) => {
-            return error(ApiError::invalid(
-                format!("the body is not a valid request: {e}"),
-                None,
-            ))
-        }
-    };
-    let t = &s.opts.tokenizer;
-    let vocab = t.vocab_size();
-    if let Some(bad) = req.tokens.iter().find(|&&id| id as usize >= vocab) {
-        return error(ApiError::invalid(
-            format!("token {bad} is not below the vocabulary's {vocab}"),
-            Some("tokens"),
-        ));
-    }
-    let ids: Vec<u32> = req.tokens.iter().map(|&id| id as u32).collect();
-    match t.decode(&ids) {
-        Ok(content) => Json(json!({ "content": content })).into_response(),
-        Err(e) => error(ApiError::invalid(e.to_string(), Some("tokens"))),
-    }
+/// A JSON body of type `T` from a client the key lets in.
+fn parse<T: serde::de::DeserializeOwned>(
+    s: &AppState,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> Result<T, ApiError> {
+    authorized(s, headers)?;
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid(format!("the body is not a valid request: {e}"), None))
 }
 
 /// What every chunk or reply of one request repeats.
