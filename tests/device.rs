@@ -432,16 +432,26 @@ pub fn input_sparsity_conforms<D: Device>(dev: &D) -> f32 {
             steps.push(want.to_vec());
         }
         // A masked batch (calibration's allocation search; TEAL without a head rule, whose
-        // batches run every head) gives each row the reference's decode step.
+        // batches run every head) gives each row the reference's decode step; between decode
+        // steps (a recorded step before it, replayed after), so are the steps.
         if spec.starts_with("teal") && !spec.contains('+') {
             let dm = eng.device_model(dev, &[&pol]).unwrap();
             let plan = DevicePlan::policy(dev, c, &pol).unwrap();
             let mut s = DeviceSession::new(dev, &dm, plan, 16).unwrap();
             s.mask_batches(true).unwrap();
-            let rows = s.run(&TOKENS, Logits::Range(0, TOKENS.len())).unwrap();
-            for (i, (g, want)) in rows.chunks(c.vocab_size).zip(&steps).enumerate() {
-                check("masked batch row", i, g, want);
+            let n = TOKENS.len();
+            check(
+                "step before a masked batch",
+                0,
+                s.forward(&TOKENS[..1]).unwrap(),
+                &steps[0],
+            );
+            let rows = s.run(&TOKENS[1..n - 1], Logits::Range(0, n - 2)).unwrap();
+            for (i, (g, want)) in rows.chunks(c.vocab_size).zip(&steps[1..]).enumerate() {
+                check("masked batch row", i + 1, g, want);
             }
+            let last = s.forward(&TOKENS[n - 1..]).unwrap();
+            check("step after a masked batch", n - 1, last, &steps[n - 1]);
         }
     }
     worst

@@ -178,7 +178,8 @@ impl<D: Device> DeviceSession<'_, D> {
     }
 
     /// A masked batch's `rows` rows of `which` with every entry of magnitude at most `t`
-    /// zeroed (through a free buffer of the same rows, then swapped in).
+    /// zeroed (through a free buffer of the same rows, then swapped in; the recorded step, if
+    /// any, is dropped).
     pub(super) fn mask_rows(&mut self, t: f32, which: Masked, rows: usize) -> Result<()> {
         let (dev, c) = (self.dev, &self.model.local);
         let mask = InputMask {
@@ -194,6 +195,8 @@ impl<D: Device> DeviceSession<'_, D> {
         };
         dev.sparsify(x, rows * n, mask, free)?;
         std::mem::swap(x, free);
+        // A recorded decode step names the buffers as they were: record it again.
+        self.graph = None;
         Ok(())
     }
 }
