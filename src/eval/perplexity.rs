@@ -295,14 +295,19 @@ pub fn compare_specs(
     Ok(pols.into_iter().zip(rs).collect())
 }
 
-fn log_softmax(logits: &[f32]) -> impl Iterator<Item = f64> + '_ {
+/// `ln(sum(exp(logits)))`, computed from the largest logit (no overflow).
+pub fn log_sum_exp(logits: &[f32]) -> f64 {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let lse = logits
+    logits
         .iter()
         .map(|&l| (l as f64 - max).exp())
         .sum::<f64>()
         .ln()
-        + max;
+        + max
+}
+
+fn log_softmax(logits: &[f32]) -> impl Iterator<Item = f64> + '_ {
+    let lse = log_sum_exp(logits);
     logits.iter().map(move |&l| l as f64 - lse)
 }
 

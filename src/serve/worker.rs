@@ -77,9 +77,7 @@ pub struct Piece {
 impl TokenLogprob {
     /// Of token `chosen` under `logits` (the model's, unmodified), with the `k` most likely.
     pub fn of(engine: &Engine, logits: &[f32], chosen: u32, k: usize) -> Self {
-        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let sum: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
-        let log_z = max + sum.ln() as f32;
+        let log_z = crate::eval::perplexity::log_sum_exp(logits) as f32;
         let lp = |t: u32| {
             logits
                 .get(t as usize)
@@ -231,16 +229,14 @@ pub fn run_slot(engine: &Engine, dec: &mut dyn Decoder, jobs: &Jobs, metrics: &M
         }
         metrics.busy.fetch_add(1, Ordering::Relaxed);
         let t0 = Instant::now();
+        let slot = Running {
+            engine,
+            job: &job,
+            jobs,
+        };
         let done = match &job.work {
-            Work::Generate(req) => {
-                let slot = Slot {
-                    engine,
-                    job: &job,
-                    jobs,
-                };
-                run_job(&slot, dec, req, &mut grammars, &mut cached)
-            }
-            Work::Embed(texts) => embed(engine, dec, texts, &job, jobs, &mut cached),
+            Work::Generate(req) => run_job(&slot, dec, req, &mut grammars, &mut cached),
+            Work::Embed(texts) => embed(&slot, dec, texts, &mut cached),
         };
         metrics.busy.fetch_sub(1, Ordering::Relaxed);
         match done {
@@ -298,14 +294,14 @@ struct Ran {
     reused: usize,
 }
 
-/// What a generation job runs with.
-struct Slot<'a> {
+/// What a job runs with.
+struct Running<'a> {
     engine: &'a Engine,
     job: &'a Job,
     jobs: &'a Jobs,
 }
 
-impl Slot<'_> {
+impl Running<'_> {
     /// Send `e` (false: the client is gone).
     fn send(&self, e: Event) -> bool {
         send(&self.job.tx, e, self.jobs.stall_timeout)
@@ -340,7 +336,7 @@ fn guide(
 /// choice after the first starts again from its cached keys and values and its logits, with
 /// the seed plus the choice's index.
 fn run_job(
-    slot: &Slot,
+    slot: &Running,
     dec: &mut dyn Decoder,
     req: &GenRequest,
     grammars: &mut Option<Grammars>,
@@ -421,7 +417,7 @@ struct Start<'a> {
 /// One choice from the prompt (whose next-token `logits` are given; the cache holds exactly
 /// the prompt): why it ended and its tokens, or `None` when its client went away.
 fn one_choice(
-    slot: &Slot,
+    slot: &Running,
     dec: &mut dyn Decoder,
     req: &GenRequest,
     start: Start,
@@ -510,13 +506,12 @@ fn one_choice(
 /// model projects it), scaled to unit L2 norm (llama-server's mean pooling and
 /// normalization). The slot's cache is overwritten.
 fn embed(
-    engine: &Engine,
+    slot: &Running,
     dec: &mut dyn Decoder,
     texts: &[String],
-    job: &Job,
-    jobs: &Jobs,
     cached: &mut Vec<u32>,
 ) -> Result<Ran, ApiError> {
+    let engine = slot.engine;
     let mut all = Vec::with_capacity(texts.len());
     for t in texts {
         let ids = prompt_tokens(engine, &Input::Text(t.clone()))?;
@@ -533,7 +528,7 @@ fn embed(
         all.push(ids);
     }
     let prompt_tokens: usize = all.iter().map(Vec::len).sum();
-    let send = |e: Event| send(&job.tx, e, jobs.stall_timeout);
+    let send = |e: Event| slot.send(e);
     let cancelled = Ran {
         n: 0,
         cancelled: true,
@@ -557,7 +552,7 @@ fn embed(
         let norm = mean.iter().map(|v| v * v).sum::<f64>().sqrt();
         let scale = if norm > 0.0 { 1.0 / norm } else { 0.0 };
         let v = mean.iter().map(|&m| (m * scale) as f32).collect();
-        if !send(Event::Embedding(v)) || jobs.stopping() {
+        if !send(Event::Embedding(v)) || slot.jobs.stopping() {
             dec.truncate(0);
             return Ok(cancelled);
         }

@@ -5,7 +5,7 @@
 //! weighted by the weights that read them, [`weights`]) reaches [`MAX`]. Every round is a row of
 //! the allocation (`InputStats::alloc`), and `teal:S` reads its groups' sparsities there.
 //!
-//! Two choices differ from TEAL's script, which scores a candidate by the L2 error of one
+//! Three choices differ from TEAL's script, which scores a candidate by the L2 error of one
 //! block's output on its dense input and keeps an allocation per block:
 //! - the cost is the mean KL divergence of the model's next-token distribution from the dense
 //!   model's, over calibration tokens run as masked batches (`Decoder::mask_batches`): what the
@@ -16,6 +16,7 @@
 //!   preferred only for being small;
 //! - the search is lazy: a group's cost measured in an earlier round stands until the group is
 //!   the cheapest, and is then measured again (about two passes a round instead of four).
+use crate::eval::perplexity::kl_div;
 use crate::exec::{Logits, Sessions};
 use crate::model::config::ModelConfig;
 use crate::sparsity::input::{InputStats, Score};
@@ -71,7 +72,7 @@ pub fn greedy(
     let chunks: Vec<&[u32]> = (tokens.chunks(ctx.max(2)))
         .filter(|ch| ch.len() >= 2)
         .collect();
-    let dense = log_probs(on, &Policy::dense(c), &chunks)?;
+    let dense = logits(on, &Policy::dense(c), &chunks)?;
     let cost = |s: [f64; 4]| -> Result<f64> {
         let mut pol = Policy::dense(c);
         pol.name = format!("teal allocation {s:?}");
@@ -121,47 +122,30 @@ pub fn greedy(
     Ok(rows)
 }
 
-/// Each chunk's rows of next-token log-probabilities under `pol`, the chunks one after
-/// another (`[tokens][vocab]`), run as masked batches where `pol` has input thresholds.
-fn log_probs(on: &dyn Sessions, pol: &Policy, chunks: &[&[u32]]) -> Result<Vec<f32>> {
+/// Each chunk's rows of next-token logits under `pol`, the chunks one after another
+/// (`[tokens][vocab]`), run as masked batches where `pol` has input thresholds.
+fn logits(on: &dyn Sessions, pol: &Policy, chunks: &[&[u32]]) -> Result<Vec<f32>> {
     let mut session = on.open(pol)?;
     if pol.inputs.is_some() {
         session.mask_batches(true)?;
     }
-    let vocab = on.config().vocab_size;
     let mut out = Vec::new();
     for chunk in chunks {
         session.truncate(0);
-        let logits = session.run(chunk, Logits::Range(0, chunk.len()))?;
-        for row in logits.chunks_exact_mut(vocab) {
-            log_softmax(row);
-        }
-        out.extend_from_slice(logits);
+        out.extend_from_slice(session.run(chunk, Logits::Range(0, chunk.len()))?);
     }
     Ok(out)
 }
 
-/// The mean over tokens of KL(dense || `pol`), `dense` from [`log_probs`] of the same chunks.
+/// The mean over tokens of KL(dense || `pol`), `dense` from [`logits`] of the same chunks.
 fn mean_kl(on: &dyn Sessions, pol: &Policy, chunks: &[&[u32]], dense: &[f32]) -> Result<f64> {
     let vocab = on.config().vocab_size;
-    let got = log_probs(on, pol, chunks)?;
+    let got = logits(on, pol, chunks)?;
     let rows = got.len() / vocab.max(1);
     let kl: f64 = (dense.chunks_exact(vocab).zip(got.chunks_exact(vocab)))
-        .map(|(p, q)| {
-            (p.iter().zip(q))
-                .map(|(&lp, &lq)| (lp.exp() as f64) * (lp - lq) as f64)
-                .sum::<f64>()
-        })
+        .map(|(p, q)| kl_div(p, q))
         .sum();
     Ok(kl / rows.max(1) as f64)
-}
-
-/// `row` = its log-softmax.
-fn log_softmax(row: &mut [f32]) {
-    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let sum: f64 = row.iter().map(|&v| ((v - max) as f64).exp()).sum();
-    let log_z = max + sum.ln() as f32;
-    row.iter_mut().for_each(|v| *v -= log_z);
 }
 
 #[cfg(test)]
@@ -174,9 +158,5 @@ mod tests {
         assert!((model_wide(&w, &[0.5; 4]) - 0.5).abs() < 1e-12);
         assert!((model_wide(&w, &[0.0, 1.0, 0.0, 0.0]) - 0.1).abs() < 1e-12);
         assert!((model_wide(&w, &[0.0, 0.0, 0.5, 0.5]) - 0.3).abs() < 1e-12);
-        let mut row = [1.0f32, 2.0, 3.0];
-        log_softmax(&mut row);
-        let total: f32 = row.iter().map(|v| v.exp()).sum();
-        assert!((total - 1.0).abs() < 1e-6 && row[2] > row[0]);
     }
 }
