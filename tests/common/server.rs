@@ -58,6 +58,22 @@ impl ServerProcess {
         format!("http://127.0.0.1:{}", self.port)
     }
 
+    /// POST the JSON `body` to `path`: the status and the JSON (or text) answer.
+    pub fn post(&self, path: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
+        let r = ureq::post(&format!("{}{path}", self.base()))
+            .set("Content-Type", "application/json")
+            .send_string(&body.to_string());
+        let resp = match r {
+            Ok(resp) => resp,
+            Err(ureq::Error::Status(_, resp)) => resp,
+            Err(e) => panic!("POST {path}: {e}"),
+        };
+        let status = resp.status();
+        let text = resp.into_string().unwrap();
+        let v = serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text));
+        (status, v)
+    }
+
     /// SIGTERM, then the exit status (within `wait`).
     pub fn terminate(&mut self, wait: Duration) -> std::process::ExitStatus {
         let pid = self.child.id().to_string();

@@ -61,7 +61,7 @@ fn rules_that_select_from_activations_run_on_the_gpu() {
 #[test]
 fn input_sparsity_on_the_gpu_conforms_to_the_reference() {
     let Some(g) = gpu() else { return };
-    let worst = input_sparsity_conforms(&g);
+    let worst = inputs::input_sparsity_conforms(&g);
     eprintln!(
         "{}: teal and wina on 4 fixtures, worst |logit error| {worst:.2e}",
         g.name()

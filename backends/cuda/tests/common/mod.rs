@@ -1,5 +1,7 @@
 //! What the kernel tests share: the GPU (or why there is none), seeded random inputs and
-//! matrices of every weight type, read-backs and the tolerance check.
+//! matrices of every weight type, read-backs and the tolerance check. Each test crate
+//! (tests/kernels.rs, tests/products.rs) uses a part of it.
+#![allow(dead_code)]
 use dejavu_backend_api::{Device, QuantType};
 use dejavu_backend_cuda::CudaDevice;
 use half::f16;

@@ -1,0 +1,369 @@
+//! The CUDA products (matvec, axpy, the embedding lookup, the batched matmul, several products in one launch, the
+//! 16-bit loading-ahead kernels and the input-major axpys) against the CPU scalar reference
+//! ([`CpuDevice::reference`]) on random inputs of ragged sizes, every weight type. Skipped,
+//! with the reason printed, where no GPU is usable (CI). Tolerance as in tests/kernels.rs:
+//! `|gpu - ref| <= 1e-4 (1 + sum |terms|)`, the order of summation being all that differs.
+use dejavu_backend_api::{Activation, Device, Product, QuantType, Rows, StepRow, Weight};
+use dejavu_backend_cpu::device::CpuDevice;
+
+mod common;
+use common::{close, down, gpu, magnitude, random_matrix, randv, rng};
+
+/// matvec over all rows and over a grouped selection, with bias and accumulation.
+fn matvec_on<D: Device>(d: &D, w: &Weight, x: &[f32], sel: &[u32], group: usize) -> Vec<f32> {
+    let m = d.upload_mat(w).unwrap();
+    let (xb, bias) = (d.upload(x).unwrap(), d.upload(&vec![0.25; w.rows]).unwrap());
+    let idx = d.upload_idx(sel).unwrap();
+    let mut all = d.zeros(w.rows).unwrap();
+    d.matvec(&m, Rows::All, &xb, None, &mut all, false).unwrap();
+    let n = sel.len() * group;
+    let mut part = d.upload(&vec![1.0; n]).unwrap();
+    let rows = Rows::Sel {
+        idx: &idx,
+        count: sel.len(),
+        group,
+    };
+    d.matvec(&m, rows, &xb, Some(&bias), &mut part, true)
+        .unwrap();
+    let mut out = down(d, &all, w.rows);
+    out.extend(down(d, &part, n));
+    out
+}
+
+/// y0 + sum of the selected rows weighted by `a`, + a bias.
+fn axpy_on<D: Device>(d: &D, w: &Weight, a: &[f32], sel: &[u32], y0: &[f32]) -> Vec<f32> {
+    let m = d.upload_mat(w).unwrap();
+    let (ab, idx) = (d.upload(a).unwrap(), d.upload_idx(sel).unwrap());
+    let bias = d.upload(&vec![0.5; w.cols]).unwrap();
+    let mut y = d.upload(y0).unwrap();
+    let rows = Rows::Sel {
+        idx: &idx,
+        count: sel.len(),
+        group: 1,
+    };
+    d.axpy(&m, rows, &ab, Some(&bias), &mut y).unwrap();
+    down(d, &y, w.cols)
+}
+
+#[test]
+fn products_match_the_scalar_reference_for_every_type() {
+    let Some(gpu) = gpu() else { return };
+    let host = CpuDevice::reference();
+    let mut r = rng(1);
+    for q in QuantType::ALL {
+        let bl = q.block_len().max(8);
+        // Ragged: columns not a multiple of 256 (nor of 8 for the float types), odd row counts.
+        for (rows, cols) in [(37, 3 * bl), (5, 9 * bl), (130, bl * 11), (9, 4096)] {
+            let cols = if q.block_len() == 1 { cols + 3 } else { cols };
+            let w_bytes = random_matrix(&mut r, q, rows, cols);
+            let w = Weight::new(q, rows, cols, &w_bytes).unwrap();
+            let x = randv(&mut r, cols);
+            let group = if rows % 5 == 0 { 5 } else { 1 };
+            let sel: Vec<u32> = (0..rows / group)
+                .rev()
+                .step_by(2)
+                .map(|i| i as u32)
+                .collect();
+            let want = matvec_on(&host, &w, &x, &sel, group);
+            let got = matvec_on(&gpu, &w, &x, &sel, group);
+            let mut deq = vec![0.0; cols];
+            let mags: Vec<f32> = (0..rows)
+                .map(|row| {
+                    dejavu_backend_cpu::dequant::dequantize_row(q, w.row(row), &mut deq);
+                    magnitude(&deq, &x)
+                })
+                .collect();
+            let mag = |i: usize| {
+                let row = if i < rows {
+                    i
+                } else {
+                    let j = i - rows;
+                    sel[j / group] as usize * group + j % group
+                };
+                mags[row]
+            };
+            close(&format!("matvec {q:?} {rows}x{cols}"), &got, &want, |i| {
+                1e-4 * (2.0 + mag(i))
+            });
+
+            // axpy over the same matrix read neuron-major (rows are neurons).
+            let y0 = randv(&mut r, cols);
+            let sel1: Vec<u32> = (0..rows as u32).filter(|i| i % 3 != 1).collect();
+            let mut a1 = randv(&mut r, sel1.len());
+            a1.iter_mut().step_by(4).for_each(|a| *a = 0.0); // ReLU zeros: rows left unread
+            let want = axpy_on(&host, &w, &a1, &sel1, &y0);
+            let got = axpy_on(&gpu, &w, &a1, &sel1, &y0);
+            close(&format!("axpy {q:?} {rows}x{cols}"), &got, &want, |_| {
+                1e-4 * (1.0 + rows as f32 * 0.1)
+            });
+
+            // Embedding lookup of a token and a position row, accumulated.
+            let want = embed_on(&host, &w, rows);
+            let got = embed_on(&gpu, &w, rows);
+            close(&format!("embed {q:?}"), &got, &want, |_| 1e-5);
+
+            // A batch's products: batches of one, of a few and past one 64-row tile.
+            for nt in [1, 5, 70] {
+                let xs = randv(&mut r, nt * cols);
+                let want = matmul_on(&host, &w, &xs, nt);
+                let got = matmul_on(&gpu, &w, &xs, nt);
+                let mags: Vec<f32> = (0..nt * rows)
+                    .map(|i| {
+                        let (t, row) = (i / rows, i % rows);
+                        dejavu_backend_cpu::dequant::dequantize_row(q, w.row(row), &mut deq);
+                        magnitude(&deq, &xs[t * cols..(t + 1) * cols])
+                    })
+                    .collect();
+                let tol = |i: usize| 1e-4 * (2.0 + mags[i % (nt * rows)]);
+                close(
+                    &format!("matmul {q:?} {rows}x{cols} of {nt}"),
+                    &got,
+                    &want,
+                    tol,
+                );
+            }
+        }
+    }
+}
+
+/// Products of batches large enough for the 64-row tiles (the other cases above take the
+/// 32-row ones): ragged rows, batch rows, and columns not a multiple of a k-step.
+#[test]
+fn large_batch_products_match_the_scalar_reference() {
+    let Some(gpu) = gpu() else { return };
+    let host = CpuDevice::reference();
+    let mut r = rng(8);
+    for (q, rows, cols, nt) in [
+        (QuantType::Q4_1, 4096, 256, 300),
+        (QuantType::F16, 4100, 264, 261),
+    ] {
+        let bytes = random_matrix(&mut r, q, rows, cols);
+        let w = Weight::new(q, rows, cols, &bytes).unwrap();
+        let xs = randv(&mut r, nt * cols);
+        let want = matmul_on(&host, &w, &xs, nt);
+        let got = matmul_on(&gpu, &w, &xs, nt);
+        // |w| <= 1 and |x| <= 1 elementwise, so a dot's rounding is below ~1e-6 of cols.
+        close(
+            &format!("matmul {q:?} {rows}x{cols} of {nt}"),
+            &got,
+            &want,
+            |i| 1e-4 * (2.0 + want[i].abs()) + 1e-5 * cols as f32,
+        );
+    }
+}
+
+/// A batch of `nt` rows through two products in one launch: plain with ReLU, and accumulated
+/// onto ones with a bias. Both outputs, `[nt][rows]` each.
+fn matmul_on<D: Device>(d: &D, w: &Weight, xs: &[f32], nt: usize) -> Vec<f32> {
+    let m = d.upload_mat(w).unwrap();
+    d.set_step(&vec![0; nt], 0).unwrap();
+    let xb = d.upload(xs).unwrap();
+    let bias = d.upload(&vec![0.25; w.rows]).unwrap();
+    let (mut y0, mut y1) = (
+        d.zeros(nt * w.rows).unwrap(),
+        d.upload(&vec![1.0; nt * w.rows]).unwrap(),
+    );
+    let p0 = Product::new(&m, Rows::All, &mut y0).act(Activation::Relu);
+    let p1 = Product::new(&m, Rows::All, &mut y1).bias(Some(&bias));
+    d.matmul(&xb, nt, &mut [p0, p1.accumulate()]).unwrap();
+    let mut out = down(d, &y0, nt * w.rows);
+    out.extend(down(d, &y1, nt * w.rows));
+    out
+}
+
+/// Three products of mixed types in one launch: a selection with a bias and ReLU, a SiLU, an
+/// accumulation.
+fn products_on<D: Device>(d: &D, ws: &[Weight], x: &[f32], sel: &[u32], y0: &[f32]) -> Vec<f32> {
+    let m: Vec<D::Mat> = ws.iter().map(|w| d.upload_mat(w).unwrap()).collect();
+    let (xb, idx) = (d.upload(x).unwrap(), d.upload_idx(sel).unwrap());
+    let bias = d.upload(&vec![-0.1; ws[0].rows]).unwrap();
+    let mut ys: Vec<D::Buf> = ws
+        .iter()
+        .map(|w| d.upload(&y0[..w.rows]).unwrap())
+        .collect();
+    let [y0b, y1b, y2b] = &mut ys[..] else {
+        unreachable!()
+    };
+    let rows = Rows::Sel {
+        idx: &idx,
+        count: sel.len(),
+        group: 1,
+    };
+    let p0 = Product::new(&m[0], rows, y0b)
+        .bias(Some(&bias))
+        .act(Activation::Relu);
+    let p1 = Product::new(&m[1], Rows::All, y1b).act(Activation::Silu);
+    let p2 = Product::new(&m[2], Rows::All, y2b).accumulate();
+    d.matvecs(&xb, &mut [p0, p1, p2]).unwrap();
+    let mut out = down(d, &ys[0], sel.len());
+    out.extend(down(d, &ys[1], ws[1].rows));
+    out.extend(down(d, &ys[2], ws[2].rows));
+    out
+}
+
+#[test]
+fn several_products_of_mixed_types_in_one_launch() {
+    let Some(gpu) = gpu() else { return };
+    let host = CpuDevice::reference();
+    let mut r = rng(5);
+    let cols = 1024;
+    let types = [QuantType::Q4K, QuantType::F16, QuantType::Q8_0];
+    let rows = [300, 17, 64];
+    let bytes: Vec<Vec<u8>> = (types.iter().zip(rows))
+        .map(|(&q, n)| random_matrix(&mut r, q, n, cols))
+        .collect();
+    let ws: Vec<Weight> = (0..3)
+        .map(|i| Weight::new(types[i], rows[i], cols, &bytes[i]).unwrap())
+        .collect();
+    let x = randv(&mut r, cols);
+    let y0 = randv(&mut r, 300);
+    let sel: Vec<u32> = (0..300).filter(|i| i % 7 == 3).collect();
+    let want = products_on(&host, &ws, &x, &sel, &y0);
+    let got = products_on(&gpu, &ws, &x, &sel, &y0);
+    close("three products", &got, &want, |i| {
+        1e-3 * (1.0 + want[i].abs())
+    });
+}
+
+/// The 16-bit products of every row that fill the GPU without split-K (the dense step's, which
+/// take the kernel that loads chunks ahead): rows 8-aligned, a ragged tail past the unrolled
+/// loop, three jobs in one launch.
+#[test]
+fn dense_16_bit_products_match_the_scalar_reference() {
+    let Some(gpu) = gpu() else { return };
+    let host = CpuDevice::reference();
+    let mut r = rng(11);
+    for q in [QuantType::F16, QuantType::BF16] {
+        for cols in [1032, 4096] {
+            let rows = [3000, 700, 700];
+            let bytes: Vec<Vec<u8>> = rows
+                .iter()
+                .map(|&n| random_matrix(&mut r, q, n, cols))
+                .collect();
+            let ws: Vec<Weight> = (0..3)
+                .map(|i| Weight::new(q, rows[i], cols, &bytes[i]).unwrap())
+                .collect();
+            let x = randv(&mut r, cols);
+            let want = dense_products_on(&host, &ws, &x);
+            let got = dense_products_on(&gpu, &ws, &x);
+            let mut deq = vec![0.0; cols];
+            let mags: Vec<f32> = (ws.iter())
+                .flat_map(|w| (0..w.rows).map(|row| (w, row)).collect::<Vec<_>>())
+                .map(|(w, row)| {
+                    dejavu_backend_cpu::dequant::dequantize_row(q, w.row(row), &mut deq);
+                    magnitude(&deq, &x)
+                })
+                .collect();
+            close(&format!("dense {q:?} x{cols}"), &got, &want, |i| {
+                1e-4 * (2.0 + mags[i])
+            });
+        }
+    }
+}
+
+fn dense_products_on<D: Device>(d: &D, ws: &[Weight], x: &[f32]) -> Vec<f32> {
+    let m: Vec<D::Mat> = ws.iter().map(|w| d.upload_mat(w).unwrap()).collect();
+    let xb = d.upload(x).unwrap();
+    let mut ys: Vec<D::Buf> = ws.iter().map(|w| d.zeros(w.rows).unwrap()).collect();
+    let [a, b, c] = &mut ys[..] else {
+        unreachable!()
+    };
+    let mut jobs = [
+        Product::new(&m[0], Rows::All, a),
+        Product::new(&m[1], Rows::All, b),
+        Product::new(&m[2], Rows::All, c),
+    ];
+    d.matvecs(&xb, &mut jobs).unwrap();
+    (ys.iter().zip(ws))
+        .flat_map(|(y, w)| down(d, y, w.rows))
+        .collect()
+}
+
+/// Three axpys of one input (`Device::axpys`, as Q, K and V under input sparsity): the second
+/// output cleared first (`Device::clear`), the others added to; each with a bias.
+fn axpys_on<D: Device>(d: &D, ws: &[Weight], a: &[f32], y0: &[f32]) -> Vec<f32> {
+    let m: Vec<D::Mat> = ws.iter().map(|w| d.upload_mat(w).unwrap()).collect();
+    let ab = d.upload(a).unwrap();
+    let bias: Vec<D::Buf> = (ws.iter())
+        .map(|w| d.upload(&vec![0.5; w.cols]).unwrap())
+        .collect();
+    let mut ys: Vec<D::Buf> = (ws.iter())
+        .map(|w| d.upload(&y0[..w.cols]).unwrap())
+        .collect();
+    let [y0b, y1b, y2b] = &mut ys[..] else {
+        unreachable!()
+    };
+    d.clear(&mut [(&mut *y1b, ws[1].cols)]).unwrap();
+    let p = |i: usize, y| Product::new(&m[i], Rows::All, y).bias(Some(&bias[i]));
+    d.axpys(&ab, &mut [p(0, y0b), p(1, y1b), p(2, y2b)])
+        .unwrap();
+    (ys.iter().zip(ws))
+        .flat_map(|(y, w)| down(d, y, w.cols))
+        .collect()
+}
+
+/// Input-major matrices of 3000 inputs, about half of them zero: one type in one launch (the
+/// widest walked in several 256-input segments per row of blocks), then mixed types.
+#[test]
+fn axpys_of_one_input_match_the_scalar_reference() {
+    let Some(gpu) = gpu() else { return };
+    let host = CpuDevice::reference();
+    let mut r = rng(9);
+    let rows = 3000;
+    let mut a = randv(&mut r, rows);
+    a.iter_mut().step_by(2).for_each(|v| *v = 0.0);
+    a[7] = 0.0;
+    let y0 = randv(&mut r, 40000);
+    for types in [
+        [QuantType::BF16; 3],
+        [QuantType::F16, QuantType::Q8_0, QuantType::BF16],
+    ] {
+        // Q8_0 rows hold whole blocks of 32.
+        let cols = [33000, 1024, 1003];
+        let bytes: Vec<Vec<u8>> = (0..3)
+            .map(|i| random_matrix(&mut r, types[i], rows, cols[i]))
+            .collect();
+        let ws: Vec<Weight> = (0..3)
+            .map(|i| Weight::new(types[i], rows, cols[i], &bytes[i]).unwrap())
+            .collect();
+        // |a| |w| summed per output column: the rounding error's scale.
+        let mut mags = Vec::new();
+        for w in &ws {
+            let mut col = vec![0.0f32; w.cols];
+            let mut deq = vec![0.0; w.cols];
+            for (j, &aj) in a.iter().enumerate() {
+                dejavu_backend_cpu::dequant::dequantize_row(w.qtype, w.row(j), &mut deq);
+                col.iter_mut()
+                    .zip(&deq)
+                    .for_each(|(c, d)| *c += (aj * d).abs());
+            }
+            mags.extend(col);
+        }
+        let want = axpys_on(&host, &ws, &a, &y0);
+        let got = axpys_on(&gpu, &ws, &a, &y0);
+        close(&format!("axpys {types:?}"), &got, &want, |i| {
+            1e-4 * (2.0 + mags[i])
+        });
+    }
+}
+
+/// A batch of 3 rows: token rows, then position rows (offset 1) added; then the same tokens
+/// looked up as in a vocabulary shard from row `rows / 2` on (token 0 falls outside: zeros),
+/// over a buffer of ones.
+fn embed_on<D: Device>(d: &D, w: &Weight, rows: usize) -> Vec<f32> {
+    let m = d.upload_mat(w).unwrap();
+    let mut x = d.zeros(3 * w.cols).unwrap();
+    let tokens = [(rows - 1) as u32, 0, (rows / 2) as u32];
+    d.set_step(&tokens, rows / 2 - 2).unwrap();
+    d.embed(&m, StepRow::Token { first: 0 }, false, &mut x, 3)
+        .unwrap();
+    d.embed(&m, StepRow::Position { offset: 1 }, true, &mut x, 3)
+        .unwrap();
+    let mut shard = d.upload(&vec![1.0; 3 * w.cols]).unwrap();
+    let first = rows / 2;
+    d.embed(&m, StepRow::Token { first }, false, &mut shard, 3)
+        .unwrap();
+    let mut out = down(d, &x, 3 * w.cols);
+    out.extend(down(d, &shard, 3 * w.cols));
+    out
+}
