@@ -644,6 +644,9 @@ fn device_errors_are_errors() {
 #[path = "device/inputs.rs"]
 mod inputs;
 
+#[path = "device/batching.rs"]
+mod batching;
+
 #[cfg(feature = "cuda")]
 #[path = "device/cuda.rs"]
 mod cuda;

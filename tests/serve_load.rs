@@ -1,4 +1,4 @@
-//! The load test of `dejavu serve`: SmolLM2 served as a process (two slots), 32 concurrent
+//! The load test of `dejavu serve`: SmolLM2 served as a process (four sequences in one batch), 32 concurrent
 //! clients x 8 requests each (chat and completions, streamed and whole, greedy). Every reply
 //! must arrive whole and equal, byte for byte, what `dejavu generate` prints with the same
 //! settings; the server's anonymous memory must stay flat over the run. Then SIGTERM with
@@ -149,7 +149,7 @@ fn thirty_two_clients_get_every_reply_whole_and_equal_to_generate() {
     // `generate`'s at near-ties (tests/serve.rs checks reuse itself).
     let args = [
         "--parallel",
-        "2",
+        "4",
         "-t",
         "2",
         "--ctx",

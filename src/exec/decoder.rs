@@ -20,6 +20,9 @@ pub trait Decoder {
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
+    /// The caller will not decode for a while (a reply ended): a decoder whose steps join a
+    /// batch of sequences stops holding the batch for this one's next token.
+    fn pause(&mut self) {}
     /// What the last decode step read and computed under the plan (`None` where not known).
     fn last_step(&self) -> Result<Option<StepStats>> {
         Ok(None)

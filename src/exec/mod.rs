@@ -21,6 +21,7 @@ pub mod engine;
 mod model;
 pub mod parallel;
 mod plan;
+mod seqs;
 mod session;
 
 pub use model::DeviceModel;
@@ -31,3 +32,4 @@ pub use session::{
 
 pub use decoder::{Decoder, OnDevice, Sessions};
 pub use engine::{Engine, EngineOptions, KvType, DEFAULT_CTX, MAX_PADDING_ROWS};
+pub use seqs::SeqBatch;

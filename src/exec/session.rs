@@ -7,6 +7,7 @@ use dejavu_backend_api::{Device, MAX_ROWS};
 
 mod batch;
 mod inputs;
+mod many;
 mod rows;
 mod step;
 
@@ -252,6 +253,11 @@ pub struct DeviceSession<'a, D: Device> {
     mask_batches: bool,
     /// Weight bytes one step reads under the plan.
     step_bytes: StepBytes,
+    /// During a step of several sequences this one leads: each row's sequence (see
+    /// [`Self::step_many`]); empty otherwise.
+    rows_seq: Vec<many::RowSeq<D>>,
+    /// Rows of scratch kept for the next step of several sequences.
+    spare: Vec<many::RowScratch<D>>,
 }
 
 impl<'a, D: Device> DeviceSession<'a, D> {
@@ -350,6 +356,8 @@ impl<'a, D: Device> DeviceSession<'a, D> {
             measure: true,
             mask_batches: false,
             step_bytes,
+            rows_seq: Vec::new(),
+            spare: Vec::new(),
         })
     }
 

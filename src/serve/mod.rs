@@ -8,6 +8,7 @@
 //! every `/v1` route needs `Authorization: Bearer KEY`. Shutdown (SIGTERM, Ctrl-C) stops
 //! accepting, lets in-flight replies finish, and returns.
 pub mod api;
+pub mod batch;
 mod connections;
 mod embed;
 mod tokens;

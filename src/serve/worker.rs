@@ -238,6 +238,7 @@ pub fn run_slot(engine: &Engine, dec: &mut dyn Decoder, jobs: &Jobs, metrics: &M
             Work::Generate(req) => run_job(&slot, dec, req, &mut grammars, &mut cached),
             Work::Embed(texts) => embed(&slot, dec, texts, &mut cached),
         };
+        dec.pause();
         metrics.busy.fetch_sub(1, Ordering::Relaxed);
         match done {
             Ok(Ran {

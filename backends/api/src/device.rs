@@ -376,6 +376,18 @@ pub trait Device: Send + Sync {
         y: &mut Self::Buf,
     ) -> Result<(), BackendError>;
 
+    /// `y[r * width..(r + n) * width] = x[..n * width]`: rows of a batch written back (the
+    /// inverse of [`Device::take_rows`]; a row of a step of several sequences, computed on its
+    /// own against its sequence's cache).
+    fn put_rows(
+        &self,
+        x: &Self::Buf,
+        r: usize,
+        n: usize,
+        width: usize,
+        y: &mut Self::Buf,
+    ) -> Result<(), BackendError>;
+
     /// `dst[idx[j]] = src[j]` for `j < n` (the exact logits of the contextual head's
     /// candidates), the indices distinct; an index past `dst` writes nothing.
     fn scatter(

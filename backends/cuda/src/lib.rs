@@ -604,6 +604,26 @@ impl Device for CudaDevice {
         launch::run(b, launch::grid(n * width, 256))
     }
 
+    fn put_rows(
+        &self,
+        x: &Buf,
+        r: usize,
+        n: usize,
+        width: usize,
+        y: &mut Buf,
+    ) -> Result<(), BackendError> {
+        need("put_rows input", x.0.len(), n * width)?;
+        need("put_rows output", y.0.len(), (r + n) * width)?;
+        if n * width == 0 {
+            return Ok(());
+        }
+        let yp = self.ptr(&y.0) + (r * width * 4) as u64;
+        let (xp, ni) = (self.ptr(&x.0), (n * width) as i32);
+        let mut b = self.lane().launch_builder(self.func("copy_f32"));
+        b.arg(&xp).arg(&yp).arg(&ni);
+        launch::run(b, launch::grid(n * width, 256))
+    }
+
     fn rope(
         &self,
         x: &mut Buf,

@@ -109,6 +109,10 @@ fn elementwise_on<D: Device>(d: &D, x: &[f32], w: &[f32], b: &[f32], hd: usize) 
     out.extend(down(d, &g, n));
     d.take_rows(&xb, 1, 2, n / 4, &mut g).unwrap();
     out.extend(down(d, &g, n));
+    // Rows written back at an offset (the rest of the output kept).
+    let mut g = d.upload(x).unwrap();
+    d.put_rows(&bb, 2, 1, n / 4, &mut g).unwrap();
+    out.extend(down(d, &g, n));
     // A selection's compact values (single units and whole heads), magnitudes, head norms.
     let sel: Vec<u32> = (0..(n / hd) as u32).rev().step_by(2).collect();
     let sel_idx = d.upload_idx(&sel).unwrap();

@@ -3,7 +3,7 @@
 use anyhow::{bail, Result};
 use dejavu::eval::bench::{self, BenchResult, BenchSpec};
 use dejavu::exec::Engine;
-use dejavu::exec::{Decoder, Sessions};
+use dejavu::exec::{Decoder, SeqBatch, Sessions};
 use dejavu::sparsity::policy::Policy;
 
 /// Where a command runs.
@@ -38,6 +38,53 @@ pub fn with_decoder<R>(
         (BackendKind::Cuda, 1) => cuda(engine, policy, f),
         (BackendKind::Cuda, n) => cuda_parallel(engine, policy, n, f),
     }
+}
+
+/// Run `f` on `n` fresh sequences of `engine` under `policy` on one device, where `at` says:
+/// what continuous batching steps together (`serve --parallel N`).
+pub fn with_sequences<R>(
+    engine: &Engine,
+    at: Placement,
+    policy: &Policy,
+    n: usize,
+    f: impl FnOnce(&mut dyn SeqBatch) -> Result<R>,
+) -> Result<R> {
+    match (at.backend, at.tensor_parallel) {
+        (BackendKind::Cpu, 1) => {
+            let seqs = (0..n).map(|_| engine.decoder(policy));
+            f(&mut seqs.collect::<dejavu::Result<Vec<_>>>()?)
+        }
+        (BackendKind::Cuda, 1) => cuda_sequences(engine, policy, n, f),
+        (_, _) => bail!("batched sequences run on one device: no --tensor-parallel"),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_sequences<R>(
+    engine: &Engine,
+    policy: &Policy,
+    n: usize,
+    f: impl FnOnce(&mut dyn SeqBatch) -> Result<R>,
+) -> Result<R> {
+    use dejavu::exec::{DeviceModel, DevicePlan, DeviceSession};
+    let dev = dejavu_backend_cuda::CudaDevice::new(0)?;
+    let model: DeviceModel<_> = engine.device_model(&dev, &[policy])?;
+    let mut seqs = Vec::with_capacity(n);
+    for _ in 0..n {
+        let plan = DevicePlan::policy(&dev, &engine.model.config, policy)?;
+        seqs.push(DeviceSession::new(&dev, &model, plan, engine.n_ctx)?);
+    }
+    f(&mut seqs)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_sequences<R>(
+    _: &Engine,
+    _: &Policy,
+    _: usize,
+    _: impl FnOnce(&mut dyn SeqBatch) -> Result<R>,
+) -> Result<R> {
+    bail!("this build has no CUDA backend: build with `cargo build --release --features cuda`")
 }
 
 /// Run `f` where `at` says, on sequences it opens (`sparse`: under sparse policies too, which on

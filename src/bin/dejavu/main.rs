@@ -68,7 +68,7 @@ enum Command {
     },
 }
 
-#[derive(Args)]
+#[derive(Args, Clone)]
 struct ModelArgs {
     /// GGUF file, Hugging Face checkpoint directory or known model name (default:
     /// smollm2-135m-instruct, fetched on first use).

@@ -1,11 +1,16 @@
-//! `dejavu serve`: the OpenAI-compatible server (`dejavu::serve`) over `--parallel` engine
-//! slots, each an engine of its own with `threads / parallel` threads and its own KV cache.
+//! `dejavu serve`: the OpenAI-compatible server (`dejavu::serve`) over `--parallel` slots. On
+//! one device the slots' sequences share one engine, with every thread, and their decode
+//! steps run together (continuous batching, `serve::batch`); tensor-parallel worlds keep an
+//! engine per slot.
 use super::{ModelArgs, SparsityArgs};
-use crate::backend_choice::with_decoder;
+use crate::backend_choice::{with_decoder, with_sequences, Placement};
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use dejavu::exec::Engine;
 use dejavu::serve::{self, Limits, ServeOptions, Slot};
+use dejavu::sparsity::policy::Policy;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 #[derive(Args)]
@@ -17,7 +22,8 @@ pub struct ServeArgs {
     host: String,
     #[arg(long, default_value_t = 8080)]
     port: u16,
-    /// Engine slots generating at once, each with its own KV cache.
+    /// Replies generated at once, each with its own KV cache; their decode steps run as one
+    /// batch (one read of the weights for all of them).
     #[arg(long, default_value_t = 1)]
     parallel: usize,
     /// Context window of each slot in tokens (default: min(model's, 4096)).
@@ -80,43 +86,33 @@ pub fn cmd_serve(a: ServeArgs) -> Result<()> {
         bail!("--parallel must be at least 1");
     }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let mut model = a.model;
+    let mut model = a.model.clone();
     let launched_as = (model.model.as_ref()).map_or(dejavu::fetch::DEFAULT_MODEL.into(), |m| {
         m.to_string_lossy().into_owned()
     });
     let threads = model.threads.unwrap_or(cores);
-    model.threads = Some((threads / a.parallel).max(1));
+    let batched = a.parallel > 1 && model.tensor_parallel <= 1;
+    if !batched {
+        model.threads = Some((threads / a.parallel).max(1));
+    }
     let mut slots: Vec<Slot> = Vec::new();
     let mut opts = None;
-    for i in 0..a.parallel {
+    // Batched: one engine, its sequences stepped together on one thread; else (one slot, or
+    // tensor-parallel worlds) an engine per slot.
+    let copies = if batched { 1 } else { a.parallel };
+    for i in 0..copies {
         let engine = model
             .load(a.ctx)
             .with_context(|| format!("loading slot {i}"))?;
         let policy = a.sparsity.policy(&engine)?;
         if opts.is_none() {
-            let names = serve::model_names(&a.alias, &launched_as, &engine.model.path);
-            opts = Some(ServeOptions {
-                model_id: names[0].clone(),
-                model_names: names,
-                api_key: api_key.clone(),
-                queue: a.queue,
-                queue_timeout: Duration::from_secs(a.queue_timeout),
-                max_body: 1 << 20,
-                default_max_tokens: a.max_tokens,
-                vocab: engine.model.config.vocab_size,
-                tokenizer: engine.tokenizer.clone(),
-                sparsity: policy.name.clone(),
-                mlp_density: policy.mean_mlp_density(engine.model.config.n_ff),
-                reuse_prefix: !a.no_prefix_reuse,
-                limits: Limits {
-                    max_connections: a.max_connections,
-                    read_timeout: Duration::from_secs(a.read_timeout.max(1)),
-                    stall_timeout: Duration::from_secs(a.stall_timeout.max(1)),
-                    shutdown_grace: Duration::from_secs(a.shutdown_grace),
-                },
-            });
+            opts = Some(options(&a, &launched_as, api_key.clone(), &engine, &policy));
         }
         let backend = model.placement();
+        if batched {
+            slots = batched_slots(engine, policy, backend, a.parallel)?;
+            break;
+        }
         slots.push(Box::new(move |jobs, metrics| {
             let run = with_decoder(&engine, backend, &policy, |dec| {
                 serve::worker::run_slot(&engine, dec, &jobs, &metrics);
@@ -147,6 +143,74 @@ pub fn cmd_serve(a: ServeArgs) -> Result<()> {
         eprintln!("stopped");
         Ok(())
     })
+}
+
+/// The server's options, from the arguments and the first engine.
+fn options(
+    a: &ServeArgs,
+    launched_as: &str,
+    api_key: Option<String>,
+    engine: &Engine,
+    policy: &Policy,
+) -> ServeOptions {
+    let names = serve::model_names(&a.alias, launched_as, &engine.model.path);
+    ServeOptions {
+        model_id: names[0].clone(),
+        model_names: names,
+        api_key,
+        queue: a.queue,
+        queue_timeout: Duration::from_secs(a.queue_timeout),
+        max_body: 1 << 20,
+        default_max_tokens: a.max_tokens,
+        vocab: engine.model.config.vocab_size,
+        tokenizer: engine.tokenizer.clone(),
+        sparsity: policy.name.clone(),
+        mlp_density: policy.mean_mlp_density(engine.model.config.n_ff),
+        reuse_prefix: !a.no_prefix_reuse,
+        limits: Limits {
+            max_connections: a.max_connections,
+            read_timeout: Duration::from_secs(a.read_timeout.max(1)),
+            stall_timeout: Duration::from_secs(a.stall_timeout.max(1)),
+            shutdown_grace: Duration::from_secs(a.shutdown_grace),
+        },
+    }
+}
+
+/// `n` slots over one engine (continuous batching): the batch thread owns the `n` sequences
+/// on the device and steps them together; each slot's decoder hands it its tokens.
+fn batched_slots(engine: Engine, policy: Policy, at: Placement, n: usize) -> Result<Vec<Slot>> {
+    let engine = Arc::new(engine);
+    let (decs, rx) = serve::batch::decoders(n, engine.n_ctx);
+    let (eng, (tx, ready)) = (engine.clone(), std::sync::mpsc::channel());
+    std::thread::Builder::new()
+        .name("batch".into())
+        .spawn(move || {
+            let ran = with_sequences(&eng, at, &policy, n, |seqs| {
+                let _ = tx.send(Ok(()));
+                serve::batch::run(seqs, rx);
+                Ok(())
+            });
+            if let Err(e) = ran {
+                let _ = tx.send(Err(format!("{e:#}")));
+            }
+        })?;
+    // The sequences are open (or why not) before the server starts.
+    match ready.recv() {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => bail!("opening {n} sequences: {e}"),
+        Err(_) => bail!("opening {n} sequences: the batch thread ended"),
+    }
+    Ok(decs
+        .into_iter()
+        .map(|mut dec| {
+            let engine = engine.clone();
+            Box::new(
+                move |jobs: Arc<serve::worker::Jobs>, metrics: Arc<serve::Metrics>| {
+                    serve::worker::run_slot(&engine, &mut dec, &jobs, &metrics)
+                },
+            ) as Slot
+        })
+        .collect())
 }
 
 /// Ctrl-C, or SIGTERM where there are signals.

@@ -21,13 +21,18 @@ pub(super) enum Pass {
     /// row's products as a dense decode step computes them ([`Device::matmul_steps`]: a
     /// speculative draft's verification).
     Batch { rows: usize, steps: bool },
+    /// A decode step of several sequences, one row each (see `DeviceSession::step_many`):
+    /// every unit, each row's products as its own decode step computes them, and the verbs
+    /// that read positions or a cache (learned positions, RoPE, the K/V store, attention) run
+    /// row by row against the row's own sequence.
+    Seqs { rows: usize },
 }
 
 impl Pass {
     fn rows(self) -> usize {
         match self {
             Pass::Step => 1,
-            Pass::Batch { rows, .. } => rows,
+            Pass::Batch { rows, .. } | Pass::Seqs { rows } => rows,
         }
     }
 }
@@ -38,7 +43,9 @@ fn products<D: Device>(dev: &D, x: &D::Buf, pass: Pass, jobs: &mut [Product<'_, 
     match pass {
         Pass::Step => dev.matvecs(x, jobs)?,
         Pass::Batch { rows, steps: false } => dev.matmul(x, rows, jobs)?,
-        Pass::Batch { rows, steps: true } => dev.matmul_steps(x, rows, jobs)?,
+        Pass::Batch { rows, steps: true } | Pass::Seqs { rows } => {
+            dev.matmul_steps(x, rows, jobs)?
+        }
     }
     Ok(())
 }
@@ -64,7 +71,10 @@ impl<D: Device> DeviceSession<'_, D> {
             dev.scale_cap(&mut s.x, rows * c.d_model, e, None)?;
         }
         if let (Positions::Learned { offset }, Some(pe)) = (c.positions, &m.pos_embd) {
-            dev.embed(pe, StepRow::Position { offset }, true, &mut s.x, rows)?;
+            match pass {
+                Pass::Seqs { .. } => self.positions_by_row(pe, offset)?,
+                _ => dev.embed(pe, StepRow::Position { offset }, true, &mut s.x, rows)?,
+            }
         }
         lap(clock, dev, |t| &mut t.embed)?;
         for l in 0..c.n_layers {
@@ -245,13 +255,21 @@ impl<D: Device> DeviceSession<'_, D> {
                 }
                 let nk = rows * c.n_kv_heads;
                 head_norm(dev, c, lw.k_norm.as_ref(), &mut s.k, &mut s.att, nk)?;
-                if let Some(r) = m.rotary(l) {
-                    let (nkv, (q, k)) = (c.n_kv_heads, (&mut s.q, &mut s.k));
-                    dev.rope_qk(q, n_q, k, nkv, hd, r, rows)?;
+                if let Pass::Seqs { .. } = pass {
+                    // RoPE, the store and attention, row by row into `s.att`.
+                    let rs = &mut self.rows_seq;
+                    let caches = (&mut self.k[l], &mut self.v[l]);
+                    super::many::attend_by_row(dev, m, l, rs, s, caches)?;
+                } else {
+                    if let Some(r) = m.rotary(l) {
+                        let (nkv, (q, k)) = (c.n_kv_heads, (&mut s.q, &mut s.k));
+                        dev.rope_qk(q, n_q, k, nkv, hd, r, rows)?;
+                    }
+                    dev.store(&s.k, &s.v, &mut self.k[l], &mut self.v[l], rows)?;
                 }
-                dev.store(&s.k, &s.v, &mut self.k[l], &mut self.v[l], rows)?;
             }
         }
+        let s = &mut self.s;
         let geom = AttnGeom {
             n_heads: c.n_heads,
             n_kv_heads: c.n_kv_heads,
@@ -264,7 +282,9 @@ impl<D: Device> DeviceSession<'_, D> {
         let out = residual_out(dev, m, s, pass, post.is_some())?;
         if n_sel > 0 {
             let (kc, vc) = (&self.k[l], &self.v[l]);
-            dev.attention(&s.q, kc, vc, attn_rows, geom, &mut s.att)?;
+            if !matches!(pass, Pass::Seqs { .. }) {
+                dev.attention(&s.q, kc, vc, attn_rows, geom, &mut s.att)?;
+            }
             if !step {
                 keep(dev, m, &mut self.capture, Kept::HeadNorms, l, &s.att, rows)?;
             }

@@ -487,6 +487,20 @@ impl Device for CpuDevice {
         Ok(())
     }
 
+    fn put_rows(
+        &self,
+        x: &Vec<f32>,
+        r: usize,
+        n: usize,
+        width: usize,
+        y: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        need("put_rows input", x.len(), n * width)?;
+        need("put_rows output", y.len(), (r + n) * width)?;
+        y[r * width..(r + n) * width].copy_from_slice(&x[..n * width]);
+        Ok(())
+    }
+
     fn rope(
         &self,
         x: &mut Vec<f32>,

@@ -1,0 +1,77 @@
+//! Several sequences on one device, decoded together: what continuous batching runs on
+//! (`dejavu serve --parallel N`). Each sequence has its own KV cache; a step of several runs
+//! one row per sequence through [`DeviceSession::step_many`].
+use crate::exec::{DeviceSession, Logits};
+use crate::{Error, Result};
+use dejavu_backend_api::Device;
+
+/// Sequences `0..count()` of one model on one device.
+pub trait SeqBatch {
+    fn count(&self) -> usize;
+    /// The context of each sequence.
+    fn n_ctx(&self) -> usize;
+    /// Tokens in sequence `seq`'s cache.
+    fn len(&self, seq: usize) -> usize;
+    /// Forget sequence `seq`'s positions from `len` on.
+    fn truncate(&mut self, seq: usize, len: usize);
+    /// Do steps of several sequences run as one batch (every sequence's plan is dense)? If
+    /// not, [`Self::step`] runs them one after another.
+    fn batches(&self) -> bool;
+    /// `tokens` after what sequence `seq` holds, alone (a prompt, or a chunk of one); the rows
+    /// `want` names.
+    fn run(&mut self, seq: usize, tokens: &[u32], want: Logits) -> Result<Vec<f32>>;
+    /// One decode step of the distinct sequences `seqs`: `tokens[i]` after what `seqs[i]`
+    /// holds. The logits, `[n][vocab]`.
+    fn step(&mut self, seqs: &[usize], tokens: &[u32]) -> Result<Vec<f32>>;
+}
+
+impl<D: Device> SeqBatch for Vec<DeviceSession<'_, D>> {
+    fn count(&self) -> usize {
+        self.len()
+    }
+    fn n_ctx(&self) -> usize {
+        self.first().map_or(0, crate::exec::Decoder::n_ctx)
+    }
+    fn len(&self, seq: usize) -> usize {
+        self.get(seq).map_or(0, |s| s.len())
+    }
+    fn truncate(&mut self, seq: usize, len: usize) {
+        if let Some(s) = self.get_mut(seq) {
+            s.truncate(len);
+        }
+    }
+    fn batches(&self) -> bool {
+        self.iter().all(|s| s.batches())
+    }
+    fn run(&mut self, seq: usize, tokens: &[u32], want: Logits) -> Result<Vec<f32>> {
+        let s = self.get_mut(seq).ok_or_else(|| no_sequence(seq))?;
+        Ok(s.run(tokens, want)?.to_vec())
+    }
+    fn step(&mut self, seqs: &[usize], tokens: &[u32]) -> Result<Vec<f32>> {
+        let mut all: Vec<Option<&mut DeviceSession<D>>> = self.iter_mut().map(Some).collect();
+        let mut rows = Vec::with_capacity(seqs.len());
+        for &s in seqs {
+            let taken = all.get_mut(s).and_then(Option::take);
+            rows.push(taken.ok_or_else(|| no_sequence(s))?);
+        }
+        if rows.iter().all(|s| s.batches()) {
+            return DeviceSession::step_many(&mut rows, tokens);
+        }
+        if tokens.len() != rows.len() {
+            return Err(Error::Invalid(
+                "a step's tokens and sequences differ".into(),
+            ));
+        }
+        let mut out = Vec::new();
+        for (s, &t) in rows.iter_mut().zip(tokens) {
+            out.extend_from_slice(s.forward(&[t])?);
+        }
+        Ok(out)
+    }
+}
+
+fn no_sequence(seq: usize) -> Error {
+    Error::Invalid(format!(
+        "sequence {seq} is not in the batch, or named twice"
+    ))
+}

@@ -1,0 +1,195 @@
+#!/usr/bin/env python3
+"""Serving throughput side by side: `dejavu serve` and, optionally, llama.cpp's `llama-server`.
+
+Each round starts each server in turn (alternating, so slow phases of a shared machine hit
+both alike) with `--parallel N` sequences at the given threads, warms it, then measures:
+  - one client alone: greedy completions of --tokens tokens (ignore_eos), tok/s;
+  - N concurrent clients doing the same: aggregate tok/s (completion tokens / wall time);
+  - time to first token of a long prompt (--long-prompt tokens, streamed) sent while the N
+    clients run, several times a round (p50 / p99 / max over every round).
+It prints one line per round and server, then a table of medians and the ratios that the
+serving targets name (N clients / one client; dejavu / llama-server).
+
+llama.cpp is not part of this repository: build llama-server in a scratch folder (for example
+from the source distribution of the `llama-cpp-python` package: `pip download llama-cpp-python
+--no-deps --no-binary :all:`, unpack, `cmake -B build vendor/llama.cpp -DGGML_NATIVE=ON
+-DLLAMA_CURL=OFF && cmake --build build --target llama-server`) and pass its path.
+
+    python3 tools/serve_bench.py --model PATH.gguf --llama-server /scratch/llama-server --rounds 3
+"""
+import argparse
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = [
+    "The old harbour town woke up slowly, and",
+    "My favourite recipe starts with",
+    "In 1905, the young physicist",
+    "The train left the station at",
+    "def fibonacci(n):",
+    "Dear customer, we are writing to",
+    "The three main causes of the war were",
+    "Step 1: open the box. Step 2:",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(base: str, body: dict, stream: bool = False):
+    req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    return urllib.request.urlopen(req, timeout=600)
+
+
+def complete(base: str, prompt: str, tokens: int) -> int:
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
+    with post(base, body) as r:
+        return json.load(r)["usage"]["completion_tokens"]
+
+
+def first_token(base: str, prompt: str) -> float:
+    """Seconds from sending a streamed request to its first token's chunk."""
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True}
+    t0 = time.perf_counter()
+    with post(base, body) as r:
+        for line in r:
+            line = line.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                if chunk["choices"] and chunk["choices"][0].get("text"):
+                    dt = time.perf_counter() - t0
+                    for _ in r:
+                        pass
+                    return dt
+    return time.perf_counter() - t0
+
+
+class Server:
+    def __init__(self, cmd: list, port: int):
+        self.base = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        t0 = time.time()
+        while time.time() - t0 < 300:
+            if self.proc.poll() is not None:
+                sys.exit(f"{cmd[0]} exited: {self.proc.stderr.read().decode()[-2000:]}")
+            try:
+                with urllib.request.urlopen(self.base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except Exception:
+                time.sleep(0.3)
+        sys.exit(f"{cmd[0]} did not come up")
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def measure(base: str, n: int, tokens: int, long_prompt: str, ttft_samples: int) -> dict:
+    for p in PROMPTS[:2]:
+        complete(base, p, 8)
+    t0 = time.perf_counter()
+    one = complete(base, PROMPTS[0], tokens)
+    one_tps = one / (time.perf_counter() - t0)
+    done = []
+    lock = threading.Lock()
+
+    def client(i: int):
+        got = complete(base, PROMPTS[i % len(PROMPTS)], tokens)
+        with lock:
+            done.append(got)
+
+    ttft = []
+
+    def long_requests():
+        for _ in range(ttft_samples):
+            time.sleep(0.3)
+            ttft.append(first_token(base, long_prompt))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    agg = sum(done) / (time.perf_counter() - t0)
+    # TTFT mid-load: the clients again, with the long prompts sent while they run.
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    long_requests()
+    for t in threads:
+        t.join()
+    return {"one": one_tps, "agg": agg, "ttft": ttft}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="GGUF file")
+    ap.add_argument("--dejavu", default=str(ROOT / "target" / "release" / "dejavu"))
+    ap.add_argument("--llama-server", help="path to a llama-server binary (optional)")
+    ap.add_argument("--parallel", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--ctx", type=int, default=2048, help="context of each sequence")
+    ap.add_argument("--long-prompt", type=int, default=512, help="tokens (about) of the TTFT prompt")
+    ap.add_argument("--ttft-samples", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args()
+    # About one token per word in these models' vocabularies; the server reports the count.
+    long_prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * (a.long_prompt // 10))
+    servers = {"dejavu": lambda port: [a.dejavu, "serve", "-m", a.model, "--port", str(port),
+                                       "--parallel", str(a.parallel), "-t", str(a.threads),
+                                       "--ctx", str(a.ctx), "--no-prefix-reuse"]}
+    if a.llama_server:
+        servers["llama-server"] = lambda port: [
+            a.llama_server, "-m", a.model, "--port", str(port), "--parallel", str(a.parallel),
+            "-cb", "-t", str(a.threads), "-c", str(a.ctx * a.parallel), "--no-warmup",
+            "--cache-reuse", "0"]
+    res: dict = {name: [] for name in servers}
+    for r in range(a.rounds):
+        for name, cmd in servers.items():
+            port = free_port()
+            s = Server(cmd(port), port)
+            try:
+                m = measure(s.base, a.parallel, a.tokens, long_prompt, a.ttft_samples)
+            finally:
+                s.stop()
+            res[name].append(m)
+            print(f"round {r + 1} {name}: one client {m['one']:.1f} tok/s, {a.parallel} clients "
+                  f"{m['agg']:.1f} tok/s ({m['agg'] / m['one']:.2f}x), TTFT "
+                  f"{' '.join(f'{t:.2f}' for t in m['ttft'])} s", file=sys.stderr)
+    print(f"| server | one client tok/s | {a.parallel} clients tok/s | ratio | "
+          f"TTFT p50 / p99 s ({a.long_prompt}-token prompt mid-load) |")
+    print("|---|---:|---:|---:|---|")
+    for name, ms in res.items():
+        one = statistics.median(m["one"] for m in ms)
+        agg = statistics.median(m["agg"] for m in ms)
+        ttft = sorted(t for m in ms for t in m["ttft"])
+        p99 = ttft[min(len(ttft) - 1, round(0.99 * (len(ttft) - 1)))]
+        print(f"| {name} | {one:.1f} | {agg:.1f} | {agg / one:.2f}x | "
+              f"{statistics.median(ttft):.2f} / {p99:.2f} |")
+    if a.llama_server:
+        ratios = [d["agg"] / l["agg"] for d, l in zip(res["dejavu"], res["llama-server"])]
+        print(f"\ndejavu / llama-server aggregate, per round: "
+              f"{' '.join(f'{x:.2f}' for x in ratios)} (median {statistics.median(ratios):.2f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
