@@ -305,3 +305,53 @@ fn speed_report_and_per_block_bench() {
     assert!(mb(paper, "attention") < mb(dense, "attention"));
     assert_eq!(mb(paper, "output"), mb(dense, "output"));
 }
+
+/// `bench --batch` times steps of several sequences: a row per batch size with its aggregate
+/// tok/s and its ratio to batch 1 (1 for batch 1 itself), as a table and as JSON; a batch of
+/// 0 is refused.
+#[test]
+fn bench_of_several_sequences_per_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("batch.json");
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_dejavu"))
+            .args([
+                "bench",
+                "-m",
+                "synthetic:opt-125m",
+                "--dtype",
+                "q8_0",
+                "-t",
+                "2",
+            ])
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let j = json.to_str().unwrap();
+    let out = run(&[
+        "--batch", "1,2,4", "-p", "8", "-n", "2", "-r", "1", "--json", j,
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        table.lines().filter(|l| l.starts_with("| cpu")).count(),
+        3,
+        "{table}"
+    );
+    let rows: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let batches: Vec<u64> = rows.iter().map(|r| r["batch"].as_u64().unwrap()).collect();
+    assert_eq!(batches, [1, 2, 4]);
+    assert_eq!(rows[0]["vs_one"].as_f64(), Some(1.0));
+    for r in &rows {
+        assert!(r["step_ms"].as_f64().unwrap() > 0.0 && r["tok_per_s"].as_f64().unwrap() > 0.0);
+    }
+    let out = run(&["--batch", "0,2", "-n", "2"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--batch"));
+}

@@ -17,6 +17,7 @@
 //! each so they see the same machine conditions; we report the median and the sample standard
 //! deviation. A decode test then profiles a few steps of each policy block by block. Token ids
 //! are a fixed pseudo-random sequence (as llama-bench does), so speed does not depend on a text.
+pub mod batched;
 mod table;
 
 pub use table::{csv, gains, gains_markdown, markdown, plot_gains, GainRow};

@@ -63,6 +63,12 @@ pub struct BenchArgs {
     /// the table).
     #[arg(long)]
     pub plot: Option<std::path::PathBuf>,
+    /// Decode steps of several sequences at once (continuous batching): the sequence counts
+    /// to measure, comma-separated (`1,2,4,8`), each sequence holding a `-p`-token prompt,
+    /// `-n` steps timed; the first `--sparsity` policy. With `--plot`, the speedup over batch 1
+    /// as a PNG.
+    #[arg(long, value_delimiter = ',')]
+    pub batch: Vec<usize>,
     /// Only redraw `--plot` from the points a previous `--plot` saved (no measuring).
     #[arg(long, requires = "plot")]
     pub replot: Option<std::path::PathBuf>,
@@ -128,7 +134,10 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
         };
         places.extend(a.threads.iter().map(|&t| (at, Some(t))));
     }
-    let ctx = a.n_prompt.max(a.n_gen + 1).max(16);
+    let ctx = match a.batch.is_empty() {
+        true => a.n_prompt.max(a.n_gen + 1).max(16),
+        false => (a.n_prompt.max(1) + a.n_gen + 1).max(16),
+    };
     // Loaded once (a synthetic model is built once); each thread count gets its own pool.
     let mut engine = load_engine(
         &path,
@@ -143,6 +152,9 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
     let policies = (a.sparsity.iter())
         .map(|spec| policy_for(&engine, spec, a.predictors.as_deref()))
         .collect::<Result<Vec<_>>>()?;
+    if !a.batch.is_empty() {
+        return bench_batches(&a, &mut engine, &places, &policies[0]);
+    }
     let tests = [a.n_prompt, a.n_gen].iter().filter(|&&n| n > 0).count();
     let runs = places.len() * tests * a.repetitions * policies.len();
     let bar = indicatif::ProgressBar::new(runs as u64);
@@ -198,6 +210,61 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
     }
     if let Some(p) = &a.csv {
         dejavu::fsio::write(p, bench::csv(&results))
+            .with_context(|| format!("writing {}", p.display()))?;
+    }
+    Ok(())
+}
+
+/// `--batch`: steps of several sequences on each place, a table (and `--plot`'s PNG).
+fn bench_batches(
+    a: &BenchArgs,
+    engine: &mut dejavu::exec::Engine,
+    places: &[(Placement, Option<usize>)],
+    policy: &dejavu::sparsity::policy::Policy,
+) -> Result<()> {
+    use dejavu::eval::bench::batched;
+    if a.batch.contains(&0) || a.n_gen == 0 {
+        bail!("--batch takes sequence counts of 1 or more, and -n steps of 1 or more");
+    }
+    let most = a.batch.iter().copied().max().unwrap_or(1);
+    let bar =
+        indicatif::ProgressBar::new((places.len() * a.batch.len() * (a.repetitions + 1)) as u64);
+    let mut rows = Vec::new();
+    for &(at, threads) in places {
+        let name = match threads {
+            Some(t) => {
+                engine.set_threads(t)?;
+                format!("cpu, {t} threads")
+            }
+            None => "cuda".into(),
+        };
+        bar.set_message(name.clone());
+        let sizes = (a.n_prompt, a.n_gen, a.repetitions);
+        rows.extend(crate::backend_choice::with_sequences(
+            engine,
+            at,
+            policy,
+            most,
+            |seqs| {
+                Ok(batched::batched(seqs, &name, &a.batch, sizes, &mut || {
+                    bar.inc(1)
+                })?)
+            },
+        )?);
+    }
+    bar.finish_and_clear();
+    print!("{}", batched::markdown(&rows));
+    if let Some(p) = &a.plot {
+        let title = format!(
+            "{}: steps of several sequences ({})",
+            engine.model.label(),
+            policy.name
+        );
+        batched::plot(&rows, &title, p)?;
+        eprintln!("wrote {}", p.display());
+    }
+    if let Some(p) = &a.json {
+        dejavu::fsio::write(p, serde_json::to_string_pretty(&rows)?)
             .with_context(|| format!("writing {}", p.display()))?;
     }
     Ok(())
