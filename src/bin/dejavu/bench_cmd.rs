@@ -245,6 +245,7 @@ fn bench_batches(
             at,
             policy,
             most,
+            false,
             |seqs| {
                 Ok(batched::batched(seqs, &name, &a.batch, sizes, &mut || {
                     bar.inc(1)
@@ -254,18 +255,21 @@ fn bench_batches(
     }
     bar.finish_and_clear();
     print!("{}", batched::markdown(&rows));
+    if let Some(p) = &a.json {
+        dejavu::fsio::write(p, serde_json::to_string_pretty(&rows)?)
+            .with_context(|| format!("writing {}", p.display()))?;
+    }
     if let Some(p) = &a.plot {
         let title = format!(
             "{}: steps of several sequences ({})",
             engine.model.label(),
             policy.name
         );
-        batched::plot(&rows, &title, p)?;
-        eprintln!("wrote {}", p.display());
-    }
-    if let Some(p) = &a.json {
-        dejavu::fsio::write(p, serde_json::to_string_pretty(&rows)?)
-            .with_context(|| format!("writing {}", p.display()))?;
+        // A machine without fonts keeps the table (and `--json`).
+        match batched::plot(&rows, &title, p) {
+            Ok(()) => eprintln!("wrote {}", p.display()),
+            Err(e) => eprintln!("warning: {e}; no plot written"),
+        }
     }
     Ok(())
 }
