@@ -5,8 +5,9 @@ Each round starts each server in turn (alternating, so slow phases of a shared m
 both alike) with `--parallel N` sequences at the given threads, warms it, then measures:
   - one client alone: greedy completions of --tokens tokens (ignore_eos), tok/s;
   - N concurrent clients doing the same: aggregate tok/s (completion tokens / wall time);
-  - time to first token of a long prompt (--long-prompt tokens, streamed) sent while the N
-    clients run, several times a round (p50 / p99 / max over every round).
+  - time to first token of a long prompt (--long-prompt tokens, streamed, each one new) sent
+    while N - 1 clients generate without a break, several times a round (p50 / p99 over every
+    round).
 It prints one line per round and server, then a table of medians and the ratios that the
 serving targets name (N clients / one client; dejavu / llama-server).
 
@@ -115,11 +116,11 @@ def measure(base: str, n: int, tokens: int, long_prompt: str, ttft_samples: int)
             done.append(got)
 
     ttft = []
+    stop = threading.Event()
 
-    def long_requests():
-        for _ in range(ttft_samples):
-            time.sleep(0.3)
-            ttft.append(first_token(base, long_prompt))
+    def loop_client(i: int):
+        while not stop.is_set():
+            complete(base, PROMPTS[i % len(PROMPTS)], tokens)
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
     t0 = time.perf_counter()
@@ -128,11 +129,15 @@ def measure(base: str, n: int, tokens: int, long_prompt: str, ttft_samples: int)
     for t in threads:
         t.join()
     agg = sum(done) / (time.perf_counter() - t0)
-    # TTFT mid-load: the clients again, with the long prompts sent while they run.
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+    # TTFT mid-load: n - 1 clients generating without a break, and the long prompts (each
+    # different from the start, so no server reuses a cached prefix) take the free sequence.
+    threads = [threading.Thread(target=loop_client, args=(i,)) for i in range(n - 1)]
     for t in threads:
         t.start()
-    long_requests()
+    for k in range(ttft_samples):
+        time.sleep(0.5)
+        ttft.append(first_token(base, f"Note {k} of {time.time()}. " + long_prompt))
+    stop.set()
     for t in threads:
         t.join()
     return {"one": one_tps, "agg": agg, "ttft": ttft}
