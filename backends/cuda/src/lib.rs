@@ -143,6 +143,25 @@ fn shape(what: String) -> BackendError {
 }
 
 impl CudaDevice {
+    /// `y[at_y..at_y + n] = x[at_x..at_x + n]` on the lane (the caller checked both extents).
+    fn copy_values(
+        &self,
+        x: &Buf,
+        at_x: usize,
+        y: &mut Buf,
+        at_y: usize,
+        n: usize,
+    ) -> Result<(), BackendError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let xp = self.ptr(&x.0) + (at_x * 4) as u64;
+        let (yp, ni) = (self.ptr(&y.0) + (at_y * 4) as u64, n as i32);
+        let mut b = self.lane().launch_builder(self.func("copy_f32"));
+        b.arg(&xp).arg(&yp).arg(&ni);
+        launch::run(b, launch::grid(n, 256))
+    }
+
     /// GPU `ordinal`: loads the driver and NVRTC, compiles the kernels for its compute capability.
     pub fn new(ordinal: usize) -> Result<Self, BackendError> {
         need_driver()?;
@@ -594,14 +613,7 @@ impl Device for CudaDevice {
     ) -> Result<(), BackendError> {
         need("take_rows input", x.0.len(), (r + n) * width)?;
         need("take_rows output", y.0.len(), n * width)?;
-        if n * width == 0 {
-            return Ok(());
-        }
-        let xp = self.ptr(&x.0) + (r * width * 4) as u64;
-        let (yp, ni) = (self.ptr(&y.0), (n * width) as i32);
-        let mut b = self.lane().launch_builder(self.func("copy_f32"));
-        b.arg(&xp).arg(&yp).arg(&ni);
-        launch::run(b, launch::grid(n * width, 256))
+        self.copy_values(x, r * width, y, 0, n * width)
     }
 
     fn put_rows(
@@ -614,14 +626,7 @@ impl Device for CudaDevice {
     ) -> Result<(), BackendError> {
         need("put_rows input", x.0.len(), n * width)?;
         need("put_rows output", y.0.len(), (r + n) * width)?;
-        if n * width == 0 {
-            return Ok(());
-        }
-        let yp = self.ptr(&y.0) + (r * width * 4) as u64;
-        let (xp, ni) = (self.ptr(&x.0), (n * width) as i32);
-        let mut b = self.lane().launch_builder(self.func("copy_f32"));
-        b.arg(&xp).arg(&yp).arg(&ni);
-        launch::run(b, launch::grid(n * width, 256))
+        self.copy_values(x, 0, y, r * width, n * width)
     }
 
     fn rope(
