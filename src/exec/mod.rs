@@ -32,4 +32,4 @@ pub use session::{
 
 pub use decoder::{Decoder, OnDevice, Sessions};
 pub use engine::{Engine, EngineOptions, KvType, DEFAULT_CTX, MAX_PADDING_ROWS};
-pub use seqs::{OneByOne, SeqBatch};
+pub use seqs::SeqBatch;

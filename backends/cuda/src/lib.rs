@@ -206,6 +206,7 @@ impl CudaDevice {
         for q in QuantType::ALL {
             for op in [
                 "matvec",
+                "matvec_rows",
                 "matmul",
                 "matmul_small",
                 "axpy",

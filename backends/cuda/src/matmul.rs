@@ -1,5 +1,6 @@
 //! The launch of matmul.cu: a prompt's products over a batch of rows, in 64 x 64 tiles, or
-//! 32 x 32 where those would leave SMs idle (fewer blocks than SMs). Measured on the H200: a
+//! 32 x 32 where those would leave SMs idle (fewer blocks than SMs). A batch of at most
+//! `MVR_MAX` rows (a step of several sequences) goes through `matvec_rows_T` instead. Measured on the H200: a
 //! 128-row batch through a 7168 x 7168 f16 matrix (224 tiles of 64) ran at 17.3 TFLOP/s in 64-row
 //! tiles, 10.2 in 32-row ones; SmolLM2's products (18 to 96 tiles of 64) took pp128 from 16.4k
 //! to 23.0k tok/s in 32-row tiles.
@@ -50,6 +51,9 @@ impl CudaDevice {
         jobs: &mut [Product<'_, Self>],
     ) -> Result<(), BackendError> {
         self.batch_rows("matmul", rows)?;
+        if rows <= crate::products::MVR_MAX {
+            return self.launch_matvec_rows(x, rows, jobs);
+        }
         if jobs.is_empty() || jobs.len() > 3 {
             return Err(shape(format!(
                 "{} products in one launch (1 to 3)",

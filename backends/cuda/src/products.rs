@@ -23,6 +23,9 @@ struct MvJob {
     _pad: i32,
 }
 
+/// Most batch rows of one `matvec_rows_T` launch (`MVR_MAX` in matvec.cu).
+pub(crate) const MVR_MAX: usize = 8;
+
 /// `MvJobs` in matvec.cu.
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
@@ -179,6 +182,65 @@ impl CudaDevice {
             true => self.func(&format!("matvec_{}_ahead", type_suffix(q))),
             false => self.func(&format!("matvec_{}", type_suffix(q))),
         };
+        let mut b = self.lane().launch_builder(f);
+        b.arg(&mv);
+        launch::run(b, launch::grid(blocks * 256, 256))
+    }
+
+    /// `Device::matmul` of a batch of 1 to [`MVR_MAX`] rows (`matvec_rows_T`): each weight row
+    /// read once for every batch row (the prompt's tile kernel computes whole tiles of 32 or
+    /// 64 batch rows). One weight type per launch; every product over all rows.
+    pub(crate) fn launch_matvec_rows(
+        &self,
+        x: &Buf,
+        nt: usize,
+        jobs: &mut [Product<'_, Self>],
+    ) -> Result<(), BackendError> {
+        if nt == 0 || nt > MVR_MAX || jobs.is_empty() || jobs.len() > 3 {
+            return Err(shape(format!(
+                "{} products of {nt} rows in one launch (1 to 3, 1 to {MVR_MAX} rows)",
+                jobs.len()
+            )));
+        }
+        if jobs.iter().any(|p| p.w.qtype != jobs[0].w.qtype) {
+            return (jobs.iter_mut())
+                .try_for_each(|p| self.launch_matvec_rows(x, nt, std::slice::from_mut(p)));
+        }
+        let mut mv = MvJobs {
+            n: jobs.len() as i32,
+            split: nt as i32,
+            ..Default::default()
+        };
+        let mut blocks = 0;
+        for (i, p) in jobs.iter().enumerate() {
+            let (w, px) = (p.w, p.x.unwrap_or(x));
+            if !matches!(p.rows, Rows::All) {
+                return Err(shape("a batch's products read every row".into()));
+            }
+            need("matmul input", px.0.len(), nt * w.cols)?;
+            need("matmul output", p.y.0.len(), nt * w.rows)?;
+            if let Some(b) = p.bias {
+                need("matmul bias", b.0.len(), w.rows)?;
+            }
+            mv.job[i] = MvJob {
+                w: self.ptr(&w.data),
+                idx: 0,
+                bias: p.bias.map_or(0, |b| self.ptr(&b.0)),
+                y: self.ptr(&p.y.0),
+                x: self.ptr(&px.0),
+                rows: w.rows as i32,
+                cols: w.cols as i32,
+                n_out: w.rows as i32,
+                group: 1,
+                accumulate: p.accumulate as i32,
+                act: p.act.map_or(-1, act_code),
+                first_block: blocks as i32,
+                _pad: 0,
+            };
+            // 8 warps a block, one weight row each.
+            blocks += w.rows.div_ceil(8);
+        }
+        let f = self.func(&format!("matvec_rows_{}", type_suffix(jobs[0].w.qtype)));
         let mut b = self.lane().launch_builder(f);
         b.arg(&mv);
         launch::run(b, launch::grid(blocks * 256, 256))

@@ -102,8 +102,9 @@ fn products_match_the_scalar_reference_for_every_type() {
             let got = embed_on(&gpu, &w, rows);
             close(&format!("embed {q:?}"), &got, &want, |_| 1e-5);
 
-            // A batch's products: batches of one, of a few and past one 64-row tile.
-            for nt in [1, 5, 70] {
+            // A batch's products: batches of one and of a few (`matvec_rows`, up to 8), then
+            // the tiles (9 rows, and past one 64-row tile).
+            for nt in [1, 5, 8, 9, 70] {
                 let xs = randv(&mut r, nt * cols);
                 let want = matmul_on(&host, &w, &xs, nt);
                 let got = matmul_on(&gpu, &w, &xs, nt);

@@ -41,15 +41,12 @@ pub fn with_decoder<R>(
 }
 
 /// Run `f` on `n` fresh sequences of `engine` under `policy` on one device, where `at` says:
-/// what continuous batching steps together (`serve --parallel N`). `one_by_one`: on a GPU,
-/// steps of several sequences run as each sequence's own (replayed) step, one after another
-/// (see [`dejavu::exec::OneByOne`]).
+/// what continuous batching steps together (`serve --parallel N`).
 pub fn with_sequences<R>(
     engine: &Engine,
     at: Placement,
     policy: &Policy,
     n: usize,
-    one_by_one: bool,
     f: impl FnOnce(&mut dyn SeqBatch) -> Result<R>,
 ) -> Result<R> {
     match (at.backend, at.tensor_parallel) {
@@ -57,7 +54,7 @@ pub fn with_sequences<R>(
             let seqs = (0..n).map(|_| engine.decoder(policy));
             f(&mut seqs.collect::<dejavu::Result<Vec<_>>>()?)
         }
-        (BackendKind::Cuda, 1) => cuda_sequences(engine, policy, n, one_by_one, f),
+        (BackendKind::Cuda, 1) => cuda_sequences(engine, policy, n, f),
         (_, _) => bail!("batched sequences run on one device: no --tensor-parallel"),
     }
 }
@@ -67,7 +64,6 @@ fn cuda_sequences<R>(
     engine: &Engine,
     policy: &Policy,
     n: usize,
-    one_by_one: bool,
     f: impl FnOnce(&mut dyn SeqBatch) -> Result<R>,
 ) -> Result<R> {
     use dejavu::exec::{DeviceModel, DevicePlan, DeviceSession};
@@ -78,10 +74,7 @@ fn cuda_sequences<R>(
         let plan = DevicePlan::policy(&dev, &engine.model.config, policy)?;
         seqs.push(DeviceSession::new(&dev, &model, plan, engine.n_ctx)?);
     }
-    match one_by_one {
-        true => f(&mut dejavu::exec::OneByOne(seqs)),
-        false => f(&mut seqs),
-    }
+    f(&mut seqs)
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -89,7 +82,6 @@ fn cuda_sequences<R>(
     _: &Engine,
     _: &Policy,
     _: usize,
-    _: bool,
     _: impl FnOnce(&mut dyn SeqBatch) -> Result<R>,
 ) -> Result<R> {
     bail!("this build has no CUDA backend: build with `cargo build --release --features cuda`")

@@ -245,7 +245,6 @@ fn bench_batches(
             at,
             policy,
             most,
-            false,
             |seqs| {
                 Ok(batched::batched(seqs, &name, &a.batch, sizes, &mut || {
                     bar.inc(1)

@@ -3,7 +3,7 @@
 //! steps run together (continuous batching, `serve::batch`); tensor-parallel worlds keep an
 //! engine per slot.
 use super::{ModelArgs, SparsityArgs};
-use crate::backend_choice::{with_decoder, with_sequences, BackendKind, Placement};
+use crate::backend_choice::{with_decoder, with_sequences, Placement};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use dejavu::exec::Engine;
@@ -185,10 +185,7 @@ fn batched_slots(engine: Engine, policy: Policy, at: Placement, n: usize) -> Res
     std::thread::Builder::new()
         .name("batch".into())
         .spawn(move || {
-            // The GPU's batched products are slower than its replayed one-row steps at
-            // serving's batch sizes (see `OneByOne`): there the sequences step in turn.
-            let one_by_one = at.backend == BackendKind::Cuda;
-            let ran = with_sequences(&eng, at, &policy, n, one_by_one, |seqs| {
+            let ran = with_sequences(&eng, at, &policy, n, |seqs| {
                 let _ = tx.send(Ok(()));
                 serve::batch::run(seqs, rx);
                 Ok(())

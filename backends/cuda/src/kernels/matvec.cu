@@ -142,3 +142,67 @@ extern "C" __global__ void __launch_bounds__(256) matvec_f16_ahead(MvJobs jobs) 
 extern "C" __global__ void __launch_bounds__(256) matvec_bf16_ahead(MvJobs jobs) {
     matvec_jobs<T_BF16, MV_UNROLL>(jobs);
 }
+
+// A batch of a few rows (1 to MVR_MAX: the steps of continuous batching, a speculative
+// draft's verification) through one read of the weights: each warp one weight row of one job,
+// dotted with every batch row's input (row t at x + t * cols), into y[t * rows + r]:
+// act(dot + bias), or += (accumulate). Every row of the matrix (a batch runs the dense plan).
+#define MVR_MAX 8
+template <int T>
+__device__ __forceinline__ void matvec_rows(const u8* w, const float* bias, float* y,
+                                            const float* x, int rows, int cols, int accumulate,
+                                            int act, int blk, int nt) {
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int r = blk * 8 + warp;
+    if (r >= rows) return;
+    const u8* row = w + (size_t)r * row_bytes<T>(cols);
+    float s[MVR_MAX];
+#pragma unroll
+    for (int t = 0; t < MVR_MAX; t++) s[t] = 0.f;
+    bool vec = cols % 8 == 0;
+    for (int e = lane * 8; e < cols; e += 256) {
+        float v[8];
+        load8<T>(row, e, cols, vec, v);
+#pragma unroll
+        for (int t = 0; t < MVR_MAX; t++) {
+            if (t < nt) {
+                const float* xp = x + (size_t)t * cols + e;
+                float xv[8];
+                if (vec) {
+                    float4 a = *(const float4*)xp, b = *(const float4*)(xp + 4);
+                    xv[0] = a.x; xv[1] = a.y; xv[2] = a.z; xv[3] = a.w;
+                    xv[4] = b.x; xv[5] = b.y; xv[6] = b.z; xv[7] = b.w;
+                } else {
+                    for (int i = 0; i < 8; i++) xv[i] = e + i < cols ? xp[i] : 0.f;
+                }
+                for (int i = 0; i < 8; i++) s[t] += v[i] * xv[i];
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < MVR_MAX; t++) s[t] = warp_sum(s[t]);
+    if (lane != 0) return;
+    for (int t = 0; t < nt; t++) {
+        float v = s[t] + (bias ? bias[r] : 0.f);
+        float* o = y + (size_t)t * rows + r;
+        if (accumulate) *o += v;
+        else *o = act >= 0 ? act_apply(act, v) : v;
+    }
+}
+// Each job's blocks from its first_block on; `split` holds the batch's rows. Fields read by
+// constant indices, as `matvec_jobs`.
+#define MVR_CALL(n) matvec_rows<T>(jobs.job[n].w, jobs.job[n].bias, jobs.job[n].y, jobs.job[n].x, \
+    jobs.job[n].rows, jobs.job[n].cols, jobs.job[n].accumulate, jobs.job[n].act,                 \
+    b - jobs.job[n].first_block, jobs.split)
+template <int T>
+__device__ __forceinline__ void matvec_rows_jobs(const MvJobs& jobs) {
+    int b = blockIdx.x;
+    if (jobs.n > 2 && b >= jobs.job[2].first_block) MVR_CALL(2);
+    else if (jobs.n > 1 && b >= jobs.job[1].first_block) MVR_CALL(1);
+    else MVR_CALL(0);
+}
+#define MATVEC_ROWS(name, T)                                                                     \
+    extern "C" __global__ void __launch_bounds__(256) matvec_rows_##name(MvJobs jobs) {        \
+        matvec_rows_jobs<T>(jobs);                                                                \
+    }
+FOR_TYPES(MATVEC_ROWS)
