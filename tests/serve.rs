@@ -3,29 +3,33 @@
 //! sequences, errors in OpenAI's shape with their status, the API key, a client that hangs up
 //! mid-stream (its slot comes back), a shutdown that lets an in-flight stream finish, and faults:
 //! slow headers and bodies, oversize and deeply nested JSON, a connection flood, and a shutdown
-//! whose grace runs out.
+//! whose grace runs out. The hang-up and fault tests run again with two slots stepped as one
+//! batch (continuous batching), and five concurrent chats under batching equal `generate`.
 mod common;
 use dejavu::exec::Decoder;
-use dejavu::exec::DeviceSession;
 use dejavu::exec::{Engine, EngineOptions};
 use dejavu::serve::{self, Limits, ServeOptions, Slot};
 use dejavu::sparsity::policy::Policy;
 use dejavu::text::generate::generate_on;
 use dejavu::text::sampling::{Sampler, SamplerConfig};
-use dejavu_backend_cpu::device::CpuDevice;
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const N_CTX: usize = 96;
 
 fn engine() -> Engine {
+    engine_of(N_CTX)
+}
+
+fn engine_of(n_ctx: usize) -> Engine {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/llama-silu");
     let opts = EngineOptions {
         threads: Some(1),
-        n_ctx: Some(N_CTX),
+        n_ctx: Some(n_ctx),
         ..Default::default()
     };
     Engine::load(dir, &opts).unwrap()
@@ -49,21 +53,7 @@ impl Server {
 
     fn with_limits(api_key: Option<&str>, slow: bool, limits: Limits) -> Self {
         let eng = engine();
-        let opts = ServeOptions {
-            model_id: "tiny".into(),
-            model_names: vec!["tiny".into()],
-            api_key: api_key.map(String::from),
-            queue: 4,
-            queue_timeout: Duration::from_secs(30),
-            max_body: 4096,
-            default_max_tokens: 8,
-            vocab: eng.model.config.vocab_size,
-            tokenizer: eng.tokenizer.clone(),
-            sparsity: "dense".into(),
-            mlp_density: 1.0,
-            reuse_prefix: true,
-            limits,
-        };
+        let opts = options(&eng, api_key, limits);
         let slot: Slot = Box::new(move |jobs, metrics| {
             let policy = Policy::dense(&eng.model.config);
             let mut dec = Slow {
@@ -72,6 +62,37 @@ impl Server {
             };
             serve::worker::run_slot(&eng, &mut dec, &jobs, &metrics);
         });
+        Self::launch(opts, vec![slot])
+    }
+
+    /// `n` slots whose sequences (of `n_ctx` positions) step together on a batch thread, as
+    /// `dejavu serve --parallel n` runs them.
+    fn batched(n: usize, n_ctx: usize, slow: bool, limits: Limits) -> Self {
+        let eng = Arc::new(engine_of(n_ctx));
+        let (decs, rx) = serve::batch::decoders(n, n_ctx);
+        let owner = eng.clone();
+        std::thread::spawn(move || {
+            let policy = Policy::dense(&owner.model.config);
+            let mut seqs: Vec<_> = (0..n).map(|_| owner.decoder(&policy).unwrap()).collect();
+            serve::batch::run(&mut seqs, rx);
+        });
+        let opts = options(&eng, None, limits);
+        let slots = (decs.into_iter())
+            .map(|dec| {
+                let eng = eng.clone();
+                let delay = Duration::from_millis(if slow { 5 } else { 0 });
+                Box::new(
+                    move |jobs: Arc<serve::worker::Jobs>, metrics: Arc<serve::Metrics>| {
+                        let mut dec = Slow { inner: dec, delay };
+                        serve::worker::run_slot(&eng, &mut dec, &jobs, &metrics);
+                    },
+                ) as Slot
+            })
+            .collect();
+        Self::launch(opts, slots)
+    }
+
+    fn launch(opts: ServeOptions, slots: Vec<Slot>) -> Self {
         let (addr_tx, addr_rx) = std::sync::mpsc::channel();
         let (done_tx, done) = std::sync::mpsc::channel();
         let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -87,7 +108,7 @@ impl Server {
                 let shutdown = async move {
                     let _ = stop_rx.await;
                 };
-                serve::serve(l, opts, vec![slot], shutdown).await
+                serve::serve(l, opts, slots, shutdown).await
             });
             let _ = done_tx.send(r);
         });
@@ -140,13 +161,35 @@ impl Server {
     }
 }
 
+/// The server's options for the fixture `eng`.
+fn options(eng: &Engine, api_key: Option<&str>, limits: Limits) -> ServeOptions {
+    ServeOptions {
+        model_id: "tiny".into(),
+        model_names: vec!["tiny".into()],
+        api_key: api_key.map(String::from),
+        queue: 4,
+        queue_timeout: Duration::from_secs(30),
+        max_body: 4096,
+        default_max_tokens: 8,
+        vocab: eng.model.config.vocab_size,
+        tokenizer: eng.tokenizer.clone(),
+        sparsity: "dense".into(),
+        mlp_density: 1.0,
+        reuse_prefix: true,
+        limits,
+    }
+}
+
 /// A decoder that waits before each call.
-struct Slow<'a> {
-    inner: DeviceSession<'a, CpuDevice>,
+struct Slow<D: Decoder> {
+    inner: D,
     delay: Duration,
 }
 
-impl Decoder for Slow<'_> {
+impl<D: Decoder> Decoder for Slow<D> {
+    fn pause(&mut self) {
+        self.inner.pause()
+    }
     fn decode(&mut self, tokens: &[u32]) -> dejavu::Result<&mut [f32]> {
         std::thread::sleep(self.delay);
         self.inner.decode(tokens)
@@ -189,7 +232,10 @@ fn settles(s: &Server, name: &str, want: u64) {
 
 /// `generate` on a fresh cache of another engine, greedy: the reply the server must give.
 fn reference(messages: &[(&str, &str)], max_tokens: usize) -> (String, usize) {
-    let eng = engine();
+    reference_of(&engine(), messages, max_tokens)
+}
+
+fn reference_of(eng: &Engine, messages: &[(&str, &str)], max_tokens: usize) -> (String, usize) {
     let owned: Vec<(String, String)> = messages
         .iter()
         .map(|(r, c)| (r.to_string(), c.to_string()))
@@ -202,10 +248,8 @@ fn reference(messages: &[(&str, &str)], max_tokens: usize) -> (String, usize) {
     let mut dec = eng.decoder(&policy).unwrap();
     let mut text = String::new();
     let mut sampler = Sampler::new(SamplerConfig::greedy());
-    let (out, _) = generate_on(&eng, &mut dec, &ids, max_tokens, &mut sampler, |t| {
-        text += t
-    })
-    .unwrap();
+    let (out, _) =
+        generate_on(eng, &mut dec, &ids, max_tokens, &mut sampler, |t| text += t).unwrap();
     (text, out.len())
 }
 
@@ -352,13 +396,22 @@ fn the_server_answers_like_generate_and_refuses_bad_requests() {
 /// the slot comes back at once, counted as cancelled, and serves the next request.
 #[test]
 fn a_client_that_hangs_up_frees_its_slot() {
+    hangs_up(Server::start(None, true));
+}
+
+/// The same with two slots stepped as one batch: the sequence left waits for no other.
+#[test]
+fn a_client_that_hangs_up_frees_its_slot_under_batching() {
+    hangs_up(Server::batched(2, N_CTX, true, Limits::default()));
+}
+
+fn hangs_up(s: Server) {
     // Greedy, this prompt's reply runs past 80 tokens (no end token to stop it sooner).
     assert_eq!(
         reference(&[("user", "Count")], 80).1,
         80,
         "a reply long enough to cut"
     );
-    let s = Server::start(None, true);
     let t0 = Instant::now();
     {
         let mut c = TcpStream::connect(s.addr).unwrap();
@@ -612,6 +665,16 @@ fn closed_within(c: &mut TcpStream, wait: Duration) -> bool {
 /// client after every one, and its slot is free at the end.
 #[test]
 fn faults_are_bounded_and_the_server_keeps_serving() {
+    faults(|limits| Server::with_limits(None, true, limits));
+}
+
+/// The same faults with two slots stepped as one batch.
+#[test]
+fn faults_are_bounded_under_batching() {
+    faults(|limits| Server::batched(2, N_CTX, true, limits));
+}
+
+fn faults(start: impl Fn(Limits) -> Server) {
     let limits = Limits {
         max_connections: 6,
         // Long enough that the idle connections of the flood below still hold their places
@@ -620,7 +683,7 @@ fn faults_are_bounded_and_the_server_keeps_serving() {
         stall_timeout: Duration::from_secs(1),
         shutdown_grace: Duration::from_millis(300),
     };
-    let s = Server::with_limits(None, true, limits);
+    let s = start(limits);
     let ok = |s: &Server| {
         let body =
             json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).to_string();
@@ -776,5 +839,63 @@ fn a_continued_chat_reuses_its_history() {
     // Another conversation shares only the template's start; it is still answered right.
     let other = [("user", "Count")];
     assert_eq!(chat(&other), reference(&other, 10).0);
+    s.shutdown().unwrap();
+}
+
+/// Three slots stepped as one batch (sequences of 320 positions), five greedy chats at once,
+/// whole and streamed, one with a prompt longer than a prefill chunk (`PROMPT_CHUNK`, so it is
+/// prefilled between the others' steps): every reply is the one `generate` gives alone.
+#[test]
+fn concurrent_replies_under_batching_equal_generate() {
+    let long = "Tell me about the sea, the wind and the old harbour town. ".repeat(12);
+    let chats: Vec<String> = ["Count", "Tell me a story", "hi", &long, "Why?"]
+        .iter()
+        .map(|c| c.to_string())
+        .collect();
+    let s = Server::batched(3, 320, false, Limits::default());
+    let eng = engine_of(320);
+    let prompt_len = |c: &str| {
+        let msgs = vec![("user".to_string(), c.to_string())];
+        let text = eng.tokenizer.apply_chat_template(&msgs).unwrap();
+        eng.tokenizer.encode(&text).unwrap().len()
+    };
+    assert!(
+        prompt_len(&long) > serve::batch::PROMPT_CHUNK,
+        "the long prompt spans chunks"
+    );
+    let url = s.url("/v1/chat/completions");
+    let replies: Vec<_> = (chats.iter().enumerate())
+        .map(|(i, c)| {
+            let (url, c) = (url.clone(), c.clone());
+            std::thread::spawn(move || {
+                let body = json!({"messages": [{"role": "user", "content": c}],
+                    "max_tokens": 24, "temperature": 0, "stream": i % 2 == 1});
+                let r = ureq::post(&url).send_string(&body.to_string()).unwrap();
+                let text = match i % 2 {
+                    0 => {
+                        let v: Value = serde_json::from_str(&r.into_string().unwrap()).unwrap();
+                        v["choices"][0]["message"]["content"]
+                            .as_str()
+                            .unwrap()
+                            .to_string()
+                    }
+                    _ => (sse_events(r.into_reader()).iter())
+                        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+                        .filter_map(|v| {
+                            v["choices"][0]["delta"]["content"]
+                                .as_str()
+                                .map(String::from)
+                        })
+                        .collect::<String>(),
+                };
+                (c, text)
+            })
+        })
+        .collect();
+    for r in replies {
+        let (c, got) = r.join().unwrap();
+        let want = reference_of(&eng, &[("user", &c)], 24).0;
+        assert_eq!(got, want, "the reply to {c:?}");
+    }
     s.shutdown().unwrap();
 }
