@@ -13,6 +13,7 @@ use rand::{Rng, SeedableRng};
 use serde::Deserialize;
 use std::path::PathBuf;
 
+pub mod inproc;
 pub mod server;
 
 /// Run `dejavu args...`; assert a non-zero exit with an `error:` line containing `needle`.
