@@ -644,3 +644,41 @@ fn concurrent_replies_under_batching_equal_generate() {
     }
     s.shutdown().unwrap();
 }
+
+/// `GET /slots` (llama-server's debugging route): one entry per slot with its context, and after
+/// a reply the slot that ran it is idle, with the request's prompt and decoded counts and its
+/// cache holding the prompt and the reply (cut by `max_tokens`: each token was decoded before
+/// the count was checked).
+#[test]
+fn slots_report_what_each_slot_holds() {
+    let s = Server::batched(2, N_CTX, false, Limits::default());
+    let body = json!({"messages": [{"role": "user", "content": "Count"}], "max_tokens": 5,
+        "temperature": 0})
+    .to_string();
+    let (st, v) = s.post("/v1/chat/completions", &body, None);
+    assert_eq!(st, 200, "{v}");
+    let (prompt, done) = (
+        v["usage"]["prompt_tokens"].as_u64().unwrap(),
+        v["usage"]["completion_tokens"].as_u64().unwrap(),
+    );
+    let t0 = Instant::now();
+    let slots = loop {
+        let (st, text) = s.get("/slots");
+        assert_eq!(st, 200);
+        let slots: Vec<Value> = serde_json::from_str(&text).unwrap();
+        if slots.iter().all(|x| x["is_processing"] == false) {
+            break slots;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "{text}");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert_eq!(slots.len(), 2);
+    assert!(slots.iter().all(|x| x["n_ctx"] == N_CTX as u64));
+    let used: Vec<&Value> = slots.iter().filter(|x| x["n_decoded"] != 0).collect();
+    assert_eq!(used.len(), 1, "{slots:?}");
+    assert_eq!(used[0]["n_prompt_tokens"], prompt);
+    assert_eq!(used[0]["n_decoded"], done);
+    assert_eq!(done, 5, "a reply cut by max_tokens");
+    assert_eq!(used[0]["n_cached"], prompt + done);
+    s.shutdown().unwrap();
+}

@@ -101,6 +101,21 @@ pub struct Metrics {
     pub gen_micros: AtomicU64,
     pub queued: AtomicU64,
     pub busy: AtomicU64,
+    /// Each slot's state (`/slots`), claimed in order by the slots as they start.
+    pub slots: Vec<SlotState>,
+    pub(crate) next_slot: std::sync::atomic::AtomicUsize,
+}
+
+/// What a slot is doing (llama-server's `/slots`, for debugging): counts only, no text.
+#[derive(Debug, Default)]
+pub struct SlotState {
+    pub n_ctx: AtomicU64,
+    pub processing: std::sync::atomic::AtomicBool,
+    /// The current (or last) request's prompt tokens and the tokens decoded for it.
+    pub prompt_tokens: AtomicU64,
+    pub decoded: AtomicU64,
+    /// Tokens whose keys and values the slot's cache holds.
+    pub cached: AtomicU64,
 }
 
 struct AppState {
@@ -139,8 +154,11 @@ pub async fn serve(
         limits.stall_timeout,
         opts.reuse_prefix,
     ));
-    let metrics = Arc::new(Metrics::default());
     let n_slots = slots.len();
+    let metrics = Arc::new(Metrics {
+        slots: (0..n_slots).map(|_| SlotState::default()).collect(),
+        ..Default::default()
+    });
     let handles: Vec<_> = (slots.into_iter().enumerate())
         .map(|(i, slot)| {
             let (jobs, metrics) = (jobs.clone(), metrics.clone());
@@ -185,6 +203,7 @@ fn router(state: Shared) -> Router {
         .route("/", get(page))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
+        .route("/slots", get(slots))
         .route("/v1/models", get(models))
         .route("/v1/chat/completions", post(chat).layer(read_body()))
         .route("/v1/completions", post(completions).layer(read_body()))
@@ -264,6 +283,25 @@ async fn health(State(s): State<Shared>) -> Json<Value> {
         "slots_busy": s.metrics.busy.load(Ordering::Relaxed),
         "queued": s.metrics.queued.load(Ordering::Relaxed),
     }))
+}
+
+/// `GET /slots`: each slot's context, whether it is generating, its request's prompt and decoded
+/// token counts, and the tokens its cache holds (no prompt text).
+async fn slots(State(s): State<Shared>) -> impl IntoResponse {
+    let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    let slots: Vec<serde_json::Value> = (s.metrics.slots.iter().enumerate())
+        .map(|(id, st)| {
+            serde_json::json!({
+                "id": id,
+                "n_ctx": get(&st.n_ctx),
+                "is_processing": st.processing.load(Ordering::Relaxed),
+                "n_prompt_tokens": get(&st.prompt_tokens),
+                "n_decoded": get(&st.decoded),
+                "n_cached": get(&st.cached),
+            })
+        })
+        .collect();
+    axum::Json(slots)
 }
 
 async fn metrics(State(s): State<Shared>) -> impl IntoResponse {

@@ -208,6 +208,11 @@ fn send(tx: &Sender<Event>, mut e: Event, stall: Duration) -> bool {
 
 /// Take jobs until the queue closes or shutdown stops the slots; each runs on `dec`.
 pub fn run_slot(engine: &Engine, dec: &mut dyn Decoder, jobs: &Jobs, metrics: &Metrics) {
+    let id = metrics.next_slot.fetch_add(1, Ordering::Relaxed);
+    let state = metrics.slots.get(id);
+    if let Some(st) = state {
+        st.n_ctx.store(dec.n_ctx() as u64, Ordering::Relaxed);
+    }
     // The tokens whose keys and values the decoder's cache holds, in order.
     let mut cached: Vec<u32> = Vec::new();
     // Structured output's compiler for this vocabulary, made on the first request that asks.
@@ -229,16 +234,26 @@ pub fn run_slot(engine: &Engine, dec: &mut dyn Decoder, jobs: &Jobs, metrics: &M
         }
         metrics.busy.fetch_add(1, Ordering::Relaxed);
         let t0 = Instant::now();
+        if let Some(st) = state {
+            st.processing.store(true, Ordering::Relaxed);
+            st.prompt_tokens.store(0, Ordering::Relaxed);
+            st.decoded.store(0, Ordering::Relaxed);
+        }
         let slot = Running {
             engine,
             job: &job,
             jobs,
+            state,
         };
         let done = match &job.work {
             Work::Generate(req) => run_job(&slot, dec, req, &mut grammars, &mut cached),
             Work::Embed(texts) => embed(&slot, dec, texts, &mut cached),
         };
         dec.pause();
+        if let Some(st) = state {
+            st.cached.store(cached.len() as u64, Ordering::Relaxed);
+            st.processing.store(false, Ordering::Relaxed);
+        }
         metrics.busy.fetch_sub(1, Ordering::Relaxed);
         match done {
             Ok(Ran {
@@ -300,6 +315,8 @@ struct Running<'a> {
     engine: &'a Engine,
     job: &'a Job,
     jobs: &'a Jobs,
+    /// The slot's `/slots` entry.
+    state: Option<&'a super::SlotState>,
 }
 
 impl Running<'_> {
@@ -345,6 +362,9 @@ fn run_job(
 ) -> Result<Ran, ApiError> {
     let engine = slot.engine;
     let ids = prompt_tokens(engine, &req.input)?;
+    if let Some(st) = slot.state {
+        st.prompt_tokens.store(ids.len() as u64, Ordering::Relaxed);
+    }
     if ids.is_empty() {
         return Err(ApiError::invalid("the prompt is empty", None));
     }
@@ -470,6 +490,9 @@ fn one_choice(
         };
         n += 1;
         history.push(next);
+        if let Some(st) = slot.state {
+            st.decoded.fetch_add(1, Ordering::Relaxed);
+        }
         let piece = stream.push(engine, next).map_err(internal)?;
         let (text, stopped) = stops.push(piece.as_deref().unwrap_or(""));
         if !text.is_empty() && !send(Event::Text(text)) {
