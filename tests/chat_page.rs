@@ -29,7 +29,8 @@ fn the_chat_page_streams_a_reply_in_a_browser() {
         );
     }
     let model = root().join("tests/fixtures/hf/llama-silu");
-    let mut server = ServerProcess::start(&model, &["--ctx", "256", "-t", "1"]);
+    // Two sequences stepped as one batch: the page runs against continuous batching.
+    let mut server = ServerProcess::start(&model, &["--ctx", "256", "-t", "1", "--parallel", "2"]);
     let shot = root().join("target/chat-page.png");
     let _ = std::fs::remove_file(&shot);
     let out = Command::new("node")
