@@ -1,8 +1,11 @@
-//! `dejavu serve`: an OpenAI-compatible HTTP server (axum on tokio) over engine slots.
+//! `dejavu serve`: an OpenAI-compatible HTTP server (axum on tokio) over slots, each a reply in
+//! flight with its own sequence (whose decode steps a batch thread may run together:
+//! [`batch`]).
 //!
 //! Routes: `POST /v1/chat/completions` and `POST /v1/completions` (streamed as server-sent
-//! events ending in `data: [DONE]`, or whole), `GET /v1/models`, `GET /health`, `GET /metrics`
-//! (Prometheus text) and the chat page at `/`. Requests wait in one bounded queue for the first
+//! events ending in `data: [DONE]`, or whole), `POST /v1/embeddings`, `POST /tokenize` and
+//! `/detokenize`, `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text), `GET
+//! /slots` and the chat page at `/`. Requests wait in one bounded queue for the first
 //! free slot ([`worker::run_slot`]); a full queue is a 503 at once, a request that waited past
 //! the timeout a 503 too. Errors are OpenAI's JSON shape ([`api::ApiError`]). With an API key
 //! every `/v1` route needs `Authorization: Bearer KEY`. Shutdown (SIGTERM, Ctrl-C) stops
