@@ -7,7 +7,7 @@
 //! batch (continuous batching), and five concurrent chats under batching equal `generate`.
 mod common;
 use common::inproc::*;
-use dejavu::serve::{self, Limits};
+use dejavu::serve::Limits;
 use serde_json::{json, Value};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -588,8 +588,9 @@ fn a_continued_chat_reuses_its_history() {
 }
 
 /// Three slots stepped as one batch (sequences of 320 positions), five greedy chats at once,
-/// whole and streamed, one with a prompt longer than a prefill chunk (`PROMPT_CHUNK`, so it is
-/// prefilled between the others' steps): every reply is the one `generate` gives alone.
+/// whole and streamed, one with a prompt longer than a prefill chunk (the harness's
+/// `PROMPT_CHUNK`, so it is prefilled between the others' steps): every reply is the one
+/// `generate` gives alone.
 #[test]
 fn concurrent_replies_under_batching_equal_generate() {
     let long = "Tell me about the sea, the wind and the old harbour town. ".repeat(12);
@@ -605,7 +606,7 @@ fn concurrent_replies_under_batching_equal_generate() {
         eng.tokenizer.encode(&text).unwrap().len()
     };
     assert!(
-        prompt_len(&long) > serve::batch::PROMPT_CHUNK,
+        prompt_len(&long) > PROMPT_CHUNK,
         "the long prompt spans chunks"
     );
     let url = s.url("/v1/chat/completions");

@@ -14,6 +14,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub const N_CTX: usize = 96;
+/// Prompt tokens run between two steps of the batched server: short, so that prompts span
+/// several chunks.
+pub const PROMPT_CHUNK: usize = 64;
 
 pub fn engine() -> Engine {
     engine_of(N_CTX)
@@ -60,7 +63,7 @@ impl Server {
     }
 
     /// `n` slots whose sequences (of `n_ctx` positions) step together on a batch thread, as
-    /// `dejavu serve --parallel n` runs them.
+    /// `dejavu serve --parallel n` runs them (prompts in chunks of [`PROMPT_CHUNK`]).
     pub fn batched(n: usize, n_ctx: usize, slow: bool, limits: Limits) -> Self {
         let eng = Arc::new(engine_of(n_ctx));
         let (decs, rx) = serve::batch::decoders(n, n_ctx);
@@ -68,7 +71,7 @@ impl Server {
         std::thread::spawn(move || {
             let policy = Policy::dense(&owner.model.config);
             let mut seqs: Vec<_> = (0..n).map(|_| owner.decoder(&policy).unwrap()).collect();
-            serve::batch::run(&mut seqs, rx);
+            serve::batch::run(&mut seqs, rx, PROMPT_CHUNK);
         });
         let opts = options(&eng, None, limits);
         let slots = (decs.into_iter())

@@ -187,7 +187,7 @@ fn batched_slots(engine: Engine, policy: Policy, at: Placement, n: usize) -> Res
         .spawn(move || {
             let ran = with_sequences(&eng, at, &policy, n, |seqs| {
                 let _ = tx.send(Ok(()));
-                serve::batch::run(seqs, rx);
+                serve::batch::run(seqs, rx, serve::batch::PROMPT_CHUNK);
                 Ok(())
             });
             if let Err(e) = ran {
