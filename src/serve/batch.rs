@@ -90,9 +90,11 @@ impl Decoder for BatchDecoder {
     fn n_ctx(&self) -> usize {
         self.n_ctx
     }
+    /// Always sent: after a failed run the sequence may hold more than `len()` says (chunks
+    /// of a prompt that ran before the failure).
     fn truncate(&mut self, len: usize) {
-        if len < self.len && self.ask(Op::Truncate(len), None).is_ok() {
-            self.len = len;
+        if self.ask(Op::Truncate(len), None).is_ok() {
+            self.len = self.len.min(len);
         }
     }
     fn run(&mut self, tokens: &[u32], want: Logits) -> Result<&mut [f32]> {

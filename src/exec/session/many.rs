@@ -84,6 +84,10 @@ impl<'a, D: Device> DeviceSession<'a, D> {
             return Ok(seqs[0].forward(tokens)?.to_vec());
         }
         let (lead, rest) = seqs.split_first_mut().expect("n > 1");
+        // Every row's scratch first: a failed allocation then takes no cache.
+        while lead.spare.len() < rest.len() {
+            lead.spare.push(RowScratch::new(dev, model)?);
+        }
         lead.rows_seq.clear();
         lead.rows_seq.push(RowSeq {
             token: tokens[0],
@@ -92,10 +96,7 @@ impl<'a, D: Device> DeviceSession<'a, D> {
             lent: None,
         });
         for (s, &token) in rest.iter_mut().zip(&tokens[1..]) {
-            let row = match lead.spare.pop() {
-                Some(r) => r,
-                None => RowScratch::new(dev, model)?,
-            };
+            let row = lead.spare.pop().expect("allocated above");
             lead.rows_seq.push(RowSeq {
                 token,
                 len: s.len,
