@@ -73,7 +73,12 @@ impl Server {
             let mut seqs: Vec<_> = (0..n).map(|_| owner.decoder(&policy).unwrap()).collect();
             serve::batch::run(&mut seqs, rx, PROMPT_CHUNK);
         });
-        let opts = options(&eng, None, limits);
+        // Room in the queue for every request a test sends at once (one slot's 4 would turn
+        // the fifth of five concurrent requests away with a 503 while the slots start).
+        let opts = ServeOptions {
+            queue: 16,
+            ..options(&eng, None, limits)
+        };
         let slots = (decs.into_iter())
             .map(|dec| {
                 let eng = eng.clone();
