@@ -14,8 +14,8 @@ pub trait SeqBatch {
     fn len(&self, seq: usize) -> usize;
     /// Forget sequence `seq`'s positions from `len` on.
     fn truncate(&mut self, seq: usize, len: usize);
-    /// Do steps of several sequences run as one batch (every sequence's plan is dense)? If
-    /// not, [`Self::step`] runs them one after another.
+    /// Do steps of several sequences run as one batch (every sequence's plan batches: see
+    /// `DeviceSession::batches`)? If not, [`Self::step`] runs them one after another.
     fn batches(&self) -> bool;
     /// `tokens` after what sequence `seq` holds, alone (a prompt, or a chunk of one); the rows
     /// `want` names.
@@ -23,6 +23,11 @@ pub trait SeqBatch {
     /// One decode step of the distinct sequences `seqs`: `tokens[i]` after what `seqs[i]`
     /// holds. The logits, `[n][vocab]`.
     fn step(&mut self, seqs: &[usize], tokens: &[u32]) -> Result<Vec<f32>>;
+    /// The density of the MLP unions the batched steps under a sparse plan computed since the
+    /// last call (their neurons over their layers'); `None` when none did.
+    fn union_density(&mut self) -> Option<f64> {
+        None
+    }
 }
 
 impl<D: Device> SeqBatch for Vec<DeviceSession<'_, D>> {
@@ -46,6 +51,11 @@ impl<D: Device> SeqBatch for Vec<DeviceSession<'_, D>> {
     fn run(&mut self, seq: usize, tokens: &[u32], want: Logits) -> Result<Vec<f32>> {
         let s = self.get_mut(seq).ok_or_else(|| no_sequence(seq))?;
         Ok(s.run(tokens, want)?.to_vec())
+    }
+    fn union_density(&mut self) -> Option<f64> {
+        let (u, n) = (self.iter_mut().map(|s| s.take_union_counts()))
+            .fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
+        (n > 0).then(|| u as f64 / n as f64)
     }
     fn step(&mut self, seqs: &[usize], tokens: &[u32]) -> Result<Vec<f32>> {
         let mut all: Vec<Option<&mut DeviceSession<D>>> = self.iter_mut().map(Some).collect();

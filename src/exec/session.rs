@@ -258,6 +258,10 @@ pub struct DeviceSession<'a, D: Device> {
     rows_seq: Vec<many::RowSeq<D>>,
     /// Rows of scratch kept for the next step of several sequences.
     spare: Vec<many::RowScratch<D>>,
+    /// A step of several sequences under a sparse plan: the union of the rows' neurons at the
+    /// layer, and the sizes of the unions (and of their layers) since they were last read.
+    union_idx: Option<D::Idx>,
+    union_counts: (usize, usize),
 }
 
 impl<'a, D: Device> DeviceSession<'a, D> {
@@ -358,6 +362,8 @@ impl<'a, D: Device> DeviceSession<'a, D> {
             step_bytes,
             rows_seq: Vec::new(),
             spare: Vec::new(),
+            union_idx: None,
+            union_counts: (0, 0),
         })
     }
 

@@ -7,21 +7,27 @@ use super::*;
 const ROUNDS: [&[usize]; 5] = [&[0, 1, 2, 3], &[2, 0], &[3], &[3, 2, 1, 0], &[1, 3]];
 
 /// On every fixture (learned positions, RoPE of both styles, grouped queries, Q/K norms,
-/// sliding windows, soft caps, post-norm blocks), four dense sequences with prompts of
-/// different lengths step in the batches of [`ROUNDS`]; each row's logits equal the same
-/// sequence stepping alone on the same device (`exact`: bit for bit, the CPU's batch
-/// invariance; else within the suite's tolerance), and so does a step after them (the
-/// batched steps' keys and values are its own steps'). Returns the worst error.
-pub fn batched_steps_are_each_sequences_own<D: Device>(dev: &D, exact: bool) -> f32 {
+/// sliding windows, soft caps, post-norm blocks), four sequences with prompts of different
+/// lengths step in the batches of [`ROUNDS`]; each row's logits equal the same sequence
+/// stepping alone on the same device (`exact`: bit for bit, the CPU's batch invariance; else
+/// within the suite's tolerance), and so does a step after them (the batched steps' keys and
+/// values are its own steps'). Dense; or with `sparse`, one fixed random plan (about 40% of
+/// each layer's neurons and heads) for every sequence, so that the MLP's union is each row's
+/// own set and each row attends over its own heads. Returns the worst error.
+pub fn batched_steps_are_each_sequences_own<D: Device>(dev: &D, exact: bool, sparse: bool) -> f32 {
     let mut worst = 0f32;
     for name in FIXTURES {
         let eng = load(name);
         let c = &eng.model.config;
-        let dense = eng.policy("dense", None).unwrap();
-        let dm = eng.device_model(dev, &[&dense]).unwrap();
+        let plan = match sparse {
+            true => random_plan(&eng, 0.4, 7),
+            false => SparsePlan::dense(c),
+        };
+        let layout = sparse.then(|| eng.sparse_layout().unwrap());
+        let dm = DeviceModel::upload(dev, &eng.model, layout).unwrap();
         let open = || {
-            let plan = DevicePlan::policy(dev, c, &dense).unwrap();
-            DeviceSession::new(dev, &dm, plan, 32).unwrap()
+            let p = DevicePlan::fixed(dev, c, &plan, "plan").unwrap();
+            DeviceSession::new(dev, &dm, p, 32).unwrap()
         };
         let mut batched: Vec<_> = (0..4).map(|_| open()).collect();
         let mut alone: Vec<_> = (0..4).map(|_| open()).collect();
@@ -63,17 +69,119 @@ pub fn batched_steps_are_each_sequences_own<D: Device>(dev: &D, exact: bool) -> 
     worst
 }
 
+/// Under a Deja Vu policy (random predictors of MLP neurons and heads, synthetic:opt-125m),
+/// four sequences with different prompts step in the batches of [`ROUNDS`]: each row's
+/// logits are the reference's step (the CPU's f32 kernels, the host's sparse step) under the
+/// plan the batch ran for that row: the heads its own predictors chose (read back from its
+/// sequence after the step) and, for the MLP, the union of every row's chosen neurons. Each
+/// reference sequence runs every step of its sequence that way, so their caches stay equal.
+/// Some union is larger than a row's own set (the batch computes neurons a row did not
+/// choose). Returns the worst error.
+pub fn predicted_batched_steps_run_each_rows_heads_and_the_union<D: Device>(dev: &D) -> f32 {
+    let opts = EngineOptions {
+        keep_file_layout: true,
+        n_ctx: Some(16),
+        ..Default::default()
+    };
+    let eng = Engine::load("synthetic:opt-125m", &opts).unwrap();
+    let c = &eng.model.config;
+    let preds = eng.predictors(None).unwrap();
+    let policy = eng
+        .policy("dejavu:0.1+dejavu-attn:0.5", preds.as_ref())
+        .unwrap();
+    let dm = DeviceModel::upload(dev, &eng.model, Some(eng.sparse_layout().unwrap())).unwrap();
+    let open = || {
+        let plan = DevicePlan::policy(dev, c, &policy).unwrap();
+        DeviceSession::new(dev, &dm, plan, 16).unwrap()
+    };
+    let mut batched: Vec<_> = (0..4).map(|_| open()).collect();
+    let host = OnCpu::with_cache(&eng, CpuBackend::f32_reference(2), true, false);
+    let dense = SparsePlan::dense(c);
+    let mut want: Vec<_> = (0..4).map(|_| host.fixed(&dense, 16)).collect();
+    let (mut worst, mut grew) = (0f32, false);
+    for (i, (b, w)) in batched.iter_mut().zip(&mut want).enumerate() {
+        let prompt = &TOKENS[i..2 * i + 2];
+        forward_both(b, w, prompt, "a prompt");
+    }
+    let set = |v: &Option<Vec<u32>>, n: usize| match v {
+        Some(v) => IndexSet::new(n, v.clone()).unwrap(),
+        None => IndexSet::full(n),
+    };
+    for (round, seqs) in ROUNDS.iter().enumerate() {
+        let tokens: Vec<u32> = seqs.iter().map(|&s| TOKENS[(round * 3 + s) % 9]).collect();
+        let mut refs: Vec<Option<&mut DeviceSession<D>>> = batched.iter_mut().map(Some).collect();
+        let mut rows: Vec<_> = seqs.iter().map(|&s| refs[s].take().unwrap()).collect();
+        let got = DeviceSession::step_many(&mut rows, &tokens).unwrap();
+        let sels: Vec<_> = rows.iter().map(|s| s.selections().unwrap()).collect();
+        for (r, (&s, &t)) in seqs.iter().zip(&tokens).enumerate() {
+            let layers = (0..c.n_layers)
+                .map(|l| {
+                    // The union of the rows' neurons at layer l.
+                    let mut union: Vec<u32> = (sels.iter())
+                        .flat_map(|sel| {
+                            sel[l]
+                                .0
+                                .clone()
+                                .unwrap_or_else(|| (0..c.n_ff as u32).collect())
+                        })
+                        .collect();
+                    union.sort_unstable();
+                    union.dedup();
+                    grew |= sels[r][l]
+                        .0
+                        .as_ref()
+                        .is_some_and(|own| own.len() < union.len());
+                    let mlp = IndexSet::new(c.n_ff, union).unwrap();
+                    LayerPlan::new(c, mlp, set(&sels[r][l].1, c.n_heads)).unwrap()
+                })
+                .collect();
+            let plan = SparsePlan::new(c, layers).unwrap();
+            assert!(!plan.is_dense(), "the policy selects");
+            want[s]
+                .set_plan(DevicePlan::fixed(&host.dev, c, &plan, "batch").unwrap())
+                .unwrap();
+            let expect = want[s].forward(&[t]).unwrap();
+            let row = &got[r * c.vocab_size..(r + 1) * c.vocab_size];
+            let what = format!("round {round}, sequence {s}");
+            worst = worst.max(assert_close(&what, row, expect));
+        }
+    }
+    assert!(grew, "no union was larger than a row's own neurons");
+    worst
+}
+
 #[test]
 fn batched_steps_on_every_cpu_tier_are_each_sequences_own() {
     use dejavu_backend_cpu::isa::Isa;
-    batched_steps_are_each_sequences_own(&CpuDevice::reference(), true);
+    batched_steps_are_each_sequences_own(&CpuDevice::reference(), true, false);
     for isa in Isa::supported() {
-        batched_steps_are_each_sequences_own(&CpuDevice::with_isa(isa, 2).unwrap(), true);
+        batched_steps_are_each_sequences_own(&CpuDevice::with_isa(isa, 2).unwrap(), true, false);
     }
 }
 
-/// A step of several sequences refuses, before anything runs: a sequence under a sparse plan,
-/// one whose context is full, a token out of the vocabulary, and a token count that is not the
+/// Under a fixed sparse plan on every CPU tier, within the suite's tolerance (a batch's W_o
+/// reads every head's row, zeros for the heads a row did not select, where a sparse step
+/// reads only the selected rows: the same sum in another order).
+#[test]
+fn sparse_batched_steps_on_every_cpu_tier_are_each_sequences_own() {
+    use dejavu_backend_cpu::isa::Isa;
+    batched_steps_are_each_sequences_own(&CpuDevice::reference(), false, true);
+    for isa in Isa::supported() {
+        batched_steps_are_each_sequences_own(&CpuDevice::with_isa(isa, 2).unwrap(), false, true);
+    }
+}
+
+#[test]
+fn predicted_batched_steps_on_the_cpu_run_each_rows_heads_and_the_union() {
+    use dejavu_backend_cpu::isa::Isa;
+    for isa in Isa::supported() {
+        let dev = CpuDevice::with_isa(isa, 2).unwrap();
+        predicted_batched_steps_run_each_rows_heads_and_the_union(&dev);
+    }
+}
+
+/// A step of several sequences refuses, before anything runs: a sequence under a plan that
+/// selects from its layers' own activations (`gate-first`), one whose context is full, a token out of the vocabulary, and a token count that is not the
 /// sequence count. No sequence's cache changes.
 #[test]
 fn a_bad_step_of_several_sequences_changes_nothing() {
@@ -99,7 +207,7 @@ fn a_bad_step_of_several_sequences_changes_nothing() {
     let vocab = c.vocab_size as u32;
     for case in 0..4 {
         let (what, mut seqs, tokens) = match case {
-            0 => ("a sparse plan", vec![&mut a, &mut sp], vec![1, 2]),
+            0 => ("a gate-first plan", vec![&mut a, &mut sp], vec![1, 2]),
             1 => ("a full context", vec![&mut a, &mut full], vec![1, 2]),
             2 => ("a token out of range", vec![&mut a, &mut b], vec![1, vocab]),
             _ => ("fewer tokens", vec![&mut a, &mut b], vec![1]),

@@ -323,10 +323,45 @@ fn calibration_on_the_gpu_conforms_to_the_reference() {
 /// products sum in another order than a one-row step's).
 #[test]
 fn batched_steps_on_the_gpu_match_each_sequences_own() {
-    let Some(g) = gpu() else { return };
-    let worst = batching::batched_steps_are_each_sequences_own(&g, false);
-    eprintln!(
-        "{}: steps of 1 to 4 sequences on 13 fixtures, worst |logit error| {worst:.2e}",
-        g.name()
-    );
+    let Some(mut g) = gpu() else { return };
+    for one_call in [false, true] {
+        g.set_attend_rows(one_call);
+        let worst = batching::batched_steps_are_each_sequences_own(&g, false, false);
+        eprintln!(
+            "{}: steps of 1 to 4 sequences on 13 fixtures (attention {}), worst |logit error| \
+             {worst:.2e}",
+            g.name(),
+            if one_call {
+                "in one call"
+            } else {
+                "row by row"
+            }
+        );
+    }
+}
+
+/// Steps of several sequences under sparse plans on the GPU: a fixed random plan on every
+/// fixture (each row within the suite's tolerance of its sequence's own sparse step on the
+/// GPU), and a Deja Vu policy whose rows attend over their own predicted heads and run the MLP
+/// over the union of the rows' neurons (each row within the tolerance of the CPU reference's
+/// step under that plan).
+#[test]
+fn sparse_batched_steps_on_the_gpu_match_their_plans() {
+    let Some(mut g) = gpu() else { return };
+    for one_call in [false, true] {
+        g.set_attend_rows(one_call);
+        let fixed = batching::batched_steps_are_each_sequences_own(&g, false, true);
+        let predicted = batching::predicted_batched_steps_run_each_rows_heads_and_the_union(&g);
+        eprintln!(
+            "{}: sparse steps of 1 to 4 sequences (attention {}), worst |logit error| \
+             {fixed:.2e} (fixed plans, 13 fixtures), {predicted:.2e} (dejavu:0.1+dejavu-attn:0.5 \
+             against the reference)",
+            g.name(),
+            if one_call {
+                "in one call"
+            } else {
+                "row by row"
+            }
+        );
+    }
 }

@@ -196,6 +196,17 @@ pub struct AttnGeom {
     pub scoring: Scoring,
 }
 
+/// One row of [`Device::attend_rows`]: its sequence's key and value caches (of `n_ctx`
+/// positions), its position, and the query heads it attends with (a selection of group 1, or
+/// every head).
+pub struct SeqRow<'a, D: Device + ?Sized> {
+    pub k: &'a mut D::Cache,
+    pub v: &'a mut D::Cache,
+    pub pos: usize,
+    pub n_ctx: usize,
+    pub heads: Rows<'a, D::Idx>,
+}
+
 /// Verbs of a device-resident decode step. Every verb is enqueued in order on the device's lane
 /// (one, unless [`Device::fork`] opened a second) and may return before it ran; errors of a launch are reported by the next call that
 /// synchronizes ([`Device::download`]). Lengths are checked at every entry (an `Err`, never an
@@ -278,7 +289,9 @@ pub trait Device: Send + Sync {
     /// a batch of decode rows (the rows a speculative draft asks the dense model to verify)
     /// whose outputs must be a decode step's. A device that states batch invariance (the CPU)
     /// makes them equal bit for bit, at the cost of the decode path's throughput; the default
-    /// is [`Device::matmul`] (equal within its rounding).
+    /// is [`Device::matmul`] (equal within its rounding). A product's rows may be a selection
+    /// (a step of several sequences under a sparse plan: the union of their neurons): each
+    /// row's outputs are compact, row `r` at `r * count`.
     fn matmul_steps(
         &self,
         x: &Self::Buf,
@@ -316,6 +329,28 @@ pub trait Device: Send + Sync {
         bias: Option<&Self::Buf>,
         y: &mut Self::Buf,
     ) -> Result<(), BackendError>;
+
+    /// [`Device::axpy`] of each of `n` rows: row `r` of `a` at `r * count` (the selection's
+    /// outputs), of `y` at `r * w.cols`, each with the bias. A step of several sequences' down
+    /// projection over the union of their neurons: each weight row read once for all rows where
+    /// the device can. The default takes one row (more are unsupported).
+    fn axpy_steps(
+        &self,
+        w: &Self::Mat,
+        rows: Rows<'_, Self::Idx>,
+        a: &Self::Buf,
+        n: usize,
+        bias: Option<&Self::Buf>,
+        y: &mut Self::Buf,
+    ) -> Result<(), BackendError> {
+        match n {
+            1 => self.axpy(w, rows, a, bias, y),
+            _ => Err(BackendError::Unsupported {
+                backend: self.name(),
+                what: format!("the sparse down projection of {n} rows"),
+            }),
+        }
+    }
 
     /// [`Device::axpy`] of each job with the same coefficients `a` (`job.x` is not read): `y +=`
     /// the product over the job's `rows` of its matrix, plus its bias (`act` and `accumulate`
@@ -388,13 +423,16 @@ pub trait Device: Send + Sync {
         y: &mut Self::Buf,
     ) -> Result<(), BackendError>;
 
-    /// `dst[idx[j]] = src[j]` for `j < n` (the exact logits of the contextual head's
-    /// candidates), the indices distinct; an index past `dst` writes nothing.
+    /// `dst[idx[j / group] * group + j % group] = src[j]` for `j < count * group`: the inverse
+    /// of [`Device::gather`] (the exact logits of the contextual head's candidates; a row's
+    /// attention of its own heads, put back at the heads' places), the indices distinct; a
+    /// value whose place is past `dst` is not written.
     fn scatter(
         &self,
         src: &Self::Buf,
         idx: &Self::Idx,
-        n: usize,
+        count: usize,
+        group: usize,
         dst: &mut Self::Buf,
     ) -> Result<(), BackendError>;
     /// `dst[j] = src[idx[j / group] * group + j % group]` for `j < count * group`: the compact
@@ -471,6 +509,32 @@ pub trait Device: Send + Sync {
         self.rope(q, n_q, head_dim, rope, rows)?;
         self.rope(k, n_k, head_dim, rope, rows)
     }
+    /// The attention block of a step of several sequences, one row each (`rows[r]`), in a
+    /// few launches where the device can: row `r` of `q` and `k` (every head: `geom.n_heads`
+    /// and `geom.n_kv_heads`) roped at the row's position (with `rope`), its keys and values
+    /// (row `r` of `k`, `v`) stored at that position of its own caches, and its attention over
+    /// its own heads into row `r` of `out` (every head's place; zeros for the heads it did not
+    /// select). `geom.n_ctx` and `geom.rows` are not read (each row's own). The step
+    /// ([`Device::set_step`]) is not read. The default is unsupported: the caller then runs
+    /// the rows one by one with the one-row verbs.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_rows(
+        &self,
+        q: &mut Self::Buf,
+        k: &mut Self::Buf,
+        v: &Self::Buf,
+        rope: Option<Rotary<'_, Self::Buf>>,
+        geom: AttnGeom,
+        rows: &mut [SeqRow<'_, Self>],
+        out: &mut Self::Buf,
+    ) -> Result<(), BackendError> {
+        let _ = (q, k, v, rope, geom, rows, out);
+        Err(BackendError::Unsupported {
+            backend: self.name(),
+            what: "the attention of several sequences in one call".into(),
+        })
+    }
+
     /// `gate[i] = act(gate[i]) * up[i]` for `i < n`.
     fn glu(
         &self,

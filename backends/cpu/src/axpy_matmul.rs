@@ -65,62 +65,70 @@ pub fn axpy_matmul(
         .min(rows.len().div_ceil(MIN_ROWS_PER_THREAD))
         .max(1);
     let per = rows.len().div_ceil(threads);
+    // Each task's partial sums of every token, `n_tok * cols` each; a chunk's segment is read
+    // once for all tokens (the rows stay in L1 while each token's coefficients add them).
+    let width = n_tok * cols;
     PARTS.with_borrow_mut(|parts| {
-        parts.resize(threads * cols, 0.0);
-        for (at, yt) in a.chunks_exact(w.rows).zip(y.chunks_exact_mut(cols)) {
-            let pp = SyncPtr::new(parts.as_mut_ptr());
-            pool.run(threads, &|task| {
-                // SAFETY: task `task` alone writes partial `task` (cols floats inside `parts`,
-                // which holds threads * cols and outlives `pool.run`).
-                let part =
-                    unsafe { std::slice::from_raw_parts_mut(pp.get().add(task * cols), cols) };
-                part.fill(0.0);
-                let (lo, hi) = (task * per, ((task + 1) * per).min(rows.len()));
-                // The next chunk's rows are prefetched in step with the reading: while segment
-                // `s` of this chunk's rows is added, segment `s` of the next chunk's (a steady
-                // number of lines in flight; a burst per chunk overflows the miss queue).
-                let (q, bl) = (w.qtype, w.qtype.block_len());
-                let seg = if cols.is_multiple_of(SEGMENT_COLS) && bl <= SEGMENT_COLS {
-                    SEGMENT_COLS
-                } else {
-                    cols
-                };
-                let seg_bytes = q.row_bytes(seg);
-                for i in lo..(lo + CHUNK).min(hi) {
-                    prefetch::prefetch(w.row(rows.get(i)));
-                }
-                let mut coef = [0f32; CHUNK];
-                let mut refs: [&[u8]; CHUNK] = [&[]; CHUNK];
-                let mut next: [&[u8]; CHUNK] = [&[]; CHUNK];
-                for start in (lo..hi).step_by(CHUNK) {
-                    let m = CHUNK.min(hi - start);
-                    let nm = CHUNK.min(hi.saturating_sub(start + m));
-                    for i in 0..m {
-                        let r = rows.get(start + i);
-                        coef[i] = at[r];
-                        refs[i] = w.row(r);
-                    }
-                    for (i, nx) in next.iter_mut().enumerate().take(nm) {
-                        *nx = w.row(rows.get(start + m + i));
-                    }
-                    for (s, ys) in part.chunks_mut(seg).enumerate() {
-                        let bytes = s * seg_bytes..(s + 1) * seg_bytes;
-                        for nx in &next[..nm] {
-                            prefetch::prefetch(&nx[bytes.clone()]);
-                        }
-                        let mut segs: [&[u8]; CHUNK] = [&[]; CHUNK];
-                        for (sg, r) in segs.iter_mut().zip(&refs[..m]) {
-                            *sg = &r[bytes.clone()];
-                        }
-                        (k.axpy_q)(q, &segs[..m], &coef[..m], ys);
-                    }
-                }
-            });
-            let (first, rest) = parts.split_at(cols);
-            yt.copy_from_slice(first);
-            for p in rest.chunks_exact(cols) {
-                yt.iter_mut().zip(p).for_each(|(y, v)| *y += v);
+        parts.resize(threads * width, 0.0);
+        let pp = SyncPtr::new(parts.as_mut_ptr());
+        pool.run(threads, &|task| {
+            // SAFETY: task `task` alone writes partial `task` (`width` floats inside `parts`,
+            // which holds threads * width and outlives `pool.run`).
+            let part = unsafe { std::slice::from_raw_parts_mut(pp.get().add(task * width), width) };
+            part.fill(0.0);
+            let (lo, hi) = (task * per, ((task + 1) * per).min(rows.len()));
+            // The next chunk's rows are prefetched in step with the reading: while segment
+            // `s` of this chunk's rows is added, segment `s` of the next chunk's (a steady
+            // number of lines in flight; a burst per chunk overflows the miss queue).
+            let (q, bl) = (w.qtype, w.qtype.block_len());
+            let seg = if cols.is_multiple_of(SEGMENT_COLS) && bl <= SEGMENT_COLS {
+                SEGMENT_COLS
+            } else {
+                cols
+            };
+            let seg_bytes = q.row_bytes(seg);
+            for i in lo..(lo + CHUNK).min(hi) {
+                prefetch::prefetch(w.row(rows.get(i)));
             }
+            let mut coefs = vec![0f32; n_tok * CHUNK];
+            let mut refs: [&[u8]; CHUNK] = [&[]; CHUNK];
+            let mut next: [&[u8]; CHUNK] = [&[]; CHUNK];
+            for start in (lo..hi).step_by(CHUNK) {
+                let m = CHUNK.min(hi - start);
+                let nm = CHUNK.min(hi.saturating_sub(start + m));
+                for i in 0..m {
+                    let r = rows.get(start + i);
+                    refs[i] = w.row(r);
+                    for t in 0..n_tok {
+                        coefs[t * CHUNK + i] = a[t * w.rows + r];
+                    }
+                }
+                for (i, nx) in next.iter_mut().enumerate().take(nm) {
+                    *nx = w.row(rows.get(start + m + i));
+                }
+                for s in 0..cols.div_ceil(seg) {
+                    let bytes = s * seg_bytes..(s + 1) * seg_bytes;
+                    for nx in &next[..nm] {
+                        prefetch::prefetch(&nx[bytes.clone()]);
+                    }
+                    let mut segs: [&[u8]; CHUNK] = [&[]; CHUNK];
+                    for (sg, r) in segs.iter_mut().zip(&refs[..m]) {
+                        *sg = &r[bytes.clone()];
+                    }
+                    let c0 = s * seg;
+                    let c1 = (c0 + seg).min(cols);
+                    for t in 0..n_tok {
+                        let ys = &mut part[t * cols + c0..t * cols + c1];
+                        (k.axpy_q)(q, &segs[..m], &coefs[t * CHUNK..t * CHUNK + m], ys);
+                    }
+                }
+            }
+        });
+        let (first, rest) = parts.split_at(width);
+        let y = &mut y[..width];
+        y.copy_from_slice(first);
+        for p in rest.chunks_exact(width) {
+            y.iter_mut().zip(p).for_each(|(y, v)| *y += v);
         }
     });
 }
@@ -234,9 +242,10 @@ mod tests {
 
     /// Every tier and thread count within 1e-5 (relative to the sum of |terms|) of the reference,
     /// plus the integer kernels' rounding bound (`axpy_q::rounding_bound`), for every weight type,
-    /// ragged row counts and subsets (empty, one row, random, full).
+    /// ragged row counts and subsets (empty, one row, random, full), for `NT` tokens at once.
     #[test]
     fn tiers_match_reference() {
+        const NT: usize = 3;
         for isa in Isa::supported() {
             let k = Kernels::for_isa(isa).unwrap();
             for threads in [1, 2, 3] {
@@ -251,7 +260,7 @@ mod tests {
                         .flat_map(|r| random_row(q, cols, r as u64 * 31 + 7))
                         .collect();
                     let w = Weight::new(q, n, cols, &data).unwrap();
-                    let a = random_f32(2 * n, 5);
+                    let a = random_f32(NT * n, 5);
                     let subsets = [
                         IndexSet::new(n, vec![]).unwrap(),
                         IndexSet::new(n, vec![17]).unwrap(),
@@ -259,22 +268,22 @@ mod tests {
                         IndexSet::full(n),
                     ];
                     for rows in &subsets {
-                        let mut want = vec![0f32; 2 * cols];
-                        let mut got = vec![1f32; 2 * cols];
+                        let mut want = vec![0f32; NT * cols];
+                        let mut got = vec![1f32; NT * cols];
                         reference(&w, rows, &a, &mut want);
                         axpy_matmul(&k, &pool, &w, rows, &a, &mut got);
                         let mut row = vec![0f32; cols];
-                        let mut mag = vec![0f32; 2 * cols];
+                        let mut mag = vec![0f32; NT * cols];
                         for r in rows.iter() {
                             dequantize_row(q, w.row(r), &mut row);
-                            for t in 0..2 {
+                            for t in 0..NT {
                                 for c in 0..cols {
                                     mag[t * cols + c] += (a[t * n + r] * row[c]).abs();
                                 }
                             }
                         }
                         let sel: Vec<&[u8]> = rows.iter().map(|r| w.row(r)).collect();
-                        for i in 0..2 * cols {
+                        for i in 0..NT * cols {
                             let at: Vec<f32> = rows.iter().map(|r| a[(i / cols) * n + r]).collect();
                             let step =
                                 crate::kernels::axpy_q::rounding_bound(isa, q, &sel, &at, i % cols);

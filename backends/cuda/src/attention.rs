@@ -6,7 +6,8 @@ use dejavu_backend_api::{AttnGeom, BackendError, Device, RopeStyle, Rotary, Rows
 
 impl CudaDevice {
     /// rope.cu over `nx` heads at `x` and `ny` at `y`, each of `rows` rows (lengths checked by
-    /// the caller).
+    /// the caller); each row at its sequence's position in the table at `tab` (a step of
+    /// several sequences), or (`tab` 0) at the step's.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn launch_rope(
         &self,
@@ -17,6 +18,7 @@ impl CudaDevice {
         hd: usize,
         rope: Rotary<'_, Buf>,
         rows: usize,
+        tab: u64,
     ) -> Result<(), BackendError> {
         self.batch_rows("rope", rows)?;
         if let Some(f) = rope.factors {
@@ -27,7 +29,7 @@ impl CudaDevice {
         let fp = rope.factors.map_or(0, |f| self.ptr(&f.0));
         let mut b = self.lane().launch_builder(self.func("rope"));
         b.arg(&x).arg(&nxi).arg(&y).arg(&nyi).arg(&hdi).arg(&sp);
-        b.arg(&rope.theta).arg(&fp).arg(&neox);
+        b.arg(&rope.theta).arg(&fp).arg(&neox).arg(&tab);
         launch::run(b, launch::rows(launch::grid((nx + ny) * hd / 2, 128), rows))
     }
 

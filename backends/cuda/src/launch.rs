@@ -48,10 +48,10 @@ pub(crate) fn one_block(n: usize) -> LaunchConfig {
 }
 
 /// `dst[..src.len()] = src`, ordered on `stream`.
-pub(crate) fn htod(
+pub(crate) fn htod<T: cudarc::driver::DeviceRepr>(
     stream: &CudaStream,
-    dst: &CudaSlice<i32>,
-    src: &[i32],
+    dst: &CudaSlice<T>,
+    src: &[T],
 ) -> Result<(), BackendError> {
     assert!(
         src.len() <= dst.len(),

@@ -15,7 +15,7 @@ use cudarc::driver::{
 };
 use dejavu_backend_api::{
     check_scale_cap, Activation, AttnGeom, BackendError, Device, InputMask, LazyKv, Product,
-    QuantType, Rotary, Rows, StepRow, TopK, Weight, MAX_ROWS,
+    QuantType, Rotary, Rows, SeqRow, StepRow, TopK, Weight, MAX_ROWS,
 };
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -28,6 +28,7 @@ mod launch;
 mod matmul;
 mod products;
 mod selection;
+mod seqs;
 mod world;
 use compile::{ax_vec, mv_rows, tuning};
 pub use compile::{compile, nvrtc_present};
@@ -90,6 +91,8 @@ pub struct CudaDevice {
     _module: Arc<CudaModule>,
     funcs: HashMap<String, CudaFunction>,
     step: CudaSlice<i32>,
+    /// A step of several sequences' table (`seqs::SEQ_TAB` values a row, `Device::attend_rows`).
+    seq_tab: CudaSlice<u64>,
     /// The rows of the batch last set (`Device::set_step`).
     batch: AtomicUsize,
     n_sm: usize,
@@ -100,6 +103,10 @@ pub struct CudaDevice {
     mv_fill_sel: usize,
     /// `MV_AHEAD_F16=1`: f16 products of every row take the kernel that loads ahead, as bf16's.
     mv_ahead_f16: bool,
+    /// `ATTEND_ROWS=1`: a step of several sequences' attention block in four launches
+    /// (`Device::attend_rows`); off by default until it has run on a GPU (its kernels were
+    /// compiled, not run): the rows then go one by one through the one-row verbs.
+    attend_rows: bool,
     /// The global state of `top_k_select`: 3 selections' `products::TK_SCRATCH`, zero between
     /// launches.
     tk_scratch: CudaSlice<u32>,
@@ -196,6 +203,8 @@ impl CudaDevice {
             "group_norms",
             "store_f16",
             "attention_f16",
+            "attention_rows_f16",
+            "store_rows_f16",
             "kv_mark",
             "store_row_f16",
             "top_k_hist",
@@ -228,6 +237,7 @@ impl CudaDevice {
             ctx.new_event(None).map_err(dev_err)?,
         );
         let step = stream.alloc_zeros::<i32>(1 + MAX_ROWS).map_err(dev_err)?;
+        let seq_tab = (stream.alloc_zeros::<u64>(seqs::SEQ_TAB * MAX_ROWS)).map_err(dev_err)?;
         let tk_scratch = (stream.alloc_zeros::<u32>(3 * products::TK_SCRATCH)).map_err(dev_err)?;
         let n_sm = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
@@ -243,6 +253,7 @@ impl CudaDevice {
             _module: module,
             funcs,
             step,
+            seq_tab,
             batch: AtomicUsize::new(1),
             tk_scratch,
             n_sm,
@@ -250,12 +261,20 @@ impl CudaDevice {
             mv_fill: tuning("MV_FILL", 2, 1..=64),
             mv_fill_sel: tuning("MV_FILL_SEL", 8, 1..=64),
             mv_ahead_f16: tuning("MV_AHEAD_F16", 0, 0..=1) == 1,
+            attend_rows: tuning("ATTEND_ROWS", 0, 0..=1) == 1,
             ax_vec: ax_vec(),
             ax_fill: tuning("AX_FILL", 4, 1..=64),
             name,
             smem: Mutex::default(),
             world: None,
         })
+    }
+
+    /// Run a step of several sequences' attention block in one call (`Device::attend_rows`),
+    /// or row by row (the default until it has run on a GPU; `ATTEND_ROWS` in
+    /// `DEJAVU_CUDA_DEFINES` sets it too).
+    pub fn set_attend_rows(&mut self, on: bool) {
+        self.attend_rows = on;
     }
 
     /// Wait until every queued launch has run.
@@ -485,6 +504,18 @@ impl Device for CudaDevice {
         self.launch_axpys(a, &mut job)
     }
 
+    fn axpy_steps(
+        &self,
+        w: &Mat,
+        rows: Rows<'_, Idx>,
+        a: &Buf,
+        n: usize,
+        bias: Option<&Buf>,
+        y: &mut Buf,
+    ) -> Result<(), BackendError> {
+        self.launch_axpy_steps(w, rows, a, n, bias, y)
+    }
+
     fn axpys(&self, a: &Buf, jobs: &mut [Product<'_, Self>]) -> Result<(), BackendError> {
         self.launch_axpys(a, jobs)
     }
@@ -546,8 +577,15 @@ impl Device for CudaDevice {
         launch::run(b, launch::grid(n, 256))
     }
 
-    fn scatter(&self, src: &Buf, idx: &Idx, n: usize, dst: &mut Buf) -> Result<(), BackendError> {
-        self.launch_scatter(src, idx, n, dst)
+    fn scatter(
+        &self,
+        src: &Buf,
+        idx: &Idx,
+        count: usize,
+        group: usize,
+        dst: &mut Buf,
+    ) -> Result<(), BackendError> {
+        self.launch_scatter(src, idx, count, group, dst)
     }
 
     fn gather(
@@ -640,7 +678,7 @@ impl Device for CudaDevice {
     ) -> Result<(), BackendError> {
         need("rope", x.0.len(), rows * n_heads * head_dim)?;
         let xp = self.ptr(&x.0);
-        self.launch_rope(xp, n_heads, 0, 0, head_dim, rope, rows)
+        self.launch_rope(xp, n_heads, 0, 0, head_dim, rope, rows, 0)
     }
 
     fn rope_qk(
@@ -656,7 +694,7 @@ impl Device for CudaDevice {
         need("rope queries", q.0.len(), rows * n_q * head_dim)?;
         need("rope keys", k.0.len(), rows * n_k * head_dim)?;
         let (qp, kp) = (self.ptr(&q.0), self.ptr(&k.0));
-        self.launch_rope(qp, n_q, kp, n_k, head_dim, rope, rows)
+        self.launch_rope(qp, n_q, kp, n_k, head_dim, rope, rows, 0)
     }
 
     fn glu(&self, act: Activation, gate: &mut Buf, up: &Buf, n: usize) -> Result<(), BackendError> {
@@ -703,6 +741,19 @@ impl Device for CudaDevice {
         v: &mut Cache,
     ) -> Result<(), BackendError> {
         self.launch_kv_fill(job, valid, k, v)
+    }
+
+    fn attend_rows(
+        &self,
+        q: &mut Buf,
+        k: &mut Buf,
+        v: &Buf,
+        rope: Option<Rotary<'_, Buf>>,
+        geom: AttnGeom,
+        rows: &mut [SeqRow<'_, Self>],
+        out: &mut Buf,
+    ) -> Result<(), BackendError> {
+        self.launch_attend_rows(q, k, v, rope, geom, rows, out)
     }
 
     fn store(

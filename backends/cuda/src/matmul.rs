@@ -51,8 +51,15 @@ impl CudaDevice {
         jobs: &mut [Product<'_, Self>],
     ) -> Result<(), BackendError> {
         self.batch_rows("matmul", rows)?;
-        if rows <= crate::products::MVR_MAX {
+        let mvr = crate::products::MVR_MAX;
+        if rows <= mvr {
             return self.launch_matvec_rows(x, rows, jobs);
+        }
+        // A selection (`Device::matmul_steps` under a sparse plan): chunks of the row kernel.
+        if jobs.iter().any(|p| matches!(p.rows, Rows::Sel { .. })) {
+            return (0..rows)
+                .step_by(mvr)
+                .try_for_each(|t0| self.launch_matvec_rows_at(x, t0, mvr.min(rows - t0), jobs));
         }
         if jobs.is_empty() || jobs.len() > 3 {
             return Err(shape(format!(

@@ -1,6 +1,6 @@
 //! Launch shapes of the products (matvec.cu, axpy.cu), `Device::clear` (elementwise.cu) and of the top-k selection (topk.cu):
 //! the checks of every buffer against the sizes the kernels will touch, then one launch.
-use crate::{launch, need, shape, type_suffix, Buf, CudaDevice};
+use crate::{launch, need, shape, type_suffix, Buf, CudaDevice, Idx, Mat};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use dejavu_backend_api::{Activation, BackendError, Product, QuantType, Rows, TopK};
 
@@ -189,10 +189,23 @@ impl CudaDevice {
 
     /// `Device::matmul` of a batch of 1 to [`MVR_MAX`] rows (`matvec_rows_T`): each weight row
     /// read once for every batch row (the prompt's tile kernel computes whole tiles of 32 or
-    /// 64 batch rows). One weight type per launch; every product over all rows.
+    /// 64 batch rows). One weight type per launch; a product over every row or a selection
+    /// (`Device::matmul_steps`: each row's outputs compact).
     pub(crate) fn launch_matvec_rows(
         &self,
         x: &Buf,
+        nt: usize,
+        jobs: &mut [Product<'_, Self>],
+    ) -> Result<(), BackendError> {
+        self.launch_matvec_rows_at(x, 0, nt, jobs)
+    }
+
+    /// [`Self::launch_matvec_rows`] of rows `t0..t0 + nt` of the inputs and outputs (a batch
+    /// of more than [`MVR_MAX`] rows over a selection, in chunks).
+    pub(crate) fn launch_matvec_rows_at(
+        &self,
+        x: &Buf,
+        t0: usize,
         nt: usize,
         jobs: &mut [Product<'_, Self>],
     ) -> Result<(), BackendError> {
@@ -204,46 +217,71 @@ impl CudaDevice {
         }
         if jobs.iter().any(|p| p.w.qtype != jobs[0].w.qtype) {
             return (jobs.iter_mut())
-                .try_for_each(|p| self.launch_matvec_rows(x, nt, std::slice::from_mut(p)));
+                .try_for_each(|p| self.launch_matvec_rows_at(x, t0, nt, std::slice::from_mut(p)));
         }
         let mut mv = MvJobs {
             n: jobs.len() as i32,
             split: nt as i32,
             ..Default::default()
         };
-        let mut blocks = 0;
+        let (mut blocks, end) = (0, t0 + nt);
         for (i, p) in jobs.iter().enumerate() {
             let (w, px) = (p.w, p.x.unwrap_or(x));
-            if !matches!(p.rows, Rows::All) {
-                return Err(shape("a batch's products read every row".into()));
-            }
-            need("matmul input", px.0.len(), nt * w.cols)?;
-            need("matmul output", p.y.0.len(), nt * w.rows)?;
+            let (ip, n_out, group, o) = self.sel(p.rows, w.rows)?;
+            need("matmul input", px.0.len(), end * w.cols)?;
+            need("matmul output", p.y.0.len(), end * o)?;
             if let Some(b) = p.bias {
                 need("matmul bias", b.0.len(), w.rows)?;
             }
+            let f32s = std::mem::size_of::<f32>() as u64;
             mv.job[i] = MvJob {
                 w: self.ptr(&w.data),
-                idx: 0,
+                idx: ip,
                 bias: p.bias.map_or(0, |b| self.ptr(&b.0)),
-                y: self.ptr(&p.y.0),
-                x: self.ptr(&px.0),
+                y: self.ptr(&p.y.0) + (t0 * o) as u64 * f32s,
+                x: self.ptr(&px.0) + (t0 * w.cols) as u64 * f32s,
                 rows: w.rows as i32,
                 cols: w.cols as i32,
-                n_out: w.rows as i32,
-                group: 1,
+                n_out,
+                group,
                 accumulate: p.accumulate as i32,
                 act: p.act.map_or(-1, act_code),
                 first_block: blocks as i32,
                 _pad: 0,
             };
-            // 8 warps a block, one weight row each.
-            blocks += w.rows.div_ceil(8);
+            // 8 warps a block, one output each.
+            blocks += o.div_ceil(8);
         }
         let f = self.func(&format!("matvec_rows_{}", type_suffix(jobs[0].w.qtype)));
         let mut b = self.lane().launch_builder(f);
         b.arg(&mv);
         launch::run(b, launch::grid(blocks * 256, 256))
+    }
+
+    /// `Device::axpy_steps`: one launch of [`Self::launch_axpys`]'s kernel per row, at the
+    /// row's activations and outputs (each reads the selected weight rows again).
+    pub(crate) fn launch_axpy_steps(
+        &self,
+        w: &Mat,
+        rows: Rows<'_, Idx>,
+        a: &Buf,
+        n: usize,
+        bias: Option<&Buf>,
+        y: &mut Buf,
+    ) -> Result<(), BackendError> {
+        let (_, _, _, per) = self.sel(rows, w.rows)?;
+        if n == 0 {
+            return Err(shape("an axpy of no rows".into()));
+        }
+        need("axpy activations", a.0.len(), n * per)?;
+        need("axpy output", y.0.len(), n * w.cols)?;
+        let f32s = std::mem::size_of::<f32>() as u64;
+        for r in 0..n {
+            let at = (self.ptr(&a.0) + (r * per) as u64 * f32s, per);
+            let yr = (self.ptr(&y.0) + (r * w.cols) as u64 * f32s, w.cols);
+            self.axpy_at(w, rows, at, bias, yr)?;
+        }
+        Ok(())
     }
 
     /// `Device::axpys`: each job in tiles of `256 * ax_vec` columns, one launch; the outputs
@@ -272,30 +310,79 @@ impl CudaDevice {
         };
         let (mut tiles, mut most) = (0, 1);
         for (i, p) in jobs.iter().enumerate() {
-            let w = p.w;
-            let (ip, n_out, group, outs) = self.sel(p.rows, w.rows)?;
-            need("axpy activations", a.0.len(), outs)?;
-            need("axpy output", p.y.0.len(), w.cols)?;
-            if let Some(bb) = p.bias {
-                need("axpy bias", bb.0.len(), w.cols)?;
-            }
-            ax.job[i] = AxJob {
-                w: self.ptr(&w.data),
-                idx: ip,
-                bias: p.bias.map_or(0, |bb| self.ptr(&bb.0)),
-                y: self.ptr(&p.y.0),
-                rows: w.rows as i32,
-                cols: w.cols as i32,
-                n_out,
-                group,
-                first_tile: tiles as i32,
-                _pad: 0,
-            };
-            tiles += w.cols.div_ceil(256 * self.ax_vec);
+            let y = (self.ptr(&p.y.0), p.y.0.len());
+            let outs;
+            (ax.job[i], outs) = self.ax_job(p.w, p.rows, a.0.len(), p.bias, y, tiles)?;
+            tiles += p.w.cols.div_ceil(256 * self.ax_vec);
             most = most.max(outs.div_ceil(8));
         }
+        self.run_axpys(ax, tiles, most, jobs[0].w.qtype)
+    }
+
+    /// One axpy of `Device::axpy`'s, its activations and outputs given by address and length
+    /// (a row of a batch's).
+    fn axpy_at(
+        &self,
+        w: &Mat,
+        rows: Rows<'_, Idx>,
+        (a, a_len): (u64, usize),
+        bias: Option<&Buf>,
+        y: (u64, usize),
+    ) -> Result<(), BackendError> {
+        let (job, outs) = self.ax_job(w, rows, a_len, bias, y, 0)?;
+        let mut ax = AxJobs {
+            a,
+            n: 1,
+            ..Default::default()
+        };
+        ax.job[0] = job;
+        let tiles = w.cols.div_ceil(256 * self.ax_vec);
+        self.run_axpys(ax, tiles, outs.div_ceil(8).max(1), w.qtype)
+    }
+
+    /// An axpy's job, checked (activations of `a_len` values, outputs at `y`, `y.1` values),
+    /// its tiles from `first_tile` on; and its selection's outputs.
+    fn ax_job(
+        &self,
+        w: &Mat,
+        rows: Rows<'_, Idx>,
+        a_len: usize,
+        bias: Option<&Buf>,
+        (y, y_len): (u64, usize),
+        first_tile: usize,
+    ) -> Result<(AxJob, usize), BackendError> {
+        let (ip, n_out, group, outs) = self.sel(rows, w.rows)?;
+        need("axpy activations", a_len, outs)?;
+        need("axpy output", y_len, w.cols)?;
+        if let Some(bb) = bias {
+            need("axpy bias", bb.0.len(), w.cols)?;
+        }
+        let job = AxJob {
+            w: self.ptr(&w.data),
+            idx: ip,
+            bias: bias.map_or(0, |bb| self.ptr(&bb.0)),
+            y,
+            rows: w.rows as i32,
+            cols: w.cols as i32,
+            n_out,
+            group,
+            first_tile: first_tile as i32,
+            _pad: 0,
+        };
+        Ok((job, outs))
+    }
+
+    /// The axpy kernel over `tiles` tiles of columns, split so that the grid holds about
+    /// `ax_fill` blocks per SM (at most `most` ranges of outputs).
+    fn run_axpys(
+        &self,
+        ax: AxJobs,
+        tiles: usize,
+        most: usize,
+        q: QuantType,
+    ) -> Result<(), BackendError> {
         let splits = (self.ax_fill * self.n_sm / tiles.max(1)).clamp(1, most);
-        let f = self.func(&format!("axpy_{}", type_suffix(jobs[0].w.qtype)));
+        let f = self.func(&format!("axpy_{}", type_suffix(q)));
         let mut b = self.lane().launch_builder(f);
         b.arg(&ax);
         let cfg = LaunchConfig {

@@ -31,18 +31,23 @@ impl CudaDevice {
         &self,
         src: &Buf,
         idx: &Idx,
-        n: usize,
+        count: usize,
+        group: usize,
         dst: &mut Buf,
     ) -> Result<(), BackendError> {
+        let n = count * group;
+        if group == 0 {
+            return Err(shape("a scatter of groups of 0".into()));
+        }
         need("scatter input", src.0.len(), n)?;
-        need("scatter indices", idx.0.len(), n)?;
-        if dst.0.len() > i32::MAX as usize {
-            return Err(shape(format!("scatter into {} values", dst.0.len())));
+        need("scatter indices", idx.0.len(), count)?;
+        if dst.0.len() > i32::MAX as usize || n > i32::MAX as usize {
+            return Err(shape(format!("scatter of {n} into {} values", dst.0.len())));
         }
         let (sp, ip, dp) = (self.ptr(&src.0), self.ptr(&idx.0), self.ptr(&dst.0));
-        let (ni, len) = (n as i32, dst.0.len() as i32);
+        let (ni, gi, len) = (n as i32, group as i32, dst.0.len() as i32);
         let mut b = self.lane().launch_builder(self.func("scatter_f32"));
-        b.arg(&sp).arg(&ip).arg(&ni).arg(&dp).arg(&len);
+        b.arg(&sp).arg(&ip).arg(&ni).arg(&gi).arg(&dp).arg(&len);
         launch::run(b, launch::grid(n, 256))
     }
 

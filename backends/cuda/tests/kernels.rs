@@ -84,8 +84,21 @@ fn elementwise_on<D: Device>(d: &D, x: &[f32], w: &[f32], b: &[f32], hd: usize) 
         .collect();
     let mut dst = d.upload(b).unwrap();
     let src = d.upload(&x[..idx.len()]).unwrap();
-    d.scatter(&src, &d.upload_idx(&idx).unwrap(), idx.len(), &mut dst)
+    d.scatter(&src, &d.upload_idx(&idx).unwrap(), idx.len(), 1, &mut dst)
         .unwrap();
+    out.extend(down(d, &dst, n));
+    // Groups of 3 in descending order (a row's heads put back at their places).
+    let groups: Vec<u32> = (0..n as u32 / 3).rev().step_by(2).collect();
+    let mut dst = d.upload(b).unwrap();
+    let src = d.upload(&x[..3 * groups.len()]).unwrap();
+    d.scatter(
+        &src,
+        &d.upload_idx(&groups).unwrap(),
+        groups.len(),
+        3,
+        &mut dst,
+    )
+    .unwrap();
     out.extend(down(d, &dst, n));
     // Gemma's embedding scale, and its soft cap of scaled values (some past the cap).
     for (scale, cap) in [(8.0, None), (3.0, Some(1.5))] {

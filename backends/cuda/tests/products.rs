@@ -122,6 +122,22 @@ fn products_match_the_scalar_reference_for_every_type() {
                     &want,
                     tol,
                 );
+                // A step of several sequences under a sparse plan: the same rows over the
+                // union of their neurons (`sel1`), and the down projection over it.
+                let a = randv(&mut r, nt * sel1.len());
+                let ys = randv(&mut r, nt * cols);
+                let want = sel_batch_on(&host, &w, &xs, &a, &sel1, &ys, nt);
+                let got = sel_batch_on(&gpu, &w, &xs, &a, &sel1, &ys, nt);
+                let n_mm = nt * sel1.len();
+                close(
+                    &format!("matmul_steps and axpy_steps {q:?} {rows}x{cols} of {nt}"),
+                    &got,
+                    &want,
+                    |i| match i < n_mm {
+                        true => 1e-4 * (2.0 + want[i].abs()) + 1e-5 * cols as f32,
+                        false => 1e-4 * (1.0 + rows as f32 * 0.1),
+                    },
+                );
             }
         }
     }
@@ -169,6 +185,47 @@ fn matmul_on<D: Device>(d: &D, w: &Weight, xs: &[f32], nt: usize) -> Vec<f32> {
     d.matmul(&xb, nt, &mut [p0, p1.accumulate()]).unwrap();
     let mut out = down(d, &y0, nt * w.rows);
     out.extend(down(d, &y1, nt * w.rows));
+    out
+}
+
+/// A batch of `nt` rows over the selection `sel` (a step of several sequences under a sparse
+/// plan): `Device::matmul_steps` with a bias and ReLU (compact, `[nt][sel]`), then
+/// `Device::axpy_steps` of the activations `a` (`[nt][sel]`) onto the rows `y0` with a bias
+/// (`[nt][cols]`, the matrix read neuron-major).
+fn sel_batch_on<D: Device>(
+    d: &D,
+    w: &Weight,
+    xs: &[f32],
+    a: &[f32],
+    sel: &[u32],
+    y0: &[f32],
+    nt: usize,
+) -> Vec<f32> {
+    let m = d.upload_mat(w).unwrap();
+    d.set_step(&vec![0; nt], 0).unwrap();
+    let (xb, ab, idx) = (
+        d.upload(xs).unwrap(),
+        d.upload(a).unwrap(),
+        d.upload_idx(sel).unwrap(),
+    );
+    let (bias, bias_t) = (
+        d.upload(&vec![0.25; w.rows]).unwrap(),
+        d.upload(&vec![0.5; w.cols]).unwrap(),
+    );
+    let rows = Rows::Sel {
+        idx: &idx,
+        count: sel.len(),
+        group: 1,
+    };
+    let mut y = d.zeros(nt * sel.len()).unwrap();
+    let p = Product::new(&m, rows, &mut y).bias(Some(&bias));
+    d.matmul_steps(&xb, nt, &mut [p.act(Activation::Relu)])
+        .unwrap();
+    let mut yt = d.upload(y0).unwrap();
+    d.axpy_steps(&m, rows, &ab, nt, Some(&bias_t), &mut yt)
+        .unwrap();
+    let mut out = down(d, &y, nt * sel.len());
+    out.extend(down(d, &yt, nt * w.cols));
     out
 }
 

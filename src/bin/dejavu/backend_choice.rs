@@ -49,12 +49,30 @@ pub fn with_sequences<R>(
     n: usize,
     f: impl FnOnce(&mut dyn SeqBatch) -> Result<R>,
 ) -> Result<R> {
+    with_sequences_each(engine, at, &[policy], n, |sets| f(&mut *sets[0]))
+}
+
+/// [`with_sequences`] of each policy: `n` sequences under each, over one copy of the model
+/// (`bench --batch` alternating policies).
+pub fn with_sequences_each<R>(
+    engine: &Engine,
+    at: Placement,
+    policies: &[&Policy],
+    n: usize,
+    f: impl FnOnce(&mut [&mut dyn SeqBatch]) -> Result<R>,
+) -> Result<R> {
     match (at.backend, at.tensor_parallel) {
         (BackendKind::Cpu, 1) => {
-            let seqs = (0..n).map(|_| engine.decoder(policy));
-            f(&mut seqs.collect::<dejavu::Result<Vec<_>>>()?)
+            let mut sets = Vec::with_capacity(policies.len());
+            for p in policies {
+                let seqs = (0..n).map(|_| engine.decoder(p));
+                sets.push(seqs.collect::<dejavu::Result<Vec<_>>>()?);
+            }
+            let mut refs: Vec<&mut dyn SeqBatch> =
+                sets.iter_mut().map(|s| s as &mut dyn SeqBatch).collect();
+            f(&mut refs)
         }
-        (BackendKind::Cuda, 1) => cuda_sequences(engine, policy, n, f),
+        (BackendKind::Cuda, 1) => cuda_sequences(engine, policies, n, f),
         (_, _) => bail!("batched sequences run on one device: no --tensor-parallel"),
     }
 }
@@ -62,27 +80,33 @@ pub fn with_sequences<R>(
 #[cfg(feature = "cuda")]
 fn cuda_sequences<R>(
     engine: &Engine,
-    policy: &Policy,
+    policies: &[&Policy],
     n: usize,
-    f: impl FnOnce(&mut dyn SeqBatch) -> Result<R>,
+    f: impl FnOnce(&mut [&mut dyn SeqBatch]) -> Result<R>,
 ) -> Result<R> {
     use dejavu::exec::{DeviceModel, DevicePlan, DeviceSession};
     let dev = dejavu_backend_cuda::CudaDevice::new(0)?;
-    let model: DeviceModel<_> = engine.device_model(&dev, &[policy])?;
-    let mut seqs = Vec::with_capacity(n);
-    for _ in 0..n {
-        let plan = DevicePlan::policy(&dev, &engine.model.config, policy)?;
-        seqs.push(DeviceSession::new(&dev, &model, plan, engine.n_ctx)?);
+    let model: DeviceModel<_> = engine.device_model(&dev, policies)?;
+    let mut sets = Vec::with_capacity(policies.len());
+    for policy in policies {
+        let mut seqs = Vec::with_capacity(n);
+        for _ in 0..n {
+            let plan = DevicePlan::policy(&dev, &engine.model.config, policy)?;
+            seqs.push(DeviceSession::new(&dev, &model, plan, engine.n_ctx)?);
+        }
+        sets.push(seqs);
     }
-    f(&mut seqs)
+    let mut refs: Vec<&mut dyn SeqBatch> =
+        sets.iter_mut().map(|s| s as &mut dyn SeqBatch).collect();
+    f(&mut refs)
 }
 
 #[cfg(not(feature = "cuda"))]
 fn cuda_sequences<R>(
     _: &Engine,
-    _: &Policy,
+    _: &[&Policy],
     _: usize,
-    _: impl FnOnce(&mut dyn SeqBatch) -> Result<R>,
+    _: impl FnOnce(&mut [&mut dyn SeqBatch]) -> Result<R>,
 ) -> Result<R> {
     bail!("this build has no CUDA backend: build with `cargo build --release --features cuda`")
 }

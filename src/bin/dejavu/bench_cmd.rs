@@ -65,8 +65,9 @@ pub struct BenchArgs {
     pub plot: Option<std::path::PathBuf>,
     /// Decode steps of several sequences at once (continuous batching): the sequence counts
     /// to measure, comma-separated (`1,2,4,8`), each sequence holding a `-p`-token prompt,
-    /// `-n` steps timed; the first `--sparsity` policy. With `--plot`, the speedup over batch 1
-    /// as a PNG.
+    /// `-n` steps timed; under each `--sparsity` policy in turn (the first, dense as a rule, the
+    /// others' baseline), with the density of a sparse policy's MLP union. With `--plot`, the
+    /// aggregate speed over batch 1's as a PNG.
     #[arg(long, value_delimiter = ',')]
     pub batch: Vec<usize>,
     /// Only redraw `--plot` from the points a previous `--plot` saved (no measuring).
@@ -153,7 +154,7 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
         .map(|spec| policy_for(&engine, spec, a.predictors.as_deref()))
         .collect::<Result<Vec<_>>>()?;
     if !a.batch.is_empty() {
-        return bench_batches(&a, &mut engine, &places, &policies[0]);
+        return bench_batches(&a, &mut engine, &places, &policies);
     }
     let tests = [a.n_prompt, a.n_gen].iter().filter(|&&n| n > 0).count();
     let runs = places.len() * tests * a.repetitions * policies.len();
@@ -215,20 +216,23 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
     Ok(())
 }
 
-/// `--batch`: steps of several sequences on each place, a table (and `--plot`'s PNG).
+/// `--batch`: steps of several sequences on each place under each policy (alternating), a
+/// table (and `--plot`'s PNG).
 fn bench_batches(
     a: &BenchArgs,
     engine: &mut dejavu::exec::Engine,
     places: &[(Placement, Option<usize>)],
-    policy: &dejavu::sparsity::policy::Policy,
+    policies: &[dejavu::sparsity::policy::Policy],
 ) -> Result<()> {
     use dejavu::eval::bench::batched;
     if a.batch.contains(&0) || a.n_gen == 0 {
         bail!("--batch takes sequence counts of 1 or more, and -n steps of 1 or more");
     }
     let most = a.batch.iter().copied().max().unwrap_or(1);
-    let bar =
-        indicatif::ProgressBar::new((places.len() * a.batch.len() * (a.repetitions + 1)) as u64);
+    let runs = places.len() * a.batch.len() * policies.len() * (a.repetitions + 1);
+    let bar = indicatif::ProgressBar::new(runs as u64);
+    let names: Vec<String> = policies.iter().map(|p| p.name.clone()).collect();
+    let refs: Vec<&dejavu::sparsity::policy::Policy> = policies.iter().collect();
     let mut rows = Vec::new();
     for &(at, threads) in places {
         let name = match threads {
@@ -240,15 +244,16 @@ fn bench_batches(
         };
         bar.set_message(name.clone());
         let sizes = (a.n_prompt, a.n_gen, a.repetitions);
-        rows.extend(crate::backend_choice::with_sequences(
+        rows.extend(crate::backend_choice::with_sequences_each(
             engine,
             at,
-            policy,
+            &refs,
             most,
-            |seqs| {
-                Ok(batched::batched(seqs, &name, &a.batch, sizes, &mut || {
-                    bar.inc(1)
-                })?)
+            |sets| {
+                let tick = &mut || bar.inc(1);
+                Ok(batched::batched(
+                    sets, &name, &names, &a.batch, sizes, tick,
+                )?)
             },
         )?);
     }
@@ -259,11 +264,7 @@ fn bench_batches(
             .with_context(|| format!("writing {}", p.display()))?;
     }
     if let Some(p) = &a.plot {
-        let title = format!(
-            "{}: steps of several sequences ({})",
-            engine.model.label(),
-            policy.name
-        );
+        let title = format!("{}: steps of several sequences", engine.model.label());
         // A machine without fonts keeps the table (and `--json`).
         match batched::plot(&rows, &title, p) {
             Ok(()) => eprintln!("wrote {}", p.display()),

@@ -6,11 +6,19 @@
 //! row by row, the step set to that row's token and position ([`Device::set_step`]).
 //!
 //! The first sequence leads: its scratch holds the batch's rows and runs the pass; the others
-//! lend it their caches for the step ([`RowSeq`]) and get them back after it, failed or not.
-use super::step::Pass;
+//! lend it their caches and their selections for the step ([`RowSeq`]) and get them back after
+//! it, failed or not.
+//!
+//! Under a sparse plan (the Deja Vu predictors, or fixed sets) each row selects for its own
+//! sequence: its predictors run on its own row, and its attention runs over its own heads (the
+//! other heads' outputs zero, W_o over every head). The MLP runs over the union of the rows'
+//! neurons (the paper's Fig. 8: the union of a small batch stays sparse), so a row computes at
+//! least the neurons its own step would.
+use super::step::{predict, Pass};
 use super::DeviceSession;
+use crate::exec::plan::{Computed, Sel};
 use crate::{Error, Result};
-use dejavu_backend_api::{AttnGeom, Device, Rows, StepRow, MAX_ROWS};
+use dejavu_backend_api::{AttnGeom, BackendError, Device, Rows, SeqRow, StepRow, MAX_ROWS};
 
 /// One row of a step of several sequences: its token, its sequence's length and context, and
 /// (but for the leader's own row 0) the caches that sequence lent and one row of scratch.
@@ -21,16 +29,20 @@ pub(super) struct RowSeq<D: Device> {
     lent: Option<Lent<D>>,
 }
 
-/// A sequence's caches, lent to the leader for one step, and the leader's scratch for its row.
+/// A sequence's caches and selections, lent to the leader for one step, and the leader's
+/// scratch for its row.
 pub(super) struct Lent<D: Device> {
     k: Vec<D::Cache>,
     v: Vec<D::Cache>,
+    mlp: Vec<Sel<D>>,
+    heads: Vec<Sel<D>>,
     row: RowScratch<D>,
 }
 
-/// One row's `x`, `q`, `k`, `v` and attention output.
+/// One row's `x`, `h`, `q`, `k`, `v` and attention output.
 pub(super) struct RowScratch<D: Device> {
     x: D::Buf,
+    h: D::Buf,
     q: D::Buf,
     k: D::Buf,
     v: D::Buf,
@@ -38,12 +50,16 @@ pub(super) struct RowScratch<D: Device> {
 }
 
 impl<'a, D: Device> DeviceSession<'a, D> {
-    /// Can this sequence's steps join a batch of several? Its plan runs every unit (a batch
-    /// computes every neuron and head; per-sequence selections are not batched yet) and
-    /// nothing records or changes its batches.
+    /// Can this sequence's steps join a batch of several? Its plan selects with its predictors
+    /// or fixed sets (or runs every unit; `relu-exact` computes every neuron), with neither
+    /// the rules that select from a layer's own activations, nor input sparsity, lazy K/V or
+    /// the contextual head; and nothing records or changes its batches.
     pub fn batches(&self) -> bool {
         let p = &self.plan;
-        p.is_dense()
+        let given = |r: &Computed| matches!(r, Computed::Given | Computed::Nonzero { .. });
+        p.mlp_rule.iter().all(given)
+            && p.head_rule.iter().all(|r| *r == Computed::Given)
+            && p.inputs.is_none()
             && p.output.is_none()
             && !p.lazy_kv
             && self.model.shard.is_whole()
@@ -52,10 +68,11 @@ impl<'a, D: Device> DeviceSession<'a, D> {
     }
 
     /// One decode step of several sequences: `tokens[i]` at the next position of `seqs[i]`.
-    /// Returns the logits, `[n][vocab]`. On the CPU, row `i` is bit for bit the logits
-    /// `seqs[i].forward(&[tokens[i]])` gives (batch invariance). Every sequence
-    /// [`batches`](Self::batches), on the same device and model; a bad token or a full context
-    /// is an error before any runs. One sequence is its own decode step (replayed where the
+    /// Returns the logits, `[n][vocab]`. On the CPU under a dense plan, row `i` is bit for bit
+    /// the logits `seqs[i].forward(&[tokens[i]])` gives (batch invariance); under a sparse one
+    /// the row's MLP covers the union of the rows' neurons (its own among them). Every
+    /// sequence [`batches`](Self::batches), on the same device, model and plan; a bad token or
+    /// a full context is an error before any runs. One sequence is its own decode step (replayed where the
     /// device records).
     pub fn step_many(seqs: &mut [&mut Self], tokens: &[u32]) -> Result<Vec<f32>> {
         let n = seqs.len();
@@ -76,6 +93,12 @@ impl<'a, D: Device> DeviceSession<'a, D> {
                 return Err(Error::Invalid(format!(
                     "plan `{}` does not run in a batch of sequences",
                     s.plan.name
+                )));
+            }
+            if s.plan.name != seqs[0].plan.name {
+                return Err(Error::Invalid(format!(
+                    "a step of several sequences runs one plan (`{}` and `{}`)",
+                    seqs[0].plan.name, s.plan.name
                 )));
             }
             s.check(&[t])?;
@@ -104,6 +127,8 @@ impl<'a, D: Device> DeviceSession<'a, D> {
                 lent: Some(Lent {
                     k: std::mem::take(&mut s.k),
                     v: std::mem::take(&mut s.v),
+                    mlp: std::mem::take(&mut s.plan.mlp),
+                    heads: std::mem::take(&mut s.plan.heads),
                     row,
                 }),
             });
@@ -114,6 +139,7 @@ impl<'a, D: Device> DeviceSession<'a, D> {
         for (s, r) in rest.iter_mut().zip(rows.into_iter().skip(1)) {
             let lent = r.lent.expect("lent by every row but the first");
             (s.k, s.v) = (lent.k, lent.v);
+            (s.plan.mlp, s.plan.heads) = (lent.mlp, lent.heads);
             lead.spare.push(lent.row);
         }
         ran?;
@@ -157,6 +183,87 @@ impl<'a, D: Device> DeviceSession<'a, D> {
     fn restore_step(&self) -> Result<()> {
         restore_step(self.dev, &self.rows_seq)
     }
+
+    /// The predictors that run at layer `l`, for every row: each on its own row of `s.h`, into
+    /// its own sequence's selections.
+    pub(super) fn predict_by_row(&mut self, l: usize) -> Result<()> {
+        let (dev, d, p) = (self.dev, self.model.local.d_model, &mut self.plan);
+        let first = if l == 0 { 0 } else { l + 1 };
+        let heads = p
+            .head_pred
+            .iter()
+            .enumerate()
+            .skip(first)
+            .take(l + 2 - first);
+        if p.mlp_pred[l].is_none() && heads.clone().all(|(_, h)| h.is_none()) {
+            return Ok(());
+        }
+        let preds = (&p.mlp_pred[..], &p.head_pred[..]);
+        let s = &mut self.s;
+        for (r, seq) in self.rows_seq.iter_mut().enumerate() {
+            match &mut seq.lent {
+                None => {
+                    let sels = (&mut p.mlp[..], &mut p.heads[..]);
+                    predict(dev, preds, sels, l, &s.h, &mut s.z, &mut s.scores)?;
+                }
+                Some(lent) => {
+                    dev.take_rows(&s.h, r, 1, d, &mut lent.row.h)?;
+                    let sels = (&mut lent.mlp[..], &mut lent.heads[..]);
+                    predict(dev, preds, sels, l, &lent.row.h, &mut s.z, &mut s.scores)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The union of the rows' neurons at layer `l`'s MLP, written to `union_idx` (sorted);
+    /// its size, or `None` when a row runs every neuron (the layer is dense for the batch).
+    /// Each row's list is read back to the host (a wait for the device, per layer).
+    pub(super) fn mlp_union(&mut self, l: usize) -> Result<Option<usize>> {
+        let (dev, n_ff) = (self.dev, self.model.local.n_ff);
+        let mut on = vec![false; n_ff];
+        let mut list = Vec::new();
+        for seq in &self.rows_seq {
+            let sel = match &seq.lent {
+                None => &self.plan.mlp[l],
+                Some(lent) => &lent.mlp[l],
+            };
+            let (idx, count) = match sel {
+                Sel::All => return Ok(None),
+                Sel::Fixed { idx, count } => (idx, *count),
+                Sel::Predicted { idx, k } => (idx, *k),
+            };
+            list.resize(count, 0);
+            if count > 0 {
+                dev.download_idx(idx, &mut list)?;
+            }
+            for &i in &list {
+                let i = i as usize;
+                if i >= n_ff {
+                    return Err(Error::Invalid(format!("neuron {i} of {n_ff} selected")));
+                }
+                on[i] = true;
+            }
+        }
+        let union: Vec<u32> = (0..n_ff as u32).filter(|&i| on[i as usize]).collect();
+        if union.len() == n_ff {
+            return Ok(None);
+        }
+        if self.union_idx.is_none() {
+            self.union_idx = Some(dev.upload_idx(&vec![0; n_ff])?);
+        }
+        dev.write_idx(self.union_idx.as_mut().expect("made above"), &union)?;
+        self.union_counts.0 += union.len();
+        self.union_counts.1 += n_ff;
+        Ok(Some(union.len()))
+    }
+
+    /// The MLP unions the steps of several sequences this one led computed since the last
+    /// call: their neurons, and those of their layers (a layer no row selected in is not
+    /// counted).
+    pub fn take_union_counts(&mut self) -> (usize, usize) {
+        std::mem::take(&mut self.union_counts)
+    }
 }
 
 fn restore_step<D: Device>(dev: &D, rows: &[RowSeq<D>]) -> Result<()> {
@@ -164,9 +271,61 @@ fn restore_step<D: Device>(dev: &D, rows: &[RowSeq<D>]) -> Result<()> {
     Ok(dev.set_step(&tokens, 0)?)
 }
 
-/// Layer `l`'s RoPE, K/V store and attention of every head, row by row: each row's queries,
-/// keys and values (in `s.q`, `s.k`, `s.v`) at its sequence's position, against its sequence's
-/// cache (the leader's own are `kc`, `vc`), into its row of `s.att`.
+/// Layer `l`'s RoPE, K/V store and attention of every row against its own sequence (see
+/// [`attend_by_row`]): in one call where the device has it ([`Device::attend_rows`]), else row
+/// by row.
+pub(super) fn attend_seqs<D: Device>(
+    dev: &D,
+    m: &crate::exec::DeviceModel<D>,
+    l: usize,
+    rows: &mut [RowSeq<D>],
+    s: &mut super::Scratch<D>,
+    (kc, vc): (&mut D::Cache, &mut D::Cache),
+    lead: &Sel<D>,
+) -> Result<()> {
+    let c = &m.local;
+    let geom = AttnGeom {
+        n_heads: c.n_heads,
+        n_kv_heads: c.n_kv_heads,
+        head_dim: c.head_dim,
+        n_ctx: 0,
+        rows: rows.len(),
+        scoring: c.attn.scoring(l, c.head_dim),
+    };
+    let mut own = Some((&mut *kc, &mut *vc));
+    let mut seq_rows = Vec::with_capacity(rows.len());
+    for seq in rows.iter_mut() {
+        let (k, v, heads) = match &mut seq.lent {
+            None => {
+                let lost = || Error::Invalid("two rows without their own caches".into());
+                let (k, v) = own.take().ok_or_else(lost)?;
+                (k, v, lead.rows(1))
+            }
+            Some(lent) => (&mut lent.k[l], &mut lent.v[l], lent.heads[l].rows(1)),
+        };
+        seq_rows.push(SeqRow {
+            k,
+            v,
+            pos: seq.len,
+            n_ctx: seq.n_ctx,
+            heads,
+        });
+    }
+    let (q, k, v, att) = (&mut s.q, &mut s.k, &s.v, &mut s.att);
+    match dev.attend_rows(q, k, v, m.rotary(l), geom, &mut seq_rows, att) {
+        Ok(()) => Ok(()),
+        Err(BackendError::Unsupported { .. }) => {
+            drop(seq_rows);
+            attend_by_row(dev, m, l, rows, s, (kc, vc), lead)
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Layer `l`'s RoPE, K/V store and attention, row by row: each row's queries, keys and values
+/// (in `s.q`, `s.k`, `s.v`, every head) at its sequence's position, against its sequence's
+/// cache (the leader's own are `kc`, `vc`), over its sequence's heads (the leader's `lead`),
+/// into its row of `s.att` (every head; zeros for the heads a row did not select).
 pub(super) fn attend_by_row<D: Device>(
     dev: &D,
     m: &crate::exec::DeviceModel<D>,
@@ -174,6 +333,7 @@ pub(super) fn attend_by_row<D: Device>(
     rows: &mut [RowSeq<D>],
     s: &mut super::Scratch<D>,
     (kc, vc): (&mut D::Cache, &mut D::Cache),
+    lead: &Sel<D>,
 ) -> Result<()> {
     let c = &m.local;
     let (hd, nq, nkv) = (c.head_dim, c.n_heads, c.n_kv_heads);
@@ -194,11 +354,26 @@ pub(super) fn attend_by_row<D: Device>(
     };
     for (r, seq) in rows.iter_mut().enumerate() {
         match seq.lent.take() {
-            // The leader's row 0 in place.
+            // The leader's row 0 in place; its own heads' queries and outputs compact in
+            // `s.full` (free in a batch).
             None => {
                 let geom = one(seq, &mut s.q, &mut s.k)?;
                 dev.store(&s.k, &s.v, kc, vc, 1)?;
-                dev.attention(&s.q, kc, vc, Rows::All, geom, &mut s.att)?;
+                match lead {
+                    Sel::All => dev.attention(&s.q, kc, vc, Rows::All, geom, &mut s.att)?,
+                    sel @ (Sel::Fixed { idx, .. } | Sel::Predicted { idx, .. }) => {
+                        let (k, heads) = (sel.count(nq), sel.rows(1));
+                        if k > 0 {
+                            dev.gather(&s.q, idx, k, hd, &mut s.full)?;
+                            dev.attention(&s.full, kc, vc, heads, geom, &mut s.att)?;
+                            dev.copy(&s.att, &mut s.full, k * hd)?;
+                        }
+                        dev.clear(&mut [(&mut s.att, qd)])?;
+                        if k > 0 {
+                            dev.scatter(&s.full, idx, k, hd, &mut s.att)?;
+                        }
+                    }
+                }
             }
             Some(mut lent) => {
                 let row = &mut lent.row;
@@ -209,7 +384,22 @@ pub(super) fn attend_by_row<D: Device>(
                     let geom = one(seq, &mut row.q, &mut row.k)?;
                     let (kc, vc) = (&mut lent.k[l], &mut lent.v[l]);
                     dev.store(&row.k, &row.v, kc, vc, 1)?;
-                    dev.attention(&row.q, kc, vc, Rows::All, geom, &mut row.att)?;
+                    match &lent.heads[l] {
+                        Sel::All => dev.attention(&row.q, kc, vc, Rows::All, geom, &mut row.att)?,
+                        sel @ (Sel::Fixed { idx, .. } | Sel::Predicted { idx, .. }) => {
+                            // Queries compact in `att`, outputs compact in `q`, then every
+                            // head's place in `att`.
+                            let (k, heads) = (sel.count(nq), sel.rows(1));
+                            if k > 0 {
+                                dev.gather(&row.q, idx, k, hd, &mut row.att)?;
+                                dev.attention(&row.att, kc, vc, heads, geom, &mut row.q)?;
+                            }
+                            dev.clear(&mut [(&mut row.att, qd)])?;
+                            if k > 0 {
+                                dev.scatter(&row.q, idx, k, hd, &mut row.att)?;
+                            }
+                        }
+                    }
                     Ok::<_, Error>(dev.put_rows(&row.att, r, 1, qd, &mut s.att)?)
                 })();
                 seq.lent = Some(lent);
@@ -226,6 +416,7 @@ impl<D: Device> RowScratch<D> {
         let (wide, qd) = (c.d_model.max(c.d_embed), c.n_heads * c.head_dim);
         Ok(Self {
             x: dev.zeros(wide)?,
+            h: dev.zeros(wide)?,
             q: dev.zeros(qd)?,
             k: dev.zeros(c.kv_dim())?,
             v: dev.zeros(c.kv_dim())?,

@@ -135,7 +135,7 @@ impl<D: Device> DeviceSession<'_, D> {
                     group: 1,
                 };
                 dev.matvec(m.head(), cand, head_in, None, &mut s.exact, false)?;
-                dev.scatter(&s.exact, &o.idx, o.candidates, &mut s.logits)?;
+                dev.scatter(&s.exact, &o.idx, o.candidates, 1, &mut s.logits)?;
             }
         }
         if let Some(cap) = c.final_softcap {
@@ -144,44 +144,12 @@ impl<D: Device> DeviceSession<'_, D> {
         Ok(())
     }
 
-    /// The predictors that run at layer `l`'s attention input `s.h`: layer l's MLP, the heads
-    /// of layer l + 1 (and of layer 0 at layer 0); each of their layers, and their top-k, in
-    /// one launch.
+    /// The predictors that run at layer `l`'s attention input `s.h` (see [`predict`]).
     fn predict(&mut self, l: usize) -> Result<()> {
-        let (dev, p) = (self.dev, &mut self.plan);
+        let p = &mut self.plan;
         let Scratch { h, z, scores, .. } = &mut self.s;
-        let first = if l == 0 { 0 } else { l + 1 };
-        let mut runs: Vec<(&Predictor<D>, &mut D::Idx, usize)> = Vec::new();
-        if let (Some(pred), Sel::Predicted { idx, k }) = (&p.mlp_pred[l], &mut p.mlp[l]) {
-            runs.push((pred, idx, *k));
-        }
-        let heads = p.head_pred.iter().zip(p.heads.iter_mut()).enumerate();
-        for (_, (pred, sel)) in heads.filter(|(t, _)| (first..=l + 1).contains(t)) {
-            if let (Some(pred), Sel::Predicted { idx, k }) = (pred, sel) {
-                runs.push((pred, idx, *k));
-            }
-        }
-        if runs.is_empty() {
-            return Ok(());
-        }
-        let mut w1: Vec<Product<D>> = (runs.iter().zip(z.iter_mut()))
-            .map(|((pred, ..), z)| Product::new(&pred.w1, Rows::All, z))
-            .collect();
-        dev.matvecs(h, &mut w1)?;
-        let mut w2: Vec<Product<D>> = (runs.iter().zip(z.iter()).zip(scores.iter_mut()))
-            .map(|(((pred, ..), z), sc)| Product::new(&pred.w2, Rows::All, sc).input(z))
-            .collect();
-        dev.matvecs(h, &mut w2)?;
-        let mut top: Vec<TopK<D>> = (runs.into_iter().zip(scores.iter()))
-            .map(|((pred, out, k), scores)| TopK {
-                scores,
-                n: pred.n_out,
-                k,
-                out,
-            })
-            .collect();
-        dev.top_ks(&mut top)?;
-        Ok(())
+        let sels = (&mut p.mlp[..], &mut p.heads[..]);
+        predict(self.dev, (&p.mlp_pred, &p.head_pred), sels, l, h, z, scores)
     }
 
     fn attention(&mut self, l: usize, pass: Pass, clock: &mut Option<Clock>) -> Result<()> {
@@ -209,6 +177,9 @@ impl<D: Device> DeviceSession<'_, D> {
                 dev.back()?;
             }
             lap(clock, dev, |t| &mut t.predict)?;
+        }
+        if let Pass::Seqs { .. } = pass {
+            self.predict_by_row(l)?;
         }
         // `attn-norm`: every head's attention, then W_o over the top heads by output norm.
         let by_norm = step && self.plan.head_rule[l] == Computed::HeadNorm;
@@ -259,7 +230,8 @@ impl<D: Device> DeviceSession<'_, D> {
                     // RoPE, the store and attention, row by row into `s.att`.
                     let rs = &mut self.rows_seq;
                     let caches = (&mut self.k[l], &mut self.v[l]);
-                    super::many::attend_by_row(dev, m, l, rs, s, caches)?;
+                    let lead = &self.plan.heads[l];
+                    super::many::attend_seqs(dev, m, l, rs, s, caches, lead)?;
                 } else {
                     if let Some(r) = m.rotary(l) {
                         let (nkv, (q, k)) = (c.n_kv_heads, (&mut s.q, &mut s.k));
@@ -362,6 +334,11 @@ impl<D: Device> DeviceSession<'_, D> {
             row_parallel(dev, &lw.w_down, lw.b_down.as_ref(), a, y, out, pass)?;
             return mlp_out(dev, m, lw, s, rows, clock, out);
         }
+        if let Pass::Seqs { .. } = pass {
+            if let Some(u) = self.mlp_union(l)? {
+                return self.mlp_over_union(l, u, pass, out, clock);
+            }
+        }
         let s = &mut self.s;
         let mut every = Sel::All;
         let n = if step {
@@ -444,6 +421,91 @@ impl<D: Device> DeviceSession<'_, D> {
             }
             _ => row_parallel(dev, &lw.w_down, lw.b_down.as_ref(), a, y, out, pass)?,
         }
+        mlp_out(dev, m, lw, s, rows, clock, out)
+    }
+}
+
+/// Per layer, its predictor (if any).
+type Predictors<'a, D> = &'a [Option<Predictor<D>>];
+
+/// The predictors that run at layer `l`'s attention input `h` (one row): layer l's MLP, the
+/// heads of layer l + 1 (and of layer 0 at layer 0); each of their layers, and their top-k, in
+/// one launch; each writes its selection in `sels` (`(mlp, heads)`, per layer).
+pub(super) fn predict<D: Device>(
+    dev: &D,
+    (mlp_pred, head_pred): (Predictors<'_, D>, Predictors<'_, D>),
+    (mlp, heads): (&mut [Sel<D>], &mut [Sel<D>]),
+    l: usize,
+    h: &D::Buf,
+    z: &mut [D::Buf; 3],
+    scores: &mut [D::Buf; 3],
+) -> Result<()> {
+    let first = if l == 0 { 0 } else { l + 1 };
+    let mut runs: Vec<(&Predictor<D>, &mut D::Idx, usize)> = Vec::new();
+    if let (Some(pred), Sel::Predicted { idx, k }) = (&mlp_pred[l], &mut mlp[l]) {
+        runs.push((pred, idx, *k));
+    }
+    let both = head_pred.iter().zip(heads.iter_mut()).enumerate();
+    for (_, (pred, sel)) in both.filter(|(t, _)| (first..=l + 1).contains(t)) {
+        if let (Some(pred), Sel::Predicted { idx, k }) = (pred, sel) {
+            runs.push((pred, idx, *k));
+        }
+    }
+    if runs.is_empty() {
+        return Ok(());
+    }
+    let mut w1: Vec<Product<D>> = (runs.iter().zip(z.iter_mut()))
+        .map(|((pred, ..), z)| Product::new(&pred.w1, Rows::All, z))
+        .collect();
+    dev.matvecs(h, &mut w1)?;
+    let mut w2: Vec<Product<D>> = (runs.iter().zip(z.iter()).zip(scores.iter_mut()))
+        .map(|(((pred, ..), z), sc)| Product::new(&pred.w2, Rows::All, sc).input(z))
+        .collect();
+    dev.matvecs(h, &mut w2)?;
+    let mut top: Vec<TopK<D>> = (runs.into_iter().zip(scores.iter()))
+        .map(|((pred, out, k), scores)| TopK {
+            scores,
+            n: pred.n_out,
+            k,
+            out,
+        })
+        .collect();
+    dev.top_ks(&mut top)?;
+    Ok(())
+}
+
+impl<D: Device> DeviceSession<'_, D> {
+    /// Layer `l`'s MLP of a step of several sequences over the union of their `u` neurons (in
+    /// `union_idx`): the first projections over it for every row, then the down projection
+    /// over the same rows of the neuron-major layout; the output into the residual.
+    fn mlp_over_union(
+        &mut self,
+        l: usize,
+        u: usize,
+        pass: Pass,
+        out: bool,
+        clock: &mut Option<Clock>,
+    ) -> Result<()> {
+        let (dev, m) = (self.dev, self.model);
+        let (c, lw, rows) = (&m.local, &m.layers[l], pass.rows());
+        let (Some(sp), Some(idx)) = (&m.sparse, &self.union_idx) else {
+            return Err(crate::Error::Invalid(
+                "a batch's selected neurons need the model's sparse layout".into(),
+            ));
+        };
+        let sel = Rows::Sel {
+            idx,
+            count: u,
+            group: 1,
+        };
+        let s = &mut self.s;
+        if out {
+            dev.clear(&mut [(&mut s.part, rows * c.d_model)])?;
+        }
+        let gated = u > 0 && first_projections(dev, c, lw, sel, u, pass, s)?;
+        let a = if gated { &s.gate } else { &s.up };
+        let y = if out { &mut s.part } else { &mut s.x };
+        dev.axpy_steps(&sp[l].0, sel, a, rows, lw.b_down.as_ref(), y)?;
         mlp_out(dev, m, lw, s, rows, clock, out)
     }
 }

@@ -306,7 +306,19 @@ impl Device for CpuDevice {
         bias: Option<&Vec<f32>>,
         y: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
-        self.axpy_rows(w, rows, a, bias, y)
+        self.axpy_rows(w, rows, a, 1, bias, y)
+    }
+
+    fn axpy_steps(
+        &self,
+        w: &CpuMat,
+        rows: Rows<'_, Vec<u32>>,
+        a: &Vec<f32>,
+        n: usize,
+        bias: Option<&Vec<f32>>,
+        y: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        self.axpy_rows(w, rows, a, n, bias, y)
     }
 
     fn rmsnorm(
@@ -363,14 +375,21 @@ impl Device for CpuDevice {
         &self,
         src: &Vec<f32>,
         idx: &Vec<u32>,
-        n: usize,
+        count: usize,
+        group: usize,
         dst: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
-        need("scatter input", src.len(), n)?;
-        need("scatter indices", idx.len(), n)?;
-        for (&i, &v) in idx[..n].iter().zip(src) {
-            if let Some(d) = dst.get_mut(i as usize) {
-                *d = v;
+        if group == 0 {
+            return Err(shape("a scatter of groups of 0".into()));
+        }
+        need("scatter input", src.len(), count * group)?;
+        need("scatter indices", idx.len(), count)?;
+        for (&i, vs) in idx[..count].iter().zip(src.chunks_exact(group)) {
+            let at = i as usize * group;
+            for (g, &v) in vs.iter().enumerate() {
+                if let Some(d) = dst.get_mut(at + g) {
+                    *d = v;
+                }
             }
         }
         Ok(())

@@ -66,7 +66,8 @@ impl CpuDevice {
         Ok(())
     }
 
-    /// `steps`: each row as a one-row step computes it (`Device::matmul_steps`).
+    /// `steps`: each row as a one-row step computes it (`Device::matmul_steps`); a product
+    /// over a selection writes each row's outputs compact (row `r` at `r * count`).
     pub(super) fn batch_products(
         &self,
         x: &Vec<f32>,
@@ -75,64 +76,65 @@ impl CpuDevice {
         steps: bool,
     ) -> Result<(), BackendError> {
         // Checked first: the kernels assert their lengths.
+        let mut sels = Vec::with_capacity(jobs.len());
         for p in jobs.iter() {
             let (w, xp) = (p.w, p.x.unwrap_or(x));
-            if !matches!(p.rows, Rows::All) {
+            if !steps && !matches!(p.rows, Rows::All) {
                 return Err(shape("a batch's products read every row".into()));
             }
             if w.layout == RowLayout::InputBlocks {
                 return Err(shape("an input-block matrix is read by axpy only".into()));
             }
+            let (set, rs) = selection(p.rows, w.rows)?;
             self.batch("matmul input", xp.len(), w.cols, rows)?;
-            self.batch("matmul output", p.y.len(), w.rows, rows)?;
+            self.batch("matmul output", p.y.len(), count(&rs, w.rows), rows)?;
             if let Some(b) = p.bias {
                 need("matmul bias", b.len(), w.rows)?;
             }
+            sels.push((set, rs));
         }
-        let alls: Vec<IndexSet> = jobs.iter().map(|p| IndexSet::full(p.w.rows)).collect();
         let weights = jobs
             .iter()
             .map(|p| p.w.weight())
             .collect::<Result<Vec<_>, _>>()?;
-        // An accumulating product adds a scratch product to its output afterwards.
-        let mut sums: Vec<Vec<f32>> = (jobs.iter())
-            .map(|p| match p.accumulate {
-                true => vec![0f32; rows * p.w.rows],
-                false => Vec::new(),
+        // Every row, overwritten: the kernels write `y` itself; otherwise (an accumulating
+        // product, a selection) a row-indexed scratch, finished into `y` afterwards.
+        let direct: Vec<bool> = (jobs.iter().zip(&sels))
+            .map(|(p, s)| s.1.is_none() && !p.accumulate)
+            .collect();
+        let mut sums: Vec<Vec<f32>> = (jobs.iter().zip(&direct))
+            .map(|(p, &d)| match d {
+                true => Vec::new(),
+                false => vec![0f32; rows * p.w.rows],
             })
             .collect();
         {
-            let all = jobs
-                .iter_mut()
-                .zip(sums.iter_mut())
-                .zip(&weights)
-                .zip(&alls);
-            let runs = all
-                .map(|(((p, sum), w), set)| {
-                    let y: &mut [f32] = match p.accumulate {
-                        true => sum,
-                        false => &mut p.y[..rows * w.rows],
+            let all = jobs.iter_mut().zip(sums.iter_mut()).zip(&weights);
+            let runs = (all.enumerate())
+                .map(|(i, ((p, sum), w))| {
+                    let y: &mut [f32] = match direct[i] {
+                        true => &mut p.y[..rows * w.rows],
+                        false => sum,
                     };
-                    (
-                        p.x.map(|v| &v[..]),
-                        MatmulJob {
-                            w: *w,
-                            rows: set,
-                            y,
-                        },
-                    )
+                    let job = MatmulJob {
+                        w: *w,
+                        rows: &sels[i].0,
+                        y,
+                    };
+                    (p.x.map(|v| &v[..]), job)
                 })
                 .collect();
             self.dispatch(x, rows, runs, steps);
         }
-        for (p, sum) in jobs.iter_mut().zip(&sums) {
-            if !p.accumulate && p.bias.is_none() && p.act.is_none() {
+        for (i, (p, sum)) in jobs.iter_mut().zip(&sums).enumerate() {
+            if direct[i] && p.bias.is_none() && p.act.is_none() {
                 continue;
             }
-            let w = p.w.rows;
-            for (r, yr) in p.y[..rows * w].chunks_exact_mut(w).enumerate() {
-                let fr = p.accumulate.then(|| &sum[r * w..(r + 1) * w]);
-                finish(fr, None, p.bias, p.act, p.accumulate, yr);
+            let (w, rs) = (p.w.rows, sels[i].1.as_deref());
+            let n = count(&sels[i].1, w);
+            for (r, yr) in p.y[..rows * n].chunks_exact_mut(n).enumerate() {
+                let fr = (!direct[i]).then(|| &sum[r * w..(r + 1) * w]);
+                finish(fr, rs, p.bias, p.act, p.accumulate, yr);
             }
         }
         Ok(())
@@ -173,11 +175,14 @@ impl CpuDevice {
         }
     }
 
+    /// `Device::axpy_steps`: `n` rows of compact activations `a`, each row's sum added to its
+    /// row of `y` (with the bias); each selected weight row read once for all of them.
     pub(super) fn axpy_rows(
         &self,
         w: &CpuMat,
         rows: Rows<'_, Vec<u32>>,
         a: &[f32],
+        n: usize,
         bias: Option<&Vec<f32>>,
         y: &mut [f32],
     ) -> Result<(), BackendError> {
@@ -186,51 +191,53 @@ impl CpuDevice {
                 "axpy reads neuron-major rows in the file's or the input-block layout".into(),
             ));
         }
+        if n == 0 {
+            return Err(shape("an axpy of no rows".into()));
+        }
         let rs = match rows {
             Rows::All => None,
             sel => Some(rows_of(sel, w.rows)?),
         };
-        need("axpy activations", a.len(), count(&rs, w.rows))?;
-        need("axpy output", y.len(), w.cols)?;
+        let per = count(&rs, w.rows);
+        self.batch("axpy activations", a.len(), per, n)?;
+        self.batch("axpy output", y.len(), w.cols, n)?;
         if let Some(b) = bias {
             need("axpy bias", b.len(), w.cols)?;
         }
         // The compact activations back at their rows, for the kernel's row-indexed input; the
-        // rows of zero activations go unread (the contract allows it: ReLU's zeros).
-        let full: std::borrow::Cow<[f32]> = match &rs {
-            None => a[..w.rows].into(),
-            Some(rs) => {
-                let mut full = vec![0f32; w.rows];
-                (rs.iter().zip(a.iter())).for_each(|(&r, &v)| full[r] += v);
-                full.into()
+        // rows of zero activations (in every row) go unread (the contract allows it: ReLU's
+        // zeros).
+        let mut full = vec![0f32; n * w.rows];
+        let a_rows = a
+            .chunks_exact(per.max(1))
+            .take(if per == 0 { 0 } else { n });
+        for (fr, ar) in full.chunks_exact_mut(w.rows).zip(a_rows) {
+            match &rs {
+                None => fr.copy_from_slice(ar),
+                Some(rs) => (rs.iter().zip(ar)).for_each(|(&r, &v)| fr[r] += v),
             }
-        };
-        if w.layout == RowLayout::InputBlocks {
-            let wt = w.weight()?;
-            let y = &mut y[..w.cols];
-            axpy_matmul::axpy_blocks(&self.cpu.kernels, &self.cpu.pool, &wt, &full[..w.rows], y);
-            if let Some(b) = bias {
-                y.iter_mut().zip(b).for_each(|(y, b)| *y += b);
-            }
-            return Ok(());
         }
-        let nonzero = (0..w.rows as u32)
-            .filter(|&r| full[r as usize] != 0.0)
-            .collect();
-        let set = IndexSet::new(w.rows, nonzero).map_err(|e| shape(e.to_string()))?;
-        let mut sum = vec![0f32; w.cols];
         let wt = w.weight()?;
-        axpy_matmul::axpy_matmul(
-            &self.cpu.kernels,
-            &self.cpu.pool,
-            &wt,
-            &set,
-            &full,
-            &mut sum,
-        );
-        (y[..w.cols].iter_mut().zip(&sum)).for_each(|(y, s)| *y += s);
+        let y = &mut y[..n * w.cols];
+        if w.layout == RowLayout::InputBlocks {
+            let k = &self.cpu.kernels;
+            for (fr, yr) in full.chunks_exact(w.rows).zip(y.chunks_exact_mut(w.cols)) {
+                axpy_matmul::axpy_blocks(k, &self.cpu.pool, &wt, fr, yr);
+            }
+        } else {
+            let nonzero = (0..w.rows as u32)
+                .filter(|&r| full.chunks_exact(w.rows).any(|fr| fr[r as usize] != 0.0))
+                .collect();
+            let set = IndexSet::new(w.rows, nonzero).map_err(|e| shape(e.to_string()))?;
+            let mut sum = vec![0f32; n * w.cols];
+            let k = &self.cpu.kernels;
+            axpy_matmul::axpy_matmul(k, &self.cpu.pool, &wt, &set, &full, &mut sum);
+            y.iter_mut().zip(&sum).for_each(|(y, s)| *y += s);
+        }
         if let Some(b) = bias {
-            y[..w.cols].iter_mut().zip(b).for_each(|(y, b)| *y += b);
+            for yr in y.chunks_exact_mut(w.cols) {
+                yr.iter_mut().zip(b).for_each(|(y, b)| *y += b);
+            }
         }
         Ok(())
     }

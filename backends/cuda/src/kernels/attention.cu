@@ -8,26 +8,22 @@
 //    positions in turn and meet in shared memory.
 // q and out are compact (head j of row r at (r * gridDim.x + j) * hd); hd a multiple of 8, at most 256. Dynamic shared
 // memory: hd + n_ctx floats.
-extern "C" __global__ void attention_f16(const float* q, const u16* kc, const u16* vc,
-                                         const u32* idx, int n_heads, int n_kv_heads, int hd,
-                                         int n_ctx, float scale, float softcap, int window,
-                                         const int* step, float* out) {
+// One head's attention (the block's): query `q` (hd values) of query head h over the keys and
+// values of positions p0..end - 1 (p0 as above), into `out` (hd values).
+__device__ __forceinline__ void attend_head(const float* q, const u16* kc, const u16* vc, int h,
+                                            int n_heads, int n_kv_heads, int hd, int end,
+                                            float scale, float softcap, int window, float* out) {
     extern __shared__ float sm[];
     __shared__ float red[32];
     __shared__ float part[2048];
     float* qs = sm;
     float* sc = sm + hd;
-    int j = blockIdx.x, h = idx ? (int)idx[j] : j;
-    if (h >= n_heads || hd % 8 != 0 || hd > 256) return;
     int kvh = h / (n_heads / n_kv_heads), width = n_kv_heads * hd;
     // Scores of positions p0 + p for p < n, kept at sc[p]; kc and vc start at p0.
-    int end = min(step[0] + (int)blockIdx.y + 1, n_ctx);
     int p0 = window > 0 ? max(end - window, 0) : 0, n = end - p0;
     kc += (size_t)p0 * width;
     vc += (size_t)p0 * width;
-    q += (size_t)blockIdx.y * gridDim.x * hd;
-    out += (size_t)blockIdx.y * gridDim.x * hd;
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = q[(size_t)j * hd + d];
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = q[d];
     __syncthreads();
     for (int p = threadIdx.x; p < n; p += blockDim.x) {
         const u16* k = kc + (size_t)p * width + (size_t)kvh * hd;
@@ -67,6 +63,36 @@ extern "C" __global__ void attention_f16(const float* q, const u16* kc, const u1
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float s = 0.f;
         for (int q2 = 0; q2 < groups; q2++) s += part[q2 * hd + d];
-        out[(size_t)j * hd + d] = s / z;
+        out[d] = s / z;
     }
+}
+extern "C" __global__ void attention_f16(const float* q, const u16* kc, const u16* vc,
+                                         const u32* idx, int n_heads, int n_kv_heads, int hd,
+                                         int n_ctx, float scale, float softcap, int window,
+                                         const int* step, float* out) {
+    int j = blockIdx.x, h = idx ? (int)idx[j] : j;
+    if (h >= n_heads || hd % 8 != 0 || hd > 256) return;
+    int end = min(step[0] + (int)blockIdx.y + 1, n_ctx);
+    size_t at = ((size_t)blockIdx.y * gridDim.x + j) * hd;
+    attend_head(q + at, kc, vc, h, n_heads, n_kv_heads, hd, end, scale, softcap, window,
+                out + at);
+}
+// A step of several sequences (`Device::attend_rows`): batch row r = blockIdx.y is its own
+// sequence's, described by row r of `tab` (SEQ_TAB values, common.cuh: its key and value caches, its
+// heads' index list or 0 for every head, its position, its context, its head count). Block j
+// is row r's j-th head h; q and out hold every head of each row (head h of row r at
+// (r * n_heads + h) * hd); positions 0..=pos below the row's context.
+extern "C" __global__ void attention_rows_f16(const float* q, const u64* tab, int n_heads,
+                                              int n_kv_heads, int hd, float scale,
+                                              float softcap, int window, float* out) {
+    const u64* t = tab + (size_t)blockIdx.y * SEQ_TAB;
+    int j = blockIdx.x, count = (int)t[5];
+    if (j >= count || hd % 8 != 0 || hd > 256) return;
+    const u32* idx = (const u32*)t[2];
+    int h = idx ? (int)idx[j] : j;
+    if (h >= n_heads) return;
+    int end = min((int)t[3] + 1, (int)t[4]);
+    size_t at = ((size_t)blockIdx.y * n_heads + h) * hd;
+    attend_head(q + at, (const u16*)t[0], (const u16*)t[1], h, n_heads, n_kv_heads, hd, end,
+                scale, softcap, window, out + at);
 }

@@ -5,6 +5,8 @@ typedef unsigned char u8;
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
+// Values per row of a step of several sequences' table (see attention_rows_f16).
+#define SEQ_TAB 6
 
 __device__ __forceinline__ float f16_to_f32(u16 h) {
     float f;

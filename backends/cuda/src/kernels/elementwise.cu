@@ -18,11 +18,14 @@ extern "C" __global__ void copy_f32(const float* x, float* y, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] = x[i];
 }
-// dst[idx[j]] = src[j] for j < n; an index at or past len writes nothing.
-extern "C" __global__ void scatter_f32(const float* src, const u32* idx, int n, float* dst,
-                                       int len) {
+// dst[idx[j / group] * group + j % group] = src[j] for j < n (count * group); a place at or past
+// len is not written.
+extern "C" __global__ void scatter_f32(const float* src, const u32* idx, int n, int group,
+                                       float* dst, int len) {
     int j = blockIdx.x * blockDim.x + threadIdx.x;
-    if (j < n && idx[j] < (u32)len) dst[idx[j]] = src[j];
+    if (j >= n) return;
+    size_t at = (size_t)idx[j / group] * group + j % group;
+    if (at < (size_t)len) dst[at] = src[j];
 }
 // dst[j] = src[idx[j / group] * group + j % group] for j < count * group; an index at or past
 // len reads 0.
@@ -89,4 +92,17 @@ extern "C" __global__ void store_f16(const float* k, const float* v, u16* kc, u1
         kc[(size_t)p * width + i] = f32_to_f16(k[at]);
         vc[(size_t)p * width + i] = f32_to_f16(v[at]);
     }
+}
+// A step of several sequences (see attention_rows_f16): row r = blockIdx.y of k and v into its
+// own sequence's caches (tab[r * SEQ_TAB] and + 1) at its position (+ 3), below its context
+// (+ 4).
+extern "C" __global__ void store_rows_f16(const float* k, const float* v, int width,
+                                          const u64* tab) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x, r = blockIdx.y;
+    const u64* t = tab + (size_t)r * SEQ_TAB;
+    int p = (int)t[3];
+    if (i >= width || p < 0 || p >= (int)t[4]) return;
+    size_t at = (size_t)r * width + i;
+    ((u16*)t[0])[(size_t)p * width + i] = f32_to_f16(k[at]);
+    ((u16*)t[1])[(size_t)p * width + i] = f32_to_f16(v[at]);
 }

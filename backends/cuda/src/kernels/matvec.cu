@@ -145,16 +145,18 @@ extern "C" __global__ void __launch_bounds__(256) matvec_bf16_ahead(MvJobs jobs)
 
 // A batch of a few rows (1 to MVR_MAX: the steps of continuous batching, a speculative
 // draft's verification) through one read of the weights: each warp one weight row of one job,
-// dotted with every batch row's input (row t at x + t * cols), into y[t * rows + r]:
-// act(dot + bias), or += (accumulate). Every row of the matrix (a batch runs the dense plan).
+// dotted with every batch row's input (row t at x + t * cols), into y[t * n_out + j] for output
+// j (weight row sel_row(idx, j, group): every row, or a selection, compact): act(dot + bias), or
+// += (accumulate).
 #define MVR_MAX 8
 template <int T>
-__device__ __forceinline__ void matvec_rows(const u8* w, const float* bias, float* y,
-                                            const float* x, int rows, int cols, int accumulate,
-                                            int act, int blk, int nt) {
+__device__ __forceinline__ void matvec_rows(const u8* w, const u32* idx, const float* bias,
+                                            float* y, const float* x, int n_out, int group,
+                                            int cols, int accumulate, int act, int blk, int nt) {
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    int r = blk * 8 + warp;
-    if (r >= rows) return;
+    int j = blk * 8 + warp;
+    if (j >= n_out) return;
+    int r = sel_row(idx, j, group);
     const u8* row = w + (size_t)r * row_bytes<T>(cols);
     float s[MVR_MAX];
 #pragma unroll
@@ -184,16 +186,16 @@ __device__ __forceinline__ void matvec_rows(const u8* w, const float* bias, floa
     if (lane != 0) return;
     for (int t = 0; t < nt; t++) {
         float v = s[t] + (bias ? bias[r] : 0.f);
-        float* o = y + (size_t)t * rows + r;
+        float* o = y + (size_t)t * n_out + j;
         if (accumulate) *o += v;
         else *o = act >= 0 ? act_apply(act, v) : v;
     }
 }
 // Each job's blocks from its first_block on; `split` holds the batch's rows. Fields read by
 // constant indices, as `matvec_jobs`.
-#define MVR_CALL(n) matvec_rows<T>(jobs.job[n].w, jobs.job[n].bias, jobs.job[n].y, jobs.job[n].x, \
-    jobs.job[n].rows, jobs.job[n].cols, jobs.job[n].accumulate, jobs.job[n].act,                 \
-    b - jobs.job[n].first_block, jobs.split)
+#define MVR_CALL(n) matvec_rows<T>(jobs.job[n].w, jobs.job[n].idx, jobs.job[n].bias, jobs.job[n].y, \
+    jobs.job[n].x, jobs.job[n].n_out, jobs.job[n].group, jobs.job[n].cols, jobs.job[n].accumulate, \
+    jobs.job[n].act, b - jobs.job[n].first_block, jobs.split)
 template <int T>
 __device__ __forceinline__ void matvec_rows_jobs(const MvJobs& jobs) {
     int b = blockIdx.x;
