@@ -44,3 +44,38 @@ fn the_openai_package_talks_to_the_server() {
         "the server's exit after SIGTERM: {status}"
     );
 }
+
+/// Tool calling with the `openai` package (tests/clients/openai_tools.py) against `dejavu serve`
+/// on Qwen2.5-Coder-0.5B-Instruct, whose chat template renders tools: `auto`, `required`, a
+/// named function, streamed calls, a tool's result sent back, `none`, and bad tool requests.
+#[test]
+fn tool_calls_with_the_openai_package() {
+    let probe = Command::new("python3")
+        .args(["-c", "import openai"])
+        .output();
+    if !probe.is_ok_and(|o| o.status.success()) {
+        return eprintln!(
+            "skipped: python3 with the `openai` package not found (pip install openai)"
+        );
+    }
+    let model = common::model_path(common::QWEN);
+    let mut server = ServerProcess::start(&model, &["--ctx", "1024", "-t", "2"]);
+    let out = Command::new("python3")
+        .arg(root().join("tests/clients/openai_tools.py"))
+        .arg(format!("{}/v1", server.base()))
+        .arg(&server.model_id)
+        .output()
+        .unwrap();
+    let status = server.terminate(Duration::from_secs(60));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "the client failed:\n{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("{}", text.trim());
+    assert!(
+        status.success(),
+        "the server's exit after SIGTERM: {status}"
+    );
+}

@@ -1,6 +1,8 @@
 //! The OpenAI-compatible request and response shapes `dejavu serve` speaks, their validation,
 //! and errors in OpenAI's JSON shape (`{"error": {"message", "type", "param", "code"}}`) with
 //! their HTTP status. Parsing never panics: a body that is not a request is a 400.
+use super::tool_api::{chat_message, tool_fields, tool_use, ToolChoice, ToolUse};
+use crate::text::chat::ChatMessage;
 use crate::text::constrain::Constraint;
 use crate::text::sampling::SamplerConfig;
 use serde::{Deserialize, Serialize};
@@ -81,6 +83,14 @@ pub struct Message {
     pub role: String,
     #[serde(default)]
     pub content: Option<Value>,
+    /// An assistant's calls (see `super::tool_api::tool_fields`).
+    #[serde(default)]
+    pub tool_calls: Option<Value>,
+    /// A tool result's call and function.
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
+    #[serde(default)]
+    pub name: Option<String>,
 }
 
 /// `stop`: one string or a list of up to 4.
@@ -177,15 +187,7 @@ pub struct Request {
 
 /// Fields that ask for what the server does not do yet, and the values that ask for nothing
 /// (what clients send by default): a field is refused unless absent, null or neutral.
-pub const UNSUPPORTED: [&str; 7] = [
-    "tools",
-    "tool_choice",
-    "functions",
-    "function_call",
-    "echo",
-    "suffix",
-    "best_of",
-];
+pub const UNSUPPORTED: [&str; 5] = ["functions", "function_call", "echo", "suffix", "best_of"];
 
 /// Whether `v`, the value of the unsupported field `name`, asks for nothing.
 fn neutral(name: &str, v: &Value) -> bool {
@@ -195,8 +197,8 @@ fn neutral(name: &str, v: &Value) -> bool {
     v.is_null()
         || match name {
             "echo" => v == &Value::Bool(false),
-            "tools" | "functions" => empty(v),
-            "tool_choice" | "function_call" => v == "none" || v == "auto",
+            "functions" => empty(v),
+            "function_call" => v == "none" || v == "auto",
             "suffix" => v == "",
             "best_of" => v.as_f64() == Some(1.0),
             _ => false,
@@ -333,7 +335,7 @@ pub struct StreamOptions {
 /// What to generate from: a conversation (through the chat template) or a plain prompt.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Input {
-    Chat(Vec<(String, String)>),
+    Chat(Vec<ChatMessage>),
     Text(String),
 }
 
@@ -356,6 +358,8 @@ pub struct GenRequest {
     pub cache_prompt: bool,
     /// What the reply must match (structured output).
     pub constraint: Option<Constraint>,
+    /// The tools offered (chat), and whether a call is required.
+    pub tools: Option<ToolUse>,
 }
 
 /// The most choices (`n`) one request may ask for.
@@ -380,8 +384,6 @@ impl Request {
         vocab: usize,
     ) -> Result<GenRequest, ApiError> {
         let asked = [
-            &self.tools,
-            &self.tool_choice,
             &self.functions,
             &self.function_call,
             &self.echo,
@@ -470,6 +472,13 @@ impl Request {
         }
         let logprobs = logprobs(chat, self.logprobs.as_ref(), self.top_logprobs.as_ref())?;
         let constraint = constraint(self.response_format.as_ref(), self.grammar.as_deref())?;
+        let tools = tool_use(self.tools.as_ref(), self.tool_choice.as_ref(), chat)?;
+        if constraint.is_some() && tools.as_ref().is_some_and(|t| t.choice != ToolChoice::Auto) {
+            return Err(ApiError::invalid(
+                "a required tool call and `response_format` or `grammar` together: give one",
+                Some("tool_choice"),
+            ));
+        }
         Ok(GenRequest {
             input,
             max_tokens,
@@ -482,18 +491,19 @@ impl Request {
             ignore_eos: self.ignore_eos.unwrap_or(false),
             cache_prompt: self.cache_prompt.unwrap_or(true),
             constraint,
+            tools,
         })
     }
 }
 
-fn messages(m: Option<Vec<Message>>) -> Result<Vec<(String, String)>, ApiError> {
+fn messages(m: Option<Vec<Message>>) -> Result<Vec<ChatMessage>, ApiError> {
     let m = m.ok_or_else(|| ApiError::invalid("`messages` is required", Some("messages")))?;
     if m.is_empty() {
         return Err(ApiError::invalid("`messages` is empty", Some("messages")));
     }
     m.into_iter()
         .map(|msg| {
-            if !["system", "developer", "user", "assistant"].contains(&msg.role.as_str()) {
+            if !["system", "developer", "user", "assistant", "tool"].contains(&msg.role.as_str()) {
                 return Err(ApiError::invalid(
                     format!("unsupported message role `{}`", msg.role),
                     Some("messages"),
@@ -504,7 +514,8 @@ fn messages(m: Option<Vec<Message>>) -> Result<Vec<(String, String)>, ApiError> 
             } else {
                 msg.role
             };
-            Ok((role, content_text(msg.content)?))
+            let extra = tool_fields(&role, msg.tool_calls, msg.tool_call_id, msg.name)?;
+            Ok(chat_message(role, content_text(msg.content)?, extra))
         })
         .collect()
 }
@@ -577,10 +588,17 @@ mod tests {
     #[test]
     fn requests_parse_and_bad_ones_are_400s() {
         let ok = req(r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":5,"temperature":0,"stop":"\n"}"#).unwrap();
-        assert_eq!(ok.input, Input::Chat(vec![("user".into(), "hi".into())]));
+        let plain = |m: &[(&str, &str)]| {
+            let owned: Vec<(String, String)> = m
+                .iter()
+                .map(|(r, c)| (r.to_string(), c.to_string()))
+                .collect();
+            Input::Chat(ChatMessage::plain(&owned))
+        };
+        assert_eq!(ok.input, plain(&[("user", "hi")]));
         assert_eq!((ok.max_tokens, ok.stop.len()), (5, 1));
         let parts = req(r#"{"messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}]}"#).unwrap();
-        assert_eq!(parts.input, Input::Chat(vec![("user".into(), "ab".into())]));
+        assert_eq!(parts.input, plain(&[("user", "ab")]));
         for bad in [
             "",
             "{",

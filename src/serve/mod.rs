@@ -15,6 +15,7 @@ pub mod batch;
 mod connections;
 mod embed;
 mod tokens;
+pub mod tool_api;
 pub mod worker;
 
 use api::{ApiError, Request, Usage};
@@ -612,17 +613,43 @@ impl Reply {
     }
 }
 
+/// OpenAI's `tool_calls` of a message (`index` set: a chunk's delta), each with a new id.
+fn tool_calls(calls: &[crate::text::tools::ToolCall], index: bool) -> Value {
+    let id = unique();
+    let list: Vec<Value> = (calls.iter().enumerate())
+        .map(|(i, c)| {
+            let mut v = json!({"id": format!("call_{id}_{i}"), "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments}});
+            if index {
+                v["index"] = json!(i);
+            }
+            v
+        })
+        .collect();
+    Value::Array(list)
+}
+
 /// A reply collected whole: its choices in order.
 async fn whole(reply: Reply, mut rx: mpsc::Receiver<Event>) -> Response {
     let (mut text, mut tokens, mut choices) = (String::new(), Vec::new(), Vec::new());
+    let mut calls = Vec::new();
     while let Some(ev) = rx.recv().await {
         match ev {
             Event::Text(t) => text += &t,
             Event::Token(t) => tokens.push(t),
+            Event::ToolCalls(c) => calls = c,
             Event::Finish(finish) => {
                 let lp = reply.logprobs(&std::mem::take(&mut tokens), &mut 0);
                 let index = choices.len();
-                choices.push(reply.choice(index, Some(&text), Some(finish), false, lp));
+                let mut choice = reply.choice(index, Some(&text), Some(finish), false, lp);
+                if !calls.is_empty() {
+                    let m = &mut choice["message"];
+                    m["tool_calls"] = tool_calls(&std::mem::take(&mut calls), false);
+                    if text.is_empty() {
+                        m["content"] = Value::Null;
+                    }
+                }
+                choices.push(choice);
                 text.clear();
             }
             Event::Done { completion_tokens } => {
@@ -681,6 +708,17 @@ fn streamed(
                 None,
                 true,
             )));
+            out
+        }
+        Event::ToolCalls(calls) => {
+            let mut out = match std::mem::replace(&mut opened, true) {
+                true => Vec::new(),
+                false => role(&r, index),
+            };
+            let delta = json!({"tool_calls": tool_calls(&calls, true)});
+            let choice = json!({"index": index, "delta": delta, "logprobs": null,
+                "finish_reason": null});
+            out.push(data(r.body(vec![choice], None, true)));
             out
         }
         Event::Finish(finish) => {

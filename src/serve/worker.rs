@@ -3,14 +3,17 @@
 //! receiver dropped), or reads nothing for the stall timeout, cancels its job at the next token,
 //! freeing the slot.
 use super::api::{ApiError, GenRequest, Input};
+use super::tool_api::{ToolChoice, ToolUse};
 use super::Metrics;
 use crate::exec::Decoder;
 use crate::exec::Engine;
-use crate::text::chat::EncodeChat;
+use crate::text::chat::encode_chat_tools;
+use crate::text::constrain::Constraint;
 use crate::text::constrain::{Grammars, Guide};
 use crate::text::generate::{reusable, TextStream};
 use crate::text::sampling::Sampler;
 use crate::text::stop::StopFilter;
+use crate::text::tools::{ToolCall, ToolFormat};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Mutex;
@@ -25,6 +28,8 @@ pub enum Finish {
     Stop,
     /// `max_tokens`, or the context window is full.
     Length,
+    /// The reply called tools (its calls were sent as [`Event::ToolCalls`]).
+    ToolCalls,
 }
 
 impl Finish {
@@ -32,6 +37,7 @@ impl Finish {
         match self {
             Finish::Stop => "stop",
             Finish::Length => "length",
+            Finish::ToolCalls => "tool_calls",
         }
     }
 }
@@ -47,6 +53,8 @@ pub enum Event {
     /// A reply token's log-probabilities (when asked for), sent before the text it adds.
     Token(TokenLogprob),
     Text(String),
+    /// The current choice's tool calls, read from its reply (after its content).
+    ToolCalls(Vec<ToolCall>),
     /// One input's embedding (`/v1/embeddings`), in the order of the inputs.
     Embedding(Vec<f32>),
     /// The current choice ended; the next events (if any) are the next choice's.
@@ -280,8 +288,12 @@ pub fn run_slot(engine: &Engine, dec: &mut dyn Decoder, jobs: &Jobs, metrics: &M
 }
 
 /// The prompt's tokens: a conversation through the model's chat template (which places its own
-/// BOS), or a plain prompt with the model's BOS.
-pub fn prompt_tokens(engine: &Engine, input: &Input) -> Result<Vec<u32>, ApiError> {
+/// BOS) with the `tools` offered, or a plain prompt with the model's BOS.
+pub fn prompt_tokens(
+    engine: &Engine,
+    input: &Input,
+    tools: Option<&ToolUse>,
+) -> Result<Vec<u32>, ApiError> {
     let t = &engine.tokenizer;
     let ids = match input {
         Input::Chat(messages) => {
@@ -291,8 +303,8 @@ pub fn prompt_tokens(engine: &Engine, input: &Input) -> Result<Vec<u32>, ApiErro
                     Some("messages"),
                 ));
             }
-            return t
-                .encode_chat(messages)
+            let tools = tools.map(|u| &u.tools[..]);
+            return encode_chat_tools(t, messages, tools)
                 .map_err(|e| ApiError::invalid(e.to_string(), Some("messages")));
         }
         Input::Text(s) => t.encode_prompt(s),
@@ -326,15 +338,71 @@ impl Running<'_> {
     }
 }
 
-/// The structured-output guide of `req` (`None`: free text), compiling the vocabulary's trie
+/// How the model's replies write tool calls, when `req` offers tools: a 400 where its chat
+/// template renders none, or in a format not parsed here.
+fn tool_format(engine: &Engine, req: &GenRequest) -> Result<Option<ToolFormat>, ApiError> {
+    if req.tools.is_none() {
+        return Ok(None);
+    }
+    let tpl = engine.tokenizer.chat_template().unwrap_or_default();
+    match ToolFormat::of_template(tpl) {
+        Ok(Some(f)) => Ok(Some(f)),
+        Ok(None) => Err(ApiError::invalid(
+            "this model's chat template does not render tools",
+            Some("tools"),
+        )),
+        Err(e) => Err(ApiError::invalid(e, Some("tools"))),
+    }
+}
+
+/// What the reply must match: `req`'s structured output, or one call in the family's format
+/// `fmt` where `tool_choice` requires a call.
+fn constraint_of(
+    engine: &Engine,
+    req: &GenRequest,
+    fmt: Option<ToolFormat>,
+) -> Result<Option<Constraint>, ApiError> {
+    let (Some(u), Some(fmt)) = (&req.tools, fmt) else {
+        return Ok(req.constraint.clone());
+    };
+    let only = match &u.choice {
+        ToolChoice::Auto => return Ok(req.constraint.clone()),
+        ToolChoice::Required => None,
+        ToolChoice::Named(n) => Some(n.as_str()),
+    };
+    let lark = fmt.required(&u.tools, only, &|t| control_token(engine, t));
+    Ok(Some(Constraint::Lark(
+        lark.map_err(|e| ApiError::invalid(e, Some("tool_choice")))?,
+    )))
+}
+
+/// The id of the one token whose text is `text` (an added token, such as Qwen's
+/// `<tool_call>`), if the tokenizer has one: decoding may hide it, and a grammar names it by id.
+fn control_token(engine: &Engine, text: &str) -> Option<u32> {
+    let t = &engine.tokenizer;
+    match t.encode(text).ok()?.as_slice() {
+        [id] if t.token_text(*id) == Some(text) => Some(*id),
+        _ => None,
+    }
+}
+
+/// The format's markers that are control tokens (which the reply's text would not show), by id.
+fn marker_tokens(engine: &Engine, fmt: Option<ToolFormat>) -> Vec<(u32, &'static str)> {
+    let markers = fmt.map_or(&[][..], ToolFormat::markers);
+    (markers.iter())
+        .filter_map(|&m| Some((control_token(engine, m)?, m)))
+        .collect()
+}
+
+/// The structured-output guide of `c` (`None`: free text), compiling the vocabulary's trie
 /// into `grammars` on first use; a schema or grammar that does not compile is a 400.
 fn guide(
     engine: &Engine,
-    req: &GenRequest,
+    c: Option<&Constraint>,
     grammars: &mut Option<Grammars>,
     n_vocab: usize,
 ) -> Result<Option<Guide>, ApiError> {
-    let Some(c) = &req.constraint else {
+    let Some(c) = c else {
         return Ok(None);
     };
     if grammars.is_none() {
@@ -361,7 +429,9 @@ fn run_job(
     cached: &mut Vec<u32>,
 ) -> Result<Ran, ApiError> {
     let engine = slot.engine;
-    let ids = prompt_tokens(engine, &req.input)?;
+    let fmt = tool_format(engine, req)?;
+    let constraint = constraint_of(engine, req, fmt)?;
+    let ids = prompt_tokens(engine, &req.input, req.tools.as_ref())?;
     if let Some(st) = slot.state {
         st.prompt_tokens.store(ids.len() as u64, Ordering::Relaxed);
     }
@@ -379,7 +449,7 @@ fn run_job(
         ));
     }
     let n_vocab = engine.model.config.vocab_size;
-    let mut first_guide = guide(engine, req, grammars, n_vocab)?;
+    let mut first_guide = guide(engine, constraint.as_ref(), grammars, n_vocab)?;
     let mut ran = Ran {
         n: 0,
         cancelled: true,
@@ -406,7 +476,7 @@ fn run_job(
         }
         let guide = match first_guide.take() {
             Some(g) => Some(g),
-            None => guide(engine, req, grammars, n_vocab)?,
+            None => guide(engine, constraint.as_ref(), grammars, n_vocab)?,
         };
         let mut logits = first.clone();
         let seed = req.sampling.seed.wrapping_add(choice as u64);
@@ -414,6 +484,7 @@ fn run_job(
             ids: &ids,
             seed,
             guide,
+            tools: fmt,
         };
         let Some((finish, n)) = one_choice(slot, dec, req, start, &mut logits, cached)? else {
             return Ok(ran);
@@ -428,11 +499,13 @@ fn run_job(
     Ok(ran)
 }
 
-/// Where a choice starts: the prompt, its seed, and its grammar's guide.
+/// Where a choice starts: the prompt, its seed, its grammar's guide, and the format of the
+/// tool calls its reply may hold (tools offered).
 struct Start<'a> {
     ids: &'a [u32],
     seed: u64,
     guide: Option<Guide>,
+    tools: Option<ToolFormat>,
 }
 
 /// One choice from the prompt (whose next-token `logits` are given; the cache holds exactly
@@ -451,7 +524,10 @@ fn one_choice(
         ids,
         seed,
         mut guide,
+        tools,
     } = start;
+    let mut calls = CallHold::new(tools, req.tools.as_ref());
+    let marks = marker_tokens(engine, tools);
     let eog = &engine.tokenizer.end_of_generation;
     let mut sampling = req.sampling.clone();
     sampling.seed = seed;
@@ -493,8 +569,13 @@ fn one_choice(
         if let Some(st) = slot.state {
             st.decoded.fetch_add(1, Ordering::Relaxed);
         }
-        let piece = stream.push(engine, next).map_err(internal)?;
+        let piece = match marks.iter().find(|(id, _)| *id == next) {
+            // A call's marker that is a control token: its text, for the call's parser.
+            Some((_, m)) => Some(m.to_string()),
+            None => stream.push(engine, next).map_err(internal)?,
+        };
         let (text, stopped) = stops.push(piece.as_deref().unwrap_or(""));
+        let text = calls.push(&text);
         if !text.is_empty() && !send(Event::Text(text)) {
             return Ok(None);
         }
@@ -517,12 +598,74 @@ fn one_choice(
     if !stops.stopped {
         let rest = stream.finish(engine).map_err(internal)?.unwrap_or_default();
         let (text, _) = stops.push(&rest);
-        let tail = text + &stops.flush();
+        let tail = calls.push(&(text + &stops.flush()));
         if !tail.is_empty() {
             send(Event::Text(tail));
         }
     }
-    Ok(Some((finish, n)))
+    let (rest, found) = calls.finish();
+    if !rest.is_empty() && !send(Event::Text(rest)) {
+        return Ok(None);
+    }
+    match found {
+        None => Ok(Some((finish, n))),
+        Some(c) => Ok(send(Event::ToolCalls(c)).then_some((Finish::ToolCalls, n))),
+    }
+}
+
+/// A reply's text on its way out when tools are offered: content is sent as it comes but for
+/// a tool call (or what may be the start of one), held back and parsed at the end.
+struct CallHold {
+    fmt: Option<ToolFormat>,
+    /// The functions offered.
+    names: Vec<String>,
+    reply: String,
+    shown: usize,
+}
+
+impl CallHold {
+    fn new(fmt: Option<ToolFormat>, tools: Option<&ToolUse>) -> Self {
+        let names = (tools.map_or(&[][..], |u| &u.tools).iter())
+            .filter_map(|t| Some(t.get("function")?.get("name")?.as_str()?.to_string()))
+            .collect();
+        Self {
+            fmt,
+            names,
+            reply: String::new(),
+            shown: 0,
+        }
+    }
+
+    /// The part of the reply after `text` that may be shown now.
+    fn push(&mut self, text: &str) -> String {
+        let Some(fmt) = self.fmt else {
+            return text.to_string();
+        };
+        self.reply += text;
+        let upto = fmt.shown(&self.reply).max(self.shown);
+        let out = self.reply[self.shown..upto].to_string();
+        self.shown = upto;
+        out
+    }
+
+    /// At the reply's end: the content still held back, and its calls (`None`: it holds no
+    /// call that parses, so all of it is content).
+    fn finish(self) -> (String, Option<Vec<ToolCall>>) {
+        let Some(fmt) = self.fmt else {
+            return (String::new(), None);
+        };
+        let names: Vec<&str> = self.names.iter().map(String::as_str).collect();
+        match fmt.parse(&self.reply, &names) {
+            Some((_, calls)) => {
+                let at = fmt.shown(&self.reply).max(self.shown);
+                (
+                    self.reply[self.shown..at].trim_end().to_string(),
+                    Some(calls),
+                )
+            }
+            None => (self.reply[self.shown..].to_string(), None),
+        }
+    }
 }
 
 /// Embed each of `texts` (with the model's BOS, as a plain prompt): the mean over its tokens
@@ -538,7 +681,7 @@ fn embed(
     let engine = slot.engine;
     let mut all = Vec::with_capacity(texts.len());
     for t in texts {
-        let ids = prompt_tokens(engine, &Input::Text(t.clone()))?;
+        let ids = prompt_tokens(engine, &Input::Text(t.clone()), None)?;
         if ids.is_empty() || ids.len() > dec.n_ctx() {
             return Err(ApiError::invalid(
                 format!(

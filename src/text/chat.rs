@@ -12,6 +12,7 @@
 //! templates commonly change it (trimmed at either end). The pieces are tokenized with control
 //! tokens, the contents without. A template that changes a message's text in another way is a
 //! clear error rather than a prompt whose boundaries cannot be trusted.
+pub use crate::model::tokenizer::ChatMessage;
 use crate::model::tokenizer::Tokenizer;
 use crate::{Error, Result};
 
@@ -36,15 +37,50 @@ impl EncodeChat for Tokenizer {
 /// The token ids of `messages` (role, content) rendered by the model's chat template with the
 /// assistant's turn opened.
 pub fn encode_chat(tok: &Tokenizer, messages: &[(String, String)]) -> Result<Vec<u32>> {
-    let real = tok.apply_chat_template(messages)?;
+    encode_chat_tools(tok, &ChatMessage::plain(messages), None)
+}
+
+/// [`encode_chat`] of messages with their tool fields, and the tool definitions `tools`. The
+/// template renders those fields and definitions itself, so they become its own text: any of
+/// them holding a control token's text is refused (a tool's description cannot close a turn).
+/// An empty content has no marker (templates test it: `if message.content`).
+pub fn encode_chat_tools(
+    tok: &Tokenizer,
+    messages: &[ChatMessage],
+    tools: Option<&[serde_json::Value]>,
+) -> Result<Vec<u32>> {
+    let rendered = |v: String| -> Result<()> {
+        let control = (tok.special_ids().into_iter())
+            .filter_map(|id| tok.token_text(id))
+            .find(|t| !t.is_empty() && v.contains(t));
+        match control {
+            Some(t) => Err(Error::Template(format!(
+                "a tool definition or tool call holds the control token {t:?}"
+            ))),
+            None => Ok(()),
+        }
+    };
+    for t in tools.unwrap_or_default() {
+        rendered(t.to_string())?;
+    }
+    for m in messages.iter().filter(|m| !m.extra.is_empty()) {
+        rendered(serde_json::Value::Object(m.extra.clone()).to_string())?;
+    }
+    let real = tok.apply_chat_template_tools(messages, tools)?;
     let nonce = {
         use std::hash::BuildHasher;
         std::collections::hash_map::RandomState::new().hash_one(&real)
     };
-    let marked: Vec<(String, String)> = (messages.iter().enumerate())
-        .map(|(i, (role, _))| (role.clone(), marker(i, nonce)))
+    let marked: Vec<ChatMessage> = (messages.iter().enumerate())
+        .map(|(i, m)| ChatMessage {
+            content: match m.content.is_empty() {
+                true => String::new(),
+                false => marker(i, nonce),
+            },
+            ..m.clone()
+        })
         .collect();
-    let skeleton = tok.apply_chat_template(&marked)?;
+    let skeleton = tok.apply_chat_template_tools(&marked, tools)?;
     let (pieces, order) = split_at_markers(&skeleton, messages.len(), nonce)?;
     let mut ids = Vec::new();
     let mut rest = real.as_str();
@@ -53,7 +89,7 @@ pub fn encode_chat(tok: &Tokenizer, messages: &[(String, String)]) -> Result<Vec
         ids.extend(tok.encode(piece)?);
         let Some(&m) = order.get(k) else { break };
         let next = pieces[k + 1].as_str();
-        let content = rendered_content(&messages[m].1, rest, next).ok_or_else(changed)?;
+        let content = rendered_content(&messages[m].content, rest, next).ok_or_else(changed)?;
         ids.extend(tok.encode_plain(content)?);
         rest = &rest[content.len()..];
     }

@@ -5,3 +5,4 @@ pub mod generate;
 pub mod sampling;
 pub mod speculate;
 pub mod stop;
+pub mod tools;

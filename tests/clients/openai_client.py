@@ -150,6 +150,8 @@ for bad, kind in [
     (lambda: client.chat.completions.create(model=model, messages=msgs, extra_body={"min_p": 2}), openai.BadRequestError),
     (lambda: client.chat.completions.create(model=model, messages=msgs, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 7}}}), openai.BadRequestError),
     (lambda: client.chat.completions.create(model=model, messages=msgs, extra_body={"grammar": "start: ???"}), openai.BadRequestError),
+    # This fixture's chat template renders no tools.
+    (lambda: client.chat.completions.create(model=model, messages=msgs, tools=[{"type": "function", "function": {"name": "f"}}]), openai.BadRequestError),
 ]:
     try:
         bad()

@@ -293,12 +293,44 @@ impl Tokenizer {
     /// Render the model's chat template for `messages` (role, content), ending with the assistant's
     /// turn opened (`add_generation_prompt`).
     pub fn apply_chat_template(&self, messages: &[(String, String)]) -> Result<String> {
+        self.apply_chat_template_tools(&ChatMessage::plain(messages), None)
+    }
+
+    /// [`Self::apply_chat_template`] of messages with their tool fields, and the tool
+    /// definitions (`tools`, OpenAI's list) when given.
+    pub fn apply_chat_template_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&[serde_json::Value]>,
+    ) -> Result<String> {
         let tpl = self
             .chat_template
             .as_deref()
             .ok_or_else(|| Error::Template("the model has no chat template".into()))?;
         let tok = |i: Option<u32>| i.and_then(|i| self.token_text(i)).unwrap_or("");
-        render_chat_template(tpl, messages, tok(self.bos), tok(self.eos))
+        render_chat(tpl, messages, tools, tok(self.bos), tok(self.eos))
+    }
+}
+
+/// A chat message: its role and text, and the fields a template reads beside them on tool
+/// turns (`tool_calls` of an assistant's turn, `tool_call_id` and `name` of a tool's result).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+    pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+impl ChatMessage {
+    /// `(role, content)` pairs as messages without tool fields.
+    pub fn plain(messages: &[(String, String)]) -> Vec<Self> {
+        (messages.iter())
+            .map(|(role, content)| ChatMessage {
+                role: role.clone(),
+                content: content.clone(),
+                extra: Default::default(),
+            })
+            .collect()
     }
 }
 
@@ -313,6 +345,18 @@ pub const TEMPLATE_FUEL: u64 = 2_000_000;
 pub fn render_chat_template(
     tpl: &str,
     messages: &[(String, String)],
+    bos: &str,
+    eos: &str,
+) -> Result<String> {
+    render_chat(tpl, &ChatMessage::plain(messages), None, bos, eos)
+}
+
+/// [`render_chat_template`] of messages with their tool fields, and `tools` (the template's
+/// `tools` variable) when given.
+pub fn render_chat(
+    tpl: &str,
+    messages: &[ChatMessage],
+    tools: Option<&[serde_json::Value]>,
     bos: &str,
     eos: &str,
 ) -> Result<String> {
@@ -347,12 +391,18 @@ pub fn render_chat_template(
     );
     env.add_template("chat", tpl)
         .map_err(|e| Error::Template(e.to_string()))?;
-    let msgs: Vec<_> = messages
-        .iter()
-        .map(|(r, c)| minijinja::context! { role => r, content => c })
+    let msgs: Vec<minijinja::Value> = (messages.iter())
+        .map(|m| {
+            let mut o = m.extra.clone();
+            o.insert("role".into(), m.role.clone().into());
+            o.insert("content".into(), m.content.clone().into());
+            minijinja::Value::from_serialize(&o)
+        })
         .collect();
+    let tools = tools.map(minijinja::Value::from_serialize);
     let ctx = minijinja::context! {
         messages => msgs,
+        tools => tools,
         add_generation_prompt => true,
         bos_token => bos,
         eos_token => eos,
