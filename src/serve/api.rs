@@ -4,6 +4,7 @@
 use super::tool_api::{chat_message, tool_fields, tool_use, ToolChoice, ToolUse};
 use crate::text::chat::ChatMessage;
 use crate::text::constrain::Constraint;
+use crate::text::gbnf;
 use crate::text::sampling::SamplerConfig;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -170,7 +171,8 @@ pub struct Request {
     /// "json_schema": {"schema": ...}}`: structured output (`crate::text::constrain`).
     #[serde(default)]
     response_format: Option<Value>,
-    /// A grammar the reply must match, in llguidance's Lark syntax (llama-server's field).
+    /// A grammar the reply must match (llama-server's field): GBNF, as llama-server takes it,
+    /// or llguidance's Lark syntax.
     #[serde(default)]
     grammar: Option<String>,
     #[serde(default)]
@@ -241,6 +243,13 @@ fn constraint(
             Some("grammar"),
         )),
         (Some(c), None) => Ok(Some(c)),
+        (None, Some(g)) if gbnf::is_gbnf(g) => match gbnf::to_lark(g) {
+            Ok(lark) => Ok(Some(Constraint::Lark(lark))),
+            Err(e) => Err(ApiError::invalid(
+                format!("the GBNF grammar: {e}"),
+                Some("grammar"),
+            )),
+        },
         (None, Some(g)) => Ok(Some(Constraint::Lark(g.to_string()))),
         (None, None) => Ok(None),
     }

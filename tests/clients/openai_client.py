@@ -5,6 +5,7 @@ llama-server's extensions (`extra_body`), and errors as the package raises them.
 on the first failed check. Run by tests/serve_openai.rs.
 """
 import math
+import re
 import sys
 
 import openai
@@ -129,6 +130,12 @@ for temperature in (0, 1.0):
 yn = client.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=1.0, seed=1,
                                     extra_body={"grammar": 'start: "yes" | "no"'})
 assert yn.choices[0].message.content in ("yes", "no") and yn.choices[0].finish_reason == "stop", yn
+# The same field in GBNF, as llama-server takes it (converted to Lark): a rule per line, a
+# character class, a bounded repeat, a comment.
+gb = client.chat.completions.create(model=model, messages=msgs, max_tokens=12, temperature=0,
+                                    extra_body={"grammar": 'root ::= answer " " num # two parts\n'
+                                                           'answer ::= "yes" | "no"\nnum ::= [1-9] [0-9]{0,2}'})
+assert re.fullmatch(r"(yes|no) [1-9][0-9]{0,2}", gb.choices[0].message.content), gb
 obj = client.chat.completions.create(model=model, messages=msgs, max_tokens=120, temperature=0,
                                      response_format={"type": "json_object"})
 assert obj.choices[0].finish_reason == "stop", obj
@@ -150,6 +157,7 @@ for bad, kind in [
     (lambda: client.chat.completions.create(model=model, messages=msgs, extra_body={"min_p": 2}), openai.BadRequestError),
     (lambda: client.chat.completions.create(model=model, messages=msgs, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 7}}}), openai.BadRequestError),
     (lambda: client.chat.completions.create(model=model, messages=msgs, extra_body={"grammar": "start: ???"}), openai.BadRequestError),
+    (lambda: client.chat.completions.create(model=model, messages=msgs, extra_body={"grammar": "root ::= undefined-rule"}), openai.BadRequestError),
     # This fixture's chat template renders no tools.
     (lambda: client.chat.completions.create(model=model, messages=msgs, tools=[{"type": "function", "function": {"name": "f"}}]), openai.BadRequestError),
 ]:
