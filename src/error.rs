@@ -38,6 +38,13 @@ pub enum Error {
     Fetch(String),
     #[error("{0}")]
     Invalid(String),
+    /// Out of a shared resource for now (the server's KV pool): retry later.
+    #[error("{0}")]
+    Busy(String),
+    /// A batched sequence's caches went back to the KV pool while its slot was idle: what the
+    /// slot remembers of them is gone.
+    #[error("this sequence's KV cache went back to the pool")]
+    Evicted,
     #[error(transparent)]
     Io(#[from] std::io::Error),
     #[error(transparent)]

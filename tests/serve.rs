@@ -683,3 +683,96 @@ fn slots_report_what_each_slot_holds() {
     assert_eq!(used[0]["n_cached"], prompt + done);
     s.shutdown().unwrap();
 }
+
+/// `serve --kv-pool` (the batched sequences' positions bounded together): with a pool of 120
+/// positions over two slots, a prompt of about 64 tokens while another reply of 64 holds its
+/// slot is a 503 that names the pool; once that reply is done, the same request takes the idle
+/// slot's cache back and its reply is `generate`'s, as is the first prompt's again afterwards
+/// (its slot's cache may be gone: the prompt then runs whole).
+#[test]
+fn a_full_kv_pool_is_a_503_and_idle_caches_go_back() {
+    let s = Server::batched_pool(2, N_CTX, true, Limits::default(), Some(120));
+    let eng = engine();
+    let tokens = |c: &str| {
+        let msgs = vec![("user".to_string(), c.to_string())];
+        let text = eng.tokenizer.apply_chat_template(&msgs).unwrap();
+        eng.tokenizer.encode(&text).unwrap().len()
+    };
+    // Two chats of 61 to 66 prompt tokens each.
+    let chat = |topic: &str| {
+        let mut c = format!("Tell me about {topic}.");
+        while tokens(&c) < 61 {
+            c += " And more.";
+        }
+        assert!(tokens(&c) <= 66, "{c}");
+        c
+    };
+    let (a, b) = (chat("the sea"), chat("the hills"));
+    let body = |c: &str, max: u64| {
+        json!({"messages": [{"role": "user", "content": c}], "max_tokens": max,
+            "temperature": 0})
+        .to_string()
+    };
+    let url = s.url("/v1/chat/completions");
+    let first = {
+        let (url, body) = (url.clone(), body(&a, 28));
+        std::thread::spawn(move || {
+            let r = ureq::post(&url)
+                .send_string(&body)
+                .map_err(|e| e.to_string());
+            r.map(|r| r.into_string())
+        })
+    };
+    // Wait for a's reply to be under way (its prompt in its slot's cache, a token decoded).
+    let t0 = Instant::now();
+    let under_way = || {
+        let slots: Vec<Value> = serde_json::from_str(&s.get("/slots").1).unwrap();
+        (slots.iter()).any(|x| x["is_processing"] == true && x["n_decoded"].as_u64() > Some(0))
+    };
+    while !under_way() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "a's reply never started"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let (st, v) = s.post("/v1/chat/completions", &body(&b, 8), None);
+    assert_eq!(st, 503, "{v}");
+    assert!(v.to_string().contains("KV pool is full"), "{v}");
+    let got_a = first.join().unwrap().unwrap().unwrap();
+    let got_a: Value = serde_json::from_str(&got_a).unwrap();
+    let want_a = reference_of(&eng, &[("user", &a)], 28).0;
+    assert_eq!(got_a["choices"][0]["message"]["content"], want_a.as_str());
+    for (c, max) in [(&b, 8), (&a, 28)] {
+        let (st, v) = s.post("/v1/chat/completions", &body(c, max), None);
+        assert_eq!(st, 200, "{v}");
+        let want = reference_of(&eng, &[("user", c)], max as usize).0;
+        assert_eq!(v["choices"][0]["message"]["content"], want.as_str(), "{c}");
+    }
+    s.shutdown().unwrap();
+}
+
+/// `--kv-pool` without batched CPU sequences, or below one context, is refused at start.
+#[test]
+fn a_kv_pool_that_cannot_bound_anything_is_refused() {
+    let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hf/llama-silu");
+    for (args, says) in [
+        (
+            &["--parallel", "1", "--kv-pool", "512"][..],
+            "--parallel > 1",
+        ),
+        (
+            &["--parallel", "2", "--kv-pool", "16"][..],
+            "below the context",
+        ),
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_dejavu"))
+            .args(["serve", "-m", fixture, "--port", "0", "--ctx", "64"])
+            .args(args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains(says), "{args:?}: {err}");
+    }
+}

@@ -28,6 +28,9 @@ pub trait SeqBatch {
     fn union_density(&mut self) -> Option<f64> {
         None
     }
+    /// Forget sequence `seq`'s positions and give its caches' memory back where the device
+    /// can; returns whether it could.
+    fn release(&mut self, seq: usize) -> Result<bool>;
 }
 
 impl<D: Device> SeqBatch for Vec<DeviceSession<'_, D>> {
@@ -51,6 +54,10 @@ impl<D: Device> SeqBatch for Vec<DeviceSession<'_, D>> {
     fn run(&mut self, seq: usize, tokens: &[u32], want: Logits) -> Result<Vec<f32>> {
         let s = self.get_mut(seq).ok_or_else(|| no_sequence(seq))?;
         Ok(s.run(tokens, want)?.to_vec())
+    }
+    fn release(&mut self, seq: usize) -> Result<bool> {
+        let s = self.get_mut(seq).ok_or_else(|| no_sequence(seq))?;
+        s.release()
     }
     fn union_density(&mut self) -> Option<f64> {
         let (u, n) = (self.iter_mut().map(|s| s.take_union_counts()))

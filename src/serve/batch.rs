@@ -9,6 +9,10 @@
 //! have arrived. A step waits for every sequence of the last step to send its next token (a
 //! slot samples between steps), at most [`JOIN_WAIT`]; new sequences join at the next step.
 //! A slot whose reply ends says so ([`Decoder::pause`]), and the step stops waiting for it.
+//!
+//! With a KV pool ([`Pool`], `serve --kv-pool`) the sequences' positions are bounded together:
+//! a prompt chunk or a step that needs more than is free first takes back the caches of idle
+//! sequences, least recently used first.
 use crate::exec::{Decoder, Logits, SeqBatch};
 use crate::{Error, Result};
 use std::collections::{BTreeSet, VecDeque};
@@ -26,11 +30,12 @@ pub const JOIN_WAIT: Duration = Duration::from_millis(5);
 
 /// What a slot asks of the batch thread.
 enum Op {
-    /// Run tokens after what the sequence holds; reply with the rows `want` names and the new
-    /// length.
+    /// Run tokens after the `from` positions the sequence holds; reply with the rows `want`
+    /// names and the new length (`Error::Evicted` when the pool took its positions back).
     Run {
         tokens: Vec<u32>,
         want: Logits,
+        from: usize,
     },
     Truncate(usize),
     Pause,
@@ -99,11 +104,15 @@ impl Decoder for BatchDecoder {
     }
     fn run(&mut self, tokens: &[u32], want: Logits) -> Result<&mut [f32]> {
         let (tx, rx) = channel();
-        let tokens = tokens.to_vec();
-        self.ask(Op::Run { tokens, want }, Some(tx))?;
-        let (out, len) = rx
+        let (tokens, from) = (tokens.to_vec(), self.len);
+        self.ask(Op::Run { tokens, want, from }, Some(tx))?;
+        let got = rx
             .recv()
-            .map_err(|_| Error::Invalid("the batch thread has ended".into()))??;
+            .map_err(|_| Error::Invalid("the batch thread has ended".into()))?;
+        if let Err(Error::Evicted) = got {
+            self.len = 0;
+        }
+        let (out, len) = got?;
         (self.out, self.len) = (out, len);
         Ok(&mut self.out)
     }
@@ -121,9 +130,11 @@ struct Prompt {
 }
 
 /// Serve the decoders' asks on `seqs` until every decoder is gone, running prompts in chunks of
-/// `chunk` tokens ([`PROMPT_CHUNK`]; at least 1).
-pub fn run(seqs: &mut dyn SeqBatch, rx: Receiver<Ask>, chunk: usize) {
+/// `chunk` tokens ([`PROMPT_CHUNK`]; at least 1), the sequences' positions bounded by `pool`
+/// when given.
+pub fn run(seqs: &mut dyn SeqBatch, rx: Receiver<Ask>, chunk: usize, pool: Option<usize>) {
     let chunk = chunk.max(1);
+    let mut pool = pool.map(|size| Pool::new(size, seqs.count()));
     let mut steps: Vec<(usize, u32, Sender<Reply>)> = Vec::new();
     let mut prompts: VecDeque<Prompt> = VecDeque::new();
     // Sequences mid-reply: the next step waits (a while) for their tokens.
@@ -158,13 +169,20 @@ pub fn run(seqs: &mut dyn SeqBatch, rx: Receiver<Ask>, chunk: usize) {
                     break;
                 }
             };
+            if let Some(p) = &mut pool {
+                p.busy(ask.seq, !matches!(ask.op, Op::Pause));
+            }
             match ask.op {
                 Op::Truncate(len) => seqs.truncate(ask.seq, len),
                 Op::Pause => {
                     expected.remove(&ask.seq);
                 }
-                Op::Run { tokens, want } => {
+                Op::Run { tokens, want, from } => {
                     let Some(reply) = ask.reply else { continue };
+                    if seqs.len(ask.seq) != from {
+                        let _ = reply.send(Err(Error::Evicted));
+                        continue;
+                    }
                     match (tokens.as_slice(), want) {
                         (&[t], Logits::Last) => {
                             since.get_or_insert_with(Instant::now);
@@ -178,7 +196,9 @@ pub fn run(seqs: &mut dyn SeqBatch, rx: Receiver<Ask>, chunk: usize) {
                         }),
                         // Rows other than the last (embeddings): the whole run at once.
                         _ => {
-                            let out = seqs.run(ask.seq, &tokens, want);
+                            let len = seqs.len(ask.seq) + tokens.len();
+                            let room = need(&mut pool, seqs, ask.seq, len);
+                            let out = room.and_then(|()| seqs.run(ask.seq, &tokens, want));
                             let _ = reply.send(out.map(|o| (o, seqs.len(ask.seq))));
                         }
                     }
@@ -187,7 +207,11 @@ pub fn run(seqs: &mut dyn SeqBatch, rx: Receiver<Ask>, chunk: usize) {
         }
         if let Some(mut p) = prompts.pop_front() {
             let end = (p.done + chunk).min(p.tokens.len());
-            match seqs.run(p.seq, &p.tokens[p.done..end], Logits::Last) {
+            // The whole rest of the prompt, so that one that cannot fit runs no chunk.
+            let len = seqs.len(p.seq) + p.tokens.len() - p.done;
+            let ran = need(&mut pool, seqs, p.seq, len)
+                .and_then(|()| seqs.run(p.seq, &p.tokens[p.done..end], Logits::Last));
+            match ran {
                 Ok(out) if end == p.tokens.len() => {
                     let _ = p.reply.send(Ok((out, seqs.len(p.seq))));
                     expected.insert(p.seq);
@@ -200,6 +224,20 @@ pub fn run(seqs: &mut dyn SeqBatch, rx: Receiver<Ask>, chunk: usize) {
                     let _ = p.reply.send(Err(e));
                 }
             }
+        }
+        if let Some(p) = &mut pool {
+            // Each row's next position, or its reply is the pool's error.
+            let mut kept = Vec::with_capacity(steps.len());
+            for (seq, t, reply) in steps.drain(..) {
+                let len = seqs.len(seq) + 1;
+                match p.need(seqs, seq, len) {
+                    Ok(()) => kept.push((seq, t, reply)),
+                    Err(e) => {
+                        let _ = reply.send(Err(e));
+                    }
+                }
+            }
+            steps = kept;
         }
         if !steps.is_empty() {
             step(seqs, &mut steps, &mut expected);
@@ -244,5 +282,159 @@ fn step(
                 let _ = reply.send(Err(Error::Invalid(e.to_string())));
             }
         }
+    }
+}
+
+/// [`Pool::need`] when there is a pool.
+fn need(pool: &mut Option<Pool>, seqs: &mut dyn SeqBatch, seq: usize, len: usize) -> Result<()> {
+    match pool {
+        Some(p) => p.need(seqs, seq, len),
+        None => Ok(()),
+    }
+}
+
+/// The KV positions the sequences hold together (`serve --kv-pool`), at most `size`. A
+/// sequence holds the most positions it has held since its caches were last given back (its
+/// pages stay mapped); a sequence with no reply in flight is idle, and its cache (the prompt
+/// prefix a next request may reuse) is the first to go back when another needs room.
+pub struct Pool {
+    size: usize,
+    held: Vec<usize>,
+    busy: Vec<bool>,
+    /// When each sequence last grew (a count of growths), for least-recently-used eviction.
+    last: Vec<u64>,
+    clock: u64,
+}
+
+impl Pool {
+    pub fn new(size: usize, n: usize) -> Self {
+        Self {
+            size,
+            held: vec![0; n],
+            busy: vec![false; n],
+            last: vec![0; n],
+            clock: 0,
+        }
+    }
+
+    /// Positions held now.
+    pub fn used(&self) -> usize {
+        self.held.iter().sum()
+    }
+
+    /// Sequence `seq` has a reply in flight (`true`), or has none (its slot paused).
+    pub fn busy(&mut self, seq: usize, busy: bool) {
+        if let Some(b) = self.busy.get_mut(seq) {
+            *b = busy;
+        }
+    }
+
+    /// Room for sequence `seq` to hold `len` positions: idle sequences give their caches back
+    /// (least recently used first) until it fits; `Error::Busy` when the replies in flight hold
+    /// too much.
+    pub fn need(&mut self, seqs: &mut dyn SeqBatch, seq: usize, len: usize) -> Result<()> {
+        let have = *self
+            .held
+            .get(seq)
+            .ok_or_else(|| Error::Invalid(format!("sequence {seq}")))?;
+        if len <= have {
+            return Ok(());
+        }
+        while self.used() - have + len > self.size {
+            let idle = (0..self.held.len())
+                .filter(|&s| s != seq && !self.busy[s] && self.held[s] > 0)
+                .min_by_key(|&s| self.last[s]);
+            let Some(s) = idle else {
+                return Err(Error::Busy(format!(
+                    "the KV pool is full: the replies in flight hold {} of its {} positions, and \
+                     this one needs {len}; retry later",
+                    self.used() - have,
+                    self.size
+                )));
+            };
+            seqs.release(s)?;
+            self.held[s] = 0;
+        }
+        self.clock += 1;
+        (self.held[seq], self.last[seq]) = (len, self.clock);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::exec::Decoder;
+
+    /// Sequences that hold their tokens; a row's logits are its length after the run.
+    struct Held(Vec<Vec<u32>>, Sender<usize>);
+
+    impl SeqBatch for Held {
+        fn count(&self) -> usize {
+            self.0.len()
+        }
+        fn n_ctx(&self) -> usize {
+            100
+        }
+        fn len(&self, seq: usize) -> usize {
+            self.0[seq].len()
+        }
+        fn truncate(&mut self, seq: usize, len: usize) {
+            self.0[seq].truncate(len);
+        }
+        fn batches(&self) -> bool {
+            true
+        }
+        fn run(&mut self, seq: usize, tokens: &[u32], _: Logits) -> Result<Vec<f32>> {
+            self.0[seq].extend_from_slice(tokens);
+            Ok(vec![self.0[seq].len() as f32])
+        }
+        fn step(&mut self, seqs: &[usize], tokens: &[u32]) -> Result<Vec<f32>> {
+            let rows = seqs.iter().zip(tokens);
+            rows.map(|(&s, &t)| self.run(s, &[t], Logits::Last).map(|r| r[0]))
+                .collect()
+        }
+        fn release(&mut self, seq: usize) -> Result<bool> {
+            self.0[seq].clear();
+            let _ = self.1.send(seq);
+            Ok(true)
+        }
+    }
+
+    /// A pool of 40 positions over two sequences: an idle sequence's cache goes back when the
+    /// other needs room, its slot then learns it is gone (`Error::Evicted`, its length 0); a
+    /// sequence whose reply is in flight keeps its positions, and the one that needs more
+    /// gets `Error::Busy` without running.
+    #[test]
+    fn the_pool_takes_back_idle_caches_and_refuses_past_busy_ones() {
+        let (mut decs, rx) = decoders(2, 100);
+        let (freed_tx, freed) = channel();
+        let thread = std::thread::spawn(move || {
+            let mut held = Held(vec![Vec::new(), Vec::new()], freed_tx);
+            run(&mut held, rx, 8, Some(40));
+        });
+        let prompt: Vec<u32> = (0..30).collect();
+        let (a, b) = decs.split_at_mut(1);
+        let (a, b) = (&mut a[0], &mut b[0]);
+        assert_eq!(a.decode(&prompt).unwrap()[0], 30.0);
+        a.pause();
+        assert_eq!(
+            b.decode(&prompt).unwrap()[0],
+            30.0,
+            "room made by taking a's back"
+        );
+        assert_eq!(freed.recv().unwrap(), 0);
+        assert!(matches!(a.decode(&[7]), Err(Error::Evicted)));
+        assert_eq!(a.len(), 0);
+        match a.decode(&prompt) {
+            Err(Error::Busy(m)) => assert!(m.contains("30 of its 40"), "{m}"),
+            other => panic!("b's reply is in flight: {:?}", other.map(|l| l.to_vec())),
+        }
+        assert_eq!(b.decode(&[1]).unwrap()[0], 31.0, "b steps on");
+        b.pause();
+        assert_eq!(a.decode(&prompt).unwrap()[0], 30.0);
+        assert_eq!(freed.recv().unwrap(), 1);
+        drop(decs);
+        thread.join().unwrap();
     }
 }

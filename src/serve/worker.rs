@@ -467,7 +467,17 @@ fn run_job(
     cached.truncate(reused.min(dec.len()));
     dec.truncate(cached.len());
     ran.reused = cached.len();
-    let first = dec.decode(&ids[ran.reused..]).map_err(internal)?.to_vec();
+    // A cache the KV pool took back while the slot was idle: the whole prompt again.
+    let first = match dec.decode(&ids[ran.reused..]).map(|l| l.to_vec()) {
+        Err(crate::Error::Evicted) => {
+            cached.clear();
+            dec.truncate(0);
+            ran.reused = 0;
+            dec.decode(&ids).map(|l| l.to_vec())
+        }
+        first => first,
+    };
+    let first = first.map_err(decode_error)?;
     cached.extend_from_slice(&ids[ran.reused..]);
     for choice in 0..req.n {
         if choice > 0 {
@@ -591,7 +601,12 @@ fn one_choice(
         if dec.len() + 1 >= dec.n_ctx() {
             break Finish::Length;
         }
-        logits = dec.decode(&[next]).map_err(internal)?;
+        logits = match dec.decode(&[next]) {
+            Ok(l) => l,
+            // The KV pool has no room for this reply's next position.
+            Err(crate::Error::Busy(_)) => break Finish::Length,
+            Err(e) => return Err(internal(e)),
+        };
         cached.push(next);
     };
     // The held-back text and the detokenizer's rest, unless a stop sequence ended the reply.
@@ -733,6 +748,14 @@ fn embed(
         cancelled: false,
         reused: 0,
     })
+}
+
+/// A prompt's run failing: a full KV pool is a 503 (retry later), anything else a 500.
+fn decode_error(e: crate::Error) -> ApiError {
+    match e {
+        crate::Error::Busy(m) => ApiError::busy(m),
+        e => internal(e),
+    }
 }
 
 fn internal(e: crate::Error) -> ApiError {

@@ -65,13 +65,24 @@ impl Server {
     /// `n` slots whose sequences (of `n_ctx` positions) step together on a batch thread, as
     /// `dejavu serve --parallel n` runs them (prompts in chunks of [`PROMPT_CHUNK`]).
     pub fn batched(n: usize, n_ctx: usize, slow: bool, limits: Limits) -> Self {
+        Self::batched_pool(n, n_ctx, slow, limits, None)
+    }
+
+    /// [`Self::batched`] with the sequences' positions bounded by `pool` (`serve --kv-pool`).
+    pub fn batched_pool(
+        n: usize,
+        n_ctx: usize,
+        slow: bool,
+        limits: Limits,
+        pool: Option<usize>,
+    ) -> Self {
         let eng = Arc::new(engine_of(n_ctx));
         let (decs, rx) = serve::batch::decoders(n, n_ctx);
         let owner = eng.clone();
         std::thread::spawn(move || {
             let policy = Policy::dense(&owner.model.config);
             let mut seqs: Vec<_> = (0..n).map(|_| owner.decoder(&policy).unwrap()).collect();
-            serve::batch::run(&mut seqs, rx, PROMPT_CHUNK);
+            serve::batch::run(&mut seqs, rx, PROMPT_CHUNK, pool);
         });
         // Room in the queue for every request a test sends at once (one slot's 4 would turn
         // the fifth of five concurrent requests away with a 503 while the slots start).

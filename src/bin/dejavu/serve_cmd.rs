@@ -3,7 +3,7 @@
 //! steps run together (continuous batching, `serve::batch`); tensor-parallel worlds keep an
 //! engine per slot.
 use super::{ModelArgs, SparsityArgs};
-use crate::backend_choice::{with_decoder, with_sequences, Placement};
+use crate::backend_choice::{with_decoder, with_sequences, BackendKind, Placement};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use dejavu::exec::Engine;
@@ -60,6 +60,13 @@ pub struct ServeArgs {
     /// `max_tokens` of a request that names none.
     #[arg(long, default_value_t = 512)]
     max_tokens: usize,
+    /// KV positions the batched sequences may hold together (`--parallel` > 1 on the CPU), at
+    /// least `--ctx`: a sequence holds what it has written since its cache was last given
+    /// back to the system. Past the pool, idle sequences' caches (their cached prompt
+    /// prefixes) go back first; a prompt that still does not fit is a 503, and a reply that
+    /// runs out of room ends with `length`. Default: each sequence its own `--ctx`.
+    #[arg(long)]
+    kv_pool: Option<usize>,
     #[command(flatten)]
     sparsity: SparsityArgs,
 }
@@ -109,8 +116,19 @@ pub fn cmd_serve(a: ServeArgs) -> Result<()> {
             opts = Some(options(&a, &launched_as, api_key.clone(), &engine, &policy));
         }
         let backend = model.placement();
+        if let Some(pool) = a.kv_pool {
+            if !batched || backend.backend != BackendKind::Cpu {
+                bail!("--kv-pool bounds the KV memory of batched sequences on the CPU (--parallel > 1, no --backend cuda, no --tensor-parallel)");
+            }
+            if pool < engine.n_ctx {
+                bail!(
+                    "--kv-pool {pool} is below the context ({}): one full context must fit",
+                    engine.n_ctx
+                );
+            }
+        }
         if batched {
-            slots = batched_slots(engine, policy, backend, a.parallel)?;
+            slots = batched_slots(engine, policy, backend, a.parallel, a.kv_pool)?;
             break;
         }
         slots.push(Box::new(move |jobs, metrics| {
@@ -178,7 +196,13 @@ fn options(
 
 /// `n` slots over one engine (continuous batching): the batch thread owns the `n` sequences
 /// on the device and steps them together; each slot's decoder hands it its tokens.
-fn batched_slots(engine: Engine, policy: Policy, at: Placement, n: usize) -> Result<Vec<Slot>> {
+fn batched_slots(
+    engine: Engine,
+    policy: Policy,
+    at: Placement,
+    n: usize,
+    pool: Option<usize>,
+) -> Result<Vec<Slot>> {
     let engine = Arc::new(engine);
     let (decs, rx) = serve::batch::decoders(n, engine.n_ctx);
     let (eng, (tx, ready)) = (engine.clone(), std::sync::mpsc::channel());
@@ -187,7 +211,7 @@ fn batched_slots(engine: Engine, policy: Policy, at: Placement, n: usize) -> Res
         .spawn(move || {
             let ran = with_sequences(&eng, at, &policy, n, |seqs| {
                 let _ = tx.send(Ok(()));
-                serve::batch::run(seqs, rx, serve::batch::PROMPT_CHUNK);
+                serve::batch::run(seqs, rx, serve::batch::PROMPT_CHUNK, pool);
                 Ok(())
             });
             if let Err(e) = ran {

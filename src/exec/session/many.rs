@@ -258,6 +258,18 @@ impl<'a, D: Device> DeviceSession<'a, D> {
         Ok(Some(union.len()))
     }
 
+    /// Forget every position and give the caches' memory back to the system where the device
+    /// can (see [`Device::release`]); returns whether it could.
+    pub fn release(&mut self) -> Result<bool> {
+        self.truncate(0);
+        let mut freed = true;
+        let lazy = self.lazy.iter_mut().flatten().map(|(inputs, _)| inputs);
+        for c in self.k.iter_mut().chain(self.v.iter_mut()).chain(lazy) {
+            freed &= self.dev.release(c)?;
+        }
+        Ok(freed)
+    }
+
     /// The MLP unions the steps of several sequences this one led computed since the last
     /// call: their neurons, and those of their layers (a layer no row selected in is not
     /// counted).
