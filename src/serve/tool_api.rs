@@ -1,9 +1,13 @@
-//! The request side of tool calling: `tools` and `tool_choice` checked into a [`ToolUse`], and
-//! the tool fields of chat messages (an assistant's `tool_calls`, a tool result's
-//! `tool_call_id` and `name`) into what a chat template reads.
-use super::api::ApiError;
+//! Tool calling in the server. The request side: `tools` and `tool_choice` checked into a
+//! [`ToolUse`], and the tool fields of chat messages (an assistant's `tool_calls`, a tool
+//! result's `tool_call_id` and `name`) into what a chat template reads. The reply side: the
+//! family's call format ([`tool_format`]), the grammar of a required call ([`constraint_of`]),
+//! and the reply's text held back and parsed into calls ([`CallHold`]).
+use super::api::{ApiError, GenRequest};
+use crate::exec::Engine;
 use crate::text::chat::ChatMessage;
-use crate::text::tools::check_tools;
+use crate::text::constrain::Constraint;
+use crate::text::tools::{check_tools, ToolCall, ToolFormat};
 use serde_json::{Map, Value};
 
 /// The tools a chat request offers and whether the reply must call one.
@@ -140,6 +144,117 @@ pub fn chat_message(role: String, content: String, extra: Map<String, Value>) ->
         role,
         content,
         extra,
+    }
+}
+
+/// How the model's replies write tool calls, when `req` offers tools: a 400 where its chat
+/// template renders none, or in a format not parsed here.
+pub fn tool_format(engine: &Engine, req: &GenRequest) -> Result<Option<ToolFormat>, ApiError> {
+    if req.tools.is_none() {
+        return Ok(None);
+    }
+    let tpl = engine.tokenizer.chat_template().unwrap_or_default();
+    match ToolFormat::of_template(tpl) {
+        Ok(Some(f)) => Ok(Some(f)),
+        Ok(None) => Err(ApiError::invalid(
+            "this model's chat template does not render tools",
+            Some("tools"),
+        )),
+        Err(e) => Err(ApiError::invalid(e, Some("tools"))),
+    }
+}
+
+/// What the reply must match: `req`'s structured output, or one call in the family's format
+/// `fmt` where `tool_choice` requires a call.
+pub fn constraint_of(
+    engine: &Engine,
+    req: &GenRequest,
+    fmt: Option<ToolFormat>,
+) -> Result<Option<Constraint>, ApiError> {
+    let (Some(u), Some(fmt)) = (&req.tools, fmt) else {
+        return Ok(req.constraint.clone());
+    };
+    let only = match &u.choice {
+        ToolChoice::Auto => return Ok(req.constraint.clone()),
+        ToolChoice::Required => None,
+        ToolChoice::Named(n) => Some(n.as_str()),
+    };
+    let lark = fmt.required(&u.tools, only, &|t| control_token(engine, t));
+    Ok(Some(Constraint::Lark(
+        lark.map_err(|e| ApiError::invalid(e, Some("tool_choice")))?,
+    )))
+}
+
+/// The id of the one token whose text is `text` (an added token, such as Qwen's
+/// `<tool_call>`), if the tokenizer has one: decoding may hide it, and a grammar names it by id.
+fn control_token(engine: &Engine, text: &str) -> Option<u32> {
+    let t = &engine.tokenizer;
+    match t.encode(text).ok()?.as_slice() {
+        [id] if t.token_text(*id) == Some(text) => Some(*id),
+        _ => None,
+    }
+}
+
+/// The format's markers that are control tokens (which the reply's text would not show), by id.
+pub fn marker_tokens(engine: &Engine, fmt: Option<ToolFormat>) -> Vec<(u32, &'static str)> {
+    let markers = fmt.map_or(&[][..], ToolFormat::markers);
+    (markers.iter())
+        .filter_map(|&m| Some((control_token(engine, m)?, m)))
+        .collect()
+}
+
+/// A reply's text on its way out when tools are offered: content is sent as it comes but for
+/// a tool call (or what may be the start of one), held back and parsed at the end.
+pub struct CallHold {
+    fmt: Option<ToolFormat>,
+    /// The functions offered.
+    names: Vec<String>,
+    reply: String,
+    shown: usize,
+}
+
+impl CallHold {
+    pub fn new(fmt: Option<ToolFormat>, tools: Option<&ToolUse>) -> Self {
+        let names = (tools.map_or(&[][..], |u| &u.tools).iter())
+            .filter_map(|t| Some(t.get("function")?.get("name")?.as_str()?.to_string()))
+            .collect();
+        Self {
+            fmt,
+            names,
+            reply: String::new(),
+            shown: 0,
+        }
+    }
+
+    /// The part of the reply after `text` that may be shown now.
+    pub fn push(&mut self, text: &str) -> String {
+        let Some(fmt) = self.fmt else {
+            return text.to_string();
+        };
+        self.reply += text;
+        let upto = fmt.shown(&self.reply).max(self.shown);
+        let out = self.reply[self.shown..upto].to_string();
+        self.shown = upto;
+        out
+    }
+
+    /// At the reply's end: the content still held back, and its calls (`None`: it holds no
+    /// call that parses, so all of it is content).
+    pub fn finish(self) -> (String, Option<Vec<ToolCall>>) {
+        let Some(fmt) = self.fmt else {
+            return (String::new(), None);
+        };
+        let names: Vec<&str> = self.names.iter().map(String::as_str).collect();
+        match fmt.parse(&self.reply, &names) {
+            Some((_, calls)) => {
+                let at = fmt.shown(&self.reply).max(self.shown);
+                (
+                    self.reply[self.shown..at].trim_end().to_string(),
+                    Some(calls),
+                )
+            }
+            None => (self.reply[self.shown..].to_string(), None),
+        }
     }
 }
 

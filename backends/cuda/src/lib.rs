@@ -11,7 +11,7 @@
 //! builds on machines without CUDA; [`CudaDevice::new`] says why when they are missing.
 use cudarc::driver::{
     sys, CudaContext, CudaEvent, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream,
-    DevicePtr, PushKernelArg,
+    PushKernelArg,
 };
 use dejavu_backend_api::{
     check_scale_cap, Activation, AttnGeom, BackendError, Device, InputMask, LazyKv, Product,
@@ -26,11 +26,11 @@ mod compile;
 mod kv;
 mod launch;
 mod matmul;
+mod open;
 mod products;
 mod selection;
 mod seqs;
 mod world;
-use compile::{ax_vec, mv_rows, tuning};
 pub use compile::{compile, nvrtc_present};
 use products::act_code;
 pub use world::{nccl_id, ID_BYTES};
@@ -147,205 +147,6 @@ fn dev_err(e: impl std::fmt::Debug) -> BackendError {
 
 fn shape(what: String) -> BackendError {
     BackendError::Shape(what)
-}
-
-impl CudaDevice {
-    /// `y[at_y..at_y + n] = x[at_x..at_x + n]` on the lane (the caller checked both extents).
-    fn copy_values(
-        &self,
-        x: &Buf,
-        at_x: usize,
-        y: &mut Buf,
-        at_y: usize,
-        n: usize,
-    ) -> Result<(), BackendError> {
-        if n == 0 {
-            return Ok(());
-        }
-        let xp = self.ptr(&x.0) + (at_x * 4) as u64;
-        let (yp, ni) = (self.ptr(&y.0) + (at_y * 4) as u64, n as i32);
-        let mut b = self.lane().launch_builder(self.func("copy_f32"));
-        b.arg(&xp).arg(&yp).arg(&ni);
-        launch::run(b, launch::grid(n, 256))
-    }
-
-    /// GPU `ordinal`: loads the driver and NVRTC, compiles the kernels for its compute capability.
-    pub fn new(ordinal: usize) -> Result<Self, BackendError> {
-        need_driver()?;
-        compile::need_nvrtc()?;
-        let ctx = CudaContext::new(ordinal).map_err(dev_err)?;
-        // SAFETY: this device orders its launches itself: one main stream, and a second lane
-        // whose work is ordered against the main one only by `fork`/`join` events, whose callers
-        // keep to the contract of `Device::fork` (the second lane reads what was written before
-        // the fork; the main lane reads its writes after the join); `synchronize` waits for
-        // both. cudarc's per-buffer events (which graph capture cannot record) are not needed.
-        unsafe { ctx.disable_event_tracking() };
-        let (major, minor) = ctx.compute_capability().map_err(dev_err)?;
-        let ptx = compile(&format!("compute_{major}{minor}"))?;
-        let module = ctx.load_module(ptx).map_err(dev_err)?;
-        let mut names: Vec<String> = [
-            "rmsnorm",
-            "layernorm",
-            "rope",
-            "glu",
-            "activate",
-            "scale_cap",
-            "copy_f32",
-            "add_f32",
-            "scatter_f32",
-            "gather_f32",
-            "abs_f32",
-            "clear_f32",
-            "matvec_f16_ahead",
-            "matvec_bf16_ahead",
-            "sparsify_f32",
-            "count_nonzero_f32",
-            "group_norms",
-            "store_f16",
-            "attention_f16",
-            "attention_rows_f16",
-            "store_rows_f16",
-            "kv_mark",
-            "store_row_f16",
-            "top_k_hist",
-            "top_k_select",
-        ]
-        .map(String::from)
-        .to_vec();
-        for q in QuantType::ALL {
-            for op in [
-                "matvec",
-                "matvec_rows",
-                "matmul",
-                "matmul_small",
-                "axpy",
-                "embed",
-                "kv_fill",
-            ] {
-                names.push(format!("{op}_{}", type_suffix(q)));
-            }
-        }
-        let funcs = names
-            .into_iter()
-            .map(|n| Ok((n.clone(), module.load_function(&n).map_err(dev_err)?)))
-            .collect::<Result<HashMap<_, _>, BackendError>>()?;
-        // A stream of its own: the legacy default stream cannot be captured.
-        let stream = ctx.new_stream().map_err(dev_err)?;
-        let side = ctx.new_stream().map_err(dev_err)?;
-        let (forked, joined) = (
-            ctx.new_event(None).map_err(dev_err)?,
-            ctx.new_event(None).map_err(dev_err)?,
-        );
-        let step = stream.alloc_zeros::<i32>(1 + MAX_ROWS).map_err(dev_err)?;
-        let seq_tab = (stream.alloc_zeros::<u64>(seqs::SEQ_TAB * MAX_ROWS)).map_err(dev_err)?;
-        let tk_scratch = (stream.alloc_zeros::<u32>(3 * products::TK_SCRATCH)).map_err(dev_err)?;
-        let n_sm = ctx
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(dev_err)? as usize;
-        let name = ctx.name().map_err(dev_err)?;
-        Ok(Self {
-            stream,
-            side,
-            forked,
-            joined,
-            on_side: AtomicBool::new(false),
-            lanes: tuning("SIDE", 1, 0..=1) == 1,
-            _module: module,
-            funcs,
-            step,
-            seq_tab,
-            batch: AtomicUsize::new(1),
-            tk_scratch,
-            n_sm,
-            mv_rows: mv_rows(),
-            mv_fill: tuning("MV_FILL", 2, 1..=64),
-            mv_fill_sel: tuning("MV_FILL_SEL", 8, 1..=64),
-            mv_ahead_f16: tuning("MV_AHEAD_F16", 0, 0..=1) == 1,
-            attend_rows: tuning("ATTEND_ROWS", 0, 0..=1) == 1,
-            ax_vec: ax_vec(),
-            ax_fill: tuning("AX_FILL", 4, 1..=64),
-            name,
-            smem: Mutex::default(),
-            world: None,
-        })
-    }
-
-    /// Run a step of several sequences' attention block in one call (`Device::attend_rows`),
-    /// or row by row (the default until it has run on a GPU; `ATTEND_ROWS` in
-    /// `DEJAVU_CUDA_DEFINES` sets it too).
-    pub fn set_attend_rows(&mut self, on: bool) {
-        self.attend_rows = on;
-    }
-
-    /// Wait until every queued launch has run.
-    pub fn synchronize(&self) -> Result<(), BackendError> {
-        self.side.synchronize().map_err(dev_err)?;
-        self.stream.synchronize().map_err(dev_err)
-    }
-
-    /// `rows` is 1 up to the rows of the batch set (the step buffer holds their tokens).
-    fn batch_rows(&self, what: &str, rows: usize) -> Result<(), BackendError> {
-        let have = self.batch.load(Ordering::Relaxed);
-        match rows > 0 && rows <= have {
-            true => Ok(()),
-            false => Err(shape(format!("{what} of {rows} rows in a batch of {have}"))),
-        }
-    }
-
-    /// The stream that verbs go to now (see `Device::fork`).
-    fn lane(&self) -> &Arc<CudaStream> {
-        match self.on_side.load(Ordering::Relaxed) {
-            true => &self.side,
-            false => &self.stream,
-        }
-    }
-
-    fn func(&self, name: &str) -> &CudaFunction {
-        &self.funcs[name]
-    }
-
-    /// Let kernel `name` use `bytes` of dynamic shared memory (an error past the device's limit).
-    fn allow_smem(&self, name: &'static str, bytes: usize) -> Result<(), BackendError> {
-        use sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX;
-        let mut allowed = self.smem.lock().expect("smem lock");
-        // The opt-in covers static plus dynamic memory past 48 KiB: always set it.
-        let have = allowed.get(name).copied().unwrap_or(0);
-        if bytes > have {
-            (self.func(name).set_attribute(MAX, bytes as i32)).map_err(|e| {
-                shape(format!(
-                    "{name} needs {bytes} bytes of shared memory: {e:?}"
-                ))
-            })?;
-            allowed.insert(name, bytes);
-        }
-        Ok(())
-    }
-
-    fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
-        s.device_ptr(&self.stream).0
-    }
-
-    /// The index list's address, count, group and outputs of `rows` over a matrix of `n` rows;
-    /// checks the list holds `count` entries.
-    fn sel(&self, rows: Rows<'_, Idx>, n: usize) -> Result<(u64, i32, i32, usize), BackendError> {
-        match rows {
-            Rows::All => Ok((0, n as i32, 1, n)),
-            Rows::Sel { idx, count, group } => {
-                if idx.0.len() < count || group == 0 || count * group > n {
-                    return Err(shape(format!(
-                        "selection of {count} x {group} over {n} rows (list of {})",
-                        idx.0.len()
-                    )));
-                }
-                Ok((
-                    self.ptr(&idx.0),
-                    (count * group) as i32,
-                    group as i32,
-                    count * group,
-                ))
-            }
-        }
-    }
 }
 
 fn need(what: &str, have: usize, want: usize) -> Result<(), BackendError> {
