@@ -3,8 +3,10 @@
 //! kept, each a contiguous run of bytes.
 //!
 //! Each pool thread takes one contiguous range of the selected rows, prefetches the rows it will
-//! read next and adds them, a few at a time, into its own partial sum with the tier's `axpy_q`
-//! (dequantization fused into the multiply-add); the caller adds the partials. [`reference()`] is the scalar definition the test compares against.
+//! read next and adds them, a few at a time, into its own partial sums: for one token with the
+//! tier's `axpy_q` (dequantization fused into the multiply-add); for several (a step of several
+//! sequences) each segment of the rows is dequantized once, then added into every token's sum
+//! with the tier's f32 `axpy_rows`. The caller adds the partials. [`reference()`] is the scalar definition the test compares against.
 use crate::dequant::dequantize_row;
 use crate::kernels::axpy_blocks;
 use crate::kernels::table::Kernels;
@@ -91,6 +93,10 @@ pub fn axpy_matmul(
                 prefetch::prefetch(w.row(rows.get(i)));
             }
             let mut coefs = vec![0f32; n_tok * CHUNK];
+            // Several tokens: each chunk's segment dequantized once into `tile`, then every
+            // token's f32 weighted sum of it (one token: the fused integer kernel, as a decode
+            // step reads it).
+            let mut tile = vec![0f32; if n_tok > 1 { CHUNK * seg } else { 0 }];
             let mut refs: [&[u8]; CHUNK] = [&[]; CHUNK];
             let mut next: [&[u8]; CHUNK] = [&[]; CHUNK];
             for start in (lo..hi).step_by(CHUNK) {
@@ -117,9 +123,18 @@ pub fn axpy_matmul(
                     }
                     let c0 = s * seg;
                     let c1 = (c0 + seg).min(cols);
+                    if n_tok == 1 {
+                        (k.axpy_q)(q, &segs[..m], &coefs[..m], &mut part[c0..c1]);
+                        continue;
+                    }
+                    let len = c1 - c0;
+                    for (sg, t) in segs[..m].iter().zip(tile.chunks_exact_mut(len)) {
+                        (k.dequantize)(q, sg, t);
+                    }
                     for t in 0..n_tok {
                         let ys = &mut part[t * cols + c0..t * cols + c1];
-                        (k.axpy_q)(q, &segs[..m], &coefs[t * CHUNK..t * CHUNK + m], ys);
+                        let c = &coefs[t * CHUNK..t * CHUNK + m];
+                        (k.axpy_rows)(c, &tile[..m * len], len, ys);
                     }
                 }
             }
