@@ -10,11 +10,12 @@
 //! the request's error, as any bad grammar.
 use std::collections::HashMap;
 
-/// Whether `g` is GBNF rather than Lark: a line defines a rule with `::=`.
+/// Whether `g` is GBNF rather than Lark: a line opens with a rule's name and `::=`.
 pub fn is_gbnf(g: &str) -> bool {
     g.lines().any(|l| {
-        let l = l.split('#').next().unwrap_or_default();
-        l.contains("::=")
+        let l = l.trim_start();
+        let name = l.find(|c: char| !(c.is_ascii_alphanumeric() || c == '-' || c == '_'));
+        name.is_some_and(|n| n > 0 && l[n..].trim_start().starts_with("::="))
     })
 }
 
@@ -242,7 +243,7 @@ root ::= answer " " num
 answer ::= "yes" | "no"
 num ::= [0-9]+ ("." [0-9]{1,3})?
 "#;
-        assert!(is_gbnf(g) && !is_gbnf("start: \"a\" # x ::= y"));
+        assert!(is_gbnf(g) && !is_gbnf("start: \"a ::= b\" // x ::= y"));
         let l = to_lark(g).unwrap();
         assert_eq!(
             l,
