@@ -31,38 +31,18 @@ pub fn attention(
     s: AttnShape,
     out: &mut [f32],
 ) {
-    let hd = s.head_dim;
-    let group = s.n_heads / s.n_kv_heads;
-    let kv_stride = s.n_kv_heads * hd;
-    let sc = s.scoring;
+    let kv_stride = s.n_kv_heads * s.head_dim;
     // Tasks write `out` through raw pointers: check every extent for real.
-    assert!(
-        s.n_kv_heads > 0 && s.n_heads.is_multiple_of(s.n_kv_heads),
-        "attention: head counts"
+    check(s, heads);
+    assert_eq!(
+        q.len(),
+        s.n_tokens * s.n_heads * s.head_dim,
+        "attention: q length"
     );
-    assert!(sc.check().is_ok(), "attention: scoring");
-    assert_eq!(q.len(), s.n_tokens * s.n_heads * hd, "attention: q length");
     assert_eq!(out.len(), q.len(), "attention: out length");
-    assert_eq!(heads.universe(), s.n_heads, "attention: head set universe");
     assert!(
-        k.len() >= (s.pos0 + s.n_tokens) * kv_stride && v.len() == k.len(),
-        "attention: cache length"
-    );
-    // Scores of one query against the keys from element `at` on, and the weighted value sum.
-    let dot = |x: &[f32], at: usize, out: &mut [f32]| match k {
-        KvSlice::F32(k) => (kern.dot_rows)(x, &k[at..], kv_stride, out),
-        KvSlice::F16(k) => (kern.dot_rows_f16)(x, &k[at..], kv_stride, out),
-    };
-    let axpy = |a: &[f32], at: usize, y: &mut [f32]| match v {
-        KvSlice::F32(v) => (kern.axpy_rows)(a, &v[at..], kv_stride, y),
-        KvSlice::F16(v) => (kern.axpy_rows_f16)(a, &v[at..], kv_stride, y),
-    };
-    assert!(
-        matches!(
-            (k, v),
-            (KvSlice::F32(_), KvSlice::F32(_)) | (KvSlice::F16(_), KvSlice::F16(_))
-        ),
-        "attention: keys and values of different types"
+        k.len() >= (s.pos0 + s.n_tokens) * kv_stride && same_types(k, v),
+        "attention: cache length or types"
     );
     out.fill(0.0);
     let op = SyncPtr::new(out.as_mut_ptr());
@@ -73,28 +53,116 @@ pub fn attention(
         }
         // SAFETY: task `th` alone writes `out[th * hd..(th + 1) * hd]`, inside `out`, which
         // outlives `pool.run`.
-        let o = unsafe { std::slice::from_raw_parts_mut(op.get().add(th * hd), hd) };
-        let g = h / group;
-        let p = s.pos0 + t;
-        let first = sc.first(p);
-        let n_keys = p + 1 - first;
-        let qh = &q[th * hd..(th + 1) * hd];
-        SCORES.with_borrow_mut(|scores| {
-            scores.resize(n_keys, 0.0);
-            let scores = &mut scores[..n_keys];
-            // Keys j of kv head g are rows of `k[g * hd..]` at stride `kv_stride`; values alike.
-            let at = first * kv_stride + g * hd;
-            dot(qh, at, scores);
-            scores.iter_mut().for_each(|x| *x = sc.score(*x));
-            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0f32;
-            for x in scores.iter_mut() {
-                *x = (*x - max).exp();
-                sum += *x;
-            }
-            scores.iter_mut().for_each(|x| *x /= sum);
-            axpy(scores, at, o);
-        });
+        let o =
+            unsafe { std::slice::from_raw_parts_mut(op.get().add(th * s.head_dim), s.head_dim) };
+        let qh = &q[th * s.head_dim..(th + 1) * s.head_dim];
+        head(kern, (k, v), s, h, s.pos0 + t, qh, o);
+    });
+}
+
+/// One row of [`attention_seqs`]: its sequence's keys and values (every position up to its
+/// own, `width` = `n_kv_heads * head_dim` values each), its position, and its query heads.
+pub struct SeqAttn<'a> {
+    pub k: KvSlice<'a>,
+    pub v: KvSlice<'a>,
+    pub pos: usize,
+    pub heads: &'a IndexSet,
+}
+
+/// A step of several sequences: row `r` of `q` (every head) against row `r`'s own keys and
+/// values at its own position, over its own heads, into row `r` of `out` (zeros for the heads
+/// it did not select); one pool task per (row, head). Each head's output is bit for bit what
+/// [`attention`] gives that row alone (`s.pos0` and `s.n_tokens` are not read).
+pub fn attention_seqs(
+    kern: &Kernels,
+    pool: &SpinPool,
+    q: &[f32],
+    rows: &[SeqAttn<'_>],
+    s: AttnShape,
+    out: &mut [f32],
+) {
+    let (n, width) = (rows.len(), s.n_kv_heads * s.head_dim);
+    let qd = s.n_heads * s.head_dim;
+    assert_eq!(q.len(), n * qd, "attention: q length");
+    assert_eq!(out.len(), q.len(), "attention: out length");
+    for r in rows {
+        check(s, r.heads);
+        assert!(
+            r.k.len() >= (r.pos + 1) * width && same_types(r.k, r.v),
+            "attention: a row's cache length or types"
+        );
+    }
+    out.fill(0.0);
+    let op = SyncPtr::new(out.as_mut_ptr());
+    pool.run(n * s.n_heads, &|th| {
+        let (r, h) = (&rows[th / s.n_heads], th % s.n_heads);
+        if !r.heads.contains(h) {
+            return;
+        }
+        // SAFETY: task `th` alone writes `out[th * hd..(th + 1) * hd]`, inside `out`, which
+        // outlives `pool.run`.
+        let o =
+            unsafe { std::slice::from_raw_parts_mut(op.get().add(th * s.head_dim), s.head_dim) };
+        let qh = &q[th * s.head_dim..(th + 1) * s.head_dim];
+        head(kern, (r.k, r.v), s, h, r.pos, qh, o);
+    });
+}
+
+/// The head counts, the scoring and the head set agree with `s`.
+fn check(s: AttnShape, heads: &IndexSet) {
+    assert!(
+        s.n_kv_heads > 0 && s.n_heads.is_multiple_of(s.n_kv_heads),
+        "attention: head counts"
+    );
+    assert!(s.scoring.check().is_ok(), "attention: scoring");
+    assert_eq!(heads.universe(), s.n_heads, "attention: head set universe");
+}
+
+fn same_types(k: KvSlice<'_>, v: KvSlice<'_>) -> bool {
+    match (k, v) {
+        (KvSlice::F32(k), KvSlice::F32(v)) => k.len() == v.len(),
+        (KvSlice::F16(k), KvSlice::F16(v)) => k.len() == v.len(),
+        _ => false,
+    }
+}
+
+/// Query head `h` (`qh`) at position `p` over the keys and values `kv` (in bounds: checked by
+/// the callers), into `o`.
+fn head(
+    kern: &Kernels,
+    (k, v): (KvSlice<'_>, KvSlice<'_>),
+    s: AttnShape,
+    h: usize,
+    p: usize,
+    qh: &[f32],
+    o: &mut [f32],
+) {
+    let (hd, sc) = (s.head_dim, s.scoring);
+    let kv_stride = s.n_kv_heads * hd;
+    let g = h / (s.n_heads / s.n_kv_heads);
+    let first = sc.first(p);
+    let n_keys = p + 1 - first;
+    SCORES.with_borrow_mut(|scores| {
+        scores.resize(n_keys, 0.0);
+        let scores = &mut scores[..n_keys];
+        // Keys j of kv head g are rows of `k[g * hd..]` at stride `kv_stride`; values alike.
+        let at = first * kv_stride + g * hd;
+        match k {
+            KvSlice::F32(k) => (kern.dot_rows)(qh, &k[at..], kv_stride, scores),
+            KvSlice::F16(k) => (kern.dot_rows_f16)(qh, &k[at..], kv_stride, scores),
+        }
+        scores.iter_mut().for_each(|x| *x = sc.score(*x));
+        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0f32;
+        for x in scores.iter_mut() {
+            *x = (*x - max).exp();
+            sum += *x;
+        }
+        scores.iter_mut().for_each(|x| *x /= sum);
+        match v {
+            KvSlice::F32(v) => (kern.axpy_rows)(scores, &v[at..], kv_stride, o),
+            KvSlice::F16(v) => (kern.axpy_rows_f16)(scores, &v[at..], kv_stride, o),
+        }
     });
 }
 

@@ -2,8 +2,11 @@
 //! own position over its own KV cache, in one pass through the layer loop ([`Pass::Seqs`]).
 //! The products run over every row at once, so each weight is read once for the whole step
 //! ([`Device::matmul_steps`]: on the CPU each row's outputs are bit for bit those of its own
-//! decode step, whatever else is in the batch); the verbs that read a position or a cache run
-//! row by row, the step set to that row's token and position ([`Device::set_step`]).
+//! decode step, whatever else is in the batch); the verbs that read a position or a cache
+//! (RoPE, the K/V store, attention) run each row against its own sequence: in one call where
+//! the device has [`Device::attend_rows`] (the CPU's tiers: one pool dispatch of every row's
+//! heads), else row by row, the step set to that row's token and position
+//! ([`Device::set_step`]; learned positions always so).
 //!
 //! The first sequence leads: its scratch holds the batch's rows and runs the pass; the others
 //! lend it their caches and their selections for the step ([`RowSeq`]) and get them back after

@@ -1,8 +1,11 @@
-//! The CPU device's attention verbs: the lazy K/V fill and attention over a cache
-//! (`Device::kv_fill`, `Device::attention`).
-use super::{need, rows_of, shape, CpuCache, CpuDevice};
+//! The CPU device's attention verbs: the lazy K/V fill, attention over a cache, and the
+//! attention block of a step of several sequences (`Device::kv_fill`, `Device::attention`,
+//! `Device::attend_rows`).
+use super::{need, rope_factors, rows_of, shape, CpuCache, CpuDevice};
 use crate::{attention, matmul, ops};
-use dejavu_backend_api::{AttnGeom, AttnShape, BackendError, IndexSet, LazyKv, MatmulJob, Rows};
+use dejavu_backend_api::{
+    AttnGeom, AttnShape, BackendError, IndexSet, LazyKv, MatmulJob, Rotary, Rows, SeqRow,
+};
 
 impl CpuDevice {
     pub(super) fn fill_kv(
@@ -159,6 +162,84 @@ impl CpuDevice {
                 out[r * cw + j * hd..r * cw + (j + 1) * hd].copy_from_slice(src);
             }
         }
+        Ok(())
+    }
+}
+
+impl CpuDevice {
+    /// `Device::attend_rows`: each row's RoPE at its own position and its keys and values into
+    /// its own caches (the one-row verbs' own functions), then one pool dispatch of every
+    /// (row, head) over each row's own cache, so each row's output is bit for bit its decode
+    /// step's attention.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attend_seqs(
+        &self,
+        q: &mut [f32],
+        k: &mut [f32],
+        v: &[f32],
+        rope: Option<Rotary<'_, Vec<f32>>>,
+        g: AttnGeom,
+        rows: &mut [SeqRow<'_, Self>],
+        out: &mut [f32],
+    ) -> Result<(), BackendError> {
+        let n = rows.len();
+        let (nq, nkv, hd) = (g.n_heads, g.n_kv_heads, g.head_dim);
+        let (qd, kvd) = (nq * hd, nkv * hd);
+        self.rows("attend_rows", n)?;
+        g.scoring.check().map_err(shape)?;
+        if nkv == 0 || !nq.is_multiple_of(nkv) {
+            return Err(shape(format!("{nq} query heads over {nkv} KV heads")));
+        }
+        need("attention queries", q.len(), n * qd)?;
+        need("attention keys", k.len(), n * kvd)?;
+        need("attention values", v.len(), n * kvd)?;
+        need("attention output", out.len(), n * qd)?;
+        let mut sets = Vec::with_capacity(n);
+        for r in rows.iter() {
+            let fits = |c: &CpuCache| c.width == kvd && c.n_ctx >= r.n_ctx;
+            if !fits(r.k) || !fits(r.v) || r.pos >= r.n_ctx {
+                return Err(shape(format!(
+                    "a row at position {} of {} over caches of {}x{} (width {kvd})",
+                    r.pos, r.n_ctx, r.k.n_ctx, r.k.width
+                )));
+            }
+            sets.push(match r.heads {
+                Rows::All => IndexSet::full(nq),
+                sel => {
+                    let hs = rows_of(sel, nq)?.into_iter().map(|h| h as u32).collect();
+                    IndexSet::from_unsorted(nq, hs).map_err(|e| shape(e.to_string()))?
+                }
+            });
+        }
+        let factors = rope.as_ref().map(|r| rope_factors(r, hd)).transpose()?;
+        for (i, r) in rows.iter_mut().enumerate() {
+            let (qr, kr) = (&mut q[i * qd..(i + 1) * qd], &mut k[i * kvd..(i + 1) * kvd]);
+            if let Some(rot) = &rope {
+                let f = factors.flatten();
+                ops::rope(qr, nq, hd, r.pos, rot.theta, rot.style, f);
+                ops::rope(kr, nkv, hd, r.pos, rot.theta, rot.style, f);
+            }
+            r.k.put(r.pos, 0, kr);
+            r.v.put(r.pos, 0, &v[i * kvd..(i + 1) * kvd]);
+        }
+        let seqs: Vec<attention::SeqAttn> = (rows.iter().zip(&sets))
+            .map(|(r, heads)| attention::SeqAttn {
+                k: r.k.slice((r.pos + 1) * kvd),
+                v: r.v.slice((r.pos + 1) * kvd),
+                pos: r.pos,
+                heads,
+            })
+            .collect();
+        let shape = AttnShape {
+            n_heads: nq,
+            n_kv_heads: nkv,
+            head_dim: hd,
+            pos0: 0,
+            n_tokens: n,
+            scoring: g.scoring,
+        };
+        let (kern, pool) = (&self.cpu.kernels, &self.cpu.pool);
+        attention::attention_seqs(kern, pool, &q[..n * qd], &seqs, shape, &mut out[..n * qd]);
         Ok(())
     }
 }

@@ -19,7 +19,7 @@ use crate::world::HostWorld;
 use crate::{ops, CpuBackend};
 use dejavu_backend_api::{
     sparsify_ref, Activation, AttnGeom, BackendError, Device, InputMask, LazyKv, Product,
-    QuantType, Rotary, Rows, SharedBytes, StepRow, Weight, MAX_ROWS,
+    QuantType, Rotary, Rows, SeqRow, SharedBytes, StepRow, Weight, MAX_ROWS,
 };
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -624,6 +624,26 @@ impl Device for CpuDevice {
         out: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
         self.attend(q, k, v, heads, g, out)
+    }
+
+    fn attend_rows(
+        &self,
+        q: &mut Vec<f32>,
+        k: &mut Vec<f32>,
+        v: &Vec<f32>,
+        rope: Option<Rotary<'_, Vec<f32>>>,
+        g: AttnGeom,
+        rows: &mut [SeqRow<'_, Self>],
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        // The reference device keeps to the definition: the caller's row-by-row one-row verbs.
+        if self.reference {
+            return Err(BackendError::Unsupported {
+                backend: self.name(),
+                what: "attend_rows on the reference device (rows run one by one)".into(),
+            });
+        }
+        self.attend_seqs(q, k, v, rope, g, rows, out)
     }
 
     fn top_k(
