@@ -77,36 +77,23 @@ fn avx2(x: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
     unsafe { avx2_impl(x, rows, stride, out) }
 }
 
+/// Rows dotted together by the x86 tiers: four independent sums in flight (a decode step's
+/// keys are short rows, 64 or 128 values, so one sum's chain of multiply-adds and its own
+/// horizontal sum would bound the loop), reduced together at the end.
+#[cfg(target_arch = "x86_64")]
+const BLOCK: usize = 4;
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn avx2_impl(x: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
-    use super::x86::hsum_ps;
     use std::arch::x86_64::*;
-    let n = x.len();
-    let n16 = n / 16 * 16;
-    for (j, o) in out.iter_mut().enumerate() {
-        let r = rows.as_ptr().add(j * stride);
-        let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-        let mut c = 0;
-        while c < n16 {
-            a0 = _mm256_fmadd_ps(
-                _mm256_loadu_ps(r.add(c)),
-                _mm256_loadu_ps(x.as_ptr().add(c)),
-                a0,
-            );
-            a1 = _mm256_fmadd_ps(
-                _mm256_loadu_ps(r.add(c + 8)),
-                _mm256_loadu_ps(x.as_ptr().add(c + 8)),
-                a1,
-            );
-            c += 16;
-        }
-        let mut s = hsum_ps(_mm256_add_ps(a0, a1));
-        for (i, &xi) in x.iter().enumerate().skip(n16) {
-            s += xi * *r.add(i);
-        }
-        *o = s;
-    }
+    let row = |j: usize| rows.as_ptr().add(j * stride);
+    rows_in_blocks(
+        x,
+        out,
+        |c, j| _mm256_loadu_ps(row(j).add(c)),
+        |i, j| *row(j).add(i),
+    );
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -120,24 +107,63 @@ fn avx2_f16(x: &[f32], rows: &[f16], stride: usize, out: &mut [f32]) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn avx2_f16_impl(x: &[f32], rows: &[f16], stride: usize, out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let row = |j: usize| rows.as_ptr().add(j * stride);
+    let load =
+        |c: usize, j: usize| _mm256_cvtph_ps(_mm_loadu_si128(row(j).add(c) as *const __m128i));
+    rows_in_blocks(x, out, load, |i, j| (*row(j).add(i)).to_f32());
+}
+
+/// `out[j] = x . row j` for every `j`: the rows in blocks of [`BLOCK`], each row's eight-wide
+/// sum over `x`'s whole groups of 8 (`load(c, j)`: row `j`'s values `c..c + 8`), the block's
+/// sums reduced together, then the tail values (`value(i, j)`) added in order; the rows past
+/// the last whole block one by one, the same way.
+///
+/// # Safety
+/// The caller's tier has AVX2 and FMA (and what `load` needs); `load` and `value` read inside
+/// the rows for every `j < out.len()`, `c + 8 <= x.len()` and `i < x.len()`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn rows_in_blocks(
+    x: &[f32],
+    out: &mut [f32],
+    load: impl Fn(usize, usize) -> std::arch::x86_64::__m256,
+    value: impl Fn(usize, usize) -> f32,
+) {
     use super::x86::hsum_ps;
     use std::arch::x86_64::*;
-    let n = x.len();
-    let n8 = n / 8 * 8;
-    for (j, o) in out.iter_mut().enumerate() {
-        let r = rows.as_ptr().add(j * stride);
+    let n8 = x.len() / 8 * 8;
+    let tail = |j: usize| -> f32 {
+        (x.iter().enumerate().skip(n8)).fold(0.0, |s, (i, &xi)| s + xi * value(i, j))
+    };
+    let full = out.len() / BLOCK * BLOCK;
+    for j in (0..full).step_by(BLOCK) {
+        let mut acc = [_mm256_setzero_ps(); BLOCK];
+        for c in (0..n8).step_by(8) {
+            let xv = _mm256_loadu_ps(x.as_ptr().add(c));
+            for (b, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_fmadd_ps(load(c, j + b), xv, *a);
+            }
+        }
+        // Four horizontal sums at once: pairs, then pairs of pairs, then the two halves.
+        let (h01, h23) = (
+            _mm256_hadd_ps(acc[0], acc[1]),
+            _mm256_hadd_ps(acc[2], acc[3]),
+        );
+        let h = _mm256_hadd_ps(h01, h23);
+        let sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+        let mut s = [0f32; BLOCK];
+        _mm_storeu_ps(s.as_mut_ptr(), sums);
+        for (b, o) in out[j..j + BLOCK].iter_mut().enumerate() {
+            *o = s[b] + tail(j + b);
+        }
+    }
+    for (j, o) in out.iter_mut().enumerate().skip(full) {
         let mut acc = _mm256_setzero_ps();
-        let mut c = 0;
-        while c < n8 {
-            let k = _mm256_cvtph_ps(_mm_loadu_si128(r.add(c) as *const __m128i));
-            acc = _mm256_fmadd_ps(k, _mm256_loadu_ps(x.as_ptr().add(c)), acc);
-            c += 8;
+        for c in (0..n8).step_by(8) {
+            acc = _mm256_fmadd_ps(load(c, j), _mm256_loadu_ps(x.as_ptr().add(c)), acc);
         }
-        let mut s = hsum_ps(acc);
-        for (i, &xi) in x.iter().enumerate().skip(n8) {
-            s += xi * (*r.add(i)).to_f32();
-        }
-        *o = s;
+        *o = hsum_ps(acc) + tail(j);
     }
 }
 
