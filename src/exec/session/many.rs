@@ -220,7 +220,8 @@ impl<'a, D: Device> DeviceSession<'a, D> {
     }
 
     /// The union of the rows' neurons at layer `l`'s MLP, written to `union_idx` (sorted);
-    /// its size, or `None` when a row runs every neuron (the layer is dense for the batch).
+    /// its size, or `None` when a row runs every neuron or the union is every neuron (the
+    /// layer is dense for the batch; a whole union still counts in `union_counts`).
     /// Each row's list is read back to the host (a wait for the device, per layer).
     pub(super) fn mlp_union(&mut self, l: usize) -> Result<Option<usize>> {
         let (dev, n_ff) = (self.dev, self.model.local.n_ff);
@@ -249,15 +250,16 @@ impl<'a, D: Device> DeviceSession<'a, D> {
             }
         }
         let union: Vec<u32> = (0..n_ff as u32).filter(|&i| on[i as usize]).collect();
+        self.union_counts.0 += union.len();
+        self.union_counts.1 += n_ff;
         if union.len() == n_ff {
             return Ok(None);
         }
-        if self.union_idx.is_none() {
-            self.union_idx = Some(dev.upload_idx(&vec![0; n_ff])?);
-        }
-        dev.write_idx(self.union_idx.as_mut().expect("made above"), &union)?;
-        self.union_counts.0 += union.len();
-        self.union_counts.1 += n_ff;
+        let idx = match &mut self.union_idx {
+            Some(idx) => idx,
+            None => self.union_idx.insert(dev.upload_idx(&vec![0; n_ff])?),
+        };
+        dev.write_idx(idx, &union)?;
         Ok(Some(union.len()))
     }
 
