@@ -289,7 +289,10 @@ fn the_greedy_allocation_rises_to_its_end_and_teal_reads_it() {
         }
     }
     let uniform = e.policy(&format!("{spec}:uniform"), Some(&loaded)).unwrap();
-    let want = InputRule::uniform(Score::Teal, row[0] as f64, &st);
+    // The sparsity the spec carries: `row[0]` printed, then read as f64 (not `row[0] as f64`,
+    // which differs past f32's digits and may move a threshold by an ulp).
+    let carried: f64 = row[0].to_string().parse().unwrap();
+    let want = InputRule::uniform(Score::Teal, carried, &st);
     assert_eq!(uniform.inputs.unwrap().thresholds, want.thresholds);
 }
 
