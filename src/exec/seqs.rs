@@ -29,8 +29,8 @@ pub trait SeqBatch {
         None
     }
     /// Forget sequence `seq`'s positions and give its caches' memory back where the device
-    /// can; returns whether it could.
-    fn release(&mut self, seq: usize) -> Result<bool>;
+    /// can.
+    fn release(&mut self, seq: usize) -> Result<()>;
 }
 
 impl<D: Device> SeqBatch for Vec<DeviceSession<'_, D>> {
@@ -55,7 +55,7 @@ impl<D: Device> SeqBatch for Vec<DeviceSession<'_, D>> {
         let s = self.get_mut(seq).ok_or_else(|| no_sequence(seq))?;
         Ok(s.run(tokens, want)?.to_vec())
     }
-    fn release(&mut self, seq: usize) -> Result<bool> {
+    fn release(&mut self, seq: usize) -> Result<()> {
         let s = self.get_mut(seq).ok_or_else(|| no_sequence(seq))?;
         s.release()
     }

@@ -394,10 +394,10 @@ mod tests {
             rows.map(|(&s, &t)| self.run(s, &[t], Logits::Last).map(|r| r[0]))
                 .collect()
         }
-        fn release(&mut self, seq: usize) -> Result<bool> {
+        fn release(&mut self, seq: usize) -> Result<()> {
             self.0[seq].clear();
             let _ = self.1.send(seq);
-            Ok(true)
+            Ok(())
         }
     }
 

@@ -249,11 +249,10 @@ pub trait Device: Send + Sync {
     fn cache(&self, n_ctx: usize, width: usize) -> Result<Self::Cache, BackendError>;
     /// Give a cache's memory back to the system where the device can (the CPU's pages, which
     /// it maps again as positions are written); its values are undefined until written again.
-    /// Returns whether memory was given back (the default keeps it: a GPU's caches stay
-    /// allocated).
-    fn release(&self, cache: &mut Self::Cache) -> Result<bool, BackendError> {
+    /// The default keeps it (a GPU's caches stay allocated).
+    fn release(&self, cache: &mut Self::Cache) -> Result<(), BackendError> {
         let _ = cache;
-        Ok(false)
+        Ok(())
     }
     /// Wait for the queued work, then copy `out.len()` leading values of `x` to the host.
     fn download(&self, x: &Self::Buf, out: &mut [f32]) -> Result<(), BackendError>;

@@ -17,7 +17,7 @@
 //! other heads' outputs zero, W_o over every head). The MLP runs over the union of the rows'
 //! neurons (the paper's Fig. 8: the union of a small batch stays sparse), so a row computes at
 //! least the neurons its own step would.
-use super::step::{predict, Pass};
+use super::step::{heads_predicted_at, predict, Pass};
 use super::DeviceSession;
 use crate::exec::plan::{Computed, Sel};
 use crate::{Error, Result};
@@ -191,14 +191,8 @@ impl<'a, D: Device> DeviceSession<'a, D> {
     /// its own sequence's selections.
     pub(super) fn predict_by_row(&mut self, l: usize) -> Result<()> {
         let (dev, d, p) = (self.dev, self.model.local.d_model, &mut self.plan);
-        let first = if l == 0 { 0 } else { l + 1 };
-        let heads = p
-            .head_pred
-            .iter()
-            .enumerate()
-            .skip(first)
-            .take(l + 2 - first);
-        if p.mlp_pred[l].is_none() && heads.clone().all(|(_, h)| h.is_none()) {
+        let heads = heads_predicted_at(l).filter_map(|t| p.head_pred.get(t));
+        if p.mlp_pred[l].is_none() && heads.flatten().next().is_none() {
             return Ok(());
         }
         let preds = (&p.mlp_pred[..], &p.head_pred[..]);
@@ -264,15 +258,14 @@ impl<'a, D: Device> DeviceSession<'a, D> {
     }
 
     /// Forget every position and give the caches' memory back to the system where the device
-    /// can (see [`Device::release`]); returns whether it could.
-    pub fn release(&mut self) -> Result<bool> {
+    /// can (see [`Device::release`]).
+    pub fn release(&mut self) -> Result<()> {
         self.truncate(0);
-        let mut freed = true;
         let lazy = self.lazy.iter_mut().flatten().map(|(inputs, _)| inputs);
         for c in self.k.iter_mut().chain(self.v.iter_mut()).chain(lazy) {
-            freed &= self.dev.release(c)?;
+            self.dev.release(c)?;
         }
-        Ok(freed)
+        Ok(())
     }
 
     /// The MLP unions the steps of several sequences this one led computed since the last
@@ -371,26 +364,11 @@ pub(super) fn attend_by_row<D: Device>(
     };
     for (r, seq) in rows.iter_mut().enumerate() {
         match seq.lent.take() {
-            // The leader's row 0 in place; its own heads' queries and outputs compact in
-            // `s.full` (free in a batch).
+            // The leader's row 0 in place.
             None => {
                 let geom = one(seq, &mut s.q, &mut s.k)?;
                 dev.store(&s.k, &s.v, kc, vc, 1)?;
-                match lead {
-                    Sel::All => dev.attention(&s.q, kc, vc, Rows::All, geom, &mut s.att)?,
-                    sel @ (Sel::Fixed { idx, .. } | Sel::Predicted { idx, .. }) => {
-                        let (k, heads) = (sel.count(nq), sel.rows(1));
-                        if k > 0 {
-                            dev.gather(&s.q, idx, k, hd, &mut s.full)?;
-                            dev.attention(&s.full, kc, vc, heads, geom, &mut s.att)?;
-                            dev.copy(&s.att, &mut s.full, k * hd)?;
-                        }
-                        dev.clear(&mut [(&mut s.att, qd)])?;
-                        if k > 0 {
-                            dev.scatter(&s.full, idx, k, hd, &mut s.att)?;
-                        }
-                    }
-                }
+                attend_one(dev, lead, &mut s.q, (kc, vc), geom, &mut s.att, hd)?;
             }
             Some(mut lent) => {
                 let row = &mut lent.row;
@@ -401,22 +379,8 @@ pub(super) fn attend_by_row<D: Device>(
                     let geom = one(seq, &mut row.q, &mut row.k)?;
                     let (kc, vc) = (&mut lent.k[l], &mut lent.v[l]);
                     dev.store(&row.k, &row.v, kc, vc, 1)?;
-                    match &lent.heads[l] {
-                        Sel::All => dev.attention(&row.q, kc, vc, Rows::All, geom, &mut row.att)?,
-                        sel @ (Sel::Fixed { idx, .. } | Sel::Predicted { idx, .. }) => {
-                            // Queries compact in `att`, outputs compact in `q`, then every
-                            // head's place in `att`.
-                            let (k, heads) = (sel.count(nq), sel.rows(1));
-                            if k > 0 {
-                                dev.gather(&row.q, idx, k, hd, &mut row.att)?;
-                                dev.attention(&row.att, kc, vc, heads, geom, &mut row.q)?;
-                            }
-                            dev.clear(&mut [(&mut row.att, qd)])?;
-                            if k > 0 {
-                                dev.scatter(&row.q, idx, k, hd, &mut row.att)?;
-                            }
-                        }
-                    }
+                    let heads = &lent.heads[l];
+                    attend_one(dev, heads, &mut row.q, (kc, vc), geom, &mut row.att, hd)?;
                     Ok::<_, Error>(dev.put_rows(&row.att, r, 1, qd, &mut s.att)?)
                 })();
                 seq.lent = Some(lent);
@@ -425,6 +389,35 @@ pub(super) fn attend_by_row<D: Device>(
         }
     }
     restore_step(dev, rows)
+}
+
+/// One row's attention over `heads` (every head, or a selection): `q` (the row's queries of
+/// every head; left undefined) against the caches, into `att` (every head's place, `head_dim`
+/// values each; zeros for the heads not selected). A selection's queries go compact into
+/// `att`, their outputs compact into `q`, then each to its head's place in `att`.
+fn attend_one<D: Device>(
+    dev: &D,
+    heads: &Sel<D>,
+    q: &mut D::Buf,
+    (kc, vc): (&D::Cache, &D::Cache),
+    geom: AttnGeom,
+    att: &mut D::Buf,
+    hd: usize,
+) -> Result<()> {
+    let idx = match heads {
+        Sel::All => return Ok(dev.attention(q, kc, vc, Rows::All, geom, att)?),
+        Sel::Fixed { idx, .. } | Sel::Predicted { idx, .. } => idx,
+    };
+    let k = heads.count(geom.n_heads);
+    if k > 0 {
+        dev.gather(q, idx, k, hd, att)?;
+        dev.attention(att, kc, vc, heads.rows(1), geom, q)?;
+    }
+    dev.clear(&mut [(att, geom.n_heads * hd)])?;
+    if k > 0 {
+        dev.scatter(q, idx, k, hd, att)?;
+    }
+    Ok(())
 }
 
 impl<D: Device> RowScratch<D> {

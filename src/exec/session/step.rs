@@ -425,6 +425,12 @@ impl<D: Device> DeviceSession<'_, D> {
     }
 }
 
+/// The layers whose heads the predictors at layer `l` select: the next layer's (and layer 0's
+/// own at layer 0).
+pub(super) fn heads_predicted_at(l: usize) -> std::ops::RangeInclusive<usize> {
+    (if l == 0 { 0 } else { l + 1 })..=l + 1
+}
+
 /// Per layer, its predictor (if any).
 type Predictors<'a, D> = &'a [Option<Predictor<D>>];
 
@@ -440,13 +446,12 @@ pub(super) fn predict<D: Device>(
     z: &mut [D::Buf; 3],
     scores: &mut [D::Buf; 3],
 ) -> Result<()> {
-    let first = if l == 0 { 0 } else { l + 1 };
     let mut runs: Vec<(&Predictor<D>, &mut D::Idx, usize)> = Vec::new();
     if let (Some(pred), Sel::Predicted { idx, k }) = (&mlp_pred[l], &mut mlp[l]) {
         runs.push((pred, idx, *k));
     }
     let both = head_pred.iter().zip(heads.iter_mut()).enumerate();
-    for (_, (pred, sel)) in both.filter(|(t, _)| (first..=l + 1).contains(t)) {
+    for (_, (pred, sel)) in both.filter(|(t, _)| heads_predicted_at(l).contains(t)) {
         if let (Some(pred), Sel::Predicted { idx, k }) = (pred, sel) {
             runs.push((pred, idx, *k));
         }

@@ -221,9 +221,8 @@ impl Device for CpuDevice {
     fn cache(&self, n_ctx: usize, width: usize) -> Result<CpuCache, BackendError> {
         CpuCache::new(self.f32_cache, n_ctx, width)
     }
-    fn release(&self, cache: &mut CpuCache) -> Result<bool, BackendError> {
-        cache.release()?;
-        Ok(true)
+    fn release(&self, cache: &mut CpuCache) -> Result<(), BackendError> {
+        cache.release()
     }
     fn download(&self, x: &Vec<f32>, out: &mut [f32]) -> Result<(), BackendError> {
         need("download", x.len(), out.len())?;

@@ -6,70 +6,37 @@ use crate::{axpy_matmul, matmul};
 use dejavu_backend_api::{Activation, BackendError, IndexSet, MatmulJob, Product, RowLayout, Rows};
 
 impl CpuDevice {
+    /// `Device::matvecs`: one row, every product over every row or a selection (compact).
     pub(super) fn products(
         &self,
         x: &Vec<f32>,
         jobs: &mut [Product<'_, Self>],
     ) -> Result<(), BackendError> {
-        // Checked first: the kernels assert their lengths.
-        let mut sels = Vec::with_capacity(jobs.len());
-        for p in jobs.iter() {
-            let w = p.w;
-            if w.layout == RowLayout::InputBlocks {
-                return Err(shape("an input-block matrix is read by axpy only".into()));
-            }
-            let (set, rs) = selection(p.rows, w.rows)?;
-            need("matvec input", p.x.unwrap_or(x).len(), w.cols)?;
-            need("matvec output", p.y.len(), count(&rs, w.rows))?;
-            if let Some(b) = p.bias {
-                need("matvec bias", b.len(), w.rows)?;
-            }
-            sels.push((set, rs));
-        }
-        // Every row, overwritten: the kernels write `y` itself; otherwise a row-indexed scratch.
-        let direct: Vec<bool> = (jobs.iter().zip(&sels))
-            .map(|(p, s)| s.1.is_none() && !p.accumulate)
-            .collect();
-        let mut scratch: Vec<Vec<f32>> = (jobs.iter().zip(&direct))
-            .map(|(p, &d)| if d { Vec::new() } else { vec![0f32; p.w.rows] })
-            .collect();
-        let weights = jobs
-            .iter()
-            .map(|p| p.w.weight())
-            .collect::<Result<Vec<_>, _>>()?;
-        {
-            let all = jobs.iter_mut().zip(scratch.iter_mut()).zip(&weights);
-            let runs = (all.enumerate())
-                .map(|(i, ((p, sc), w))| {
-                    let y: &mut [f32] = match direct[i] {
-                        true => &mut p.y[..w.rows],
-                        false => sc,
-                    };
-                    let job = MatmulJob {
-                        w: *w,
-                        rows: &sels[i].0,
-                        y,
-                    };
-                    (p.x.map(|v| &v[..]), job)
-                })
-                .collect();
-            self.dispatch(x, 1, runs, false);
-        }
-        for (i, p) in jobs.iter_mut().enumerate() {
-            if direct[i] && p.bias.is_none() && p.act.is_none() {
-                continue; // the kernels' output is the product's
-            }
-            let full = (!direct[i]).then_some(&scratch[i][..]);
-            let y = &mut p.y[..count(&sels[i].1, p.w.rows)];
-            finish(full, sels[i].1.as_deref(), p.bias, p.act, p.accumulate, y);
-        }
-        Ok(())
+        let what = ["matvec input", "matvec output", "matvec bias"];
+        self.products_of(what, x, 1, jobs, false)
     }
 
-    /// `steps`: each row as a one-row step computes it (`Device::matmul_steps`); a product
-    /// over a selection writes each row's outputs compact (row `r` at `r * count`).
+    /// `Device::matmul` (every row of each matrix) and `Device::matmul_steps` (`steps`: each
+    /// row as a one-row step computes it, over every row or a selection).
     pub(super) fn batch_products(
         &self,
+        x: &Vec<f32>,
+        rows: usize,
+        jobs: &mut [Product<'_, Self>],
+        steps: bool,
+    ) -> Result<(), BackendError> {
+        if !steps && jobs.iter().any(|p| !matches!(p.rows, Rows::All)) {
+            return Err(shape("a batch's products read every row".into()));
+        }
+        let what = ["matmul input", "matmul output", "matmul bias"];
+        self.products_of(what, x, rows, jobs, steps)
+    }
+
+    /// `jobs` over `rows` rows of their inputs, each product's outputs compact over its
+    /// selection (row `r` at `r * count`); `what` names the input, output and bias in errors.
+    fn products_of(
+        &self,
+        what: [&str; 3],
         x: &Vec<f32>,
         rows: usize,
         jobs: &mut [Product<'_, Self>],
@@ -79,17 +46,14 @@ impl CpuDevice {
         let mut sels = Vec::with_capacity(jobs.len());
         for p in jobs.iter() {
             let (w, xp) = (p.w, p.x.unwrap_or(x));
-            if !steps && !matches!(p.rows, Rows::All) {
-                return Err(shape("a batch's products read every row".into()));
-            }
             if w.layout == RowLayout::InputBlocks {
                 return Err(shape("an input-block matrix is read by axpy only".into()));
             }
             let (set, rs) = selection(p.rows, w.rows)?;
-            self.batch("matmul input", xp.len(), w.cols, rows)?;
-            self.batch("matmul output", p.y.len(), count(&rs, w.rows), rows)?;
+            self.batch(what[0], xp.len(), w.cols, rows)?;
+            self.batch(what[1], p.y.len(), count(&rs, w.rows), rows)?;
             if let Some(b) = p.bias {
-                need("matmul bias", b.len(), w.rows)?;
+                need(what[2], b.len(), w.rows)?;
             }
             sels.push((set, rs));
         }
@@ -127,11 +91,11 @@ impl CpuDevice {
             self.dispatch(x, rows, runs, steps);
         }
         for (i, (p, sum)) in jobs.iter_mut().zip(&sums).enumerate() {
-            if direct[i] && p.bias.is_none() && p.act.is_none() {
-                continue;
-            }
             let (w, rs) = (p.w.rows, sels[i].1.as_deref());
             let n = count(&sels[i].1, w);
+            if n == 0 || direct[i] && p.bias.is_none() && p.act.is_none() {
+                continue; // the kernels' output is the product's
+            }
             for (r, yr) in p.y[..rows * n].chunks_exact_mut(n).enumerate() {
                 let fr = (!direct[i]).then(|| &sum[r * w..(r + 1) * w]);
                 finish(fr, rs, p.bias, p.act, p.accumulate, yr);
