@@ -49,7 +49,8 @@ fn client_against_server(model: &std::path::Path, args: &[&str], script: &str) {
 #[test]
 fn the_openai_package_talks_to_the_server() {
     let model = root().join("tests/fixtures/hf/llama-silu");
-    client_against_server(&model, &["--ctx", "128", "-t", "1"], "openai_client.py");
+    let args = ["--ctx", "128", "-t", "1", "--parallel", "3"];
+    client_against_server(&model, &args, "openai_client.py");
 }
 
 /// Tool calling with the `openai` package (tests/clients/openai_tools.py) against `dejavu serve`

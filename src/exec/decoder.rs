@@ -23,6 +23,13 @@ pub trait Decoder {
     /// The caller will not decode for a while (a reply ended): a decoder whose steps join a
     /// batch of sequences stops holding the batch for this one's next token.
     fn pause(&mut self) {}
+    /// Up to `k` more decoders, each holding what this one holds, whose steps run as rows of
+    /// this one's batch (the choices of one prompt, decoded together); none where the decoder
+    /// does not batch. Each gives its sequence back when dropped.
+    fn fork(&mut self, k: usize) -> Vec<Box<dyn Decoder + Send>> {
+        let _ = k;
+        Vec::new()
+    }
     /// What the last decode step read and computed under the plan (`None` where not known).
     fn last_step(&self) -> Result<Option<StepStats>> {
         Ok(None)

@@ -31,6 +31,8 @@ pub trait SeqBatch {
     /// Forget sequence `seq`'s positions and give its caches' memory back where the device
     /// can.
     fn release(&mut self, seq: usize) -> Result<()>;
+    /// Sequence `to` holds sequence `from`'s first `len` positions, and nothing after.
+    fn fork(&mut self, from: usize, to: usize, len: usize) -> Result<()>;
 }
 
 impl<D: Device> SeqBatch for Vec<DeviceSession<'_, D>> {
@@ -58,6 +60,17 @@ impl<D: Device> SeqBatch for Vec<DeviceSession<'_, D>> {
     fn release(&mut self, seq: usize) -> Result<()> {
         let s = self.get_mut(seq).ok_or_else(|| no_sequence(seq))?;
         s.release()
+    }
+    fn fork(&mut self, from: usize, to: usize, len: usize) -> Result<()> {
+        let (lo, hi) = (from.min(to), from.max(to));
+        if from == to || hi >= self.len() {
+            return Err(no_sequence(hi));
+        }
+        let (a, b) = self.split_at_mut(hi);
+        match from < to {
+            true => b[0].copy_prefix(&a[lo], len),
+            false => a[lo].copy_prefix(&b[0], len),
+        }
     }
     fn union_density(&mut self) -> Option<f64> {
         let (u, n) = (self.iter_mut().map(|s| s.take_union_counts()))

@@ -425,6 +425,31 @@ impl<'a, D: Device> DeviceSession<'a, D> {
         self.graph = None;
     }
 
+    /// Hold `src`'s first `len` positions (its keys and values, copied on the device) and
+    /// nothing after: a sequence that starts from another's prompt (the choices of one
+    /// request). Both are sequences of one model; a plan with lazy K/V forks nothing.
+    pub fn copy_prefix(&mut self, src: &Self, len: usize) -> Result<()> {
+        if len > src.len || src.n_ctx != self.n_ctx || self.k.len() != src.k.len() {
+            return Err(Error::Invalid(format!(
+                "a sequence of {} positions forked at {len}, or into another model's",
+                src.len
+            )));
+        }
+        if self.lazy.iter().chain(&src.lazy).any(Option::is_some) {
+            return Err(Error::Invalid("forking a sequence under lazy K/V".into()));
+        }
+        let caches = self
+            .k
+            .iter_mut()
+            .zip(&src.k)
+            .chain(self.v.iter_mut().zip(&src.v));
+        for (dst, from) in caches {
+            self.dev.copy_cache(from, dst, len)?;
+        }
+        self.len = len;
+        Ok(())
+    }
+
     /// Forget positions from `len` on.
     pub fn truncate(&mut self, len: usize) {
         self.truncated |= len < self.len;

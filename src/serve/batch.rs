@@ -13,6 +13,11 @@
 //! With a KV pool ([`Pool`], `serve --kv-pool`) the sequences' positions are bounded together:
 //! a prompt chunk or a step that needs more than is free first takes back the caches of idle
 //! sequences, least recently used first.
+//!
+//! The choices of one request (`n` > 1) run as rows of the same steps: its slot borrows idle
+//! slots' sequences, each forked from its prompt ([`Decoder::fork`]). While a sequence is lent,
+//! its own slot's asks wait; it comes back empty, so that slot's cached prefix is gone
+//! (`Error::Evicted` at its next prompt, which then runs whole).
 use crate::exec::{Decoder, Logits, SeqBatch};
 use crate::{Error, Result};
 use std::collections::{BTreeSet, VecDeque};
@@ -39,6 +44,14 @@ enum Op {
     },
     Truncate(usize),
     Pause,
+    /// Lend up to `k` idle sequences, each holding the first `len` positions of the asker's.
+    Fork {
+        k: usize,
+        len: usize,
+        reply: Sender<Vec<usize>>,
+    },
+    /// A lent sequence goes back to its slot, empty.
+    Return,
 }
 
 type Reply = Result<(Vec<f32>, usize)>;
@@ -48,15 +61,19 @@ pub struct Ask {
     seq: usize,
     op: Op,
     reply: Option<Sender<Reply>>,
+    /// Asked through a lent sequence's decoder (not its own slot's).
+    lent: bool,
 }
 
-/// A slot's sequence, decoded on the batch thread.
+/// A slot's sequence, or one lent to another slot's choice (returned when dropped), decoded
+/// on the batch thread.
 pub struct BatchDecoder {
     seq: usize,
     tx: Sender<Ask>,
     len: usize,
     n_ctx: usize,
     out: Vec<f32>,
+    lent: bool,
 }
 
 /// The batch thread's queue and a decoder for each of `n` sequences of `n_ctx` positions.
@@ -69,6 +86,7 @@ pub fn decoders(n: usize, n_ctx: usize) -> (Vec<BatchDecoder>, Receiver<Ask>) {
             len: 0,
             n_ctx,
             out: Vec::new(),
+            lent: false,
         })
         .collect();
     (decs, rx)
@@ -80,6 +98,7 @@ impl BatchDecoder {
             seq: self.seq,
             op,
             reply,
+            lent: self.lent,
         };
         (self.tx.send(ask)).map_err(|_| Error::Invalid("the batch thread has ended".into()))
     }
@@ -119,6 +138,37 @@ impl Decoder for BatchDecoder {
     fn pause(&mut self) {
         let _ = self.ask(Op::Pause, None);
     }
+    fn fork(&mut self, k: usize) -> Vec<Box<dyn Decoder + Send>> {
+        let (tx, rx) = channel();
+        let (len, n_ctx) = (self.len, self.n_ctx);
+        if k == 0 || self.ask(Op::Fork { k, len, reply: tx }, None).is_err() {
+            return Vec::new();
+        }
+        let seqs = rx.recv().unwrap_or_default();
+        (seqs.into_iter())
+            .map(|seq| {
+                let tx = self.tx.clone();
+                let out = Vec::new();
+                let d = BatchDecoder {
+                    seq,
+                    tx,
+                    len,
+                    n_ctx,
+                    out,
+                    lent: true,
+                };
+                Box::new(d) as Box<dyn Decoder + Send>
+            })
+            .collect()
+    }
+}
+
+impl Drop for BatchDecoder {
+    fn drop(&mut self) {
+        if self.lent {
+            let _ = self.ask(Op::Return, None);
+        }
+    }
 }
 
 /// A prompt being run in chunks.
@@ -141,13 +191,16 @@ pub fn run(seqs: &mut dyn SeqBatch, rx: Receiver<Ask>, chunk: usize, pool: Optio
     let mut expected = BTreeSet::new();
     let mut since: Option<Instant> = None;
     let mut open = true;
+    let mut lending = Lending::new(seqs.count());
     while open || !steps.is_empty() || !prompts.is_empty() {
         // Take what has arrived: wait for something when there is nothing to do, or for the
         // rows the step expects.
         loop {
             let idle = steps.is_empty() && prompts.is_empty();
             let waiting = !idle && prompts.is_empty() && !all_in(&expected, &steps);
-            let msg = if idle && open {
+            let msg = if let Some(ask) = lending.replay.pop_front() {
+                Ok(ask)
+            } else if idle && open {
                 rx.recv().map_err(|_| RecvTimeoutError::Disconnected)
             } else if waiting && open {
                 let left = JOIN_WAIT.saturating_sub(since.map_or(JOIN_WAIT, |t| t.elapsed()));
@@ -169,13 +222,23 @@ pub fn run(seqs: &mut dyn SeqBatch, rx: Receiver<Ask>, chunk: usize, pool: Optio
                     break;
                 }
             };
+            let Some(ask) = lending.admit(ask) else {
+                continue;
+            };
             if let Some(p) = &mut pool {
-                p.busy(ask.seq, !matches!(ask.op, Op::Pause));
+                p.busy(ask.seq, !matches!(ask.op, Op::Pause | Op::Return));
             }
             match ask.op {
                 Op::Truncate(len) => seqs.truncate(ask.seq, len),
                 Op::Pause => {
                     expected.remove(&ask.seq);
+                }
+                Op::Fork { k, len, reply } => {
+                    let _ = reply.send(lending.lend(seqs, &mut pool, ask.seq, k, len));
+                }
+                Op::Return => {
+                    expected.remove(&ask.seq);
+                    lending.give_back(seqs, ask.seq);
                 }
                 Op::Run { tokens, want, from } => {
                     let Some(reply) = ask.reply else { continue };
@@ -243,6 +306,92 @@ pub fn run(seqs: &mut dyn SeqBatch, rx: Receiver<Ask>, chunk: usize, pool: Optio
             step(seqs, &mut steps, &mut expected);
             since = None;
         }
+    }
+}
+
+/// Which sequences are lent to another slot's choices, and which are in use by their own slot
+/// (a reply in flight: asked since its last pause); the asks of a slot whose sequence is lent
+/// wait, then run in order once it is back.
+struct Lending {
+    lent: Vec<bool>,
+    active: Vec<bool>,
+    waiting: Vec<Ask>,
+    replay: VecDeque<Ask>,
+}
+
+impl Lending {
+    fn new(n: usize) -> Self {
+        Self {
+            lent: vec![false; n],
+            active: vec![false; n],
+            waiting: Vec::new(),
+            replay: VecDeque::new(),
+        }
+    }
+
+    /// `ask` if it may run now; a slot's ask for its lent sequence waits.
+    fn admit(&mut self, ask: Ask) -> Option<Ask> {
+        let Some(&lent) = self.lent.get(ask.seq) else {
+            return Some(ask);
+        };
+        if ask.lent {
+            return Some(ask);
+        }
+        if lent {
+            self.waiting.push(ask);
+            return None;
+        }
+        self.active[ask.seq] = !matches!(ask.op, Op::Pause);
+        Some(ask)
+    }
+
+    /// Up to `k` idle sequences (neither lent nor in use), each forked from the first `len`
+    /// positions of `from` (room made in the pool first); fewer where there are fewer, or a
+    /// fork fails.
+    fn lend(
+        &mut self,
+        seqs: &mut dyn SeqBatch,
+        pool: &mut Option<Pool>,
+        from: usize,
+        k: usize,
+        len: usize,
+    ) -> Vec<usize> {
+        let mut got = Vec::new();
+        for to in 0..self.lent.len() {
+            if got.len() == k {
+                break;
+            }
+            if to == from || self.lent[to] || self.active[to] {
+                continue;
+            }
+            if need(pool, seqs, to, len).is_err() {
+                break;
+            }
+            if seqs.fork(from, to, len).is_err() {
+                // Partly copied at most: its slot's cached prefix is gone.
+                seqs.truncate(to, 0);
+                break;
+            }
+            if let Some(p) = pool {
+                p.busy(to, true);
+            }
+            self.lent[to] = true;
+            got.push(to);
+        }
+        got
+    }
+
+    /// Sequence `seq` back from a choice, empty; its slot's waiting asks run next.
+    fn give_back(&mut self, seqs: &mut dyn SeqBatch, seq: usize) {
+        if let Some(l) = self.lent.get_mut(seq) {
+            *l = false;
+        }
+        seqs.truncate(seq, 0);
+        let (back, rest) = std::mem::take(&mut self.waiting)
+            .into_iter()
+            .partition(|a: &Ask| a.seq == seq);
+        self.waiting = rest;
+        self.replay.extend(back);
     }
 }
 
@@ -399,6 +548,56 @@ mod tests {
             let _ = self.1.send(seq);
             Ok(())
         }
+        fn fork(&mut self, from: usize, to: usize, len: usize) -> Result<()> {
+            self.0[to] = self.0[from][..len].to_vec();
+            Ok(())
+        }
+    }
+
+    /// A slot's choices borrow idle sequences only (not one mid-reply), each forked from its
+    /// prompt; the owner of a lent sequence waits until it is back, then learns its cached
+    /// prefix is gone.
+    #[test]
+    fn forks_borrow_idle_sequences_and_their_slots_wait() {
+        let (mut decs, rx) = decoders(3, 100);
+        let (freed_tx, _freed) = channel();
+        let thread = std::thread::spawn(move || {
+            let mut held = Held(vec![Vec::new(); 3], freed_tx);
+            run(&mut held, rx, 8, None);
+        });
+        let mut c = decs.pop().unwrap();
+        let mut b = decs.pop().unwrap();
+        let mut a = decs.pop().unwrap();
+        assert_eq!(c.decode(&[1, 2]).unwrap()[0], 2.0, "c mid-reply");
+        assert_eq!(b.decode(&[7, 7, 7]).unwrap()[0], 3.0);
+        b.pause();
+        assert_eq!(a.decode(&[5; 10]).unwrap()[0], 10.0);
+        let mut forks = a.fork(2);
+        assert_eq!(forks.len(), 1, "b's sequence only: c's reply is in flight");
+        assert_eq!(forks[0].len(), 10);
+        assert_eq!(
+            forks[0].decode(&[6]).unwrap()[0],
+            11.0,
+            "a's prompt, forked"
+        );
+        let (tx, waited) = channel();
+        let owner = std::thread::spawn(move || {
+            let got = b.decode(&[8]).map(|l| l[0]);
+            tx.send(got.is_ok()).unwrap();
+            (got.err(), b.len())
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(
+            waited.try_recv().is_err(),
+            "b waits while its sequence is lent"
+        );
+        assert_eq!(a.decode(&[6]).unwrap()[0], 11.0);
+        drop(forks);
+        let (err, len) = owner.join().unwrap();
+        assert!(matches!(err, Some(Error::Evicted)), "{err:?}");
+        assert_eq!(len, 0);
+        drop((a, c));
+        thread.join().unwrap();
     }
 
     /// A pool of 40 positions over two sequences: an idle sequence's cache goes back when the

@@ -101,6 +101,8 @@ pub struct Metrics {
     /// Prompt tokens found in a slot's cache (not computed again).
     pub prompt_reused: AtomicU64,
     pub generated: AtomicU64,
+    /// Choices (`n` > 1) that ran as rows of one batch beside their request's first.
+    pub choices_forked: AtomicU64,
     /// Wall time of generation in the slots, for the mean tok/s.
     pub gen_micros: AtomicU64,
     pub queued: AtomicU64,
@@ -325,6 +327,8 @@ async fn metrics(State(s): State<Shared>) -> impl IntoResponse {
          # TYPE dejavu_prompt_tokens_reused_total counter\ndejavu_prompt_tokens_reused_total {}\n\
          # HELP dejavu_generated_tokens_total Tokens generated.\n\
          # TYPE dejavu_generated_tokens_total counter\ndejavu_generated_tokens_total {}\n\
+         # HELP dejavu_choices_batched_total Choices that ran as rows of their first choice's steps.\n\
+         # TYPE dejavu_choices_batched_total counter\ndejavu_choices_batched_total {}\n\
          # HELP dejavu_queue_depth Requests waiting for a slot.\n\
          # TYPE dejavu_queue_depth gauge\ndejavu_queue_depth {}\n\
          # HELP dejavu_slots_busy Slots generating.\n\
@@ -343,6 +347,7 @@ async fn metrics(State(s): State<Shared>) -> impl IntoResponse {
         get(&m.prompt_tokens),
         get(&m.prompt_reused),
         get(&m.generated),
+        get(&m.choices_forked),
         get(&m.queued),
         get(&m.busy),
         s.slots,
@@ -629,31 +634,38 @@ fn tool_calls(calls: &[crate::text::tools::ToolCall], index: bool) -> Value {
     Value::Array(list)
 }
 
-/// A reply collected whole: its choices in order.
+/// A reply collected whole: its choices in order of their index.
 async fn whole(reply: Reply, mut rx: mpsc::Receiver<Event>) -> Response {
-    let (mut text, mut tokens, mut choices) = (String::new(), Vec::new(), Vec::new());
-    let mut calls = Vec::new();
+    /// A choice so far: its text, its tokens' log-probabilities, its tool calls.
+    #[derive(Default)]
+    struct Sofar {
+        text: String,
+        tokens: Vec<TokenLogprob>,
+        calls: Vec<crate::text::tools::ToolCall>,
+    }
+    let mut sofar: std::collections::BTreeMap<usize, Sofar> = Default::default();
+    let mut choices = std::collections::BTreeMap::new();
     while let Some(ev) = rx.recv().await {
         match ev {
-            Event::Text(t) => text += &t,
-            Event::Token(t) => tokens.push(t),
-            Event::ToolCalls(c) => calls = c,
-            Event::Finish(finish) => {
-                let lp = reply.logprobs(&std::mem::take(&mut tokens), &mut 0);
-                let index = choices.len();
-                let mut choice = reply.choice(index, Some(&text), Some(finish), false, lp);
-                if !calls.is_empty() {
+            Event::Text(i, t) => sofar.entry(i).or_default().text += &t,
+            Event::Token(i, t) => sofar.entry(i).or_default().tokens.push(t),
+            Event::ToolCalls(i, c) => sofar.entry(i).or_default().calls = c,
+            Event::Finish(index, finish) => {
+                let c = sofar.remove(&index).unwrap_or_default();
+                let lp = reply.logprobs(&c.tokens, &mut 0);
+                let mut choice = reply.choice(index, Some(&c.text), Some(finish), false, lp);
+                if !c.calls.is_empty() {
                     let m = &mut choice["message"];
-                    m["tool_calls"] = tool_calls(&std::mem::take(&mut calls), false);
-                    if text.is_empty() {
+                    m["tool_calls"] = tool_calls(&c.calls, false);
+                    if c.text.is_empty() {
                         m["content"] = Value::Null;
                     }
                 }
-                choices.push(choice);
-                text.clear();
+                choices.insert(index, choice);
             }
             Event::Done { completion_tokens } => {
                 let usage = Usage::new(reply.prompt_tokens, completion_tokens);
+                let choices = choices.into_values().collect();
                 return Json(reply.body(choices, Some(usage), false)).into_response();
             }
             Event::Error(e) => return error(e),
@@ -686,59 +698,55 @@ fn streamed(
     };
     let first = role(&reply, 0);
     let r = reply.clone();
-    // The current choice, whether it has started, its pending log-probabilities, and its
-    // text's bytes so far.
-    let (mut index, mut opened, mut pending, mut offset) = (0usize, true, Vec::new(), 0usize);
-    let events = ReceiverStream::new(rx).map(move |ev| match ev {
-        Event::Token(t) => {
-            pending.push(t);
-            match std::mem::replace(&mut opened, true) {
+    /// A choice's stream: whether its role chunk went out, its pending log-probabilities,
+    /// and its text's bytes so far.
+    #[derive(Default)]
+    struct Open {
+        opened: bool,
+        pending: Vec<TokenLogprob>,
+        offset: usize,
+    }
+    let mut open: std::collections::HashMap<usize, Open> = Default::default();
+    open.entry(0).or_default().opened = true;
+    // The choice's state, and its role chunk if this is its first event.
+    let mut at =
+        move |r: &Reply, index: usize, f: &mut dyn FnMut(&mut Open, &mut Vec<SseEvent>)| {
+            let c = open.entry(index).or_default();
+            let mut out = match std::mem::replace(&mut c.opened, true) {
                 true => Vec::new(),
-                false => role(&r, index),
-            }
-        }
-        Event::Text(t) => {
-            let mut out = match std::mem::replace(&mut opened, true) {
-                true => Vec::new(),
-                false => role(&r, index),
+                false => role(r, index),
             };
-            let lp = r.logprobs(&std::mem::take(&mut pending), &mut offset);
+            f(c, &mut out);
+            out
+        };
+    let events = ReceiverStream::new(rx).map(move |ev| match ev {
+        Event::Token(i, t) => at(&r, i, &mut |c, _| c.pending.push(t.clone())),
+        Event::Text(i, t) => at(&r, i, &mut |c, out| {
+            let lp = r.logprobs(&std::mem::take(&mut c.pending), &mut c.offset);
             out.push(data(r.body(
-                vec![r.choice(index, Some(&t), None, true, lp)],
+                vec![r.choice(i, Some(&t), None, true, lp)],
                 None,
                 true,
             )));
-            out
-        }
-        Event::ToolCalls(calls) => {
-            let mut out = match std::mem::replace(&mut opened, true) {
-                true => Vec::new(),
-                false => role(&r, index),
-            };
+        }),
+        Event::ToolCalls(i, calls) => at(&r, i, &mut |_, out| {
             let delta = json!({"tool_calls": tool_calls(&calls, true)});
-            let choice = json!({"index": index, "delta": delta, "logprobs": null,
+            let choice = json!({"index": i, "delta": delta, "logprobs": null,
                 "finish_reason": null});
             out.push(data(r.body(vec![choice], None, true)));
-            out
-        }
-        Event::Finish(finish) => {
-            let mut out = Vec::new();
-            if !pending.is_empty() {
-                let lp = r.logprobs(&std::mem::take(&mut pending), &mut offset);
+        }),
+        Event::Finish(i, finish) => at(&r, i, &mut |c, out| {
+            if !c.pending.is_empty() {
+                let lp = r.logprobs(&std::mem::take(&mut c.pending), &mut c.offset);
                 out.push(data(r.body(
-                    vec![r.choice(index, Some(""), None, true, lp)],
+                    vec![r.choice(i, Some(""), None, true, lp)],
                     None,
                     true,
                 )));
             }
-            out.push(data(r.body(
-                vec![r.choice(index, None, Some(finish), true, Value::Null)],
-                None,
-                true,
-            )));
-            (index, offset, opened) = (index + 1, 0, false);
-            out
-        }
+            let end = r.choice(i, None, Some(finish), true, Value::Null);
+            out.push(data(r.body(vec![end], None, true)));
+        }),
         Event::Done { completion_tokens } => {
             let mut out = Vec::new();
             if usage_chunk {

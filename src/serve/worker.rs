@@ -42,8 +42,10 @@ impl Finish {
     }
 }
 
-/// What a job sends back, in order: `Started` (or one `Error`); per choice its `Token`s and
-/// `Text`s, then its `Finish`; then `Done`. An `Error` may end the events at any point.
+/// What a job sends back, in order: `Started` (or one `Error`); per choice (the first field
+/// of a choice's events: its index) its `Token`s and `Text`s, then its `Finish`; then `Done`.
+/// The events of choices that run together (rows of one batch) interleave. An `Error` may end
+/// the events at any point.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
     Error(ApiError),
@@ -51,14 +53,14 @@ pub enum Event {
         prompt_tokens: usize,
     },
     /// A reply token's log-probabilities (when asked for), sent before the text it adds.
-    Token(TokenLogprob),
-    Text(String),
-    /// The current choice's tool calls, read from its reply (after its content).
-    ToolCalls(Vec<ToolCall>),
+    Token(usize, TokenLogprob),
+    Text(usize, String),
+    /// A choice's tool calls, read from its reply (after its content).
+    ToolCalls(usize, Vec<ToolCall>),
     /// One input's embedding (`/v1/embeddings`), in the order of the inputs.
     Embedding(Vec<f32>),
-    /// The current choice ended; the next events (if any) are the next choice's.
-    Finish(Finish),
+    /// A choice ended.
+    Finish(usize, Finish),
     Done {
         completion_tokens: usize,
     },
@@ -268,7 +270,11 @@ pub fn run_slot(engine: &Engine, dec: &mut dyn Decoder, jobs: &Jobs, metrics: &M
                 n,
                 cancelled,
                 reused,
+                forked,
             }) => {
+                metrics
+                    .choices_forked
+                    .fetch_add(forked as u64, Ordering::Relaxed);
                 metrics
                     .prompt_reused
                     .fetch_add(reused as u64, Ordering::Relaxed);
@@ -320,6 +326,8 @@ struct Ran {
     cancelled: bool,
     /// Prompt tokens found in the cache.
     reused: usize,
+    /// Choices that ran beside the first, on sequences the batch lent.
+    forked: usize,
 }
 
 /// What a job runs with.
@@ -398,6 +406,7 @@ fn run_job(
         n: 0,
         cancelled: true,
         reused: 0,
+        forked: 0,
     };
     if !slot.send(Event::Started {
         prompt_tokens: ids.len(),
@@ -423,28 +432,55 @@ fn run_job(
     };
     let first = first.map_err(decode_error)?;
     cached.extend_from_slice(&ids[ran.reused..]);
-    for choice in 0..req.n {
+    // The choices beside the first run as rows of the same steps, on sequences the batch
+    // lends (forks of this prompt); the rest, in further waves.
+    let mut forks = match req.n > 1 {
+        true => dec.fork(req.n - 1),
+        false => Vec::new(),
+    };
+    ran.forked = forks.len();
+    let mut choice = 0;
+    while choice < req.n {
+        let wave = (req.n - choice).min(1 + forks.len());
         if choice > 0 {
             dec.truncate(ids.len());
             cached.truncate(ids.len());
+            forks.iter_mut().for_each(|f| f.truncate(ids.len()));
         }
-        let guide = match first_guide.take() {
-            Some(g) => Some(g),
-            None => guide(engine, constraint.as_ref(), grammars, n_vocab)?,
-        };
-        let mut logits = first.clone();
-        let seed = req.sampling.seed.wrapping_add(choice as u64);
-        let start = Start {
-            ids: &ids,
-            seed,
-            guide,
-            tools: fmt,
-        };
-        let Some((finish, n)) = one_choice(slot, dec, req, start, &mut logits, cached)? else {
+        let mut starts = Vec::with_capacity(wave);
+        for index in choice..choice + wave {
+            let guide = match first_guide.take() {
+                Some(g) => Some(g),
+                None => guide(engine, constraint.as_ref(), grammars, n_vocab)?,
+            };
+            starts.push(Start {
+                ids: &ids,
+                index,
+                seed: req.sampling.seed.wrapping_add(index as u64),
+                guide,
+                tools: fmt,
+            });
+        }
+        let ends = run_wave(
+            slot,
+            dec,
+            &mut forks[..wave - 1],
+            req,
+            starts,
+            &first,
+            cached,
+        );
+        let mut gone = false;
+        for end in ends {
+            match end? {
+                Some(n) => ran.n += n,
+                None => gone = true,
+            }
+        }
+        if gone {
             return Ok(ran);
-        };
-        ran.n += n;
-        slot.send(Event::Finish(finish));
+        }
+        choice += wave;
     }
     slot.send(Event::Done {
         completion_tokens: ran.n,
@@ -453,10 +489,62 @@ fn run_job(
     Ok(ran)
 }
 
+/// The choices `starts` together from the prompt (its next-token logits `first`): the first on
+/// `dec` (whose tokens `cached` records), each other on its fork, on its own thread. Each
+/// choice's tokens, or `None` when its client went away.
+fn run_wave(
+    slot: &Running,
+    dec: &mut dyn Decoder,
+    forks: &mut [Box<dyn Decoder + Send>],
+    req: &GenRequest,
+    starts: Vec<Start>,
+    first: &[f32],
+    cached: &mut Vec<u32>,
+) -> Vec<Result<Option<usize>, ApiError>> {
+    let mut starts = starts.into_iter();
+    let Some(lead) = starts.next() else {
+        return Vec::new();
+    };
+    std::thread::scope(|s| {
+        let others: Vec<_> = (forks.iter_mut().zip(starts))
+            .map(|(f, start)| {
+                s.spawn(move || choice(slot, &mut **f, req, start, first, &mut Vec::new()))
+            })
+            .collect();
+        let mut ends = vec![choice(slot, dec, req, lead, first, cached)];
+        for h in others {
+            let end = h.join();
+            ends.push(
+                end.unwrap_or_else(|_| Err(ApiError::internal("a choice's thread panicked"))),
+            );
+        }
+        ends
+    })
+}
+
+/// One choice and its `Finish`: its tokens, or `None` when its client went away.
+fn choice(
+    slot: &Running,
+    dec: &mut dyn Decoder,
+    req: &GenRequest,
+    start: Start,
+    first: &[f32],
+    cached: &mut Vec<u32>,
+) -> Result<Option<usize>, ApiError> {
+    let index = start.index;
+    let mut logits = first.to_vec();
+    let Some((finish, n)) = one_choice(slot, dec, req, start, &mut logits, cached)? else {
+        return Ok(None);
+    };
+    Ok(slot.send(Event::Finish(index, finish)).then_some(n))
+}
+
 /// Where a choice starts: the prompt, its seed, its grammar's guide, and the format of the
 /// tool calls its reply may hold (tools offered).
 struct Start<'a> {
     ids: &'a [u32],
+    /// The choice's index.
+    index: usize,
     seed: u64,
     guide: Option<Guide>,
     tools: Option<ToolFormat>,
@@ -476,6 +564,7 @@ fn one_choice(
     let send = |e: Event| slot.send(e);
     let Start {
         ids,
+        index,
         seed,
         mut guide,
         tools,
@@ -510,7 +599,7 @@ fn one_choice(
             break Finish::Stop;
         }
         if let Some(k) = req.logprobs {
-            if !send(Event::Token(TokenLogprob::of(engine, &raw, next, k))) {
+            if !send(Event::Token(index, TokenLogprob::of(engine, &raw, next, k))) {
                 return Ok(None);
             }
         }
@@ -530,7 +619,7 @@ fn one_choice(
         };
         let (text, stopped) = stops.push(piece.as_deref().unwrap_or(""));
         let text = calls.push(&text);
-        if !text.is_empty() && !send(Event::Text(text)) {
+        if !text.is_empty() && !send(Event::Text(index, text)) {
             return Ok(None);
         }
         if stopped || complete {
@@ -559,16 +648,16 @@ fn one_choice(
         let (text, _) = stops.push(&rest);
         let tail = calls.push(&(text + &stops.flush()));
         if !tail.is_empty() {
-            send(Event::Text(tail));
+            send(Event::Text(index, tail));
         }
     }
     let (rest, found) = calls.finish();
-    if !rest.is_empty() && !send(Event::Text(rest)) {
+    if !rest.is_empty() && !send(Event::Text(index, rest)) {
         return Ok(None);
     }
     match found {
         None => Ok(Some((finish, n))),
-        Some(c) => Ok(send(Event::ToolCalls(c)).then_some((Finish::ToolCalls, n))),
+        Some(c) => Ok(send(Event::ToolCalls(index, c)).then_some((Finish::ToolCalls, n))),
     }
 }
 
@@ -604,6 +693,7 @@ fn embed(
         n: 0,
         cancelled: true,
         reused: 0,
+        forked: 0,
     };
     if !send(Event::Started { prompt_tokens }) {
         return Ok(cancelled);
@@ -636,6 +726,7 @@ fn embed(
         n: 0,
         cancelled: false,
         reused: 0,
+        forked: 0,
     })
 }
 
@@ -660,24 +751,34 @@ mod tests {
     fn a_client_that_reads_nothing_stalls_a_send_only_for_the_stall_timeout() {
         let (tx, mut rx) = tokio::sync::mpsc::channel(1);
         let stall = Duration::from_millis(60);
-        assert!(send(&tx, Event::Text("a".into()), stall), "room for one");
+        assert!(send(&tx, Event::Text(0, "a".into()), stall), "room for one");
         let t0 = Instant::now();
-        assert!(!send(&tx, Event::Text("b".into()), stall), "full: given up");
+        assert!(
+            !send(&tx, Event::Text(0, "b".into()), stall),
+            "full: given up"
+        );
         assert!(t0.elapsed() >= stall && t0.elapsed() < stall * 10);
-        assert_eq!(rx.try_recv(), Ok(Event::Text("a".into())));
+        assert_eq!(rx.try_recv(), Ok(Event::Text(0, "a".into())));
         let reader = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(10));
             (rx.blocking_recv(), rx.blocking_recv())
         });
-        assert!(send(&tx, Event::Text("c".into()), Duration::from_secs(5)));
+        assert!(send(
+            &tx,
+            Event::Text(0, "c".into()),
+            Duration::from_secs(5)
+        ));
         assert!(
-            send(&tx, Event::Text("d".into()), Duration::from_secs(5)),
+            send(&tx, Event::Text(0, "d".into()), Duration::from_secs(5)),
             "read in time"
         );
         let got = reader.join().unwrap();
         assert_eq!(
             got,
-            (Some(Event::Text("c".into())), Some(Event::Text("d".into())))
+            (
+                Some(Event::Text(0, "c".into())),
+                Some(Event::Text(0, "d".into()))
+            )
         );
     }
 

@@ -95,8 +95,15 @@ for a, b in zip(emb.data, flt.data):
 assert emb.data[0].embedding != emb.data[1].embedding
 
 # n choices from one prompt: each choice i samples with seed + i (so choice 0 is the n = 1
-# reply of that seed), usage counts every choice's tokens, and the stream interleaves nothing
-# (choices one after another, each with its index).
+# reply of that seed), usage counts every choice's tokens, and the stream carries each chunk's
+# choice index. The server runs --parallel 3 with batching: the choices beside the first run as
+# rows of the first's steps on idle slots' sequences, forked from the prompt (each row bit for
+# bit its own step on the CPU, so choice 0 still equals the n = 1 reply), and /metrics counts them.
+import urllib.request
+def batched_choices():
+    page = urllib.request.urlopen(base.rsplit("/v1", 1)[0] + "/metrics", timeout=10).read().decode()
+    return int(re.search(r"^dejavu_choices_batched_total (\d+)$", page, re.M).group(1))
+before = batched_choices()
 many = client.chat.completions.create(model=model, messages=msgs, max_tokens=6, temperature=1.0, seed=7,
                                       n=3, logprobs=True)
 assert [c.index for c in many.choices] == [0, 1, 2], many
@@ -112,6 +119,7 @@ for ch in client.chat.completions.create(model=model, messages=msgs, max_tokens=
 assert [parts[i] for i in range(3)] == [c.message.content for c in many.choices], parts
 cm = client.completions.create(model=model, prompt="Once upon a time", max_tokens=4, temperature=0, n=2)
 assert [c.index for c in cm.choices] == [0, 1] and cm.choices[0].text == cm.choices[1].text, cm
+assert batched_choices() - before == 2 + 2 + 1, (before, batched_choices())
 
 # Structured output: a JSON schema (strict, with bounds so a tiny model's reply ends), any JSON
 # object, and a Lark grammar (llama-server's `grammar` field); each reply parses and matches.

@@ -150,6 +150,66 @@ pub fn predicted_batched_steps_run_each_rows_heads_and_the_union<D: Device>(dev:
     worst
 }
 
+/// On every fixture, sequences forked from another's prompt (`DeviceSession::copy_prefix`:
+/// its first 6 positions, and its first 4 into a sequence that held other tokens) step as
+/// rows of one batch with it: each row equals a sequence that ran the same tokens itself
+/// (`exact`: bit for bit). A fork past the source's length is refused. Returns the worst
+/// error.
+pub fn forked_sequences_continue_as_their_source<D: Device>(dev: &D, exact: bool) -> f32 {
+    let mut worst = 0f32;
+    for name in FIXTURES {
+        let eng = load(name);
+        let c = &eng.model.config;
+        let dm = DeviceModel::upload(dev, &eng.model, None).unwrap();
+        let open = || {
+            let p = DevicePlan::fixed(dev, c, &SparsePlan::dense(c), "dense").unwrap();
+            DeviceSession::new(dev, &dm, p, 32).unwrap()
+        };
+        let (mut src, mut long, mut short) = (open(), open(), open());
+        src.forward(&TOKENS[..6]).unwrap();
+        short.forward(&TOKENS[3..9]).unwrap();
+        long.copy_prefix(&src, 6).unwrap();
+        short.copy_prefix(&src, 4).unwrap();
+        assert!(
+            open().copy_prefix(&src, 7).is_err(),
+            "{name}: past the source"
+        );
+        assert_eq!((long.len(), short.len()), (6, 4));
+        let tokens = [TOKENS[7], TOKENS[8], TOKENS[4]];
+        let want: Vec<Vec<f32>> = [(6, tokens[0]), (6, tokens[1]), (4, tokens[2])]
+            .iter()
+            .map(|&(n, t)| {
+                let mut own = open();
+                own.forward(&TOKENS[..n]).unwrap();
+                own.forward(&[t]).unwrap().to_vec()
+            })
+            .collect();
+        let mut rows = vec![&mut src, &mut long, &mut short];
+        let got = DeviceSession::step_many(&mut rows, &tokens).unwrap();
+        for (r, want) in want.iter().enumerate() {
+            let row = &got[r * c.vocab_size..(r + 1) * c.vocab_size];
+            if exact {
+                let same = (row.iter().zip(want)).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same,
+                    "{name}: row {r} is not its own sequence's step bit for bit"
+                );
+            }
+            worst = worst.max(assert_close(&format!("{name}: forked row {r}"), row, want));
+        }
+    }
+    worst
+}
+
+#[test]
+fn forked_sequences_on_every_cpu_tier_continue_as_their_source() {
+    use dejavu_backend_cpu::isa::Isa;
+    forked_sequences_continue_as_their_source(&CpuDevice::reference(), true);
+    for isa in Isa::supported() {
+        forked_sequences_continue_as_their_source(&CpuDevice::with_isa(isa, 2).unwrap(), true);
+    }
+}
+
 #[test]
 fn batched_steps_on_every_cpu_tier_are_each_sequences_own() {
     use dejavu_backend_cpu::isa::Isa;

@@ -340,6 +340,18 @@ fn batched_steps_on_the_gpu_match_each_sequences_own() {
     }
 }
 
+/// Sequences forked from another's prompt on the GPU (see
+/// `forked_sequences_continue_as_their_source`), within the suite's tolerance.
+#[test]
+fn forked_sequences_on_the_gpu_continue_as_their_source() {
+    let Some(g) = gpu() else { return };
+    let worst = batching::forked_sequences_continue_as_their_source(&g, false);
+    eprintln!(
+        "{}: forked sequences, worst |logit error| {worst:.2e}",
+        g.name()
+    );
+}
+
 /// Steps of several sequences under sparse plans on the GPU: a fixed random plan on every
 /// fixture (each row within the suite's tolerance of its sequence's own sparse step on the
 /// GPU), and a Deja Vu policy whose rows attend over their own predicted heads and run the MLP

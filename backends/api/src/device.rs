@@ -254,6 +254,14 @@ pub trait Device: Send + Sync {
         let _ = cache;
         Ok(())
     }
+    /// Positions `0..n` of `src` into `dst`, caches of one width with at least `n` positions
+    /// each: a sequence that starts from another's prefix (the choices of one prompt).
+    fn copy_cache(
+        &self,
+        src: &Self::Cache,
+        dst: &mut Self::Cache,
+        n: usize,
+    ) -> Result<(), BackendError>;
     /// Wait for the queued work, then copy `out.len()` leading values of `x` to the host.
     fn download(&self, x: &Self::Buf, out: &mut [f32]) -> Result<(), BackendError>;
     fn download_idx(&self, x: &Self::Idx, out: &mut [u32]) -> Result<(), BackendError>;

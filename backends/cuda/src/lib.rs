@@ -213,6 +213,21 @@ impl Device for CudaDevice {
             width,
         })
     }
+    fn copy_cache(&self, src: &Cache, dst: &mut Cache, n: usize) -> Result<(), BackendError> {
+        if src.width != dst.width || n > src.n_ctx || n > dst.n_ctx {
+            return Err(shape(format!(
+                "copying {n} positions of a cache of {}x{} into one of {}x{}",
+                src.n_ctx, src.width, dst.n_ctx, dst.width
+            )));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let len = n * src.width;
+        (self.lane())
+            .memcpy_dtod(&src.data.slice(..len), &mut dst.data.slice_mut(..len))
+            .map_err(dev_err)
+    }
     fn download(&self, x: &Buf, out: &mut [f32]) -> Result<(), BackendError> {
         need("download", x.0.len(), out.len())?;
         self.stream

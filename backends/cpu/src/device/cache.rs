@@ -38,6 +38,19 @@ impl CpuCache {
         Ok(())
     }
 
+    /// Positions `0..n` of `src` (a cache of the same width and type) into this one.
+    pub(super) fn copy_from(&mut self, src: &CpuCache, n: usize) -> Result<(), BackendError> {
+        if src.width != self.width || src.f32 != self.f32 || n > src.n_ctx || n > self.n_ctx {
+            return Err(BackendError::Shape(format!(
+                "copying {n} positions of a cache of {}x{} into one of {}x{}",
+                src.n_ctx, src.width, self.n_ctx, self.width
+            )));
+        }
+        let bytes = n * self.width * if self.f32 { 4 } else { 2 };
+        self.map[..bytes].copy_from_slice(&src.map[..bytes]);
+        Ok(())
+    }
+
     /// The values' bytes (the map holds at least one page, maybe more than they need).
     fn bytes(&self) -> usize {
         self.n_ctx * self.width * if self.f32 { 4 } else { 2 }

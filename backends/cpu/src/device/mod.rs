@@ -224,6 +224,9 @@ impl Device for CpuDevice {
     fn release(&self, cache: &mut CpuCache) -> Result<(), BackendError> {
         cache.release()
     }
+    fn copy_cache(&self, src: &CpuCache, dst: &mut CpuCache, n: usize) -> Result<(), BackendError> {
+        dst.copy_from(src, n)
+    }
     fn download(&self, x: &Vec<f32>, out: &mut [f32]) -> Result<(), BackendError> {
         need("download", x.len(), out.len())?;
         out.copy_from_slice(&x[..out.len()]);
