@@ -14,8 +14,8 @@ pub struct BenchArgs {
     /// GGUF file, checkpoint directory or known model name (default: smollm2-135m-instruct).
     #[arg(long, short)]
     pub model: Option<std::ffi::OsString>,
-    /// KV cache element type: f32 or f16.
-    #[arg(long, default_value = "f32", value_parser = parse_kv_type)]
+    /// KV cache element type: f16 (the default) or f32.
+    #[arg(long, default_value = "f16", value_parser = parse_kv_type)]
     pub kv_type: KvType,
     #[command(flatten)]
     pub synthetic: SyntheticArgs,

@@ -82,8 +82,8 @@ struct ModelArgs {
     #[arg(long, default_value_t = dejavu_backend_cpu::pool::DEFAULT_POLL,
           value_parser = clap::value_parser!(u32).range(0..=100))]
     poll: u32,
-    /// KV cache element type: f32 (exact) or f16 (half the memory).
-    #[arg(long, default_value = "f32", value_parser = parse_kv_type)]
+    /// KV cache element type: f16 (half the memory, llama.cpp's default) or f32.
+    #[arg(long, default_value = "f16", value_parser = parse_kv_type)]
     kv_type: KvType,
     #[command(flatten)]
     synthetic: SyntheticArgs,

@@ -86,35 +86,63 @@ fn avx2(a: &[f32], x: &[f32], stride: usize, y: &mut [f32]) {
 #[target_feature(enable = "avx2,fma")]
 unsafe fn avx2_impl(a: &[f32], x: &[f32], stride: usize, y: &mut [f32]) {
     use std::arch::x86_64::*;
-    let n32 = y.len() / 32 * 32;
-    let (xp, yp) = (x.as_ptr(), y.as_mut_ptr());
-    // 32 columns at a time in 4 registers, every row accumulated before the store.
-    for c in (0..n32).step_by(32) {
-        let mut acc: [__m256; 4] = std::array::from_fn(|u| _mm256_loadu_ps(yp.add(c + 8 * u)));
-        for (j, &aj) in a.iter().enumerate() {
-            let av = _mm256_set1_ps(aj);
-            let r = xp.add(j * stride + c);
-            for (u, acc) in acc.iter_mut().enumerate() {
-                *acc = _mm256_fmadd_ps(_mm256_loadu_ps(r.add(8 * u)), av, *acc);
-            }
-        }
-        for (u, acc) in acc.iter().enumerate() {
-            _mm256_storeu_ps(yp.add(c + 8 * u), *acc);
+    let xp = x.as_ptr();
+    in_blocks(a, y, |j, c| _mm256_loadu_ps(xp.add(j * stride + c)));
+    tail(a, x, stride, y, y.len() / 8 * 8);
+}
+
+/// `y`'s whole groups of 8 columns plus every row's `a[j] * x_j` there: 64 columns at a time
+/// in 8 registers (8 independent chains of multiply-adds, each row's 64 values read once),
+/// then 32 in 4, then 8 in 1; each column sums its rows in order (the reference's order).
+/// `load(j, c)`: row `j`'s values `c..c + 8`.
+///
+/// # Safety
+/// The caller's tier has AVX2 and FMA (and what `load` needs); `load` reads inside the rows for
+/// every `j < a.len()` and `c + 8 <= y.len()`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn in_blocks(
+    a: &[f32],
+    y: &mut [f32],
+    load: impl Fn(usize, usize) -> std::arch::x86_64::__m256,
+) {
+    let (n, yp) = (y.len(), y.as_mut_ptr());
+    let mut c = 0;
+    while c + 64 <= n {
+        columns::<8>(a, yp, c, &load);
+        c += 64;
+    }
+    while c + 32 <= n {
+        columns::<4>(a, yp, c, &load);
+        c += 32;
+    }
+    while c + 8 <= n {
+        columns::<1>(a, yp, c, &load);
+        c += 8;
+    }
+}
+
+/// Columns `c..c + 8 * U` of `y` (`yp`) in `U` registers, every row accumulated before the
+/// store (see [`in_blocks`], whose contract this shares).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn columns<const U: usize>(
+    a: &[f32],
+    yp: *mut f32,
+    c: usize,
+    load: &impl Fn(usize, usize) -> std::arch::x86_64::__m256,
+) {
+    use std::arch::x86_64::*;
+    let mut acc: [__m256; U] = std::array::from_fn(|u| _mm256_loadu_ps(yp.add(c + 8 * u)));
+    for (j, &aj) in a.iter().enumerate() {
+        let av = _mm256_set1_ps(aj);
+        for (u, acc) in acc.iter_mut().enumerate() {
+            *acc = _mm256_fmadd_ps(load(j, c + 8 * u), av, *acc);
         }
     }
-    let n8 = y.len() / 8 * 8;
-    for c in (n32..n8).step_by(8) {
-        let mut acc = _mm256_loadu_ps(yp.add(c));
-        for (j, &aj) in a.iter().enumerate() {
-            acc = _mm256_fmadd_ps(
-                _mm256_loadu_ps(xp.add(j * stride + c)),
-                _mm256_set1_ps(aj),
-                acc,
-            );
-        }
-        _mm256_storeu_ps(yp.add(c), acc);
+    for (u, acc) in acc.iter().enumerate() {
+        _mm256_storeu_ps(yp.add(c + 8 * u), *acc);
     }
-    tail(a, x, stride, y, n8);
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -130,16 +158,10 @@ fn avx2_f16(a: &[f32], x: &[f16], stride: usize, y: &mut [f32]) {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn avx2_f16_impl(a: &[f32], x: &[f16], stride: usize, y: &mut [f32]) {
     use std::arch::x86_64::*;
-    let n8 = y.len() / 8 * 8;
     let xp = x.as_ptr();
-    for c in (0..n8).step_by(8) {
-        let mut acc = _mm256_loadu_ps(y.as_ptr().add(c));
-        for (j, &aj) in a.iter().enumerate() {
-            let v = _mm256_cvtph_ps(_mm_loadu_si128(xp.add(j * stride + c) as *const __m128i));
-            acc = _mm256_fmadd_ps(v, _mm256_set1_ps(aj), acc);
-        }
-        _mm256_storeu_ps(y.as_mut_ptr().add(c), acc);
-    }
+    in_blocks(a, y, |j, c| {
+        _mm256_cvtph_ps(_mm_loadu_si128(xp.add(j * stride + c) as *const __m128i))
+    });
 }
 
 #[cfg(test)]
