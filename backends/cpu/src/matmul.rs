@@ -299,6 +299,10 @@ fn part_rows(p: &Part, a: usize, b: usize, input: &Input, tokens: std::ops::Rang
     let rb = q.row_bytes(cols);
     let row = |r: usize| &p.w.data[r * rb..(r + 1) * rb];
     let sparse = !p.rows.is_full();
+    if let (false, RowDot::R8(_, f)) = (sparse, p.dot) {
+        // Dense decode on repacked rows: runs of rows per kernel call.
+        return dense_rows_r8(f, p, a, b, input, tokens);
+    }
     if !sparse && tokens.len() == 1 {
         // Dense decode: the tightest loop (short rows make per-row work count).
         let t = tokens.start;
@@ -310,6 +314,10 @@ fn part_rows(p: &Part, a: usize, b: usize, input: &Input, tokens: std::ops::Rang
             unsafe { *p.y.get().add(t * p.w.rows + r) = v };
         }
         return;
+    }
+    if let (false, RowDot::R8(_, f)) = (sparse, p.dot) {
+        // Dense decode on repacked rows: runs of rows per kernel call.
+        return dense_rows_r8(f, p, a, b, input, tokens);
     }
     let ahead = SPARSE_AHEAD_BYTES.div_ceil(rb).max(1);
     let (bl, bb) = (q.block_len(), q.block_bytes());
@@ -349,6 +357,42 @@ fn part_rows(p: &Part, a: usize, b: usize, input: &Input, tokens: std::ops::Rang
             // thread ranges are disjoint, so each element has one writer; the output outlives
             // `pool.run`.
             unsafe { *p.y.get().add(t * p.w.rows + r) = *vt };
+        }
+    }
+}
+
+/// Rows a dense multi-token call of a repacked kernel takes at once.
+const ROW_RUN: usize = 16;
+
+/// [`part_rows`] for a full set of repacked rows and several tokens: runs of [`ROW_RUN`] rows
+/// per call of the tier's multi-token kernel, each output bit for bit the token's one-token
+/// dot (`0.0 +` it, as the segment sums of `part_rows` give it).
+fn dense_rows_r8(
+    f: crate::kernels::dot_repacked::DotR8TokensFn,
+    p: &Part,
+    a: usize,
+    b: usize,
+    input: &Input,
+    tokens: std::ops::Range<usize>,
+) {
+    let n = tokens.len();
+    let (cols, rb) = (p.w.cols, p.w.qtype.row_bytes(p.w.cols));
+    let acts: [&[BlockQ8A]; TOKEN_CHUNK] =
+        std::array::from_fn(|i| input.act_of(tokens.start + i.min(n - 1), 0, cols));
+    let groups: [&[ActGroup]; TOKEN_CHUNK] =
+        std::array::from_fn(|i| input.groups_of(tokens.start + i.min(n - 1), 0, cols));
+    let mut out = [0f32; ROW_RUN * TOKEN_CHUNK];
+    for r0 in (a..b).step_by(ROW_RUN) {
+        let r1 = (r0 + ROW_RUN).min(b);
+        let o = &mut out[..(r1 - r0) * n];
+        f(&p.w.data[r0 * rb..r1 * rb], &acts[..n], &groups[..n], o);
+        for (r, row) in (r0..r1).zip(o.chunks_exact(n)) {
+            for (t, &v) in tokens.clone().zip(row) {
+                // SAFETY: r < w.rows (a full set's range) and t < n_tok, inside the part's
+                // output (checked by `matmul_shared`); the thread ranges are disjoint; the
+                // output outlives `pool.run`.
+                unsafe { *p.y.get().add(t * p.w.rows + r) = 0.0 + v };
+            }
         }
     }
 }

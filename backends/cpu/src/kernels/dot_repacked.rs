@@ -26,11 +26,14 @@ pub type DotR8Fn = fn(&[u8], &[BlockQ8A], &[ActGroup]) -> f32;
 /// Most tokens one [`DotR8TokensFn`] call takes.
 pub const MAX_TOKENS: usize = 4;
 
-/// `(row, acts, groups, out)`: one repacked row dotted with `out.len()` tokens (1..=
-/// [`MAX_TOKENS`]), token `t` given by its blocks `acts[t]` and their groups `groups[t]`.
-/// `out[t]` equals the same tier's [`DotR8Fn`] on token `t` bit for bit: a batch of decode rows
-/// gets its steps' logits. The x86 tiers unpack each group's quants once for all the tokens
-/// (the integer work a one-token dot repeats per token); the others call the one-token dot.
+/// `(rows, acts, groups, out)`: repacked rows of one length, back to back, each dotted with
+/// `acts.len()` tokens (1..=[`MAX_TOKENS`]), token `t` given by its blocks `acts[t]` and their
+/// groups `groups[t]`; `out` holds `acts.len()` outputs per row (`out[r * n + t]`), and the rows
+/// are `out.len() / n` equal parts of `rows`. Each output equals the same tier's [`DotR8Fn`] on
+/// its row and token bit for bit: a batch of decode rows gets its steps' logits. The x86 tiers
+/// unpack each group's quants once for all the tokens (the integer work a one-token dot repeats
+/// per token), and run the rows of one call in one loop (one check, no call per row: short rows
+/// make a call's overhead count); the others call the one-token dot.
 pub type DotR8TokensFn = fn(&[u8], &[&[BlockQ8A]], &[&[ActGroup]], &mut [f32]);
 
 /// Does this tier read repacked rows faster than ggml rows (so the backend should repack)?
@@ -134,10 +137,12 @@ fn scalar_tokens_of(q: QuantType) -> DotR8TokensFn {
     macro_rules! each {
         ($($q:ident)*) => {
             match q {
-                $(QuantType::$q => |r, a, g, o| {
-                    check_tokens(QuantType::$q, r, a, g, o);
-                    for ((a, g), o) in a.iter().zip(g).zip(o.iter_mut()) {
-                        *o = scalar_of(QuantType::$q)(r, a, g);
+                $(QuantType::$q => |rows, a, g, o| {
+                    let rb = check_tokens(QuantType::$q, rows, a, g, o);
+                    for (r, o) in rows.chunks_exact(rb).zip(o.chunks_exact_mut(a.len())) {
+                        for ((a, g), o) in a.iter().zip(g).zip(o.iter_mut()) {
+                            *o = scalar_of(QuantType::$q)(r, a, g);
+                        }
                     }
                 },)*
                 _ => panic!("{q:?} rows are never repacked"),
@@ -193,26 +198,34 @@ fn check(q: QuantType, row: &[u8], act: &[BlockQ8A], groups: &[ActGroup]) {
     );
 }
 
-/// [`check`] for every token of a [`DotR8TokensFn`] call, and 1..=[`MAX_TOKENS`] tokens with one
-/// output each.
+/// The contract of a [`DotR8TokensFn`] call, checked once for all its rows: 1..=[`MAX_TOKENS`]
+/// tokens, `out` a whole number (at least one) of rows' outputs, `rows` as many rows of one
+/// length, and [`check`] of that length for every token. Returns the row length in bytes.
 fn check_tokens(
     q: QuantType,
-    row: &[u8],
+    rows: &[u8],
     acts: &[&[BlockQ8A]],
     groups: &[&[ActGroup]],
     out: &[f32],
-) {
-    let n = out.len();
+) -> usize {
+    let n = acts.len();
     assert!(
-        (1..=MAX_TOKENS).contains(&n) && acts.len() == n && groups.len() == n,
-        "repacked row dot: {} tokens' blocks and {} tokens' groups for {n} outputs \
-         (1..={MAX_TOKENS})",
-        acts.len(),
+        (1..=MAX_TOKENS).contains(&n) && groups.len() == n && out.len().is_multiple_of(n),
+        "repacked row dot: {n} tokens' blocks and {} tokens' groups for {} outputs (1..={MAX_TOKENS} tokens)",
         groups.len(),
+        out.len(),
     );
+    let n_rows = out.len() / n;
+    assert!(
+        n_rows > 0 && rows.len().is_multiple_of(n_rows),
+        "repacked row dot: {} bytes are not {n_rows} rows",
+        rows.len()
+    );
+    let rb = rows.len() / n_rows;
     for (a, g) in acts.iter().zip(groups) {
-        check(q, row, a, g);
+        check(q, &rows[..rb], a, g);
     }
+    rb
 }
 
 fn scalar(q: QuantType, row: &[u8], act: &[BlockQ8A]) -> f32 {
@@ -335,6 +348,14 @@ mod tests {
                 let row = random_row(q, n, 3 * blocks as u64);
                 let mut packed = vec![0u8; row.len()];
                 repack_row(q, &row, &mut packed);
+                // Three rows back to back: this one and two others.
+                let mut many_rows = packed.clone();
+                for seed in [5, 6] {
+                    let other = random_row(q, n, seed * blocks as u64);
+                    let mut p = vec![0u8; other.len()];
+                    repack_row(q, &other, &mut p);
+                    many_rows.extend_from_slice(&p);
+                }
                 let acts: Vec<Vec<BlockQ8A>> = (0..MAX_TOKENS as u64)
                     .map(|t| act_of(&random_f32(n, 17 + t)))
                     .collect();
@@ -342,25 +363,33 @@ mod tests {
                 for isa in Isa::supported() {
                     for pf in [false, true] {
                         let (one, many) = (select(q, isa, pf), select_tokens(q, isa, pf));
-                        for k in 1..=MAX_TOKENS {
+                        for (k, n_rows) in (1..=MAX_TOKENS).flat_map(|k| [(k, 1), (k, 3)]) {
                             let a: Vec<&[BlockQ8A]> = acts[..k].iter().map(|a| &a[..]).collect();
                             let g: Vec<&[ActGroup]> = groups[..k].iter().map(|g| &g[..]).collect();
-                            let mut out = vec![f32::NAN; k];
-                            many(&packed, &a, &g, &mut out);
-                            for t in 0..k {
-                                let want = one(&packed, &acts[t], &groups[t]);
-                                assert_eq!(
-                                    out[t].to_bits(),
-                                    want.to_bits(),
-                                    "{isa} {q:?} {blocks} blocks, {k} tokens, token {t}"
-                                );
+                            let rows = &many_rows[..n_rows * packed.len()];
+                            let mut out = vec![f32::NAN; n_rows * k];
+                            many(rows, &a, &g, &mut out);
+                            for (r, row) in rows.chunks_exact(packed.len()).enumerate() {
+                                for t in 0..k {
+                                    let want = one(row, &acts[t], &groups[t]);
+                                    assert_eq!(
+                                        out[r * k + t].to_bits(),
+                                        want.to_bits(),
+                                        "{isa} {q:?} {blocks} blocks, {k} tokens, row {r} of \
+                                         {n_rows}, token {t}"
+                                    );
+                                }
                             }
                         }
                         let a = [&acts[0][..]];
                         let refused = std::panic::catch_unwind(|| {
                             many(&packed, &a, &[&groups[0][..]], &mut [0.0; 2])
                         });
-                        assert!(refused.is_err(), "{isa} {q:?}: 1 token, 2 outputs");
+                        assert!(refused.is_err(), "{isa} {q:?}: 1 token, 2 outputs, 1 row");
+                        let refused = std::panic::catch_unwind(|| {
+                            many(&many_rows[1..], &a, &[&groups[0][..]], &mut [0.0; 3])
+                        });
+                        assert!(refused.is_err(), "{isa} {q:?}: 3 rows short of a byte");
                     }
                 }
             }

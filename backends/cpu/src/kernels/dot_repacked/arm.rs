@@ -163,16 +163,19 @@ pub fn neon<G: Group, const DOT: bool>(row: &[u8], act: &[BlockQ8A], g: &[ActGro
     }
 }
 
-/// Token by token through [`neon`] (the NEON tiers do not share unpacked quants yet).
+/// Row by row and token by token through [`neon`] (the NEON tiers do not share unpacked quants
+/// yet).
 pub fn neon_tokens<G: Group, const DOT: bool>(
-    row: &[u8],
+    rows: &[u8],
     acts: &[&[BlockQ8A]],
     groups: &[&[ActGroup]],
     out: &mut [f32],
 ) {
-    check_tokens(G::Q, row, acts, groups, out);
-    for ((a, g), o) in acts.iter().zip(groups).zip(out.iter_mut()) {
-        *o = neon::<G, DOT>(row, a, g);
+    let rb = check_tokens(G::Q, rows, acts, groups, out);
+    for (row, out) in rows.chunks_exact(rb).zip(out.chunks_exact_mut(acts.len())) {
+        for ((a, g), o) in acts.iter().zip(groups).zip(out.iter_mut()) {
+            *o = neon::<G, DOT>(row, a, g);
+        }
     }
 }
 

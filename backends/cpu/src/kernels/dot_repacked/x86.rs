@@ -212,24 +212,26 @@ unsafe fn row_dots<G: Group, const VNNI: bool, const PF: bool, const T: usize>(
     out
 }
 
-/// [`row_dots`] over `out.len()` tokens (1..=[`super::MAX_TOKENS`]), `T` a constant.
+/// [`row_dots`] of each row of `rows` (`rb` bytes each) over `acts.len()` tokens
+/// (1..=[`super::MAX_TOKENS`], `T` a constant), row `r`'s into `out[r * T..]`.
 #[inline(always)]
-unsafe fn row_dots_any<G: Group, const VNNI: bool, const PF: bool>(
-    row: &[u8],
+unsafe fn rows_dots<G: Group, const VNNI: bool, const PF: bool>(
+    rows: &[u8],
+    rb: usize,
     acts: &[&[BlockQ8A]],
     groups: &[&[ActGroup]],
     out: &mut [f32],
 ) {
     macro_rules! with {
-        ($t:literal) => {
-            out.copy_from_slice(&row_dots::<G, VNNI, PF, $t>(
-                row,
-                std::array::from_fn(|t| acts[t]),
-                std::array::from_fn(|t| groups[t]),
-            ))
-        };
+        ($t:literal) => {{
+            let a: [&[BlockQ8A]; $t] = std::array::from_fn(|t| acts[t]);
+            let g: [&[ActGroup]; $t] = std::array::from_fn(|t| groups[t]);
+            for (row, o) in rows.chunks_exact(rb).zip(out.chunks_exact_mut($t)) {
+                o.copy_from_slice(&row_dots::<G, VNNI, PF, $t>(row, a, g));
+            }
+        }};
     }
-    match out.len() {
+    match acts.len() {
         1 => with!(1),
         2 => with!(2),
         3 => with!(3),
@@ -268,24 +270,26 @@ macro_rules! tier {
         }
 
         pub fn $tokens<G: Group, const PF: bool>(
-            row: &[u8],
+            rows: &[u8],
             acts: &[&[BlockQ8A]],
             groups: &[&[ActGroup]],
             out: &mut [f32],
         ) {
-            check_tokens(G::Q, row, acts, groups, out);
-            // SAFETY: as the one-token entry, for every token (`check_tokens`).
-            unsafe { $tokens_impl::<G, PF>(row, acts, groups, out) }
+            let rb = check_tokens(G::Q, rows, acts, groups, out);
+            // SAFETY: as the one-token entry, for every row (of `rb` bytes, as the first) and
+            // token (`check_tokens`).
+            unsafe { $tokens_impl::<G, PF>(rows, rb, acts, groups, out) }
         }
 
         #[target_feature(enable = $features)]
         unsafe fn $tokens_impl<G: Group, const PF: bool>(
-            row: &[u8],
+            rows: &[u8],
+            rb: usize,
             acts: &[&[BlockQ8A]],
             groups: &[&[ActGroup]],
             out: &mut [f32],
         ) {
-            row_dots_any::<G, $vnni, PF>(row, acts, groups, out)
+            rows_dots::<G, $vnni, PF>(rows, rb, acts, groups, out)
         }
     };
 }
