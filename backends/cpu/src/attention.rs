@@ -6,7 +6,7 @@
 //! Unselected heads are written as 0. One pool task per (token, head); the scores against all keys
 //! and the weighted sum of all values are one call each to the tier's f32 kernels
 //! (`Kernels::dot_rows`, `Kernels::axpy_rows`; their `_f16` twins for an f16 cache), the scores
-//! in a per-thread buffer grown once.
+//! in a per-thread buffer grown once, their softmax the tier's (`Kernels::softmax`).
 use crate::kernels::table::Kernels;
 use crate::matmul::SyncPtr;
 use crate::pool::SpinPool;
@@ -151,14 +151,7 @@ fn head(
             KvSlice::F32(k) => (kern.dot_rows)(qh, &k[at..], kv_stride, scores),
             KvSlice::F16(k) => (kern.dot_rows_f16)(qh, &k[at..], kv_stride, scores),
         }
-        scores.iter_mut().for_each(|x| *x = sc.score(*x));
-        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0f32;
-        for x in scores.iter_mut() {
-            *x = (*x - max).exp();
-            sum += *x;
-        }
-        scores.iter_mut().for_each(|x| *x /= sum);
+        (kern.softmax)(scores, sc);
         match v {
             KvSlice::F32(v) => (kern.axpy_rows)(scores, &v[at..], kv_stride, o),
             KvSlice::F16(v) => (kern.axpy_rows_f16)(scores, &v[at..], kv_stride, o),

@@ -180,6 +180,7 @@ pub mod gemm_q8a;
 pub mod glu;
 pub mod quantize_act;
 pub mod repack;
+pub mod softmax;
 pub mod table;
 #[cfg(test)]
 pub(crate) mod testutil;

@@ -2,7 +2,7 @@
 use super::{
     axpy, axpy_blocks, axpy_blocks_i8, axpy_q, dequantize, dot_float, dot_iq4nl, dot_iq4xs,
     dot_q2k, dot_q3k, dot_q4_0, dot_q4_1, dot_q4k, dot_q5_0, dot_q5_1, dot_q5k, dot_q6k, dot_q8_0,
-    dot_repacked, dot_rows, gemm_q8a, glu, quantize_act, repack,
+    dot_repacked, dot_rows, gemm_q8a, glu, quantize_act, repack, softmax,
 };
 use crate::isa::{self, Isa, IsaError};
 use dejavu_backend_api::quant::{BlockQ8A, QuantType};
@@ -37,6 +37,8 @@ pub struct Kernels {
     /// f32 vector against rows (attention's scores) and weighted sum of rows (its value sum).
     pub dot_rows: dot_rows::DotRowsFn,
     pub axpy_rows: axpy::AxpyRowsFn,
+    /// Attention's softmax over one head's scores.
+    pub softmax: softmax::SoftmaxFn,
     /// The same two over f16 rows (an f16 KV cache).
     pub dot_rows_f16: dot_rows::DotRowsFn<half::f16>,
     pub axpy_rows_f16: axpy::AxpyRowsFn<half::f16>,
@@ -106,6 +108,7 @@ impl Kernels {
             glu: glu::select(isa),
             dot_rows: dot_rows::select(isa),
             axpy_rows: axpy::select(isa),
+            softmax: softmax::select(isa),
             dot_rows_f16: dot_rows::select_f16(isa),
             axpy_rows_f16: axpy::select_f16(isa),
             axpy_q: axpy_q::select(isa),
@@ -167,6 +170,7 @@ impl Kernels {
             glu: glu::scalar,
             dot_rows: dot_rows::scalar,
             axpy_rows: axpy::scalar,
+            softmax: softmax::scalar,
             dot_rows_f16: dot_rows::scalar,
             axpy_rows_f16: axpy::scalar,
             axpy_q: axpy_q::scalar,
