@@ -255,7 +255,7 @@ type Seg = (usize, usize, usize);
 const _: () = assert!(TOKEN_CHUNK <= crate::kernels::dot_repacked::MAX_TOKENS);
 
 /// Tokens dotted with one row while it is in L1: a row is read from memory once per chunk.
-const TOKEN_CHUNK: usize = 4;
+const TOKEN_CHUNK: usize = 8;
 
 /// `y[t][r] = dot(row r, x[t])` for the selected rows of every part: the concatenated rows are
 /// split into one contiguous range per pool thread, so each thread streams one long run of

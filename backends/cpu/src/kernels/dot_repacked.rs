@@ -24,7 +24,7 @@ use dejavu_backend_api::quant::{BlockQ8A, QuantType};
 pub type DotR8Fn = fn(&[u8], &[BlockQ8A], &[ActGroup]) -> f32;
 
 /// Most tokens one [`DotR8TokensFn`] call takes.
-pub const MAX_TOKENS: usize = 4;
+pub const MAX_TOKENS: usize = 8;
 
 /// `(rows, acts, groups, out)`: repacked rows of one length, back to back, each dotted with
 /// `acts.len()` tokens (1..=[`MAX_TOKENS`]), token `t` given by its blocks `acts[t]` and their

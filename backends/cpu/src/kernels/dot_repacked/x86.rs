@@ -236,6 +236,10 @@ unsafe fn rows_dots<G: Group, const VNNI: bool, const PF: bool>(
         2 => with!(2),
         3 => with!(3),
         4 => with!(4),
+        5 => with!(5),
+        6 => with!(6),
+        7 => with!(7),
+        8 => with!(8),
         n => unreachable!("{n} tokens: the caller checks 1..=MAX_TOKENS"),
     }
 }
