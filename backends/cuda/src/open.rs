@@ -125,7 +125,7 @@ impl CudaDevice {
             mv_fill: tuning("MV_FILL", 2, 1..=64),
             mv_fill_sel: tuning("MV_FILL_SEL", 8, 1..=64),
             mv_ahead_f16: tuning("MV_AHEAD_F16", 0, 0..=1) == 1,
-            attend_rows: tuning("ATTEND_ROWS", 0, 0..=1) == 1,
+            attend_rows: tuning("ATTEND_ROWS", 1, 0..=1) == 1,
             ax_vec: ax_vec(),
             ax_fill: tuning("AX_FILL", 4, 1..=64),
             name,
@@ -134,9 +134,8 @@ impl CudaDevice {
         })
     }
 
-    /// Run a step of several sequences' attention block in one call (`Device::attend_rows`),
-    /// or row by row (the default until it has run on a GPU; `ATTEND_ROWS` in
-    /// `DEJAVU_CUDA_DEFINES` sets it too).
+    /// Run a step of several sequences' attention block in one call (`Device::attend_rows`, the
+    /// default), or row by row (`ATTEND_ROWS=0` in `DEJAVU_CUDA_DEFINES` sets it too).
     pub fn set_attend_rows(&mut self, on: bool) {
         self.attend_rows = on;
     }
