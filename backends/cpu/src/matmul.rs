@@ -315,10 +315,6 @@ fn part_rows(p: &Part, a: usize, b: usize, input: &Input, tokens: std::ops::Rang
         }
         return;
     }
-    if let (false, RowDot::R8(_, f)) = (sparse, p.dot) {
-        // Dense decode on repacked rows: runs of rows per kernel call.
-        return dense_rows_r8(f, p, a, b, input, tokens);
-    }
     let ahead = SPARSE_AHEAD_BYTES.div_ceil(rb).max(1);
     let (bl, bb) = (q.block_len(), q.block_bytes());
     let blocks = cols / bl;
@@ -364,7 +360,7 @@ fn part_rows(p: &Part, a: usize, b: usize, input: &Input, tokens: std::ops::Rang
 /// Rows a dense multi-token call of a repacked kernel takes at once.
 const ROW_RUN: usize = 16;
 
-/// [`part_rows`] for a full set of repacked rows and several tokens: runs of [`ROW_RUN`] rows
+/// [`part_rows`] for a full set of repacked rows, at any token count: runs of [`ROW_RUN`] rows
 /// per call of the tier's multi-token kernel, each output bit for bit the token's one-token
 /// dot (`0.0 +` it, as the segment sums of `part_rows` give it).
 fn dense_rows_r8(
