@@ -225,9 +225,6 @@ pub fn run(seqs: &mut dyn SeqBatch, rx: Receiver<Ask>, chunk: usize, pool: Optio
             let Some(ask) = lending.admit(ask) else {
                 continue;
             };
-            if let Some(p) = &mut pool {
-                p.busy(ask.seq, !matches!(ask.op, Op::Pause | Op::Return));
-            }
             match ask.op {
                 Op::Truncate(len) => seqs.truncate(ask.seq, len),
                 Op::Pause => {
@@ -260,7 +257,7 @@ pub fn run(seqs: &mut dyn SeqBatch, rx: Receiver<Ask>, chunk: usize, pool: Optio
                         // Rows other than the last (embeddings): the whole run at once.
                         _ => {
                             let len = seqs.len(ask.seq) + tokens.len();
-                            let room = need(&mut pool, seqs, ask.seq, len);
+                            let room = need(&mut pool, seqs, &lending, ask.seq, len);
                             let out = room.and_then(|()| seqs.run(ask.seq, &tokens, want));
                             let _ = reply.send(out.map(|o| (o, seqs.len(ask.seq))));
                         }
@@ -272,7 +269,7 @@ pub fn run(seqs: &mut dyn SeqBatch, rx: Receiver<Ask>, chunk: usize, pool: Optio
             let end = (p.done + chunk).min(p.tokens.len());
             // The whole rest of the prompt, so that one that cannot fit runs no chunk.
             let len = seqs.len(p.seq) + p.tokens.len() - p.done;
-            let ran = need(&mut pool, seqs, p.seq, len)
+            let ran = need(&mut pool, seqs, &lending, p.seq, len)
                 .and_then(|()| seqs.run(p.seq, &p.tokens[p.done..end], Logits::Last));
             match ran {
                 Ok(out) if end == p.tokens.len() => {
@@ -293,7 +290,7 @@ pub fn run(seqs: &mut dyn SeqBatch, rx: Receiver<Ask>, chunk: usize, pool: Optio
             let mut kept = Vec::with_capacity(steps.len());
             for (seq, t, reply) in steps.drain(..) {
                 let len = seqs.len(seq) + 1;
-                match p.need(seqs, seq, len) {
+                match p.need(seqs, seq, len, |s| lending.busy(s)) {
                     Ok(()) => kept.push((seq, t, reply)),
                     Err(e) => {
                         let _ = reply.send(Err(e));
@@ -310,8 +307,9 @@ pub fn run(seqs: &mut dyn SeqBatch, rx: Receiver<Ask>, chunk: usize, pool: Optio
 }
 
 /// Which sequences are lent to another slot's choices, and which are in use by their own slot
-/// (a reply in flight: asked since its last pause); the asks of a slot whose sequence is lent
-/// wait, then run in order once it is back.
+/// (a reply in flight: asked since its last pause); either is busy, the rest idle (the KV
+/// pool's to take back, a fork's to borrow). The asks of a slot whose sequence is lent wait,
+/// then run in order once it is back.
 struct Lending {
     lent: Vec<bool>,
     active: Vec<bool>,
@@ -327,6 +325,11 @@ impl Lending {
             waiting: Vec::new(),
             replay: VecDeque::new(),
         }
+    }
+
+    /// Whether sequence `s` is lent or has a reply in flight.
+    fn busy(&self, s: usize) -> bool {
+        self.lent.get(s).is_some_and(|&l| l) || self.active.get(s).is_some_and(|&a| a)
     }
 
     /// `ask` if it may run now; a slot's ask for its lent sequence waits.
@@ -361,19 +364,16 @@ impl Lending {
             if got.len() == k {
                 break;
             }
-            if to == from || self.lent[to] || self.active[to] {
+            if to == from || self.busy(to) {
                 continue;
             }
-            if need(pool, seqs, to, len).is_err() {
+            if need(pool, seqs, self, to, len).is_err() {
                 break;
             }
             if seqs.fork(from, to, len).is_err() {
                 // Partly copied at most: its slot's cached prefix is gone.
                 seqs.truncate(to, 0);
                 break;
-            }
-            if let Some(p) = pool {
-                p.busy(to, true);
             }
             self.lent[to] = true;
             got.push(to);
@@ -434,22 +434,27 @@ fn step(
     }
 }
 
-/// [`Pool::need`] when there is a pool.
-fn need(pool: &mut Option<Pool>, seqs: &mut dyn SeqBatch, seq: usize, len: usize) -> Result<()> {
+/// [`Pool::need`] when there is a pool, the busy sequences those `lending` says.
+fn need(
+    pool: &mut Option<Pool>,
+    seqs: &mut dyn SeqBatch,
+    lending: &Lending,
+    seq: usize,
+    len: usize,
+) -> Result<()> {
     match pool {
-        Some(p) => p.need(seqs, seq, len),
+        Some(p) => p.need(seqs, seq, len, |s| lending.busy(s)),
         None => Ok(()),
     }
 }
 
 /// The KV positions the sequences hold together (`serve --kv-pool`), at most `size`. A
 /// sequence holds the most positions it has held since its caches were last given back (its
-/// pages stay mapped); a sequence with no reply in flight is idle, and its cache (the prompt
-/// prefix a next request may reuse) is the first to go back when another needs room.
+/// pages stay mapped); an idle sequence's cache (the prompt prefix a next request may reuse)
+/// is the first to go back when another needs room.
 pub struct Pool {
     size: usize,
     held: Vec<usize>,
-    busy: Vec<bool>,
     /// When each sequence last grew (a count of growths), for least-recently-used eviction.
     last: Vec<u64>,
     clock: u64,
@@ -460,7 +465,6 @@ impl Pool {
         Self {
             size,
             held: vec![0; n],
-            busy: vec![false; n],
             last: vec![0; n],
             clock: 0,
         }
@@ -471,17 +475,16 @@ impl Pool {
         self.held.iter().sum()
     }
 
-    /// Sequence `seq` has a reply in flight (`true`), or has none (its slot paused).
-    pub fn busy(&mut self, seq: usize, busy: bool) {
-        if let Some(b) = self.busy.get_mut(seq) {
-            *b = busy;
-        }
-    }
-
-    /// Room for sequence `seq` to hold `len` positions: idle sequences give their caches back
-    /// (least recently used first) until it fits; `Error::Busy` when the replies in flight hold
-    /// too much.
-    pub fn need(&mut self, seqs: &mut dyn SeqBatch, seq: usize, len: usize) -> Result<()> {
+    /// Room for sequence `seq` to hold `len` positions: idle sequences (not `busy`) give their
+    /// caches back (least recently used first) until it fits; `Error::Busy` when the busy ones
+    /// hold too much.
+    pub fn need(
+        &mut self,
+        seqs: &mut dyn SeqBatch,
+        seq: usize,
+        len: usize,
+        busy: impl Fn(usize) -> bool,
+    ) -> Result<()> {
         let have = *self
             .held
             .get(seq)
@@ -491,7 +494,7 @@ impl Pool {
         }
         while self.used() - have + len > self.size {
             let idle = (0..self.held.len())
-                .filter(|&s| s != seq && !self.busy[s] && self.held[s] > 0)
+                .filter(|&s| s != seq && !busy(s) && self.held[s] > 0)
                 .min_by_key(|&s| self.last[s]);
             let Some(s) = idle else {
                 return Err(Error::Busy(format!(
