@@ -3,23 +3,24 @@
 //! receiver dropped), or reads nothing for the stall timeout, cancels its job at the next token,
 //! freeing the slot.
 use super::api::{ApiError, GenRequest, Input};
-use super::tool_api::{constraint_of, marker_tokens, tool_format, CallHold, ToolUse};
+use super::tool_api::{constraint_of, tool_format, ToolUse};
 use super::Metrics;
 use crate::exec::Decoder;
 use crate::exec::Engine;
 use crate::text::chat::encode_chat_tools;
 use crate::text::constrain::Constraint;
 use crate::text::constrain::{Grammars, Guide};
-use crate::text::generate::{reusable, TextStream};
-use crate::text::sampling::Sampler;
-use crate::text::stop::StopFilter;
-use crate::text::tools::{ToolCall, ToolFormat};
+use crate::text::generate::reusable;
+use crate::text::tools::ToolCall;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc::error::TrySendError;
 use tokio::sync::mpsc::Sender;
+
+mod choice;
+use choice::{run_wave, Start};
 
 /// Why a reply ended (OpenAI's `finish_reason`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -489,178 +490,6 @@ fn run_job(
     Ok(ran)
 }
 
-/// The choices `starts` together from the prompt (its next-token logits `first`): the first on
-/// `dec` (whose tokens `cached` records), each other on its fork, on its own thread. Each
-/// choice's tokens, or `None` when its client went away.
-fn run_wave(
-    slot: &Running,
-    dec: &mut dyn Decoder,
-    forks: &mut [Box<dyn Decoder + Send>],
-    req: &GenRequest,
-    starts: Vec<Start>,
-    first: &[f32],
-    cached: &mut Vec<u32>,
-) -> Vec<Result<Option<usize>, ApiError>> {
-    let mut starts = starts.into_iter();
-    let Some(lead) = starts.next() else {
-        return Vec::new();
-    };
-    std::thread::scope(|s| {
-        let others: Vec<_> = (forks.iter_mut().zip(starts))
-            .map(|(f, start)| {
-                s.spawn(move || choice(slot, &mut **f, req, start, first, &mut Vec::new()))
-            })
-            .collect();
-        let mut ends = vec![choice(slot, dec, req, lead, first, cached)];
-        for h in others {
-            let end = h.join();
-            ends.push(
-                end.unwrap_or_else(|_| Err(ApiError::internal("a choice's thread panicked"))),
-            );
-        }
-        ends
-    })
-}
-
-/// One choice and its `Finish`: its tokens, or `None` when its client went away.
-fn choice(
-    slot: &Running,
-    dec: &mut dyn Decoder,
-    req: &GenRequest,
-    start: Start,
-    first: &[f32],
-    cached: &mut Vec<u32>,
-) -> Result<Option<usize>, ApiError> {
-    let index = start.index;
-    let mut logits = first.to_vec();
-    let Some((finish, n)) = one_choice(slot, dec, req, start, &mut logits, cached)? else {
-        return Ok(None);
-    };
-    Ok(slot.send(Event::Finish(index, finish)).then_some(n))
-}
-
-/// Where a choice starts: the prompt, its seed, its grammar's guide, and the format of the
-/// tool calls its reply may hold (tools offered).
-struct Start<'a> {
-    ids: &'a [u32],
-    /// The choice's index.
-    index: usize,
-    seed: u64,
-    guide: Option<Guide>,
-    tools: Option<ToolFormat>,
-}
-
-/// One choice from the prompt (whose next-token `logits` are given; the cache holds exactly
-/// the prompt): why it ended and its tokens, or `None` when its client went away.
-fn one_choice(
-    slot: &Running,
-    dec: &mut dyn Decoder,
-    req: &GenRequest,
-    start: Start,
-    logits: &mut [f32],
-    cached: &mut Vec<u32>,
-) -> Result<Option<(Finish, usize)>, ApiError> {
-    let (engine, job, jobs) = (slot.engine, slot.job, slot.jobs);
-    let send = |e: Event| slot.send(e);
-    let Start {
-        ids,
-        index,
-        seed,
-        mut guide,
-        tools,
-    } = start;
-    let mut calls = CallHold::new(tools, req.tools.as_ref());
-    let marks = marker_tokens(engine, tools);
-    let eog = &engine.tokenizer.end_of_generation;
-    let mut sampling = req.sampling.clone();
-    sampling.seed = seed;
-    if req.ignore_eos && guide.is_none() {
-        (sampling.logit_bias).extend(eog.iter().map(|&t| (t, f32::NEG_INFINITY)));
-    }
-    let mut sampler = Sampler::new(sampling);
-    let mut raw = Vec::new();
-    let mut stops = StopFilter::new(&req.stop);
-    let (mut history, mut n, mut stream) = (ids.to_vec(), 0, TextStream::default());
-    let mut logits = logits;
-    let finish = loop {
-        if n == req.max_tokens {
-            break Finish::Length;
-        }
-        crate::text::generate::check_logits(engine, logits).map_err(internal)?;
-        if req.logprobs.is_some() {
-            raw.clear();
-            raw.extend_from_slice(logits);
-        }
-        if let Some(g) = &mut guide {
-            g.mask(logits).map_err(internal)?;
-        }
-        let next = sampler.sample(logits, &history);
-        if eog.contains(&next) {
-            break Finish::Stop;
-        }
-        if let Some(k) = req.logprobs {
-            if !send(Event::Token(index, TokenLogprob::of(engine, &raw, next, k))) {
-                return Ok(None);
-            }
-        }
-        let complete = match &mut guide {
-            Some(g) => g.advance(next).map_err(internal)?,
-            None => false,
-        };
-        n += 1;
-        history.push(next);
-        if let Some(st) = slot.state {
-            st.decoded.fetch_add(1, Ordering::Relaxed);
-        }
-        let piece = match marks.iter().find(|(id, _)| *id == next) {
-            // A call's marker that is a control token: its text, for the call's parser.
-            Some((_, m)) => Some(m.to_string()),
-            None => stream.push(engine, next).map_err(internal)?,
-        };
-        let (text, stopped) = stops.push(piece.as_deref().unwrap_or(""));
-        let text = calls.push(&text);
-        if !text.is_empty() && !send(Event::Text(index, text)) {
-            return Ok(None);
-        }
-        if stopped || complete {
-            break Finish::Stop;
-        }
-        if job.tx.is_closed() {
-            return Ok(None);
-        }
-        if jobs.stopping() {
-            return Err(shutting_down());
-        }
-        if dec.len() + 1 >= dec.n_ctx() {
-            break Finish::Length;
-        }
-        logits = match dec.decode(&[next]) {
-            Ok(l) => l,
-            // The KV pool has no room for this reply's next position.
-            Err(crate::Error::Busy(_)) => break Finish::Length,
-            Err(e) => return Err(internal(e)),
-        };
-        cached.push(next);
-    };
-    // The held-back text and the detokenizer's rest, unless a stop sequence ended the reply.
-    if !stops.stopped {
-        let rest = stream.finish(engine).map_err(internal)?.unwrap_or_default();
-        let (text, _) = stops.push(&rest);
-        let tail = calls.push(&(text + &stops.flush()));
-        if !tail.is_empty() {
-            send(Event::Text(index, tail));
-        }
-    }
-    let (rest, found) = calls.finish();
-    if !rest.is_empty() && !send(Event::Text(index, rest)) {
-        return Ok(None);
-    }
-    match found {
-        None => Ok(Some((finish, n))),
-        Some(c) => Ok(send(Event::ToolCalls(index, c)).then_some((Finish::ToolCalls, n))),
-    }
-}
-
 /// Embed each of `texts` (with the model's BOS, as a plain prompt): the mean over its tokens
 /// of the final hidden state as the output head reads it (normed, and projected where the
 /// model projects it), scaled to unit L2 norm (llama-server's mean pooling and
@@ -744,7 +573,8 @@ fn internal(e: crate::Error) -> ApiError {
 
 #[cfg(test)]
 mod tests {
-    use super::{send, Event, StopFilter};
+    use super::{send, Event};
+    use crate::text::stop::StopFilter;
     use std::time::{Duration, Instant};
 
     #[test]
