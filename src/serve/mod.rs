@@ -720,7 +720,10 @@ fn streamed(
             out
         };
     let events = ReceiverStream::new(rx).map(move |ev| match ev {
-        Event::Token(i, t) => at(&r, i, &mut |c, _| c.pending.push(t.clone())),
+        Event::Token(i, t) => {
+            let mut t = Some(t);
+            at(&r, i, &mut |c, _| c.pending.extend(t.take()))
+        }
         Event::Text(i, t) => at(&r, i, &mut |c, out| {
             let lp = r.logprobs(&std::mem::take(&mut c.pending), &mut c.offset);
             out.push(data(r.body(
