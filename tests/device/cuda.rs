@@ -324,15 +324,17 @@ fn calibration_on_the_gpu_conforms_to_the_reference() {
 #[test]
 fn batched_steps_on_the_gpu_match_each_sequences_own() {
     let Some(mut g) = gpu() else { return };
+    // Row by row with `matvec_rows`, then in one call with the tensor cores' products.
     for one_call in [false, true] {
         g.set_attend_rows(one_call);
+        g.set_mma(one_call);
         let worst = batching::batched_steps_are_each_sequences_own(&g, false, false);
         eprintln!(
             "{}: steps of 1 to 4 sequences on 13 fixtures (attention {}), worst |logit error| \
              {worst:.2e}",
             g.name(),
             if one_call {
-                "in one call"
+                "in one call, products on the tensor cores"
             } else {
                 "row by row"
             }
@@ -362,6 +364,7 @@ fn sparse_batched_steps_on_the_gpu_match_their_plans() {
     let Some(mut g) = gpu() else { return };
     for one_call in [false, true] {
         g.set_attend_rows(one_call);
+        g.set_mma(one_call);
         let fixed = batching::batched_steps_are_each_sequences_own(&g, false, true);
         let predicted = batching::predicted_batched_steps_run_each_rows_heads_and_the_union(&g);
         eprintln!(
@@ -370,7 +373,7 @@ fn sparse_batched_steps_on_the_gpu_match_their_plans() {
              against the reference)",
             g.name(),
             if one_call {
-                "in one call"
+                "in one call, products on the tensor cores"
             } else {
                 "row by row"
             }

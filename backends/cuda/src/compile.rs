@@ -3,9 +3,10 @@
 use dejavu_backend_api::BackendError;
 
 /// The kernel sources, in the order NVRTC compiles them (the header first).
-const SOURCES: [&str; 11] = [
+const SOURCES: [&str; 12] = [
     include_str!("kernels/common.cuh"),
     include_str!("kernels/matvec.cu"),
+    include_str!("kernels/matvec_mma.cu"),
     include_str!("kernels/matmul.cu"),
     include_str!("kernels/axpy.cu"),
     include_str!("kernels/embed.cu"),
@@ -30,7 +31,8 @@ fn defines() -> Vec<(String, String)> {
 /// which a product of every row, or a gather over a selection, splits its rows; `MV_AHEAD_F16`:
 /// f16 products of every row load ahead as bf16's do (matvec.cu's `MV_UNROLL`); `AX_VEC`:
 /// 256-column chunks per block of axpy.cu; `AX_FILL`: axpy blocks per SM; `ATTEND_ROWS`: a
-/// step of several sequences' attention in one call, see `CudaDevice`), or `default` when
+/// step of several sequences' attention in one call, `MMA`: a few batch rows' products of
+/// 16-bit weights on the tensor cores, see `CudaDevice`), or `default` when
 /// unset or outside `range`. Defaults measured on the H200: a fill of 8 ran the gather of 10%
 /// of OPT-30B's fc1 rows at 3.3 TB/s, against 2.5 for 2, but its dense step 2-3% slower than 2;
 /// the axpy's (`AX_VEC` 1, `AX_FILL` 4) are in axpy.cu.

@@ -108,6 +108,16 @@ pub struct CudaDevice {
     /// Measured on the H200 (synthetic OPT-13B f16, 8 sequences, `dejavu bench --batch`): a
     /// step of 38.4 ms against 45.2 row by row.
     attend_rows: bool,
+    /// `MMA=1` (compute capability 8.0 and up): products of 2 to `products::MMA_MAX` batch
+    /// rows over f16 or bf16 weights (rows a multiple of 32) run on the tensor cores
+    /// (matvec_mma.cu); at 0, the default until it has been measured on a GPU, they take
+    /// `matvec_rows_T` (8 rows a launch).
+    mma: bool,
+    /// Compute capability 8.0 or later (tf32 `mma.sync`).
+    mma_arch: bool,
+    /// `MMA_PROMPT=1`: a prompt's products of every row, too, in chunks of `MMA_MAX` rows
+    /// (each chunk reads the weights again) instead of matmul.cu's tiles.
+    mma_prompt: bool,
     /// The global state of `top_k_select`: 3 selections' `products::TK_SCRATCH`, zero between
     /// launches.
     tk_scratch: CudaSlice<u32>,

@@ -1,6 +1,8 @@
 //! The launch of matmul.cu: a prompt's products over a batch of rows, in 64 x 64 tiles, or
 //! 32 x 32 where those would leave SMs idle (fewer blocks than SMs). A batch of at most
-//! `MVR_MAX` rows (a step of several sequences) goes through `matvec_rows_T` instead. Measured on the H200: a
+//! `MVR_MAX` rows (a step of several sequences) goes through `matvec_rows_T` instead, or with
+//! `MMA=1` a batch of up to `MMA_MAX` rows of 16-bit weights through the tensor cores
+//! (matvec_mma.cu). Measured on the H200: a
 //! 128-row batch through a 7168 x 7168 f16 matrix (224 tiles of 64) ran at 17.3 TFLOP/s in 64-row
 //! tiles, 10.2 in 32-row ones; SmolLM2's products (18 to 96 tiles of 64) took pp128 from 16.4k
 //! to 23.0k tok/s in 32-row tiles.
@@ -51,12 +53,21 @@ impl CudaDevice {
         jobs: &mut [Product<'_, Self>],
     ) -> Result<(), BackendError> {
         self.batch_rows("matmul", rows)?;
+        let sel = jobs.iter().any(|p| matches!(p.rows, Rows::Sel { .. }));
+        // A few rows (a step of several sequences), a selection, or with `MMA_PROMPT` any
+        // batch, of 16-bit weights: the tensor cores, `MMA_MAX` rows a launch.
+        let mma = crate::products::MMA_MAX;
+        if rows > 1 && self.mma_fits(jobs) && (rows <= mma || sel || self.mma_prompt) {
+            return (0..rows)
+                .step_by(mma)
+                .try_for_each(|t0| self.launch_mma_at(x, t0, mma.min(rows - t0), jobs));
+        }
         let mvr = crate::products::MVR_MAX;
         if rows <= mvr {
             return self.launch_matvec_rows(x, rows, jobs);
         }
         // A selection (`Device::matmul_steps` under a sparse plan): chunks of the row kernel.
-        if jobs.iter().any(|p| matches!(p.rows, Rows::Sel { .. })) {
+        if sel {
             return (0..rows)
                 .step_by(mvr)
                 .try_for_each(|t0| self.launch_matvec_rows_at(x, t0, mvr.min(rows - t0), jobs));

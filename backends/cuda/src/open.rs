@@ -76,6 +76,11 @@ impl CudaDevice {
         ]
         .map(String::from)
         .to_vec();
+        for nt in products::MMA_TILES {
+            for q in [QuantType::F16, QuantType::BF16] {
+                names.push(format!("matvec_mma{nt}_{}", type_suffix(q)));
+            }
+        }
         for q in QuantType::ALL {
             for op in [
                 "matvec",
@@ -126,6 +131,9 @@ impl CudaDevice {
             mv_fill_sel: tuning("MV_FILL_SEL", 8, 1..=64),
             mv_ahead_f16: tuning("MV_AHEAD_F16", 0, 0..=1) == 1,
             attend_rows: tuning("ATTEND_ROWS", 1, 0..=1) == 1,
+            mma_arch: major >= 8,
+            mma: major >= 8 && tuning("MMA", 0, 0..=1) == 1,
+            mma_prompt: tuning("MMA_PROMPT", 0, 0..=1) == 1,
             ax_vec: ax_vec(),
             ax_fill: tuning("AX_FILL", 4, 1..=64),
             name,
@@ -138,6 +146,12 @@ impl CudaDevice {
     /// default), or row by row (`ATTEND_ROWS=0` in `DEJAVU_CUDA_DEFINES` sets it too).
     pub fn set_attend_rows(&mut self, on: bool) {
         self.attend_rows = on;
+    }
+
+    /// Run a few batch rows' products of 16-bit weights on the tensor cores (`MMA=1` in
+    /// `DEJAVU_CUDA_DEFINES` sets it too); ignored below compute capability 8.0.
+    pub fn set_mma(&mut self, on: bool) {
+        self.mma = on && self.mma_arch;
     }
 
     /// Wait until every queued launch has run.

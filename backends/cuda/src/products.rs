@@ -26,6 +26,12 @@ struct MvJob {
 /// Most batch rows of one `matvec_rows_T` launch (`MVR_MAX` in matvec.cu).
 pub(crate) const MVR_MAX: usize = 8;
 
+/// Tiles of 8 batch rows of the `matvec_mma{n}_T` kernels (matvec_mma.cu).
+pub(crate) const MMA_TILES: [usize; 3] = [1, 2, 4];
+
+/// Most batch rows of one `matvec_mma4_T` launch.
+pub(crate) const MMA_MAX: usize = 32;
+
 /// `MvJobs` in matvec.cu.
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
@@ -254,6 +260,77 @@ impl CudaDevice {
         }
         let f = self.func(&format!("matvec_rows_{}", type_suffix(jobs[0].w.qtype)));
         let mut b = self.lane().launch_builder(f);
+        b.arg(&mv);
+        launch::run(b, launch::grid(blocks * 256, 256))
+    }
+
+    /// Can `jobs` go to the tensor cores (`matvec_mma{n}_T`)? The kernels' types, rows a
+    /// multiple of their 32-element chunks, and compute capability 8.0 (`self.mma`).
+    pub(crate) fn mma_fits(&self, jobs: &[Product<'_, Self>]) -> bool {
+        let q = |p: &Product<'_, Self>| matches!(p.w.qtype, QuantType::F16 | QuantType::BF16);
+        self.mma && jobs.iter().all(|p| q(p) && p.w.cols % 32 == 0)
+    }
+
+    /// Rows `t0..t0 + nt` (1 to [`MMA_MAX`]) of a batch's products on the tensor cores (the
+    /// caller checked [`Self::mma_fits`]): a block per 16 outputs of each job, the kernel of
+    /// the fewest tiles of 8 rows that hold `nt`.
+    pub(crate) fn launch_mma_at(
+        &self,
+        x: &Buf,
+        t0: usize,
+        nt: usize,
+        jobs: &mut [Product<'_, Self>],
+    ) -> Result<(), BackendError> {
+        if nt == 0 || nt > MMA_MAX || jobs.is_empty() || jobs.len() > 3 {
+            return Err(shape(format!(
+                "{} products of {nt} rows on the tensor cores (1 to 3, 1 to {MMA_MAX} rows)",
+                jobs.len()
+            )));
+        }
+        if jobs.iter().any(|p| p.w.qtype != jobs[0].w.qtype) {
+            return (jobs.iter_mut())
+                .try_for_each(|p| self.launch_mma_at(x, t0, nt, std::slice::from_mut(p)));
+        }
+        let mut mv = MvJobs {
+            n: jobs.len() as i32,
+            split: nt as i32,
+            ..Default::default()
+        };
+        let (mut blocks, end) = (0, t0 + nt);
+        for (i, p) in jobs.iter().enumerate() {
+            let (w, px) = (p.w, p.x.unwrap_or(x));
+            if w.cols % 32 != 0 {
+                return Err(shape(format!("tensor-core products of rows of {}", w.cols)));
+            }
+            let (ip, n_out, group, o) = self.sel(p.rows, w.rows)?;
+            need("matmul input", px.0.len(), end * w.cols)?;
+            need("matmul output", p.y.0.len(), end * o)?;
+            if let Some(b) = p.bias {
+                need("matmul bias", b.0.len(), w.rows)?;
+            }
+            let f32s = std::mem::size_of::<f32>() as u64;
+            mv.job[i] = MvJob {
+                w: self.ptr(&w.data),
+                idx: ip,
+                bias: p.bias.map_or(0, |b| self.ptr(&b.0)),
+                y: self.ptr(&p.y.0) + (t0 * o) as u64 * f32s,
+                x: self.ptr(&px.0) + (t0 * w.cols) as u64 * f32s,
+                rows: w.rows as i32,
+                cols: w.cols as i32,
+                n_out,
+                group,
+                accumulate: p.accumulate as i32,
+                act: p.act.map_or(-1, act_code),
+                first_block: blocks as i32,
+                _pad: 0,
+            };
+            blocks += o.div_ceil(16);
+        }
+        let tiles = MMA_TILES.into_iter().find(|t| 8 * t >= nt).unwrap_or(4);
+        let q = type_suffix(jobs[0].w.qtype);
+        let mut b = self
+            .lane()
+            .launch_builder(self.func(&format!("matvec_mma{tiles}_{q}")));
         b.arg(&mv);
         launch::run(b, launch::grid(blocks * 256, 256))
     }

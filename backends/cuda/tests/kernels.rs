@@ -22,8 +22,11 @@ fn kernels_compile() {
         eprintln!("skipped: NVRTC (libnvrtc.so) not found");
         return;
     }
-    if let Err(e) = dejavu_backend_cuda::compile("compute_90") {
-        panic!("{e}");
+    // Hopper, and Turing, where the tensor-core kernels compile to nothing.
+    for arch in ["compute_90", "compute_75"] {
+        if let Err(e) = dejavu_backend_cuda::compile(arch) {
+            panic!("{arch}: {e}");
+        }
     }
 }
 

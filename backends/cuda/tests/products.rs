@@ -169,6 +169,59 @@ fn large_batch_products_match_the_scalar_reference() {
     }
 }
 
+/// Batches of 2 to 32 rows of 16-bit weights whose rows are a multiple of 32 elements: the
+/// tensor cores' products (matvec_mma.cu, tf32 with each input split in two), dense and over a
+/// selection, in one launch and in chunks of 32 rows (33, 70); ragged outputs (not a multiple
+/// of the kernel's 16) and batch rows (not a multiple of its tiles of 8). Inputs up to 300 in
+/// magnitude: the split keeps f32's precision at any scale. Tolerance as above.
+#[test]
+fn tensor_core_products_match_the_scalar_reference() {
+    let Some(mut gpu) = gpu() else { return };
+    gpu.set_mma(true);
+    let host = CpuDevice::reference();
+    let mut r = rng(9);
+    let mut deq = Vec::new();
+    for q in [QuantType::F16, QuantType::BF16] {
+        for (rows, cols, scale) in [(37, 96, 1.0), (130, 4128, 1.0), (16, 32, 300.0)] {
+            let bytes = random_matrix(&mut r, q, rows, cols);
+            let w = Weight::new(q, rows, cols, &bytes).unwrap();
+            let sel: Vec<u32> = (0..rows as u32).filter(|i| i % 3 != 1).collect();
+            for nt in [2, 5, 8, 9, 16, 17, 32, 33, 70] {
+                let xs: Vec<f32> = (randv(&mut r, nt * cols).into_iter())
+                    .map(|v| v * scale)
+                    .collect();
+                let mags: Vec<f32> = (0..nt * rows)
+                    .map(|i| {
+                        let (t, row) = (i / rows, i % rows);
+                        dejavu_backend_cpu::dequant::dequantize_row(q, w.row(row), &mut deq);
+                        magnitude(&deq, &xs[t * cols..(t + 1) * cols])
+                    })
+                    .collect();
+                let what = format!("{q:?} {rows}x{cols} of {nt}, inputs to {scale}");
+                let want = matmul_on(&host, &w, &xs, nt);
+                let got = matmul_on(&gpu, &w, &xs, nt);
+                close(&format!("matmul {what}"), &got, &want, |i| {
+                    1e-4 * (2.0 + mags[i % (nt * rows)])
+                });
+                let a = randv(&mut r, nt * sel.len());
+                let ys = randv(&mut r, nt * cols);
+                let want = sel_batch_on(&host, &w, &xs, &a, &sel, &ys, nt);
+                let got = sel_batch_on(&gpu, &w, &xs, &a, &sel, &ys, nt);
+                let n_mm = nt * sel.len();
+                close(&format!("matmul_steps {what}"), &got, &want, |i| {
+                    match i < n_mm {
+                        true => {
+                            let (t, k) = (i / sel.len(), sel[i % sel.len()] as usize);
+                            1e-4 * (2.0 + mags[t * rows + k])
+                        }
+                        false => 1e-4 * (1.0 + rows as f32 * 0.1),
+                    }
+                });
+            }
+        }
+    }
+}
+
 /// A batch of `nt` rows through two products in one launch: plain with ReLU, and accumulated
 /// onto ones with a bias. Both outputs, `[nt][rows]` each.
 fn matmul_on<D: Device>(d: &D, w: &Weight, xs: &[f32], nt: usize) -> Vec<f32> {
