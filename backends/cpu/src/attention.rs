@@ -3,10 +3,13 @@
 //! Reference formula, per token t (position p = pos0 + t) and selected head h with kv head
 //! g = h / (n_heads / n_kv_heads), with the call's [`Scoring`] (scale, soft cap, window):
 //!   s_j = score(q_h . k_{j,g})  for first(p) <= j <= p;   a = softmax(s);   out_h = sum_j a_j v_{j,g}
-//! Unselected heads are written as 0. One pool task per (token, head); the scores against all keys
-//! and the weighted sum of all values are one call each to the tier's f32 kernels
-//! (`Kernels::dot_rows`, `Kernels::axpy_rows`; their `_f16` twins for an f16 cache), the scores
-//! in a per-thread buffer grown once, their softmax the tier's (`Kernels::softmax`).
+//! Unselected heads are written as 0. One pool task per (token, KV group, chunk of the group's
+//! query heads): the chunk's scores against all keys and its weighted sums of all values are
+//! one call each to the tier's many-head kernels (`Kernels::dot_rows_many`,
+//! `Kernels::axpy_rows_many`; their `_f16` twins for an f16 cache), which read each key and value
+//! row once for several heads (grouped-query attention) and give each head what the one-head
+//! kernels give it, so the split into tasks never changes a result. The scores sit in a
+//! per-thread buffer grown once; their softmax is the tier's (`Kernels::softmax`).
 use crate::kernels::table::Kernels;
 use crate::matmul::SyncPtr;
 use crate::pool::SpinPool;
@@ -46,17 +49,10 @@ pub fn attention(
     );
     out.fill(0.0);
     let op = SyncPtr::new(out.as_mut_ptr());
-    pool.run(s.n_tokens * s.n_heads, &|th| {
-        let (t, h) = (th / s.n_heads, th % s.n_heads);
-        if !heads.contains(h) {
-            return;
-        }
-        // SAFETY: task `th` alone writes `out[th * hd..(th + 1) * hd]`, inside `out`, which
-        // outlives `pool.run`.
-        let o =
-            unsafe { std::slice::from_raw_parts_mut(op.get().add(th * s.head_dim), s.head_dim) };
-        let qh = &q[th * s.head_dim..(th + 1) * s.head_dim];
-        head(kern, (k, v), s, h, s.pos0 + t, qh, o);
+    by_groups(pool, s.n_tokens, s, heads, &|t, g, hs| {
+        // SAFETY: the tasks' heads are disjoint, and each writes only its heads' outputs
+        // `out[(t * n_heads + h) * hd..][..hd]`, inside `out`, which outlives the run.
+        unsafe { group(kern, (k, v), s, g, s.pos0 + t, (q, op), t, hs) };
     });
 }
 
@@ -94,17 +90,63 @@ pub fn attention_seqs(
     }
     out.fill(0.0);
     let op = SyncPtr::new(out.as_mut_ptr());
-    pool.run(n * s.n_heads, &|th| {
-        let (r, h) = (&rows[th / s.n_heads], th % s.n_heads);
-        if !r.heads.contains(h) {
-            return;
+    by_groups_of(pool, n, s, &|r| rows[r].heads, &|r, g, hs| {
+        let row = &rows[r];
+        // SAFETY: as in `attention`: disjoint heads, each task writing its own heads' outputs.
+        unsafe { group(kern, (row.k, row.v), s, g, row.pos, (q, op), r, hs) };
+    });
+}
+
+/// Most query heads one task hands the many-head kernels at once (the AVX-512 tier's).
+const HEADS_AT_ONCE: usize = 4;
+
+/// [`by_groups_of`] with one head set for every unit.
+fn by_groups(
+    pool: &SpinPool,
+    units: usize,
+    s: AttnShape,
+    heads: &IndexSet,
+    task: &(dyn Fn(usize, usize, &[usize]) + Sync),
+) {
+    by_groups_of(pool, units, s, &|_| heads, task);
+}
+
+/// `task(unit, kv group, heads)` for every unit (token or row) and KV group, over chunks of the
+/// group's query heads that `heads_of(unit)` selects (at most [`HEADS_AT_ONCE`] a call, none
+/// empty): a whole group per pool task where units times groups give each thread two, else
+/// the groups split into smaller chunks so that they do.
+fn by_groups_of<'h>(
+    pool: &SpinPool,
+    units: usize,
+    s: AttnShape,
+    heads_of: &(dyn Fn(usize) -> &'h IndexSet + Sync),
+    task: &(dyn Fn(usize, usize, &[usize]) + Sync),
+) {
+    let per_group = s.n_heads / s.n_kv_heads;
+    let groups = units * s.n_kv_heads;
+    let splits = match groups >= 2 * pool.threads() {
+        true => 1,
+        false => (2 * pool.threads()).div_ceil(groups.max(1)).min(per_group),
+    };
+    let chunk = per_group.div_ceil(splits).min(HEADS_AT_ONCE);
+    let chunks = per_group.div_ceil(chunk);
+    pool.run(groups * chunks, &|i| {
+        let (u, g, c) = (
+            i / chunks / s.n_kv_heads,
+            i / chunks % s.n_kv_heads,
+            i % chunks,
+        );
+        let first = g * per_group + c * chunk;
+        let set = heads_of(u);
+        let mut hs = [0usize; HEADS_AT_ONCE];
+        let mut n = 0;
+        for h in (first..(first + chunk).min((g + 1) * per_group)).filter(|&h| set.contains(h)) {
+            hs[n] = h;
+            n += 1;
         }
-        // SAFETY: task `th` alone writes `out[th * hd..(th + 1) * hd]`, inside `out`, which
-        // outlives `pool.run`.
-        let o =
-            unsafe { std::slice::from_raw_parts_mut(op.get().add(th * s.head_dim), s.head_dim) };
-        let qh = &q[th * s.head_dim..(th + 1) * s.head_dim];
-        head(kern, (r.k, r.v), s, h, r.pos, qh, o);
+        if n > 0 {
+            task(u, g, &hs[..n]);
+        }
     });
 }
 
@@ -126,35 +168,67 @@ fn same_types(k: KvSlice<'_>, v: KvSlice<'_>) -> bool {
     }
 }
 
-/// Query head `h` (`qh`) at position `p` over the keys and values `kv` (in bounds: checked by
-/// the callers), into `o`.
-fn head(
+/// Query heads `hs` (1 to [`HEADS_AT_ONCE`], all of KV group `g`) of unit `u` of `q` at
+/// position `p`, over the keys and values `kv` (in bounds: checked by the callers), into their
+/// outputs in `out` (row `u`, head `h`: `out[(u * n_heads + h) * hd..][..hd]`).
+///
+/// # Safety
+/// `out` points at `q.len()` values that outlive the call, and no other thread reads or writes
+/// the outputs of `hs` in row `u` meanwhile.
+#[allow(clippy::too_many_arguments)]
+unsafe fn group(
     kern: &Kernels,
     (k, v): (KvSlice<'_>, KvSlice<'_>),
     s: AttnShape,
-    h: usize,
+    g: usize,
     p: usize,
-    qh: &[f32],
-    o: &mut [f32],
+    (q, out): (&[f32], SyncPtr),
+    u: usize,
+    hs: &[usize],
 ) {
-    let (hd, sc) = (s.head_dim, s.scoring);
+    let (hd, sc, m) = (s.head_dim, s.scoring, hs.len());
     let kv_stride = s.n_kv_heads * hd;
-    let g = h / (s.n_heads / s.n_kv_heads);
     let first = sc.first(p);
     let n_keys = p + 1 - first;
+    let at = |h: usize| (u * s.n_heads + h) * hd;
+    let qs: [&[f32]; HEADS_AT_ONCE] = std::array::from_fn(|i| match i < m {
+        true => &q[at(hs[i])..at(hs[i]) + hd],
+        false => &[],
+    });
+    assert!(
+        at(hs[m - 1]) + hd <= q.len(),
+        "attention: a head past the queries"
+    );
+    let mut os: [&mut [f32]; HEADS_AT_ONCE] = std::array::from_fn(|i| match i < m {
+        // SAFETY: inside `out` (the same extent as `q`, asserted above for the last and
+        // largest head), written by this task alone (the caller's contract).
+        true => unsafe { std::slice::from_raw_parts_mut(out.get().add(at(hs[i])), hd) },
+        false => &mut [],
+    });
     SCORES.with_borrow_mut(|scores| {
-        scores.resize(n_keys, 0.0);
-        let scores = &mut scores[..n_keys];
+        scores.resize(m * n_keys, 0.0);
+        let mut parts = scores.chunks_exact_mut(n_keys);
+        let mut sc_of: [&mut [f32]; HEADS_AT_ONCE] =
+            std::array::from_fn(|_| parts.next().unwrap_or_default());
         // Keys j of kv head g are rows of `k[g * hd..]` at stride `kv_stride`; values alike.
         let at = first * kv_stride + g * hd;
         match k {
-            KvSlice::F32(k) => (kern.dot_rows)(qh, &k[at..], kv_stride, scores),
-            KvSlice::F16(k) => (kern.dot_rows_f16)(qh, &k[at..], kv_stride, scores),
+            KvSlice::F32(k) => (kern.dot_rows_many)(&qs[..m], &k[at..], kv_stride, &mut sc_of[..m]),
+            KvSlice::F16(k) => {
+                (kern.dot_rows_many_f16)(&qs[..m], &k[at..], kv_stride, &mut sc_of[..m])
+            }
         }
-        (kern.softmax)(scores, sc);
+        for scores in sc_of[..m].iter_mut() {
+            (kern.softmax)(scores, sc);
+        }
+        let mut it = sc_of.iter();
+        let a: [&[f32]; HEADS_AT_ONCE] =
+            std::array::from_fn(|_| it.next().map_or(&[][..], |x| &**x));
         match v {
-            KvSlice::F32(v) => (kern.axpy_rows)(scores, &v[at..], kv_stride, o),
-            KvSlice::F16(v) => (kern.axpy_rows_f16)(scores, &v[at..], kv_stride, o),
+            KvSlice::F32(v) => (kern.axpy_rows_many)(&a[..m], &v[at..], kv_stride, &mut os[..m]),
+            KvSlice::F16(v) => {
+                (kern.axpy_rows_many_f16)(&a[..m], &v[at..], kv_stride, &mut os[..m])
+            }
         }
     });
 }

@@ -31,6 +31,55 @@ pub fn select_f16(isa: Isa) -> AxpyRowsFn<f16> {
     }
 }
 
+/// `(as, x, stride, ys)`: several weightings of the same rows (the query heads of one KV group
+/// over its values), `ys[h] += sum_j as[h][j] * x_j`, each `ys[h]` bit for bit what
+/// [`AxpyRowsFn`] of the same tier gives it alone (every column sums its rows in order). The x86
+/// tiers read each row once for up to 2 (AVX2) or 4 (AVX-512) weightings.
+pub type AxpyRowsManyFn<T = f32> = fn(&[&[f32]], &[T], usize, &mut [&mut [f32]]);
+
+pub fn select_many(isa: Isa) -> AxpyRowsManyFn {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => avx512_many,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => avx2_many,
+        Isa::Portable | Isa::Neon | Isa::Dotprod => |a, x, st, y| each(portable, a, x, st, y),
+        _ => |a, x, st, y| each(scalar, a, x, st, y),
+    }
+}
+
+/// The same over f16 rows.
+pub fn select_many_f16(isa: Isa) -> AxpyRowsManyFn<f16> {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => avx512_many_f16,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => avx2_many_f16,
+        Isa::Portable | Isa::Neon | Isa::Dotprod => |a, x, st, y| each(portable, a, x, st, y),
+        _ => |a, x, st, y| each(scalar, a, x, st, y),
+    }
+}
+
+/// An [`AxpyRowsManyFn`] as one call of `f` per weighting.
+fn each<T>(f: AxpyRowsFn<T>, a: &[&[f32]], x: &[T], stride: usize, ys: &mut [&mut [f32]]) {
+    check_many(a, ys);
+    for (a, y) in a.iter().zip(ys.iter_mut()) {
+        f(a, x, stride, y);
+    }
+}
+
+/// As many weightings as outputs, the weightings of one length, the outputs of one length.
+fn check_many(a: &[&[f32]], ys: &[&mut [f32]]) {
+    assert!(
+        a.len() == ys.len()
+            && a.iter().all(|w| w.len() == a[0].len())
+            && ys.iter().all(|y| y.len() == ys[0].len()),
+        "axpy_rows: {} weightings for {} outputs, or lengths that differ",
+        a.len(),
+        ys.len()
+    );
+}
+
 fn check<T>(a: &[f32], x: &[T], stride: usize, y: &[f32]) {
     assert!(
         a.is_empty() || (stride >= y.len() && x.len() >= (a.len() - 1) * stride + y.len()),
@@ -164,6 +213,141 @@ unsafe fn avx2_f16_impl(a: &[f32], x: &[f16], stride: usize, y: &mut [f32]) {
     });
 }
 
+/// One tier's entry of [`AxpyRowsManyFn`] for rows of `$t`: checks every extent, then runs
+/// `$impl` on at most `$max` weightings at a time, and the scalar tail columns of each.
+#[cfg(target_arch = "x86_64")]
+macro_rules! many_entry {
+    ($name:ident, $t:ty, $impl:ident, $max:expr) => {
+        fn $name(a: &[&[f32]], x: &[$t], stride: usize, ys: &mut [&mut [f32]]) {
+            check_many(a, ys);
+            if let (Some(a), Some(y)) = (a.first(), ys.first()) {
+                check(a, x, stride, y);
+            }
+            for (a, y) in a.chunks($max).zip(ys.chunks_mut($max)) {
+                // SAFETY: handed out by `select_many*` only for tiers whose features this CPU
+                // has; every weighting and output has the checked lengths.
+                unsafe {
+                    match a.len() {
+                        1 => $impl::<1>(a, x, stride, y),
+                        2 => $impl::<2>(a, x, stride, y),
+                        3 => $impl::<3>(a, x, stride, y),
+                        _ => $impl::<4>(a, x, stride, y),
+                    }
+                }
+            }
+            for (a, y) in a.iter().zip(ys.iter_mut()) {
+                tail(a, x, stride, y, y.len() / 8 * 8);
+            }
+        }
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+many_entry!(avx2_many, f32, avx2_many_impl, 2);
+#[cfg(target_arch = "x86_64")]
+many_entry!(avx2_many_f16, f16, avx2_many_f16_impl, 2);
+#[cfg(target_arch = "x86_64")]
+many_entry!(avx512_many, f32, avx512_many_impl, 4);
+#[cfg(target_arch = "x86_64")]
+many_entry!(avx512_many_f16, f16, avx512_many_f16_impl, 4);
+
+/// The x86 many-weighting bodies over rows of f32 (`$name`) and f16 (`$name_f16`), compiled
+/// with `$features` (the AVX-512 tier's: the same AVX2 code with 32 registers).
+#[cfg(target_arch = "x86_64")]
+macro_rules! many_bodies {
+    ($name:ident, $name_f16:ident, $features:literal) => {
+        #[target_feature(enable = $features)]
+        unsafe fn $name<const Q: usize>(
+            a: &[&[f32]],
+            x: &[f32],
+            stride: usize,
+            ys: &mut [&mut [f32]],
+        ) {
+            use std::arch::x86_64::*;
+            let xp = x.as_ptr();
+            in_blocks_many::<Q>(a, ys, |j, c| _mm256_loadu_ps(xp.add(j * stride + c)));
+        }
+
+        #[target_feature(enable = $features)]
+        unsafe fn $name_f16<const Q: usize>(
+            a: &[&[f32]],
+            x: &[f16],
+            stride: usize,
+            ys: &mut [&mut [f32]],
+        ) {
+            use std::arch::x86_64::*;
+            let xp = x.as_ptr();
+            in_blocks_many::<Q>(a, ys, |j, c| {
+                _mm256_cvtph_ps(_mm_loadu_si128(xp.add(j * stride + c) as *const __m128i))
+            });
+        }
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+many_bodies!(avx2_many_impl, avx2_many_f16_impl, "avx2,fma,f16c");
+#[cfg(target_arch = "x86_64")]
+many_bodies!(
+    avx512_many_impl,
+    avx512_many_f16_impl,
+    "avx2,fma,f16c,avx512f,avx512vl"
+);
+
+/// [`in_blocks`] for the first `Q` weightings `a` and outputs `ys` at once: 32 columns of each
+/// in 4 registers, then 8 in 1, each row's values loaded once for all `Q`; each column of each
+/// output sums its rows in order, as [`in_blocks`] does.
+///
+/// # Safety
+/// As [`in_blocks`], for each of the `Q` weightings (all of one length) and outputs (all of
+/// one length).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn in_blocks_many<const Q: usize>(
+    a: &[&[f32]],
+    ys: &mut [&mut [f32]],
+    load: impl Fn(usize, usize) -> std::arch::x86_64::__m256,
+) {
+    let n = ys[0].len();
+    let yp: [*mut f32; Q] = std::array::from_fn(|h| ys[h].as_mut_ptr());
+    let mut c = 0;
+    while c + 32 <= n {
+        columns_many::<4, Q>(a, yp, c, &load);
+        c += 32;
+    }
+    while c + 8 <= n {
+        columns_many::<1, Q>(a, yp, c, &load);
+        c += 8;
+    }
+}
+
+/// Columns `c..c + 8 * U` of each of the `Q` outputs in registers (see [`in_blocks_many`]).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn columns_many<const U: usize, const Q: usize>(
+    a: &[&[f32]],
+    yp: [*mut f32; Q],
+    c: usize,
+    load: &impl Fn(usize, usize) -> std::arch::x86_64::__m256,
+) {
+    use std::arch::x86_64::*;
+    let mut acc: [[__m256; U]; Q] =
+        std::array::from_fn(|h| std::array::from_fn(|u| _mm256_loadu_ps(yp[h].add(c + 8 * u))));
+    for j in 0..a[0].len() {
+        let r: [__m256; U] = std::array::from_fn(|u| load(j, c + 8 * u));
+        for (h, acc) in acc.iter_mut().enumerate() {
+            let av = _mm256_set1_ps(*a[h].get_unchecked(j));
+            for (u, acc) in acc.iter_mut().enumerate() {
+                *acc = _mm256_fmadd_ps(r[u], av, *acc);
+            }
+        }
+    }
+    for (h, acc) in acc.iter().enumerate() {
+        for (u, acc) in acc.iter().enumerate() {
+            _mm256_storeu_ps(yp[h].add(c + 8 * u), *acc);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::{AxpyRowsFn, RowElem};
@@ -203,6 +387,62 @@ mod tests {
     #[test]
     fn tiers_match_reference() {
         tiers_match(super::select, |v| v);
+    }
+
+    /// Each tier's many-weighting sum gives every output what its one-weighting sum gives it,
+    /// bit for bit: 1 to 5 weightings, ragged widths, row counts and strides; and refuses
+    /// weightings of different lengths.
+    fn many_match<T: RowElem>(
+        one: fn(Isa) -> AxpyRowsFn<T>,
+        many: fn(Isa) -> super::AxpyRowsManyFn<T>,
+        from: fn(f32) -> T,
+    ) {
+        for isa in Isa::supported() {
+            let (one, many) = (one(isa), many(isa));
+            for (n, rows, pad) in ROW_CASES {
+                let stride = n + pad;
+                let x: Vec<T> = (random_f32(rows * stride, 5 + n as u64).into_iter())
+                    .map(from)
+                    .collect();
+                let a: Vec<Vec<f32>> = (0..5).map(|h| random_f32(rows, 60 + h)).collect();
+                let y0: Vec<Vec<f32>> = (0..5).map(|h| random_f32(n, 70 + h)).collect();
+                for q in 1..=5 {
+                    let w: Vec<&[f32]> = a[..q].iter().map(|a| &a[..]).collect();
+                    let mut got: Vec<Vec<f32>> = y0[..q].to_vec();
+                    let mut ys: Vec<&mut [f32]> = got.iter_mut().map(|y| &mut y[..]).collect();
+                    many(&w, &x, stride, &mut ys);
+                    for (h, g) in got.iter().enumerate() {
+                        let mut want = y0[h].clone();
+                        one(&a[h], &x, stride, &mut want);
+                        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(g), bits(&want), "{isa} n {n} rows {rows}: {h} of {q}");
+                    }
+                }
+                if rows > 0 {
+                    let short = vec![0f32; rows - 1];
+                    let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        let mut o = [vec![0f32; n], vec![0f32; n]];
+                        let [p, q] = &mut o;
+                        many(&[&a[0][..rows], &short], &x, stride, &mut [p, q]);
+                    }));
+                    assert!(
+                        refused.is_err(),
+                        "{isa}: weightings of {rows} and {}",
+                        rows - 1
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn many_weightings_equal_one_weighting_sums() {
+        many_match(super::select, super::select_many, |v| v);
+        many_match(
+            super::select_f16,
+            super::select_many_f16,
+            half::f16::from_f32,
+        );
     }
 
     #[test]

@@ -30,6 +30,61 @@ pub fn select_f16(isa: Isa) -> DotRowsFn<f16> {
     }
 }
 
+/// `(xs, rows, stride, outs)`: several vectors against the same rows (the query heads of one
+/// KV group against its keys), `outs[h]` as [`DotRowsFn`] of the same tier gives `xs[h]` alone,
+/// bit for bit. The x86 tiers read each row once for up to [`MANY_AVX2`] (AVX2) or
+/// [`MANY_AVX512`] (AVX-512: 32 registers) vectors; the others go vector by vector.
+pub type DotRowsManyFn<T = f32> = fn(&[&[f32]], &[T], usize, &mut [&mut [f32]]);
+
+/// Vectors per read of the rows on the AVX2 tier (16 registers: 4 rows' sums per vector).
+pub const MANY_AVX2: usize = 2;
+/// The same on the AVX-512 tier.
+pub const MANY_AVX512: usize = 4;
+
+pub fn select_many(isa: Isa) -> DotRowsManyFn {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => avx512_many,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => avx2_many,
+        Isa::Portable | Isa::Neon | Isa::Dotprod => |xs, r, st, o| each(portable, xs, r, st, o),
+        _ => |xs, r, st, o| each(scalar, xs, r, st, o),
+    }
+}
+
+/// The same over f16 rows.
+pub fn select_many_f16(isa: Isa) -> DotRowsManyFn<f16> {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => avx512_many_f16,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => avx2_many_f16,
+        Isa::Portable | Isa::Neon | Isa::Dotprod => |xs, r, st, o| each(portable, xs, r, st, o),
+        _ => |xs, r, st, o| each(scalar, xs, r, st, o),
+    }
+}
+
+/// A [`DotRowsManyFn`] as one call of `f` per vector.
+fn each<T>(f: DotRowsFn<T>, xs: &[&[f32]], rows: &[T], stride: usize, outs: &mut [&mut [f32]]) {
+    check_many(xs, outs);
+    for (x, o) in xs.iter().zip(outs.iter_mut()) {
+        f(x, rows, stride, o);
+    }
+}
+
+/// As many vectors as outputs, all of one length, and outputs all of one length.
+fn check_many(xs: &[&[f32]], outs: &[&mut [f32]]) {
+    let same = |a: usize, b: usize| a == b;
+    assert!(
+        xs.len() == outs.len()
+            && xs.iter().all(|x| same(x.len(), xs[0].len()))
+            && outs.iter().all(|o| same(o.len(), outs[0].len())),
+        "dot_rows: {} vectors for {} outputs, or lengths that differ",
+        xs.len(),
+        outs.len()
+    );
+}
+
 fn check<T>(x: &[f32], rows: &[T], stride: usize, out: &[f32]) {
     assert!(
         out.is_empty() || (stride >= x.len() && rows.len() >= (out.len() - 1) * stride + x.len()),
@@ -74,26 +129,7 @@ pub fn portable<T: RowElem>(x: &[f32], rows: &[T], stride: usize, out: &mut [f32
 fn avx2(x: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
     check(x, rows, stride, out);
     // SAFETY: handed out by `select` only for tiers whose features this CPU has; bounds checked.
-    unsafe { avx2_impl(x, rows, stride, out) }
-}
-
-/// Rows dotted together by the x86 tiers: four independent sums in flight (a decode step's
-/// keys are short rows, 64 or 128 values, so one sum's chain of multiply-adds and its own
-/// horizontal sum would bound the loop), reduced together at the end.
-#[cfg(target_arch = "x86_64")]
-const BLOCK: usize = 4;
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn avx2_impl(x: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
-    use std::arch::x86_64::*;
-    let row = |j: usize| rows.as_ptr().add(j * stride);
-    rows_in_blocks(
-        x,
-        out,
-        |c, j| _mm256_loadu_ps(row(j).add(c)),
-        |i, j| *row(j).add(i),
-    );
+    unsafe { avx2_impl::<1>(&[x], rows, stride, &mut [out]) }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -101,69 +137,164 @@ fn avx2_f16(x: &[f32], rows: &[f16], stride: usize, out: &mut [f32]) {
     check(x, rows, stride, out);
     // SAFETY: handed out by `select_f16` only for tiers whose features (AVX2, FMA, F16C) this
     // CPU has; every row read lies inside `rows` (checked above).
-    unsafe { avx2_f16_impl(x, rows, stride, out) }
+    unsafe { avx2_f16_impl::<1>(&[x], rows, stride, &mut [out]) }
+}
+
+/// One tier's entry of [`DotRowsManyFn`] for rows of `$t`: checks every extent, then runs
+/// `$impl` on at most `$max` vectors at a time.
+#[cfg(target_arch = "x86_64")]
+macro_rules! many_entry {
+    ($name:ident, $t:ty, $impl:ident, $max:expr) => {
+        fn $name(xs: &[&[f32]], rows: &[$t], stride: usize, outs: &mut [&mut [f32]]) {
+            check_many(xs, outs);
+            if let (Some(x), Some(o)) = (xs.first(), outs.first()) {
+                check(x, rows, stride, o);
+            }
+            for (x, o) in xs.chunks($max).zip(outs.chunks_mut($max)) {
+                // SAFETY: handed out by `select_many*` only for tiers whose features this CPU
+                // has; every vector and output has the checked lengths.
+                unsafe {
+                    match x.len() {
+                        1 => $impl::<1>(x, rows, stride, o),
+                        2 => $impl::<2>(x, rows, stride, o),
+                        3 => $impl::<3>(x, rows, stride, o),
+                        _ => $impl::<4>(x, rows, stride, o),
+                    }
+                }
+            }
+        }
+    };
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn avx2_f16_impl(x: &[f32], rows: &[f16], stride: usize, out: &mut [f32]) {
-    use std::arch::x86_64::*;
-    let row = |j: usize| rows.as_ptr().add(j * stride);
-    let load =
-        |c: usize, j: usize| _mm256_cvtph_ps(_mm_loadu_si128(row(j).add(c) as *const __m128i));
-    rows_in_blocks(x, out, load, |i, j| (*row(j).add(i)).to_f32());
+many_entry!(avx2_many, f32, avx2_impl, MANY_AVX2);
+#[cfg(target_arch = "x86_64")]
+many_entry!(avx2_many_f16, f16, avx2_f16_impl, MANY_AVX2);
+#[cfg(target_arch = "x86_64")]
+many_entry!(avx512_many, f32, avx512_impl, MANY_AVX512);
+#[cfg(target_arch = "x86_64")]
+many_entry!(avx512_many_f16, f16, avx512_f16_impl, MANY_AVX512);
+
+/// The x86 bodies over rows of f32 (`$name`) and of f16 (`$name_f16`, widened by F16C),
+/// compiled with `$features`: the AVX2 tier's, and the AVX-512 tier's (the same AVX2 code with
+/// 32 registers, room for 4 vectors' sums).
+#[cfg(target_arch = "x86_64")]
+macro_rules! bodies {
+    ($name:ident, $name_f16:ident, $features:literal) => {
+        #[target_feature(enable = $features)]
+        unsafe fn $name<const Q: usize>(
+            xs: &[&[f32]],
+            rows: &[f32],
+            stride: usize,
+            outs: &mut [&mut [f32]],
+        ) {
+            use std::arch::x86_64::*;
+            let row = |j: usize| rows.as_ptr().add(j * stride);
+            rows_in_blocks::<Q>(
+                xs,
+                outs,
+                |c, j| _mm256_loadu_ps(row(j).add(c)),
+                |i, j| *row(j).add(i),
+            );
+        }
+
+        #[target_feature(enable = $features)]
+        unsafe fn $name_f16<const Q: usize>(
+            xs: &[&[f32]],
+            rows: &[f16],
+            stride: usize,
+            outs: &mut [&mut [f32]],
+        ) {
+            use std::arch::x86_64::*;
+            let row = |j: usize| rows.as_ptr().add(j * stride);
+            let load = |c: usize, j: usize| {
+                _mm256_cvtph_ps(_mm_loadu_si128(row(j).add(c) as *const __m128i))
+            };
+            rows_in_blocks::<Q>(xs, outs, load, |i, j| (*row(j).add(i)).to_f32());
+        }
+    };
 }
 
-/// `out[j] = x . row j` for every `j`: the rows in blocks of [`BLOCK`], each row's eight-wide
-/// sum over `x`'s whole groups of 8 (`load(c, j)`: row `j`'s values `c..c + 8`), the block's
-/// sums reduced together, then the tail values (`value(i, j)`) added in order; the rows past
-/// the last whole block one by one, the same way.
+#[cfg(target_arch = "x86_64")]
+bodies!(avx2_impl, avx2_f16_impl, "avx2,fma,f16c");
+#[cfg(target_arch = "x86_64")]
+bodies!(
+    avx512_impl,
+    avx512_f16_impl,
+    "avx2,fma,f16c,avx512f,avx512vl"
+);
+
+/// Rows dotted together by the x86 tiers: four independent sums in flight (a decode step's
+/// keys are short rows, 64 or 128 values, so one sum's chain of multiply-adds and its own
+/// horizontal sum would bound the loop), reduced together at the end.
+#[cfg(target_arch = "x86_64")]
+const BLOCK: usize = 4;
+
+/// `outs[h][j] = xs[h] . row j` for every `j` and each of the `Q` vectors (the first `Q` of
+/// `xs` and `outs`): the rows in blocks of [`BLOCK`], each row's eight-wide sum over the
+/// vectors' whole groups of 8 (`load(c, j)`: row `j`'s values `c..c + 8`, loaded once for all
+/// `Q`), the block's sums reduced together, then the tail values (`value(i, j)`) added in order;
+/// the rows past the last whole block one by one, the same way. Each vector's operations are
+/// the same at any `Q`, so its outputs are too.
 ///
 /// # Safety
-/// The caller's tier has AVX2 and FMA (and what `load` needs); `load` and `value` read inside
-/// the rows for every `j < out.len()`, `c + 8 <= x.len()` and `i < x.len()`.
+/// The caller's tier has AVX2 and FMA (and what `load` needs); `xs` and `outs` hold at least
+/// `Q` entries, the vectors of one length, the outputs of one length; `load` and `value` read
+/// inside the rows for every `j < outs[0].len()`, `c + 8 <= xs[0].len()` and `i < xs[0].len()`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn rows_in_blocks(
-    x: &[f32],
-    out: &mut [f32],
+unsafe fn rows_in_blocks<const Q: usize>(
+    xs: &[&[f32]],
+    outs: &mut [&mut [f32]],
     load: impl Fn(usize, usize) -> std::arch::x86_64::__m256,
     value: impl Fn(usize, usize) -> f32,
 ) {
     use super::x86::hsum_ps;
     use std::arch::x86_64::*;
-    let n8 = x.len() / 8 * 8;
-    let tail = |j: usize| -> f32 {
-        (x.iter().enumerate().skip(n8)).fold(0.0, |s, (i, &xi)| s + xi * value(i, j))
-    };
-    let full = out.len() / BLOCK * BLOCK;
+    let (n, n_out) = (xs[0].len(), outs[0].len());
+    let n8 = n / 8 * 8;
+    let xp: [*const f32; Q] = std::array::from_fn(|h| xs[h].as_ptr());
+    let op: [*mut f32; Q] = std::array::from_fn(|h| outs[h].as_mut_ptr());
+    let tail =
+        |h: usize, j: usize| -> f32 { (n8..n).fold(0.0, |s, i| s + *xp[h].add(i) * value(i, j)) };
+    let full = n_out / BLOCK * BLOCK;
     for j in (0..full).step_by(BLOCK) {
-        let mut acc = [_mm256_setzero_ps(); BLOCK];
+        let mut acc = [[_mm256_setzero_ps(); BLOCK]; Q];
         for c in (0..n8).step_by(8) {
-            let xv = _mm256_loadu_ps(x.as_ptr().add(c));
-            for (b, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_fmadd_ps(load(c, j + b), xv, *a);
+            let r: [__m256; BLOCK] = std::array::from_fn(|b| load(c, j + b));
+            for (h, acc) in acc.iter_mut().enumerate() {
+                let xv = _mm256_loadu_ps(xp[h].add(c));
+                for (b, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(r[b], xv, *a);
+                }
             }
         }
-        // Four horizontal sums at once: pairs, then pairs of pairs, then the two halves.
-        let (h01, h23) = (
-            _mm256_hadd_ps(acc[0], acc[1]),
-            _mm256_hadd_ps(acc[2], acc[3]),
-        );
-        let h = _mm256_hadd_ps(h01, h23);
-        let sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-        let mut s = [0f32; BLOCK];
-        _mm_storeu_ps(s.as_mut_ptr(), sums);
-        for (b, o) in out[j..j + BLOCK].iter_mut().enumerate() {
-            *o = s[b] + tail(j + b);
+        for (h, acc) in acc.iter().enumerate() {
+            // Four horizontal sums at once: pairs, then pairs of pairs, then the two halves.
+            let (h01, h23) = (
+                _mm256_hadd_ps(acc[0], acc[1]),
+                _mm256_hadd_ps(acc[2], acc[3]),
+            );
+            let v = _mm256_hadd_ps(h01, h23);
+            let sums = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+            let mut s = [0f32; BLOCK];
+            _mm_storeu_ps(s.as_mut_ptr(), sums);
+            for (b, &sb) in s.iter().enumerate() {
+                *op[h].add(j + b) = sb + tail(h, j + b);
+            }
         }
     }
-    for (j, o) in out.iter_mut().enumerate().skip(full) {
-        let mut acc = _mm256_setzero_ps();
+    for j in full..n_out {
+        let mut acc = [_mm256_setzero_ps(); Q];
         for c in (0..n8).step_by(8) {
-            acc = _mm256_fmadd_ps(load(c, j), _mm256_loadu_ps(x.as_ptr().add(c)), acc);
+            let r = load(c, j);
+            for (h, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_fmadd_ps(r, _mm256_loadu_ps(xp[h].add(c)), *a);
+            }
         }
-        *o = hsum_ps(acc) + tail(j);
+        for (h, a) in acc.iter().enumerate() {
+            *op[h].add(j) = hsum_ps(*a) + tail(h, j);
+        }
     }
 }
 
@@ -204,6 +335,57 @@ mod tests {
     #[test]
     fn tiers_match_reference() {
         tiers_match(super::select, |v| v);
+    }
+
+    /// Each tier's many-vector dot gives every vector what its one-vector dot gives it, bit for
+    /// bit: 1 to 5 vectors (past one read of the rows on every tier), ragged widths, row counts
+    /// and strides; and refuses vectors of different lengths.
+    fn many_match<T: RowElem>(
+        one: fn(Isa) -> DotRowsFn<T>,
+        many: fn(Isa) -> super::DotRowsManyFn<T>,
+        from: fn(f32) -> T,
+    ) {
+        for isa in Isa::supported() {
+            let (one, many) = (one(isa), many(isa));
+            for (n, rows, pad) in ROW_CASES {
+                let stride = n + pad;
+                let r: Vec<T> = (random_f32(rows * stride, 3 + n as u64).into_iter())
+                    .map(from)
+                    .collect();
+                let xs: Vec<Vec<f32>> = (0..5).map(|h| random_f32(n, 50 + h)).collect();
+                for q in 1..=5 {
+                    let x: Vec<&[f32]> = xs[..q].iter().map(|x| &x[..]).collect();
+                    let mut got = vec![vec![f32::NAN; rows]; q];
+                    let mut outs: Vec<&mut [f32]> = got.iter_mut().map(|o| &mut o[..]).collect();
+                    many(&x, &r, stride, &mut outs);
+                    for (h, g) in got.iter().enumerate() {
+                        let mut want = vec![f32::NAN; rows];
+                        one(&xs[h], &r, stride, &mut want);
+                        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(g), bits(&want), "{isa} n {n} rows {rows}: {h} of {q}");
+                    }
+                }
+                if n > 0 {
+                    let short = vec![0f32; n - 1];
+                    let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        let mut o = [vec![0f32; rows], vec![0f32; rows]];
+                        let [a, b] = &mut o;
+                        many(&[&xs[0][..n], &short], &r, stride, &mut [a, b]);
+                    }));
+                    assert!(refused.is_err(), "{isa}: vectors of {n} and {}", n - 1);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn many_vectors_equal_one_vector_dots() {
+        many_match(super::select, super::select_many, |v| v);
+        many_match(
+            super::select_f16,
+            super::select_many_f16,
+            half::f16::from_f32,
+        );
     }
 
     #[test]

@@ -42,6 +42,12 @@ pub struct Kernels {
     /// The same two over f16 rows (an f16 KV cache).
     pub dot_rows_f16: dot_rows::DotRowsFn<half::f16>,
     pub axpy_rows_f16: axpy::AxpyRowsFn<half::f16>,
+    /// The four above for several query heads of one KV group at once (each head's result
+    /// that of the one-head kernel; the x86 tiers read each key and value row once for 2 or 4).
+    pub dot_rows_many: dot_rows::DotRowsManyFn,
+    pub axpy_rows_many: axpy::AxpyRowsManyFn,
+    pub dot_rows_many_f16: dot_rows::DotRowsManyFn<half::f16>,
+    pub axpy_rows_many_f16: axpy::AxpyRowsManyFn<half::f16>,
     /// Weighted sum of a few quantized rows (the sparse down projection).
     pub axpy_q: axpy_q::AxpyQFn,
     /// The same over a block of 32 rows of an input-block matrix (input sparsity).
@@ -111,6 +117,10 @@ impl Kernels {
             softmax: softmax::select(isa),
             dot_rows_f16: dot_rows::select_f16(isa),
             axpy_rows_f16: axpy::select_f16(isa),
+            dot_rows_many: dot_rows::select_many(isa),
+            axpy_rows_many: axpy::select_many(isa),
+            dot_rows_many_f16: dot_rows::select_many_f16(isa),
+            axpy_rows_many_f16: axpy::select_many_f16(isa),
             axpy_q: axpy_q::select(isa),
             axpy_blocks: axpy_blocks_i8::select(isa).unwrap_or(axpy_blocks::select(isa)),
             dots: dots_with(true),
@@ -173,6 +183,10 @@ impl Kernels {
             softmax: softmax::scalar,
             dot_rows_f16: dot_rows::scalar,
             axpy_rows_f16: axpy::scalar,
+            dot_rows_many: dot_rows::select_many(Isa::Scalar),
+            axpy_rows_many: axpy::select_many(Isa::Scalar),
+            dot_rows_many_f16: dot_rows::select_many_f16(Isa::Scalar),
+            axpy_rows_many_f16: axpy::select_many_f16(Isa::Scalar),
             axpy_q: axpy_q::scalar,
             axpy_blocks: axpy_blocks::scalar,
             dots,
