@@ -318,6 +318,36 @@ fn input_blocks(c: &mut Criterion) {
     }
 }
 
+/// Attention's softmax over one head's 512 scores and the MLP's SiLU GLU over SmolLM2's 1536
+/// neurons, on every tier (elements per second).
+fn activations(c: &mut Criterion) {
+    use dejavu_backend_api::{Activation, Scoring};
+    let scores: Vec<f32> = (0..512).map(|i| (i as f32 * 0.37).sin() * 4.0).collect();
+    let gate: Vec<f32> = (0..1536).map(|i| (i as f32 * 0.11).cos() * 5.0).collect();
+    let up: Vec<f32> = (0..1536).map(|i| (i as f32 * 0.07).sin()).collect();
+    let mut g = c.benchmark_group("activations");
+    for isa in Isa::supported() {
+        let k = Kernels::for_isa(isa).unwrap();
+        let mut x = scores.clone();
+        g.throughput(Throughput::Elements(scores.len() as u64));
+        g.bench_function(BenchmarkId::new("softmax_512", isa), |b| {
+            b.iter(|| {
+                x.copy_from_slice(&scores);
+                (k.softmax)(&mut x, Scoring::plain(64))
+            })
+        });
+        let mut y = gate.clone();
+        g.throughput(Throughput::Elements(gate.len() as u64));
+        g.bench_function(BenchmarkId::new("silu_glu_1536", isa), |b| {
+            b.iter(|| {
+                y.copy_from_slice(&gate);
+                (k.glu)(Activation::Silu, &mut y, &up)
+            })
+        });
+    }
+    g.finish();
+}
+
 criterion_group!(
     benches,
     matvec,
@@ -325,6 +355,7 @@ criterion_group!(
     sparse,
     axpy_kernel,
     row_dot_kernel,
-    input_blocks
+    input_blocks,
+    activations
 );
 criterion_main!(benches);

@@ -560,7 +560,22 @@ impl Device for CpuDevice {
     ) -> Result<(), BackendError> {
         need("glu gate", gate.len(), n)?;
         need("glu up", up.len(), n)?;
-        (self.cpu.kernels.glu)(act, &mut gate[..n], &up[..n]);
+        let glu = self.cpu.kernels.glu;
+        // A prompt's batch: chunks across the pool. Chunks start at multiples of 8, so each
+        // value takes the same lane or tail path of the kernel as in one call.
+        const CHUNK: usize = 8192;
+        if n < 4 * CHUNK || self.cpu.pool.threads() == 1 {
+            glu(act, &mut gate[..n], &up[..n]);
+            return Ok(());
+        }
+        let gp = crate::matmul::SyncPtr::new(gate.as_mut_ptr());
+        self.cpu.pool.run(n.div_ceil(CHUNK), &|i| {
+            let (a, b) = (i * CHUNK, ((i + 1) * CHUNK).min(n));
+            // SAFETY: chunk `i` is `gate[a..b]`, inside `gate[..n]` (checked above), written by
+            // this task alone; `gate` outlives `pool.run`.
+            let g = unsafe { std::slice::from_raw_parts_mut(gp.get().add(a), b - a) };
+            glu(act, g, &up[a..b]);
+        });
         Ok(())
     }
 

@@ -6,7 +6,8 @@
 //! value. The SIMD tier (`portable`, every other tier) runs 8 lanes of `wide`'s polynomial
 //! `exp` (Cephes' degree-5 polynomial after a reduction by ln 2, within a few ulp over the
 //! softmax's range `x - max <= 0`; 0 below -87.3, where the true value is under f32's normal
-//! range) and multiplies by `1 / sum`: it differs from the reference by rounding only. The cap's
+//! range) and multiplies by `1 / sum`: it differs from the reference by rounding only. The x86
+//! tiers (`avx2`) run the same passes and polynomial in AVX2 intrinsics. The cap's
 //! `tanh` stays scalar on every tier. A NaN score gives NaN everywhere on every tier: nothing
 //! hides it.
 use crate::isa::Isa;
@@ -19,8 +20,69 @@ pub type SoftmaxFn = fn(&mut [f32], Scoring);
 pub fn select(isa: Isa) -> SoftmaxFn {
     match isa {
         Isa::Scalar => scalar,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 => avx2,
         _ => portable,
     }
+}
+
+/// The x86 tiers: [`portable`]'s passes in AVX2 intrinsics with [`super::x86::exp_ps`] (`wide`
+/// compiles its 8 lanes as pairs of SSE operations in a build for baseline x86-64).
+#[cfg(target_arch = "x86_64")]
+fn avx2(x: &mut [f32], sc: Scoring) {
+    // SAFETY: handed out by `select` only for tiers whose features (AVX2, FMA) this CPU has.
+    unsafe { avx2_impl(x, sc) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn avx2_impl(x: &mut [f32], sc: Scoring) {
+    use super::x86::{exp_ps, hsum_ps};
+    use std::arch::x86_64::*;
+    let (n8, p) = (x.len() / 8 * 8, x.as_mut_ptr());
+    // Scores, their maximum, and whether any is NaN (an unordered self-compare).
+    let (mut vmax, mut nan) = (_mm256_set1_ps(f32::NEG_INFINITY), _mm256_setzero_ps());
+    match sc.softcap {
+        None => {
+            let scale = _mm256_set1_ps(sc.scale);
+            for c in (0..n8).step_by(8) {
+                let v = _mm256_mul_ps(_mm256_loadu_ps(p.add(c)), scale);
+                nan = _mm256_or_ps(nan, _mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
+                vmax = _mm256_max_ps(vmax, v);
+                _mm256_storeu_ps(p.add(c), v);
+            }
+            x[n8..].iter_mut().for_each(|v| *v = sc.score(*v));
+        }
+        Some(_) => x.iter_mut().for_each(|v| *v = sc.score(*v)),
+    }
+    let mut lanes = [0f32; 8];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), vmax);
+    let max = (lanes.iter().chain(&*x)).fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    if _mm256_movemask_ps(nan) != 0 || x.iter().any(|v| v.is_nan()) {
+        return x.fill(f32::NAN);
+    }
+    // exp(x - max) in 8 lanes, the tail padded with -inf (whose exp is 0).
+    let (m, mut vsum) = (_mm256_set1_ps(max), _mm256_setzero_ps());
+    for c in (0..n8).step_by(8) {
+        let e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(p.add(c)), m));
+        vsum = _mm256_add_ps(vsum, e);
+        _mm256_storeu_ps(p.add(c), e);
+    }
+    let tail = &mut x[n8..];
+    if !tail.is_empty() {
+        let mut pad = [f32::NEG_INFINITY; 8];
+        pad[..tail.len()].copy_from_slice(tail);
+        let e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(pad.as_ptr()), m));
+        vsum = _mm256_add_ps(vsum, e);
+        _mm256_storeu_ps(pad.as_mut_ptr(), e);
+        tail.copy_from_slice(&pad[..tail.len()]);
+    }
+    let inv = 1.0 / hsum_ps(vsum);
+    let vinv = _mm256_set1_ps(inv);
+    for c in (0..n8).step_by(8) {
+        _mm256_storeu_ps(p.add(c), _mm256_mul_ps(_mm256_loadu_ps(p.add(c)), vinv));
+    }
+    x[n8..].iter_mut().for_each(|v| *v *= inv);
 }
 
 pub fn scalar(x: &mut [f32], sc: Scoring) {

@@ -263,3 +263,41 @@ pub unsafe fn pair_loop<B: Step32, const VNNI: bool, const PF: bool>(
         total + B::OFF_SCALE * lane1(_mm_add_ps(off0, off1))
     }
 }
+
+/// `e^x` in 8 lanes, Cephes' `expf` (as `wide`'s `exp`): `x = n ln 2 + r` with `|r| <= ln 2 / 2`
+/// (ln 2 in two parts, so `r` is exact), a degree-5 polynomial in `r`, times `2^n` built in the
+/// exponent bits. Within 2 ulp of `e^x` over [-87.3, 88]; 0 below -87.3 (`-inf` too, where the
+/// true value is under f32's normal range), `e^88` above 88; NaN stays NaN.
+#[inline(always)]
+pub unsafe fn exp_ps(x: __m256) -> __m256 {
+    let lo = _mm256_set1_ps(-87.336_54);
+    // max/min return their second operand when either is NaN: NaN goes through.
+    let xc = _mm256_min_ps(_mm256_set1_ps(88.0), _mm256_max_ps(lo, x));
+    let n = _mm256_floor_ps(_mm256_fmadd_ps(
+        xc,
+        _mm256_set1_ps(std::f32::consts::LOG2_E),
+        _mm256_set1_ps(0.5),
+    ));
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), xc);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+    let mut y = _mm256_set1_ps(1.987_569_1e-4);
+    for c in [
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        0.166_666_65,
+        0.5,
+    ] {
+        y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
+    }
+    let y = _mm256_add_ps(
+        _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r),
+        _mm256_set1_ps(1.0),
+    );
+    let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+        _mm256_cvttps_epi32(n),
+        _mm256_set1_epi32(127),
+    ));
+    let v = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    _mm256_andnot_ps(_mm256_cmp_ps::<_CMP_LT_OQ>(x, lo), v)
+}
