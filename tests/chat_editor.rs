@@ -110,11 +110,15 @@ fn the_chat_line_editor() {
     });
     t.keys(&["C-u"]);
     // Continuation: a line ending in `\` asks for more.
-    t.keys(&["Tell me a long story\\", "Enter"]);
+    t.keys(&["Count from 1 to 400, one number per line,\\", "Enter"]);
     t.until("the continuation prompt", |s| last_line(s).trim() == ".");
-    // Ctrl-C mid-reply stops the reply, keeps the session.
-    t.keys(&["about a dragon.", "Enter"]);
-    std::thread::sleep(Duration::from_millis(1500));
+    // Ctrl-C mid-reply stops the reply, keeps the session: sent as soon as the reply shows (a
+    // fixed wait raced the reply's end whenever the greedy reply came out short).
+    t.keys(&["and do not stop.", "Enter"]);
+    t.until("the reply's start", |s| {
+        s.split_once(". and do not stop.")
+            .is_some_and(|(_, after)| after.lines().skip(1).any(|l| !l.trim().is_empty()))
+    });
     t.keys(&["C-c"]);
     t.until("the reply stopped", |s| {
         s.contains("(reply stopped)") && last_line(s).trim() == ">"

@@ -9,7 +9,9 @@
 //! `Kernels::axpy_rows_many`; their `_f16` twins for an f16 cache), which read each key and value
 //! row once for several heads (grouped-query attention) and give each head what the one-head
 //! kernels give it, so the split into tasks never changes a result. The scores sit in a
-//! per-thread buffer grown once; their softmax is the tier's (`Kernels::softmax`).
+//! per-thread buffer grown once; their softmax is the tier's (`Kernels::softmax`). A prompt's
+//! batch of at least `attention_prompt::PROMPT_MIN` tokens goes in tiles through `gemm`
+//! instead (`attention_prompt.rs`).
 use crate::kernels::table::Kernels;
 use crate::matmul::SyncPtr;
 use crate::pool::SpinPool;
@@ -48,6 +50,9 @@ pub fn attention(
         "attention: cache length or types"
     );
     out.fill(0.0);
+    if s.n_tokens >= crate::attention_prompt::PROMPT_MIN {
+        return crate::attention_prompt::attention_prompt(kern, pool, q, k, v, heads, s, out);
+    }
     let op = SyncPtr::new(out.as_mut_ptr());
     by_groups(pool, s.n_tokens, s, heads, &|t, g, hs| {
         // SAFETY: the tasks' heads are disjoint, and each writes only its heads' outputs
@@ -296,6 +301,12 @@ mod tests {
             (6, 3, 16, 37, 6, gemma(16, Some(2.0), Some(7))),
             (9, 3, 64, 30, 3, gemma(64, Some(1.0), Some(64))),
             (2, 1, 8, 5, 3, gemma(8, None, Some(8))),
+            // Prompts in tiles (16 tokens and up): blocks of 32 and a ragged last one, windows
+            // inside a block and across blocks, a cap.
+            (6, 3, 16, 0, 40, Scoring::plain(16)),
+            (4, 2, 8, 10, 33, gemma(8, Some(0.5), Some(7))),
+            (9, 3, 64, 5, 70, Scoring::plain(64)),
+            (2, 1, 8, 0, 16, gemma(8, None, Some(20))),
         ] {
             let s = AttnShape {
                 n_heads,

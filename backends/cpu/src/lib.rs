@@ -2,6 +2,7 @@
 //! f32 references (`dequant`, `vec_dot`, `ops`, `attention`) and the per-ISA integer kernels
 //! (`kernels/`, chosen at run time by `isa`); `matmul` drives them.
 pub mod attention;
+mod attention_prompt;
 pub mod axpy_matmul;
 pub mod dequant;
 pub mod device;
