@@ -225,6 +225,24 @@ impl CudaDevice {
             return (jobs.iter_mut())
                 .try_for_each(|p| self.launch_matvec_rows_at(x, t0, nt, std::slice::from_mut(p)));
         }
+        // 8 warps a block, one output each.
+        let (mv, blocks) = self.rows_jobs(x, t0, nt, jobs, 8)?;
+        let f = self.func(&format!("matvec_rows_{}", type_suffix(jobs[0].w.qtype)));
+        let mut b = self.lane().launch_builder(f);
+        b.arg(&mv);
+        launch::run(b, launch::grid(blocks * 256, 256))
+    }
+
+    /// The `MvJobs` of rows `t0..t0 + nt` of a batch's products (one weight type), each job's
+    /// extents checked, `split` holding `nt`, and the blocks of `per_block` outputs they take.
+    fn rows_jobs(
+        &self,
+        x: &Buf,
+        t0: usize,
+        nt: usize,
+        jobs: &[Product<'_, Self>],
+        per_block: usize,
+    ) -> Result<(MvJobs, usize), BackendError> {
         let mut mv = MvJobs {
             n: jobs.len() as i32,
             split: nt as i32,
@@ -255,13 +273,9 @@ impl CudaDevice {
                 first_block: blocks as i32,
                 _pad: 0,
             };
-            // 8 warps a block, one output each.
-            blocks += o.div_ceil(8);
+            blocks += o.div_ceil(per_block);
         }
-        let f = self.func(&format!("matvec_rows_{}", type_suffix(jobs[0].w.qtype)));
-        let mut b = self.lane().launch_builder(f);
-        b.arg(&mv);
-        launch::run(b, launch::grid(blocks * 256, 256))
+        Ok((mv, blocks))
     }
 
     /// Can `jobs` go to the tensor cores (`matvec_mma{n}_T`)? The kernels' types, rows a
@@ -291,41 +305,13 @@ impl CudaDevice {
             return (jobs.iter_mut())
                 .try_for_each(|p| self.launch_mma_at(x, t0, nt, std::slice::from_mut(p)));
         }
-        let mut mv = MvJobs {
-            n: jobs.len() as i32,
-            split: nt as i32,
-            ..Default::default()
-        };
-        let (mut blocks, end) = (0, t0 + nt);
-        for (i, p) in jobs.iter().enumerate() {
-            let (w, px) = (p.w, p.x.unwrap_or(x));
-            if w.cols % 32 != 0 {
-                return Err(shape(format!("tensor-core products of rows of {}", w.cols)));
-            }
-            let (ip, n_out, group, o) = self.sel(p.rows, w.rows)?;
-            need("matmul input", px.0.len(), end * w.cols)?;
-            need("matmul output", p.y.0.len(), end * o)?;
-            if let Some(b) = p.bias {
-                need("matmul bias", b.0.len(), w.rows)?;
-            }
-            let f32s = std::mem::size_of::<f32>() as u64;
-            mv.job[i] = MvJob {
-                w: self.ptr(&w.data),
-                idx: ip,
-                bias: p.bias.map_or(0, |b| self.ptr(&b.0)),
-                y: self.ptr(&p.y.0) + (t0 * o) as u64 * f32s,
-                x: self.ptr(&px.0) + (t0 * w.cols) as u64 * f32s,
-                rows: w.rows as i32,
-                cols: w.cols as i32,
-                n_out,
-                group,
-                accumulate: p.accumulate as i32,
-                act: p.act.map_or(-1, act_code),
-                first_block: blocks as i32,
-                _pad: 0,
-            };
-            blocks += o.div_ceil(16);
+        if let Some(p) = jobs.iter().find(|p| p.w.cols % 32 != 0) {
+            return Err(shape(format!(
+                "tensor-core products of rows of {}",
+                p.w.cols
+            )));
         }
+        let (mv, blocks) = self.rows_jobs(x, t0, nt, jobs, 16)?;
         let tiles = MMA_TILES.into_iter().find(|t| 8 * t >= nt).unwrap_or(4);
         let q = type_suffix(jobs[0].w.qtype);
         let mut b = self
