@@ -313,6 +313,8 @@ mod tests {
             (4, 2, 8, 10, 33, gemma(8, Some(0.5), Some(7))),
             (9, 3, 64, 5, 70, Scoring::plain(64)),
             (2, 1, 8, 0, 16, gemma(8, None, Some(20))),
+            // A long context: blocks cut to 58 tokens (the tile's score budget), 70 tokens.
+            (2, 2, 8, 36000, 70, Scoring::plain(8)),
         ] {
             let s = AttnShape {
                 n_heads,

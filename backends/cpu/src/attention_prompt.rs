@@ -2,7 +2,8 @@
 //! least [`PROMPT_MIN`] tokens. Same formula as there (causal, the [`Scoring`]'s window, scale
 //! and cap; unselected heads 0).
 //!
-//! Per KV group `g` and block of up to [`BLOCK`] tokens (one pool task each): the keys and values
+//! Per KV group `g` and block of up to [`BLOCK`] tokens (fewer where a block's scores would pass
+//! [`MAX_SCORES`]; one pool task each): the keys and values
 //! the block reads (from the first its first token's window reaches to its last token's
 //! position) are widened to f32 once; one `gemm` gives the scores of every (token, selected
 //! head of `g`) row of the block against them (`Q K^T`); each row keeps its own causal window
@@ -26,6 +27,8 @@ use std::cell::RefCell;
 pub const PROMPT_MIN: usize = 16;
 /// Most tokens per block (a block's rows are its tokens times the group's selected heads).
 const BLOCK: usize = 64;
+/// Most scores a block's tile holds (8 MiB a thread): long contexts take fewer tokens a block.
+const MAX_SCORES: usize = 1 << 21;
 
 /// One thread's tiles, grown to the largest block seen: the block's queries, keys and values
 /// (`[n_keys][head_dim]`), scores (`[rows][n_keys]`) and outputs (`[rows][head_dim]`).
@@ -57,11 +60,13 @@ pub(crate) fn attention_prompt(
     out: &mut [f32],
 ) {
     assert_eq!(out.len(), q.len(), "attention: out length");
-    let blocks = s.n_tokens.div_ceil(BLOCK);
+    let scores_per_token = (s.n_heads / s.n_kv_heads) * (s.pos0 + s.n_tokens);
+    let bt = (MAX_SCORES / scores_per_token.max(1)).clamp(1, BLOCK);
+    let blocks = s.n_tokens.div_ceil(bt);
     let op = SyncPtr::new(out.as_mut_ptr());
     pool.run(s.n_kv_heads * blocks, &|i| {
         let (g, b) = (i % s.n_kv_heads, i / s.n_kv_heads);
-        let tokens = b * BLOCK..((b + 1) * BLOCK).min(s.n_tokens);
+        let tokens = b * bt..((b + 1) * bt).min(s.n_tokens);
         TILES.with_borrow_mut(|tiles| {
             // SAFETY: task (g, b) alone writes the outputs of group g's heads for the block's
             // tokens; `out` outlives `pool.run` and holds `q.len()` values.
