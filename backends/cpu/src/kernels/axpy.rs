@@ -265,7 +265,16 @@ macro_rules! many_bodies {
         ) {
             use std::arch::x86_64::*;
             let xp = x.as_ptr();
-            in_blocks_many::<Q>(a, ys, |j, c| _mm256_loadu_ps(xp.add(j * stride + c)));
+            let (n, far) = (
+                ys[0].len(),
+                a[0].len() * stride * 4 >= super::x86::PREFETCH_SPAN,
+            );
+            let pf = |j: usize| super::x86::prefetch_bytes(xp.add(j * stride), n * 4);
+            let load = |j: usize, c: usize| _mm256_loadu_ps(xp.add(j * stride + c));
+            match far {
+                true => in_blocks_many::<Q, true>(a, ys, load, pf),
+                false => in_blocks_many::<Q, false>(a, ys, load, pf),
+            }
         }
 
         #[target_feature(enable = $features)]
@@ -277,9 +286,18 @@ macro_rules! many_bodies {
         ) {
             use std::arch::x86_64::*;
             let xp = x.as_ptr();
-            in_blocks_many::<Q>(a, ys, |j, c| {
+            let (n, far) = (
+                ys[0].len(),
+                a[0].len() * stride * 2 >= super::x86::PREFETCH_SPAN,
+            );
+            let pf = |j: usize| super::x86::prefetch_bytes(xp.add(j * stride), n * 2);
+            let load = |j: usize, c: usize| {
                 _mm256_cvtph_ps(_mm_loadu_si128(xp.add(j * stride + c) as *const __m128i))
-            });
+            };
+            match far {
+                true => in_blocks_many::<Q, true>(a, ys, load, pf),
+                false => in_blocks_many::<Q, false>(a, ys, load, pf),
+            }
         }
     };
 }
@@ -302,37 +320,55 @@ many_bodies!(
 /// one length).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn in_blocks_many<const Q: usize>(
+unsafe fn in_blocks_many<const Q: usize, const PF: bool>(
     a: &[&[f32]],
     ys: &mut [&mut [f32]],
     load: impl Fn(usize, usize) -> std::arch::x86_64::__m256,
+    prefetch: impl Fn(usize),
 ) {
     let n = ys[0].len();
     let yp: [*mut f32; Q] = std::array::from_fn(|h| ys[h].as_mut_ptr());
     let mut c = 0;
+    // With `PF`, the first pass over the rows prefetches them whole, `AHEAD` rows on.
     while c + 32 <= n {
-        columns_many::<4, Q>(a, yp, c, &load);
+        match PF && c == 0 {
+            true => columns_many::<4, Q, true>(a, yp, c, &load, &prefetch),
+            false => columns_many::<4, Q, false>(a, yp, c, &load, &prefetch),
+        }
         c += 32;
     }
     while c + 8 <= n {
-        columns_many::<1, Q>(a, yp, c, &load);
+        match PF && c == 0 {
+            true => columns_many::<1, Q, true>(a, yp, c, &load, &prefetch),
+            false => columns_many::<1, Q, false>(a, yp, c, &load, &prefetch),
+        }
         c += 8;
     }
 }
 
+/// Rows ahead that [`in_blocks_many`] prefetches (see dot_rows.rs's `AHEAD`: a head's values
+/// are strided slices of the cache).
+#[cfg(target_arch = "x86_64")]
+const AHEAD: usize = 16;
+
 /// Columns `c..c + 8 * U` of each of the `Q` outputs in registers (see [`in_blocks_many`]).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn columns_many<const U: usize, const Q: usize>(
+unsafe fn columns_many<const U: usize, const Q: usize, const PF: bool>(
     a: &[&[f32]],
     yp: [*mut f32; Q],
     c: usize,
     load: &impl Fn(usize, usize) -> std::arch::x86_64::__m256,
+    prefetch: &impl Fn(usize),
 ) {
     use std::arch::x86_64::*;
     let mut acc: [[__m256; U]; Q] =
         std::array::from_fn(|h| std::array::from_fn(|u| _mm256_loadu_ps(yp[h].add(c + 8 * u))));
-    for j in 0..a[0].len() {
+    let rows = a[0].len();
+    for j in 0..rows {
+        if PF && j + AHEAD < rows {
+            prefetch(j + AHEAD);
+        }
         let r: [__m256; U] = std::array::from_fn(|u| load(j, c + 8 * u));
         for (h, acc) in acc.iter_mut().enumerate() {
             let av = _mm256_set1_ps(*a[h].get_unchecked(j));
@@ -399,7 +435,8 @@ mod tests {
     ) {
         for isa in Isa::supported() {
             let (one, many) = (one(isa), many(isa));
-            for (n, rows, pad) in ROW_CASES {
+            // The last case spans more than `x86::PREFETCH_SPAN`: the rows are prefetched.
+            for (n, rows, pad) in ROW_CASES.into_iter().chain([(64, 2100, 8)]) {
                 let stride = n + pad;
                 let x: Vec<T> = (random_f32(rows * stride, 5 + n as u64).into_iter())
                     .map(from)
