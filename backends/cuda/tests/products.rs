@@ -108,13 +108,7 @@ fn products_match_the_scalar_reference_for_every_type() {
                 let xs = randv(&mut r, nt * cols);
                 let want = matmul_on(&host, &w, &xs, nt);
                 let got = matmul_on(&gpu, &w, &xs, nt);
-                let mags: Vec<f32> = (0..nt * rows)
-                    .map(|i| {
-                        let (t, row) = (i / rows, i % rows);
-                        dejavu_backend_cpu::dequant::dequantize_row(q, w.row(row), &mut deq);
-                        magnitude(&deq, &xs[t * cols..(t + 1) * cols])
-                    })
-                    .collect();
+                let mags = batch_magnitudes(&w, &xs, nt);
                 let tol = |i: usize| 1e-4 * (2.0 + mags[i % (nt * rows)]);
                 close(
                     &format!("matmul {q:?} {rows}x{cols} of {nt}"),
@@ -180,7 +174,6 @@ fn tensor_core_products_match_the_scalar_reference() {
     gpu.set_mma(true);
     let host = CpuDevice::reference();
     let mut r = rng(9);
-    let mut deq = Vec::new();
     for q in [QuantType::F16, QuantType::BF16] {
         for (rows, cols, scale) in [(37, 96, 1.0), (130, 4128, 1.0), (16, 32, 300.0)] {
             let bytes = random_matrix(&mut r, q, rows, cols);
@@ -190,13 +183,7 @@ fn tensor_core_products_match_the_scalar_reference() {
                 let xs: Vec<f32> = (randv(&mut r, nt * cols).into_iter())
                     .map(|v| v * scale)
                     .collect();
-                let mags: Vec<f32> = (0..nt * rows)
-                    .map(|i| {
-                        let (t, row) = (i / rows, i % rows);
-                        dejavu_backend_cpu::dequant::dequantize_row(q, w.row(row), &mut deq);
-                        magnitude(&deq, &xs[t * cols..(t + 1) * cols])
-                    })
-                    .collect();
+                let mags = batch_magnitudes(&w, &xs, nt);
                 let what = format!("{q:?} {rows}x{cols} of {nt}, inputs to {scale}");
                 let want = matmul_on(&host, &w, &xs, nt);
                 let got = matmul_on(&gpu, &w, &xs, nt);
@@ -220,6 +207,20 @@ fn tensor_core_products_match_the_scalar_reference() {
             }
         }
     }
+}
+
+/// `sum |terms|` of every (batch row, weight row) dot of a batch `xs` of `nt` rows through `w`,
+/// `[nt][rows]`: the products' tolerance scale.
+fn batch_magnitudes(w: &Weight, xs: &[f32], nt: usize) -> Vec<f32> {
+    let (rows, cols) = (w.rows, w.cols);
+    let mut deq = Vec::new();
+    (0..nt * rows)
+        .map(|i| {
+            let (t, row) = (i / rows, i % rows);
+            dejavu_backend_cpu::dequant::dequantize_row(w.qtype, w.row(row), &mut deq);
+            magnitude(&deq, &xs[t * cols..(t + 1) * cols])
+        })
+        .collect()
 }
 
 /// A batch of `nt` rows through two products in one launch: plain with ReLU, and accumulated

@@ -5,7 +5,7 @@
 //! Reference: for each j in order, `y[i] += a[j] * x_j[i]` (f16 widened to f32 exactly). The
 //! SIMD tiers keep blocks of `y` in registers across all rows (no store-to-load chain through
 //! `y`) and use fused multiply-add, so they differ from the reference by rounding only.
-use super::RowElem;
+use super::{each_vector, RowElem};
 use crate::isa::Isa;
 use half::f16;
 
@@ -43,8 +43,10 @@ pub fn select_many(isa: Isa) -> AxpyRowsManyFn {
         Isa::Avx512 => avx512_many,
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => avx2_many,
-        Isa::Portable | Isa::Neon | Isa::Dotprod => |a, x, st, y| each(portable, a, x, st, y),
-        _ => |a, x, st, y| each(scalar, a, x, st, y),
+        Isa::Portable | Isa::Neon | Isa::Dotprod => {
+            |a, x, st, y| each_vector("axpy_rows", portable, a, x, st, y)
+        }
+        _ => |a, x, st, y| each_vector("axpy_rows", scalar, a, x, st, y),
     }
 }
 
@@ -55,29 +57,11 @@ pub fn select_many_f16(isa: Isa) -> AxpyRowsManyFn<f16> {
         Isa::Avx512 => avx512_many_f16,
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => avx2_many_f16,
-        Isa::Portable | Isa::Neon | Isa::Dotprod => |a, x, st, y| each(portable, a, x, st, y),
-        _ => |a, x, st, y| each(scalar, a, x, st, y),
+        Isa::Portable | Isa::Neon | Isa::Dotprod => {
+            |a, x, st, y| each_vector("axpy_rows", portable, a, x, st, y)
+        }
+        _ => |a, x, st, y| each_vector("axpy_rows", scalar, a, x, st, y),
     }
-}
-
-/// An [`AxpyRowsManyFn`] as one call of `f` per weighting.
-fn each<T>(f: AxpyRowsFn<T>, a: &[&[f32]], x: &[T], stride: usize, ys: &mut [&mut [f32]]) {
-    check_many(a, ys);
-    for (a, y) in a.iter().zip(ys.iter_mut()) {
-        f(a, x, stride, y);
-    }
-}
-
-/// As many weightings as outputs, the weightings of one length, the outputs of one length.
-fn check_many(a: &[&[f32]], ys: &[&mut [f32]]) {
-    assert!(
-        a.len() == ys.len()
-            && a.iter().all(|w| w.len() == a[0].len())
-            && ys.iter().all(|y| y.len() == ys[0].len()),
-        "axpy_rows: {} weightings for {} outputs, or lengths that differ",
-        a.len(),
-        ys.len()
-    );
 }
 
 fn check<T>(a: &[f32], x: &[T], stride: usize, y: &[f32]) {
@@ -219,7 +203,7 @@ unsafe fn avx2_f16_impl(a: &[f32], x: &[f16], stride: usize, y: &mut [f32]) {
 macro_rules! many_entry {
     ($name:ident, $t:ty, $impl:ident, $max:expr) => {
         fn $name(a: &[&[f32]], x: &[$t], stride: usize, ys: &mut [&mut [f32]]) {
-            check_many(a, ys);
+            super::check_many("axpy_rows", a, ys);
             if let (Some(a), Some(y)) = (a.first(), ys.first()) {
                 check(a, x, stride, y);
             }
@@ -269,7 +253,8 @@ macro_rules! many_bodies {
                 ys[0].len(),
                 a[0].len() * stride * 4 >= super::x86::PREFETCH_SPAN,
             );
-            let pf = |j: usize| super::x86::prefetch_bytes(xp.add(j * stride), n * 4);
+            let pf =
+                |j: usize| crate::prefetch::prefetch(bytemuck::cast_slice(&x[j * stride..][..n]));
             let load = |j: usize, c: usize| _mm256_loadu_ps(xp.add(j * stride + c));
             match far {
                 true => in_blocks_many::<Q, true>(a, ys, load, pf),
@@ -290,7 +275,8 @@ macro_rules! many_bodies {
                 ys[0].len(),
                 a[0].len() * stride * 2 >= super::x86::PREFETCH_SPAN,
             );
-            let pf = |j: usize| super::x86::prefetch_bytes(xp.add(j * stride), n * 2);
+            let pf =
+                |j: usize| crate::prefetch::prefetch(bytemuck::cast_slice(&x[j * stride..][..n]));
             let load = |j: usize, c: usize| {
                 _mm256_cvtph_ps(_mm_loadu_si128(xp.add(j * stride + c) as *const __m128i))
             };

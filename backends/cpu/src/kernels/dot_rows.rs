@@ -4,7 +4,7 @@
 //! Reference: each element widened to f32 (exact), then a plain f32 sum per row, in order. The
 //! SIMD tiers sum in 8-lane blocks with fused multiply-add (widening f16 with F16C on x86), so
 //! they differ by rounding only.
-use super::RowElem;
+use super::{each_vector, RowElem};
 use crate::isa::Isa;
 use half::f16;
 
@@ -47,8 +47,10 @@ pub fn select_many(isa: Isa) -> DotRowsManyFn {
         Isa::Avx512 => avx512_many,
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => avx2_many,
-        Isa::Portable | Isa::Neon | Isa::Dotprod => |xs, r, st, o| each(portable, xs, r, st, o),
-        _ => |xs, r, st, o| each(scalar, xs, r, st, o),
+        Isa::Portable | Isa::Neon | Isa::Dotprod => {
+            |xs, r, st, o| each_vector("dot_rows", portable, xs, r, st, o)
+        }
+        _ => |xs, r, st, o| each_vector("dot_rows", scalar, xs, r, st, o),
     }
 }
 
@@ -59,30 +61,11 @@ pub fn select_many_f16(isa: Isa) -> DotRowsManyFn<f16> {
         Isa::Avx512 => avx512_many_f16,
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => avx2_many_f16,
-        Isa::Portable | Isa::Neon | Isa::Dotprod => |xs, r, st, o| each(portable, xs, r, st, o),
-        _ => |xs, r, st, o| each(scalar, xs, r, st, o),
+        Isa::Portable | Isa::Neon | Isa::Dotprod => {
+            |xs, r, st, o| each_vector("dot_rows", portable, xs, r, st, o)
+        }
+        _ => |xs, r, st, o| each_vector("dot_rows", scalar, xs, r, st, o),
     }
-}
-
-/// A [`DotRowsManyFn`] as one call of `f` per vector.
-fn each<T>(f: DotRowsFn<T>, xs: &[&[f32]], rows: &[T], stride: usize, outs: &mut [&mut [f32]]) {
-    check_many(xs, outs);
-    for (x, o) in xs.iter().zip(outs.iter_mut()) {
-        f(x, rows, stride, o);
-    }
-}
-
-/// As many vectors as outputs, all of one length, and outputs all of one length.
-fn check_many(xs: &[&[f32]], outs: &[&mut [f32]]) {
-    let same = |a: usize, b: usize| a == b;
-    assert!(
-        xs.len() == outs.len()
-            && xs.iter().all(|x| same(x.len(), xs[0].len()))
-            && outs.iter().all(|o| same(o.len(), outs[0].len())),
-        "dot_rows: {} vectors for {} outputs, or lengths that differ",
-        xs.len(),
-        outs.len()
-    );
 }
 
 fn check<T>(x: &[f32], rows: &[T], stride: usize, out: &[f32]) {
@@ -146,7 +129,7 @@ fn avx2_f16(x: &[f32], rows: &[f16], stride: usize, out: &mut [f32]) {
 macro_rules! many_entry {
     ($name:ident, $t:ty, $impl:ident, $max:expr) => {
         fn $name(xs: &[&[f32]], rows: &[$t], stride: usize, outs: &mut [&mut [f32]]) {
-            check_many(xs, outs);
+            super::check_many("dot_rows", xs, outs);
             if let (Some(x), Some(o)) = (xs.first(), outs.first()) {
                 check(x, rows, stride, o);
             }
@@ -196,7 +179,11 @@ macro_rules! bodies {
                 outs,
                 |c, j| _mm256_loadu_ps(row(j).add(c)),
                 |i, j| *row(j).add(i),
-                far.then_some(|j: usize| super::x86::prefetch_bytes(row(j), xs[0].len() * 4)),
+                far.then_some(|j: usize| {
+                    crate::prefetch::prefetch(bytemuck::cast_slice(
+                        &rows[j * stride..][..xs[0].len()],
+                    ))
+                }),
             );
         }
 
@@ -218,7 +205,11 @@ macro_rules! bodies {
                 outs,
                 load,
                 |i, j| (*row(j).add(i)).to_f32(),
-                far.then_some(|j: usize| super::x86::prefetch_bytes(row(j), xs[0].len() * 2)),
+                far.then_some(|j: usize| {
+                    crate::prefetch::prefetch(bytemuck::cast_slice(
+                        &rows[j * stride..][..xs[0].len()],
+                    ))
+                }),
             );
         }
     };

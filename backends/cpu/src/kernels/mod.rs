@@ -197,6 +197,35 @@ pub(crate) fn as_blocks<B: bytemuck::Pod>(row: &[u8]) -> std::borrow::Cow<'_, [B
     }
 }
 
+/// `dot_rows`' and `axpy`'s many-vector kernels (`(xs, rows, stride, outs)`) on the tiers
+/// that read the rows once per vector: one call of `f`, the one-vector kernel, per vector.
+pub(crate) fn each_vector<T>(
+    what: &str,
+    f: fn(&[f32], &[T], usize, &mut [f32]),
+    xs: &[&[f32]],
+    rows: &[T],
+    stride: usize,
+    outs: &mut [&mut [f32]],
+) {
+    check_many(what, xs, outs);
+    for (x, o) in xs.iter().zip(outs.iter_mut()) {
+        f(x, rows, stride, o);
+    }
+}
+
+/// A many-vector kernel's contract: as many vectors as outputs, the vectors of one length, the
+/// outputs of one length.
+pub(crate) fn check_many(what: &str, xs: &[&[f32]], outs: &[&mut [f32]]) {
+    assert!(
+        xs.len() == outs.len()
+            && xs.iter().all(|x| x.len() == xs[0].len())
+            && outs.iter().all(|o| o.len() == outs[0].len()),
+        "{what}: {} vectors for {} outputs, or lengths that differ",
+        xs.len(),
+        outs.len()
+    );
+}
+
 /// An element of the rows that `dot_rows` and `axpy` read: f32, or f16 (an f16 KV cache),
 /// widened to f32 exactly.
 pub trait RowElem: Copy + Send + Sync + 'static {

@@ -55,10 +55,12 @@ unsafe fn avx2_impl(x: &mut [f32], sc: Scoring) {
         }
         Some(_) => x.iter_mut().for_each(|v| *v = sc.score(*v)),
     }
+    // The values the vector pass did not see (all of them under a cap).
+    let rest = &x[if sc.softcap.is_none() { n8 } else { 0 }..];
     let mut lanes = [0f32; 8];
     _mm256_storeu_ps(lanes.as_mut_ptr(), vmax);
-    let max = (lanes.iter().chain(&*x)).fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    if _mm256_movemask_ps(nan) != 0 || x.iter().any(|v| v.is_nan()) {
+    let max = (lanes.iter().chain(rest)).fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    if _mm256_movemask_ps(nan) != 0 || rest.iter().any(|v| v.is_nan()) {
         return x.fill(f32::NAN);
     }
     // exp(x - max) in 8 lanes, the tail padded with -inf (whose exp is 0).
@@ -116,9 +118,11 @@ pub fn portable(x: &mut [f32], sc: Scoring) {
         }
         Some(_) => x.iter_mut().for_each(|v| *v = sc.score(*v)),
     }
+    // The values the vector pass did not see (all of them under a cap).
+    let rest = &x[if sc.softcap.is_none() { n8 } else { 0 }..];
     let lanes = vmax.to_array();
-    let max = (lanes.iter().chain(&*x)).fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    if nan || x.iter().any(|v| v.is_nan()) {
+    let max = (lanes.iter().chain(rest)).fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    if nan || rest.iter().any(|v| v.is_nan()) {
         return x.fill(f32::NAN);
     }
     // exp(x - max) in 8 lanes, the tail padded with -inf (whose exp is 0).

@@ -307,15 +307,3 @@ pub unsafe fn exp_ps(x: __m256) -> __m256 {
 /// hints cost more than they bring (measured on SmolLM2, one row: at 512 positions, 196 KiB a
 /// group, 4.12-4.28 ms a step without against 4.40-4.73 with).
 pub const PREFETCH_SPAN: usize = 256 << 10;
-
-/// Prefetch (into L1) every cache line of the `bytes` bytes from `p`. A hint only: it reads
-/// nothing, so `p` may point anywhere the caller's index arithmetic reaches.
-#[inline(always)]
-pub unsafe fn prefetch_bytes<T>(p: *const T, bytes: usize) {
-    let p = p as *const i8;
-    let mut o = 0;
-    while o < bytes {
-        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(o));
-        o += 64;
-    }
-}
