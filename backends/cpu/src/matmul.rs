@@ -19,6 +19,10 @@ use std::cell::RefCell;
 
 /// From this many tokens on, a dense matmul goes through dequantized tiles and `gemm`.
 pub const GEMM_MIN_TOKENS: usize = 4;
+/// The same for repacked rows, whose multi-token dot unpacks a group once for 8 tokens: below
+/// 40 tokens it beat the tiles (`dejavu bench -p 8|16|32|48|64 -n 0`: SmolLM2 Q4_1 pp8 2.3x,
+/// pp32 1.15x, pp48 and pp64 even; Qwen2.5 Q5_0 pp16 1.4x, pp32 1.1x).
+pub const GEMM_MIN_TOKENS_REPACKED: usize = 40;
 /// Target size of a thread's dequantized f32 tile on the prefill path: half of a 512 KiB L2.
 /// Rows of one prefill tile (see `matmul_gemm`): small enough that a layer's matrices split
 /// evenly over a few threads, large enough that packing the input stays a small cost.
@@ -55,11 +59,11 @@ pub fn matmul_shared(k: &Kernels, pool: &SpinPool, x: &[f32], jobs: &mut [Matmul
         return;
     };
     let n_tok = x.len() / cols.max(1);
-    if n_tok >= GEMM_MIN_TOKENS || jobs.len() > MAX_JOBS {
+    if jobs.iter().any(|j| n_tok >= gemm_from(k, &j.w)) || jobs.len() > MAX_JOBS {
         INT_INPUT.with_borrow_mut(|input| {
             input.built = [false; 2];
             for j in jobs {
-                if n_tok < GEMM_MIN_TOKENS || !j.rows.is_full() {
+                if n_tok < gemm_from(k, &j.w) || !j.rows.is_full() {
                     dot_path(k, pool, x, cols, n_tok, std::slice::from_mut(j));
                 } else if let Some(f) = k.gemm_q8a.filter(|f| integer_prefill(f, &j.w)) {
                     let acts = input.acts(k, x, cols, crate::dequant::group_len(j.w.qtype));
@@ -71,6 +75,17 @@ pub fn matmul_shared(k: &Kernels, pool: &SpinPool, x: &[f32], jobs: &mut [Matmul
         })
     } else {
         dot_path(k, pool, x, cols, n_tok, jobs);
+    }
+}
+
+/// From how many tokens on a dense product of `w` goes through tiles: [`GEMM_MIN_TOKENS`], or
+/// [`GEMM_MIN_TOKENS_REPACKED`] for repacked rows whose tiles are the integer kernel's (both
+/// paths then take the same 8-bit activations; f32 tiles keep the lower bound).
+fn gemm_from(k: &Kernels, w: &Weight) -> usize {
+    let int_tiles = || k.gemm_q8a.is_some_and(|f| integer_prefill(&f, w));
+    match w.layout {
+        RowLayout::Repacked if int_tiles() => GEMM_MIN_TOKENS_REPACKED,
+        _ => GEMM_MIN_TOKENS,
     }
 }
 
@@ -572,14 +587,17 @@ mod tests {
     /// A sparse set's rows (read in prefetched segments when long) equal the same rows of the
     /// dense product (masked dense) within float rounding, and unselected rows are 0; for every
     /// tier and type, rows long enough to be segmented with a ragged last segment, and short; for
-    /// one token, a chunk and a half of tokens (each row dotted with several), and more.
+    /// one token, a chunk and a half of tokens (each row dotted with several), and enough for
+    /// the tiles (repacked rows too).
     #[test]
     fn sparse_rows_are_masked_dense() {
         for isa in Isa::supported() {
             let k = Kernels::for_isa(isa).unwrap();
             let pool = SpinPool::new(2);
             for q in QuantType::ALL {
-                for (cols, n_tok) in [(256 * 9, 1), (256, 1), (256 * 9, 6), (256, 3)] {
+                let tiles = GEMM_MIN_TOKENS_REPACKED + 1; // repacked rows through the tiles too
+                for (cols, n_tok) in [(256 * 9, 1), (256, 1), (256 * 9, 6), (256, 3), (256, tiles)]
+                {
                     let n = 37;
                     let data: Vec<u8> = (0..n)
                         .flat_map(|r| random_row(q, cols, r as u64 * 5 + 1))
@@ -602,8 +620,16 @@ mod tests {
                         matmul(&k, &pool, &wr, &set, &x, &mut rep);
                         let mut dense_rep = vec![0f32; n_tok * n];
                         matmul(&k, &pool, &wr, &IndexSet::full(n), &x, &mut dense_rep);
+                        // The ggml rows through the path the repacked ones take: the dots
+                        // (token by token) below `gemm_from`.
                         let mut dense = vec![0f32; n_tok * n];
-                        matmul(&k, &pool, &w, &IndexSet::full(n), &x, &mut dense);
+                        if n_tok < gemm_from(&k, &wr) {
+                            for (xt, yt) in x.chunks_exact(cols).zip(dense.chunks_exact_mut(n)) {
+                                matmul(&k, &pool, &w, &IndexSet::full(n), xt, yt);
+                            }
+                        } else {
+                            matmul(&k, &pool, &w, &IndexSet::full(n), &x, &mut dense);
+                        }
                         for i in 0..n_tok * n {
                             let tol = 1e-4 * dense[i].abs().max(1.0);
                             assert!(
@@ -612,7 +638,9 @@ mod tests {
                             );
                             assert!(
                                 (dense_rep[i] - dense[i]).abs() <= tol,
-                                "{isa} {q:?} repacked {i}"
+                                "{isa} {q:?} repacked {i} n_tok {n_tok}: {} vs {}",
+                                dense_rep[i],
+                                dense[i]
                             );
                         }
                         let mut row_r = vec![0f32; cols];

@@ -2,11 +2,24 @@
 //! activations. Scalar references; each states its formula.
 use dejavu_backend_api::{Activation, RopeStyle};
 
-/// Per token of width `w.len()`: `out = x / sqrt(mean(x^2) + eps) * w` (sum of squares in f64).
+/// Per token of width `w.len()`: `out = x / sqrt(mean(x^2) + eps) * w` (sum of squares in f64,
+/// in 8 interleaved partial sums, which the compiler turns into vector adds).
 pub fn rmsnorm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let d = w.len();
     for (xt, ot) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
-        let ss: f64 = xt.iter().map(|&v| (v as f64) * (v as f64)).sum();
+        let mut part = [0f64; 8];
+        let mut lanes = xt.chunks_exact(8);
+        for c in &mut lanes {
+            for (p, &v) in part.iter_mut().zip(c) {
+                *p += (v as f64) * (v as f64);
+            }
+        }
+        let tail: f64 = lanes
+            .remainder()
+            .iter()
+            .map(|&v| (v as f64) * (v as f64))
+            .sum();
+        let ss = part.iter().sum::<f64>() + tail;
         let scale = (1.0 / (ss / d as f64 + eps as f64).sqrt()) as f32;
         for ((o, &v), &g) in ot.iter_mut().zip(xt).zip(w) {
             *o = v * scale * g;
@@ -32,7 +45,7 @@ pub fn layernorm(x: &[f32], w: &[f32], b: Option<&[f32]>, eps: f32, out: &mut [f
 /// Rotary embedding: for pair `i < head_dim/2` of a head at position `p`, angle
 /// `p * theta^(-2i/head_dim) / factors[i]` (`factors`: Llama 3's per-pair divisors, 1 without);
 /// the pair is `(x[2i], x[2i+1])` (Interleaved) or `(x[i], x[i+d/2])` (Neox). `factors`, when
-/// given, holds `head_dim / 2` values.
+/// given, holds `head_dim / 2` values. The angles' cosines and sines come from [`rope_table`].
 pub fn rope(
     x: &mut [f32],
     n_heads: usize,
@@ -43,30 +56,86 @@ pub fn rope(
     factors: Option<&[f32]>,
 ) {
     let half = head_dim / 2;
-    let inv_freq: Vec<f64> = (0..half)
-        .map(|i| {
-            let f = factors.map_or(1.0, |f| f[i] as f64);
-            (theta as f64).powf(-2.0 * i as f64 / head_dim as f64) / f
-        })
-        .collect();
     for (t, xt) in x.chunks_exact_mut(n_heads * head_dim).enumerate() {
-        let p = (pos0 + t) as f64;
-        let cs: Vec<(f32, f32)> = inv_freq
-            .iter()
-            .map(|f| ((p * f).cos() as f32, (p * f).sin() as f32))
-            .collect();
-        for head in xt.chunks_exact_mut(head_dim) {
-            for (i, &(c, s)) in cs.iter().enumerate() {
-                let (a, b) = match style {
-                    RopeStyle::Interleaved => (2 * i, 2 * i + 1),
-                    RopeStyle::Neox => (i, i + half),
-                };
-                let (x0, x1) = (head[a], head[b]);
-                head[a] = x0 * c - x1 * s;
-                head[b] = x0 * s + x1 * c;
+        rope_table(theta, head_dim, factors, pos0 + t, |cs| {
+            for head in xt.chunks_exact_mut(head_dim) {
+                for (i, &(c, s)) in cs.iter().enumerate() {
+                    let (a, b) = match style {
+                        RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+                        RopeStyle::Neox => (i, i + half),
+                    };
+                    let (x0, x1) = (head[a], head[b]);
+                    head[a] = x0 * c - x1 * s;
+                    head[b] = x0 * s + x1 * c;
+                }
             }
-        }
+        })
     }
+}
+
+/// The rotations of one RoPE setting (its key: theta's and the factors' bits, and the head
+/// width): the pairs' frequencies, and the cosines and sines of the positions met so far.
+struct RopeTables {
+    key: (u32, usize, Vec<u32>),
+    inv_freq: Vec<f64>,
+    at: std::collections::HashMap<usize, Box<[(f32, f32)]>>,
+}
+
+/// Settings kept per thread (Gemma alternates two thetas), and positions kept per setting
+/// (a setting past it starts over): a few MiB at most.
+const ROPE_SETTINGS: usize = 4;
+const ROPE_POSITIONS: usize = 16384;
+
+std::thread_local! {
+    static ROPE: std::cell::RefCell<Vec<RopeTables>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// `f` of the `head_dim / 2` pairs' `(cos, sin)` at position `p` (in f64, rounded to f32):
+/// computed once per setting and position on this thread, so the layers of a step and the
+/// queries and keys of a row share them (they cost a `powf` and a `sin_cos` per pair).
+fn rope_table<R>(
+    theta: f32,
+    head_dim: usize,
+    factors: Option<&[f32]>,
+    p: usize,
+    f: impl FnOnce(&[(f32, f32)]) -> R,
+) -> R {
+    let key = (
+        theta.to_bits(),
+        head_dim,
+        factors.map_or(Vec::new(), |f| f.iter().map(|v| v.to_bits()).collect()),
+    );
+    ROPE.with_borrow_mut(|sets| {
+        let i = match sets.iter().position(|t| t.key == key) {
+            Some(i) => i,
+            None => {
+                if sets.len() == ROPE_SETTINGS {
+                    sets.remove(0);
+                }
+                let inv_freq = (0..head_dim / 2)
+                    .map(|i| {
+                        let f = factors.map_or(1.0, |f| f[i] as f64);
+                        (theta as f64).powf(-2.0 * i as f64 / head_dim as f64) / f
+                    })
+                    .collect();
+                let at = Default::default();
+                sets.push(RopeTables { key, inv_freq, at });
+                sets.len() - 1
+            }
+        };
+        let t = &mut sets[i];
+        if t.at.len() >= ROPE_POSITIONS && !t.at.contains_key(&p) {
+            t.at.clear();
+        }
+        let inv_freq = &t.inv_freq;
+        let cs = t.at.entry(p).or_insert_with(|| {
+            let pf = p as f64;
+            (inv_freq.iter())
+                .map(|f| ((pf * f).cos() as f32, (pf * f).sin() as f32))
+                .collect()
+        });
+        f(cs)
+    })
 }
 
 /// Gated activation (SwiGLU for `Silu`, gated ReLU for `Relu`): `gate[i] = act(gate[i]) * up[i]`.

@@ -161,9 +161,11 @@ impl Group for R5_0 {
 }
 
 /// One row dotted with `T` tokens: whole groups (each group's quants unpacked once, then
-/// dotted with every token), then the ggml tail blocks through the type's per-block step.
-/// Each token's float operations are those of a one-token call in the same order, so its
-/// result is bit for bit the same at any `T` (the integer sums are exact).
+/// dotted with every token), then the ggml tail blocks, each block once for every token.
+/// Token `t`'s terms, the offset terms among them, go into one 8-lane accumulator, summed
+/// across lanes at the end ([`hsums`], in `hsum_ps`'s order at any `T`): its float operations
+/// are those of a one-token call in the same order, so its result is bit for bit the same at
+/// any `T` (the integer sums are exact).
 /// Caller: every `acts[t]` holds the row's blocks and `groups[t]` its whole groups.
 #[inline(always)]
 unsafe fn row_dots<G: Group, const VNNI: bool, const PF: bool, const T: usize>(
@@ -174,7 +176,7 @@ unsafe fn row_dots<G: Group, const VNNI: bool, const PF: bool, const T: usize>(
     let (bb, gb) = (G::Q.block_bytes(), layout(G::Q).bytes);
     let blocks = acts.iter().fold(row.len() / bb, |b, a| b.min(a.len()));
     let n = groups.iter().fold(blocks / GROUP, |n, g| n.min(g.len()));
-    let (mut acc, mut off) = ([_mm256_setzero_ps(); T], [_mm256_setzero_ps(); T]);
+    let mut acc = [_mm256_setzero_ps(); T];
     for i in 0..n {
         let g = row.as_ptr().add(i * gb);
         if PF {
@@ -186,7 +188,11 @@ unsafe fn row_dots<G: Group, const VNNI: bool, const PF: bool, const T: usize>(
         }
         let q = G::quants(g);
         let dw = _mm256_cvtph_ps(_mm_loadu_si128(g as *const __m128i));
-        let ow = G::off_w(g, dw);
+        let ow = if G::OFF_SCALE == 1.0 {
+            G::off_w(g, dw)
+        } else {
+            _mm256_mul_ps(_mm256_set1_ps(G::OFF_SCALE), G::off_w(g, dw))
+        };
         for t in 0..T {
             // SAFETY: i < n <= groups[t].len().
             let a = groups[t].get_unchecked(i);
@@ -194,20 +200,34 @@ unsafe fn row_dots<G: Group, const VNNI: bool, const PF: bool, const T: usize>(
             let da = _mm256_load_ps(a.d.as_ptr());
             acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, da), _mm256_cvtepi32_ps(isum), acc[t]);
             if G::OFF_SCALE != 0.0 {
-                let sa = _mm256_load_ps(a.s.as_ptr());
-                off[t] = _mm256_fmadd_ps(ow, sa, off[t]);
+                acc[t] = _mm256_fmadd_ps(ow, _mm256_load_ps(a.s.as_ptr()), acc[t]);
             }
         }
     }
     let tail: &[G::Block] = bytemuck::cast_slice(&row[n * gb..n * gb + (blocks - n * GROUP) * bb]);
-    // A loop, not a closure: a closure would not inherit the caller's target features,
-    // and the SIMD helpers would not inline into it.
-    let mut out = [0f32; T];
-    for t in 0..T {
-        out[t] = hsum_ps(acc[t]) + pair_loop::<G::Block, VNNI, false>(tail, &acts[t][n * GROUP..]);
-        if G::OFF_SCALE != 0.0 {
-            out[t] += G::OFF_SCALE * hsum_ps(off[t]);
+    // Loops, not closures: a closure would not inherit the caller's target features, and the
+    // SIMD helpers would not inline into it.
+    let mut off = [_mm_setzero_ps(); T];
+    for (b, w) in tail.iter().enumerate() {
+        for t in 0..T {
+            // SAFETY: n * GROUP + b < blocks <= acts[t].len().
+            let a = acts[t].get_unchecked(n * GROUP + b);
+            super::super::x86::step::<G::Block, VNNI>(w, a, &mut acc[t], &mut off[t]);
         }
+    }
+    if G::OFF_SCALE != 0.0 && !tail.is_empty() {
+        for t in 0..T {
+            // Lane 1 of `off` (the tail's offset terms), scaled, into lane 0.
+            let o = _mm_mul_ss(_mm_set_ss(G::OFF_SCALE), _mm_movehdup_ps(off[t]));
+            let o = _mm_move_ss(_mm_setzero_ps(), o);
+            acc[t] = _mm256_add_ps(acc[t], _mm256_set_m128(_mm_setzero_ps(), o));
+        }
+    }
+    let mut out = [0f32; T];
+    if T == 1 {
+        out[0] = hsum_ps(acc[0]);
+    } else {
+        hsums(&acc, &mut out);
     }
     out
 }
