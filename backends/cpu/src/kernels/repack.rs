@@ -212,12 +212,14 @@ pub fn unpack_row(q: QuantType, src: &[u8], dst: &mut [u8]) {
 }
 
 /// The activation blocks of one group, transposed as the weights (see the module doc): scales,
-/// sums (`d * sum(qs)`) and quants, step `s` byte `4j + e` = element `4s + e` of block `j`.
+/// sums (`d * sum(qs)`), the integer sums `sum(qs)`, and quants, step `s` byte `4j + e` =
+/// element `4s + e` of block `j`.
 #[derive(Clone, Copy, Debug)]
 #[repr(C, align(32))]
 pub struct ActGroup {
     pub d: [f32; GROUP],
     pub s: [f32; GROUP],
+    pub qsum: [i32; GROUP],
     pub qs: [[i8; 32]; GROUP],
 }
 
@@ -225,6 +227,7 @@ impl ActGroup {
     pub const ZERO: Self = Self {
         d: [0.0; GROUP],
         s: [0.0; GROUP],
+        qsum: [0; GROUP],
         qs: [[0; 32]; GROUP],
     };
 }
@@ -236,6 +239,7 @@ pub fn act_groups(act: &[BlockQ8A], out: &mut [ActGroup]) {
         for (j, a) in a8.iter().enumerate() {
             g.d[j] = a.d;
             g.s[j] = a.s;
+            g.qsum[j] = a.qs.iter().map(|&v| v as i32).sum();
             for (i, &v) in a.qs.iter().enumerate() {
                 g.qs[i / 4][4 * j + i % 4] = v;
             }

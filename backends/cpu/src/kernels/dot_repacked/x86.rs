@@ -16,7 +16,7 @@ pub trait Group: Repacked {
     /// holds element `s` of each block's 32-wide lanes), or where unpacking is a plain load,
     /// the group itself.
     type Quants: Copy;
-    unsafe fn quants(g: *const u8) -> Self::Quants;
+    unsafe fn quants<const VNNI: bool>(g: *const u8) -> Self::Quants;
     /// The 8 blocks' integer dots of `q` with the activation group `a`, lane `j` = block `j`.
     unsafe fn qsums<const VNNI: bool>(q: &Self::Quants, a: &ActGroup) -> __m256i;
     /// The offset factor of the 8 blocks (`d_w`, or the Q4_1 mins), given `d_w`.
@@ -75,18 +75,39 @@ unsafe fn four_bit_quants(qs: *const u8, high: Option<__m256i>) -> [__m256i; GRO
 
 impl Group for R8_0 {
     type Block = BlockQ8_0;
-    /// The quants' address: 8-bit quants need no unpacking, and loading them per token
-    /// (from L1 after the first) measured faster than holding 8 registers.
-    type Quants = *const u8;
+    /// AVX2: the quants' address (8-bit quants need no unpacking, and loading them per token,
+    /// from L1 after the first, measured faster than holding 8 registers of 16). VNNI: also the
+    /// 8 steps offset to unsigned (`q + 128`, a sign-bit flip), held for every token.
+    type Quants = (*const u8, [__m256i; GROUP]);
     #[inline(always)]
-    unsafe fn quants(g: *const u8) -> *const u8 {
-        g.add(layout(Self::Q).qs)
+    unsafe fn quants<const VNNI: bool>(g: *const u8) -> Self::Quants {
+        let qs = g.add(layout(Self::Q).qs);
+        let mut u = [_mm256_setzero_si256(); GROUP];
+        if VNNI {
+            let flip = _mm256_set1_epi8(i8::MIN);
+            for (s, u) in u.iter_mut().enumerate() {
+                let w = _mm256_loadu_si256(qs.add(32 * s) as *const __m256i);
+                *u = _mm256_xor_si256(w, flip);
+            }
+        }
+        (qs, u)
     }
-    /// Signed x signed by the sign trick; each maddubs lane reaches 2 * 128 * 127, so
-    /// AVX2 widens every step.
+    /// Signed x signed. VNNI: `vpdpbusd` of `q + 128` with the activations, less `128 sum(qa)`
+    /// per block (exact in i32, so the same sums as the sign trick). AVX2: the sign trick; each
+    /// maddubs lane reaches 2 * 128 * 127, so it widens every step.
     #[inline(always)]
-    unsafe fn qsums<const VNNI: bool>(qs: &*const u8, a: &ActGroup) -> __m256i {
-        let w = |s: usize| _mm256_loadu_si256(qs.add(32 * s) as *const __m256i);
+    unsafe fn qsums<const VNNI: bool>(q: &Self::Quants, a: &ActGroup) -> __m256i {
+        if VNNI {
+            let u = &q.1;
+            let (mut x, mut y) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+            for s in (0..GROUP).step_by(2) {
+                x = _mm256_dpbusd_epi32(x, u[s], step(a, s));
+                y = _mm256_dpbusd_epi32(y, u[s + 1], step(a, s + 1));
+            }
+            let qsum = _mm256_load_si256(a.qsum.as_ptr() as *const __m256i);
+            return _mm256_sub_epi32(_mm256_add_epi32(x, y), _mm256_slli_epi32::<7>(qsum));
+        }
+        let w = |s: usize| _mm256_loadu_si256(q.0.add(32 * s) as *const __m256i);
         let (mut x, mut y) = (_mm256_setzero_si256(), _mm256_setzero_si256());
         for s in (0..GROUP).step_by(2) {
             x = _mm256_add_epi32(x, dot_i8i8_v::<VNNI>(w(s), step(a, s)));
@@ -114,7 +135,7 @@ macro_rules! four_bit_qsums {
 impl Group for R4_0 {
     type Block = BlockQ4_0;
     #[inline(always)]
-    unsafe fn quants(g: *const u8) -> [__m256i; GROUP] {
+    unsafe fn quants<const VNNI: bool>(g: *const u8) -> [__m256i; GROUP] {
         four_bit_quants(g.add(layout(Self::Q).qs), None)
     }
     four_bit_qsums!();
@@ -127,7 +148,7 @@ impl Group for R4_0 {
 impl Group for R4_1 {
     type Block = BlockQ4_1;
     #[inline(always)]
-    unsafe fn quants(g: *const u8) -> [__m256i; GROUP] {
+    unsafe fn quants<const VNNI: bool>(g: *const u8) -> [__m256i; GROUP] {
         four_bit_quants(g.add(layout(Self::Q).qs), None)
     }
     four_bit_qsums!();
@@ -142,7 +163,7 @@ impl Group for R5_0 {
     type Block = BlockQ5_0;
     type Quants = [__m256i; GROUP];
     #[inline(always)]
-    unsafe fn quants(g: *const u8) -> [__m256i; GROUP] {
+    unsafe fn quants<const VNNI: bool>(g: *const u8) -> [__m256i; GROUP] {
         let lay = layout(Self::Q);
         let h = _mm256_loadu_si256(g.add(lay.high.unwrap_or(16)) as *const __m256i);
         four_bit_quants(g.add(lay.qs), Some(h))
@@ -186,7 +207,7 @@ unsafe fn row_dots<G: Group, const VNNI: bool, const PF: bool, const T: usize>(
                 o += 64;
             }
         }
-        let q = G::quants(g);
+        let q = G::quants::<VNNI>(g);
         let dw = _mm256_cvtph_ps(_mm_loadu_si128(g as *const __m128i));
         let ow = if G::OFF_SCALE == 1.0 {
             G::off_w(g, dw)
