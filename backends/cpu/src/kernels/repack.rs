@@ -240,8 +240,9 @@ pub fn act_groups(act: &[BlockQ8A], out: &mut [ActGroup]) {
             g.d[j] = a.d;
             g.s[j] = a.s;
             g.qsum[j] = a.qs.iter().map(|&v| v as i32).sum();
-            for (i, &v) in a.qs.iter().enumerate() {
-                g.qs[i / 4][4 * j + i % 4] = v;
+            // Elements 4s..4s+4 to step s, lane j: 4-byte moves.
+            for (st, q4) in g.qs.iter_mut().zip(a.qs.chunks_exact(4)) {
+                st[4 * j..4 * j + 4].copy_from_slice(q4);
             }
         }
     }
