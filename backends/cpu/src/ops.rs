@@ -81,10 +81,11 @@ struct RopeTables {
     at: std::collections::HashMap<usize, Box<[(f32, f32)]>>,
 }
 
-/// Settings kept per thread (Gemma alternates two thetas), and positions kept per setting
-/// (a setting past it starts over): a few MiB at most.
-const ROPE_SETTINGS: usize = 4;
-const ROPE_POSITIONS: usize = 16384;
+/// Settings kept per thread (Gemma alternates two thetas), and positions kept per setting (a
+/// setting past it starts over): at most 2 x 4096 x 64 pairs x 8 bytes, 4 MiB, at a head width
+/// of 128.
+const ROPE_SETTINGS: usize = 2;
+const ROPE_POSITIONS: usize = 4096;
 
 std::thread_local! {
     static ROPE: std::cell::RefCell<Vec<RopeTables>> = const { std::cell::RefCell::new(Vec::new()) };
@@ -92,7 +93,7 @@ std::thread_local! {
 
 /// `f` of the `head_dim / 2` pairs' `(cos, sin)` at position `p` (in f64, rounded to f32):
 /// computed once per setting and position on this thread, so the layers of a step and the
-/// queries and keys of a row share them (they cost a `powf` and a `sin_cos` per pair).
+/// queries and keys of a row share them (they cost a `powf`, a `cos` and a `sin` per pair).
 fn rope_table<R>(
     theta: f32,
     head_dim: usize,
@@ -161,6 +162,45 @@ pub fn activate(act: Activation, x: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The memoized angles equal the formula's bit for bit across more settings than are kept
+    /// (each evicting another), positions past the kept count, and repeats.
+    #[test]
+    fn rope_tables_survive_eviction() {
+        let hd = 8;
+        let direct = |theta: f32, f: Option<&[f32]>, p: usize| -> Vec<f32> {
+            let mut x: Vec<f32> = (0..hd).map(|i| i as f32 - 3.5).collect();
+            for i in 0..hd / 2 {
+                let fr = (theta as f64).powf(-2.0 * i as f64 / hd as f64)
+                    / f.map_or(1.0, |f| f[i] as f64);
+                let (c, s) = ((p as f64 * fr).cos() as f32, (p as f64 * fr).sin() as f32);
+                let (x0, x1) = (x[2 * i], x[2 * i + 1]);
+                x[2 * i] = x0 * c - x1 * s;
+                x[2 * i + 1] = x0 * s + x1 * c;
+            }
+            x
+        };
+        let factors = [1.0f32, 2.0, 4.0, 8.0];
+        let settings: [(f32, Option<&[f32]>); 3] =
+            [(10000.0, None), (500000.0, None), (10000.0, Some(&factors))];
+        for round in 0..2 {
+            for p in [0, 7, ROPE_POSITIONS + 3, 7, 2 * ROPE_POSITIONS + round] {
+                for &(theta, f) in &settings {
+                    let mut x: Vec<f32> = (0..hd).map(|i| i as f32 - 3.5).collect();
+                    rope(&mut x, 1, hd, p, theta, RopeStyle::Interleaved, f);
+                    assert_eq!(x, direct(theta, f, p), "theta {theta} {f:?} position {p}");
+                }
+            }
+        }
+        // A position table filled past its bound starts over.
+        for p in 0..ROPE_POSITIONS + 2 {
+            let mut x = vec![1.0f32; hd];
+            rope(&mut x, 1, hd, p, 10000.0, RopeStyle::Neox, None);
+        }
+        let mut x: Vec<f32> = (0..hd).map(|i| i as f32 - 3.5).collect();
+        rope(&mut x, 1, hd, 5, 10000.0, RopeStyle::Interleaved, None);
+        assert_eq!(x, direct(10000.0, None, 5));
+    }
 
     #[test]
     fn rmsnorm_formula() {
