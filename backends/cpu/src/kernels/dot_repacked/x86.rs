@@ -14,7 +14,7 @@ pub trait Group: Repacked {
     type Block: Step32 + bytemuck::Pod;
     /// The group's quants as [`Self::qsums`] takes them: 8 unpacked steps of 32 (step `s`
     /// holds element `s` of each block's 32-wide lanes), or where unpacking is a plain load,
-    /// the group itself.
+    /// the group itself; prepared for the tier's integer dot (`VNNI`: `vpdpbusd`).
     type Quants: Copy;
     unsafe fn quants<const VNNI: bool>(g: *const u8) -> Self::Quants;
     /// The 8 blocks' integer dots of `q` with the activation group `a`, lane `j` = block `j`.
