@@ -101,18 +101,23 @@ fn rope_table<R>(
     p: usize,
     f: impl FnOnce(&[(f32, f32)]) -> R,
 ) -> R {
-    let key = (
-        theta.to_bits(),
-        head_dim,
-        factors.map_or(Vec::new(), |f| f.iter().map(|v| v.to_bits()).collect()),
-    );
+    let bits = |f: &[f32]| f.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    // Compared in place: the key is built (an allocation, with factors) only for a new setting.
+    let same = |(t, d, f): &(u32, usize, Vec<u32>)| {
+        *t == theta.to_bits()
+            && *d == head_dim
+            && f.iter()
+                .copied()
+                .eq(factors.unwrap_or(&[]).iter().map(|v| v.to_bits()))
+    };
     ROPE.with_borrow_mut(|sets| {
-        let i = match sets.iter().position(|t| t.key == key) {
+        let i = match sets.iter().position(|t| same(&t.key)) {
             Some(i) => i,
             None => {
                 if sets.len() == ROPE_SETTINGS {
                     sets.remove(0);
                 }
+                let key = (theta.to_bits(), head_dim, factors.map_or(Vec::new(), bits));
                 let inv_freq = (0..head_dim / 2)
                     .map(|i| {
                         let f = factors.map_or(1.0, |f| f[i] as f64);

@@ -251,7 +251,7 @@ macro_rules! many_bodies {
             let xp = x.as_ptr();
             let (n, far) = (
                 ys[0].len(),
-                a[0].len() * stride * 4 >= super::x86::PREFETCH_SPAN,
+                super::x86::spans_far::<f32>(a[0].len(), stride),
             );
             let pf =
                 |j: usize| crate::prefetch::prefetch(bytemuck::cast_slice(&x[j * stride..][..n]));
@@ -273,7 +273,7 @@ macro_rules! many_bodies {
             let xp = x.as_ptr();
             let (n, far) = (
                 ys[0].len(),
-                a[0].len() * stride * 2 >= super::x86::PREFETCH_SPAN,
+                super::x86::spans_far::<f16>(a[0].len(), stride),
             );
             let pf =
                 |j: usize| crate::prefetch::prefetch(bytemuck::cast_slice(&x[j * stride..][..n]));

@@ -173,7 +173,7 @@ macro_rules! bodies {
         ) {
             use std::arch::x86_64::*;
             let row = |j: usize| rows.as_ptr().add(j * stride);
-            let far = outs[0].len() * stride * 4 >= super::x86::PREFETCH_SPAN;
+            let far = super::x86::spans_far::<f32>(outs[0].len(), stride);
             rows_in_blocks::<Q>(
                 xs,
                 outs,
@@ -199,7 +199,7 @@ macro_rules! bodies {
             let load = |c: usize, j: usize| {
                 _mm256_cvtph_ps(_mm_loadu_si128(row(j).add(c) as *const __m128i))
             };
-            let far = outs[0].len() * stride * 2 >= super::x86::PREFETCH_SPAN;
+            let far = super::x86::spans_far::<f16>(outs[0].len(), stride);
             rows_in_blocks::<Q>(
                 xs,
                 outs,

@@ -343,6 +343,11 @@ pub unsafe fn exp_ps(x: __m256) -> __m256 {
 /// group, 4.12-4.28 ms a step without against 4.40-4.73 with).
 pub const PREFETCH_SPAN: usize = 256 << 10;
 
+/// Do `rows` rows of `T`, `stride` elements apart, span [`PREFETCH_SPAN`] or more?
+pub fn spans_far<T>(rows: usize, stride: usize) -> bool {
+    rows * stride * size_of::<T>() >= PREFETCH_SPAN
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
