@@ -612,12 +612,8 @@ mod tests {
     fn hostile_shapes_are_errors() {
         // Nesting: 10,000 empty lists appended into each other.
         let mut p = b"\x80\x02".to_vec();
-        for _ in 0..10_000 {
-            p.push(b']');
-        }
-        for _ in 0..9_999 {
-            p.push(b'a');
-        }
+        p.extend(std::iter::repeat_n(b']', 10_000));
+        p.extend(std::iter::repeat_n(b'a', 9_999));
         p.push(b'.');
         assert!(run(&p).unwrap_err().to_string().contains("nested"));
         // The memo multiplying a list: build a list of 1000, then GET it 100,000 times.
