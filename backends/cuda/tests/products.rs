@@ -213,14 +213,15 @@ fn tensor_core_products_match_the_scalar_reference() {
 /// `[nt][rows]`: the products' tolerance scale.
 fn batch_magnitudes(w: &Weight, xs: &[f32], nt: usize) -> Vec<f32> {
     let (rows, cols) = (w.rows, w.cols);
-    let mut deq = Vec::new();
-    (0..nt * rows)
-        .map(|i| {
-            let (t, row) = (i / rows, i % rows);
-            dejavu_backend_cpu::dequant::dequantize_row(w.qtype, w.row(row), &mut deq);
-            magnitude(&deq, &xs[t * cols..(t + 1) * cols])
-        })
-        .collect()
+    let mut deq = vec![0f32; cols];
+    let mut mags = vec![0f32; nt * rows];
+    for row in 0..rows {
+        dejavu_backend_cpu::dequant::dequantize_row(w.qtype, w.row(row), &mut deq);
+        for t in 0..nt {
+            mags[t * rows + row] = magnitude(&deq, &xs[t * cols..(t + 1) * cols]);
+        }
+    }
+    mags
 }
 
 /// A batch of `nt` rows through two products in one launch: plain with ReLU, and accumulated
