@@ -132,7 +132,7 @@ impl CudaDevice {
             mv_ahead_f16: tuning("MV_AHEAD_F16", 0, 0..=1) == 1,
             attend_rows: tuning("ATTEND_ROWS", 1, 0..=1) == 1,
             mma_arch: major >= 8,
-            mma: major >= 8 && tuning("MMA", 0, 0..=1) == 1,
+            mma: major >= 8 && tuning("MMA", 1, 0..=1) == 1,
             mma_prompt: tuning("MMA_PROMPT", 0, 0..=1) == 1,
             ax_vec: ax_vec(),
             ax_fill: tuning("AX_FILL", 4, 1..=64),
