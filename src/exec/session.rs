@@ -1,7 +1,7 @@
 //! One sequence on the device: its KV cache, activations and recorded step.
 use super::model::DeviceModel;
 use super::plan::{Computed, DevicePlan, Sel};
-use crate::model::config::Positions;
+use crate::model::config::{ModelConfig, Positions};
 use crate::{Error, Result};
 use dejavu_backend_api::{Device, MAX_ROWS};
 
@@ -26,9 +26,12 @@ struct Scratch<D: Device> {
     att: D::Buf,
     gate: D::Buf,
     up: D::Buf,
-    /// Per predictor run at one layer (at most 3): its hidden layer and its scores.
+    /// Per predictor run at one layer (at most 3): its hidden layer (`rank` wide) and its
+    /// scores, for `predictor_rows` rows (one until a step of several sequences runs them).
     z: [D::Buf; 3],
     scores: [D::Buf; 3],
+    rank: usize,
+    predictor_rows: usize,
     /// The rules that select from a layer's own activations: a projection in full (or the
     /// kept values, compact) and the scores of the units.
     full: D::Buf,
@@ -85,6 +88,23 @@ impl<D: Device> Scratch<D> {
         (self.x, self.h, self.e, self.q, self.k, self.v) = (x, h, e, q, k, v);
         (self.att, self.gate, self.up, self.part, self.rows) = (att, gate, up, part, cap);
         Ok(true)
+    }
+
+    /// `z` and `scores` made anew for `rows` rows of model config `c`.
+    fn grow_predictors(&mut self, dev: &D, c: &ModelConfig, rows: usize) -> Result<()> {
+        let (rank, n) = (self.rank, c.n_ff.max(c.n_heads));
+        self.z = [
+            dev.zeros(rows * rank)?,
+            dev.zeros(rows * rank)?,
+            dev.zeros(rows * rank)?,
+        ];
+        self.scores = [
+            dev.zeros(rows * n)?,
+            dev.zeros(rows * n)?,
+            dev.zeros(rows * n)?,
+        ];
+        self.predictor_rows = rows;
+        Ok(())
     }
 }
 
@@ -317,6 +337,8 @@ impl<'a, D: Device> DeviceSession<'a, D> {
             gate,
             up,
             z: [dev.zeros(rank)?, dev.zeros(rank)?, dev.zeros(rank)?],
+            rank,
+            predictor_rows: 1,
             scores: [
                 dev.zeros(c.n_ff.max(c.n_heads))?,
                 dev.zeros(c.n_ff.max(c.n_heads))?,

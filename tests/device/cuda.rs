@@ -366,7 +366,8 @@ fn sparse_batched_steps_on_the_gpu_match_their_plans() {
         g.set_attend_rows(one_call);
         g.set_mma(one_call);
         let fixed = batching::batched_steps_are_each_sequences_own(&g, false, true);
-        let predicted = batching::predicted_batched_steps_run_each_rows_heads_and_the_union(&g);
+        let predicted =
+            batching::predicted_batched_steps_run_each_rows_heads_and_the_union(&g, false);
         eprintln!(
             "{}: sparse steps of 1 to 4 sequences (attention {}), worst |logit error| \
              {fixed:.2e} (fixed plans, 13 fixtures), {predicted:.2e} (dejavu:0.1+dejavu-attn:0.5 \

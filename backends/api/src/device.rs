@@ -95,10 +95,12 @@ impl<'a, D: Device + ?Sized> Product<'a, D> {
     }
 }
 
-/// One selection of [`Device::top_ks`]: the indices of the `k` largest of `scores[..n]` into
-/// `out[..k]`, in any order (ties broken by any rule).
+/// One selection of [`Device::top_ks`]: the indices of the `k` largest of row `row` of
+/// `scores` (`scores[row * n..][..n]`: a step of several sequences' predictor scores, one row
+/// each) into `out[..k]`, in any order (ties broken by any rule).
 pub struct TopK<'a, D: Device + ?Sized> {
     pub scores: &'a D::Buf,
+    pub row: usize,
     pub n: usize,
     pub k: usize,
     pub out: &'a mut D::Idx,
@@ -629,10 +631,15 @@ pub trait Device: Send + Sync {
     ) -> Result<(), BackendError>;
 
     /// Several [`TopK`] selections (the predictors of one layer), in one launch where the device
-    /// can.
+    /// can. The default takes selections of row 0 (others are unsupported).
     fn top_ks(&self, jobs: &mut [TopK<'_, Self>]) -> Result<(), BackendError> {
-        jobs.iter_mut()
-            .try_for_each(|j| self.top_k(j.scores, j.n, j.k, j.out))
+        jobs.iter_mut().try_for_each(|j| match j.row {
+            0 => self.top_k(j.scores, j.n, j.k, j.out),
+            r => Err(BackendError::Unsupported {
+                backend: self.name(),
+                what: format!("a top-k of scores' row {r}"),
+            }),
+        })
     }
     /// Lanes (the paper's lookahead, the predictors overlapped with the layer): after `fork`,
     /// verbs go to a second lane, which first waits for what the main lane has queued; after

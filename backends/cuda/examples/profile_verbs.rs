@@ -198,12 +198,14 @@ fn main() {
             dev.top_ks(&mut [
                 TopK {
                     scores: &ms,
+                    row: 0,
                     n: ff,
                     k,
                     out: &mut out,
                 },
                 TopK {
                     scores: &hs,
+                    row: 0,
                     n: nh,
                     k: nh / 2,
                     out: &mut hout,

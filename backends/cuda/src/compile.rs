@@ -30,7 +30,8 @@ fn defines() -> Vec<(String, String)> {
 /// (`MV_ROWS`: rows per warp of matvec.cu; `MV_FILL`, `MV_FILL_SEL`: the blocks per SM under
 /// which a product of every row, or a gather over a selection, splits its rows; `MV_AHEAD_F16`:
 /// f16 products of every row load ahead as bf16's do (matvec.cu's `MV_UNROLL`); `AX_VEC`:
-/// 256-column chunks per block of axpy.cu; `AX_FILL`: axpy blocks per SM; `ATTEND_ROWS`: a
+/// 256-column chunks per block of axpy.cu; `AX_FILL`: axpy blocks per SM; `AXB_ROWS`,
+/// `AXB_FILL`: batch rows per pass and blocks per SM of `axpy_rows`; `ATTEND_ROWS`: a
 /// step of several sequences' attention in one call, `MMA`: a few batch rows' products of
 /// 16-bit weights on the tensor cores, see `CudaDevice`), or `default` when
 /// unset or outside `range`. Defaults measured on the H200: a fill of 8 ran the gather of 10%
@@ -51,6 +52,11 @@ pub(crate) fn mv_rows() -> usize {
 /// 256-column chunks per block of axpy.cu.
 pub(crate) fn ax_vec() -> usize {
     tuning("AX_VEC", 1, 1..=4)
+}
+
+/// Batch rows per pass of axpy.cu's `axpy_rows` (its accumulators: 8 floats a row a lane).
+pub(crate) fn axb_rows() -> usize {
+    tuning("AXB_ROWS", 8, 1..=16)
 }
 
 /// Can NVRTC be loaded?
@@ -74,7 +80,7 @@ pub(crate) fn need_nvrtc() -> Result<(), BackendError> {
 pub fn compile(arch: &str) -> Result<cudarc::nvrtc::Ptx, BackendError> {
     let mut options = vec![format!("--gpu-architecture={arch}")];
     // The constants the host's launch shapes depend on go in as the host reads them.
-    let host = ["MV_ROWS", "AX_VEC"];
+    let host = ["MV_ROWS", "AX_VEC", "AXB_ROWS"];
     options.extend(
         (defines().into_iter())
             .filter(|(k, _)| !host.contains(&k.as_str()))
@@ -82,6 +88,7 @@ pub fn compile(arch: &str) -> Result<cudarc::nvrtc::Ptx, BackendError> {
     );
     options.push(format!("-DMV_ROWS={}", mv_rows()));
     options.push(format!("-DAX_VEC={}", ax_vec()));
+    options.push(format!("-DAXB_ROWS={}", axb_rows()));
     let opts = cudarc::nvrtc::CompileOptions {
         options,
         ..Default::default()

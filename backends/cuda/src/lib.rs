@@ -101,6 +101,11 @@ pub struct CudaDevice {
     mv_rows: usize,
     mv_fill: usize,
     mv_fill_sel: usize,
+    /// `MVR_FILL` (default 2): `matvec_rows_T`'s blocks per SM under which its warps split a
+    /// row's columns (2, 4 or 8 warps an output). Measured on the H100 with 1 warp an output
+    /// (synthetic OPT-13B f16, 8 sequences): a head predictor's first layer (40 blocks) took
+    /// 87 us, more than a 5120 x 5120 product on the tensor cores (77 us).
+    mvr_fill: usize,
     /// `MV_AHEAD_F16=1`: f16 products of every row take the kernel that loads ahead, as bf16's.
     mv_ahead_f16: bool,
     /// `ATTEND_ROWS=1` (the default): a step of several sequences' attention block in four
@@ -126,6 +131,10 @@ pub struct CudaDevice {
     /// 256-column chunks per axpy block, and axpy blocks per SM (see `tuning`).
     ax_vec: usize,
     ax_fill: usize,
+    /// Batch rows per pass of `axpy_rows_T` (`AXB_ROWS`, default 8), and its blocks per SM
+    /// (`AXB_FILL`, default 4): a step of several sequences' sparse down projection.
+    axb_rows: usize,
+    axb_fill: usize,
     name: String,
     /// The dynamic shared memory each kernel is allowed beyond the default 48 KiB (raised on
     /// demand, before any capture that needs it).
@@ -633,6 +642,7 @@ impl Device for CudaDevice {
     fn top_k(&self, s: &Buf, n: usize, k: usize, out: &mut Idx) -> Result<(), BackendError> {
         self.launch_top_ks(&mut [TopK {
             scores: s,
+            row: 0,
             n,
             k,
             out,

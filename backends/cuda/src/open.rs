@@ -1,7 +1,7 @@
 //! Opening a GPU (the driver, NVRTC, the kernels compiled for its compute capability, the
 //! tuning constants), and the device's own helpers: its lanes, kernels by name, shared memory
 //! opt-ins, buffer addresses and index lists.
-use crate::compile::{self, ax_vec, compile, mv_rows, tuning};
+use crate::compile::{self, ax_vec, axb_rows, compile, mv_rows, tuning};
 use crate::{
     dev_err, launch, need_driver, products, seqs, shape, type_suffix, Buf, CudaDevice, Idx,
 };
@@ -88,6 +88,7 @@ impl CudaDevice {
                 "matmul",
                 "matmul_small",
                 "axpy",
+                "axpy_rows",
                 "embed",
                 "kv_fill",
             ] {
@@ -129,6 +130,7 @@ impl CudaDevice {
             mv_rows: mv_rows(),
             mv_fill: tuning("MV_FILL", 2, 1..=64),
             mv_fill_sel: tuning("MV_FILL_SEL", 8, 1..=64),
+            mvr_fill: tuning("MVR_FILL", 2, 1..=64),
             mv_ahead_f16: tuning("MV_AHEAD_F16", 0, 0..=1) == 1,
             attend_rows: tuning("ATTEND_ROWS", 1, 0..=1) == 1,
             mma_arch: major >= 8,
@@ -136,6 +138,8 @@ impl CudaDevice {
             mma_prompt: tuning("MMA_PROMPT", 0, 0..=1) == 1,
             ax_vec: ax_vec(),
             ax_fill: tuning("AX_FILL", 4, 1..=64),
+            axb_rows: axb_rows(),
+            axb_fill: tuning("AXB_FILL", 4, 1..=64),
             name,
             smem: Mutex::default(),
             world: None,

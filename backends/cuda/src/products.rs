@@ -39,10 +39,13 @@ struct MvJobs {
     job: [MvJob; 3],
     n: i32,
     split: i32,
+    /// Warps per output of `matvec_rows_T` (1, 2, 4 or 8).
+    ks: i32,
+    _pad: i32,
 }
 
 // SAFETY: plain `repr(C)` data of integers, laid out as the kernel's struct (8-byte pointers
-// first, then 4-byte ints: no padding inside; 224 bytes in all).
+// first, then 4-byte ints: no padding inside; 232 bytes in all).
 unsafe impl cudarc::driver::DeviceRepr for MvJobs {}
 
 /// One product of the `axpy` kernels (`AxJob` in axpy.cu: same fields, same order).
@@ -70,6 +73,26 @@ struct AxJobs {
     n: i32,
     _pad: i32,
 }
+
+/// The job of `axpy_rows_T` (`AxbJob` in axpy.cu: same fields, same order).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct AxbJob {
+    w: u64,
+    idx: u64,
+    bias: u64,
+    a: u64,
+    y: u64,
+    rows: i32,
+    cols: i32,
+    n_out: i32,
+    group: i32,
+    nb: i32,
+    passes: i32,
+}
+
+// SAFETY: 8-byte pointers, then 4-byte ints, as the kernel's struct: 64 bytes, no padding.
+unsafe impl cudarc::driver::DeviceRepr for AxbJob {}
 
 // SAFETY: as for `MvJobs`: 8-byte pointers, then 4-byte ints, each struct a multiple of 8
 // bytes (56 a job, 184 in all), no padding inside.
@@ -225,8 +248,17 @@ impl CudaDevice {
             return (jobs.iter_mut())
                 .try_for_each(|p| self.launch_matvec_rows_at(x, t0, nt, std::slice::from_mut(p)));
         }
-        // 8 warps a block, one output each.
-        let (mv, blocks) = self.rows_jobs(x, t0, nt, jobs, 8)?;
+        // 8 warps a block, `ks` an output: the fewest that give the grid `mvr_fill` blocks per
+        // SM, at most one per 256-column chunk of the narrowest job's rows.
+        let (_, blocks) = self.rows_jobs(x, t0, nt, jobs, 8)?;
+        let chunks = (jobs.iter().map(|p| p.w.cols.div_ceil(256)).min()).unwrap_or(1);
+        let most = [8, 4, 2, 1].into_iter().find(|&k| k <= chunks).unwrap_or(1);
+        let fill = self.mvr_fill * self.n_sm;
+        let ks = ([1, 2, 4, 8].into_iter())
+            .find(|&k| k == most || blocks * k >= fill)
+            .unwrap_or(1);
+        let (mut mv, blocks) = self.rows_jobs(x, t0, nt, jobs, 8 / ks)?;
+        mv.ks = ks as i32;
         let f = self.func(&format!("matvec_rows_{}", type_suffix(jobs[0].w.qtype)));
         let mut b = self.lane().launch_builder(f);
         b.arg(&mv);
@@ -321,8 +353,10 @@ impl CudaDevice {
         launch::run(b, launch::grid(blocks * 256, 256))
     }
 
-    /// `Device::axpy_steps`: one launch of [`Self::launch_axpys`]'s kernel per row, at the
-    /// row's activations and outputs (each reads the selected weight rows again).
+    /// `Device::axpy_steps`: one row through [`Self::launch_axpys`]'s kernel; more through
+    /// `axpy_rows_T`, which reads each selected weight row once for `axb_rows` batch rows (in
+    /// passes of that many rows, side by side), its outputs split into ranges so that the
+    /// grid holds about `axb_fill` blocks per SM.
     pub(crate) fn launch_axpy_steps(
         &self,
         w: &Mat,
@@ -338,13 +372,44 @@ impl CudaDevice {
         }
         need("axpy activations", a.0.len(), n * per)?;
         need("axpy output", y.0.len(), n * w.cols)?;
-        let f32s = std::mem::size_of::<f32>() as u64;
-        for r in 0..n {
-            let at = (self.ptr(&a.0) + (r * per) as u64 * f32s, per);
-            let yr = (self.ptr(&y.0) + (r * w.cols) as u64 * f32s, w.cols);
-            self.axpy_at(w, rows, at, bias, yr)?;
+        if n == 1 {
+            return self.axpy_at(
+                w,
+                rows,
+                (self.ptr(&a.0), per),
+                bias,
+                (self.ptr(&y.0), w.cols),
+            );
         }
-        Ok(())
+        let (job, outs) = self.ax_job(w, rows, per, bias, (self.ptr(&y.0), w.cols), 0)?;
+        let passes = n.div_ceil(self.axb_rows);
+        let tiles = w.cols.div_ceil(256) * passes;
+        let splits = (self.axb_fill * self.n_sm / tiles).clamp(1, outs.div_ceil(8).max(1));
+        if n > i32::MAX as usize || tiles > i32::MAX as usize {
+            return Err(shape(format!("an axpy of {n} rows of {}", w.cols)));
+        }
+        let axb = AxbJob {
+            w: job.w,
+            idx: job.idx,
+            bias: job.bias,
+            a: self.ptr(&a.0),
+            y: job.y,
+            rows: job.rows,
+            cols: job.cols,
+            n_out: job.n_out,
+            group: job.group,
+            nb: n as i32,
+            passes: passes as i32,
+        };
+        let f = self.func(&format!("axpy_rows_{}", type_suffix(w.qtype)));
+        let mut b = self.lane().launch_builder(f);
+        b.arg(&axb);
+        let cfg = LaunchConfig {
+            grid_dim: (tiles as u32, splits as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch::run(b, cfg)
     }
 
     /// `Device::axpys`: each job in tiles of `256 * ax_vec` columns, one launch; the outputs
@@ -481,7 +546,8 @@ impl CudaDevice {
     }
 
     /// `Device::top_ks`: `top_k_hist` then `top_k_select` (topk.cu), blocks of 1024 threads, a
-    /// row of blocks per selection (at most 3), with `tk_scratch` as their global state.
+    /// row of blocks per selection (at most 3), with `tk_scratch` as their global state; a
+    /// selection of row `r` of its scores reads them from `r * n` on.
     pub(crate) fn launch_top_ks(&self, jobs: &mut [TopK<'_, Self>]) -> Result<(), BackendError> {
         if jobs.is_empty() || jobs.len() > 3 {
             return Err(shape(format!(
@@ -495,7 +561,9 @@ impl CudaDevice {
         };
         for (i, j) in jobs.iter().enumerate() {
             let (n, k) = (j.n, j.k);
-            need("top_k scores", j.scores.0.len(), n)?;
+            let end = (j.row.checked_add(1).and_then(|r| r.checked_mul(n)))
+                .ok_or_else(|| shape(format!("row {} of scores of {n}", j.row)))?;
+            need("top_k scores", j.scores.0.len(), end)?;
             if k == 0 || k > n || j.out.0.len() < k || n > i32::MAX as usize {
                 return Err(shape(format!(
                     "top {k} of {n} into a list of {}",
@@ -503,7 +571,7 @@ impl CudaDevice {
                 )));
             }
             tk.job[i] = TkJob {
-                s: self.ptr(&j.scores.0),
+                s: self.ptr(&j.scores.0) + (j.row * n * std::mem::size_of::<f32>()) as u64,
                 out: self.ptr(&j.out.0),
                 n: n as i32,
                 k: k as i32,

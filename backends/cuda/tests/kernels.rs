@@ -455,6 +455,63 @@ fn lazy_kv_fill_matches_the_scalar_reference() {
     }
 }
 
+/// Selections of rows of one buffer of scores (a step of several sequences' predictors, one
+/// row each) in one launch, short rows (one block) and long ones (the histogram pass): each
+/// the `k` largest of its own row, on the GPU and on the host (distinct random scores, so the
+/// set is unique); a row past the buffer is an error.
+#[test]
+fn top_k_of_a_row_of_scores_is_that_rows() {
+    let Some(gpu) = gpu() else { return };
+    let host = CpuDevice::reference();
+    let mut r = rng(6);
+    for (n, k) in [(40, 20), (3000, 300)] {
+        let s = randv(&mut r, 3 * n);
+        let want: Vec<Vec<u32>> = (0..3)
+            .map(|row| {
+                let mut i: Vec<u32> = (0..n as u32).collect();
+                i.sort_by(|a, b| s[row * n + *b as usize].total_cmp(&s[row * n + *a as usize]));
+                let mut top = i[..k].to_vec();
+                top.sort_unstable();
+                top
+            })
+            .collect();
+        fn on<D: Device>(d: &D, s: &[f32], n: usize, k: usize) -> Vec<Vec<u32>> {
+            let sb = d.upload(s).unwrap();
+            let mut outs: Vec<D::Idx> =
+                (0..3).map(|_| d.upload_idx(&vec![0; k]).unwrap()).collect();
+            let mut jobs: Vec<TopK<D>> = (outs.iter_mut().enumerate())
+                .map(|(i, out)| TopK {
+                    scores: &sb,
+                    row: 2 - i,
+                    n,
+                    k,
+                    out,
+                })
+                .collect();
+            d.top_ks(&mut jobs).unwrap();
+            let mut past = d.upload_idx(&vec![0; k]).unwrap();
+            let bad = TopK {
+                scores: &sb,
+                row: 3,
+                n,
+                k,
+                out: &mut past,
+            };
+            assert!(d.top_ks(&mut [bad]).is_err(), "a row past the scores");
+            (outs.iter().rev())
+                .map(|o| {
+                    let mut v = vec![0; k];
+                    d.download_idx(o, &mut v).unwrap();
+                    v.sort_unstable();
+                    v
+                })
+                .collect()
+        }
+        assert_eq!(on(&host, &s, n, k), want, "host, rows of {n}");
+        assert_eq!(on(&gpu, &s, n, k), want, "GPU, rows of {n}");
+    }
+}
+
 /// A layer's predictors in two product launches and one top-k launch: the second layers each
 /// read their own input, and the three selections run as one launch's three blocks.
 #[test]
@@ -504,7 +561,13 @@ fn predictor_launches_match_the_scalar_reference() {
             .collect();
         d.matvecs(&xb, &mut p2).unwrap();
         let mut t: Vec<TopK<D>> = (s.iter().zip(idx.iter_mut()).zip(outs))
-            .map(|((scores, out), &(n, k))| TopK { scores, n, k, out })
+            .map(|((scores, out), &(n, k))| TopK {
+                scores,
+                row: 0,
+                n,
+                k,
+                out,
+            })
             .collect();
         d.top_ks(&mut t).unwrap();
         for ((sb, ib), &(n, k)) in s.iter().zip(&idx).zip(outs) {

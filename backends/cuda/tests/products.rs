@@ -118,7 +118,7 @@ fn products_match_the_scalar_reference_for_every_type() {
                 );
                 // A step of several sequences under a sparse plan: the same rows over the
                 // union of their neurons (`sel1`), and the down projection over it.
-                let a = randv(&mut r, nt * sel1.len());
+                let a = relu_zeros(randv(&mut r, nt * sel1.len()), sel1.len());
                 let ys = randv(&mut r, nt * cols);
                 let want = sel_batch_on(&host, &w, &xs, &a, &sel1, &ys, nt);
                 let got = sel_batch_on(&gpu, &w, &xs, &a, &sel1, &ys, nt);
@@ -163,6 +163,41 @@ fn large_batch_products_match_the_scalar_reference() {
     }
 }
 
+/// Batches of a few rows (`matvec_rows_T`) through matrices of 5 to 2200 rows, so that 8, 4, 2
+/// and 1 warps share an output (the fewer the rows, the more warps split each row's columns; the
+/// H100's and H200's 132 SMs put the switches at 520, 1048 and 2104 rows), over rows of 2100
+/// columns (F32: not a multiple of 8) or 2112 (Q8_0; F16 off the tensor cores). Tolerance as
+/// above.
+#[test]
+fn few_row_products_of_any_height_match_the_scalar_reference() {
+    let Some(mut gpu) = gpu() else { return };
+    gpu.set_mma(false);
+    let host = CpuDevice::reference();
+    let mut r = rng(10);
+    for (q, cols) in [
+        (QuantType::F32, 2100),
+        (QuantType::Q8_0, 2112),
+        (QuantType::F16, 2112),
+    ] {
+        for rows in [5, 600, 1100, 2200] {
+            let bytes = random_matrix(&mut r, q, rows, cols);
+            let w = Weight::new(q, rows, cols, &bytes).unwrap();
+            for nt in [3, 8] {
+                let xs = randv(&mut r, nt * cols);
+                let mags = batch_magnitudes(&w, &xs, nt);
+                let want = matmul_on(&host, &w, &xs, nt);
+                let got = matmul_on(&gpu, &w, &xs, nt);
+                close(
+                    &format!("matmul {q:?} {rows}x{cols} of {nt}"),
+                    &got,
+                    &want,
+                    |i| 1e-4 * (2.0 + mags[i % (nt * rows)]),
+                );
+            }
+        }
+    }
+}
+
 /// Batches of 2 to 32 rows of 16-bit weights whose rows are a multiple of 32 elements: the
 /// tensor cores' products (matvec_mma.cu, tf32 with each input split in two), dense and over a
 /// selection, in one launch and in chunks of 32 rows (33, 70); ragged outputs (not a multiple
@@ -190,7 +225,7 @@ fn tensor_core_products_match_the_scalar_reference() {
                 close(&format!("matmul {what}"), &got, &want, |i| {
                     1e-4 * (2.0 + mags[i % (nt * rows)])
                 });
-                let a = randv(&mut r, nt * sel.len());
+                let a = relu_zeros(randv(&mut r, nt * sel.len()), sel.len());
                 let ys = randv(&mut r, nt * cols);
                 let want = sel_batch_on(&host, &w, &xs, &a, &sel, &ys, nt);
                 let got = sel_batch_on(&gpu, &w, &xs, &a, &sel, &ys, nt);
@@ -207,6 +242,18 @@ fn tensor_core_products_match_the_scalar_reference() {
             }
         }
     }
+}
+
+/// A batch's activations `[nt][k]` with ReLU's zeros: output `j` zero in every row when
+/// `j % 4 == 0` (its weight row goes unread), and in row `t` alone when `(j + t) % 3 == 0`.
+fn relu_zeros(mut a: Vec<f32>, k: usize) -> Vec<f32> {
+    for (i, v) in a.iter_mut().enumerate() {
+        let (t, j) = (i / k, i % k);
+        if j % 4 == 0 || (j + t) % 3 == 0 {
+            *v = 0.0;
+        }
+    }
+    a
 }
 
 /// `sum |terms|` of every (batch row, weight row) dot of a batch `xs` of `nt` rows through `w`,

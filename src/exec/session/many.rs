@@ -17,11 +17,13 @@
 //! other heads' outputs zero, W_o over every head). The MLP runs over the union of the rows'
 //! neurons (the paper's Fig. 8: the union of a small batch stays sparse), so a row computes at
 //! least the neurons its own step would.
-use super::step::{heads_predicted_at, predict, Pass};
+use super::step::{heads_predicted_at, Pass};
 use super::DeviceSession;
-use crate::exec::plan::{Computed, Sel};
+use crate::exec::plan::{Computed, Predictor, Sel};
 use crate::{Error, Result};
-use dejavu_backend_api::{AttnGeom, BackendError, Device, Rows, SeqRow, StepRow, MAX_ROWS};
+use dejavu_backend_api::{
+    AttnGeom, BackendError, Device, Product, Rows, SeqRow, StepRow, TopK, MAX_ROWS,
+};
 
 /// One row of a step of several sequences: its token, its sequence's length and context, and
 /// (but for the leader's own row 0) the caches that sequence lent and one row of scratch.
@@ -42,10 +44,9 @@ pub(super) struct Lent<D: Device> {
     row: RowScratch<D>,
 }
 
-/// One row's `x`, `h`, `q`, `k`, `v` and attention output.
+/// One row's `x`, `q`, `k`, `v` and attention output.
 pub(super) struct RowScratch<D: Device> {
     x: D::Buf,
-    h: D::Buf,
     q: D::Buf,
     k: D::Buf,
     v: D::Buf,
@@ -187,29 +188,73 @@ impl<'a, D: Device> DeviceSession<'a, D> {
         restore_step(self.dev, &self.rows_seq)
     }
 
-    /// The predictors that run at layer `l`, for every row: each on its own row of `s.h`, into
-    /// its own sequence's selections.
+    /// The predictors that run at layer `l`, for every row at once: their first layers as one
+    /// product of every row of `s.h`, their second layers likewise ([`Device::matmul_steps`]:
+    /// on the CPU each row's scores are its own step's bit for bit), then each row's top-k
+    /// into its own sequence's selections, three a launch ([`TopK::row`]).
     pub(super) fn predict_by_row(&mut self, l: usize) -> Result<()> {
-        let (dev, d, p) = (self.dev, self.model.local.d_model, &mut self.plan);
-        let heads = heads_predicted_at(l).filter_map(|t| p.head_pred.get(t));
-        if p.mlp_pred[l].is_none() && heads.flatten().next().is_none() {
+        let (dev, rows) = (self.dev, self.rows_seq.len());
+        let p = &mut self.plan;
+        let (mlp_pred, head_pred) = (&p.mlp_pred[..], &p.head_pred[..]);
+        let heads_at = |t: usize| {
+            heads_predicted_at(l).contains(&t) && head_pred.get(t).is_some_and(Option::is_some)
+        };
+        let preds: Vec<&Predictor<D>> = (mlp_pred[l].iter())
+            .chain(
+                head_pred
+                    .iter()
+                    .enumerate()
+                    .filter(|(t, _)| heads_at(*t))
+                    .flat_map(|p| p.1),
+            )
+            .collect();
+        if preds.is_empty() {
             return Ok(());
         }
-        let preds = (&p.mlp_pred[..], &p.head_pred[..]);
+        if self.s.predictor_rows < rows {
+            self.s.grow_predictors(dev, &self.model.local, rows)?;
+            self.graph = None; // the recorded step names the old buffers
+        }
         let s = &mut self.s;
+        let mut w1: Vec<Product<D>> = (preds.iter().zip(s.z.iter_mut()))
+            .map(|(pred, z)| Product::new(&pred.w1, Rows::All, z))
+            .collect();
+        dev.matmul_steps(&s.h, rows, &mut w1)?;
+        let mut w2: Vec<Product<D>> = (preds.iter().zip(&s.z).zip(s.scores.iter_mut()))
+            .map(|((pred, z), sc)| Product::new(&pred.w2, Rows::All, sc).input(z))
+            .collect();
+        dev.matmul_steps(&s.h, rows, &mut w2)?;
+        let mut lead = Some((&mut p.mlp, &mut p.heads));
+        let mut jobs = Vec::new();
         for (r, seq) in self.rows_seq.iter_mut().enumerate() {
-            match &mut seq.lent {
-                None => {
-                    let sels = (&mut p.mlp[..], &mut p.heads[..]);
-                    predict(dev, preds, sels, l, &s.h, &mut s.z, &mut s.scores)?;
-                }
-                Some(lent) => {
-                    dev.take_rows(&s.h, r, 1, d, &mut lent.row.h)?;
-                    let sels = (&mut lent.mlp[..], &mut lent.heads[..]);
-                    predict(dev, preds, sels, l, &lent.row.h, &mut s.z, &mut s.scores)?;
+            let (mlp, heads) = match &mut seq.lent {
+                None => lead
+                    .take()
+                    .ok_or_else(|| Error::Invalid("two leading rows".into()))?,
+                Some(lent) => (&mut lent.mlp, &mut lent.heads),
+            };
+            // This row's selections in the order of `preds`.
+            let own = (mlp.get_mut(l).filter(|_| mlp_pred[l].is_some()).into_iter()).chain(
+                heads
+                    .iter_mut()
+                    .enumerate()
+                    .filter(|(t, _)| heads_at(*t))
+                    .map(|p| p.1),
+            );
+            for ((sel, pred), scores) in own.zip(&preds).zip(&s.scores) {
+                if let Sel::Predicted { idx, k } = sel {
+                    let (n, k) = (pred.n_out, *k);
+                    jobs.push(TopK {
+                        scores,
+                        row: r,
+                        n,
+                        k,
+                        out: idx,
+                    });
                 }
             }
         }
+        jobs.chunks_mut(3).try_for_each(|j| dev.top_ks(j))?;
         Ok(())
     }
 
@@ -426,7 +471,6 @@ impl<D: Device> RowScratch<D> {
         let (wide, qd) = (c.d_model.max(c.d_embed), c.n_heads * c.head_dim);
         Ok(Self {
             x: dev.zeros(wide)?,
-            h: dev.zeros(wide)?,
             q: dev.zeros(qd)?,
             k: dev.zeros(c.kv_dim())?,
             v: dev.zeros(c.kv_dim())?,

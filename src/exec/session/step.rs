@@ -470,6 +470,7 @@ pub(super) fn predict<D: Device>(
     let mut top: Vec<TopK<D>> = (runs.into_iter().zip(scores.iter()))
         .map(|((pred, out, k), scores)| TopK {
             scores,
+            row: 0,
             n: pred.n_out,
             k,
             out,

@@ -19,7 +19,7 @@ use crate::world::HostWorld;
 use crate::{ops, CpuBackend};
 use dejavu_backend_api::{
     sparsify_ref, Activation, AttnGeom, BackendError, Device, InputMask, LazyKv, Product,
-    QuantType, Rotary, Rows, SeqRow, SharedBytes, StepRow, Weight, MAX_ROWS,
+    QuantType, Rotary, Rows, SeqRow, SharedBytes, StepRow, TopK, Weight, MAX_ROWS,
 };
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -173,6 +173,33 @@ impl CpuDevice {
     fn batch(&self, what: &str, x: usize, width: usize, rows: usize) -> Result<(), BackendError> {
         self.rows(what, rows)?;
         need(what, x, rows * width)
+    }
+    /// `Device::top_k` of row `row` of the scores `s` (`s[row * n..][..n]`).
+    fn select(
+        &self,
+        s: &[f32],
+        row: usize,
+        n: usize,
+        k: usize,
+        out: &mut [u32],
+    ) -> Result<(), BackendError> {
+        let end = (row.checked_add(1).and_then(|r| r.checked_mul(n)))
+            .ok_or_else(|| shape(format!("row {row} of scores of {n}")))?;
+        need("top_k scores", s.len(), end)?;
+        if k == 0 || k > n || out.len() < k {
+            return Err(shape(format!(
+                "top {k} of {n} into a list of {}",
+                out.len()
+            )));
+        }
+        let s = &s[row * n..end];
+        let mut sel = Vec::with_capacity(k);
+        match self.reference {
+            true => sel = crate::top_k::top_k_reference(s, k),
+            false => crate::top_k::top_k(s, k, &mut sel, &mut Vec::new()),
+        }
+        out[..k].copy_from_slice(&sel);
+        Ok(())
     }
 }
 
@@ -670,20 +697,11 @@ impl Device for CpuDevice {
         k: usize,
         out: &mut Vec<u32>,
     ) -> Result<(), BackendError> {
-        need("top_k scores", s.len(), n)?;
-        if k == 0 || k > n || out.len() < k {
-            return Err(shape(format!(
-                "top {k} of {n} into a list of {}",
-                out.len()
-            )));
-        }
-        let mut sel = Vec::with_capacity(k);
-        match self.reference {
-            true => sel = crate::top_k::top_k_reference(&s[..n], k),
-            false => crate::top_k::top_k(&s[..n], k, &mut sel, &mut Vec::new()),
-        }
-        out[..k].copy_from_slice(&sel);
-        Ok(())
+        self.select(s, 0, n, k, out)
+    }
+
+    fn top_ks(&self, jobs: &mut [TopK<'_, Self>]) -> Result<(), BackendError> {
+        (jobs.iter_mut()).try_for_each(|j| self.select(j.scores, j.row, j.n, j.k, j.out))
     }
 
     fn sync(&self) -> Result<(), BackendError> {
@@ -736,5 +754,54 @@ pub(crate) fn rope_factors<'a>(
             f.len()
         ))),
         f => Ok(f.map(|f| f.as_slice())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A selection of row `r` of a buffer of scores reads that row (each row's best indices
+    /// differ here), on the reference device and a tier; a row past the buffer is an error.
+    #[test]
+    fn top_ks_select_from_their_own_row() {
+        let n = 6;
+        // Row r's largest two are at (2r, 2r + 1) mod 6.
+        let scores: Vec<f32> = (0..3 * n)
+            .map(|i| {
+                let (r, j) = (i / n, i % n);
+                if j / 2 == r {
+                    10.0 + j as f32
+                } else {
+                    j as f32 * 0.1
+                }
+            })
+            .collect();
+        for dev in [CpuDevice::reference(), CpuDevice::default()] {
+            let mut outs = vec![vec![0u32; 2]; 3];
+            let mut jobs: Vec<TopK<'_, CpuDevice>> = (outs.iter_mut().enumerate())
+                .map(|(row, out)| TopK {
+                    scores: &scores,
+                    row,
+                    n,
+                    k: 2,
+                    out,
+                })
+                .collect();
+            dev.top_ks(&mut jobs).unwrap();
+            for (r, o) in outs.iter_mut().enumerate() {
+                o.sort_unstable();
+                assert_eq!(*o, vec![2 * r as u32, 2 * r as u32 + 1], "row {r}");
+            }
+            let mut past = vec![0u32; 2];
+            let bad = TopK {
+                scores: &scores,
+                row: 3,
+                n,
+                k: 2,
+                out: &mut past,
+            };
+            assert!(dev.top_ks(&mut [bad]).is_err(), "a row past the scores");
+        }
     }
 }

@@ -128,3 +128,110 @@ __device__ __forceinline__ void axpy_jobs(const AxJobs& jobs) {
         axpy_jobs<T>(jobs);                                                                       \
     }
 FOR_TYPES(AXPY)
+
+// `Device::axpy_steps`: the down projection of a step of several sequences over the union of
+// their neurons, each listed weight row read once for up to AXB_ROWS batch rows: for row b of
+// the pass, y[b * cols + c] += sum over outputs j of a[b * n_out + j] * W[row(j)][c]
+// (+ bias[c]). Block x = tile * passes + pass (the passes over one tile of 256 columns run side
+// by side, so a pass after the first finds the tile's rows in L2); pass p owns batch rows
+// p * AXB_ROWS on. Block y owns a contiguous range of the outputs j, as in `axpy` above; a row
+// is listed (and read) when any of the pass's rows has a nonzero coefficient for it. The
+// coefficients of a listed row sit side by side in shared memory: every lane of a warp reads
+// the same one (a broadcast). The partial sums leave one batch row at a time, through the
+// same shared array.
+#ifndef AXB_ROWS
+#define AXB_ROWS 8
+#endif
+struct AxbJob {
+    const u8* w;
+    const u32* idx;
+    const float* bias;
+    const float* a;
+    float* y;
+    int rows, cols, n_out, group, nb, passes;
+};
+template <int T>
+__device__ __forceinline__ void axpy_rows(const AxbJob& jb) {
+    __shared__ float part[8][257];
+    __shared__ int krow[256];
+    __shared__ float kval[256 * AXB_ROWS];
+    __shared__ int wcount[8];
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int tile = blockIdx.x / jb.passes, b0 = (blockIdx.x % jb.passes) * AXB_ROWS;
+    int nb = min(AXB_ROWS, jb.nb - b0), rows = jb.rows, cols = jb.cols;
+    int col = tile * 256 + lane * 8;
+    size_t rb = row_bytes<T>(cols);
+    bool vec = cols % 8 == 0;
+    float acc[AXB_ROWS][8];
+#pragma unroll
+    for (int b = 0; b < AXB_ROWS; b++)
+        for (int i = 0; i < 8; i++) acc[b][i] = 0.f;
+    int per = (jb.n_out + gridDim.y - 1) / gridDim.y;
+    int j0 = blockIdx.y * per, je = min(jb.n_out, j0 + per);
+    for (int s0 = j0; s0 < je; s0 += 256) {
+        int j = s0 + threadIdx.x, r = rows;
+        float av[AXB_ROWS];
+        bool any = false;
+#pragma unroll
+        for (int b = 0; b < AXB_ROWS; b++) {
+            av[b] = j < je && b < nb ? jb.a[(size_t)(b0 + b) * jb.n_out + j] : 0.f;
+            any |= av[b] != 0.f;
+        }
+        if (any) r = sel_row(jb.idx, j, jb.group);
+        bool keep = r < rows;
+        unsigned m = __ballot_sync(0xffffffff, keep);
+        if (lane == 0) wcount[warp] = __popc(m);
+        __syncthreads();
+        int off = 0, n = 0;
+        for (int q = 0; q < 8; q++) {
+            off += q < warp ? wcount[q] : 0;
+            n += wcount[q];
+        }
+        if (keep) {
+            int at = off + __popc(m & ((1u << lane) - 1));
+            krow[at] = r;
+#pragma unroll
+            for (int b = 0; b < AXB_ROWS; b++) kval[at * AXB_ROWS + b] = av[b];
+        }
+        __syncthreads();
+        for (int i0 = warp; i0 < n; i0 += 8 * AX_UNROLL) {
+            float v[AX_UNROLL][8];
+#pragma unroll
+            for (int u = 0; u < AX_UNROLL; u++) {
+                int i = i0 + u * 8;
+                if (i < n && col < cols)
+                    load8<T>(jb.w + (size_t)krow[i] * rb, col, cols, vec, v[u]);
+            }
+            if (col >= cols) continue;
+#pragma unroll
+            for (int u = 0; u < AX_UNROLL; u++) {
+                int i = i0 + u * 8;
+                if (i >= n) break;
+#pragma unroll
+                for (int b = 0; b < AXB_ROWS; b++) {
+                    float s = kval[i * AXB_ROWS + b];
+                    for (int k = 0; k < 8; k++) acc[b][k] += s * v[u][k];
+                }
+            }
+        }
+        __syncthreads();  // the list is rewritten by the next segment
+    }
+#pragma unroll
+    for (int b = 0; b < AXB_ROWS; b++) {
+        if (b >= nb) break;
+        for (int i = 0; i < 8; i++) part[warp][lane * 8 + i] = acc[b][i];
+        __syncthreads();
+        int c = tile * 256 + threadIdx.x;
+        if (c < cols) {
+            float sum = jb.bias && blockIdx.y == 0 ? jb.bias[c] : 0.f;
+            for (int q = 0; q < 8; q++) sum += part[q][threadIdx.x];
+            atomicAdd(&jb.y[(size_t)(b0 + b) * cols + c], sum);
+        }
+        __syncthreads();  // part is rewritten for the next row
+    }
+}
+#define AXPY_ROWS(name, T)                                                                       \
+    extern "C" __global__ void __launch_bounds__(256) axpy_rows_##name(AxbJob job) {           \
+        axpy_rows<T>(job);                                                                        \
+    }
+FOR_TYPES(AXPY_ROWS)

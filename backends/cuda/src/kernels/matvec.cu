@@ -24,7 +24,7 @@ struct MvJob {
 };
 struct MvJobs {
     MvJob job[3];
-    int n, split;
+    int n, split, ks, pad;  // ks: warps per output of matvec_rows
 };
 
 template <int T, int U>
@@ -144,25 +144,29 @@ extern "C" __global__ void __launch_bounds__(256) matvec_bf16_ahead(MvJobs jobs)
 }
 
 // A batch of a few rows (1 to MVR_MAX: the steps of continuous batching, a speculative
-// draft's verification) through one read of the weights: each warp one weight row of one job,
-// dotted with every batch row's input (row t at x + t * cols), into y[t * n_out + j] for output
-// j (weight row sel_row(idx, j, group): every row, or a selection, compact): act(dot + bias), or
-// += (accumulate).
+// draft's verification) through one read of the weights: `ks` warps (1, 2, 4 or 8) one weight
+// row of one job, dotted with every batch row's input (row t at x + t * cols), into
+// y[t * n_out + j] for output j (weight row sel_row(idx, j, group): every row, or a selection,
+// compact): act(dot + bias), or += (accumulate). Warp q of an output's ks takes the row's
+// chunks of 256 columns q, q + ks, ...; their sums meet in shared memory (a small matrix, such
+// as a predictor's, then fills the GPU: 8 / ks outputs a block).
 #define MVR_MAX 8
 template <int T>
 __device__ __forceinline__ void matvec_rows(const u8* w, const u32* idx, const float* bias,
                                             float* y, const float* x, int n_out, int group,
-                                            int cols, int accumulate, int act, int blk, int nt) {
+                                            int cols, int accumulate, int act, int blk, int nt,
+                                            int ks) {
+    __shared__ float red[8][MVR_MAX];
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    int j = blk * 8 + warp;
-    if (j >= n_out) return;
-    int r = sel_row(idx, j, group);
+    int j = blk * (8 / ks) + warp / ks, part = warp % ks;
+    bool live = j < n_out;
+    int r = live ? sel_row(idx, j, group) : 0;
     const u8* row = w + (size_t)r * row_bytes<T>(cols);
     float s[MVR_MAX];
 #pragma unroll
     for (int t = 0; t < MVR_MAX; t++) s[t] = 0.f;
     bool vec = cols % 8 == 0;
-    for (int e = lane * 8; e < cols; e += 256) {
+    for (int e = (part * 32 + lane) * 8; live && e < cols; e += 256 * ks) {
         float v[8];
         load8<T>(row, e, cols, vec, v);
 #pragma unroll
@@ -183,7 +187,17 @@ __device__ __forceinline__ void matvec_rows(const u8* w, const u32* idx, const f
     }
 #pragma unroll
     for (int t = 0; t < MVR_MAX; t++) s[t] = warp_sum(s[t]);
-    if (lane != 0) return;
+    if (ks > 1) {  // the same for the whole block: every thread reaches the barrier
+        if (lane == 0)
+            for (int t = 0; t < MVR_MAX; t++) red[warp][t] = s[t];
+        __syncthreads();
+        if (part == 0 && lane == 0)
+            for (int t = 0; t < MVR_MAX; t++) {
+                s[t] = 0.f;
+                for (int q = 0; q < ks; q++) s[t] += red[warp + q][t];
+            }
+    }
+    if (lane != 0 || part != 0 || !live) return;
     for (int t = 0; t < nt; t++) {
         float v = s[t] + (bias ? bias[r] : 0.f);
         float* o = y + (size_t)t * n_out + j;
@@ -195,7 +209,7 @@ __device__ __forceinline__ void matvec_rows(const u8* w, const u32* idx, const f
 // constant indices, as `matvec_jobs`.
 #define MVR_CALL(n) matvec_rows<T>(jobs.job[n].w, jobs.job[n].idx, jobs.job[n].bias, jobs.job[n].y, \
     jobs.job[n].x, jobs.job[n].n_out, jobs.job[n].group, jobs.job[n].cols, jobs.job[n].accumulate, \
-    jobs.job[n].act, b - jobs.job[n].first_block, jobs.split)
+    jobs.job[n].act, b - jobs.job[n].first_block, jobs.split, jobs.ks)
 template <int T>
 __device__ __forceinline__ void matvec_rows_jobs(const MvJobs& jobs) {
     int b = blockIdx.x;
