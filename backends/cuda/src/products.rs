@@ -401,9 +401,23 @@ impl CudaDevice {
             nb: n as i32,
             passes: passes as i32,
         };
-        let f = self.func(&format!("axpy_rows_{}", type_suffix(w.qtype)));
-        let mut b = self.lane().launch_builder(f);
-        b.arg(&axb);
+        self.launch_tiles(
+            &format!("axpy_rows_{}", type_suffix(w.qtype)),
+            &axb,
+            (tiles, splits),
+        )
+    }
+
+    /// Kernel `name` of one argument over a grid of `(tiles, splits)` blocks of 256 threads
+    /// (the axpy kernels: tiles of columns, ranges of outputs).
+    fn launch_tiles<A: cudarc::driver::DeviceRepr>(
+        &self,
+        name: &str,
+        arg: &A,
+        (tiles, splits): (usize, usize),
+    ) -> Result<(), BackendError> {
+        let mut b = self.lane().launch_builder(self.func(name));
+        b.arg(arg);
         let cfg = LaunchConfig {
             grid_dim: (tiles as u32, splits as u32, 1),
             block_dim: (256, 1, 1),
@@ -510,15 +524,7 @@ impl CudaDevice {
         q: QuantType,
     ) -> Result<(), BackendError> {
         let splits = (self.ax_fill * self.n_sm / tiles.max(1)).clamp(1, most);
-        let f = self.func(&format!("axpy_{}", type_suffix(q)));
-        let mut b = self.lane().launch_builder(f);
-        b.arg(&ax);
-        let cfg = LaunchConfig {
-            grid_dim: (tiles as u32, splits as u32, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        launch::run(b, cfg)
+        self.launch_tiles(&format!("axpy_{}", type_suffix(q)), &ax, (tiles, splits))
     }
 
     /// `Device::clear`: up to 3 buffers in one launch.

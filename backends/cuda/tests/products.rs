@@ -5,6 +5,7 @@
 //! `|gpu - ref| <= 1e-4 (1 + sum |terms|)`, the order of summation being all that differs.
 use dejavu_backend_api::{Activation, Device, Product, QuantType, Rows, StepRow, Weight};
 use dejavu_backend_cpu::device::CpuDevice;
+use dejavu_backend_cuda::CudaDevice;
 
 mod common;
 use common::{close, down, gpu, magnitude, random_matrix, randv, rng};
@@ -106,15 +107,13 @@ fn products_match_the_scalar_reference_for_every_type() {
             // the tiles (9 rows, and past one 64-row tile).
             for nt in [1, 5, 8, 9, 70] {
                 let xs = randv(&mut r, nt * cols);
-                let want = matmul_on(&host, &w, &xs, nt);
-                let got = matmul_on(&gpu, &w, &xs, nt);
-                let mags = batch_magnitudes(&w, &xs, nt);
-                let tol = |i: usize| 1e-4 * (2.0 + mags[i % (nt * rows)]);
-                close(
-                    &format!("matmul {q:?} {rows}x{cols} of {nt}"),
-                    &got,
-                    &want,
-                    tol,
+                matmul_matches(
+                    &gpu,
+                    &host,
+                    &w,
+                    &xs,
+                    nt,
+                    &format!("{q:?} {rows}x{cols} of {nt}"),
                 );
                 // A step of several sequences under a sparse plan: the same rows over the
                 // union of their neurons (`sel1`), and the down projection over it.
@@ -184,14 +183,13 @@ fn few_row_products_of_any_height_match_the_scalar_reference() {
             let w = Weight::new(q, rows, cols, &bytes).unwrap();
             for nt in [3, 8] {
                 let xs = randv(&mut r, nt * cols);
-                let mags = batch_magnitudes(&w, &xs, nt);
-                let want = matmul_on(&host, &w, &xs, nt);
-                let got = matmul_on(&gpu, &w, &xs, nt);
-                close(
-                    &format!("matmul {q:?} {rows}x{cols} of {nt}"),
-                    &got,
-                    &want,
-                    |i| 1e-4 * (2.0 + mags[i % (nt * rows)]),
+                matmul_matches(
+                    &gpu,
+                    &host,
+                    &w,
+                    &xs,
+                    nt,
+                    &format!("{q:?} {rows}x{cols} of {nt}"),
                 );
             }
         }
@@ -218,13 +216,8 @@ fn tensor_core_products_match_the_scalar_reference() {
                 let xs: Vec<f32> = (randv(&mut r, nt * cols).into_iter())
                     .map(|v| v * scale)
                     .collect();
-                let mags = batch_magnitudes(&w, &xs, nt);
                 let what = format!("{q:?} {rows}x{cols} of {nt}, inputs to {scale}");
-                let want = matmul_on(&host, &w, &xs, nt);
-                let got = matmul_on(&gpu, &w, &xs, nt);
-                close(&format!("matmul {what}"), &got, &want, |i| {
-                    1e-4 * (2.0 + mags[i % (nt * rows)])
-                });
+                let mags = matmul_matches(&gpu, &host, &w, &xs, nt, &what);
                 let a = relu_zeros(randv(&mut r, nt * sel.len()), sel.len());
                 let ys = randv(&mut r, nt * cols);
                 let want = sel_batch_on(&host, &w, &xs, &a, &sel, &ys, nt);
@@ -242,6 +235,25 @@ fn tensor_core_products_match_the_scalar_reference() {
             }
         }
     }
+}
+
+/// A batch `xs` of `nt` rows through `w` ([`matmul_on`]) on the GPU against the host, each dot
+/// within `1e-4 (2 + sum |terms|)`; returns the magnitudes ([`batch_magnitudes`]).
+fn matmul_matches(
+    gpu: &CudaDevice,
+    host: &CpuDevice,
+    w: &Weight,
+    xs: &[f32],
+    nt: usize,
+    what: &str,
+) -> Vec<f32> {
+    let mags = batch_magnitudes(w, xs, nt);
+    let want = matmul_on(host, w, xs, nt);
+    let got = matmul_on(gpu, w, xs, nt);
+    close(&format!("matmul {what}"), &got, &want, |i| {
+        1e-4 * (2.0 + mags[i % (nt * w.rows)])
+    });
+    mags
 }
 
 /// A batch's activations `[nt][k]` with ReLU's zeros: output `j` zero in every row when

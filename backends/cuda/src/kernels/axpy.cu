@@ -18,6 +18,22 @@
 #ifndef AX_UNROLL
 #define AX_UNROLL 4
 #endif
+// A block of 8 warps lists the entries its threads keep, in thread order: returns this
+// thread's slot in the list (meaningful where it keeps), and the list's length in `n`.
+// Every thread of the block calls it (a barrier inside).
+__device__ __forceinline__ int list_slot(bool keep, int* wcount, int& n) {
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    unsigned m = __ballot_sync(0xffffffff, keep);
+    if (lane == 0) wcount[warp] = __popc(m);
+    __syncthreads();
+    int off = 0;
+    n = 0;
+    for (int q = 0; q < 8; q++) {
+        off += q < warp ? wcount[q] : 0;
+        n += wcount[q];
+    }
+    return off + __popc(m & ((1u << lane) - 1));
+}
 #ifndef AX_VEC
 #define AX_VEC 1
 #endif
@@ -48,16 +64,8 @@ __device__ __forceinline__ void axpy(const u8* w, int rows, int cols, const u32*
             r = av != 0.f ? sel_row(idx, j, group) : rows;
         }
         bool keep = r < rows;
-        unsigned m = __ballot_sync(0xffffffff, keep);
-        if (lane == 0) wcount[warp] = __popc(m);
-        __syncthreads();
-        int off = 0, n = 0;
-        for (int q = 0; q < 8; q++) {
-            off += q < warp ? wcount[q] : 0;
-            n += wcount[q];
-        }
+        int n, at = list_slot(keep, wcount, n);
         if (keep) {
-            int at = off + __popc(m & ((1u << lane) - 1));
             krow[at] = r;
             kval[at] = av;
         }
@@ -179,16 +187,8 @@ __device__ __forceinline__ void axpy_rows(const AxbJob& jb) {
         }
         if (any) r = sel_row(jb.idx, j, jb.group);
         bool keep = r < rows;
-        unsigned m = __ballot_sync(0xffffffff, keep);
-        if (lane == 0) wcount[warp] = __popc(m);
-        __syncthreads();
-        int off = 0, n = 0;
-        for (int q = 0; q < 8; q++) {
-            off += q < warp ? wcount[q] : 0;
-            n += wcount[q];
-        }
+        int n, at = list_slot(keep, wcount, n);
         if (keep) {
-            int at = off + __popc(m & ((1u << lane) - 1));
             krow[at] = r;
 #pragma unroll
             for (int b = 0; b < AXB_ROWS; b++) kval[at * AXB_ROWS + b] = av[b];
