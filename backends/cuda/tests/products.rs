@@ -107,14 +107,8 @@ fn products_match_the_scalar_reference_for_every_type() {
             // the tiles (9 rows, and past one 64-row tile).
             for nt in [1, 5, 8, 9, 70] {
                 let xs = randv(&mut r, nt * cols);
-                matmul_matches(
-                    &gpu,
-                    &host,
-                    &w,
-                    &xs,
-                    nt,
-                    &format!("{q:?} {rows}x{cols} of {nt}"),
-                );
+                let what = format!("{q:?} {rows}x{cols} of {nt}");
+                matmul_matches(&gpu, &host, &w, &xs, nt, &what);
                 // A step of several sequences under a sparse plan: the same rows over the
                 // union of their neurons (`sel1`), and the down projection over it.
                 let a = relu_zeros(randv(&mut r, nt * sel1.len()), sel1.len());
@@ -183,14 +177,8 @@ fn few_row_products_of_any_height_match_the_scalar_reference() {
             let w = Weight::new(q, rows, cols, &bytes).unwrap();
             for nt in [3, 8] {
                 let xs = randv(&mut r, nt * cols);
-                matmul_matches(
-                    &gpu,
-                    &host,
-                    &w,
-                    &xs,
-                    nt,
-                    &format!("{q:?} {rows}x{cols} of {nt}"),
-                );
+                let what = format!("{q:?} {rows}x{cols} of {nt}");
+                matmul_matches(&gpu, &host, &w, &xs, nt, &what);
             }
         }
     }
