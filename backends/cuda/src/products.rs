@@ -552,10 +552,13 @@ impl CudaDevice {
     }
 
     /// `Device::top_ks`: `top_k_hist` then `top_k_select` (topk.cu), blocks of 1024 threads, a
-    /// row of blocks per selection (at most 3), with `tk_scratch` as their global state; a
+    /// row of blocks per selection (3 a launch), with `tk_scratch` as their global state; a
     /// selection of row `r` of its scores reads them from `r * n` on.
     pub(crate) fn launch_top_ks(&self, jobs: &mut [TopK<'_, Self>]) -> Result<(), BackendError> {
-        if jobs.is_empty() || jobs.len() > 3 {
+        if jobs.len() > 3 {
+            return jobs.chunks_mut(3).try_for_each(|j| self.launch_top_ks(j));
+        }
+        if jobs.is_empty() {
             return Err(shape(format!(
                 "{} top-k selections in one launch (1 to 3)",
                 jobs.len()

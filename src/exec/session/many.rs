@@ -191,7 +191,7 @@ impl<'a, D: Device> DeviceSession<'a, D> {
     /// The predictors that run at layer `l`, for every row at once: their first layers as one
     /// product of every row of `s.h`, their second layers likewise ([`Device::matmul_steps`]:
     /// on the CPU each row's scores are its own step's bit for bit), then each row's top-k
-    /// into its own sequence's selections, three a launch ([`TopK::row`]).
+    /// into its own sequence's selections, in one call ([`TopK::row`]).
     pub(super) fn predict_by_row(&mut self, l: usize) -> Result<()> {
         let (dev, rows) = (self.dev, self.rows_seq.len());
         let p = &mut self.plan;
@@ -254,8 +254,7 @@ impl<'a, D: Device> DeviceSession<'a, D> {
                 }
             }
         }
-        jobs.chunks_mut(3).try_for_each(|j| dev.top_ks(j))?;
-        Ok(())
+        Ok(dev.top_ks(&mut jobs)?)
     }
 
     /// The union of the rows' neurons at layer `l`'s MLP, written to `union_idx` (sorted);

@@ -174,23 +174,19 @@ impl CpuDevice {
         self.rows(what, rows)?;
         need(what, x, rows * width)
     }
-    /// `Device::top_k` of row `row` of the scores `s` (`s[row * n..][..n]`).
+    /// `Device::top_k` of row `row` of the scores `s` (`s[row * n..][..n]`) into a list of
+    /// `out_len`: the `k` indices.
     fn select(
         &self,
         s: &[f32],
-        row: usize,
-        n: usize,
-        k: usize,
-        out: &mut [u32],
-    ) -> Result<(), BackendError> {
+        (row, n, k): (usize, usize, usize),
+        out_len: usize,
+    ) -> Result<Vec<u32>, BackendError> {
         let end = (row.checked_add(1).and_then(|r| r.checked_mul(n)))
             .ok_or_else(|| shape(format!("row {row} of scores of {n}")))?;
         need("top_k scores", s.len(), end)?;
-        if k == 0 || k > n || out.len() < k {
-            return Err(shape(format!(
-                "top {k} of {n} into a list of {}",
-                out.len()
-            )));
+        if k == 0 || k > n || out_len < k {
+            return Err(shape(format!("top {k} of {n} into a list of {out_len}")));
         }
         let s = &s[row * n..end];
         let mut sel = Vec::with_capacity(k);
@@ -198,8 +194,7 @@ impl CpuDevice {
             true => sel = crate::top_k::top_k_reference(s, k),
             false => crate::top_k::top_k(s, k, &mut sel, &mut Vec::new()),
         }
-        out[..k].copy_from_slice(&sel);
-        Ok(())
+        Ok(sel)
     }
 }
 
@@ -697,11 +692,30 @@ impl Device for CpuDevice {
         k: usize,
         out: &mut Vec<u32>,
     ) -> Result<(), BackendError> {
-        self.select(s, 0, n, k, out)
+        let sel = self.select(s, (0, n, k), out.len())?;
+        out[..k].copy_from_slice(&sel);
+        Ok(())
     }
 
+    /// The selections side by side on the pool's threads (a step of several sequences' rows),
+    /// each as `top_k`; every one is checked before any list is written.
     fn top_ks(&self, jobs: &mut [TopK<'_, Self>]) -> Result<(), BackendError> {
-        (jobs.iter_mut()).try_for_each(|j| self.select(j.scores, j.row, j.n, j.k, j.out))
+        let picks: Vec<_> = (jobs.iter())
+            .map(|_| Mutex::new(None::<Result<Vec<u32>, BackendError>>))
+            .collect();
+        self.cpu.pool.run(jobs.len(), &|i| {
+            let j = &jobs[i];
+            let sel = self.select(j.scores, (j.row, j.n, j.k), j.out.len());
+            *picks[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(sel);
+        });
+        let picks: Vec<Vec<u32>> = (picks.into_iter())
+            .map(|p| p.into_inner().unwrap_or_else(|e| e.into_inner()))
+            .map(|p| p.unwrap_or_else(|| Err(shape("a top-k that did not run".into()))))
+            .collect::<Result<_, _>>()?;
+        for (j, sel) in jobs.iter_mut().zip(picks) {
+            j.out[..sel.len()].copy_from_slice(&sel);
+        }
+        Ok(())
     }
 
     fn sync(&self) -> Result<(), BackendError> {
