@@ -8,7 +8,9 @@
 //!   new one, and an interrupted run leaves only a `.dejavu-*.tmp` file that nothing reads (it is
 //!   removed on error and on drop);
 //! - an existing file is never opened for writing, and [`refuse_overwrite`] keeps a command's
-//!   output from replacing one of its inputs.
+//!   output from replacing one of its inputs;
+//! - the new file gets the permissions any new file does (`0o666` less the umask, on Unix), not
+//!   a temporary file's owner-only `0o600`.
 use crate::{Error, Result};
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -20,10 +22,14 @@ fn temp_beside(target: &Path, suffix: &str) -> Result<tempfile::NamedTempFile> {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
     };
-    tempfile::Builder::new()
-        .prefix(".dejavu-")
-        .suffix(suffix)
-        .tempfile_in(&dir)
+    let mut b = tempfile::Builder::new();
+    b.prefix(".dejavu-").suffix(suffix);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        b.permissions(std::fs::Permissions::from_mode(0o666)); // less the umask, at open
+    }
+    b.tempfile_in(&dir)
         .map_err(|e| io_error(target, "creating a temporary file beside", e))
 }
 
@@ -175,6 +181,26 @@ mod tests {
         assert_eq!(std::fs::read(&t).unwrap(), b"new");
         let names: Vec<_> = std::fs::read_dir(d.path()).unwrap().collect();
         assert_eq!(names.len(), 1, "only the target remains");
+    }
+
+    /// A written file (and a rendered one) has the mode a plain new file gets under this
+    /// process's umask, not the temporary file's `0o600`.
+    #[cfg(unix)]
+    #[test]
+    fn a_written_file_has_a_new_files_permissions() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = tempfile::tempdir().unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        let plain = d.path().join("plain");
+        std::fs::write(&plain, b"x").unwrap();
+        let (t, r) = (d.path().join("out.json"), d.path().join("plot.png"));
+        write(&t, b"{}").unwrap();
+        write_via_path(&r, |p| Ok(std::fs::write(p, b"png")?)).unwrap();
+        assert_eq!(mode(&t), mode(&plain), "a written file");
+        assert_eq!(mode(&r), mode(&plain), "a rendered file");
+        if mode(&plain) == 0o600 {
+            eprintln!("under umask 077 every new file is 0o600: the check above cannot fail");
+        }
     }
 
     #[test]
