@@ -182,24 +182,14 @@ impl CudaDevice {
         } else {
             self.mv_fill
         };
-        let mut split = 1;
-        while split < 8
-            && total.div_ceil(8 * self.mv_rows / split) < fill * self.n_sm
-            && min_cols.unwrap_or(0) >= 512 * split
-        {
-            split *= 2;
-        }
+        let split = self.split_k(total, self.mv_rows, fill, min_cols.unwrap_or(0));
         // Outputs per block: 8 warps of `mv_rows` rows, or 8 / split under split-K.
         let per_block = if split == 1 {
             8 * self.mv_rows
         } else {
             8 / split
         };
-        let mut blocks = 0;
-        for (i, o) in outs.iter().enumerate() {
-            mv.job[i].first_block = blocks as i32;
-            blocks += o.div_ceil(per_block);
-        }
+        let blocks = first_blocks(&mut mv, &outs, per_block);
         mv.split = split as i32;
         // Products of every row of a bf16 matrix, unsplit: the kernel that loads ahead (f16 has
         // one too, not the default: OPT-13B f16 dense ran 1-2% slower with it).
@@ -248,16 +238,11 @@ impl CudaDevice {
             return (jobs.iter_mut())
                 .try_for_each(|p| self.launch_matvec_rows_at(x, t0, nt, std::slice::from_mut(p)));
         }
-        // 8 warps a block, `ks` an output: the fewest that give the grid `mvr_fill` blocks per
-        // SM, at most one per 256-column chunk of the narrowest job's rows.
-        let (_, blocks) = self.rows_jobs(x, t0, nt, jobs, 8)?;
-        let chunks = (jobs.iter().map(|p| p.w.cols.div_ceil(256)).min()).unwrap_or(1);
-        let most = [8, 4, 2, 1].into_iter().find(|&k| k <= chunks).unwrap_or(1);
-        let fill = self.mvr_fill * self.n_sm;
-        let ks = ([1, 2, 4, 8].into_iter())
-            .find(|&k| k == most || blocks * k >= fill)
-            .unwrap_or(1);
-        let (mut mv, blocks) = self.rows_jobs(x, t0, nt, jobs, 8 / ks)?;
+        // 8 warps a block, `ks` an output (split-K as the one-row matvec's, at `mvr_fill`).
+        let (mut mv, outs) = self.rows_jobs(x, t0, nt, jobs)?;
+        let min_cols = (jobs.iter().map(|p| p.w.cols).min()).unwrap_or(0);
+        let ks = self.split_k(outs.iter().sum(), 1, self.mvr_fill, min_cols);
+        let blocks = first_blocks(&mut mv, &outs, 8 / ks);
         mv.ks = ks as i32;
         let f = self.func(&format!("matvec_rows_{}", type_suffix(jobs[0].w.qtype)));
         let mut b = self.lane().launch_builder(f);
@@ -265,22 +250,37 @@ impl CudaDevice {
         launch::run(b, launch::grid(blocks * 256, 256))
     }
 
+    /// Warps per output of the matvec kernels (1, 2, 4 or 8: split-K) for `total` outputs,
+    /// `per_warp` a warp unsplit, 8 warps a block: doubled while the grid holds fewer than
+    /// `fill` blocks per SM and the narrowest row (`min_cols`) gives each warp at least 256
+    /// columns.
+    fn split_k(&self, total: usize, per_warp: usize, fill: usize, min_cols: usize) -> usize {
+        let mut split = 1;
+        while split < 8
+            && total.div_ceil(8 * per_warp / split) < fill * self.n_sm
+            && min_cols >= 512 * split
+        {
+            split *= 2;
+        }
+        split
+    }
+
     /// The `MvJobs` of rows `t0..t0 + nt` of a batch's products (one weight type), each job's
-    /// extents checked, `split` holding `nt`, and the blocks of `per_block` outputs they take.
+    /// extents checked, `split` holding `nt`, and each job's outputs (the caller assigns the
+    /// blocks: [`first_blocks`]).
     fn rows_jobs(
         &self,
         x: &Buf,
         t0: usize,
         nt: usize,
         jobs: &[Product<'_, Self>],
-        per_block: usize,
-    ) -> Result<(MvJobs, usize), BackendError> {
+    ) -> Result<(MvJobs, Vec<usize>), BackendError> {
         let mut mv = MvJobs {
             n: jobs.len() as i32,
             split: nt as i32,
             ..Default::default()
         };
-        let (mut blocks, end) = (0, t0 + nt);
+        let (mut outs, end) = (Vec::with_capacity(jobs.len()), t0 + nt);
         for (i, p) in jobs.iter().enumerate() {
             let (w, px) = (p.w, p.x.unwrap_or(x));
             let (ip, n_out, group, o) = self.sel(p.rows, w.rows)?;
@@ -302,12 +302,12 @@ impl CudaDevice {
                 group,
                 accumulate: p.accumulate as i32,
                 act: p.act.map_or(-1, act_code),
-                first_block: blocks as i32,
+                first_block: 0,
                 _pad: 0,
             };
-            blocks += o.div_ceil(per_block);
+            outs.push(o);
         }
-        Ok((mv, blocks))
+        Ok((mv, outs))
     }
 
     /// Can `jobs` go to the tensor cores (`matvec_mma{n}_T`)? The kernels' types, rows a
@@ -343,7 +343,8 @@ impl CudaDevice {
                 p.w.cols
             )));
         }
-        let (mv, blocks) = self.rows_jobs(x, t0, nt, jobs, 16)?;
+        let (mut mv, outs) = self.rows_jobs(x, t0, nt, jobs)?;
+        let blocks = first_blocks(&mut mv, &outs, 16);
         let tiles = MMA_TILES.into_iter().find(|t| 8 * t >= nt).unwrap_or(4);
         let q = type_suffix(jobs[0].w.qtype);
         let mut b = self
@@ -610,6 +611,17 @@ impl CudaDevice {
         };
         launch::run(b, cfg)
     }
+}
+
+/// Each job's first block, `per_block` outputs a block (job `i` has `outs[i]`); returns the
+/// blocks of all.
+fn first_blocks(mv: &mut MvJobs, outs: &[usize], per_block: usize) -> usize {
+    let mut blocks = 0;
+    for (job, o) in mv.job.iter_mut().zip(outs) {
+        job.first_block = blocks as i32;
+        blocks += o.div_ceil(per_block);
+    }
+    blocks
 }
 
 /// u32s of one selection's global state (`TkScratch` in topk.cu: a 4096-bin histogram, 4

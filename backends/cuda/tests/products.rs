@@ -158,7 +158,7 @@ fn large_batch_products_match_the_scalar_reference() {
 
 /// Batches of a few rows (`matvec_rows_T`) through matrices of 5 to 2200 rows, so that 8, 4, 2
 /// and 1 warps share an output (the fewer the rows, the more warps split each row's columns; the
-/// H100's and H200's 132 SMs put the switches at 520, 1048 and 2104 rows), over rows of 2100
+/// H100's and H200's 132 SMs put the switches at 526, 1052 and 2104 rows), over rows of 2100
 /// columns (F32: not a multiple of 8) or 2112 (Q8_0; F16 off the tensor cores). Tolerance as
 /// above.
 #[test]
