@@ -52,6 +52,9 @@ struct Scratch<D: Device> {
     part_logits: D::Buf,
 }
 
+/// The predictors' buffers of [`Scratch`]: `z`, `scores`.
+type PredBufs<D> = ([<D as Device>::Buf; 3], [<D as Device>::Buf; 3]);
+
 /// The buffers of [`Scratch`] that hold a step's rows, for `rows` rows.
 type RowBufs<D> = [<D as Device>::Buf; 10];
 
@@ -90,19 +93,19 @@ impl<D: Device> Scratch<D> {
         Ok(true)
     }
 
+    /// The predictors' `z` (`rank` wide) and `scores` (a unit of model config `c` each) for
+    /// `rows` rows.
+    fn predictor_bufs(dev: &D, c: &ModelConfig, rank: usize, rows: usize) -> Result<PredBufs<D>> {
+        let (z, n) = (rows * rank, rows * c.n_ff.max(c.n_heads));
+        Ok((
+            [dev.zeros(z)?, dev.zeros(z)?, dev.zeros(z)?],
+            [dev.zeros(n)?, dev.zeros(n)?, dev.zeros(n)?],
+        ))
+    }
+
     /// `z` and `scores` made anew for `rows` rows of model config `c`.
     fn grow_predictors(&mut self, dev: &D, c: &ModelConfig, rows: usize) -> Result<()> {
-        let (rank, n) = (self.rank, c.n_ff.max(c.n_heads));
-        self.z = [
-            dev.zeros(rows * rank)?,
-            dev.zeros(rows * rank)?,
-            dev.zeros(rows * rank)?,
-        ];
-        self.scores = [
-            dev.zeros(rows * n)?,
-            dev.zeros(rows * n)?,
-            dev.zeros(rows * n)?,
-        ];
+        (self.z, self.scores) = Self::predictor_bufs(dev, c, self.rank, rows)?;
         self.predictor_rows = rows;
         Ok(())
     }
@@ -325,6 +328,7 @@ impl<'a, D: Device> DeviceSession<'a, D> {
         let tp = !model.shard.is_whole();
         let per_rank = model.shard.vocab_per_rank(c.vocab_size);
         let [x, h, e, q, k_row, v_row, att, gate, up, part] = Scratch::row_bufs(dev, model, 1)?;
+        let (z, scores) = Scratch::predictor_bufs(dev, c, rank, 1)?;
         let s = Scratch {
             rows: 1,
             x,
@@ -336,14 +340,10 @@ impl<'a, D: Device> DeviceSession<'a, D> {
             att,
             gate,
             up,
-            z: [dev.zeros(rank)?, dev.zeros(rank)?, dev.zeros(rank)?],
+            z,
             rank,
             predictor_rows: 1,
-            scores: [
-                dev.zeros(c.n_ff.max(c.n_heads))?,
-                dev.zeros(c.n_ff.max(c.n_heads))?,
-                dev.zeros(c.n_ff.max(c.n_heads))?,
-            ],
+            scores,
             full: dev.zeros(c.n_ff.max(c.n_heads * c.head_dim))?,
             score: dev.zeros(c.n_ff.max(c.n_heads))?,
             exact: dev.zeros(plan.output.as_ref().map_or(1, |o| o.candidates))?,

@@ -17,7 +17,7 @@
 //! other heads' outputs zero, W_o over every head). The MLP runs over the union of the rows'
 //! neurons (the paper's Fig. 8: the union of a small batch stays sparse), so a row computes at
 //! least the neurons its own step would.
-use super::step::{heads_predicted_at, Pass};
+use super::step::{predicted_runs, Pass};
 use super::DeviceSession;
 use crate::exec::plan::{Computed, Predictor, Sel};
 use crate::{Error, Result};
@@ -195,63 +195,50 @@ impl<'a, D: Device> DeviceSession<'a, D> {
     pub(super) fn predict_by_row(&mut self, l: usize) -> Result<()> {
         let (dev, rows) = (self.dev, self.rows_seq.len());
         let p = &mut self.plan;
-        let (mlp_pred, head_pred) = (&p.mlp_pred[..], &p.head_pred[..]);
-        let heads_at = |t: usize| {
-            heads_predicted_at(l).contains(&t) && head_pred.get(t).is_some_and(Option::is_some)
-        };
-        let preds: Vec<&Predictor<D>> = (mlp_pred[l].iter())
-            .chain(
-                head_pred
-                    .iter()
-                    .enumerate()
-                    .filter(|(t, _)| heads_at(*t))
-                    .flat_map(|p| p.1),
-            )
-            .collect();
-        if preds.is_empty() {
+        let preds = (&p.mlp_pred[..], &p.head_pred[..]);
+        let mut lead = Some((&mut p.mlp[..], &mut p.heads[..]));
+        let mut runs = Vec::with_capacity(rows);
+        for seq in self.rows_seq.iter_mut() {
+            let sels = match &mut seq.lent {
+                None => (lead.take()).ok_or_else(|| Error::Invalid("two leading rows".into()))?,
+                Some(lent) => (&mut lent.mlp[..], &mut lent.heads[..]),
+            };
+            runs.push(predicted_runs(preds, sels, l));
+        }
+        // The rows run one plan: the same predictors, in the same order.
+        let used: Vec<&Predictor<D>> = (runs.first().into_iter().flatten()).map(|r| r.0).collect();
+        if used.is_empty() {
             return Ok(());
+        }
+        if runs.iter().any(|r| r.len() != used.len()) {
+            return Err(Error::Invalid(
+                "the rows of one step select with different predictors".into(),
+            ));
         }
         if self.s.predictor_rows < rows {
             self.s.grow_predictors(dev, &self.model.local, rows)?;
             self.graph = None; // the recorded step names the old buffers
         }
         let s = &mut self.s;
-        let mut w1: Vec<Product<D>> = (preds.iter().zip(s.z.iter_mut()))
+        let mut w1: Vec<Product<D>> = (used.iter().zip(s.z.iter_mut()))
             .map(|(pred, z)| Product::new(&pred.w1, Rows::All, z))
             .collect();
         dev.matmul_steps(&s.h, rows, &mut w1)?;
-        let mut w2: Vec<Product<D>> = (preds.iter().zip(&s.z).zip(s.scores.iter_mut()))
+        let mut w2: Vec<Product<D>> = (used.iter().zip(&s.z).zip(s.scores.iter_mut()))
             .map(|((pred, z), sc)| Product::new(&pred.w2, Rows::All, sc).input(z))
             .collect();
         dev.matmul_steps(&s.h, rows, &mut w2)?;
-        let mut lead = Some((&mut p.mlp, &mut p.heads));
         let mut jobs = Vec::new();
-        for (r, seq) in self.rows_seq.iter_mut().enumerate() {
-            let (mlp, heads) = match &mut seq.lent {
-                None => lead
-                    .take()
-                    .ok_or_else(|| Error::Invalid("two leading rows".into()))?,
-                Some(lent) => (&mut lent.mlp, &mut lent.heads),
-            };
-            // This row's selections in the order of `preds`.
-            let own = (mlp.get_mut(l).filter(|_| mlp_pred[l].is_some()).into_iter()).chain(
-                heads
-                    .iter_mut()
-                    .enumerate()
-                    .filter(|(t, _)| heads_at(*t))
-                    .map(|p| p.1),
-            );
-            for ((sel, pred), scores) in own.zip(&preds).zip(&s.scores) {
-                if let Sel::Predicted { idx, k } = sel {
-                    let (n, k) = (pred.n_out, *k);
-                    jobs.push(TopK {
-                        scores,
-                        row: r,
-                        n,
-                        k,
-                        out: idx,
-                    });
-                }
+        for (r, row_runs) in runs.into_iter().enumerate() {
+            for ((pred, out, k), scores) in row_runs.into_iter().zip(&s.scores) {
+                let n = pred.n_out;
+                jobs.push(TopK {
+                    scores,
+                    row: r,
+                    n,
+                    k,
+                    out,
+                });
             }
         }
         Ok(dev.top_ks(&mut jobs)?)

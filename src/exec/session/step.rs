@@ -434,6 +434,30 @@ pub(super) fn heads_predicted_at(l: usize) -> std::ops::RangeInclusive<usize> {
 /// Per layer, its predictor (if any).
 type Predictors<'a, D> = &'a [Option<Predictor<D>>];
 
+/// A predictor, the list its top-k goes to, and its `k`.
+pub(super) type Run<'p, 's, D> = (&'p Predictor<D>, &'s mut <D as Device>::Idx, usize);
+
+/// The predictors that run at layer `l`, each with the selection it writes among `sels`
+/// (`(mlp, heads)`, per layer), in launch order: layer l's MLP's, then the heads' of
+/// [`heads_predicted_at`]`(l)`; only selections a predictor chooses (`Sel::Predicted`).
+pub(super) fn predicted_runs<'p, 's, D: Device>(
+    (mlp_pred, head_pred): (Predictors<'p, D>, Predictors<'p, D>),
+    (mlp, heads): (&'s mut [Sel<D>], &'s mut [Sel<D>]),
+    l: usize,
+) -> Vec<Run<'p, 's, D>> {
+    let mut runs = Vec::new();
+    if let (Some(pred), Sel::Predicted { idx, k }) = (&mlp_pred[l], &mut mlp[l]) {
+        runs.push((pred, idx, *k));
+    }
+    let both = head_pred.iter().zip(heads.iter_mut()).enumerate();
+    for (_, (pred, sel)) in both.filter(|(t, _)| heads_predicted_at(l).contains(t)) {
+        if let (Some(pred), Sel::Predicted { idx, k }) = (pred, sel) {
+            runs.push((pred, idx, *k));
+        }
+    }
+    runs
+}
+
 /// The predictors that run at layer `l`'s attention input `h` (one row): layer l's MLP, the
 /// heads of layer l + 1 (and of layer 0 at layer 0); each of their layers, and their top-k, in
 /// one launch; each writes its selection in `sels` (`(mlp, heads)`, per layer).
@@ -446,16 +470,7 @@ pub(super) fn predict<D: Device>(
     z: &mut [D::Buf; 3],
     scores: &mut [D::Buf; 3],
 ) -> Result<()> {
-    let mut runs: Vec<(&Predictor<D>, &mut D::Idx, usize)> = Vec::new();
-    if let (Some(pred), Sel::Predicted { idx, k }) = (&mlp_pred[l], &mut mlp[l]) {
-        runs.push((pred, idx, *k));
-    }
-    let both = head_pred.iter().zip(heads.iter_mut()).enumerate();
-    for (_, (pred, sel)) in both.filter(|(t, _)| heads_predicted_at(l).contains(t)) {
-        if let (Some(pred), Sel::Predicted { idx, k }) = (pred, sel) {
-            runs.push((pred, idx, *k));
-        }
-    }
+    let runs = predicted_runs((mlp_pred, head_pred), (mlp, heads), l);
     if runs.is_empty() {
         return Ok(());
     }
