@@ -10,13 +10,15 @@
 //! [n_ff] [f16|bf16] [pos]`
 use dejavu_backend_api::{
     Activation, AttnGeom, Device, InputMask, Product, QuantType, RopeStyle, Rotary, Rows, Scoring,
-    Weight,
 };
-use dejavu_backend_cuda::{Buf, CudaDevice, Mat};
+use dejavu_backend_cuda::{Buf, CudaDevice};
 
 #[path = "common/graph_time.rs"]
 mod graph_time;
+#[path = "common/mat.rs"]
+mod mat;
 use graph_time::graph_us as time;
+use mat::mat;
 
 fn line(what: &str, us: f64, bytes: usize) {
     let gbs = if bytes > 0 {
@@ -25,15 +27,6 @@ fn line(what: &str, us: f64, bytes: usize) {
         String::new()
     };
     println!("{what:<40} {us:9.2} us  {gbs}");
-}
-
-fn mat(dev: &CudaDevice, q: QuantType, rows: usize, cols: usize) -> Mat {
-    // Small values (bf16/f16 bit patterns with a cleared exponent's top bits): finite sums.
-    let bytes: Vec<u8> = (0..rows * q.row_bytes(cols))
-        .map(|i| (i * 7 % 251) as u8 & 0x3b)
-        .collect();
-    dev.upload_mat(&Weight::new(q, rows, cols, &bytes).unwrap())
-        .unwrap()
 }
 
 fn main() {

@@ -4,13 +4,16 @@
 //! for tuning (`DEJAVU_CUDA_DEFINES`), not a benchmark of the engine (`dejavu bench` is).
 //!
 //! `cargo run --release -p dejavu-backend-cuda --example profile_verbs [d] [n_heads] [keep]`
-use dejavu_backend_api::{AttnGeom, Device, LazyKv, Product, QuantType, Rows, TopK, Weight};
+use dejavu_backend_api::{AttnGeom, Device, LazyKv, Product, QuantType, Rows, TopK};
 use dejavu_backend_cuda::{Buf, CudaDevice};
 use std::time::Instant;
 
 #[path = "common/graph_time.rs"]
 mod graph_time;
+#[path = "common/mat.rs"]
+mod mat;
 use graph_time::{graph_us, REPS};
+use mat::mat;
 
 fn time(
     dev: &CudaDevice,
@@ -23,14 +26,6 @@ fn time(
         "{what:<44} {us:9.2} us  {:7.0} GB/s",
         bytes as f64 / us / 1e3
     );
-}
-
-fn mat(dev: &CudaDevice, q: QuantType, rows: usize, cols: usize) -> dejavu_backend_cuda::Mat {
-    let bytes: Vec<u8> = (0..rows * q.row_bytes(cols))
-        .map(|i| (i * 7 % 251) as u8 & 0x3b)
-        .collect();
-    dev.upload_mat(&Weight::new(q, rows, cols, &bytes).unwrap())
-        .unwrap()
 }
 
 fn main() {

@@ -26,6 +26,7 @@ mod compile;
 mod kv;
 mod launch;
 mod matmul;
+mod mma;
 mod open;
 mod products;
 mod selection;
@@ -114,7 +115,7 @@ pub struct CudaDevice {
     /// step of 38.4 ms against 45.2 row by row.
     attend_rows: bool,
     /// `MMA=1` (the default; compute capability 8.0 and up): products of 2 to
-    /// `products::MMA_MAX` batch rows over f16 or bf16 weights (rows a multiple of 32) run on
+    /// `mma::MMA_MAX` batch rows over f16 or bf16 weights (rows a multiple of 32) run on
     /// the tensor cores (matvec_mma.cu); at 0 they take `matvec_rows_T` (8 rows a launch).
     /// Measured on the H200 (synthetic OPT-13B f16, `dejavu bench --backend cuda --batch
     /// 1,2,4,8,16,32 -p 128 -n 16 -r 2`): a step of 8 rows 13.44 ms against 38.20, of 16 26.84
@@ -122,6 +123,23 @@ pub struct CudaDevice {
     mma: bool,
     /// Compute capability 8.0 or later (tf32 `mma.sync`).
     mma_arch: bool,
+    /// `MMA_H=1` (the default): those products split their inputs into 16-bit parts first and
+    /// run m16n8k16 on the weights as loaded (`mma::split_inputs`); at 0, tf32 with the inputs
+    /// split in registers. Measured on the H200 (synthetic OPT-13B f16, `dejavu bench --backend
+    /// cuda --batch 1,2,4,8,16,32 -p 128 -n 16 -r 2`, with `HMMA_U=2`, `HMMA_OCC=4` and before
+    /// the split between blocks): a step of 8 rows 11.82 ms (5.30x one row's aggregate tok/s,
+    /// one row 7.83 ms), 16 rows 15.88 (7.89x), 32 rows 24.39 (10.27x), against 13.14, 26.92
+    /// and 45.87 with tf32 in an earlier session's run.
+    mma_h: bool,
+    /// Each lane's scratch for those products (`mma::MmaScratch`), made at open where the
+    /// tensor-core products can run.
+    mma_scratch: Option<[mma::MmaScratch; 2]>,
+    /// `HMMA_FILL` (default 6): `matvec_hmma`'s blocks per SM under which a tile's chunks split
+    /// between blocks (`mma::mma_ks`; 1 keeps a block a tile). Measured on the H100 with
+    /// `profile_batch`: 8 rows through the 5120 x 20480 fc2 127.1 us at 6 (4 blocks a tile)
+    /// against 134.1 at 3 (2 a tile), the 5120-square product 38.6 against 39.6: the split
+    /// buys little there; the input split's own launch is the suspect (2 rows cost as much as 8).
+    hmma_fill: usize,
     /// `MMA_PROMPT=1`: a prompt's products of every row, too, in chunks of `MMA_MAX` rows
     /// (each chunk reads the weights again) instead of matmul.cu's tiles.
     mma_prompt: bool,

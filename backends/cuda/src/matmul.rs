@@ -56,7 +56,7 @@ impl CudaDevice {
         let sel = jobs.iter().any(|p| matches!(p.rows, Rows::Sel { .. }));
         // A few rows (a step of several sequences), a selection, or with `MMA_PROMPT` any
         // batch, of 16-bit weights: the tensor cores, `MMA_MAX` rows a launch.
-        let mma = crate::products::MMA_MAX;
+        let mma = crate::mma::MMA_MAX;
         if rows > 1 && self.mma_fits(jobs) && (rows <= mma || sel || self.mma_prompt) {
             return (0..rows)
                 .step_by(mma)

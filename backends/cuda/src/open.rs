@@ -3,7 +3,7 @@
 //! opt-ins, buffer addresses and index lists.
 use crate::compile::{self, ax_vec, axb_rows, compile, mv_rows, tuning};
 use crate::{
-    dev_err, launch, need_driver, products, seqs, shape, type_suffix, Buf, CudaDevice, Idx,
+    dev_err, launch, mma, need_driver, products, seqs, shape, type_suffix, Buf, CudaDevice, Idx,
 };
 use cudarc::driver::{
     sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, PushKernelArg,
@@ -76,9 +76,11 @@ impl CudaDevice {
         ]
         .map(String::from)
         .to_vec();
-        for nt in products::MMA_TILES {
-            for q in [QuantType::F16, QuantType::BF16] {
+        for q in [QuantType::F16, QuantType::BF16] {
+            names.push(format!("mma_split_{}", type_suffix(q)));
+            for nt in mma::MMA_TILES {
                 names.push(format!("matvec_mma{nt}_{}", type_suffix(q)));
+                names.push(format!("matvec_hmma{nt}_{}", type_suffix(q)));
             }
         }
         for q in QuantType::ALL {
@@ -109,6 +111,13 @@ impl CudaDevice {
         let step = stream.alloc_zeros::<i32>(1 + MAX_ROWS).map_err(dev_err)?;
         let seq_tab = (stream.alloc_zeros::<u64>(seqs::SEQ_TAB * MAX_ROWS)).map_err(dev_err)?;
         let tk_scratch = (stream.alloc_zeros::<u32>(3 * products::TK_SCRATCH)).map_err(dev_err)?;
+        let mma_scratch = match major >= 8 {
+            true => Some([
+                mma::MmaScratch::new(&stream)?,
+                mma::MmaScratch::new(&stream)?,
+            ]),
+            false => None,
+        };
         let n_sm = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(dev_err)? as usize;
@@ -135,6 +144,9 @@ impl CudaDevice {
             attend_rows: tuning("ATTEND_ROWS", 1, 0..=1) == 1,
             mma_arch: major >= 8,
             mma: major >= 8 && tuning("MMA", 1, 0..=1) == 1,
+            mma_h: tuning("MMA_H", 1, 0..=1) == 1,
+            mma_scratch,
+            hmma_fill: tuning("HMMA_FILL", 6, 1..=64),
             mma_prompt: tuning("MMA_PROMPT", 0, 0..=1) == 1,
             ax_vec: ax_vec(),
             ax_fill: tuning("AX_FILL", 4, 1..=64),
@@ -158,6 +170,12 @@ impl CudaDevice {
         self.mma = on && self.mma_arch;
     }
 
+    /// Split the tensor-core products' inputs into 16-bit parts (`MMA_H=1`, the default) or
+    /// take tf32 with the inputs split in registers (see `mma`).
+    pub fn set_mma_h(&mut self, on: bool) {
+        self.mma_h = on;
+    }
+
     /// Wait until every queued launch has run.
     pub fn synchronize(&self) -> Result<(), BackendError> {
         self.side.synchronize().map_err(dev_err)?;
@@ -179,6 +197,11 @@ impl CudaDevice {
             true => &self.side,
             false => &self.stream,
         }
+    }
+
+    /// 0 for the main lane, 1 for the second (`Device::fork`): the lane's scratch.
+    pub(crate) fn lane_index(&self) -> usize {
+        self.on_side.load(Ordering::Relaxed) as usize
     }
 
     pub(crate) fn func(&self, name: &str) -> &CudaFunction {

@@ -7,14 +7,14 @@ use dejavu_backend_api::{Activation, BackendError, Product, QuantType, Rows, Top
 /// One product of `matvec_jobs` (`MvJob` in matvec.cu: same fields, same order).
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
-struct MvJob {
+pub(crate) struct MvJob {
     w: u64,
     idx: u64,
     bias: u64,
     y: u64,
-    x: u64,
+    pub(crate) x: u64,
     rows: i32,
-    cols: i32,
+    pub(crate) cols: i32,
     n_out: i32,
     group: i32,
     accumulate: i32,
@@ -26,21 +26,16 @@ struct MvJob {
 /// Most batch rows of one `matvec_rows_T` launch (`MVR_MAX` in matvec.cu).
 pub(crate) const MVR_MAX: usize = 8;
 
-/// Tiles of 8 batch rows of the `matvec_mma{n}_T` kernels (matvec_mma.cu).
-pub(crate) const MMA_TILES: [usize; 3] = [1, 2, 4];
-
-/// Most batch rows of one `matvec_mma4_T` launch.
-pub(crate) const MMA_MAX: usize = 32;
-
 /// `MvJobs` in matvec.cu.
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
-struct MvJobs {
-    job: [MvJob; 3],
-    n: i32,
+pub(crate) struct MvJobs {
+    pub(crate) job: [MvJob; 3],
+    pub(crate) n: i32,
     split: i32,
-    /// Warps per output of `matvec_rows_T` (1, 2, 4 or 8).
-    ks: i32,
+    /// Warps per output of `matvec_rows_T`, or blocks per tile of `matvec_hmma{n}_T` (1, 2, 4
+    /// or 8).
+    pub(crate) ks: i32,
     _pad: i32,
 }
 
@@ -189,7 +184,7 @@ impl CudaDevice {
         } else {
             8 / split
         };
-        let blocks = first_blocks(&mut mv, &outs, per_block);
+        let blocks = first_blocks(&mut mv, &outs, per_block, 1);
         mv.split = split as i32;
         // Products of every row of a bf16 matrix, unsplit: the kernel that loads ahead (f16 has
         // one too, not the default: OPT-13B f16 dense ran 1-2% slower with it).
@@ -228,12 +223,7 @@ impl CudaDevice {
         nt: usize,
         jobs: &mut [Product<'_, Self>],
     ) -> Result<(), BackendError> {
-        if nt == 0 || nt > MVR_MAX || jobs.is_empty() || jobs.len() > 3 {
-            return Err(shape(format!(
-                "{} products of {nt} rows in one launch (1 to 3, 1 to {MVR_MAX} rows)",
-                jobs.len()
-            )));
-        }
+        rows_launch("in one launch", nt, MVR_MAX, jobs.len())?;
         if jobs.iter().any(|p| p.w.qtype != jobs[0].w.qtype) {
             return (jobs.iter_mut())
                 .try_for_each(|p| self.launch_matvec_rows_at(x, t0, nt, std::slice::from_mut(p)));
@@ -242,7 +232,7 @@ impl CudaDevice {
         let (mut mv, outs) = self.rows_jobs(x, t0, nt, jobs)?;
         let min_cols = (jobs.iter().map(|p| p.w.cols).min()).unwrap_or(0);
         let ks = self.split_k(outs.iter().sum(), 1, self.mvr_fill, min_cols);
-        let blocks = first_blocks(&mut mv, &outs, 8 / ks);
+        let blocks = first_blocks(&mut mv, &outs, 8 / ks, 1);
         mv.ks = ks as i32;
         let f = self.func(&format!("matvec_rows_{}", type_suffix(jobs[0].w.qtype)));
         let mut b = self.lane().launch_builder(f);
@@ -268,7 +258,7 @@ impl CudaDevice {
     /// The `MvJobs` of rows `t0..t0 + nt` of a batch's products (one weight type), each job's
     /// extents checked, `split` holding `nt`, and each job's outputs (the caller assigns the
     /// blocks: [`first_blocks`]).
-    fn rows_jobs(
+    pub(crate) fn rows_jobs(
         &self,
         x: &Buf,
         t0: usize,
@@ -308,50 +298,6 @@ impl CudaDevice {
             outs.push(o);
         }
         Ok((mv, outs))
-    }
-
-    /// Can `jobs` go to the tensor cores (`matvec_mma{n}_T`)? The kernels' types, rows a
-    /// multiple of their 32-element chunks, and compute capability 8.0 (`self.mma`).
-    pub(crate) fn mma_fits(&self, jobs: &[Product<'_, Self>]) -> bool {
-        let q = |p: &Product<'_, Self>| matches!(p.w.qtype, QuantType::F16 | QuantType::BF16);
-        self.mma && jobs.iter().all(|p| q(p) && p.w.cols % 32 == 0)
-    }
-
-    /// Rows `t0..t0 + nt` (1 to [`MMA_MAX`]) of a batch's products on the tensor cores (the
-    /// caller checked [`Self::mma_fits`]): a block per 16 outputs of each job, the kernel of
-    /// the fewest tiles of 8 rows that hold `nt`.
-    pub(crate) fn launch_mma_at(
-        &self,
-        x: &Buf,
-        t0: usize,
-        nt: usize,
-        jobs: &mut [Product<'_, Self>],
-    ) -> Result<(), BackendError> {
-        if nt == 0 || nt > MMA_MAX || jobs.is_empty() || jobs.len() > 3 {
-            return Err(shape(format!(
-                "{} products of {nt} rows on the tensor cores (1 to 3, 1 to {MMA_MAX} rows)",
-                jobs.len()
-            )));
-        }
-        if jobs.iter().any(|p| p.w.qtype != jobs[0].w.qtype) {
-            return (jobs.iter_mut())
-                .try_for_each(|p| self.launch_mma_at(x, t0, nt, std::slice::from_mut(p)));
-        }
-        if let Some(p) = jobs.iter().find(|p| p.w.cols % 32 != 0) {
-            return Err(shape(format!(
-                "tensor-core products of rows of {}",
-                p.w.cols
-            )));
-        }
-        let (mut mv, outs) = self.rows_jobs(x, t0, nt, jobs)?;
-        let blocks = first_blocks(&mut mv, &outs, 16);
-        let tiles = MMA_TILES.into_iter().find(|t| 8 * t >= nt).unwrap_or(4);
-        let q = type_suffix(jobs[0].w.qtype);
-        let mut b = self
-            .lane()
-            .launch_builder(self.func(&format!("matvec_mma{tiles}_{q}")));
-        b.arg(&mv);
-        launch::run(b, launch::grid(blocks * 256, 256))
     }
 
     /// `Device::axpy_steps`: one row through [`Self::launch_axpys`]'s kernel; more through
@@ -613,13 +559,28 @@ impl CudaDevice {
     }
 }
 
-/// Each job's first block, `per_block` outputs a block (job `i` has `outs[i]`); returns the
-/// blocks of all.
-fn first_blocks(mv: &mut MvJobs, outs: &[usize], per_block: usize) -> usize {
+/// A launch of `nt` batch rows (1 to `max`) of `n_jobs` products (1 to 3), `what` in the error.
+pub(crate) fn rows_launch(
+    what: &str,
+    nt: usize,
+    max: usize,
+    n_jobs: usize,
+) -> Result<(), BackendError> {
+    match nt == 0 || nt > max || n_jobs == 0 || n_jobs > 3 {
+        true => Err(shape(format!(
+            "{n_jobs} products of {nt} rows {what} (1 to 3, 1 to {max} rows)"
+        ))),
+        false => Ok(()),
+    }
+}
+
+/// Each job's first block, `per_block` outputs a block and `ks` blocks sharing them (split-K
+/// between blocks; job `i` has `outs[i]`); returns the blocks of all.
+pub(crate) fn first_blocks(mv: &mut MvJobs, outs: &[usize], per_block: usize, ks: usize) -> usize {
     let mut blocks = 0;
     for (job, o) in mv.job.iter_mut().zip(outs) {
         job.first_block = blocks as i32;
-        blocks += o.div_ceil(per_block);
+        blocks += o.div_ceil(per_block) * ks;
     }
     blocks
 }

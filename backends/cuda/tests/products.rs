@@ -185,18 +185,28 @@ fn few_row_products_of_any_height_match_the_scalar_reference() {
 }
 
 /// Batches of 2 to 32 rows of 16-bit weights whose rows are a multiple of 32 elements: the
-/// tensor cores' products (matvec_mma.cu, tf32 with each input split in two), dense and over a
-/// selection, in one launch and in chunks of 32 rows (33, 70); ragged outputs (not a multiple
-/// of the kernel's 16) and batch rows (not a multiple of its tiles of 8). Inputs up to 300 in
-/// magnitude: the split keeps f32's precision at any scale. Tolerance as above.
+/// tensor cores' products (matvec_mma.cu: the inputs split into 16-bit parts, or tf32 with each
+/// input split in registers), dense and over a selection, in one launch and in chunks of 32
+/// rows (33, 70); ragged outputs (not a multiple of the kernel's 16) and batch rows (not a
+/// multiple of its tiles of 8); rows of 4128 and 8256 columns, whose few tiles split each row
+/// between 4 and 8 blocks on split inputs. Inputs up to 300 in magnitude. Tolerance as above.
 #[test]
 fn tensor_core_products_match_the_scalar_reference() {
     let Some(mut gpu) = gpu() else { return };
     gpu.set_mma(true);
     let host = CpuDevice::reference();
     let mut r = rng(9);
-    for q in [QuantType::F16, QuantType::BF16] {
-        for (rows, cols, scale) in [(37, 96, 1.0), (130, 4128, 1.0), (16, 32, 300.0)] {
+    for (q, h) in [QuantType::F16, QuantType::BF16]
+        .map(|q| [(q, true), (q, false)])
+        .concat()
+    {
+        gpu.set_mma_h(h);
+        for (rows, cols, scale) in [
+            (37, 96, 1.0),
+            (130, 4128, 1.0),
+            (16, 32, 300.0),
+            (20, 8256, 1.0),
+        ] {
             let bytes = random_matrix(&mut r, q, rows, cols);
             let w = Weight::new(q, rows, cols, &bytes).unwrap();
             let sel: Vec<u32> = (0..rows as u32).filter(|i| i % 3 != 1).collect();
@@ -204,7 +214,7 @@ fn tensor_core_products_match_the_scalar_reference() {
                 let xs: Vec<f32> = (randv(&mut r, nt * cols).into_iter())
                     .map(|v| v * scale)
                     .collect();
-                let what = format!("{q:?} {rows}x{cols} of {nt}, inputs to {scale}");
+                let what = format!("{q:?} {rows}x{cols} of {nt}, inputs to {scale}, parts {h}");
                 let mags = matmul_matches(&gpu, &host, &w, &xs, nt, &what);
                 let a = relu_zeros(randv(&mut r, nt * sel.len()), sel.len());
                 let ys = randv(&mut r, nt * cols);
@@ -221,6 +231,55 @@ fn tensor_core_products_match_the_scalar_reference() {
                     }
                 });
             }
+        }
+    }
+}
+
+/// The tensor cores keep f32's precision at any scale of input, with either split: 8 rows of
+/// 1e-6 (f16's subnormals), 1e5 (past f16's largest), 1, 1e-30 and 1 + 3 2^-13 (which f16
+/// rounds to 1: a part-less input would be off by 3.7e-4 in every term), through positive
+/// weights (so that rounding errors add up rather than cancel), within `3e-5 (sum |terms|)`
+/// and the output's own rounding.
+#[test]
+fn tensor_core_inputs_keep_their_precision_at_any_scale() {
+    let Some(mut gpu) = gpu() else { return };
+    gpu.set_mma(true);
+    let host = CpuDevice::reference();
+    let mut r = rng(12);
+    let (rows, cols, nt) = (40, 256, 8);
+    let scales = [1e-6, 1e5, 1.0, 1e-30, 1e-6, 1e5, 1.0, 1e-30];
+    let mut xs = randv(&mut r, nt * cols);
+    for (t, row) in xs.chunks_mut(cols).enumerate() {
+        for v in row.iter_mut() {
+            *v *= scales[t];
+        }
+    }
+    let third = 1.0 + 3.0 * 2f32.powi(-13);
+    xs[2 * cols..3 * cols].fill(third);
+    for q in [QuantType::F16, QuantType::BF16] {
+        let vals: Vec<f32> = (randv(&mut r, rows * cols).into_iter())
+            .map(|v| 0.5 + 0.25 * v.abs())
+            .collect();
+        let bytes: Vec<u8> = match q {
+            QuantType::F16 => vals
+                .iter()
+                .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
+                .collect(),
+            _ => vals
+                .iter()
+                .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+                .collect(),
+        };
+        let w = Weight::new(q, rows, cols, &bytes).unwrap();
+        let mags = batch_magnitudes(&w, &xs, nt);
+        let want = matmul_on(&host, &w, &xs, nt);
+        for h in [true, false] {
+            gpu.set_mma_h(h);
+            let got = matmul_on(&gpu, &w, &xs, nt);
+            // Plus the last rounding of the output itself (y += s: ones and a bias).
+            close(&format!("{q:?}, parts {h}"), &got, &want, |i| {
+                3e-5 * mags[i % (nt * rows)] + 2.4e-7 * want[i].abs()
+            });
         }
     }
 }

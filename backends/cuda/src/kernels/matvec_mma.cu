@@ -36,6 +36,43 @@ __device__ __forceinline__ void mma_tf32(float* c, u32 a0, u32 a1, u32 a2, u32 a
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// One warp's m16n8 tile c (rows r and r + 8, batch columns t and t + 1 of lane (g, q): r = g,
+// t = 2q within the tile) into its partial sums pw[row * W + batch].
+__device__ __forceinline__ void mma_keep(float* pw, const float* c, int r, int t, int W) {
+    pw[r * W + t] = c[0];
+    pw[r * W + t + 1] = c[1];
+    pw[(r + 8) * W + t] = c[2];
+    pw[(r + 8) * W + t + 1] = c[3];
+}
+
+// Output j of batch row t from its sum s: times 2^-ex[t] where ex is given, then bias, act or
+// accumulate, into y[t * n_out + j].
+__device__ __forceinline__ void mma_out(float s, int t, int j, const int* ex, const u32* idx,
+                                        const float* bias, float* y, int n_out, int group,
+                                        int accumulate, int act) {
+    if (ex) s = ldexpf(s, -ex[t]);
+    if (bias) s += bias[sel_row(idx, j, group)];
+    float* out = y + (size_t)t * n_out + j;
+    if (accumulate) *out += s;
+    else *out = act >= 0 ? act_apply(act, s) : s;
+}
+
+// The 8 warps' partial sums (part[v * n + o], o = r * W + t: output j0 + r, batch row t)
+// summed in warp order (deterministic), through `mma_out`.
+__device__ __forceinline__ void mma_store(const float* part, int n, int W, const int* ex,
+                                          const u32* idx, const float* bias, float* y,
+                                          int n_out, int group, int accumulate, int act, int j0,
+                                          int nt) {
+    for (int o = threadIdx.x; o < n; o += blockDim.x) {
+        int r = o / W, t = o % W, j = j0 + r;
+        if (j >= n_out || t >= nt) continue;
+        float s = 0.f;
+#pragma unroll
+        for (int v = 0; v < 8; v++) s += part[v * n + o];
+        mma_out(s, t, j, ex, idx, bias, y, n_out, group, accumulate, act);
+    }
+}
+
 template <int T, int NT>
 __device__ __forceinline__ void matvec_mma(const u8* w, const u32* idx, const float* bias,
                                            float* y, const float* x, int n_out, int group,
@@ -93,47 +130,240 @@ __device__ __forceinline__ void matvec_mma(const u8* w, const u32* idx, const fl
             }
         }
     }
-    // c[i]: (row g, batch 8i + 2q), (g, 8i + 2q + 1), (g + 8, 8i + 2q), (g + 8, 8i + 2q + 1).
     constexpr int W = 8 * NT;
 #pragma unroll
-    for (int i = 0; i < NT; i++) {
-        int t = 8 * i + 2 * q;
-        part[warp][g * W + t] = c[i][0];
-        part[warp][g * W + t + 1] = c[i][1];
-        part[warp][(g + 8) * W + t] = c[i][2];
-        part[warp][(g + 8) * W + t + 1] = c[i][3];
-    }
+    for (int i = 0; i < NT; i++) mma_keep(part[warp], c[i], g, 8 * i + 2 * q, W);
     __syncthreads();
-    for (int o = threadIdx.x; o < 16 * W; o += 256) {
-        int r = o / W, t = o % W, j = j0 + r;
-        if (j >= n_out || t >= nt) continue;
-        float s = 0.f;
-#pragma unroll
-        for (int v = 0; v < 8; v++) s += part[v][o];
-        if (bias) s += bias[sel_row(idx, j, group)];
-        float* out = y + (size_t)t * n_out + j;
-        if (accumulate) *out += s;
-        else *out = act >= 0 ? act_apply(act, s) : s;
-    }
+    mma_store(&part[0][0], 16 * W, W, nullptr, idx, bias, y, n_out, group, accumulate, act, j0,
+              nt);
 #endif
 }
 
-// Each job's blocks (one a tile of 16 outputs) from its first_block on, fields read by constant
-// indices as `matvec_jobs`.
-#define MMA_CALL(n) matvec_mma<T, NT>(jobs.job[n].w, jobs.job[n].idx, jobs.job[n].bias,          \
-    jobs.job[n].y, jobs.job[n].x, jobs.job[n].n_out, jobs.job[n].group, jobs.job[n].cols,       \
-    jobs.job[n].accumulate, jobs.job[n].act, b - jobs.job[n].first_block, jobs.split)
-template <int T, int NT>
-__device__ __forceinline__ void matvec_mma_jobs(const MvJobs& jobs) {
-    int b = blockIdx.x;
-    if (jobs.n > 2 && b >= jobs.job[2].first_block) MMA_CALL(2);
-    else if (jobs.n > 1 && b >= jobs.job[1].first_block) MMA_CALL(1);
-    else MMA_CALL(0);
+
+// ---- 16-bit inputs (`MMA_H=1`): mma.m16n8k16 of the weights' own type ----
+//
+// The inputs are split first (`mma_split_T`, one launch per product's input): row t of x in P
+// planes of the weights' 16-bit type whose sum is x, so the tensor cores take the weights as
+// loaded (no conversion) and each input in P parts. f16: x * 2^e[t] = hi + lo (P = 2), e[t]
+// the power of two that puts the row's largest |x| in [2^14, 2^15): every element keeps 22
+// bits or more relative to that largest, and no part overflows; the sums are scaled back by
+// 2^-e[t] (exact). bf16: x = b0 + b1 + b2 (P = 3, 24 bits: f32's). Infinities and NaNs stay
+// what they are (e = 0 when the largest is not finite or is 0).
+//
+// Layout of a split input (the host's `mma_x` slot): planes [P][nt][cols] of u16, then nt ints
+// e[t] (4-byte aligned: cols is a multiple of 32).
+
+template <int T> struct Parts { enum { P = T == T_F16 ? 2 : 3 }; };
+
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+    u16 h = 0;
+#if __CUDA_ARCH__ >= 800
+    asm("{ .reg .b16 t; cvt.rn.bf16.f32 t, %1; mov.b16 %0, t; }" : "=h"(h) : "f"(f));
+#endif
+    return h;
 }
-// matvec_mma{1,2,4}_{f16,bf16}: up to 8, 16 or 32 batch rows.
+
+// Row t (blockIdx.x) of input s (blockIdx.y): `x` rows of `cols` floats, split into `xs`.
+struct SplitJob {
+    const float* x;
+    u16* xs;
+    int cols, pad;
+};
+struct SplitJobs {
+    SplitJob job[3];
+    int nt, pad;
+};
+
+template <int T>
+__device__ __forceinline__ void mma_split(const SplitJob& j, int nt) {
+    __shared__ float red[32];
+    constexpr int P = Parts<T>::P;
+    int t = blockIdx.x, cols = j.cols;
+    const float* r = j.x + (size_t)t * cols;
+    int e = 0;
+    if (T == T_F16) {
+        float m = 0.f;
+        for (int i = threadIdx.x; i < cols; i += blockDim.x) m = fmaxf(m, fabsf(r[i]));
+        m = block_max(m, red);
+        if (m > 0.f && m <= 3.4e38f) {
+            frexpf(m, &e);  // m = f 2^e, f in [0.5, 1)
+            e = 15 - e;
+        }
+        if (threadIdx.x == 0) ((int*)(j.xs + (size_t)P * nt * cols))[t] = e;
+    }
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        float v = T == T_F16 ? ldexpf(r[i], e) : r[i];
+#pragma unroll
+        for (int p = 0; p < P; p++) {
+            u16 h = T == T_F16 ? f32_to_f16(v) : f32_to_bf16(v);
+            j.xs[((size_t)p * nt + t) * cols + i] = h;
+            v -= T == T_F16 ? f16_to_f32(h) : bf16_to_f32(h);
+        }
+    }
+}
+#define MMA_SPLIT(name, T)                                                                   \
+    extern "C" __global__ void __launch_bounds__(256) mma_split_##name(SplitJobs jobs) {   \
+        mma_split<T>(jobs.job[blockIdx.y], jobs.nt);                                        \
+    }
+MMA_SPLIT(f16, T_F16)
+MMA_SPLIT(bf16, T_BF16)
+
+// c += A (16 x 16, rows g and g + 8) * B (16 x 8, column g), 16-bit in, f32 accumulators.
+template <int T>
+__device__ __forceinline__ void mma_16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    if (T == T_F16)
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    else
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// matvec_mma's tiles of 16 outputs, chunks, warps and sums, over a split input `xs`, and the
+// chunks of a row split between `ks` blocks (the host's choice where the tiles alone would
+// leave SMs idle): block `s` of tile `tile` (`tg` counting every job's tiles) takes chunks
+// [s c, (s + 1) c), c = ceil(chunks / ks), and writes its warps' sum to `gpart`; the last of
+// the ks blocks to finish (a counter per tile, `gcount`, zero between launches) adds the ks
+// sums in order of s (deterministic) and stores. Lane (g, q) holds elements 8q..8q + 8 of a
+// chunk (of weight rows g and g + 8, of batch row g's parts) as four pairs; the first mma takes
+// pairs 0 and 1 as its k (2q, 2q + 1) and (2q + 8, 2q + 9), the second pairs 2 and 3: the same
+// permutation of k for weights and inputs. HMMA_U chunks are loaded ahead (fewer for more batch
+// rows: registers).
+#ifndef HMMA_U
+#define HMMA_U 2
+#endif
+template <int T, int NT>
+__device__ __forceinline__ void matvec_hmma(const u8* w, const u32* idx, const float* bias,
+                                            float* y, const u16* xs, int n_out, int group,
+                                            int cols, int accumulate, int act, int tile, int nt,
+                                            int ks, int s, int tg, float* gpart, u32* gcount) {
+#if __CUDA_ARCH__ >= 800
+    constexpr int P = Parts<T>::P, W = 8 * NT, N = 16 * W;
+    constexpr int U = HMMA_U / NT > 0 ? HMMA_U / NT : 1;
+    __shared__ float part[8][N];
+    __shared__ int last;
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+    int j0 = tile * 16;
+    const u8* ra = w + (size_t)sel_row(idx, min(j0 + g, n_out - 1), group) * cols * 2;
+    const u8* rb = w + (size_t)sel_row(idx, min(j0 + g + 8, n_out - 1), group) * cols * 2;
+    float c[NT][4];
+#pragma unroll
+    for (int i = 0; i < NT; i++) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.f;
+    int per = (cols / 32 + ks - 1) / ks, lo = s * per, hi = min(lo + per, cols / 32);
+    // A chunk past the range loads the range's last one again and goes unused.
+    for (int c0 = lo + warp; c0 < hi; c0 += 8 * U) {
+        uint4 wa[U], wb[U], xv[U][NT][P];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int e = min(c0 + 8 * u, hi - 1) * 32 + 8 * q;
+            wa[u] = *(const uint4*)(ra + (size_t)e * 2);
+            wb[u] = *(const uint4*)(rb + (size_t)e * 2);
+#pragma unroll
+            for (int i = 0; i < NT; i++) {
+                int t = 8 * i + g;
+#pragma unroll
+                for (int p = 0; p < P; p++) {
+                    xv[u][i][p] = make_uint4(0, 0, 0, 0);
+                    if (t < nt) xv[u][i][p] = *(const uint4*)(xs + ((size_t)p * nt + t) * cols + e);
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            if (c0 + 8 * u >= hi) break;  // the same for every lane of the warp
+#pragma unroll
+            for (int i = 0; i < NT; i++) {
+                if (8 * i >= nt) break;
+#pragma unroll
+                for (int p = P - 1; p >= 0; p--) {  // the smallest part first
+                    uint4 a = wa[u], b = wb[u], x = xv[u][i][p];
+                    mma_16<T>(c[i], a.x, b.x, a.y, b.y, x.x, x.y);
+                    mma_16<T>(c[i], a.z, b.z, a.w, b.w, x.z, x.w);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < NT; i++) mma_keep(part[warp], c[i], g, 8 * i + 2 * q, W);
+    __syncthreads();
+    const int* ex = T == T_F16 ? (const int*)(xs + (size_t)P * nt * cols) : nullptr;
+    if (ks == 1) {
+        mma_store(&part[0][0], N, W, ex, idx, bias, y, n_out, group, accumulate, act, j0, nt);
+        return;
+    }
+    float* mine = gpart + ((size_t)tg * ks + s) * N;
+    for (int o = threadIdx.x; o < N; o += blockDim.x) {
+        float v = 0.f;
+#pragma unroll
+        for (int k = 0; k < 8; k++) v += part[k][o];
+        mine[o] = v;
+    }
+    __threadfence();  // this block's sums are visible before its count
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(gcount + tg, 1u) == (u32)ks - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();  // the other blocks' sums, counted, are read after
+    const volatile float* all = gpart + (size_t)tg * ks * N;
+    for (int o = threadIdx.x; o < N; o += blockDim.x) {
+        int r = o / W, t = o % W, j = j0 + r;
+        if (j >= n_out || t >= nt) continue;
+        float v = 0.f;
+        for (int k = 0; k < ks; k++) v += all[(size_t)k * N + o];
+        mma_out(v, t, j, ex, idx, bias, y, n_out, group, accumulate, act);
+    }
+    if (threadIdx.x == 0) gcount[tg] = 0;
+#endif
+}
+
+// Job `j`'s block `blk` (of its `ks` blocks a tile; `b` counting every job's blocks) on the
+// split input (H, with `gpart`, `gcount`) or in tf32.
+template <int T, int NT, bool H>
+__device__ __forceinline__ void mma_job(const MvJob& j, int blk, int b, const MvJobs& jobs,
+                                        float* gpart, u32* gcount) {
+    if (H)
+        matvec_hmma<T, NT>(j.w, j.idx, j.bias, j.y, (const u16*)j.x, j.n_out, j.group, j.cols,
+                           j.accumulate, j.act, blk / jobs.ks, jobs.split, jobs.ks, blk % jobs.ks,
+                           b / jobs.ks, gpart, gcount);
+    else
+        matvec_mma<T, NT>(j.w, j.idx, j.bias, j.y, j.x, j.n_out, j.group, j.cols, j.accumulate,
+                          j.act, blk, jobs.split);
+}
+// Each job's blocks from its first_block on, fields read by constant indices as `matvec_jobs`.
+template <int T, int NT, bool H>
+__device__ __forceinline__ void matvec_mma_jobs(const MvJobs& jobs, float* gpart, u32* gcount) {
+    int b = blockIdx.x;
+    if (jobs.n > 2 && b >= jobs.job[2].first_block)
+        mma_job<T, NT, H>(jobs.job[2], b - jobs.job[2].first_block, b, jobs, gpart, gcount);
+    else if (jobs.n > 1 && b >= jobs.job[1].first_block)
+        mma_job<T, NT, H>(jobs.job[1], b - jobs.job[1].first_block, b, jobs, gpart, gcount);
+    else
+        mma_job<T, NT, H>(jobs.job[0], b - jobs.job[0].first_block, b, jobs, gpart, gcount);
+}
+// matvec_mma{1,2,4}_{f16,bf16} (tf32) and matvec_hmma{1,2,4}_{f16,bf16} (split inputs, each
+// job's `x` the split of its input; `jobs.ks` blocks a tile, each job's first_block a multiple
+// of it; at least HMMA_OCC blocks an SM for 8 rows, HMMA_OCC_WIDE for more, their registers
+// the limit): up to 8, 16 or 32 batch rows.
+#ifndef HMMA_OCC
+#define HMMA_OCC 4
+#endif
+#ifndef HMMA_OCC_WIDE
+#define HMMA_OCC_WIDE 3
+#endif
 #define MATVEC_MMA(name, T, NT)                                                                  \
     extern "C" __global__ void __launch_bounds__(256) matvec_mma##NT##_##name(MvJobs jobs) {   \
-        matvec_mma_jobs<T, NT>(jobs);                                                             \
+        matvec_mma_jobs<T, NT, false>(jobs, nullptr, nullptr);                                   \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(256, NT == 1 ? HMMA_OCC : HMMA_OCC_WIDE)        \
+        matvec_hmma##NT##_##name(                                                                \
+            MvJobs jobs, float* gpart, u32* gcount) {                                            \
+        matvec_mma_jobs<T, NT, true>(jobs, gpart, gcount);                                       \
     }
 MATVEC_MMA(f16, T_F16, 1)
 MATVEC_MMA(f16, T_F16, 2)
