@@ -307,8 +307,8 @@ fn speed_report_and_per_block_bench() {
 }
 
 /// `bench --batch` times steps of several sequences: a row per batch size with its aggregate
-/// tok/s and its ratio to batch 1 (1 for batch 1 itself), as a table and as JSON; a batch of
-/// 0 is refused.
+/// tok/s and its ratio to batch 1 (1 for batch 1 itself), as a table and as JSON, which
+/// `--replot` draws; a batch of 0 is refused.
 #[test]
 fn bench_of_several_sequences_per_step() {
     let dir = tempfile::tempdir().unwrap();
@@ -354,4 +354,31 @@ fn bench_of_several_sequences_per_step() {
     let out = run(&["--batch", "0,2", "-n", "2"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--batch"));
+    // The --json redraws elsewhere (`--replot`, a machine without fonts having kept it): the
+    // table again, and the plot where a font is; a file of anything else is an error.
+    let png = dir.path().join("batch.png");
+    let replot = |from: &str| {
+        let p = png.to_str().unwrap();
+        Command::new(env!("CARGO_BIN_EXE_dejavu"))
+            .args(["bench", "--replot", from, "--plot", p])
+            .output()
+            .unwrap()
+    };
+    let out = replot(j);
+    let (table, err) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert_eq!(
+        table.lines().filter(|l| l.starts_with("| cpu")).count(),
+        3,
+        "{table}"
+    );
+    assert_eq!(out.status.success(), png.exists(), "{err}");
+    assert!(out.status.success() || err.contains("font"), "{err}");
+    let junk = dir.path().join("junk.json");
+    std::fs::write(&junk, "[1, 2]").unwrap();
+    let out = replot(junk.to_str().unwrap());
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not the points"));
 }

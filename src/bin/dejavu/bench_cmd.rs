@@ -67,23 +67,41 @@ pub struct BenchArgs {
     /// to measure, comma-separated (`1,2,4,8`), each sequence holding a `-p`-token prompt,
     /// `-n` steps timed; under each `--sparsity` policy in turn (the first, dense as a rule, the
     /// others' baseline), with the density of a sparse policy's MLP union. With `--plot`, the
-    /// aggregate speed over batch 1's as a PNG.
+    /// aggregate speed over batch 1's as a PNG, its points beside it (`.json`).
     #[arg(long, value_delimiter = ',')]
     pub batch: Vec<usize>,
-    /// Only redraw `--plot` from the points a previous `--plot` saved (no measuring).
+    /// Only redraw `--plot` from the points a previous `--plot` saved, or from a `--batch`
+    /// run's `--json` (no measuring).
     #[arg(long, requires = "plot")]
     pub replot: Option<std::path::PathBuf>,
 }
+
+/// The title of a `--batch` plot (after the model's label).
+const BATCH_TITLE: &str = "steps of several sequences";
 
 pub fn cmd_bench(a: BenchArgs) -> Result<()> {
     use dejavu::eval::bench::{self, gains, gains_markdown, plot_gains, BenchSpec, GainRow};
     if let (Some(from), Some(png)) = (&a.replot, &a.plot) {
         crate::refuse_overwrites(&[("--plot", Some(png))], &[from])?;
         let text = dejavu::fsio::read_text(from.as_ref(), dejavu::fsio::MAX_TEXT_BYTES, false)?;
-        let (title, rows): (String, Vec<GainRow>) = serde_json::from_str(&text)
-            .with_context(|| format!("{}: not a gains file of `bench --plot`", from.display()))?;
-        print!("{}", gains_markdown(&rows));
-        plot_gains(&rows, &title, png)?;
+        // The points of `--plot` (with `--batch` or without), or a `--batch` run's `--json`.
+        use dejavu::eval::bench::batched::{self, BatchRow};
+        if let Ok((title, rows)) = serde_json::from_str::<(String, Vec<GainRow>)>(&text) {
+            print!("{}", gains_markdown(&rows));
+            plot_gains(&rows, &title, png)?;
+        } else if let Ok((title, rows)) = serde_json::from_str::<(String, Vec<BatchRow>)>(&text) {
+            print!("{}", batched::markdown(&rows));
+            batched::plot(&rows, &title, png)?;
+        } else {
+            let rows: Vec<BatchRow> = serde_json::from_str(&text).with_context(|| {
+                format!(
+                    "{}: not the points of `bench --plot` nor a `bench --batch` run's --json",
+                    from.display()
+                )
+            })?;
+            print!("{}", batched::markdown(&rows));
+            batched::plot(&rows, BATCH_TITLE, png)?;
+        }
         eprintln!("wrote {}", png.display());
         return Ok(());
     }
@@ -264,11 +282,19 @@ fn bench_batches(
             .with_context(|| format!("writing {}", p.display()))?;
     }
     if let Some(p) = &a.plot {
-        let title = format!("{}: steps of several sequences", engine.model.label());
-        // A machine without fonts keeps the table (and `--json`).
+        let title = format!("{}: {BATCH_TITLE}", engine.model.label());
+        let points = p.with_extension("json");
+        dejavu::fsio::write(&points, serde_json::to_string_pretty(&(&title, &rows))?)
+            .with_context(|| format!("writing {}", points.display()))?;
+        // A machine without fonts still keeps the points: `--replot` draws them elsewhere.
         match batched::plot(&rows, &title, p) {
-            Ok(()) => eprintln!("wrote {}", p.display()),
-            Err(e) => eprintln!("warning: {e}; no plot written"),
+            Ok(()) => eprintln!("wrote {} and {}", p.display(), points.display()),
+            Err(e) => eprintln!(
+                "warning: {e}; the points are in {} (draw them with `bench --replot {} --plot {}`)",
+                points.display(),
+                points.display(),
+                p.display()
+            ),
         }
     }
     Ok(())
