@@ -150,8 +150,8 @@ __device__ __forceinline__ void matvec_mma(const u8* w, const u32* idx, const fl
 // 2^-e[t] (exact). bf16: x = b0 + b1 + b2 (P = 3, 24 bits: f32's). Infinities and NaNs stay
 // what they are (e = 0 when the largest is not finite or is 0).
 //
-// Layout of a split input (the host's `mma_x` slot): planes [P][nt][cols] of u16, then nt ints
-// e[t] (4-byte aligned: cols is a multiple of 32).
+// Layout of a split input (a slot of the host's `MmaScratch::x`): planes [P][nt][cols] of u16,
+// then nt ints e[t] (4-byte aligned: cols is a multiple of 32).
 
 template <int T> struct Parts { enum { P = T == T_F16 ? 2 : 3 }; };
 
