@@ -140,6 +140,11 @@ pub struct CudaDevice {
     /// against 134.1 at 3 (2 a tile), the 5120-square product 38.6 against 39.6: the split
     /// buys little there; the input split's own launch is the suspect (2 rows cost as much as 8).
     hmma_fill: usize,
+    /// `SPLIT_COLS` (default 0): with a count of columns, the inputs' split runs a block per
+    /// that many columns of a row (`mma_split_wide_T`) instead of a block per row. Not yet run
+    /// on a GPU: the H100's profile (2 rows of the 5120-square product as slow as 8, every
+    /// product 18 to 49 us above one row's) points at the one-block-a-row split.
+    split_cols: usize,
     /// `MMA_PROMPT=1`: a prompt's products of every row, too, in chunks of `MMA_MAX` rows
     /// (each chunk reads the weights again) instead of matmul.cu's tiles.
     mma_prompt: bool,

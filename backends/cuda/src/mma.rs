@@ -64,7 +64,8 @@ struct SplitJob {
 struct SplitJobs {
     job: [SplitJob; 3],
     nt: i32,
-    _pad: i32,
+    /// Columns per block of `mma_split_wide_T`.
+    chunk: i32,
 }
 
 // SAFETY: 8-byte pointers, then 4-byte ints, as the kernel's struct: 24 bytes a job, 80 in
@@ -195,8 +196,25 @@ impl CudaDevice {
             };
             j.x = split.job[s].xs;
         }
-        let f = self.func(&format!("mma_split_{}", type_suffix(qtype)));
-        let mut b = self.lane().launch_builder(f);
+        let q = type_suffix(qtype);
+        if self.split_cols > 0 {
+            // Blocks of `split_cols` columns (`blockIdx.x`) of each row (`.y`) of each input (`.z`).
+            split.chunk = self.split_cols as i32;
+            let widest = (split.job[..n].iter().map(|s| s.cols as usize).max()).unwrap_or(0);
+            let mut b = self
+                .lane()
+                .launch_builder(self.func(&format!("mma_split_wide_{q}")));
+            b.arg(&split);
+            let cfg = cudarc::driver::LaunchConfig {
+                grid_dim: (widest.div_ceil(self.split_cols) as u32, nt as u32, n as u32),
+                ..launch::grid(256, 256)
+            };
+            launch::run(b, cfg)?;
+            return Ok(Some(scratch));
+        }
+        let mut b = self
+            .lane()
+            .launch_builder(self.func(&format!("mma_split_{q}")));
         b.arg(&split);
         // A block a row (`blockIdx.x`) of each input (`blockIdx.y`).
         launch::run(

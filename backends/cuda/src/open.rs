@@ -78,6 +78,7 @@ impl CudaDevice {
         .to_vec();
         for q in [QuantType::F16, QuantType::BF16] {
             names.push(format!("mma_split_{}", type_suffix(q)));
+            names.push(format!("mma_split_wide_{}", type_suffix(q)));
             for nt in mma::MMA_TILES {
                 names.push(format!("matvec_mma{nt}_{}", type_suffix(q)));
                 names.push(format!("matvec_hmma{nt}_{}", type_suffix(q)));
@@ -147,6 +148,7 @@ impl CudaDevice {
             mma_h: tuning("MMA_H", 1, 0..=1) == 1,
             mma_scratch,
             hmma_fill: tuning("HMMA_FILL", 6, 1..=64),
+            split_cols: split_cols(tuning("SPLIT_COLS", 0, 0..=32768)),
             mma_prompt: tuning("MMA_PROMPT", 0, 0..=1) == 1,
             ax_vec: ax_vec(),
             ax_fill: tuning("AX_FILL", 4, 1..=64),
@@ -174,6 +176,12 @@ impl CudaDevice {
     /// take tf32 with the inputs split in registers (see `mma`).
     pub fn set_mma_h(&mut self, on: bool) {
         self.mma_h = on;
+    }
+
+    /// The inputs' split of the tensor-core products by blocks of `cols` columns (a multiple
+    /// of 256; `mma_split_wide_T`), or a block per row (0, the default; as `SPLIT_COLS`).
+    pub fn set_split_cols(&mut self, cols: usize) {
+        self.split_cols = split_cols(cols);
     }
 
     /// Wait until every queued launch has run.
@@ -253,5 +261,14 @@ impl CudaDevice {
                 ))
             }
         }
+    }
+}
+
+/// `cols` columns per block of the inputs' split where it is a multiple of 256 up to 32768,
+/// else 0 (a block per row).
+fn split_cols(cols: usize) -> usize {
+    match cols.is_multiple_of(256) && cols <= 32768 {
+        true => cols,
+        false => 0,
     }
 }

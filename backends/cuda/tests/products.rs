@@ -189,18 +189,22 @@ fn few_row_products_of_any_height_match_the_scalar_reference() {
 /// input split in registers), dense and over a selection, in one launch and in chunks of 32
 /// rows (33, 70); ragged outputs (not a multiple of the kernel's 16) and batch rows (not a
 /// multiple of its tiles of 8); rows of 4128 and 8256 columns, whose few tiles split each row
-/// between 4 and 8 blocks on split inputs. Inputs up to 300 in magnitude. Tolerance as above.
+/// between 4 and 8 blocks on split inputs; the inputs split by a block a row and by blocks of
+/// 1024 columns (`set_split_cols`). Inputs up to 300 in magnitude. Tolerance as above.
 #[test]
 fn tensor_core_products_match_the_scalar_reference() {
     let Some(mut gpu) = gpu() else { return };
     gpu.set_mma(true);
     let host = CpuDevice::reference();
     let mut r = rng(9);
-    for (q, h) in [QuantType::F16, QuantType::BF16]
-        .map(|q| [(q, true), (q, false)])
+    // The 16-bit split by a block a row and by blocks of 1024 columns; tf32.
+    let splits = [(true, 0), (true, 1024), (false, 0)];
+    for (q, (h, sc)) in [QuantType::F16, QuantType::BF16]
+        .map(|q| splits.map(|s| (q, s)))
         .concat()
     {
         gpu.set_mma_h(h);
+        gpu.set_split_cols(sc);
         for (rows, cols, scale) in [
             (37, 96, 1.0),
             (130, 4128, 1.0),
@@ -214,7 +218,8 @@ fn tensor_core_products_match_the_scalar_reference() {
                 let xs: Vec<f32> = (randv(&mut r, nt * cols).into_iter())
                     .map(|v| v * scale)
                     .collect();
-                let what = format!("{q:?} {rows}x{cols} of {nt}, inputs to {scale}, parts {h}");
+                let what =
+                    format!("{q:?} {rows}x{cols} of {nt}, inputs to {scale}, parts {h} {sc}");
                 let mags = matmul_matches(&gpu, &host, &w, &xs, nt, &what);
                 let a = relu_zeros(randv(&mut r, nt * sel.len()), sel.len());
                 let ys = randv(&mut r, nt * cols);
@@ -273,11 +278,12 @@ fn tensor_core_inputs_keep_their_precision_at_any_scale() {
         let w = Weight::new(q, rows, cols, &bytes).unwrap();
         let mags = batch_magnitudes(&w, &xs, nt);
         let want = matmul_on(&host, &w, &xs, nt);
-        for h in [true, false] {
+        for (h, sc) in [(true, 0), (true, 256), (false, 0)] {
             gpu.set_mma_h(h);
+            gpu.set_split_cols(sc);
             let got = matmul_on(&gpu, &w, &xs, nt);
             // Plus the last rounding of the output itself (y += s: ones and a bias).
-            close(&format!("{q:?}, parts {h}"), &got, &want, |i| {
+            close(&format!("{q:?}, parts {h} {sc}"), &got, &want, |i| {
                 3e-5 * mags[i % (nt * rows)] + 2.4e-7 * want[i].abs()
             });
         }

@@ -171,7 +171,7 @@ struct SplitJob {
 };
 struct SplitJobs {
     SplitJob job[3];
-    int nt, pad;
+    int nt, chunk;  // chunk: columns per block of mma_split_wide
 };
 
 template <int T>
@@ -207,6 +207,53 @@ __device__ __forceinline__ void mma_split(const SplitJob& j, int nt) {
     }
 MMA_SPLIT(f16, T_F16)
 MMA_SPLIT(bf16, T_BF16)
+
+// The same split over many blocks (the host's `SPLIT_COLS` > 0; not yet run on a GPU): block
+// (c, t) of input s (blockIdx.x, .y, .z) writes columns [c C, (c + 1) C) of row t (C the jobs'
+// `chunk`), each f16 block first finding the row's largest |x| itself (the whole row in
+// float4s: rows are 128-byte aligned, cols a multiple of 32), block 0 writing e[t]. One block a
+// row (above) walks a 20480-wide row alone, twice.
+template <int T>
+__device__ __forceinline__ void mma_split_wide(const SplitJob& j, int nt, int C) {
+    __shared__ float red[32];
+    constexpr int P = Parts<T>::P;
+    int t = blockIdx.y, cols = j.cols, c0 = blockIdx.x * C;
+    if (c0 >= cols) return;  // the same for the whole block
+    const float* r = j.x + (size_t)t * cols;
+    int e = 0;
+    if (T == T_F16) {
+        const float4* r4 = (const float4*)r;
+        float m = 0.f;
+#pragma unroll 4
+        for (int i = threadIdx.x; i < cols / 4; i += blockDim.x) {
+            float4 v = r4[i];
+            m = fmaxf(fmaxf(m, fmaxf(fabsf(v.x), fabsf(v.y))), fmaxf(fabsf(v.z), fabsf(v.w)));
+        }
+        m = block_max(m, red);
+        if (m > 0.f && m <= 3.4e38f) {
+            frexpf(m, &e);
+            e = 15 - e;
+        }
+        if (blockIdx.x == 0 && threadIdx.x == 0) ((int*)(j.xs + (size_t)P * nt * cols))[t] = e;
+    }
+    for (int i = c0 + threadIdx.x; i < min(c0 + C, cols); i += blockDim.x) {
+        float v = T == T_F16 ? ldexpf(r[i], e) : r[i];
+#pragma unroll
+        for (int p = 0; p < P; p++) {
+            u16 h = T == T_F16 ? f32_to_f16(v) : f32_to_bf16(v);
+            j.xs[((size_t)p * nt + t) * cols + i] = h;
+            v -= T == T_F16 ? f16_to_f32(h) : bf16_to_f32(h);
+        }
+    }
+}
+#define MMA_SPLIT_WIDE(name, T)                                                              \
+    extern "C" __global__ void __launch_bounds__(256) mma_split_wide_##name(SplitJobs jobs) { \
+        if (blockIdx.z == 0) mma_split_wide<T>(jobs.job[0], jobs.nt, jobs.chunk);           \
+        else if (blockIdx.z == 1) mma_split_wide<T>(jobs.job[1], jobs.nt, jobs.chunk);      \
+        else mma_split_wide<T>(jobs.job[2], jobs.nt, jobs.chunk);                           \
+    }
+MMA_SPLIT_WIDE(f16, T_F16)
+MMA_SPLIT_WIDE(bf16, T_BF16)
 
 // c += A (16 x 16, rows g and g + 8) * B (16 x 8, column g), 16-bit in, f32 accumulators.
 template <int T>
