@@ -152,9 +152,9 @@ impl CudaDevice {
     }
 
     /// With `MMA_H=1`, and where every split fits a slot: split each distinct input of `mv`
-    /// (`nt` rows of its `cols`) into this lane's slots in one `mma_split_T` launch, and point
-    /// each job's `x` at its input's split; returns the lane's scratch. None (nothing
-    /// launched, `mv` unchanged) otherwise.
+    /// (`nt` rows of its `cols`) into this lane's slots in one launch (`mma_split_T`, or
+    /// `mma_split_wide_T` with `SPLIT_COLS`), and point each job's `x` at its input's split;
+    /// returns the lane's scratch. None (nothing launched, `mv` unchanged) otherwise.
     fn split_inputs(
         &self,
         mv: &mut MvJobs,
