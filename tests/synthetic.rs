@@ -308,7 +308,7 @@ fn speed_report_and_per_block_bench() {
 
 /// `bench --batch` times steps of several sequences: a row per batch size with its aggregate
 /// tok/s and its ratio to batch 1 (1 for batch 1 itself), as a table and as JSON, which
-/// `--replot` draws; a batch of 0 is refused.
+/// `--replot` draws, and `--plot`'s points; a batch of 0 is refused.
 #[test]
 fn bench_of_several_sequences_per_step() {
     let dir = tempfile::tempdir().unwrap();
@@ -329,8 +329,20 @@ fn bench_of_several_sequences_per_step() {
             .unwrap()
     };
     let j = json.to_str().unwrap();
+    let plot = dir.path().join("plot.png");
     let out = run(&[
-        "--batch", "1,2,4", "-p", "8", "-n", "2", "-r", "1", "--json", j,
+        "--batch",
+        "1,2,4",
+        "-p",
+        "8",
+        "-n",
+        "2",
+        "-r",
+        "1",
+        "--json",
+        j,
+        "--plot",
+        plot.to_str().unwrap(),
     ]);
     assert!(
         out.status.success(),
@@ -351,6 +363,16 @@ fn bench_of_several_sequences_per_step() {
     for r in &rows {
         assert!(r["step_ms"].as_f64().unwrap() > 0.0 && r["tok_per_s"].as_f64().unwrap() > 0.0);
     }
+    // `--plot` keeps its points beside the PNG, font or not: the title and the same rows.
+    let points: (String, Vec<serde_json::Value>) =
+        serde_json::from_str(&std::fs::read_to_string(plot.with_extension("json")).unwrap())
+            .unwrap();
+    assert!(
+        points.0.ends_with("steps of several sequences"),
+        "{}",
+        points.0
+    );
+    assert_eq!(points.1, rows);
     let out = run(&["--batch", "0,2", "-n", "2"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--batch"));

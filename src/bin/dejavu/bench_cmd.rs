@@ -209,19 +209,7 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
         let g = gains(&results);
         print!("\n{}", gains_markdown(&g));
         let title = format!("{}: sparsity gains, CPU and GPU", engine.model.label());
-        let points = p.with_extension("json");
-        dejavu::fsio::write(&points, serde_json::to_string_pretty(&(&title, &g))?)
-            .with_context(|| format!("writing {}", points.display()))?;
-        // A machine without fonts still keeps the points: `--replot` draws them elsewhere.
-        match plot_gains(&g, &title, p) {
-            Ok(()) => eprintln!("wrote {} and {}", p.display(), points.display()),
-            Err(e) => eprintln!(
-                "warning: {e}; the points are in {} (draw them with `bench --replot {} --plot {}`)",
-                points.display(),
-                points.display(),
-                p.display()
-            ),
-        }
+        plot_with_points(p, &title, &g, plot_gains)?;
     }
     if let Some(p) = &a.json {
         dejavu::fsio::write(p, serde_json::to_string_pretty(&results)?)
@@ -283,19 +271,31 @@ fn bench_batches(
     }
     if let Some(p) = &a.plot {
         let title = format!("{}: {BATCH_TITLE}", engine.model.label());
-        let points = p.with_extension("json");
-        dejavu::fsio::write(&points, serde_json::to_string_pretty(&(&title, &rows))?)
-            .with_context(|| format!("writing {}", points.display()))?;
-        // A machine without fonts still keeps the points: `--replot` draws them elsewhere.
-        match batched::plot(&rows, &title, p) {
-            Ok(()) => eprintln!("wrote {} and {}", p.display(), points.display()),
-            Err(e) => eprintln!(
-                "warning: {e}; the points are in {} (draw them with `bench --replot {} --plot {}`)",
-                points.display(),
-                points.display(),
-                p.display()
-            ),
-        }
+        plot_with_points(p, &title, &rows, batched::plot)?;
+    }
+    Ok(())
+}
+
+/// `--plot`: the points `(title, rows)` to `png`'s path with `.json`, then `draw` them to
+/// `png`. A machine without fonts still keeps the points (a warning): `--replot` draws them
+/// elsewhere.
+fn plot_with_points<R: serde::Serialize>(
+    png: &std::path::Path,
+    title: &str,
+    rows: &[R],
+    draw: impl FnOnce(&[R], &str, &std::path::Path) -> dejavu::Result<()>,
+) -> Result<()> {
+    let points = png.with_extension("json");
+    dejavu::fsio::write(&points, serde_json::to_string_pretty(&(title, rows))?)
+        .with_context(|| format!("writing {}", points.display()))?;
+    match draw(rows, title, png) {
+        Ok(()) => eprintln!("wrote {} and {}", png.display(), points.display()),
+        Err(e) => eprintln!(
+            "warning: {e}; the points are in {} (draw them with `bench --replot {} --plot {}`)",
+            points.display(),
+            points.display(),
+            png.display()
+        ),
     }
     Ok(())
 }
