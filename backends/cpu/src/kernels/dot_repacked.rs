@@ -338,8 +338,9 @@ mod tests {
     }
 
     /// Every tier's multi-token dot gives each token its one-token dot bit for bit (1 to
-    /// `MAX_TOKENS` tokens, whole groups, ragged tails and tail-only rows, prefetching or not),
-    /// and refuses mismatched token counts.
+    /// `MAX_TOKENS` tokens, whole groups, ragged tails and tail-only rows, prefetching or not;
+    /// 1 to 4 rows per call, so the AVX-512 tier's row pairs meet an odd row and none), and
+    /// refuses mismatched token counts.
     #[test]
     fn tokens_equal_one_token_dots() {
         for q in TYPES {
@@ -348,9 +349,9 @@ mod tests {
                 let row = random_row(q, n, 3 * blocks as u64);
                 let mut packed = vec![0u8; row.len()];
                 repack_row(q, &row, &mut packed);
-                // Three rows back to back: this one and two others.
+                // Four rows back to back: this one and three others.
                 let mut many_rows = packed.clone();
-                for seed in [5, 6] {
+                for seed in [5, 6, 7] {
                     let other = random_row(q, n, seed * blocks as u64);
                     let mut p = vec![0u8; other.len()];
                     repack_row(q, &other, &mut p);
@@ -363,7 +364,9 @@ mod tests {
                 for isa in Isa::supported() {
                     for pf in [false, true] {
                         let (one, many) = (select(q, isa, pf), select_tokens(q, isa, pf));
-                        for (k, n_rows) in (1..=MAX_TOKENS).flat_map(|k| [(k, 1), (k, 3)]) {
+                        for (k, n_rows) in
+                            (1..=MAX_TOKENS).flat_map(|k| (1..=4).map(move |r| (k, r)))
+                        {
                             let a: Vec<&[BlockQ8A]> = acts[..k].iter().map(|a| &a[..]).collect();
                             let g: Vec<&[ActGroup]> = groups[..k].iter().map(|g| &g[..]).collect();
                             let rows = &many_rows[..n_rows * packed.len()];
