@@ -20,9 +20,17 @@ use std::cell::RefCell;
 /// From this many tokens on, a dense matmul goes through dequantized tiles and `gemm`.
 pub const GEMM_MIN_TOKENS: usize = 4;
 /// The same for repacked rows, whose multi-token dot unpacks a group once for 8 tokens: below
-/// 40 tokens it beat the tiles (`dejavu bench -p 8|16|32|48|64 -n 0`: SmolLM2 Q4_1 pp8 2.3x,
-/// pp32 1.15x, pp48 and pp64 even; Qwen2.5 Q5_0 pp16 1.4x, pp32 1.1x).
-pub const GEMM_MIN_TOKENS_REPACKED: usize = 40;
+/// this many it beat the tiles. 40 (`dejavu bench -p 8|16|32|48|64 -n 0`: SmolLM2 Q4_1 pp8
+/// 2.3x, pp32 1.15x, pp48 and pp64 even; Qwen2.5 Q5_0 pp16 1.4x, pp32 1.1x); 96 on AVX-512,
+/// whose dot takes rows in pairs (`-p 48|64|96|160 -n 0 -r 5`, builds alternating, tokens
+/// against tiles: SmolLM2 pp48 1.15-1.20x, pp64 1.14-1.15x, pp96 even, pp160 even or tiles
+/// ahead; Qwen2.5-Coder-0.5B pp48 1.03-1.09x, pp96 even).
+pub fn gemm_min_tokens_repacked(isa: crate::isa::Isa) -> usize {
+    match isa {
+        crate::isa::Isa::Avx512 => 96,
+        _ => 40,
+    }
+}
 /// Target size of a thread's dequantized f32 tile on the prefill path: half of a 512 KiB L2.
 /// Rows of one prefill tile (see `matmul_gemm`): small enough that a layer's matrices split
 /// evenly over a few threads, large enough that packing the input stays a small cost.
@@ -79,12 +87,12 @@ pub fn matmul_shared(k: &Kernels, pool: &SpinPool, x: &[f32], jobs: &mut [Matmul
 }
 
 /// From how many tokens on a dense product of `w` goes through tiles: [`GEMM_MIN_TOKENS`], or
-/// [`GEMM_MIN_TOKENS_REPACKED`] for repacked rows whose tiles are the integer kernel's (both
+/// [`gemm_min_tokens_repacked`] for repacked rows whose tiles are the integer kernel's (both
 /// paths then take the same 8-bit activations; f32 tiles keep the lower bound).
 fn gemm_from(k: &Kernels, w: &Weight) -> usize {
     let int_tiles = || k.gemm_q8a.is_some_and(|f| integer_prefill(&f, w));
     match w.layout {
-        RowLayout::Repacked if int_tiles() => GEMM_MIN_TOKENS_REPACKED,
+        RowLayout::Repacked if int_tiles() => gemm_min_tokens_repacked(k.isa),
         _ => GEMM_MIN_TOKENS,
     }
 }
@@ -598,7 +606,8 @@ mod tests {
             let k = Kernels::for_isa(isa).unwrap();
             let pool = SpinPool::new(2);
             for q in QuantType::ALL {
-                let tiles = GEMM_MIN_TOKENS_REPACKED + 1; // repacked rows through the tiles too
+                // Repacked rows through the tiles too.
+                let tiles = gemm_min_tokens_repacked(isa) + 1;
                 for (cols, n_tok) in [(256 * 9, 1), (256, 1), (256 * 9, 6), (256, 3), (256, tiles)]
                 {
                     // Short rows: enough that each thread's share of the dense repacked

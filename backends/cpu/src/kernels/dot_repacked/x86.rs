@@ -589,12 +589,13 @@ unsafe fn finish<G: Group, const VNNI: bool, const T: usize>(
 }
 
 /// [`row_dots`] of each row of `rows` (`rb` bytes each) over `acts.len()` tokens
-/// (1..=[`super::MAX_TOKENS`], `T` a constant), row `r`'s into `out[r * T..]`. The AVX-512
-/// tier takes the rows in pairs ([`pair_dots`]; an odd last row alone): a `vpdpbusd` on 512
-/// bits costs about what one on 256 does on the CPUs measured, and the weights' unpacking is
-/// shared by every token. `dejavu bench -m SmolLM2-135M-Instruct.Q4_1.gguf -t 2 --batch 1,8
-/// -p 32 -n 64 -r 3`, the builds alternating, two runs each: 8 rows 9.85 / 9.28 ms before,
-/// 8.93 / 8.53 after; 1 row 2.61 / 2.59 before, 2.63 / 2.63 after.
+/// (1..=[`super::MAX_TOKENS`], `T` a constant), row `r`'s into `out[r * T..]`. From 2 tokens
+/// on the AVX-512 tier takes the rows in pairs ([`pair_dots`]; an odd last row alone): a
+/// `vpdpbusd` on 512 bits costs about what one on 256 does on the CPUs measured, and the
+/// weights' unpacking is shared by every token. `dejavu bench -m SmolLM2-135M-Instruct.Q4_1.gguf
+/// -t 2 --batch 8 -p 8 -n 128 -r 5`, the builds alternating, four runs: 9.59-10.28 ms a step
+/// before, 9.19-9.65 after. One token stays on 256 bits: pairs there read two rows' streams at
+/// once and decode (`-p 0 -n 128 -r 5`, three runs each) went from 361-397 tok/s to 342-365.
 #[inline(always)]
 unsafe fn rows_dots<G: Group, const VNNI: bool, const PF: bool>(
     rows: &[u8],
@@ -608,7 +609,7 @@ unsafe fn rows_dots<G: Group, const VNNI: bool, const PF: bool>(
             let a: [&[BlockQ8A]; $t] = std::array::from_fn(|t| acts[t]);
             let g: [&[ActGroup]; $t] = std::array::from_fn(|t| groups[t]);
             let mut done = 0;
-            if VNNI {
+            if VNNI && $t > 1 {
                 let pairs = rows.chunks_exact(2 * rb).zip(out.chunks_exact_mut(2 * $t));
                 for (two, o) in pairs {
                     let [o0, o1] = pair_dots::<G, PF, $t>(&two[..rb], &two[rb..], a, g);
