@@ -49,8 +49,8 @@ impl<D: Device> Predictor<D> {
         }
         let w2 = p.w2().row_range(units.clone())?;
         Ok(Self {
-            w1: dev.upload_mat(&p.w1())?,
-            w2: dev.upload_mat(&w2)?,
+            w1: dev.upload_rows(&p.w1())?,
+            w2: dev.upload_rows(&w2)?,
             rank: p.rank,
             n_out: units.len(),
             bytes: p.w1().data.len() + w2.data.len(),

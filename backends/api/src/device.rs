@@ -241,6 +241,13 @@ pub trait Device: Send + Sync {
     fn upload_idx(&self, idx: &[u32]) -> Result<Self::Idx, BackendError>;
     /// The matrix, in its file's (ggml) layout.
     fn upload_mat(&self, w: &Weight) -> Result<Self::Mat, BackendError>;
+    /// The matrix `w`, to be read by row products only ([`Device::matvecs`], [`Device::matmul`],
+    /// [`Device::matmul_steps`]; never by the `axpy` verbs): in whichever layout of its rows
+    /// the device computes those fastest (the CPU's repacked rows, whatever the model's
+    /// weights keep). Default: [`Device::upload_mat`].
+    fn upload_rows(&self, w: &Weight) -> Result<Self::Mat, BackendError> {
+        self.upload_mat(w)
+    }
     /// The matrix `w`, whose bytes lie inside `owner` (the mapped file or buffer that holds
     /// them): a device that computes in host memory keeps a handle to `owner` and reads the
     /// rows in place; the others upload them ([`Device::upload_mat`], the default).

@@ -211,6 +211,17 @@ impl Device for CpuDevice {
         w.check();
         Ok(CpuMat::of(w, MatBytes::Owned(w.data.to_vec())))
     }
+    /// Repacked where this tier repacks `w`'s type (as the model's weights are at load).
+    fn upload_rows(&self, w: &Weight) -> Result<CpuMat, BackendError> {
+        use dejavu_backend_api::{Backend, RowLayout};
+        if w.layout != RowLayout::Ggml || !self.cpu.repacks(w.qtype) {
+            return self.upload_mat(w);
+        }
+        w.check();
+        let mut data = vec![0u8; w.data.len()];
+        let layout = self.cpu.repack(w, &mut data);
+        Ok(CpuMat::of(&w.with_layout(layout), MatBytes::Owned(data)))
+    }
     /// In place when `w`'s bytes lie inside `owner`'s; a copy otherwise.
     fn share_mat(&self, w: &Weight, owner: &SharedBytes) -> Result<CpuMat, BackendError> {
         w.check();
@@ -731,5 +742,49 @@ pub(crate) fn rope_factors<'a>(
             f.len()
         ))),
         f => Ok(f.map(|f| f.as_slice())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::{dot_repacked, testutil};
+    use dejavu_backend_api::{Product, QuantType, RowLayout, Rows};
+
+    /// `upload_rows` repacks the rows of a type the tier repacks (Q8_0, the predictors' type:
+    /// on the x86 and NEON tiers) and keeps the file's layout elsewhere; its products equal
+    /// those of the file's layout within rounding (1e-5 of `sum |w x|`), on rows of whole
+    /// groups and a tail.
+    #[test]
+    fn rows_for_products_take_the_tiers_layout() {
+        let (rows, cols, q) = (37, 32 * 8 * 2 + 32 * 3, QuantType::Q8_0);
+        let data: Vec<u8> = (0..rows)
+            .flat_map(|r| testutil::random_row(q, cols, r as u64 + 1))
+            .collect();
+        let w = Weight::new(q, rows, cols, &data).unwrap();
+        let x = testutil::random_f32(cols, 5);
+        for isa in Isa::supported() {
+            let dev = CpuDevice::with_isa(isa, 2).unwrap();
+            let (file, fast) = (dev.upload_mat(&w).unwrap(), dev.upload_rows(&w).unwrap());
+            let want = match dot_repacked::repacks(isa, q) {
+                true => RowLayout::Repacked,
+                false => RowLayout::Ggml,
+            };
+            assert_eq!((file.layout, fast.layout), (RowLayout::Ggml, want), "{isa}");
+            let (mut a, mut b) = (vec![0f32; rows], vec![0f32; rows]);
+            let mut jobs = [Product::new(&file, Rows::All, &mut a)];
+            dev.matvecs(&x, &mut jobs).unwrap();
+            let mut jobs = [Product::new(&fast, Rows::All, &mut b)];
+            dev.matvecs(&x, &mut jobs).unwrap();
+            let mut deq = vec![0f32; cols];
+            for (r, (a, b)) in a.iter().zip(&b).enumerate() {
+                file.row(r, &mut deq);
+                let mag: f32 = deq.iter().zip(&x).map(|(w, x)| (w * x).abs()).sum();
+                assert!(
+                    (a - b).abs() <= 1e-5 * mag + 1e-6,
+                    "{isa} row {r}: {a} vs {b}"
+                );
+            }
+        }
     }
 }
