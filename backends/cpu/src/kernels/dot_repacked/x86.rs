@@ -250,36 +250,37 @@ impl Group for R8_0 {
     }
 }
 
-/// 4-bit quants: 2 * 15 * 127 per maddubs lane, so 8 steps fit an i16 sum.
-macro_rules! four_bit_qsums {
+/// The nibble types (Q4_0, Q4_1): their quants as the group's nibbles, on 256 bits, on two
+/// rows' 512, and as a tail block's; 2 * 15 * 127 per maddubs lane, so 8 steps fit an i16 sum.
+macro_rules! nibbles {
     () => {
         type Quants = [__m256i; GROUP];
         #[inline(always)]
+        unsafe fn quants<const VNNI: bool>(g: *const u8) -> [__m256i; GROUP] {
+            four_bit_quants(g.add(layout(Self::Q).qs), None)
+        }
+        #[inline(always)]
         unsafe fn qsums<const VNNI: bool>(q: &[__m256i; GROUP], a: &ActGroup) -> __m256i {
             sum_u8i8::<VNNI, 8>(q, a, [0, 1, 2, 3, 4, 5, 6, 7])
+        }
+        #[inline(always)]
+        unsafe fn quants2(g0: *const u8, g1: *const u8) -> [__m512i; GROUP] {
+            let o = layout(Self::Q).qs;
+            four_bit_quants2(g0.add(o), g1.add(o), None)
+        }
+        #[inline(always)]
+        unsafe fn tail_quants2(b0: &Self::Block, b1: &Self::Block) -> __m512i {
+            join2(
+                unpack_nibbles(b0.qs.as_ptr()),
+                unpack_nibbles(b1.qs.as_ptr()),
+            )
         }
     };
 }
 
 impl Group for R4_0 {
     type Block = BlockQ4_0;
-    #[inline(always)]
-    unsafe fn quants<const VNNI: bool>(g: *const u8) -> [__m256i; GROUP] {
-        four_bit_quants(g.add(layout(Self::Q).qs), None)
-    }
-    #[inline(always)]
-    unsafe fn quants2(g0: *const u8, g1: *const u8) -> [__m512i; GROUP] {
-        let o = layout(Self::Q).qs;
-        four_bit_quants2(g0.add(o), g1.add(o), None)
-    }
-    #[inline(always)]
-    unsafe fn tail_quants2(b0: &Self::Block, b1: &Self::Block) -> __m512i {
-        join2(
-            unpack_nibbles(b0.qs.as_ptr()),
-            unpack_nibbles(b1.qs.as_ptr()),
-        )
-    }
-    four_bit_qsums!();
+    nibbles!();
     #[inline(always)]
     unsafe fn off_w(_: *const u8, dw: __m256) -> __m256 {
         dw
@@ -288,27 +289,11 @@ impl Group for R4_0 {
 
 impl Group for R4_1 {
     type Block = BlockQ4_1;
-    #[inline(always)]
-    unsafe fn quants<const VNNI: bool>(g: *const u8) -> [__m256i; GROUP] {
-        four_bit_quants(g.add(layout(Self::Q).qs), None)
-    }
-    four_bit_qsums!();
+    nibbles!();
     #[inline(always)]
     unsafe fn off_w(g: *const u8, _: __m256) -> __m256 {
         let m = layout(Self::Q).mins.unwrap_or(16);
         _mm256_cvtph_ps(_mm_loadu_si128(g.add(m) as *const __m128i))
-    }
-    #[inline(always)]
-    unsafe fn quants2(g0: *const u8, g1: *const u8) -> [__m512i; GROUP] {
-        let o = layout(Self::Q).qs;
-        four_bit_quants2(g0.add(o), g1.add(o), None)
-    }
-    #[inline(always)]
-    unsafe fn tail_quants2(b0: &Self::Block, b1: &Self::Block) -> __m512i {
-        join2(
-            unpack_nibbles(b0.qs.as_ptr()),
-            unpack_nibbles(b1.qs.as_ptr()),
-        )
     }
     #[inline(always)]
     unsafe fn off_w2(g0: *const u8, g1: *const u8, _: __m512) -> __m512 {
