@@ -236,7 +236,7 @@ many_entry!(avx512_many, f32, avx512_many_impl, 4);
 many_entry!(avx512_many_f16, f16, avx512_many_f16_impl, 4);
 
 /// The x86 many-weighting bodies over rows of f32 (`$name`) and f16 (`$name_f16`), compiled
-/// with `$features` (the AVX-512 tier's: the same AVX2 code with 32 registers).
+/// with `$features` (the AVX2 tier's; the AVX-512 tier has its own, on 512 bits).
 #[cfg(target_arch = "x86_64")]
 macro_rules! many_bodies {
     ($name:ident, $name_f16:ident, $features:literal) => {
@@ -290,12 +290,133 @@ macro_rules! many_bodies {
 
 #[cfg(target_arch = "x86_64")]
 many_bodies!(avx2_many_impl, avx2_many_f16_impl, "avx2,fma,f16c");
+
+/// The AVX-512 tier's many-weighting body over rows of f32 ([`in_blocks_wide`]).
 #[cfg(target_arch = "x86_64")]
-many_bodies!(
-    avx512_many_impl,
-    avx512_many_f16_impl,
-    "avx2,fma,f16c,avx512f,avx512vl"
-);
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+unsafe fn avx512_many_impl<const Q: usize>(
+    a: &[&[f32]],
+    x: &[f32],
+    stride: usize,
+    ys: &mut [&mut [f32]],
+) {
+    use std::arch::x86_64::*;
+    let xp = x.as_ptr();
+    let (n, far) = (
+        ys[0].len(),
+        super::x86::spans_far::<f32>(a[0].len(), stride),
+    );
+    let pf = |j: usize| crate::prefetch::prefetch(bytemuck::cast_slice(&x[j * stride..][..n]));
+    let load = |j: usize, c: usize| _mm256_loadu_ps(xp.add(j * stride + c));
+    let wide = |j: usize, c: usize| _mm512_loadu_ps(xp.add(j * stride + c));
+    match far {
+        true => in_blocks_wide::<Q, true>(a, ys, wide, load, pf),
+        false => in_blocks_wide::<Q, false>(a, ys, wide, load, pf),
+    }
+}
+
+/// The AVX-512 tier's many-weighting body over rows of f16 ([`in_blocks_wide`]).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+unsafe fn avx512_many_f16_impl<const Q: usize>(
+    a: &[&[f32]],
+    x: &[f16],
+    stride: usize,
+    ys: &mut [&mut [f32]],
+) {
+    use std::arch::x86_64::*;
+    let xp = x.as_ptr();
+    let (n, far) = (
+        ys[0].len(),
+        super::x86::spans_far::<f16>(a[0].len(), stride),
+    );
+    let pf = |j: usize| crate::prefetch::prefetch(bytemuck::cast_slice(&x[j * stride..][..n]));
+    let load = |j: usize, c: usize| {
+        _mm256_cvtph_ps(_mm_loadu_si128(xp.add(j * stride + c) as *const __m128i))
+    };
+    let wide = |j: usize, c: usize| {
+        _mm512_cvtph_ps(_mm256_loadu_si256(xp.add(j * stride + c) as *const __m256i))
+    };
+    match far {
+        true => in_blocks_wide::<Q, true>(a, ys, wide, load, pf),
+        false => in_blocks_wide::<Q, false>(a, ys, wide, load, pf),
+    }
+}
+
+/// [`in_blocks_many`] on 512 bits: 64 columns of each output in 4 registers (a head of 64
+/// values in one pass over the rows, where 256 bits take two), then 16 in 1 (`wide(j, c)`:
+/// row `j`'s values `c..c + 16`), then 8 on 256 bits (`load`). Each column still sums its rows
+/// in order, so every output is bit for bit the AVX2 bodies'.
+///
+/// # Safety
+/// As [`in_blocks_many`], and the caller's tier has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn in_blocks_wide<const Q: usize, const PF: bool>(
+    a: &[&[f32]],
+    ys: &mut [&mut [f32]],
+    wide: impl Fn(usize, usize) -> std::arch::x86_64::__m512,
+    load: impl Fn(usize, usize) -> std::arch::x86_64::__m256,
+    prefetch: impl Fn(usize),
+) {
+    let n = ys[0].len();
+    let yp: [*mut f32; Q] = std::array::from_fn(|h| ys[h].as_mut_ptr());
+    let mut c = 0;
+    while c + 64 <= n {
+        match PF && c == 0 {
+            true => columns_wide::<4, Q, true>(a, yp, c, &wide, &prefetch),
+            false => columns_wide::<4, Q, false>(a, yp, c, &wide, &prefetch),
+        }
+        c += 64;
+    }
+    while c + 16 <= n {
+        match PF && c == 0 {
+            true => columns_wide::<1, Q, true>(a, yp, c, &wide, &prefetch),
+            false => columns_wide::<1, Q, false>(a, yp, c, &wide, &prefetch),
+        }
+        c += 16;
+    }
+    while c + 8 <= n {
+        match PF && c == 0 {
+            true => columns_many::<1, Q, true>(a, yp, c, &load, &prefetch),
+            false => columns_many::<1, Q, false>(a, yp, c, &load, &prefetch),
+        }
+        c += 8;
+    }
+}
+
+/// [`columns_many`] on 512 bits: columns `c..c + 16 * U` of each of the `Q` outputs.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn columns_wide<const U: usize, const Q: usize, const PF: bool>(
+    a: &[&[f32]],
+    yp: [*mut f32; Q],
+    c: usize,
+    wide: &impl Fn(usize, usize) -> std::arch::x86_64::__m512,
+    prefetch: &impl Fn(usize),
+) {
+    use std::arch::x86_64::*;
+    let mut acc: [[__m512; U]; Q] =
+        std::array::from_fn(|h| std::array::from_fn(|u| _mm512_loadu_ps(yp[h].add(c + 16 * u))));
+    let rows = a[0].len();
+    for j in 0..rows {
+        if PF && j + AHEAD < rows {
+            prefetch(j + AHEAD);
+        }
+        let r: [__m512; U] = std::array::from_fn(|u| wide(j, c + 16 * u));
+        for (h, acc) in acc.iter_mut().enumerate() {
+            let av = _mm512_set1_ps(*a[h].get_unchecked(j));
+            for (u, acc) in acc.iter_mut().enumerate() {
+                *acc = _mm512_fmadd_ps(r[u], av, *acc);
+            }
+        }
+    }
+    for (h, acc) in acc.iter().enumerate() {
+        for (u, acc) in acc.iter().enumerate() {
+            _mm512_storeu_ps(yp[h].add(c + 16 * u), *acc);
+        }
+    }
+}
 
 /// [`in_blocks`] for the first `Q` weightings `a` and outputs `ys` at once: 32 columns of each
 /// in 4 registers, then 8 in 1, each row's values loaded once for all `Q`; each column of each

@@ -159,8 +159,7 @@ many_entry!(avx512_many, f32, avx512_impl, MANY_AVX512);
 many_entry!(avx512_many_f16, f16, avx512_f16_impl, MANY_AVX512);
 
 /// The x86 bodies over rows of f32 (`$name`) and of f16 (`$name_f16`, widened by F16C),
-/// compiled with `$features`: the AVX2 tier's, and the AVX-512 tier's (the same AVX2 code with
-/// 32 registers, room for 4 vectors' sums).
+/// compiled with `$features`: the AVX2 tier's (the AVX-512 tier's are below, on 512 bits).
 #[cfg(target_arch = "x86_64")]
 macro_rules! bodies {
     ($name:ident, $name_f16:ident, $features:literal) => {
@@ -217,12 +216,65 @@ macro_rules! bodies {
 
 #[cfg(target_arch = "x86_64")]
 bodies!(avx2_impl, avx2_f16_impl, "avx2,fma,f16c");
+
+/// The AVX-512 tier's body over rows of f32: [`rows_in_blocks_wide`], bit for bit the AVX2
+/// body's.
 #[cfg(target_arch = "x86_64")]
-bodies!(
-    avx512_impl,
-    avx512_f16_impl,
-    "avx2,fma,f16c,avx512f,avx512vl"
-);
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+unsafe fn avx512_impl<const Q: usize>(
+    xs: &[&[f32]],
+    rows: &[f32],
+    stride: usize,
+    outs: &mut [&mut [f32]],
+) {
+    use std::arch::x86_64::*;
+    let row = |j: usize| rows.as_ptr().add(j * stride);
+    let load = |c: usize, j: usize| _mm256_loadu_ps(row(j).add(c));
+    let pair = |c: usize, j: usize| {
+        let lo = _mm256_castps_pd(load(c, j));
+        let hi = _mm256_castps_pd(load(c, j + 1));
+        _mm512_castpd_ps(_mm512_insertf64x4::<1>(_mm512_castpd256_pd512(lo), hi))
+    };
+    let far = super::x86::spans_far::<f32>(outs[0].len(), stride);
+    rows_in_blocks_wide::<Q>(
+        xs,
+        outs,
+        pair,
+        load,
+        |i, j| *row(j).add(i),
+        far.then_some(|j: usize| {
+            crate::prefetch::prefetch(bytemuck::cast_slice(&rows[j * stride..][..xs[0].len()]))
+        }),
+    );
+}
+
+/// The AVX-512 tier's body over rows of f16: [`rows_in_blocks_wide`] (one conversion for two
+/// rows' 8 values), bit for bit the AVX2 body's.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+unsafe fn avx512_f16_impl<const Q: usize>(
+    xs: &[&[f32]],
+    rows: &[f16],
+    stride: usize,
+    outs: &mut [&mut [f32]],
+) {
+    use std::arch::x86_64::*;
+    let row = |j: usize| rows.as_ptr().add(j * stride);
+    let half8 = |c: usize, j: usize| _mm_loadu_si128(row(j).add(c) as *const __m128i);
+    let load = |c: usize, j: usize| _mm256_cvtph_ps(half8(c, j));
+    let pair = |c: usize, j: usize| _mm512_cvtph_ps(_mm256_set_m128i(half8(c, j + 1), half8(c, j)));
+    let far = super::x86::spans_far::<f16>(outs[0].len(), stride);
+    rows_in_blocks_wide::<Q>(
+        xs,
+        outs,
+        pair,
+        load,
+        |i, j| (*row(j).add(i)).to_f32(),
+        far.then_some(|j: usize| {
+            crate::prefetch::prefetch(bytemuck::cast_slice(&rows[j * stride..][..xs[0].len()]))
+        }),
+    );
+}
 
 /// Rows dotted together by the x86 tiers: four independent sums in flight (a decode step's
 /// keys are short rows, 64 or 128 values, so one sum's chain of multiply-adds and its own
@@ -259,7 +311,6 @@ unsafe fn rows_in_blocks<const Q: usize>(
     value: impl Fn(usize, usize) -> f32,
     prefetch: Option<impl Fn(usize)>,
 ) {
-    use super::x86::hsum_ps;
     use std::arch::x86_64::*;
     let (n, n_out) = (xs[0].len(), outs[0].len());
     let n8 = n / 8 * 8;
@@ -285,21 +336,51 @@ unsafe fn rows_in_blocks<const Q: usize>(
             }
         }
         for (h, acc) in acc.iter().enumerate() {
-            // Four horizontal sums at once: pairs, then pairs of pairs, then the two halves.
-            let (h01, h23) = (
-                _mm256_hadd_ps(acc[0], acc[1]),
-                _mm256_hadd_ps(acc[2], acc[3]),
-            );
-            let v = _mm256_hadd_ps(h01, h23);
-            let sums = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-            let mut s = [0f32; BLOCK];
-            _mm_storeu_ps(s.as_mut_ptr(), sums);
-            for (b, &sb) in s.iter().enumerate() {
+            for (b, sb) in block_sums(acc).into_iter().enumerate() {
                 *op[h].add(j + b) = sb + tail(h, j + b);
             }
         }
     }
-    for j in full..n_out {
+    rows_one_by_one::<Q>(xs, outs, full, load, value);
+}
+
+/// Four horizontal sums of a block's rows at once: pairs, then pairs of pairs, then the two
+/// halves.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn block_sums(acc: &[std::arch::x86_64::__m256; BLOCK]) -> [f32; BLOCK] {
+    use std::arch::x86_64::*;
+    let (h01, h23) = (
+        _mm256_hadd_ps(acc[0], acc[1]),
+        _mm256_hadd_ps(acc[2], acc[3]),
+    );
+    let v = _mm256_hadd_ps(h01, h23);
+    let sums = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let mut s = [0f32; BLOCK];
+    _mm_storeu_ps(s.as_mut_ptr(), sums);
+    s
+}
+
+/// The rows from `from` on, one by one, as [`rows_in_blocks`] takes those past its last block.
+///
+/// # Safety
+/// As [`rows_in_blocks`].
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn rows_one_by_one<const Q: usize>(
+    xs: &[&[f32]],
+    outs: &mut [&mut [f32]],
+    from: usize,
+    load: impl Fn(usize, usize) -> std::arch::x86_64::__m256,
+    value: impl Fn(usize, usize) -> f32,
+) {
+    use super::x86::hsum_ps;
+    use std::arch::x86_64::*;
+    let (n, n_out) = (xs[0].len(), outs[0].len());
+    let n8 = n / 8 * 8;
+    let xp: [*const f32; Q] = std::array::from_fn(|h| xs[h].as_ptr());
+    let op: [*mut f32; Q] = std::array::from_fn(|h| outs[h].as_mut_ptr());
+    for j in from..n_out {
         let mut acc = [_mm256_setzero_ps(); Q];
         for c in (0..n8).step_by(8) {
             let r = load(c, j);
@@ -308,9 +389,72 @@ unsafe fn rows_in_blocks<const Q: usize>(
             }
         }
         for (h, a) in acc.iter().enumerate() {
-            *op[h].add(j) = hsum_ps(*a) + tail(h, j);
+            let t = (n8..n).fold(0.0, |s, i| s + *xp[h].add(i) * value(i, j));
+            *op[h].add(j) = hsum_ps(*a) + t;
         }
     }
+}
+
+/// [`rows_in_blocks`] on 512 bits: a block's rows in pairs, row `j` in the low half of a
+/// register and `j + 1` in the high half (`pair(c, j)`: both rows' values `c..c + 8`), each
+/// vector's 8 values broadcast to both halves. Each half does `rows_in_blocks`' eight-wide sum
+/// in its order, so every output is bit for bit its, for half the multiply-adds and
+/// conversions.
+///
+/// # Safety
+/// As [`rows_in_blocks`], `pair` reading as `load` does for rows `j` and `j + 1`, and the
+/// caller's tier has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn rows_in_blocks_wide<const Q: usize>(
+    xs: &[&[f32]],
+    outs: &mut [&mut [f32]],
+    pair: impl Fn(usize, usize) -> std::arch::x86_64::__m512,
+    load: impl Fn(usize, usize) -> std::arch::x86_64::__m256,
+    value: impl Fn(usize, usize) -> f32,
+    prefetch: Option<impl Fn(usize)>,
+) {
+    use std::arch::x86_64::*;
+    let (n, n_out) = (xs[0].len(), outs[0].len());
+    let n8 = n / 8 * 8;
+    let xp: [*const f32; Q] = std::array::from_fn(|h| xs[h].as_ptr());
+    let op: [*mut f32; Q] = std::array::from_fn(|h| outs[h].as_mut_ptr());
+    let tail =
+        |h: usize, j: usize| -> f32 { (n8..n).fold(0.0, |s, i| s + *xp[h].add(i) * value(i, j)) };
+    let full = n_out / BLOCK * BLOCK;
+    for j in (0..full).step_by(BLOCK) {
+        if let Some(pf) = &prefetch {
+            for b in j + AHEAD..(j + AHEAD + BLOCK).min(n_out) {
+                pf(b);
+            }
+        }
+        let mut acc = [[_mm512_setzero_ps(); 2]; Q];
+        for c in (0..n8).step_by(8) {
+            let r = [pair(c, j), pair(c, j + 2)];
+            for (h, acc) in acc.iter_mut().enumerate() {
+                let x8 = _mm256_castps_pd(_mm256_loadu_ps(xp[h].add(c)));
+                let xv = _mm512_castpd_ps(_mm512_broadcast_f64x4(x8));
+                acc[0] = _mm512_fmadd_ps(r[0], xv, acc[0]);
+                acc[1] = _mm512_fmadd_ps(r[1], xv, acc[1]);
+            }
+        }
+        for (h, acc) in acc.iter().enumerate() {
+            let half = |v: __m512, hi: bool| match hi {
+                false => _mm512_castps512_ps256(v),
+                true => _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))),
+            };
+            let rows = [
+                half(acc[0], false),
+                half(acc[0], true),
+                half(acc[1], false),
+                half(acc[1], true),
+            ];
+            for (b, sb) in block_sums(&rows).into_iter().enumerate() {
+                *op[h].add(j + b) = sb + tail(h, j + b);
+            }
+        }
+    }
+    rows_one_by_one::<Q>(xs, outs, full, load, value);
 }
 
 #[cfg(test)]

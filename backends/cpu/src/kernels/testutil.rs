@@ -11,9 +11,9 @@ pub fn rng(seed: u64) -> rand_chacha::ChaCha8Rng {
 }
 
 /// `(width, rows, stride padding)` cases for the kernels over strided f32 rows (`dot_rows`,
-/// `axpy_rows`): empty and one-element rows, widths around the 8- and 16-lane steps, and row
-/// counts and strides that are not multiples of anything.
-pub const ROW_CASES: [(usize, usize, usize); 8] = [
+/// `axpy_rows`): empty and one-element rows, widths around the 8- and 16-lane steps (88: 64,
+/// then 16, then 8), and row counts and strides that are not multiples of anything.
+pub const ROW_CASES: [(usize, usize, usize); 9] = [
     (0, 3, 0),
     (1, 1, 0),
     (7, 5, 3),
@@ -22,6 +22,7 @@ pub const ROW_CASES: [(usize, usize, usize); 8] = [
     (33, 9, 5),
     (64, 40, 128),
     (100, 3, 1),
+    (88, 6, 2),
 ];
 
 pub fn random_f32(n: usize, seed: u64) -> Vec<f32> {
