@@ -405,6 +405,7 @@ unsafe fn columns_wide<const U: usize, const Q: usize, const PF: bool>(
         }
         let r: [__m512; U] = std::array::from_fn(|u| wide(j, c + 16 * u));
         for (h, acc) in acc.iter_mut().enumerate() {
+            // SAFETY: j < rows, the length of every weighting (the caller's contract).
             let av = _mm512_set1_ps(*a[h].get_unchecked(j));
             for (u, acc) in acc.iter_mut().enumerate() {
                 *acc = _mm512_fmadd_ps(r[u], av, *acc);
