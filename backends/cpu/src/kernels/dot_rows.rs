@@ -33,7 +33,8 @@ pub fn select_f16(isa: Isa) -> DotRowsFn<f16> {
 /// `(xs, rows, stride, outs)`: several vectors against the same rows (the query heads of one
 /// KV group against its keys), `outs[h]` as [`DotRowsFn`] of the same tier gives `xs[h]` alone,
 /// bit for bit. The x86 tiers read each row once for up to [`MANY_AVX2`] (AVX2) or
-/// [`MANY_AVX512`] (AVX-512: 32 registers) vectors; the others go vector by vector.
+/// [`MANY_AVX512`] (AVX-512: 32 registers, a block's rows in pairs on 512 bits) vectors; the
+/// others go vector by vector.
 pub type DotRowsManyFn<T = f32> = fn(&[&[f32]], &[T], usize, &mut [&mut [f32]]);
 
 /// Vectors per read of the rows on the AVX2 tier (16 registers: 4 rows' sums per vector).
