@@ -1,6 +1,7 @@
 //! Top-k selection: the indices of the `k` largest scores, sorted ascending (ties in any
-//! order; a NaN ranks as negative infinity). [`top_k_reference`] is the plain rule (a full sort); [`top_k`] finds the same set
-//! without sorting the input: a threshold from a sample, then one pass; or a histogram.
+//! order; a NaN ranks as negative infinity). [`top_k_reference`] is the plain rule (a full
+//! sort); [`top_k`] finds the same set without sorting the input: a threshold from a sample,
+//! then one pass; or a histogram.
 
 /// The indices of the `k` largest of `score` (`k` capped at its length), ascending, into `out`;
 /// `scratch` is working space.
@@ -43,22 +44,22 @@ pub const SAMPLED_FROM: usize = 1024;
 const SAMPLE: usize = 512;
 
 /// [`top_k`] of finite or infinite scores (no NaN), 0 < k < n: the threshold `thr` is the
-/// sample's score of rank `1.15 k/n` of its length plus 8 (so that, for scores in any order,
-/// `k` or more pass it but for rare samples), the indices of scores `>= thr` are taken in one
-/// branch-free pass, and the k-th largest of theirs is found by selection; then the indices
-/// above it, and those equal to it up to `k` (lowest first), in index order. `false`, with
-/// `out` and `scratch` in any state, where fewer than `k` scores pass.
-/// (The histogram took 44 us for 8192 scores, 4.4% of an 8-row sparse step of synthetic
-/// OPT-1.3B.)
+/// sample's score at place `ceil(1.15 m k / n) + 8` in descending order (`m` the sample's
+/// length; so that `k` or more scores pass it but for rare samples), the indices of scores
+/// `>= thr` are taken in one branch-free pass, and the k-th largest of theirs is found by
+/// selection; then the indices above it, and those equal to it up to `k` (lowest first), in
+/// index order. `false`, with `out` and `scratch` in any state, where fewer than `k` pass.
+/// (The histogram took 44 us for 8192 scores: 6.6% of the samples of an 8-row sparse step of
+/// synthetic OPT-1.3B.)
 fn sampled(score: &[f32], k: usize, out: &mut Vec<u32>, scratch: &mut Vec<u32>) -> bool {
     let n = score.len();
     let by_score = |a: &f32, b: &f32| b.partial_cmp(a).unwrap_or(std::cmp::Ordering::Equal);
     let mut sample: Vec<f32> = score.iter().step_by((n / SAMPLE).max(1)).copied().collect();
-    let rank = (k as f64 / n as f64 * sample.len() as f64 * 1.15).ceil() as usize + 8;
-    if rank >= sample.len() {
+    let place = (k as f64 / n as f64 * sample.len() as f64 * 1.15).ceil() as usize + 8;
+    if place >= sample.len() {
         return false;
     }
-    let thr = *sample.select_nth_unstable_by(rank, by_score).1;
+    let thr = *sample.select_nth_unstable_by(place, by_score).1;
     scratch.resize(n, 0);
     let mut c = 0;
     for (i, &v) in score.iter().enumerate() {
