@@ -5,6 +5,8 @@
 //! Reference: for each j in order, `y[i] += a[j] * x_j[i]` (f16 widened to f32 exactly). The
 //! SIMD tiers keep blocks of `y` in registers across all rows (no store-to-load chain through
 //! `y`) and use fused multiply-add, so they differ from the reference by rounding only.
+#[cfg(target_arch = "x86_64")]
+use super::x86::{Floats, Lanes};
 use super::{each_vector, RowElem};
 use crate::isa::Isa;
 use half::f16;
@@ -212,10 +214,10 @@ macro_rules! many_entry {
                 // has; every weighting and output has the checked lengths.
                 unsafe {
                     match a.len() {
-                        1 => $impl::<1>(a, x, stride, y),
-                        2 => $impl::<2>(a, x, stride, y),
-                        3 => $impl::<3>(a, x, stride, y),
-                        _ => $impl::<4>(a, x, stride, y),
+                        1 => $impl::<$t, 1>(a, x, stride, y),
+                        2 => $impl::<$t, 2>(a, x, stride, y),
+                        3 => $impl::<$t, 3>(a, x, stride, y),
+                        _ => $impl::<$t, 4>(a, x, stride, y),
                     }
                 }
             }
@@ -229,115 +231,44 @@ macro_rules! many_entry {
 #[cfg(target_arch = "x86_64")]
 many_entry!(avx2_many, f32, avx2_many_impl, 2);
 #[cfg(target_arch = "x86_64")]
-many_entry!(avx2_many_f16, f16, avx2_many_f16_impl, 2);
+many_entry!(avx2_many_f16, f16, avx2_many_impl, 2);
 #[cfg(target_arch = "x86_64")]
 many_entry!(avx512_many, f32, avx512_many_impl, 4);
 #[cfg(target_arch = "x86_64")]
-many_entry!(avx512_many_f16, f16, avx512_many_f16_impl, 4);
+many_entry!(avx512_many_f16, f16, avx512_many_impl, 4);
 
-/// The x86 many-weighting bodies over rows of f32 (`$name`) and f16 (`$name_f16`), compiled
-/// with `$features` (the AVX2 tier's; the AVX-512 tier has its own, on 512 bits).
+/// The AVX2 tier's many-weighting body over rows of `T` ([`in_blocks_many`]).
 #[cfg(target_arch = "x86_64")]
-macro_rules! many_bodies {
-    ($name:ident, $name_f16:ident, $features:literal) => {
-        #[target_feature(enable = $features)]
-        unsafe fn $name<const Q: usize>(
-            a: &[&[f32]],
-            x: &[f32],
-            stride: usize,
-            ys: &mut [&mut [f32]],
-        ) {
-            use std::arch::x86_64::*;
-            let xp = x.as_ptr();
-            let (n, far) = (
-                ys[0].len(),
-                super::x86::spans_far::<f32>(a[0].len(), stride),
-            );
-            let pf =
-                |j: usize| crate::prefetch::prefetch(bytemuck::cast_slice(&x[j * stride..][..n]));
-            let load = |j: usize, c: usize| _mm256_loadu_ps(xp.add(j * stride + c));
-            match far {
-                true => in_blocks_many::<Q, true>(a, ys, load, pf),
-                false => in_blocks_many::<Q, false>(a, ys, load, pf),
-            }
-        }
-
-        #[target_feature(enable = $features)]
-        unsafe fn $name_f16<const Q: usize>(
-            a: &[&[f32]],
-            x: &[f16],
-            stride: usize,
-            ys: &mut [&mut [f32]],
-        ) {
-            use std::arch::x86_64::*;
-            let xp = x.as_ptr();
-            let (n, far) = (
-                ys[0].len(),
-                super::x86::spans_far::<f16>(a[0].len(), stride),
-            );
-            let pf =
-                |j: usize| crate::prefetch::prefetch(bytemuck::cast_slice(&x[j * stride..][..n]));
-            let load = |j: usize, c: usize| {
-                _mm256_cvtph_ps(_mm_loadu_si128(xp.add(j * stride + c) as *const __m128i))
-            };
-            match far {
-                true => in_blocks_many::<Q, true>(a, ys, load, pf),
-                false => in_blocks_many::<Q, false>(a, ys, load, pf),
-            }
-        }
-    };
-}
-
-#[cfg(target_arch = "x86_64")]
-many_bodies!(avx2_many_impl, avx2_many_f16_impl, "avx2,fma,f16c");
-
-/// The AVX-512 tier's many-weighting body over rows of f32 ([`in_blocks_wide`]).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
-unsafe fn avx512_many_impl<const Q: usize>(
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn avx2_many_impl<T: Lanes, const Q: usize>(
     a: &[&[f32]],
-    x: &[f32],
+    x: &[T],
     stride: usize,
     ys: &mut [&mut [f32]],
 ) {
-    use std::arch::x86_64::*;
-    let xp = x.as_ptr();
-    let (n, far) = (
-        ys[0].len(),
-        super::x86::spans_far::<f32>(a[0].len(), stride),
-    );
+    let (xp, n) = (x.as_ptr(), ys[0].len());
     let pf = |j: usize| crate::prefetch::prefetch(bytemuck::cast_slice(&x[j * stride..][..n]));
-    let load = |j: usize, c: usize| _mm256_loadu_ps(xp.add(j * stride + c));
-    let wide = |j: usize, c: usize| _mm512_loadu_ps(xp.add(j * stride + c));
-    match far {
-        true => in_blocks_wide::<Q, true>(a, ys, wide, load, pf),
-        false => in_blocks_wide::<Q, false>(a, ys, wide, load, pf),
+    let load = |j: usize, c: usize| T::x8(xp.add(j * stride + c));
+    match super::x86::spans_far::<T>(a[0].len(), stride) {
+        true => in_blocks_many::<Q, true>(a, ys, load, pf),
+        false => in_blocks_many::<Q, false>(a, ys, load, pf),
     }
 }
 
-/// The AVX-512 tier's many-weighting body over rows of f16 ([`in_blocks_wide`]).
+/// The AVX-512 tier's many-weighting body over rows of `T` ([`in_blocks_wide`]).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
-unsafe fn avx512_many_f16_impl<const Q: usize>(
+unsafe fn avx512_many_impl<T: Lanes, const Q: usize>(
     a: &[&[f32]],
-    x: &[f16],
+    x: &[T],
     stride: usize,
     ys: &mut [&mut [f32]],
 ) {
-    use std::arch::x86_64::*;
-    let xp = x.as_ptr();
-    let (n, far) = (
-        ys[0].len(),
-        super::x86::spans_far::<f16>(a[0].len(), stride),
-    );
+    let (xp, n) = (x.as_ptr(), ys[0].len());
     let pf = |j: usize| crate::prefetch::prefetch(bytemuck::cast_slice(&x[j * stride..][..n]));
-    let load = |j: usize, c: usize| {
-        _mm256_cvtph_ps(_mm_loadu_si128(xp.add(j * stride + c) as *const __m128i))
-    };
-    let wide = |j: usize, c: usize| {
-        _mm512_cvtph_ps(_mm256_loadu_si256(xp.add(j * stride + c) as *const __m256i))
-    };
-    match far {
+    let load = |j: usize, c: usize| T::x8(xp.add(j * stride + c));
+    let wide = |j: usize, c: usize| T::x16(xp.add(j * stride + c));
+    match super::x86::spans_far::<T>(a[0].len(), stride) {
         true => in_blocks_wide::<Q, true>(a, ys, wide, load, pf),
         false => in_blocks_wide::<Q, false>(a, ys, wide, load, pf),
     }
@@ -361,62 +292,9 @@ unsafe fn in_blocks_wide<const Q: usize, const PF: bool>(
 ) {
     let n = ys[0].len();
     let yp: [*mut f32; Q] = std::array::from_fn(|h| ys[h].as_mut_ptr());
-    let mut c = 0;
-    while c + 64 <= n {
-        match PF && c == 0 {
-            true => columns_wide::<4, Q, true>(a, yp, c, &wide, &prefetch),
-            false => columns_wide::<4, Q, false>(a, yp, c, &wide, &prefetch),
-        }
-        c += 64;
-    }
-    while c + 16 <= n {
-        match PF && c == 0 {
-            true => columns_wide::<1, Q, true>(a, yp, c, &wide, &prefetch),
-            false => columns_wide::<1, Q, false>(a, yp, c, &wide, &prefetch),
-        }
-        c += 16;
-    }
-    while c + 8 <= n {
-        match PF && c == 0 {
-            true => columns_many::<1, Q, true>(a, yp, c, &load, &prefetch),
-            false => columns_many::<1, Q, false>(a, yp, c, &load, &prefetch),
-        }
-        c += 8;
-    }
-}
-
-/// [`columns_many`] on 512 bits: columns `c..c + 16 * U` of each of the `Q` outputs.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn columns_wide<const U: usize, const Q: usize, const PF: bool>(
-    a: &[&[f32]],
-    yp: [*mut f32; Q],
-    c: usize,
-    wide: &impl Fn(usize, usize) -> std::arch::x86_64::__m512,
-    prefetch: &impl Fn(usize),
-) {
-    use std::arch::x86_64::*;
-    let mut acc: [[__m512; U]; Q] =
-        std::array::from_fn(|h| std::array::from_fn(|u| _mm512_loadu_ps(yp[h].add(c + 16 * u))));
-    let rows = a[0].len();
-    for j in 0..rows {
-        if PF && j + AHEAD < rows {
-            prefetch(j + AHEAD);
-        }
-        let r: [__m512; U] = std::array::from_fn(|u| wide(j, c + 16 * u));
-        for (h, acc) in acc.iter_mut().enumerate() {
-            // SAFETY: j < rows, the length of every weighting (the caller's contract).
-            let av = _mm512_set1_ps(*a[h].get_unchecked(j));
-            for (u, acc) in acc.iter_mut().enumerate() {
-                *acc = _mm512_fmadd_ps(r[u], av, *acc);
-            }
-        }
-    }
-    for (h, acc) in acc.iter().enumerate() {
-        for (u, acc) in acc.iter().enumerate() {
-            _mm512_storeu_ps(yp[h].add(c + 16 * u), *acc);
-        }
-    }
+    let c = column_steps::<_, 4, Q, PF>(a, yp, n, 0, &wide, &prefetch);
+    let c = column_steps::<_, 1, Q, PF>(a, yp, n, c, &wide, &prefetch);
+    column_steps::<_, 1, Q, PF>(a, yp, n, c, &load, &prefetch);
 }
 
 /// [`in_blocks`] for the first `Q` weightings `a` and outputs `ys` at once: 32 columns of each
@@ -436,22 +314,8 @@ unsafe fn in_blocks_many<const Q: usize, const PF: bool>(
 ) {
     let n = ys[0].len();
     let yp: [*mut f32; Q] = std::array::from_fn(|h| ys[h].as_mut_ptr());
-    let mut c = 0;
-    // With `PF`, the first pass over the rows prefetches them whole, `AHEAD` rows on.
-    while c + 32 <= n {
-        match PF && c == 0 {
-            true => columns_many::<4, Q, true>(a, yp, c, &load, &prefetch),
-            false => columns_many::<4, Q, false>(a, yp, c, &load, &prefetch),
-        }
-        c += 32;
-    }
-    while c + 8 <= n {
-        match PF && c == 0 {
-            true => columns_many::<1, Q, true>(a, yp, c, &load, &prefetch),
-            false => columns_many::<1, Q, false>(a, yp, c, &load, &prefetch),
-        }
-        c += 8;
-    }
+    let c = column_steps::<_, 4, Q, PF>(a, yp, n, 0, &load, &prefetch);
+    column_steps::<_, 1, Q, PF>(a, yp, n, c, &load, &prefetch);
 }
 
 /// Rows ahead that [`in_blocks_many`] prefetches (see dot_rows.rs's `AHEAD`: a head's values
@@ -459,35 +323,60 @@ unsafe fn in_blocks_many<const Q: usize, const PF: bool>(
 #[cfg(target_arch = "x86_64")]
 const AHEAD: usize = 16;
 
-/// Columns `c..c + 8 * U` of each of the `Q` outputs in registers (see [`in_blocks_many`]).
+/// [`columns_many`] from column `c` on, `U` vectors of `V` a step while they fit in the `n`
+/// columns; the column reached. With `PF`, the first pass over the rows (at column 0)
+/// prefetches them whole, [`AHEAD`] rows on.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn columns_many<const U: usize, const Q: usize, const PF: bool>(
+unsafe fn column_steps<V: Floats, const U: usize, const Q: usize, const PF: bool>(
+    a: &[&[f32]],
+    yp: [*mut f32; Q],
+    n: usize,
+    mut c: usize,
+    load: &impl Fn(usize, usize) -> V,
+    prefetch: &impl Fn(usize),
+) -> usize {
+    while c + V::LANES * U <= n {
+        match PF && c == 0 {
+            true => columns_many::<V, U, Q, true>(a, yp, c, load, prefetch),
+            false => columns_many::<V, U, Q, false>(a, yp, c, load, prefetch),
+        }
+        c += V::LANES * U;
+    }
+    c
+}
+
+/// Columns `c..c + LANES * U` of each of the `Q` outputs in registers of `V` (256 or 512
+/// bits; see [`in_blocks_many`]).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn columns_many<V: Floats, const U: usize, const Q: usize, const PF: bool>(
     a: &[&[f32]],
     yp: [*mut f32; Q],
     c: usize,
-    load: &impl Fn(usize, usize) -> std::arch::x86_64::__m256,
+    load: &impl Fn(usize, usize) -> V,
     prefetch: &impl Fn(usize),
 ) {
-    use std::arch::x86_64::*;
-    let mut acc: [[__m256; U]; Q] =
-        std::array::from_fn(|h| std::array::from_fn(|u| _mm256_loadu_ps(yp[h].add(c + 8 * u))));
+    let w = V::LANES;
+    let mut acc: [[V; U]; Q] =
+        std::array::from_fn(|h| std::array::from_fn(|u| V::loadu(yp[h].add(c + w * u))));
     let rows = a[0].len();
     for j in 0..rows {
         if PF && j + AHEAD < rows {
             prefetch(j + AHEAD);
         }
-        let r: [__m256; U] = std::array::from_fn(|u| load(j, c + 8 * u));
+        let r: [V; U] = std::array::from_fn(|u| load(j, c + w * u));
         for (h, acc) in acc.iter_mut().enumerate() {
-            let av = _mm256_set1_ps(*a[h].get_unchecked(j));
+            // SAFETY: j < rows, the length of every weighting (the caller's contract).
+            let av = V::splat(*a[h].get_unchecked(j));
             for (u, acc) in acc.iter_mut().enumerate() {
-                *acc = _mm256_fmadd_ps(r[u], av, *acc);
+                *acc = V::fmadd(r[u], av, *acc);
             }
         }
     }
     for (h, acc) in acc.iter().enumerate() {
         for (u, acc) in acc.iter().enumerate() {
-            _mm256_storeu_ps(yp[h].add(c + 8 * u), *acc);
+            V::storeu(yp[h].add(c + w * u), *acc);
         }
     }
 }

@@ -4,6 +4,8 @@
 //! Reference: each element widened to f32 (exact), then a plain f32 sum per row, in order. The
 //! SIMD tiers sum in 8-lane blocks with fused multiply-add (widening f16 with F16C on x86), so
 //! they differ by rounding only.
+#[cfg(target_arch = "x86_64")]
+use super::x86::Lanes;
 use super::{each_vector, RowElem};
 use crate::isa::Isa;
 use half::f16;
@@ -113,7 +115,7 @@ pub fn portable<T: RowElem>(x: &[f32], rows: &[T], stride: usize, out: &mut [f32
 fn avx2(x: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
     check(x, rows, stride, out);
     // SAFETY: handed out by `select` only for tiers whose features this CPU has; bounds checked.
-    unsafe { avx2_impl::<1>(&[x], rows, stride, &mut [out]) }
+    unsafe { avx2_impl::<f32, 1>(&[x], rows, stride, &mut [out]) }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -121,7 +123,7 @@ fn avx2_f16(x: &[f32], rows: &[f16], stride: usize, out: &mut [f32]) {
     check(x, rows, stride, out);
     // SAFETY: handed out by `select_f16` only for tiers whose features (AVX2, FMA, F16C) this
     // CPU has; every row read lies inside `rows` (checked above).
-    unsafe { avx2_f16_impl::<1>(&[x], rows, stride, &mut [out]) }
+    unsafe { avx2_impl::<f16, 1>(&[x], rows, stride, &mut [out]) }
 }
 
 /// One tier's entry of [`DotRowsManyFn`] for rows of `$t`: checks every extent, then runs
@@ -139,10 +141,10 @@ macro_rules! many_entry {
                 // has; every vector and output has the checked lengths.
                 unsafe {
                     match x.len() {
-                        1 => $impl::<1>(x, rows, stride, o),
-                        2 => $impl::<2>(x, rows, stride, o),
-                        3 => $impl::<3>(x, rows, stride, o),
-                        _ => $impl::<4>(x, rows, stride, o),
+                        1 => $impl::<$t, 1>(x, rows, stride, o),
+                        2 => $impl::<$t, 2>(x, rows, stride, o),
+                        3 => $impl::<$t, 3>(x, rows, stride, o),
+                        _ => $impl::<$t, 4>(x, rows, stride, o),
                     }
                 }
             }
@@ -153,124 +155,52 @@ macro_rules! many_entry {
 #[cfg(target_arch = "x86_64")]
 many_entry!(avx2_many, f32, avx2_impl, MANY_AVX2);
 #[cfg(target_arch = "x86_64")]
-many_entry!(avx2_many_f16, f16, avx2_f16_impl, MANY_AVX2);
+many_entry!(avx2_many_f16, f16, avx2_impl, MANY_AVX2);
 #[cfg(target_arch = "x86_64")]
 many_entry!(avx512_many, f32, avx512_impl, MANY_AVX512);
 #[cfg(target_arch = "x86_64")]
-many_entry!(avx512_many_f16, f16, avx512_f16_impl, MANY_AVX512);
+many_entry!(avx512_many_f16, f16, avx512_impl, MANY_AVX512);
 
-/// The x86 bodies over rows of f32 (`$name`) and of f16 (`$name_f16`, widened by F16C),
-/// compiled with `$features`: the AVX2 tier's (the AVX-512 tier's are below, on 512 bits).
+/// The AVX2 tier's body over rows of `T` ([`rows_in_blocks`]).
 #[cfg(target_arch = "x86_64")]
-macro_rules! bodies {
-    ($name:ident, $name_f16:ident, $features:literal) => {
-        #[target_feature(enable = $features)]
-        unsafe fn $name<const Q: usize>(
-            xs: &[&[f32]],
-            rows: &[f32],
-            stride: usize,
-            outs: &mut [&mut [f32]],
-        ) {
-            use std::arch::x86_64::*;
-            let row = |j: usize| rows.as_ptr().add(j * stride);
-            let far = super::x86::spans_far::<f32>(outs[0].len(), stride);
-            rows_in_blocks::<Q>(
-                xs,
-                outs,
-                |c, j| _mm256_loadu_ps(row(j).add(c)),
-                |i, j| *row(j).add(i),
-                far.then_some(|j: usize| {
-                    crate::prefetch::prefetch(bytemuck::cast_slice(
-                        &rows[j * stride..][..xs[0].len()],
-                    ))
-                }),
-            );
-        }
-
-        #[target_feature(enable = $features)]
-        unsafe fn $name_f16<const Q: usize>(
-            xs: &[&[f32]],
-            rows: &[f16],
-            stride: usize,
-            outs: &mut [&mut [f32]],
-        ) {
-            use std::arch::x86_64::*;
-            let row = |j: usize| rows.as_ptr().add(j * stride);
-            let load = |c: usize, j: usize| {
-                _mm256_cvtph_ps(_mm_loadu_si128(row(j).add(c) as *const __m128i))
-            };
-            let far = super::x86::spans_far::<f16>(outs[0].len(), stride);
-            rows_in_blocks::<Q>(
-                xs,
-                outs,
-                load,
-                |i, j| (*row(j).add(i)).to_f32(),
-                far.then_some(|j: usize| {
-                    crate::prefetch::prefetch(bytemuck::cast_slice(
-                        &rows[j * stride..][..xs[0].len()],
-                    ))
-                }),
-            );
-        }
-    };
-}
-
-#[cfg(target_arch = "x86_64")]
-bodies!(avx2_impl, avx2_f16_impl, "avx2,fma,f16c");
-
-/// The AVX-512 tier's body over rows of f32: [`rows_in_blocks_wide`], bit for bit the AVX2
-/// body's.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
-unsafe fn avx512_impl<const Q: usize>(
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn avx2_impl<T: Lanes, const Q: usize>(
     xs: &[&[f32]],
-    rows: &[f32],
+    rows: &[T],
     stride: usize,
     outs: &mut [&mut [f32]],
 ) {
-    use std::arch::x86_64::*;
     let row = |j: usize| rows.as_ptr().add(j * stride);
-    let load = |c: usize, j: usize| _mm256_loadu_ps(row(j).add(c));
-    let pair = |c: usize, j: usize| {
-        let lo = _mm256_castps_pd(load(c, j));
-        let hi = _mm256_castps_pd(load(c, j + 1));
-        _mm512_castpd_ps(_mm512_insertf64x4::<1>(_mm512_castpd256_pd512(lo), hi))
-    };
-    let far = super::x86::spans_far::<f32>(outs[0].len(), stride);
-    rows_in_blocks_wide::<Q>(
+    let far = super::x86::spans_far::<T>(outs[0].len(), stride);
+    rows_in_blocks::<Q>(
         xs,
         outs,
-        pair,
-        load,
-        |i, j| *row(j).add(i),
+        |c, j| T::x8(row(j).add(c)),
+        |i, j| (*row(j).add(i)).widen(),
         far.then_some(|j: usize| {
             crate::prefetch::prefetch(bytemuck::cast_slice(&rows[j * stride..][..xs[0].len()]))
         }),
     );
 }
 
-/// The AVX-512 tier's body over rows of f16: [`rows_in_blocks_wide`] (one conversion for two
-/// rows' 8 values), bit for bit the AVX2 body's.
+/// The AVX-512 tier's body over rows of `T`: [`rows_in_blocks_wide`] (one conversion for two
+/// rows' 8 f16 values), bit for bit the AVX2 body's.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
-unsafe fn avx512_f16_impl<const Q: usize>(
+unsafe fn avx512_impl<T: Lanes, const Q: usize>(
     xs: &[&[f32]],
-    rows: &[f16],
+    rows: &[T],
     stride: usize,
     outs: &mut [&mut [f32]],
 ) {
-    use std::arch::x86_64::*;
     let row = |j: usize| rows.as_ptr().add(j * stride);
-    let half8 = |c: usize, j: usize| _mm_loadu_si128(row(j).add(c) as *const __m128i);
-    let load = |c: usize, j: usize| _mm256_cvtph_ps(half8(c, j));
-    let pair = |c: usize, j: usize| _mm512_cvtph_ps(_mm256_set_m128i(half8(c, j + 1), half8(c, j)));
-    let far = super::x86::spans_far::<f16>(outs[0].len(), stride);
+    let far = super::x86::spans_far::<T>(outs[0].len(), stride);
     rows_in_blocks_wide::<Q>(
         xs,
         outs,
-        pair,
-        load,
-        |i, j| (*row(j).add(i)).to_f32(),
+        |c, j| T::x8_pair(row(j).add(c), row(j + 1).add(c)),
+        |c, j| T::x8(row(j).add(c)),
+        |i, j| (*row(j).add(i)).widen(),
         far.then_some(|j: usize| {
             crate::prefetch::prefetch(bytemuck::cast_slice(&rows[j * stride..][..xs[0].len()]))
         }),
@@ -313,6 +243,41 @@ unsafe fn rows_in_blocks<const Q: usize>(
     prefetch: Option<impl Fn(usize)>,
 ) {
     use std::arch::x86_64::*;
+    let n8 = xs[0].len() / 8 * 8;
+    let xp: [*const f32; Q] = std::array::from_fn(|h| xs[h].as_ptr());
+    let block = |j: usize| {
+        let mut acc = [[_mm256_setzero_ps(); BLOCK]; Q];
+        for c in (0..n8).step_by(8) {
+            let r: [__m256; BLOCK] = std::array::from_fn(|b| load(c, j + b));
+            for (h, acc) in acc.iter_mut().enumerate() {
+                let xv = _mm256_loadu_ps(xp[h].add(c));
+                for (b, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(r[b], xv, *a);
+                }
+            }
+        }
+        acc
+    };
+    in_row_blocks::<Q>(xs, outs, block, &load, value, prefetch);
+}
+
+/// The loop of [`rows_in_blocks`] and [`rows_in_blocks_wide`]: per block of [`BLOCK`] rows
+/// from `j` (prefetching [`AHEAD`] rows on), `block(j)`'s eight-wide sums of each vector with
+/// each row, reduced together, the tail values added in order; then the rows past the last
+/// block one by one ([`rows_one_by_one`]).
+///
+/// # Safety
+/// As [`rows_in_blocks`].
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn in_row_blocks<const Q: usize>(
+    xs: &[&[f32]],
+    outs: &mut [&mut [f32]],
+    block: impl Fn(usize) -> [[std::arch::x86_64::__m256; BLOCK]; Q],
+    load: &impl Fn(usize, usize) -> std::arch::x86_64::__m256,
+    value: impl Fn(usize, usize) -> f32,
+    prefetch: Option<impl Fn(usize)>,
+) {
     let (n, n_out) = (xs[0].len(), outs[0].len());
     let n8 = n / 8 * 8;
     let xp: [*const f32; Q] = std::array::from_fn(|h| xs[h].as_ptr());
@@ -326,23 +291,13 @@ unsafe fn rows_in_blocks<const Q: usize>(
                 pf(b);
             }
         }
-        let mut acc = [[_mm256_setzero_ps(); BLOCK]; Q];
-        for c in (0..n8).step_by(8) {
-            let r: [__m256; BLOCK] = std::array::from_fn(|b| load(c, j + b));
-            for (h, acc) in acc.iter_mut().enumerate() {
-                let xv = _mm256_loadu_ps(xp[h].add(c));
-                for (b, a) in acc.iter_mut().enumerate() {
-                    *a = _mm256_fmadd_ps(r[b], xv, *a);
-                }
-            }
-        }
-        for (h, acc) in acc.iter().enumerate() {
+        for (h, acc) in block(j).iter().enumerate() {
             for (b, sb) in block_sums(acc).into_iter().enumerate() {
                 *op[h].add(j + b) = sb + tail(h, j + b);
             }
         }
     }
-    rows_one_by_one::<Q>(xs, outs, full, load, value);
+    rows_one_by_one::<Q>(xs, outs, full, load, &value);
 }
 
 /// Four horizontal sums of a block's rows at once: pairs, then pairs of pairs, then the two
@@ -372,8 +327,8 @@ unsafe fn rows_one_by_one<const Q: usize>(
     xs: &[&[f32]],
     outs: &mut [&mut [f32]],
     from: usize,
-    load: impl Fn(usize, usize) -> std::arch::x86_64::__m256,
-    value: impl Fn(usize, usize) -> f32,
+    load: &impl Fn(usize, usize) -> std::arch::x86_64::__m256,
+    value: &impl Fn(usize, usize) -> f32,
 ) {
     use super::x86::hsum_ps;
     use std::arch::x86_64::*;
@@ -416,19 +371,13 @@ unsafe fn rows_in_blocks_wide<const Q: usize>(
     prefetch: Option<impl Fn(usize)>,
 ) {
     use std::arch::x86_64::*;
-    let (n, n_out) = (xs[0].len(), outs[0].len());
-    let n8 = n / 8 * 8;
+    let n8 = xs[0].len() / 8 * 8;
     let xp: [*const f32; Q] = std::array::from_fn(|h| xs[h].as_ptr());
-    let op: [*mut f32; Q] = std::array::from_fn(|h| outs[h].as_mut_ptr());
-    let tail =
-        |h: usize, j: usize| -> f32 { (n8..n).fold(0.0, |s, i| s + *xp[h].add(i) * value(i, j)) };
-    let full = n_out / BLOCK * BLOCK;
-    for j in (0..full).step_by(BLOCK) {
-        if let Some(pf) = &prefetch {
-            for b in j + AHEAD..(j + AHEAD + BLOCK).min(n_out) {
-                pf(b);
-            }
-        }
+    let half = |v: __m512, hi: bool| match hi {
+        false => _mm512_castps512_ps256(v),
+        true => _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))),
+    };
+    let block = |j: usize| {
         let mut acc = [[_mm512_setzero_ps(); 2]; Q];
         for c in (0..n8).step_by(8) {
             let r = [pair(c, j), pair(c, j + 2)];
@@ -439,23 +388,14 @@ unsafe fn rows_in_blocks_wide<const Q: usize>(
                 acc[1] = _mm512_fmadd_ps(r[1], xv, acc[1]);
             }
         }
-        for (h, acc) in acc.iter().enumerate() {
-            let half = |v: __m512, hi: bool| match hi {
-                false => _mm512_castps512_ps256(v),
-                true => _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))),
-            };
-            let rows = [
-                half(acc[0], false),
-                half(acc[0], true),
-                half(acc[1], false),
-                half(acc[1], true),
-            ];
-            for (b, sb) in block_sums(&rows).into_iter().enumerate() {
-                *op[h].add(j + b) = sb + tail(h, j + b);
-            }
+        // A loop, not `map`: the closure would not inherit the tier's target features.
+        let mut rows = [[_mm256_setzero_ps(); BLOCK]; Q];
+        for (r, [a, b]) in rows.iter_mut().zip(acc) {
+            *r = [half(a, false), half(a, true), half(b, false), half(b, true)];
         }
-    }
-    rows_one_by_one::<Q>(xs, outs, full, load, value);
+        rows
+    };
+    in_row_blocks::<Q>(xs, outs, block, &load, value, prefetch);
 }
 
 #[cfg(test)]

@@ -343,6 +343,106 @@ pub unsafe fn exp_ps(x: __m256) -> __m256 {
 /// group, 4.12-4.28 ms a step without against 4.40-4.73 with).
 pub const PREFETCH_SPAN: usize = 256 << 10;
 
+/// An f32 vector of the x86 tiers (256 or 512 bits), for kernels written once for both widths.
+pub trait Floats: Copy {
+    const LANES: usize;
+    unsafe fn loadu(p: *const f32) -> Self;
+    unsafe fn storeu(p: *mut f32, v: Self);
+    unsafe fn splat(v: f32) -> Self;
+    /// `a * b + c`, fused.
+    unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self;
+}
+
+impl Floats for __m256 {
+    const LANES: usize = 8;
+    #[inline(always)]
+    unsafe fn loadu(p: *const f32) -> Self {
+        _mm256_loadu_ps(p)
+    }
+    #[inline(always)]
+    unsafe fn storeu(p: *mut f32, v: Self) {
+        _mm256_storeu_ps(p, v)
+    }
+    #[inline(always)]
+    unsafe fn splat(v: f32) -> Self {
+        _mm256_set1_ps(v)
+    }
+    #[inline(always)]
+    unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self {
+        _mm256_fmadd_ps(a, b, c)
+    }
+}
+
+/// AVX-512F.
+impl Floats for __m512 {
+    const LANES: usize = 16;
+    #[inline(always)]
+    unsafe fn loadu(p: *const f32) -> Self {
+        _mm512_loadu_ps(p)
+    }
+    #[inline(always)]
+    unsafe fn storeu(p: *mut f32, v: Self) {
+        _mm512_storeu_ps(p, v)
+    }
+    #[inline(always)]
+    unsafe fn splat(v: f32) -> Self {
+        _mm512_set1_ps(v)
+    }
+    #[inline(always)]
+    unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self {
+        _mm512_fmadd_ps(a, b, c)
+    }
+}
+
+/// A cached key or value element as the x86 attention kernels load it: f32, or f16 widened
+/// by F16C. Inlined into the tier's `#[target_feature]` bodies.
+pub trait Lanes: super::RowElem + bytemuck::Pod {
+    /// The 8 values at `p` as f32 lanes (AVX2, F16C).
+    unsafe fn x8(p: *const Self) -> __m256;
+    /// The 16 values at `p` (AVX-512F).
+    unsafe fn x16(p: *const Self) -> __m512;
+    /// The 8 values at `p0` in the low half and the 8 at `p1` in the high half (AVX-512F).
+    unsafe fn x8_pair(p0: *const Self, p1: *const Self) -> __m512;
+}
+
+impl Lanes for f32 {
+    #[inline(always)]
+    unsafe fn x8(p: *const f32) -> __m256 {
+        _mm256_loadu_ps(p)
+    }
+    #[inline(always)]
+    unsafe fn x16(p: *const f32) -> __m512 {
+        _mm512_loadu_ps(p)
+    }
+    #[inline(always)]
+    unsafe fn x8_pair(p0: *const f32, p1: *const f32) -> __m512 {
+        let (lo, hi) = (
+            _mm256_castps_pd(Self::x8(p0)),
+            _mm256_castps_pd(Self::x8(p1)),
+        );
+        _mm512_castpd_ps(_mm512_insertf64x4::<1>(_mm512_castpd256_pd512(lo), hi))
+    }
+}
+
+impl Lanes for half::f16 {
+    #[inline(always)]
+    unsafe fn x8(p: *const half::f16) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+    }
+    #[inline(always)]
+    unsafe fn x16(p: *const half::f16) -> __m512 {
+        _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+    }
+    #[inline(always)]
+    unsafe fn x8_pair(p0: *const half::f16, p1: *const half::f16) -> __m512 {
+        let (lo, hi) = (
+            _mm_loadu_si128(p0 as *const __m128i),
+            _mm_loadu_si128(p1 as *const __m128i),
+        );
+        _mm512_cvtph_ps(_mm256_set_m128i(hi, lo))
+    }
+}
+
 /// Do `rows` rows of `T`, `stride` elements apart, span [`PREFETCH_SPAN`] or more?
 pub fn spans_far<T>(rows: usize, stride: usize) -> bool {
     rows * stride * size_of::<T>() >= PREFETCH_SPAN
