@@ -36,8 +36,12 @@ pub struct EngineOptions {
 }
 
 /// The CPU device on `threads` threads, its caches of `kv` values.
-fn cpu_device(threads: usize, kv: KvType) -> Result<CpuDevice> {
+fn cpu_device(threads: usize, kv: KvType, file_layout: bool) -> Result<CpuDevice> {
     let d = CpuDevice::from_backend(CpuBackend::new(threads)?);
+    let d = match file_layout {
+        true => d.with_file_layout(),
+        false => d,
+    };
     Ok(match kv {
         KvType::F32 => d.with_f32_cache(),
         KvType::F16 => d,
@@ -96,6 +100,8 @@ pub struct Engine {
     on_cpu: [std::sync::OnceLock<DeviceModel<CpuDevice>>; 3],
     threads: usize,
     kv_type: KvType,
+    /// The rows keep the file's layout (`keep_file_layout`): the model's and the predictors'.
+    file_layout: bool,
     /// The neuron-major layout, loaded or built on first use by a sparse policy.
     layout: std::sync::OnceLock<SparseLayout>,
     /// Input sparsity's input-major layout and WINA's norms, per [`Form`] (rows, blocks),
@@ -151,7 +157,7 @@ impl Engine {
             Some(n) => n,
             None => std::thread::available_parallelism().map_or(1, |n| n.get()),
         };
-        let device = cpu_device(threads, opts.kv_type)?;
+        let device = cpu_device(threads, opts.kv_type, opts.keep_file_layout)?;
         if !opts.keep_file_layout {
             model.repack(device.backend())?;
             release_free_heap();
@@ -164,6 +170,7 @@ impl Engine {
             on_cpu: Default::default(),
             threads,
             kv_type: opts.kv_type,
+            file_layout: opts.keep_file_layout,
             layout: std::sync::OnceLock::new(),
             inputs_layout: Default::default(),
             synthetic_inputs: std::sync::OnceLock::new(),
@@ -389,7 +396,7 @@ impl Engine {
         if n == 0 {
             return Err(Error::Invalid("--threads must be at least 1".into()));
         }
-        self.device = cpu_device(n, self.kv_type)?;
+        self.device = cpu_device(n, self.kv_type, self.file_layout)?;
         self.threads = n;
         Ok(())
     }

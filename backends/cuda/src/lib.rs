@@ -148,6 +148,9 @@ pub struct CudaDevice {
     /// `MMA_PROMPT=1`: a prompt's products of every row, too, in chunks of `MMA_MAX` rows
     /// (each chunk reads the weights again) instead of matmul.cu's tiles.
     mma_prompt: bool,
+    /// `GRAPHS` (default 1): a decode step is recorded once as a CUDA graph and replayed;
+    /// `GRAPHS=0` runs every step's launches eagerly (a diagnostic: what recording buys).
+    graphs: bool,
     /// The global state of `top_k_select`: 3 selections' `products::TK_SCRATCH`, zero between
     /// launches.
     tk_scratch: CudaSlice<u32>,
@@ -708,6 +711,9 @@ impl Device for CudaDevice {
         self.nccl_all_gather(x, n, out)
     }
     fn begin_capture(&self) -> Result<bool, BackendError> {
+        if !self.graphs {
+            return Ok(false);
+        }
         // `DEJAVU_TP_GRAPHS=0`: a world's steps run eagerly (NCCL calls not recorded).
         if self.world.is_some() && std::env::var("DEJAVU_TP_GRAPHS").is_ok_and(|v| v == "0") {
             return Ok(false);

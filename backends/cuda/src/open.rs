@@ -150,6 +150,7 @@ impl CudaDevice {
             hmma_fill: tuning("HMMA_FILL", 6, 1..=64),
             split_cols: split_cols(tuning("SPLIT_COLS", 0, 0..=32768)),
             mma_prompt: tuning("MMA_PROMPT", 0, 0..=1) == 1,
+            graphs: tuning("GRAPHS", 1, 0..=1) == 1,
             ax_vec: ax_vec(),
             ax_fill: tuning("AX_FILL", 4, 1..=64),
             axb_rows: axb_rows(),

@@ -48,6 +48,8 @@ pub struct CpuDevice {
     world: Option<(usize, Arc<HostWorld>)>,
     /// Caches hold f32 rather than f16 ([`CpuDevice::with_f32_cache`]).
     f32_cache: bool,
+    /// `upload_rows` keeps the file's layout ([`CpuDevice::with_file_layout`]).
+    file_layout: bool,
 }
 
 impl Default for CpuDevice {
@@ -91,6 +93,7 @@ impl CpuDevice {
             reference: false,
             world: None,
             f32_cache: false,
+            file_layout: false,
         }
     }
     /// The kernels and pool as a [`crate::CpuBackend`] (for work outside a decode step: repacking,
@@ -115,6 +118,14 @@ impl CpuDevice {
     pub fn with_f32_cache(self) -> Self {
         Self {
             f32_cache: true,
+            ..self
+        }
+    }
+    /// Matrices uploaded for row products keep the file's row layout too (`--no-repack`: the
+    /// model's weights then keep it, and so do the predictors').
+    pub fn with_file_layout(self) -> Self {
+        Self {
+            file_layout: true,
             ..self
         }
     }
@@ -211,10 +222,11 @@ impl Device for CpuDevice {
         w.check();
         Ok(CpuMat::of(w, MatBytes::Owned(w.data.to_vec())))
     }
-    /// Repacked where this tier repacks `w`'s type (as the model's weights are at load).
+    /// Repacked where this tier repacks `w`'s type (as the model's weights are at load), unless
+    /// the device keeps the file's layout ([`CpuDevice::with_file_layout`]).
     fn upload_rows(&self, w: &Weight) -> Result<CpuMat, BackendError> {
         use dejavu_backend_api::{Backend, RowLayout};
-        if w.layout != RowLayout::Ggml || !self.cpu.repacks(w.qtype) {
+        if self.file_layout || w.layout != RowLayout::Ggml || !self.cpu.repacks(w.qtype) {
             return self.upload_mat(w);
         }
         w.check();
@@ -752,7 +764,8 @@ mod tests {
     use dejavu_backend_api::{Product, QuantType, RowLayout, Rows};
 
     /// `upload_rows` repacks the rows of a type the tier repacks (Q8_0, the predictors' type:
-    /// on the x86 and NEON tiers) and keeps the file's layout elsewhere; its products equal
+    /// on the x86 and NEON tiers) and keeps the file's layout elsewhere, and on a device that
+    /// keeps the file's layout (`--no-repack`); its products equal
     /// those of the file's layout within rounding (1e-5 of `sum |w x|`), on rows of whole
     /// groups and a tail.
     #[test]
@@ -771,6 +784,9 @@ mod tests {
                 false => RowLayout::Ggml,
             };
             assert_eq!((file.layout, fast.layout), (RowLayout::Ggml, want), "{isa}");
+            let kept = CpuDevice::with_isa(isa, 1).unwrap().with_file_layout();
+            let kept = kept.upload_rows(&w).unwrap();
+            assert_eq!(kept.layout, RowLayout::Ggml, "{isa}: --no-repack keeps the file's");
             let (mut a, mut b) = (vec![0f32; rows], vec![0f32; rows]);
             let mut jobs = [Product::new(&file, Rows::All, &mut a)];
             dev.matvecs(&x, &mut jobs).unwrap();
