@@ -786,7 +786,11 @@ mod tests {
             assert_eq!((file.layout, fast.layout), (RowLayout::Ggml, want), "{isa}");
             let kept = CpuDevice::with_isa(isa, 1).unwrap().with_file_layout();
             let kept = kept.upload_rows(&w).unwrap();
-            assert_eq!(kept.layout, RowLayout::Ggml, "{isa}: --no-repack keeps the file's");
+            assert_eq!(
+                kept.layout,
+                RowLayout::Ggml,
+                "{isa}: --no-repack keeps the file's"
+            );
             let (mut a, mut b) = (vec![0f32; rows], vec![0f32; rows]);
             let mut jobs = [Product::new(&file, Rows::All, &mut a)];
             dev.matvecs(&x, &mut jobs).unwrap();
