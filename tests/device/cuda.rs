@@ -324,20 +324,18 @@ fn calibration_on_the_gpu_conforms_to_the_reference() {
 #[test]
 fn batched_steps_on_the_gpu_match_each_sequences_own() {
     let Some(mut g) = gpu() else { return };
-    // Row by row with `matvec_rows`, then in one call with the tensor cores' products.
-    for one_call in [false, true] {
+    // Row by row with `matvec_rows`, then in one call with the tensor cores' products, then
+    // that call's positions split into spans of 4 (`ATT_SPAN`; merged after).
+    for (one_call, span) in [(false, 0), (true, 0), (true, 4)] {
         g.set_attend_rows(one_call);
         g.set_mma(one_call);
+        g.set_att_span(span);
         let worst = batching::batched_steps_are_each_sequences_own(&g, false, false);
         eprintln!(
             "{}: steps of 1 to 4 sequences on 13 fixtures (attention {}), worst |logit error| \
              {worst:.2e}",
             g.name(),
-            if one_call {
-                "in one call, products on the tensor cores"
-            } else {
-                "row by row"
-            }
+            attention(one_call, span)
         );
     }
 }
@@ -362,9 +360,10 @@ fn forked_sequences_on_the_gpu_continue_as_their_source() {
 #[test]
 fn sparse_batched_steps_on_the_gpu_match_their_plans() {
     let Some(mut g) = gpu() else { return };
-    for one_call in [false, true] {
+    for (one_call, span) in [(false, 0), (true, 0), (true, 4)] {
         g.set_attend_rows(one_call);
         g.set_mma(one_call);
+        g.set_att_span(span);
         let fixed = batching::batched_steps_are_each_sequences_own(&g, false, true);
         let predicted =
             batching::predicted_batched_steps_run_each_rows_heads_and_the_union(&g, false);
@@ -373,11 +372,16 @@ fn sparse_batched_steps_on_the_gpu_match_their_plans() {
              {fixed:.2e} (fixed plans, 13 fixtures), {predicted:.2e} (dejavu:0.1+dejavu-attn:0.5 \
              against the reference)",
             g.name(),
-            if one_call {
-                "in one call, products on the tensor cores"
-            } else {
-                "row by row"
-            }
+            attention(one_call, span)
         );
+    }
+}
+
+/// How a batched test's configuration ran attention.
+fn attention(one_call: bool, span: usize) -> &'static str {
+    match (one_call, span) {
+        (false, _) => "row by row",
+        (true, 0) => "in one call, products on the tensor cores",
+        (true, _) => "in one call, positions in spans, products on the tensor cores",
     }
 }

@@ -140,14 +140,20 @@ pub struct CudaDevice {
     /// against 134.1 at 3 (2 a tile), the 5120-square product 38.6 against 39.6: the split
     /// buys little there; the input split's own launch is the suspect (2 rows cost as much as 8).
     hmma_fill: usize,
-    /// `SPLIT_COLS` (default 0): with a count of columns, the inputs' split runs a block per
-    /// that many columns of a row (`mma_split_wide_T`) instead of a block per row. Not yet run
-    /// on a GPU: the H100's profile (2 rows of the 5120-square product as slow as 8, every
-    /// product 18 to 49 us above one row's) points at the one-block-a-row split.
+    /// `SPLIT_COLS` (default 1024; 0: a block a row): the inputs' split runs a block per that
+    /// many columns of a row (`mma_split_T`). H200, `profile_batch`, 8 rows: fc2 (20480 columns
+    /// in) 85.1 us with a block a row, 81.2 with 1024 (81.5 with 2048), the other products
+    /// 0.6-0.9 us faster; `dejavu bench --batch` on synthetic:opt-13b, 8 rows 11.51 -> 11.23 ms.
     split_cols: usize,
     /// `MMA_PROMPT=1`: a prompt's products of every row, too, in chunks of `MMA_MAX` rows
     /// (each chunk reads the weights again) instead of matmul.cu's tiles.
     mma_prompt: bool,
+    /// `ATT_SPAN` (default 512; 0: off): a step of several sequences' attention splits each
+    /// row's positions into spans of about this many, each a block, then merges them
+    /// (`attention_rows_split_f16`), where the rows' heads alone would leave SMs idle; the
+    /// spans' sums go to `att_part` (grown on demand).
+    att_span: usize,
+    att_part: Mutex<Option<CudaSlice<f32>>>,
     /// `GRAPHS` (default 1): a decode step is recorded once as a CUDA graph and replayed;
     /// `GRAPHS=0` runs every step's launches eagerly (a diagnostic: what recording buys).
     graphs: bool,

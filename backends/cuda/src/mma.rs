@@ -64,7 +64,7 @@ struct SplitJob {
 struct SplitJobs {
     job: [SplitJob; 3],
     nt: i32,
-    /// Columns per block of `mma_split_wide_T`.
+    /// Columns per block of `mma_split_T`.
     chunk: i32,
 }
 
@@ -152,8 +152,8 @@ impl CudaDevice {
     }
 
     /// With `MMA_H=1`, and where every split fits a slot: split each distinct input of `mv`
-    /// (`nt` rows of its `cols`) into this lane's slots in one launch (`mma_split_T`, or
-    /// `mma_split_wide_T` with `SPLIT_COLS`), and point each job's `x` at its input's split;
+    /// (`nt` rows of its `cols`) into this lane's slots in one launch (`mma_split_T`), and
+    /// point each job's `x` at its input's split;
     /// returns the lane's scratch. None (nothing launched, `mv` unchanged) otherwise.
     fn split_inputs(
         &self,
@@ -196,31 +196,24 @@ impl CudaDevice {
             };
             j.x = split.job[s].xs;
         }
+        // Blocks of `chunk` columns (`blockIdx.x`) of each row (`.y`) of each input (`.z`):
+        // `SPLIT_COLS`, or the widest input's columns (a block a row).
+        let widest = (split.job[..n].iter().map(|s| s.cols as usize).max()).unwrap_or(0);
+        let chunk = match self.split_cols {
+            0 => widest.max(1),
+            c => c,
+        };
+        split.chunk = chunk as i32;
         let q = type_suffix(qtype);
-        if self.split_cols > 0 {
-            // Blocks of `split_cols` columns (`blockIdx.x`) of each row (`.y`) of each input (`.z`).
-            split.chunk = self.split_cols as i32;
-            let widest = (split.job[..n].iter().map(|s| s.cols as usize).max()).unwrap_or(0);
-            let mut b = self
-                .lane()
-                .launch_builder(self.func(&format!("mma_split_wide_{q}")));
-            b.arg(&split);
-            let cfg = cudarc::driver::LaunchConfig {
-                grid_dim: (widest.div_ceil(self.split_cols) as u32, nt as u32, n as u32),
-                ..launch::grid(256, 256)
-            };
-            launch::run(b, cfg)?;
-            return Ok(Some(scratch));
-        }
         let mut b = self
             .lane()
             .launch_builder(self.func(&format!("mma_split_{q}")));
         b.arg(&split);
-        // A block a row (`blockIdx.x`) of each input (`blockIdx.y`).
-        launch::run(
-            b,
-            launch::rows(launch::blocks(launch::grid(256, 256), nt), n),
-        )?;
+        let cfg = cudarc::driver::LaunchConfig {
+            grid_dim: (widest.div_ceil(chunk) as u32, nt as u32, n as u32),
+            ..launch::grid(256, 256)
+        };
+        launch::run(b, cfg)?;
         Ok(Some(scratch))
     }
 }

@@ -68,6 +68,8 @@ impl CudaDevice {
             "store_f16",
             "attention_f16",
             "attention_rows_f16",
+            "attention_rows_split_f16",
+            "attention_rows_merge",
             "store_rows_f16",
             "kv_mark",
             "store_row_f16",
@@ -78,7 +80,6 @@ impl CudaDevice {
         .to_vec();
         for q in [QuantType::F16, QuantType::BF16] {
             names.push(format!("mma_split_{}", type_suffix(q)));
-            names.push(format!("mma_split_wide_{}", type_suffix(q)));
             for nt in mma::MMA_TILES {
                 names.push(format!("matvec_mma{nt}_{}", type_suffix(q)));
                 names.push(format!("matvec_hmma{nt}_{}", type_suffix(q)));
@@ -148,9 +149,11 @@ impl CudaDevice {
             mma_h: tuning("MMA_H", 1, 0..=1) == 1,
             mma_scratch,
             hmma_fill: tuning("HMMA_FILL", 6, 1..=64),
-            split_cols: split_cols(tuning("SPLIT_COLS", 0, 0..=32768)),
+            split_cols: split_cols(tuning("SPLIT_COLS", 1024, 0..=32768)),
             mma_prompt: tuning("MMA_PROMPT", 0, 0..=1) == 1,
             graphs: tuning("GRAPHS", 1, 0..=1) == 1,
+            att_span: tuning("ATT_SPAN", 512, 0..=65536),
+            att_part: Mutex::default(),
             ax_vec: ax_vec(),
             ax_fill: tuning("AX_FILL", 4, 1..=64),
             axb_rows: axb_rows(),
@@ -180,9 +183,15 @@ impl CudaDevice {
     }
 
     /// The inputs' split of the tensor-core products by blocks of `cols` columns (a multiple
-    /// of 256; `mma_split_wide_T`), or a block per row (0, the default; as `SPLIT_COLS`).
+    /// of 256; `mma_split_T`; 1024 by default), or a block per row (0; as `SPLIT_COLS`).
     pub fn set_split_cols(&mut self, cols: usize) {
         self.split_cols = split_cols(cols);
+    }
+
+    /// Split a step of several sequences' attention into spans of about `positions` (0: one
+    /// block a row's head; as `ATT_SPAN`).
+    pub fn set_att_span(&mut self, positions: usize) {
+        self.att_span = positions;
     }
 
     /// Wait until every queued launch has run.

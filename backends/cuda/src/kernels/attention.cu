@@ -8,19 +8,23 @@
 //    positions in turn and meet in shared memory.
 // q and out are compact (head j of row r at (r * gridDim.x + j) * hd); hd a multiple of 8, at most 256. Dynamic shared
 // memory: hd + n_ctx floats.
-// One head's attention (the block's): query `q` (hd values) of query head h over the keys and
-// values of positions p0..end - 1 (p0 as above), into `out` (hd values).
-__device__ __forceinline__ void attend_head(const float* q, const u16* kc, const u16* vc, int h,
-                                            int n_heads, int n_kv_heads, int hd, int end,
-                                            float scale, float softcap, int window, float* out) {
+// One head's attention (the block's) over a span of positions: query `q` (hd values) of query
+// head h over the keys and values of positions p0..p1 - 1 (kc and vc start at position 0).
+// With `mz` null, the softmax-weighted sum into `out` (hd values); else the sum of the values
+// weighted by exp(score - m) into `out` and m, z (the span's largest score and its sum of
+// exp(score - m)) into mz[0], mz[1], for `attention_rows_merge` (an empty span: m = -3e38,
+// z = 0, zeros). Dynamic shared memory: hd + p1 - p0 floats.
+__device__ __forceinline__ void attend_span(const float* q, const u16* kc, const u16* vc, int h,
+                                            int n_heads, int n_kv_heads, int hd, int p0, int p1,
+                                            float scale, float softcap, float* out, float* mz) {
     extern __shared__ float sm[];
     __shared__ float red[32];
     __shared__ float part[2048];
     float* qs = sm;
     float* sc = sm + hd;
     int kvh = h / (n_heads / n_kv_heads), width = n_kv_heads * hd;
-    // Scores of positions p0 + p for p < n, kept at sc[p]; kc and vc start at p0.
-    int p0 = window > 0 ? max(end - window, 0) : 0, n = end - p0;
+    // Scores of positions p0 + p for p < n, kept at sc[p].
+    int n = max(p1 - p0, 0);
     kc += (size_t)p0 * width;
     vc += (size_t)p0 * width;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = q[d];
@@ -63,8 +67,19 @@ __device__ __forceinline__ void attend_head(const float* q, const u16* kc, const
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float s = 0.f;
         for (int q2 = 0; q2 < groups; q2++) s += part[q2 * hd + d];
-        out[d] = s / z;
+        out[d] = mz ? s : s / z;
     }
+    if (mz && threadIdx.x == 0) {
+        mz[0] = m;
+        mz[1] = z;
+    }
+}
+// One head's attention over positions p0..end - 1, p0 = 0, or end - window when window > 0.
+__device__ __forceinline__ void attend_head(const float* q, const u16* kc, const u16* vc, int h,
+                                            int n_heads, int n_kv_heads, int hd, int end,
+                                            float scale, float softcap, int window, float* out) {
+    int p0 = window > 0 ? max(end - window, 0) : 0;
+    attend_span(q, kc, vc, h, n_heads, n_kv_heads, hd, p0, end, scale, softcap, out, nullptr);
 }
 extern "C" __global__ void attention_f16(const float* q, const u16* kc, const u16* vc,
                                          const u32* idx, int n_heads, int n_kv_heads, int hd,
@@ -95,4 +110,52 @@ extern "C" __global__ void attention_rows_f16(const float* q, const u64* tab, in
     size_t at = ((size_t)blockIdx.y * n_heads + h) * hd;
     attend_head(q + at, (const u16*)t[0], (const u16*)t[1], h, n_heads, n_kv_heads, hd, end,
                 scale, softcap, window, out + at);
+}
+
+// `attention_rows_f16` with each row's positions split into spans of `span` (flash-decoding:
+// more blocks where a step's heads and rows alone leave SMs idle, and a long context read by
+// many): block (j, r, c) runs span c of row r's head j (positions p0 + c span.., p0 as in
+// `attend_head`) into `part` at ((r * n_heads + h) * gridDim.z + c) * (hd + 2): the span's
+// weighted sum, then m and z (see `attend_span`). Dynamic shared memory: hd + span floats.
+extern "C" __global__ void attention_rows_split_f16(const float* q, const u64* tab, int n_heads,
+                                                    int n_kv_heads, int hd, float scale,
+                                                    float softcap, int window, int span,
+                                                    float* part) {
+    const u64* t = tab + (size_t)blockIdx.y * SEQ_TAB;
+    int j = blockIdx.x, count = (int)t[5];
+    if (j >= count || hd % 8 != 0 || hd > 256) return;
+    const u32* idx = (const u32*)t[2];
+    int h = idx ? (int)idx[j] : j;
+    if (h >= n_heads) return;
+    int end = min((int)t[3] + 1, (int)t[4]);
+    int p0 = (window > 0 ? max(end - window, 0) : 0) + (int)blockIdx.z * span;
+    int p1 = min(p0 + span, end);
+    size_t at = ((size_t)blockIdx.y * n_heads + h) * hd;
+    float* o = part + (((size_t)blockIdx.y * n_heads + h) * gridDim.z + blockIdx.z) * (hd + 2);
+    attend_span(q + at, (const u16*)t[0], (const u16*)t[1], h, n_heads, n_kv_heads, hd, p0, p1,
+                scale, softcap, o, o + hd);
+}
+// The spans of `attention_rows_split_f16` merged, block (j, r) row r's head j, in order of
+// span (deterministic): out = sum_c e_c sum_c / sum_c e_c z_c, e_c = exp(m_c - max m).
+extern "C" __global__ void attention_rows_merge(const u64* tab, int n_heads, int hd, int spans,
+                                                const float* part, float* out) {
+    const u64* t = tab + (size_t)blockIdx.y * SEQ_TAB;
+    int j = blockIdx.x, count = (int)t[5];
+    if (j >= count) return;
+    const u32* idx = (const u32*)t[2];
+    int h = idx ? (int)idx[j] : j;
+    if (h >= n_heads) return;
+    const float* p = part + ((size_t)blockIdx.y * n_heads + h) * spans * (hd + 2);
+    float mx = -3.0e38f;
+    for (int c = 0; c < spans; c++) mx = fmaxf(mx, p[c * (hd + 2) + hd]);
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float num = 0.f, den = 0.f;
+        for (int c = 0; c < spans; c++) {
+            const float* pc = p + c * (hd + 2);
+            float e = expf(pc[hd] - mx);
+            num += e * pc[d];
+            den += e * pc[hd + 1];
+        }
+        out[((size_t)blockIdx.y * n_heads + h) * hd + d] = num / den;
+    }
 }

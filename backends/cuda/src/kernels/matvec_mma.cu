@@ -163,7 +163,7 @@ __device__ __forceinline__ u16 f32_to_bf16(float f) {
     return h;
 }
 
-// Row t (blockIdx.x) of input s (blockIdx.y): `x` rows of `cols` floats, split into `xs`.
+// A product input: `x` rows of `cols` floats, split into `xs`.
 struct SplitJob {
     const float* x;
     u16* xs;
@@ -171,50 +171,15 @@ struct SplitJob {
 };
 struct SplitJobs {
     SplitJob job[3];
-    int nt, chunk;  // chunk: columns per block of mma_split_wide
+    int nt, chunk;  // chunk: columns per block of mma_split
 };
 
+// Block (c, t) of input s (blockIdx.x, .y, .z) writes columns [c C, (c + 1) C) of row t (C the
+// jobs' `chunk`: the host's `SPLIT_COLS`, or the widest row for a block a row), each f16 block
+// first finding the row's largest |x| itself (the whole row in float4s: rows are 128-byte
+// aligned, cols a multiple of 32), block 0 writing e[t].
 template <int T>
-__device__ __forceinline__ void mma_split(const SplitJob& j, int nt) {
-    __shared__ float red[32];
-    constexpr int P = Parts<T>::P;
-    int t = blockIdx.x, cols = j.cols;
-    const float* r = j.x + (size_t)t * cols;
-    int e = 0;
-    if (T == T_F16) {
-        float m = 0.f;
-        for (int i = threadIdx.x; i < cols; i += blockDim.x) m = fmaxf(m, fabsf(r[i]));
-        m = block_max(m, red);
-        if (m > 0.f && m <= 3.4e38f) {
-            frexpf(m, &e);  // m = f 2^e, f in [0.5, 1)
-            e = 15 - e;
-        }
-        if (threadIdx.x == 0) ((int*)(j.xs + (size_t)P * nt * cols))[t] = e;
-    }
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        float v = T == T_F16 ? ldexpf(r[i], e) : r[i];
-#pragma unroll
-        for (int p = 0; p < P; p++) {
-            u16 h = T == T_F16 ? f32_to_f16(v) : f32_to_bf16(v);
-            j.xs[((size_t)p * nt + t) * cols + i] = h;
-            v -= T == T_F16 ? f16_to_f32(h) : bf16_to_f32(h);
-        }
-    }
-}
-#define MMA_SPLIT(name, T)                                                                   \
-    extern "C" __global__ void __launch_bounds__(256) mma_split_##name(SplitJobs jobs) {   \
-        mma_split<T>(jobs.job[blockIdx.y], jobs.nt);                                        \
-    }
-MMA_SPLIT(f16, T_F16)
-MMA_SPLIT(bf16, T_BF16)
-
-// The same split over many blocks (the host's `SPLIT_COLS` > 0; not yet run on a GPU): block
-// (c, t) of input s (blockIdx.x, .y, .z) writes columns [c C, (c + 1) C) of row t (C the jobs'
-// `chunk`), each f16 block first finding the row's largest |x| itself (the whole row in
-// float4s: rows are 128-byte aligned, cols a multiple of 32), block 0 writing e[t]. One block a
-// row (above) walks a 20480-wide row alone, twice.
-template <int T>
-__device__ __forceinline__ void mma_split_wide(const SplitJob& j, int nt, int C) {
+__device__ __forceinline__ void mma_split(const SplitJob& j, int nt, int C) {
     __shared__ float red[32];
     constexpr int P = Parts<T>::P;
     int t = blockIdx.y, cols = j.cols, c0 = blockIdx.x * C;
@@ -246,14 +211,14 @@ __device__ __forceinline__ void mma_split_wide(const SplitJob& j, int nt, int C)
         }
     }
 }
-#define MMA_SPLIT_WIDE(name, T)                                                              \
-    extern "C" __global__ void __launch_bounds__(256) mma_split_wide_##name(SplitJobs jobs) { \
-        if (blockIdx.z == 0) mma_split_wide<T>(jobs.job[0], jobs.nt, jobs.chunk);           \
-        else if (blockIdx.z == 1) mma_split_wide<T>(jobs.job[1], jobs.nt, jobs.chunk);      \
-        else mma_split_wide<T>(jobs.job[2], jobs.nt, jobs.chunk);                           \
+#define MMA_SPLIT(name, T)                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) mma_split_##name(SplitJobs jobs) {  \
+        if (blockIdx.z == 0) mma_split<T>(jobs.job[0], jobs.nt, jobs.chunk);               \
+        else if (blockIdx.z == 1) mma_split<T>(jobs.job[1], jobs.nt, jobs.chunk);          \
+        else mma_split<T>(jobs.job[2], jobs.nt, jobs.chunk);                               \
     }
-MMA_SPLIT_WIDE(f16, T_F16)
-MMA_SPLIT_WIDE(bf16, T_BF16)
+MMA_SPLIT(f16, T_F16)
+MMA_SPLIT(bf16, T_BF16)
 
 // c += A (16 x 16, rows g and g + 8) * B (16 x 8, column g), 16-bit in, f32 accumulators.
 template <int T>

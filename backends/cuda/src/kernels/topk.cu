@@ -18,8 +18,9 @@ struct TkJobs {
     TkJob job[3];
     int n, pad;
 };
+// A NaN ranks as -inf (ties by any rule), as in the host's top-k and its reference.
 __device__ __forceinline__ u32 key_of(float f) {
-    u32 u = __float_as_uint(f);
+    u32 u = f == f ? __float_as_uint(f) : 0xff800000u;
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 // Every lane calls this (whole warps); lanes with `on` reserve one slot each of `*counter`;
@@ -124,8 +125,11 @@ __device__ void top_k_radix(const u32* keys, const u32* list, int n, int k, u32*
 __device__ __forceinline__ float val_of(u32 key) {
     return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
 }
+// Non-decreasing in v: -inf (and a NaN's key) in the bottom bucket; where the span is not finite
+// (scale 0 or an infinite minimum), the scores the product leaves NaN in the top one.
 __device__ __forceinline__ u32 tk_bucket(float v, float lo, float scale) {
     float b = (v - lo) * scale;
+    if (__float_as_uint(v) == 0xff800000u) return 0;  // -inf
     return b == b ? (u32)fminf(fmaxf(b, 0.f), (float)(TK_BUCKETS - 1)) : TK_BUCKETS - 1;
 }
 
@@ -144,7 +148,7 @@ __device__ void top_k_block(const float* s, const u32* list, int n, int k, u32* 
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         float v = s[TK_ID(i)];
         keys[i] = key_of(v);
-        mn = fminf(mn, v);  // fminf/fmaxf skip NaN; NaN keys sort above every number
+        mn = fminf(mn, v);  // fminf/fmaxf skip NaN (its key is -inf's)
         mx = fmaxf(mx, v);
     }
     if (n <= TK_COUNT) {
@@ -176,7 +180,7 @@ __device__ void top_k_block(const float* s, const u32* list, int n, int k, u32* 
     }
     __syncthreads();
     // Bucket of score i: linear in the score between its minimum and maximum (non-decreasing
-    // in the score, so every bucket's scores exceed the lower buckets'); NaN in the top one.
+    // in the score, so every bucket's scores exceed the lower buckets'; `tk_bucket`).
 #define TK_BUCKET(i) tk_bucket(val_of(keys[i]), lo, scale)
     for (int i = threadIdx.x; i < n; i += blockDim.x) atomicAdd(&hist[TK_BUCKET(i)], 1u);
     __syncthreads();
