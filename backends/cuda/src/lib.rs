@@ -148,12 +148,12 @@ pub struct CudaDevice {
     /// `MMA_PROMPT=1`: a prompt's products of every row, too, in chunks of `MMA_MAX` rows
     /// (each chunk reads the weights again) instead of matmul.cu's tiles.
     mma_prompt: bool,
-    /// `ATT_SPAN` (default 512; 0: off): a step of several sequences' attention splits each
-    /// row's positions into spans of about this many, each a block, then merges them
-    /// (`attention_rows_split_f16`), where the rows' heads alone would leave SMs idle; the
-    /// spans' sums go to `att_part` (grown on demand).
+    /// `ATT_SPAN` (default 512; 0: off): attention splits each row's positions into spans of
+    /// at least this many, as many as fill the SMs 8 deep, each span a block, then merges them
+    /// (flash-decoding: `attention_split_f16`, `attention_rows_split_f16`); the spans' sums go
+    /// to `att_part` (`ATT_PART` floats a SM).
     att_span: usize,
-    att_part: Mutex<Option<CudaSlice<f32>>>,
+    att_part: CudaSlice<f32>,
     /// `GRAPHS` (default 1): a decode step is recorded once as a CUDA graph and replayed;
     /// `GRAPHS=0` runs every step's launches eagerly (a diagnostic: what recording buys).
     graphs: bool,

@@ -68,6 +68,8 @@ impl CudaDevice {
             "store_f16",
             "attention_f16",
             "attention_rows_f16",
+            "attention_split_f16",
+            "attention_merge",
             "attention_rows_split_f16",
             "attention_rows_merge",
             "store_rows_f16",
@@ -124,6 +126,8 @@ impl CudaDevice {
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(dev_err)? as usize;
         let name = ctx.name().map_err(dev_err)?;
+        let att_part = stream.alloc_zeros::<f32>(crate::attention::ATT_PART * n_sm);
+        let att_part = att_part.map_err(dev_err)?;
         Ok(Self {
             stream,
             side,
@@ -153,7 +157,7 @@ impl CudaDevice {
             mma_prompt: tuning("MMA_PROMPT", 0, 0..=1) == 1,
             graphs: tuning("GRAPHS", 1, 0..=1) == 1,
             att_span: tuning("ATT_SPAN", 512, 0..=65536),
-            att_part: Mutex::default(),
+            att_part,
             ax_vec: ax_vec(),
             ax_fill: tuning("AX_FILL", 4, 1..=64),
             axb_rows: axb_rows(),

@@ -2,7 +2,7 @@
 //! (RoPE, the K/V store, a clear of the output, attention), each row reading its sequence's
 //! caches, position and heads from a table written to the device before them (`seq_tab`:
 //! `SEQ_TAB` values a row, as attention.cu's `attention_rows_f16` reads them).
-use crate::{dev_err, launch, need, shape, Buf, CudaDevice};
+use crate::{launch, need, shape, Buf, CudaDevice};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use dejavu_backend_api::{AttnGeom, BackendError, Device, Rotary, Rows, SeqRow, MAX_ROWS};
 
@@ -100,21 +100,13 @@ impl CudaDevice {
             })
             .max()
             .unwrap_or(1);
-        let spans = self.att_spans(most_heads * n, longest);
+        let spans = self.att_spans(most_heads * n, longest, hd);
         let (scale, cap, window) = (sc.scale, sc.softcap.unwrap_or(0.0), window as i32);
         let (qp, op) = (self.ptr(&q.0), self.ptr(&out.0));
         let (nqi, nkvi, hdi) = (nq as i32, nkv as i32, hd as i32);
         if spans > 1 {
             let span = longest.div_ceil(spans);
-            let mut part = self.att_part.lock().expect("att_part lock");
-            let need = n * nq * spans * (hd + 2);
-            if part.as_ref().is_none_or(|p| p.len() < need) {
-                *part = None;
-                *part = Some(self.stream.alloc_zeros::<f32>(need).map_err(dev_err)?);
-                self.synchronize()?; // allocated on the main lane, before the side's use
-            }
-            let pp = self.ptr(part.as_ref().expect("allocated above"));
-            let smem = (hd + span) * 4;
+            let (pp, smem) = (self.ptr(&self.att_part), (hd + span) * 4);
             self.allow_smem("attention_rows_split_f16", smem)?;
             let mut b = self
                 .lane()
@@ -150,16 +142,5 @@ impl CudaDevice {
             shared_mem_bytes: smem as u32,
         };
         launch::run(b, cfg)
-    }
-
-    /// Spans of a row's positions for `blocks` heads of rows reading `longest` positions at
-    /// most: enough that the blocks fill the SMs 8 deep, each of `ATT_SPAN` positions or more,
-    /// at most 64 (1: no split).
-    fn att_spans(&self, blocks: usize, longest: usize) -> usize {
-        if self.att_span == 0 || blocks == 0 {
-            return 1;
-        }
-        let fill = (8 * self.n_sm).div_ceil(blocks);
-        longest.div_ceil(self.att_span).min(fill).clamp(1, 64)
     }
 }

@@ -229,11 +229,13 @@ fn attention_on<D: Device>(
 
 #[test]
 fn attention_matches_the_scalar_reference() {
-    let Some(gpu) = gpu() else { return };
+    let Some(mut gpu) = gpu() else { return };
     let host = CpuDevice::reference();
     let mut r = rng(3);
     // Multi-head and grouped-query; contexts short, ragged and beyond 48 KiB of scores;
-    // batches of one row and of several.
+    // batches of one row and of several. Each in one block a head (`set_att_span(0)`), and in
+    // spans of the context (flash-decoding; merged after) of 512 positions (the default: the
+    // 20000-position context's spans past the position are empty) and of 16.
     // Then Gemma-like scoring: a scale of its own, a soft cap, and sliding windows shorter
     // than the context, of one position, and wider than the cache.
     let gemma = |hd: usize, softcap, window| Scoring {
@@ -262,13 +264,16 @@ fn attention_matches_the_scalar_reference() {
         let heads: Vec<u32> = (0..nh as u32).rev().filter(|h| h % 3 != 0).collect();
         let q = randv(&mut r, heads.len() * hd);
         let want = attention_on(&host, g, &kv, &q, &heads);
-        let got = attention_on(&gpu, g, &kv, &q, &heads);
-        close(
-            &format!("attention {nh}/{nkv}x{hd} at {n_pos}"),
-            &got,
-            &want,
-            |_| 2e-4,
-        );
+        for span in [0, 512, 16] {
+            gpu.set_att_span(span);
+            let got = attention_on(&gpu, g, &kv, &q, &heads);
+            close(
+                &format!("attention {nh}/{nkv}x{hd} at {n_pos}, spans of {span}"),
+                &got,
+                &want,
+                |_| 2e-4,
+            );
+        }
     }
 }
 

@@ -6,13 +6,13 @@
 // 2. softmax over the block;
 // 3. out: thread t owns 8 dims (t % (hd/8)) of one position group (t / (hd/8)); groups take
 //    positions in turn and meet in shared memory.
-// q and out are compact (head j of row r at (r * gridDim.x + j) * hd); hd a multiple of 8, at most 256. Dynamic shared
-// memory: hd + n_ctx floats.
+// q and out are compact (head j of row r at (r * gridDim.x + j) * hd); hd a multiple of 8, at
+// most 256. Dynamic shared memory: hd + n_ctx floats.
 // One head's attention (the block's) over a span of positions: query `q` (hd values) of query
 // head h over the keys and values of positions p0..p1 - 1 (kc and vc start at position 0).
 // With `mz` null, the softmax-weighted sum into `out` (hd values); else the sum of the values
 // weighted by exp(score - m) into `out` and m, z (the span's largest score and its sum of
-// exp(score - m)) into mz[0], mz[1], for `attention_rows_merge` (an empty span: m = -3e38,
+// exp(score - m)) into mz[0], mz[1], for `merge_spans` (an empty span: m = -3e38,
 // z = 0, zeros). Dynamic shared memory: hd + p1 - p0 floats.
 __device__ __forceinline__ void attend_span(const float* q, const u16* kc, const u16* vc, int h,
                                             int n_heads, int n_kv_heads, int hd, int p0, int p1,
@@ -93,10 +93,10 @@ extern "C" __global__ void attention_f16(const float* q, const u16* kc, const u1
                 out + at);
 }
 // A step of several sequences (`Device::attend_rows`): batch row r = blockIdx.y is its own
-// sequence's, described by row r of `tab` (SEQ_TAB values, common.cuh: its key and value caches, its
-// heads' index list or 0 for every head, its position, its context, its head count). Block j
-// is row r's j-th head h; q and out hold every head of each row (head h of row r at
-// (r * n_heads + h) * hd); positions 0..=pos below the row's context.
+// sequence's, described by row r of `tab` (SEQ_TAB values, common.cuh: its key and value
+// caches, its heads' index list or 0 for every head, its position, its context, its head
+// count). Block j is row r's j-th head h; q and out hold every head of each row (head h of row
+// r at (r * n_heads + h) * hd); positions 0..=pos below the row's context.
 extern "C" __global__ void attention_rows_f16(const float* q, const u64* tab, int n_heads,
                                               int n_kv_heads, int hd, float scale,
                                               float softcap, int window, float* out) {
@@ -112,11 +112,56 @@ extern "C" __global__ void attention_rows_f16(const float* q, const u64* tab, in
                 scale, softcap, window, out + at);
 }
 
-// `attention_rows_f16` with each row's positions split into spans of `span` (flash-decoding:
-// more blocks where a step's heads and rows alone leave SMs idle, and a long context read by
-// many): block (j, r, c) runs span c of row r's head j (positions p0 + c span.., p0 as in
-// `attend_head`) into `part` at ((r * n_heads + h) * gridDim.z + c) * (hd + 2): the span's
-// weighted sum, then m and z (see `attend_span`). Dynamic shared memory: hd + span floats.
+// ---- Positions in spans (flash-decoding): more blocks where the heads and rows alone leave SMs
+// idle, and a long context read by many. Block (j, r, c) runs span c (positions p0 + c span ..,
+// p0 as in `attend_head`) of its head into `part` at (slot * gridDim.z + c) * (hd + 2), slot =
+// r * gridDim.x + j: the span's weighted sum, then m and z (see `attend_span`); a merge then
+// adds the spans of each slot. Dynamic shared memory: hd + span floats.
+
+// The spans of one slot merged in order of span (deterministic): out = sum_c e_c acc_c /
+// sum_c e_c z_c, e_c = exp(m_c - max m) (an empty span's e_c is 0).
+__device__ __forceinline__ void merge_spans(const float* p, int spans, int hd, float* out) {
+    float mx = -3.0e38f;
+    for (int c = 0; c < spans; c++) mx = fmaxf(mx, p[c * (hd + 2) + hd]);
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float num = 0.f, den = 0.f;
+        for (int c = 0; c < spans; c++) {
+            const float* pc = p + c * (hd + 2);
+            float e = expf(pc[hd] - mx);
+            num += e * pc[d];
+            den += e * pc[hd + 1];
+        }
+        out[d] = num / den;
+    }
+}
+__device__ __forceinline__ float* span_part(float* part, int hd) {
+    size_t slot = (size_t)blockIdx.y * gridDim.x + blockIdx.x;
+    return part + (slot * gridDim.z + blockIdx.z) * (hd + 2);
+}
+// `attention_f16` in spans of `span` positions.
+extern "C" __global__ void attention_split_f16(const float* q, const u16* kc, const u16* vc,
+                                               const u32* idx, int n_heads, int n_kv_heads,
+                                               int hd, int n_ctx, float scale, float softcap,
+                                               int window, const int* step, int span,
+                                               float* part) {
+    int j = blockIdx.x, h = idx ? (int)idx[j] : j;
+    if (h >= n_heads || hd % 8 != 0 || hd > 256) return;
+    int end = min(step[0] + (int)blockIdx.y + 1, n_ctx);
+    int p0 = (window > 0 ? max(end - window, 0) : 0) + (int)blockIdx.z * span;
+    size_t at = ((size_t)blockIdx.y * gridDim.x + j) * hd;
+    float* o = span_part(part, hd);
+    attend_span(q + at, kc, vc, h, n_heads, n_kv_heads, hd, p0, min(p0 + span, end), scale,
+                softcap, o, o + hd);
+}
+// The spans of `attention_split_f16` merged: block (j, r) the slot's.
+extern "C" __global__ void attention_merge(const u32* idx, int n_heads, int hd, int spans,
+                                           const float* part, float* out) {
+    int j = blockIdx.x, h = idx ? (int)idx[j] : j;
+    if (h >= n_heads) return;
+    size_t slot = (size_t)blockIdx.y * gridDim.x + j;
+    merge_spans(part + slot * spans * (hd + 2), spans, hd, out + slot * hd);
+}
+// `attention_rows_f16` in spans of `span` positions (the slot of row r's j-th head).
 extern "C" __global__ void attention_rows_split_f16(const float* q, const u64* tab, int n_heads,
                                                     int n_kv_heads, int hd, float scale,
                                                     float softcap, int window, int span,
@@ -129,14 +174,12 @@ extern "C" __global__ void attention_rows_split_f16(const float* q, const u64* t
     if (h >= n_heads) return;
     int end = min((int)t[3] + 1, (int)t[4]);
     int p0 = (window > 0 ? max(end - window, 0) : 0) + (int)blockIdx.z * span;
-    int p1 = min(p0 + span, end);
     size_t at = ((size_t)blockIdx.y * n_heads + h) * hd;
-    float* o = part + (((size_t)blockIdx.y * n_heads + h) * gridDim.z + blockIdx.z) * (hd + 2);
-    attend_span(q + at, (const u16*)t[0], (const u16*)t[1], h, n_heads, n_kv_heads, hd, p0, p1,
-                scale, softcap, o, o + hd);
+    float* o = span_part(part, hd);
+    attend_span(q + at, (const u16*)t[0], (const u16*)t[1], h, n_heads, n_kv_heads, hd, p0,
+                min(p0 + span, end), scale, softcap, o, o + hd);
 }
-// The spans of `attention_rows_split_f16` merged, block (j, r) row r's head j, in order of
-// span (deterministic): out = sum_c e_c sum_c / sum_c e_c z_c, e_c = exp(m_c - max m).
+// The spans of `attention_rows_split_f16` merged: block (j, r) row r's j-th head's.
 extern "C" __global__ void attention_rows_merge(const u64* tab, int n_heads, int hd, int spans,
                                                 const float* part, float* out) {
     const u64* t = tab + (size_t)blockIdx.y * SEQ_TAB;
@@ -145,17 +188,7 @@ extern "C" __global__ void attention_rows_merge(const u64* tab, int n_heads, int
     const u32* idx = (const u32*)t[2];
     int h = idx ? (int)idx[j] : j;
     if (h >= n_heads) return;
-    const float* p = part + ((size_t)blockIdx.y * n_heads + h) * spans * (hd + 2);
-    float mx = -3.0e38f;
-    for (int c = 0; c < spans; c++) mx = fmaxf(mx, p[c * (hd + 2) + hd]);
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float num = 0.f, den = 0.f;
-        for (int c = 0; c < spans; c++) {
-            const float* pc = p + c * (hd + 2);
-            float e = expf(pc[hd] - mx);
-            num += e * pc[d];
-            den += e * pc[hd + 1];
-        }
-        out[((size_t)blockIdx.y * n_heads + h) * hd + d] = num / den;
-    }
+    size_t slot = (size_t)blockIdx.y * gridDim.x + j;
+    float* o = out + ((size_t)blockIdx.y * n_heads + h) * hd;
+    merge_spans(part + slot * spans * (hd + 2), spans, hd, o);
 }
