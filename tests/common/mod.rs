@@ -14,6 +14,7 @@ use serde::Deserialize;
 use std::path::PathBuf;
 
 pub mod inproc;
+pub mod load;
 pub mod server;
 
 /// Run `dejavu args...`; assert a non-zero exit with an `error:` line containing `needle`.

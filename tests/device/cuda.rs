@@ -385,3 +385,29 @@ fn attention(one_call: bool, span: usize) -> &'static str {
         (true, _) => "in one call, positions in spans, products on the tensor cores",
     }
 }
+
+/// `dejavu serve --backend cuda` as a process under load, its sequences' steps batched
+/// (`common::load`): 32 clients x 8 requests on the llama-silu fixture, every reply whole and
+/// `dejavu generate --backend cuda`'s, or parting from it only at a near-tie (top two
+/// log-probabilities within 0.02: a batch's tensor-core products round otherwise than one
+/// row's matrix-vector products, within the suite's logit tolerance); host memory flat;
+/// SIGTERM under load clean.
+#[test]
+fn serving_on_the_gpu_under_load_matches_generate() {
+    if gpu().is_none() {
+        return;
+    }
+    let model = root().join("tests/fixtures/hf/llama-silu");
+    let ctx = ["--backend", "cuda", "--ctx", "512"];
+    let serve = [&ctx[..], &["--parallel", "4", "--no-prefix-reuse"]].concat();
+    common::load::Load {
+        model: &model,
+        serve: &serve,
+        generate: &ctx,
+        clients: 32,
+        rounds: 8,
+        max_tokens: 16,
+        near_tie: Some(0.02),
+    }
+    .run();
+}
