@@ -79,20 +79,5 @@ fn a_reply_may_part_from_generate_only_at_a_near_tie() {
 fn the_gpu_load_test_runs_on_the_cpu() {
     let model =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/llama-silu");
-    let ctx = ["--backend", "cpu", "--ctx", "512"];
-    let serve = [
-        &ctx[..],
-        &["--parallel", "4", "-t", "2", "--no-prefix-reuse"],
-    ]
-    .concat();
-    Load {
-        model: &model,
-        serve: &serve,
-        generate: &ctx,
-        clients: 32,
-        rounds: 8,
-        max_tokens: 16,
-        near_tie: Some(0.0),
-    }
-    .run();
+    common::load::on_fixture(&model, "cpu", 0.0);
 }

@@ -130,7 +130,14 @@ def fetch_archive(name):
                 n += 1
         if n == 0:
             raise SystemExit(f"error: {name}: no member of {archive} matches {a['members']}")
-        os.replace(staged, target)
+        try:
+            os.replace(staged, target)
+        except OSError:
+            # A concurrent fetch (another test process) put the same verified files there first.
+            if not os.path.isdir(target):
+                raise
+            log(f"{name}: cached at {target} (by a concurrent fetch)")
+            return target
     log(f"{name}: verified and {n} files cached at {target}")
     return target
 

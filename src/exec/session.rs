@@ -265,6 +265,11 @@ pub struct DeviceSession<'a, D: Device> {
     /// A truncation whose lazy K/V validity the next batch clamps first.
     truncated: bool,
     graph: Option<D::Graph>,
+    /// Steps of several sequences this one led, recorded by their row count (under a plan
+    /// that selects nothing per step: see [`Self::step_many`]).
+    seq_graphs: Vec<(usize, D::Graph)>,
+    /// Their logits on the device (`rows * vocab`), and how many rows it holds.
+    seq_logits: Option<(D::Buf, usize)>,
     logits: Vec<f32>,
     /// Rows a caller asked [`DeviceSession::run`] for (logits or head inputs).
     rows_out: Vec<f32>,
@@ -376,6 +381,8 @@ impl<'a, D: Device> DeviceSession<'a, D> {
             lazy,
             truncated: false,
             graph: None,
+            seq_graphs: Vec::new(),
+            seq_logits: None,
             logits: vec![0.0; c.vocab_size],
             rows_out: Vec::new(),
             capture: None,
@@ -403,7 +410,7 @@ impl<'a, D: Device> DeviceSession<'a, D> {
         self.plan = fresh.plan;
         self.s = fresh.s;
         self.step_bytes = fresh.step_bytes;
-        self.graph = None;
+        self.forget_graphs();
         Ok(())
     }
 
@@ -439,12 +446,18 @@ impl<'a, D: Device> DeviceSession<'a, D> {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+    /// Drop the recorded steps (they name buffers or settings about to change).
+    fn forget_graphs(&mut self) {
+        self.graph = None;
+        self.seq_graphs.clear();
+    }
+
     /// Whether steps count the nonzero activations of a rule that skips zeros (`relu-exact`,
     /// `oracle` of a ReLU model) for [`Self::last_step`] (on by default). Off, a step saves
     /// one reduction per layer and its statistics count every neuron (an upper bound).
     pub fn measure(&mut self, on: bool) {
         self.measure = on;
-        self.graph = None;
+        self.forget_graphs();
     }
 
     /// Hold `src`'s first `len` positions (its keys and values, copied on the device) and

@@ -66,6 +66,28 @@ struct Reply {
     pieces: Vec<(usize, Vec<f32>)>,
 }
 
+/// The load test of a fixture model on `backend` (`cpu` or `cuda`): 4 sequences batched, 32
+/// clients x 8 requests of 16 tokens, each reply against `generate` on the same backend
+/// within a near-tie bound of `near_tie`.
+pub fn on_fixture(model: &Path, backend: &str, near_tie: f32) {
+    let ctx = ["--backend", backend, "--ctx", "512"];
+    let serve = [
+        &ctx[..],
+        &["--parallel", "4", "-t", "2", "--no-prefix-reuse"],
+    ]
+    .concat();
+    Load {
+        model,
+        serve: &serve,
+        generate: &ctx,
+        clients: 32,
+        rounds: 8,
+        max_tokens: 16,
+        near_tie: Some(near_tie),
+    }
+    .run();
+}
+
 /// Request `i` of client `c`: which prompt, through the chat template or not, streamed or not.
 fn case(c: usize, i: usize) -> (usize, bool, bool) {
     (

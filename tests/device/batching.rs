@@ -3,8 +3,18 @@
 use super::*;
 
 /// Which sequences step together at each step, in which row order: all, a subset out of
-/// order, one alone, all reversed, two.
-const ROUNDS: [&[usize]; 5] = [&[0, 1, 2, 3], &[2, 0], &[3], &[3, 2, 1, 0], &[1, 3]];
+/// order, one alone, all reversed, two; then a leader and a row count again with other rows
+/// behind it (a device that records a step of several sequences, once per leader and row
+/// count, replays it over other sequences' caches and positions).
+const ROUNDS: [&[usize]; 7] = [
+    &[0, 1, 2, 3],
+    &[2, 0],
+    &[3],
+    &[3, 2, 1, 0],
+    &[1, 3],
+    &[0, 3, 1, 2],
+    &[2, 1],
+];
 
 /// On every fixture (learned positions, RoPE of both styles, grouped queries, Q/K norms,
 /// sliding windows, soft caps, post-norm blocks), four sequences with prompts of different

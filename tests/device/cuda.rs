@@ -325,17 +325,20 @@ fn calibration_on_the_gpu_conforms_to_the_reference() {
 fn batched_steps_on_the_gpu_match_each_sequences_own() {
     let Some(mut g) = gpu() else { return };
     // Row by row with `matvec_rows`, then in one call with the tensor cores' products, then
-    // that call's positions split into spans of 4 (`ATT_SPAN`; merged after).
-    for (one_call, span) in [(false, 0), (true, 0), (true, 4)] {
+    // that call's positions split into spans of 4 (`ATT_SPAN`; merged after); the last two
+    // again recorded (`SEQ_GRAPHS`: a graph per leader and row count, replayed over other
+    // rows).
+    for (one_call, span, record) in CONFIGS {
         g.set_attend_rows(one_call);
         g.set_mma(one_call);
         g.set_att_span(span);
+        g.set_seq_graphs(record);
         let worst = batching::batched_steps_are_each_sequences_own(&g, false, false);
         eprintln!(
             "{}: steps of 1 to 4 sequences on 13 fixtures (attention {}), worst |logit error| \
              {worst:.2e}",
             g.name(),
-            attention(one_call, span)
+            attention(one_call, span, record)
         );
     }
 }
@@ -360,10 +363,11 @@ fn forked_sequences_on_the_gpu_continue_as_their_source() {
 #[test]
 fn sparse_batched_steps_on_the_gpu_match_their_plans() {
     let Some(mut g) = gpu() else { return };
-    for (one_call, span) in [(false, 0), (true, 0), (true, 4)] {
+    for (one_call, span, record) in CONFIGS {
         g.set_attend_rows(one_call);
         g.set_mma(one_call);
         g.set_att_span(span);
+        g.set_seq_graphs(record);
         let fixed = batching::batched_steps_are_each_sequences_own(&g, false, true);
         let predicted =
             batching::predicted_batched_steps_run_each_rows_heads_and_the_union(&g, false);
@@ -372,17 +376,31 @@ fn sparse_batched_steps_on_the_gpu_match_their_plans() {
              {fixed:.2e} (fixed plans, 13 fixtures), {predicted:.2e} (dejavu:0.1+dejavu-attn:0.5 \
              against the reference)",
             g.name(),
-            attention(one_call, span)
+            attention(one_call, span, record)
         );
     }
 }
 
+/// The batched tests' configurations: attention in one call, its positions' span (0: none),
+/// the steps recorded.
+const CONFIGS: [(bool, usize, bool); 5] = [
+    (false, 0, false),
+    (true, 0, false),
+    (true, 4, false),
+    (true, 0, true),
+    (true, 4, true),
+];
+
 /// How a batched test's configuration ran attention.
-fn attention(one_call: bool, span: usize) -> &'static str {
-    match (one_call, span) {
+fn attention(one_call: bool, span: usize, record: bool) -> String {
+    let how = match (one_call, span) {
         (false, _) => "row by row",
         (true, 0) => "in one call, products on the tensor cores",
         (true, _) => "in one call, positions in spans, products on the tensor cores",
+    };
+    match record {
+        true => format!("{how}, rows set for the step, dense steps recorded"),
+        false => how.to_string(),
     }
 }
 
@@ -398,16 +416,5 @@ fn serving_on_the_gpu_under_load_matches_generate() {
         return;
     }
     let model = root().join("tests/fixtures/hf/llama-silu");
-    let ctx = ["--backend", "cuda", "--ctx", "512"];
-    let serve = [&ctx[..], &["--parallel", "4", "--no-prefix-reuse"]].concat();
-    common::load::Load {
-        model: &model,
-        serve: &serve,
-        generate: &ctx,
-        clients: 32,
-        rounds: 8,
-        max_tokens: 16,
-        near_tie: Some(0.02),
-    }
-    .run();
+    common::load::on_fixture(&model, "cuda", 0.02);
 }

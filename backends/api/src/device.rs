@@ -209,6 +209,16 @@ pub struct SeqRow<'a, D: Device + ?Sized> {
     pub heads: Rows<'a, D::Idx>,
 }
 
+/// One row of [`Device::set_seq_rows`]: its sequence's key and value caches of every layer,
+/// its position and context, and its heads at each layer (as [`SeqRow`]'s).
+pub struct SeqRows<'a, D: Device + ?Sized> {
+    pub k: &'a [D::Cache],
+    pub v: &'a [D::Cache],
+    pub pos: usize,
+    pub n_ctx: usize,
+    pub heads: Vec<Rows<'a, D::Idx>>,
+}
+
 /// Verbs of a device-resident decode step. Every verb is enqueued in order on the device's lane
 /// (one, unless [`Device::fork`] opened a second) and may return before it ran; errors of a launch are reported by the next call that
 /// synchronizes ([`Device::download`]). Lengths are checked at every entry (an `Err`, never an
@@ -281,6 +291,12 @@ pub trait Device: Send + Sync {
     /// The batch that the next verbs read (set before a replay too): `tokens[r]` at position
     /// `pos + r`, 1 to [`MAX_ROWS`] rows.
     fn set_step(&self, tokens: &[u32], pos: usize) -> Result<(), BackendError>;
+    /// A step of several sequences (set before a replay too): `tokens[r]` at `positions[r]`,
+    /// as [`Device::embed`]'s `StepRow::Position` reads them (the verbs that read a position
+    /// from the step, RoPE, `store` and `attention`, read `positions[0] + r`; a step of
+    /// several sequences runs them through [`Device::attend_rows`] instead). Forgets the
+    /// rows [`Device::set_seq_rows`] wrote.
+    fn set_steps(&self, tokens: &[u32], positions: &[usize]) -> Result<(), BackendError>;
 
     /// For each of the batch's `rows`: `x[r] = table[row]` (`accumulate`: `+=`), the row chosen
     /// by `which`; a row outside the table writes zeros (`accumulate`: adds nothing), so the
@@ -541,6 +557,7 @@ pub trait Device: Send + Sync {
     /// select). `geom.n_ctx` and `geom.rows` are not read (each row's own). The step
     /// ([`Device::set_step`]) is not read. The default is unsupported: the caller then runs
     /// the rows one by one with the one-row verbs.
+    /// `layer` names the rows' caches among those [`Device::set_seq_rows`] wrote, if it did.
     #[allow(clippy::too_many_arguments)]
     fn attend_rows(
         &self,
@@ -549,14 +566,32 @@ pub trait Device: Send + Sync {
         v: &Self::Buf,
         rope: Option<Rotary<'_, Self::Buf>>,
         geom: AttnGeom,
+        layer: usize,
         rows: &mut [SeqRow<'_, Self>],
         out: &mut Self::Buf,
     ) -> Result<(), BackendError> {
-        let _ = (q, k, v, rope, geom, rows, out);
+        let _ = (q, k, v, rope, geom, layer, rows, out);
         Err(BackendError::Unsupported {
             backend: self.name(),
             what: "the attention of several sequences in one call".into(),
         })
+    }
+    /// Before a step of several sequences (after [`Device::set_steps`]): every layer's rows
+    /// of its [`Device::attend_rows`] at once (`rows[r]`: row `r`'s caches of every layer, its
+    /// position and context, and its heads at each layer), so that a recorded step reads them
+    /// on the device when replayed (a replay runs none of the caller's code); each layer's
+    /// `attend_rows` then checks its rows against them and launches for the most any step of
+    /// these rows could need (every head of a row's count, spans by context, not position).
+    /// `n_heads`: the model's query heads (a row's count where it runs every head). `false`:
+    /// this device reads each layer's rows at its call (the default), and a step of several
+    /// sequences is not recorded.
+    fn set_seq_rows(
+        &self,
+        n_heads: usize,
+        rows: &[SeqRows<'_, Self>],
+    ) -> Result<bool, BackendError> {
+        let _ = (n_heads, rows);
+        Ok(false)
     }
 
     /// `gate[i] = act(gate[i]) * up[i]` for `i < n`.

@@ -17,7 +17,7 @@ pub use backend::{
 };
 pub use device::{
     check_scale_cap, sparsify_ref, AttnGeom, Device, InputMask, LazyKv, Product, Rotary, Rows,
-    SeqRow, SharedBytes, StepRow, TopK, MAX_ROWS,
+    SeqRow, SeqRows, SharedBytes, StepRow, TopK, MAX_ROWS,
 };
 pub use index_set::{IndexSet, IndexSetError};
 pub use quant::QuantType;

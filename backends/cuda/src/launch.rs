@@ -53,15 +53,27 @@ pub(crate) fn htod<T: cudarc::driver::DeviceRepr>(
     dst: &CudaSlice<T>,
     src: &[T],
 ) -> Result<(), BackendError> {
+    htod_at(stream, dst, 0, src)
+}
+
+/// `dst[at..at + src.len()] = src`, ordered on `stream`.
+pub(crate) fn htod_at<T: cudarc::driver::DeviceRepr>(
+    stream: &CudaStream,
+    dst: &CudaSlice<T>,
+    at: usize,
+    src: &[T],
+) -> Result<(), BackendError> {
     assert!(
-        src.len() <= dst.len(),
-        "htod: {} values into {}",
+        at.checked_add(src.len())
+            .is_some_and(|end| end <= dst.len()),
+        "htod: {} values at {at} into {}",
         src.len(),
         dst.len()
     );
-    let p = dst.device_ptr(stream).0;
-    // SAFETY: `dst` holds at least `src.len()` values (asserted); a copy from pageable host
-    // memory returns once `src` has been staged, so `src` may go out of scope after the call.
+    let p = dst.device_ptr(stream).0 + (at * std::mem::size_of::<T>()) as u64;
+    // SAFETY: `dst` holds at least `at + src.len()` values (asserted); a copy from pageable
+    // host memory returns once `src` has been staged, so `src` may go out of scope after the
+    // call.
     unsafe { cudarc::driver::result::memcpy_htod_async(p, src, stream.cu_stream()) }
         .map_err(dev_err)
 }

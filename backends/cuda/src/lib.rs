@@ -15,7 +15,7 @@ use cudarc::driver::{
 };
 use dejavu_backend_api::{
     check_scale_cap, Activation, AttnGeom, BackendError, Device, InputMask, LazyKv, Product,
-    QuantType, Rotary, Rows, SeqRow, StepRow, TopK, Weight, MAX_ROWS,
+    QuantType, Rotary, Rows, SeqRow, SeqRows, StepRow, TopK, Weight, MAX_ROWS,
 };
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -92,8 +92,11 @@ pub struct CudaDevice {
     _module: Arc<CudaModule>,
     funcs: HashMap<String, CudaFunction>,
     step: CudaSlice<i32>,
-    /// A step of several sequences' table (`seqs::SEQ_TAB` values a row, `Device::attend_rows`).
+    /// Steps of several sequences' tables (`seqs::SEQ_TAB` values a row, `Device::attend_rows`):
+    /// a call's own rows (`seqs::SEQ_SLOT` values), then every layer's rows as
+    /// `Device::set_seq_rows` wrote them, which `seq_set` holds on the host.
     seq_tab: CudaSlice<u64>,
+    seq_set: Mutex<Option<seqs::SeqSet>>,
     /// The rows of the batch last set (`Device::set_step`).
     batch: AtomicUsize,
     n_sm: usize,
@@ -154,6 +157,10 @@ pub struct CudaDevice {
     /// to `att_part` (`ATT_PART` floats a SM).
     att_span: usize,
     att_part: CudaSlice<f32>,
+    /// `SEQ_GRAPHS` (default 0 until a GPU has run it): `Device::set_seq_rows` writes every
+    /// layer's rows of a step of several sequences before it, so that the step is recorded (a
+    /// graph per leader and row count) and replayed; 0: each layer's call uploads its rows.
+    seq_graphs: bool,
     /// `GRAPHS` (default 1): a decode step is recorded once as a CUDA graph and replayed;
     /// `GRAPHS=0` runs every step's launches eagerly (a diagnostic: what recording buys).
     graphs: bool,
@@ -312,11 +319,28 @@ impl Device for CudaDevice {
                 tokens.len()
             )));
         }
-        let step: Vec<i32> = std::iter::once(pos as i32)
-            .chain(tokens.iter().map(|&t| t as i32))
-            .collect();
-        launch::htod(&self.stream, &self.step, &step)?;
-        self.batch.store(tokens.len(), Ordering::Relaxed);
+        let positions: Vec<usize> = (pos..pos + tokens.len()).collect();
+        self.set_steps(tokens, &positions)
+    }
+    fn set_steps(&self, tokens: &[u32], positions: &[usize]) -> Result<(), BackendError> {
+        let big = tokens.iter().any(|&t| t > i32::MAX as u32);
+        let far = positions.iter().any(|&p| p > i32::MAX as usize / 2);
+        let n = tokens.len();
+        if n == 0 || n > MAX_ROWS || big || far || positions.len() != n {
+            return Err(shape(format!(
+                "a batch of {n} rows at {} positions",
+                positions.len()
+            )));
+        }
+        // {position of row 0, each row's token (MAX_ROWS), each row's position (MAX_ROWS)}.
+        let mut step = vec![0i32; 1 + 2 * MAX_ROWS];
+        step[0] = positions[0] as i32;
+        for (r, (&t, &p)) in tokens.iter().zip(positions).enumerate() {
+            (step[1 + r], step[1 + MAX_ROWS + r]) = (t as i32, p as i32);
+        }
+        launch::htod(&self.stream, &self.step, &step[..1 + MAX_ROWS + n])?;
+        self.batch.store(n, Ordering::Relaxed);
+        self.forget_seq_rows();
         Ok(())
     }
 
@@ -337,11 +361,13 @@ impl Device for CudaDevice {
         let f = self.func(&format!("embed_{}", type_suffix(t.qtype)));
         let (t_rows, cols, acc) = (t.rows as i32, t.cols as i32, acc as i32);
         let (wp, sp, xp) = (self.ptr(&t.data), self.ptr(&self.step), self.ptr(&x.0));
+        let pp = sp + ((1 + MAX_ROWS) * std::mem::size_of::<i32>()) as u64;
         let mut b = self.lane().launch_builder(f);
         b.arg(&wp)
             .arg(&t_rows)
             .arg(&cols)
             .arg(&sp)
+            .arg(&pp)
             .arg(&w)
             .arg(&off)
             .arg(&acc)
@@ -620,10 +646,18 @@ impl Device for CudaDevice {
         v: &Buf,
         rope: Option<Rotary<'_, Buf>>,
         geom: AttnGeom,
+        layer: usize,
         rows: &mut [SeqRow<'_, Self>],
         out: &mut Buf,
     ) -> Result<(), BackendError> {
-        self.launch_attend_rows(q, k, v, rope, geom, rows, out)
+        self.launch_attend_rows(q, k, v, rope, geom, layer, rows, out)
+    }
+    fn set_seq_rows(
+        &self,
+        n_heads: usize,
+        rows: &[SeqRows<'_, Self>],
+    ) -> Result<bool, BackendError> {
+        self.write_seq_rows(n_heads, rows)
     }
 
     fn store(

@@ -112,8 +112,11 @@ impl CudaDevice {
             ctx.new_event(None).map_err(dev_err)?,
             ctx.new_event(None).map_err(dev_err)?,
         );
-        let step = stream.alloc_zeros::<i32>(1 + MAX_ROWS).map_err(dev_err)?;
-        let seq_tab = (stream.alloc_zeros::<u64>(seqs::SEQ_TAB * MAX_ROWS)).map_err(dev_err)?;
+        let step = stream
+            .alloc_zeros::<i32>(1 + 2 * MAX_ROWS)
+            .map_err(dev_err)?;
+        let slots = 1 + seqs::SEQ_LAYERS;
+        let seq_tab = (stream.alloc_zeros::<u64>(seqs::SEQ_SLOT * slots)).map_err(dev_err)?;
         let tk_scratch = (stream.alloc_zeros::<u32>(3 * products::TK_SCRATCH)).map_err(dev_err)?;
         let mma_scratch = match major >= 8 {
             true => Some([
@@ -139,6 +142,7 @@ impl CudaDevice {
             funcs,
             step,
             seq_tab,
+            seq_set: Mutex::default(),
             batch: AtomicUsize::new(1),
             tk_scratch,
             n_sm,
@@ -156,6 +160,7 @@ impl CudaDevice {
             split_cols: split_cols(tuning("SPLIT_COLS", 1024, 0..=32768)),
             mma_prompt: tuning("MMA_PROMPT", 0, 0..=1) == 1,
             graphs: tuning("GRAPHS", 1, 0..=1) == 1,
+            seq_graphs: tuning("SEQ_GRAPHS", 0, 0..=1) == 1,
             att_span: tuning("ATT_SPAN", 512, 0..=65536),
             att_part,
             ax_vec: ax_vec(),
@@ -190,6 +195,12 @@ impl CudaDevice {
     /// of 256; `mma_split_T`; 1024 by default), or a block per row (0; as `SPLIT_COLS`).
     pub fn set_split_cols(&mut self, cols: usize) {
         self.split_cols = split_cols(cols);
+    }
+
+    /// Record steps of several sequences (`Device::set_seq_rows` writes their rows; as
+    /// `SEQ_GRAPHS`).
+    pub fn set_seq_graphs(&mut self, on: bool) {
+        self.seq_graphs = on;
     }
 
     /// Split a step of several sequences' attention into spans of about `positions` (0: one

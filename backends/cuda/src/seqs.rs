@@ -2,15 +2,101 @@
 //! (RoPE, the K/V store, a clear of the output, attention), each row reading its sequence's
 //! caches, position and heads from a table written to the device before them (`seq_tab`:
 //! `SEQ_TAB` values a row, as attention.cu's `attention_rows_f16` reads them).
-use crate::{launch, need, shape, Buf, CudaDevice};
+use crate::{launch, need, shape, Buf, Cache, CudaDevice, Idx};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
-use dejavu_backend_api::{AttnGeom, BackendError, Device, Rotary, Rows, SeqRow, MAX_ROWS};
+use dejavu_backend_api::{AttnGeom, BackendError, Device, Rotary, Rows, SeqRow, SeqRows, MAX_ROWS};
 
 /// Values per row of the table (`SEQ_TAB` in common.cuh): the key cache, the value cache, the
 /// heads' index list (0: every head), the position, the context, the head count.
 pub(crate) const SEQ_TAB: usize = 6;
+/// Layers whose rows `Device::set_seq_rows` can write: `seq_tab` holds `MAX_ROWS` rows for
+/// a call's own rows (slot 0, `SEQ_SLOT` values), then room for this many layers' tables of
+/// up to `MAX_ROWS` rows, each layer's `n` rows after the last's (layer `l` at `SEQ_SLOT + l n
+/// SEQ_TAB`: a recorded step names the tables of its own row count).
+pub(crate) const SEQ_LAYERS: usize = 256;
+/// Values of slot 0 of `seq_tab`.
+pub(crate) const SEQ_SLOT: usize = SEQ_TAB * MAX_ROWS;
+
+/// The rows `Device::set_seq_rows` wrote: how many, every layer's table (as on the device,
+/// after slot 0), each layer's largest head count, and the rows' largest context.
+pub(crate) struct SeqSet {
+    n: usize,
+    tab: Vec<u64>,
+    most_heads: Vec<usize>,
+    most_ctx: usize,
+}
 
 impl CudaDevice {
+    /// A row's table entry: caches `k`, `v` at position `pos` of `n_ctx`, over `heads` of
+    /// `nq` (a selection of group 1, or every head).
+    fn seq_entry(
+        &self,
+        (k, v): (&Cache, &Cache),
+        heads: Rows<'_, Idx>,
+        (pos, n_ctx): (usize, usize),
+        nq: usize,
+    ) -> Result<[u64; SEQ_TAB], BackendError> {
+        let fits = |c: &Cache| c.n_ctx >= n_ctx && c.width == k.width;
+        if !fits(k) || !fits(v) || pos >= n_ctx || n_ctx > i32::MAX as usize {
+            return Err(shape(format!(
+                "a row at position {pos} of {n_ctx} over caches of {}x{} and {}x{}",
+                k.n_ctx, k.width, v.n_ctx, v.width
+            )));
+        }
+        let (ip, _, _, count) = self.sel(heads, nq)?;
+        if matches!(heads, Rows::Sel { group, .. } if group != 1) {
+            return Err(shape("a row's heads are a selection of group 1".into()));
+        }
+        let (kp, vp) = (self.ptr(&k.data), self.ptr(&v.data));
+        Ok([kp, vp, ip, pos as u64, n_ctx as u64, count as u64])
+    }
+
+    /// `Device::set_seq_rows`: every layer's table after slot 0 of `seq_tab` in one copy, kept
+    /// on the host too for the layers' calls to check their rows against.
+    pub(crate) fn write_seq_rows(
+        &self,
+        nq: usize,
+        rows: &[SeqRows<'_, Self>],
+    ) -> Result<bool, BackendError> {
+        *self.seq_set.lock().expect("seq_set lock") = None;
+        let (n, layers) = (rows.len(), rows.first().map_or(0, |r| r.k.len()));
+        let on = self.seq_graphs && self.attend_rows;
+        if !on || n == 0 || n > MAX_ROWS || layers == 0 || layers > SEQ_LAYERS {
+            return Ok(false);
+        }
+        let mut tab = Vec::with_capacity(layers * n * SEQ_TAB);
+        let (mut most_heads, mut most_ctx) = (vec![0; layers], 0);
+        for (l, most) in most_heads.iter_mut().enumerate() {
+            for r in rows {
+                if r.k.len() != layers || r.v.len() != layers || r.heads.len() != layers {
+                    return Err(shape(format!(
+                        "rows of {layers} layers, one of {}, {} and {} (keys, values, heads)",
+                        r.k.len(),
+                        r.v.len(),
+                        r.heads.len()
+                    )));
+                }
+                let e = self.seq_entry((&r.k[l], &r.v[l]), r.heads[l], (r.pos, r.n_ctx), nq)?;
+                tab.extend(e);
+                *most = (*most).max(e[5] as usize);
+                most_ctx = most_ctx.max(r.n_ctx);
+            }
+        }
+        launch::htod_at(&self.stream, &self.seq_tab, SEQ_SLOT, &tab)?;
+        let set = SeqSet {
+            n,
+            tab,
+            most_heads,
+            most_ctx,
+        };
+        *self.seq_set.lock().expect("seq_set lock") = Some(set);
+        Ok(true)
+    }
+
+    /// Forget the rows `write_seq_rows` wrote (a new step was set).
+    pub(crate) fn forget_seq_rows(&self) {
+        *self.seq_set.lock().expect("seq_set lock") = None;
+    }
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn launch_attend_rows(
         &self,
@@ -19,6 +105,7 @@ impl CudaDevice {
         v: &Buf,
         rope: Option<Rotary<'_, Buf>>,
         g: AttnGeom,
+        layer: usize,
         rows: &mut [SeqRow<'_, Self>],
         out: &mut Buf,
     ) -> Result<(), BackendError> {
@@ -50,30 +137,35 @@ impl CudaDevice {
         need("attention output", out.0.len(), n * qd)?;
         let (mut tab, mut most_heads, mut most_ctx) = (Vec::with_capacity(n * SEQ_TAB), 0, 0);
         for r in rows.iter() {
-            let same = |c: &crate::Cache| c.width == kvd && c.n_ctx >= r.n_ctx;
-            if !same(r.k) || !same(r.v) || r.pos >= r.n_ctx || r.n_ctx > i32::MAX as usize {
+            if r.k.width != kvd {
                 return Err(shape(format!(
-                    "a row at position {} of {} over caches of {}x{} (width {kvd})",
-                    r.pos, r.n_ctx, r.k.n_ctx, r.k.width
+                    "a row's caches of width {} (not {kvd})",
+                    r.k.width
                 )));
             }
-            let (ip, _, _, count) = self.sel(r.heads, nq)?;
-            if matches!(r.heads, Rows::Sel { group, .. } if group != 1) {
-                return Err(shape("a row's heads are a selection of group 1".into()));
-            }
-            tab.extend([
-                self.ptr(&r.k.data),
-                self.ptr(&r.v.data),
-                ip,
-                r.pos as u64,
-                r.n_ctx as u64,
-                count as u64,
-            ]);
-            most_heads = most_heads.max(count);
+            let e = self.seq_entry((r.k, r.v), r.heads, (r.pos, r.n_ctx), nq)?;
+            tab.extend(e);
+            most_heads = most_heads.max(e[5] as usize);
             most_ctx = most_ctx.max(r.n_ctx);
         }
-        launch::htod(self.lane(), &self.seq_tab, &tab)?;
-        let tp = self.ptr(&self.seq_tab);
+        // The rows `set_seq_rows` wrote for this layer (a recorded step's), or this call's own.
+        let (tp, set) = match &*self.seq_set.lock().expect("seq_set lock") {
+            Some(s) if layer < s.most_heads.len() => {
+                let (at, len) = (layer * n * SEQ_TAB, n * SEQ_TAB);
+                if s.n != n || s.tab[at..at + len] != tab[..] {
+                    return Err(shape(format!(
+                        "layer {layer}'s rows differ from those set for the step"
+                    )));
+                }
+                (most_heads, most_ctx) = (s.most_heads[layer], s.most_ctx);
+                let bytes = ((SEQ_SLOT + at) * std::mem::size_of::<u64>()) as u64;
+                (self.ptr(&self.seq_tab) + bytes, true)
+            }
+            _ => {
+                launch::htod(self.lane(), &self.seq_tab, &tab)?;
+                (self.ptr(&self.seq_tab), false)
+            }
+        };
         if let Some(rot) = rope {
             let (qp, kp) = (self.ptr(&q.0), self.ptr(&k.0));
             self.launch_rope(qp, nq, kp, nkv, hd, rot, n, tp)?;
@@ -88,18 +180,13 @@ impl CudaDevice {
         }
         let sc = g.scoring;
         let window = sc.window.map_or(0, |w| w.min(most_ctx));
-        // The longest run of positions a row's heads read.
-        let longest = (rows.iter())
-            .map(|r| {
-                let end = (r.pos + 1).min(r.n_ctx);
-                end - if window > 0 {
-                    end.saturating_sub(window)
-                } else {
-                    0
-                }
-            })
-            .max()
-            .unwrap_or(1);
+        // The longest run of positions a row's heads read (the rows set for the step: any
+        // position a replay may come to, up to the largest context).
+        let longest = match set {
+            true if window > 0 => window,
+            true => most_ctx,
+            false => longest_run(rows, window),
+        };
         let spans = self.att_spans(most_heads * n, longest, hd);
         let (scale, cap, window) = (sc.scale, sc.softcap.unwrap_or(0.0), window as i32);
         let (qp, op) = (self.ptr(&q.0), self.ptr(&out.0));
@@ -143,4 +230,19 @@ impl CudaDevice {
         };
         launch::run(b, cfg)
     }
+}
+
+/// The longest run of positions a row's heads read at its position (`window` 0: none).
+fn longest_run(rows: &[SeqRow<'_, CudaDevice>], window: usize) -> usize {
+    (rows.iter())
+        .map(|r| {
+            let end = (r.pos + 1).min(r.n_ctx);
+            end - if window > 0 {
+                end.saturating_sub(window)
+            } else {
+                0
+            }
+        })
+        .max()
+        .unwrap_or(1)
 }

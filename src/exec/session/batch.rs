@@ -24,7 +24,7 @@ impl<D: Device> DeviceSession<'_, D> {
     pub(super) fn run_batch(&mut self, tokens: &[u32], want: Want, steps: bool) -> Result<()> {
         let (dev, n) = (self.dev, tokens.len());
         if self.s.grow(dev, self.model, n, self.n_ctx)? {
-            self.graph = None;
+            self.forget_graphs();
         }
         dev.set_step(tokens, self.len)?;
         self.layers(Pass::Batch { rows: n, steps }, &mut None)?;

@@ -196,7 +196,7 @@ impl<D: Device> DeviceSession<'_, D> {
         dev.sparsify(x, rows * n, mask, free)?;
         std::mem::swap(x, free);
         // A recorded decode step names the buffers as they were: record it again.
-        self.graph = None;
+        self.forget_graphs();
         Ok(())
     }
 }

@@ -6,7 +6,13 @@
 //! (RoPE, the K/V store, attention) run each row against its own sequence: in one call where
 //! the device has [`Device::attend_rows`] (the CPU's tiers: one pool dispatch of every row's
 //! heads), else row by row, the step set to that row's token and position
-//! ([`Device::set_step`]; learned positions always so).
+//! ([`Device::set_step`]). Learned positions are looked up for every row at once, each at its
+//! own ([`Device::set_steps`]).
+//!
+//! A device that records steps (CUDA graphs) records a step of several sequences too, once per
+//! leader and row count, where the plan selects nothing per step (every unit of every layer):
+//! the rows' caches, positions and contexts are written before each replay
+//! ([`Device::set_seq_rows`]), so the recorded launches read them on the device.
 //!
 //! The first sequence leads: its scratch holds the batch's rows and runs the pass; the others
 //! lend it their caches and their selections for the step ([`RowSeq`]) and get them back after
@@ -22,7 +28,7 @@ use super::DeviceSession;
 use crate::exec::plan::{Computed, Predictor, Sel};
 use crate::{Error, Result};
 use dejavu_backend_api::{
-    AttnGeom, BackendError, Device, Product, Rows, SeqRow, StepRow, TopK, MAX_ROWS,
+    AttnGeom, BackendError, Device, Product, Rows, SeqRow, SeqRows, TopK, MAX_ROWS,
 };
 
 /// One row of a step of several sequences: its token, its sequence's length and context, and
@@ -44,9 +50,8 @@ pub(super) struct Lent<D: Device> {
     row: RowScratch<D>,
 }
 
-/// One row's `x`, `q`, `k`, `v` and attention output.
+/// One row's `q`, `k`, `v` and attention output.
 pub(super) struct RowScratch<D: Device> {
-    x: D::Buf,
     q: D::Buf,
     k: D::Buf,
     v: D::Buf,
@@ -152,40 +157,76 @@ impl<'a, D: Device> DeviceSession<'a, D> {
     }
 
     /// The pass of [`Self::step_many`] over the rows lent, and every row's logits into
-    /// `rows_out`.
+    /// `rows_out`: recorded once per row count and replayed where the device records and the
+    /// plan selects nothing per step ([`Self::records_seqs`]), else run as it goes.
     fn run_seqs(&mut self, tokens: &[u32]) -> Result<()> {
-        let (dev, n) = (self.dev, tokens.len());
+        let (dev, n, vocab) = (self.dev, tokens.len(), self.model.local.vocab_size);
         if self.s.grow(dev, self.model, n, self.n_ctx)? {
-            self.graph = None;
+            self.forget_graphs();
         }
-        dev.set_step(tokens, 0)?;
-        self.layers(Pass::Seqs { rows: n }, &mut None)?;
-        self.rows_out.clear();
-        self.batch_rows(0..n, false, true)
-    }
-
-    /// Learned positions, added to each row of `s.x` at its own sequence's position.
-    pub(super) fn positions_by_row(&mut self, table: &D::Mat, offset: usize) -> Result<()> {
-        let (dev, d) = (self.dev, self.model.local.d_model);
-        let which = StepRow::Position { offset };
-        let x = &mut self.s.x;
-        for (r, seq) in self.rows_seq.iter_mut().enumerate() {
-            dev.set_step(&[seq.token], seq.len)?;
-            match &mut seq.lent {
-                None => dev.embed(table, which, true, x, 1)?,
-                Some(l) => {
-                    dev.take_rows(x, r, 1, d, &mut l.row.x)?;
-                    dev.embed(table, which, true, &mut l.row.x, 1)?;
-                    dev.put_rows(&l.row.x, r, 1, d, x)?;
-                }
+        if self.seq_logits.as_ref().is_none_or(|l| l.1 < n) {
+            self.seq_logits = Some((dev.zeros(n * vocab)?, n));
+            self.forget_graphs(); // the recorded steps name the old logits
+        }
+        let positions: Vec<usize> = self.rows_seq.iter().map(|r| r.len).collect();
+        dev.set_steps(tokens, &positions)?;
+        let set = dev.set_seq_rows(self.model.local.n_heads, &self.seq_rows())?;
+        let at = self.seq_graphs.iter().position(|g| g.0 == n);
+        match (set && self.records_seqs(), at) {
+            (true, Some(i)) => dev.replay(&self.seq_graphs[i].1)?,
+            (true, None) if dev.begin_capture()? => {
+                let recorded = self.encode_seqs(n);
+                let graph = dev.end_capture();
+                recorded?;
+                self.seq_graphs.push((n, graph?));
+                dev.replay(&self.seq_graphs.last().expect("pushed").1)?;
             }
+            _ => self.encode_seqs(n)?,
         }
-        self.restore_step()
+        self.rows_out.resize(n * vocab, 0.0);
+        let (logits, _) = self.seq_logits.as_ref().expect("made above");
+        Ok(dev.download(logits, &mut self.rows_out)?)
     }
 
-    /// The step of every row again (the products after a row-by-row verb read all of them).
-    fn restore_step(&self) -> Result<()> {
-        restore_step(self.dev, &self.rows_seq)
+    /// The verbs of a step of `n` sequences (the rows lent), their logits into `seq_logits`.
+    fn encode_seqs(&mut self, n: usize) -> Result<()> {
+        self.layers(Pass::Seqs { rows: n }, &mut None)?;
+        let mut logits = self.seq_logits.take().expect("made by run_seqs");
+        let ran = self.head_rows(0..n, true, &mut logits.0);
+        self.seq_logits = Some(logits);
+        ran
+    }
+
+    /// Does a step of several sequences this one leads record? Its plan selects nothing per
+    /// step (every neuron and head of every layer: no predictor runs, no union is read back),
+    /// and the step is not timed or captured for calibration. The rows run the leader's plan.
+    fn records_seqs(&self) -> bool {
+        let p = &self.plan;
+        let every = |sels: &[Sel<D>]| sels.iter().all(|s| matches!(s, Sel::All));
+        every(&p.mlp) && every(&p.heads) && p.mlp_pred.is_empty() && p.head_pred.is_empty()
+    }
+
+    /// Each row's caches of every layer, position, context and heads, for
+    /// [`Device::set_seq_rows`] (the leader's own first).
+    fn seq_rows(&self) -> Vec<SeqRows<'_, D>> {
+        fn heads<D: Device>(sels: &[Sel<D>]) -> Vec<Rows<'_, D::Idx>> {
+            sels.iter().map(|s| s.rows(1)).collect()
+        }
+        (self.rows_seq.iter())
+            .map(|seq| {
+                let (k, v, h) = match &seq.lent {
+                    None => (&self.k[..], &self.v[..], heads(&self.plan.heads)),
+                    Some(l) => (&l.k[..], &l.v[..], heads(&l.heads)),
+                };
+                SeqRows {
+                    k,
+                    v,
+                    pos: seq.len,
+                    n_ctx: seq.n_ctx,
+                    heads: h,
+                }
+            })
+            .collect()
     }
 
     /// The predictors that run at layer `l`, for every row at once: their first layers as one
@@ -217,7 +258,8 @@ impl<'a, D: Device> DeviceSession<'a, D> {
         }
         if self.s.predictor_rows < rows {
             self.s.grow_predictors(dev, &self.model.local, rows)?;
-            self.graph = None; // the recorded step names the old buffers
+            // The recorded steps name the old buffers.
+            (self.graph, self.seq_graphs) = (None, Vec::new());
         }
         let s = &mut self.s;
         let mut w1: Vec<Product<D>> = (used.iter().zip(s.z.iter_mut()))
@@ -309,7 +351,8 @@ impl<'a, D: Device> DeviceSession<'a, D> {
 
 fn restore_step<D: Device>(dev: &D, rows: &[RowSeq<D>]) -> Result<()> {
     let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
-    Ok(dev.set_step(&tokens, 0)?)
+    let positions: Vec<usize> = rows.iter().map(|r| r.len).collect();
+    Ok(dev.set_steps(&tokens, &positions)?)
 }
 
 /// Layer `l`'s RoPE, K/V store and attention of every row against its own sequence (see
@@ -353,7 +396,7 @@ pub(super) fn attend_seqs<D: Device>(
         });
     }
     let (q, k, v, att) = (&mut s.q, &mut s.k, &s.v, &mut s.att);
-    match dev.attend_rows(q, k, v, m.rotary(l), geom, &mut seq_rows, att) {
+    match dev.attend_rows(q, k, v, m.rotary(l), geom, l, &mut seq_rows, att) {
         Ok(()) => Ok(()),
         Err(BackendError::Unsupported { .. }) => {
             drop(seq_rows);
@@ -454,9 +497,8 @@ fn attend_one<D: Device>(
 impl<D: Device> RowScratch<D> {
     fn new(dev: &D, m: &crate::exec::DeviceModel<D>) -> Result<Self> {
         let c = &m.local;
-        let (wide, qd) = (c.d_model.max(c.d_embed), c.n_heads * c.head_dim);
+        let qd = c.n_heads * c.head_dim;
         Ok(Self {
-            x: dev.zeros(wide)?,
             q: dev.zeros(qd)?,
             k: dev.zeros(c.kv_dim())?,
             v: dev.zeros(c.kv_dim())?,

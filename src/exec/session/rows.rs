@@ -2,7 +2,7 @@
 //! of a range of rows (perplexity scores a window), or the output head's inputs of a range
 //! (calibration); and, for calibration, each layer's block inputs and head output norms.
 use super::step::{first_projections, norm, Pass};
-use super::{Computed, DeviceSession};
+use super::{Computed, DeviceSession, Scratch};
 use crate::exec::model::DeviceModel;
 use crate::{Error, Result};
 use dejavu_backend_api::{Device, Product, Rows, MAX_ROWS};
@@ -170,37 +170,40 @@ impl<D: Device> DeviceSession<'_, D> {
         hidden: bool,
         steps: bool,
     ) -> Result<()> {
-        let (dev, m, b) = (self.dev, self.model, &mut self.s);
-        let (c, k) = (&m.local, rows.len());
-        let matmul = |x: &D::Buf, p: Product<'_, D>| match steps {
-            true => dev.matmul_steps(x, k, &mut [p]),
-            false => dev.matmul(x, k, &mut [p]),
-        };
-        // The residual is done with: its rows move to the front of `h`, normed into `x`.
-        dev.take_rows(&b.x, rows.start, k, c.d_model, &mut b.h)?;
-        let mut head_in = match &m.output_norm {
-            Some(n) => {
-                norm(dev, c, n, &b.h, &mut b.x, k)?;
-                &b.x
-            }
-            None => &b.h,
-        };
-        if let Some(p) = &m.proj_out {
-            matmul(head_in, Product::new(p, Rows::All, &mut b.e))?;
-            head_in = &b.e;
-        }
+        let (dev, c, k) = (self.dev, &self.model.local, rows.len());
         let at = self.rows_out.len();
         if hidden {
             self.rows_out.resize(at + k * c.d_embed, 0.0);
+            let head_in = head_inputs(dev, self.model, &mut self.s, rows, steps)?;
             return Ok(dev.download(head_in, &mut self.rows_out[at..])?);
         }
         let mut logits = dev.zeros(k * c.vocab_size)?;
-        matmul(head_in, Product::new(m.head(), Rows::All, &mut logits))?;
-        if let Some(cap) = c.final_softcap {
-            dev.scale_cap(&mut logits, k * c.vocab_size, 1.0, Some(cap))?;
-        }
+        self.head_rows(rows, steps, &mut logits)?;
         self.rows_out.resize(at + k * c.vocab_size, 0.0);
         Ok(dev.download(&logits, &mut self.rows_out[at..])?)
+    }
+
+    /// The vocabulary's logits of batch rows `rows` into `logits` (`rows.len()` rows; see
+    /// [`Self::batch_rows`]).
+    pub(super) fn head_rows(
+        &mut self,
+        rows: Range<usize>,
+        steps: bool,
+        logits: &mut D::Buf,
+    ) -> Result<()> {
+        let (dev, m, k) = (self.dev, self.model, rows.len());
+        let c = &m.local;
+        let head_in = head_inputs(dev, m, &mut self.s, rows, steps)?;
+        match steps {
+            true => {
+                dev.matmul_steps(head_in, k, &mut [Product::new(m.head(), Rows::All, logits)])?
+            }
+            false => dev.matmul(head_in, k, &mut [Product::new(m.head(), Rows::All, logits)])?,
+        }
+        if let Some(cap) = c.final_softcap {
+            dev.scale_cap(logits, k * c.vocab_size, 1.0, Some(cap))?;
+        }
+        Ok(())
     }
 
     /// Record each layer's block inputs and head output norms from now on ([`Capture`]), or
@@ -234,7 +237,7 @@ impl<D: Device> DeviceSession<'_, D> {
         for (rows, out) in h.chunks(size * d).zip(out.chunks_mut(size * ff)) {
             let n = rows.len() / d;
             if self.s.grow(dev, m, n, self.n_ctx)? {
-                self.graph = None;
+                self.forget_graphs();
             }
             dev.set_step(&vec![0; n], 0)?;
             let mut input = dev.upload(rows)?;
@@ -364,4 +367,34 @@ pub(super) fn keep<D: Device>(
         _ => list[l].extend_from_slice(&v),
     }
     Ok(())
+}
+
+/// The inputs of the output head for batch rows `rows` of `b`: the residual's rows moved to the
+/// front of `h` (it is done with), normed into `x`, and projected where the model projects its
+/// output (`steps`: each row as a decode step computes it).
+fn head_inputs<'s, D: Device>(
+    dev: &D,
+    m: &DeviceModel<D>,
+    b: &'s mut Scratch<D>,
+    rows: Range<usize>,
+    steps: bool,
+) -> Result<&'s D::Buf> {
+    let (c, k) = (&m.local, rows.len());
+    dev.take_rows(&b.x, rows.start, k, c.d_model, &mut b.h)?;
+    let mut head_in = match &m.output_norm {
+        Some(n) => {
+            norm(dev, c, n, &b.h, &mut b.x, k)?;
+            &b.x
+        }
+        None => &b.h,
+    };
+    if let Some(p) = &m.proj_out {
+        let mut jobs = [Product::new(p, Rows::All, &mut b.e)];
+        match steps {
+            true => dev.matmul_steps(head_in, k, &mut jobs)?,
+            false => dev.matmul(head_in, k, &mut jobs)?,
+        }
+        head_in = &b.e;
+    }
+    Ok(head_in)
 }

@@ -71,10 +71,8 @@ impl<D: Device> DeviceSession<'_, D> {
             dev.scale_cap(&mut s.x, rows * c.d_model, e, None)?;
         }
         if let (Positions::Learned { offset }, Some(pe)) = (c.positions, &m.pos_embd) {
-            match pass {
-                Pass::Seqs { .. } => self.positions_by_row(pe, offset)?,
-                _ => dev.embed(pe, StepRow::Position { offset }, true, &mut s.x, rows)?,
-            }
+            // Each row at its own position (a step of several sequences: `Device::set_steps`).
+            dev.embed(pe, StepRow::Position { offset }, true, &mut s.x, rows)?;
         }
         lap(clock, dev, |t| &mut t.embed)?;
         for l in 0..c.n_layers {

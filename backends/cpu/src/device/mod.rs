@@ -36,8 +36,9 @@ use mat::{range_in, MatBytes};
 
 pub struct CpuDevice {
     /// The batch's tokens, and its first position and row count (read by every verb: atomics,
-    /// set together with the tokens).
+    /// set together with the tokens); each row's position (`Device::set_steps`).
     tokens: Mutex<Vec<u32>>,
+    positions: Mutex<Vec<usize>>,
     pos: AtomicUsize,
     n_rows: AtomicUsize,
     /// The kernel table and the thread pool.
@@ -87,6 +88,7 @@ impl CpuDevice {
     pub fn from_backend(cpu: CpuBackend) -> Self {
         Self {
             tokens: Mutex::new(vec![0]),
+            positions: Mutex::new(vec![0]),
             pos: AtomicUsize::new(0),
             n_rows: AtomicUsize::new(1),
             cpu,
@@ -267,13 +269,24 @@ impl Device for CpuDevice {
         Ok(())
     }
     fn set_step(&self, tokens: &[u32], pos: usize) -> Result<(), BackendError> {
-        if tokens.is_empty() || tokens.len() > MAX_ROWS {
-            return Err(shape(format!("a batch of {} rows", tokens.len())));
+        let positions: Vec<usize> = (pos..pos + tokens.len()).collect();
+        self.set_steps(tokens, &positions)
+    }
+    fn set_steps(&self, tokens: &[u32], positions: &[usize]) -> Result<(), BackendError> {
+        if tokens.is_empty() || tokens.len() > MAX_ROWS || positions.len() != tokens.len() {
+            return Err(shape(format!(
+                "a batch of {} rows at {} positions",
+                tokens.len(),
+                positions.len()
+            )));
         }
         let mut t = self.tokens.lock().expect("tokens lock");
         t.clear();
         t.extend_from_slice(tokens);
-        self.pos.store(pos, Ordering::Relaxed);
+        let mut p = self.positions.lock().expect("positions lock");
+        p.clear();
+        p.extend_from_slice(positions);
+        self.pos.store(positions[0], Ordering::Relaxed);
         self.n_rows.store(tokens.len(), Ordering::Relaxed);
         Ok(())
     }
@@ -287,12 +300,13 @@ impl Device for CpuDevice {
         rows: usize,
     ) -> Result<(), BackendError> {
         self.batch("embed output", x.len(), t.cols, rows)?;
-        let (tokens, pos) = (self.tokens.lock().expect("tokens lock").clone(), self.pos());
+        let tokens = self.tokens.lock().expect("tokens lock").clone();
+        let positions = self.positions.lock().expect("positions lock").clone();
         let mut row = vec![0.0; t.cols];
         for (i, xr) in x.chunks_exact_mut(t.cols).take(rows).enumerate() {
             let r = match which {
                 StepRow::Token { first } => (tokens[i] as usize).checked_sub(first),
-                StepRow::Position { offset } => Some(pos + i + offset),
+                StepRow::Position { offset } => Some(positions[i] + offset),
             };
             match r {
                 Some(r) if r < t.rows => t.row(r, &mut row),
@@ -674,6 +688,7 @@ impl Device for CpuDevice {
         v: &Vec<f32>,
         rope: Option<Rotary<'_, Vec<f32>>>,
         g: AttnGeom,
+        _layer: usize,
         rows: &mut [SeqRow<'_, Self>],
         out: &mut Vec<f32>,
     ) -> Result<(), BackendError> {

@@ -1,11 +1,11 @@
 // x[b] (+)= table[row] for batch row b = blockIdx.y, the row its step names: its token
 // (which = 0) or its position (which = 1), plus `offset` (a vocabulary shard's first row, negated).
-// step = {pos, token of each batch row}. A row outside the table writes zeros (accumulate:
-// nothing).
+// step = {pos, token of each batch row, ...}; pos = each batch row's position. A row outside the
+// table writes zeros (accumulate: nothing).
 template <int T>
-__device__ void embed(const u8* w, int rows, int cols, const int* step, int which, int offset,
-                      int accumulate, float* x) {
-    int r = (which == 0 ? step[1 + blockIdx.y] : step[0] + (int)blockIdx.y) + offset;
+__device__ void embed(const u8* w, int rows, int cols, const int* step, const int* pos,
+                      int which, int offset, int accumulate, float* x) {
+    int r = (which == 0 ? step[1 + blockIdx.y] : pos[blockIdx.y]) + offset;
     x += (size_t)blockIdx.y * cols;
     if (r < 0 || r >= rows) {
         if (accumulate) return;
@@ -23,7 +23,8 @@ __device__ void embed(const u8* w, int rows, int cols, const int* step, int whic
 }
 #define EMBED(name, T)                                                                           \
     extern "C" __global__ void embed_##name(const u8* w, int rows, int cols, const int* step,     \
-                                            int which, int offset, int accumulate, float* x) {   \
-        embed<T>(w, rows, cols, step, which, offset, accumulate, x);                              \
+                                            const int* pos, int which, int offset,               \
+                                            int accumulate, float* x) {                          \
+        embed<T>(w, rows, cols, step, pos, which, offset, accumulate, x);                         \
     }
 FOR_TYPES(EMBED)
