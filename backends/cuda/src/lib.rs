@@ -332,13 +332,13 @@ impl Device for CudaDevice {
                 positions.len()
             )));
         }
-        // {position of row 0, each row's token (MAX_ROWS), each row's position (MAX_ROWS)}.
-        let mut step = vec![0i32; 1 + 2 * MAX_ROWS];
+        // {position of row 0, each row's token (MAX_ROWS places), each row's position}.
+        let mut step = vec![0i32; 1 + MAX_ROWS + n];
         step[0] = positions[0] as i32;
         for (r, (&t, &p)) in tokens.iter().zip(positions).enumerate() {
             (step[1 + r], step[1 + MAX_ROWS + r]) = (t as i32, p as i32);
         }
-        launch::htod(&self.stream, &self.step, &step[..1 + MAX_ROWS + n])?;
+        launch::htod(&self.stream, &self.step, &step)?;
         self.batch.store(n, Ordering::Relaxed);
         self.forget_seq_rows();
         Ok(())

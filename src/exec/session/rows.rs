@@ -1,7 +1,7 @@
 //! What a caller gets back from a run of tokens: the last row's logits (generation), the logits
 //! of a range of rows (perplexity scores a window), or the output head's inputs of a range
 //! (calibration); and, for calibration, each layer's block inputs and head output norms.
-use super::step::{first_projections, norm, Pass};
+use super::step::{first_projections, norm, products, Pass};
 use super::{Computed, DeviceSession, Scratch};
 use crate::exec::model::DeviceModel;
 use crate::{Error, Result};
@@ -194,12 +194,13 @@ impl<D: Device> DeviceSession<'_, D> {
         let (dev, m, k) = (self.dev, self.model, rows.len());
         let c = &m.local;
         let head_in = head_inputs(dev, m, &mut self.s, rows, steps)?;
-        match steps {
-            true => {
-                dev.matmul_steps(head_in, k, &mut [Product::new(m.head(), Rows::All, logits)])?
-            }
-            false => dev.matmul(head_in, k, &mut [Product::new(m.head(), Rows::All, logits)])?,
-        }
+        let pass = Pass::Batch { rows: k, steps };
+        products(
+            dev,
+            head_in,
+            pass,
+            &mut [Product::new(m.head(), Rows::All, logits)],
+        )?;
         if let Some(cap) = c.final_softcap {
             dev.scale_cap(logits, k * c.vocab_size, 1.0, Some(cap))?;
         }
@@ -389,11 +390,13 @@ fn head_inputs<'s, D: Device>(
         None => &b.h,
     };
     if let Some(p) = &m.proj_out {
-        let mut jobs = [Product::new(p, Rows::All, &mut b.e)];
-        match steps {
-            true => dev.matmul_steps(head_in, k, &mut jobs)?,
-            false => dev.matmul(head_in, k, &mut jobs)?,
-        }
+        let pass = Pass::Batch { rows: k, steps };
+        products(
+            dev,
+            head_in,
+            pass,
+            &mut [Product::new(p, Rows::All, &mut b.e)],
+        )?;
         head_in = &b.e;
     }
     Ok(head_in)

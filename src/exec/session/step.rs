@@ -39,7 +39,12 @@ impl Pass {
 
 /// Products of a pass's rows: a decode step's one row through [`Device::matvecs`] (selections
 /// allowed), a batch's rows through [`Device::matmul`] (every row of each matrix).
-fn products<D: Device>(dev: &D, x: &D::Buf, pass: Pass, jobs: &mut [Product<'_, D>]) -> Result<()> {
+pub(super) fn products<D: Device>(
+    dev: &D,
+    x: &D::Buf,
+    pass: Pass,
+    jobs: &mut [Product<'_, D>],
+) -> Result<()> {
     match pass {
         Pass::Step => dev.matvecs(x, jobs)?,
         Pass::Batch { rows, steps: false } => dev.matmul(x, rows, jobs)?,

@@ -35,10 +35,9 @@ pub use mat::CpuMat;
 use mat::{range_in, MatBytes};
 
 pub struct CpuDevice {
-    /// The batch's tokens, and its first position and row count (read by every verb: atomics,
-    /// set together with the tokens); each row's position (`Device::set_steps`).
-    tokens: Mutex<Vec<u32>>,
-    positions: Mutex<Vec<usize>>,
+    /// The batch's tokens and each row's position (`Device::set_steps`), and its first
+    /// position and row count (read by every verb: atomics, set together with the rows).
+    rows: Mutex<(Vec<u32>, Vec<usize>)>,
     pos: AtomicUsize,
     n_rows: AtomicUsize,
     /// The kernel table and the thread pool.
@@ -87,8 +86,7 @@ impl CpuDevice {
     /// The device on `cpu`'s kernels and thread pool.
     pub fn from_backend(cpu: CpuBackend) -> Self {
         Self {
-            tokens: Mutex::new(vec![0]),
-            positions: Mutex::new(vec![0]),
+            rows: Mutex::new((vec![0], vec![0])),
             pos: AtomicUsize::new(0),
             n_rows: AtomicUsize::new(1),
             cpu,
@@ -280,12 +278,7 @@ impl Device for CpuDevice {
                 positions.len()
             )));
         }
-        let mut t = self.tokens.lock().expect("tokens lock");
-        t.clear();
-        t.extend_from_slice(tokens);
-        let mut p = self.positions.lock().expect("positions lock");
-        p.clear();
-        p.extend_from_slice(positions);
+        *self.rows.lock().expect("rows lock") = (tokens.to_vec(), positions.to_vec());
         self.pos.store(positions[0], Ordering::Relaxed);
         self.n_rows.store(tokens.len(), Ordering::Relaxed);
         Ok(())
@@ -300,8 +293,7 @@ impl Device for CpuDevice {
         rows: usize,
     ) -> Result<(), BackendError> {
         self.batch("embed output", x.len(), t.cols, rows)?;
-        let tokens = self.tokens.lock().expect("tokens lock").clone();
-        let positions = self.positions.lock().expect("positions lock").clone();
+        let (tokens, positions) = self.rows.lock().expect("rows lock").clone();
         let mut row = vec![0.0; t.cols];
         for (i, xr) in x.chunks_exact_mut(t.cols).take(rows).enumerate() {
             let r = match which {

@@ -92,6 +92,19 @@ extern "C" __global__ void attention_f16(const float* q, const u16* kc, const u1
     attend_head(q + at, kc, vc, h, n_heads, n_kv_heads, hd, end, scale, softcap, window,
                 out + at);
 }
+// Row r = blockIdx.y's entry of `tab` and its j-th head (j = blockIdx.x): the entry, with `h`
+// the head and `end` past the row's last position (its position + 1, within its context);
+// null where the row has no j-th head.
+__device__ __forceinline__ const u64* row_head(const u64* tab, int n_heads, int* h, int* end) {
+    const u64* t = tab + (size_t)blockIdx.y * SEQ_TAB;
+    int j = blockIdx.x;
+    if (j >= (int)t[5]) return nullptr;
+    const u32* idx = (const u32*)t[2];
+    *h = idx ? (int)idx[j] : j;
+    if (*h >= n_heads) return nullptr;
+    *end = min((int)t[3] + 1, (int)t[4]);
+    return t;
+}
 // A step of several sequences (`Device::attend_rows`): batch row r = blockIdx.y is its own
 // sequence's, described by row r of `tab` (SEQ_TAB values, common.cuh: its key and value
 // caches, its heads' index list or 0 for every head, its position, its context, its head
@@ -100,13 +113,9 @@ extern "C" __global__ void attention_f16(const float* q, const u16* kc, const u1
 extern "C" __global__ void attention_rows_f16(const float* q, const u64* tab, int n_heads,
                                               int n_kv_heads, int hd, float scale,
                                               float softcap, int window, float* out) {
-    const u64* t = tab + (size_t)blockIdx.y * SEQ_TAB;
-    int j = blockIdx.x, count = (int)t[5];
-    if (j >= count || hd % 8 != 0 || hd > 256) return;
-    const u32* idx = (const u32*)t[2];
-    int h = idx ? (int)idx[j] : j;
-    if (h >= n_heads) return;
-    int end = min((int)t[3] + 1, (int)t[4]);
+    int h, end;
+    const u64* t = row_head(tab, n_heads, &h, &end);
+    if (!t || hd % 8 != 0 || hd > 256) return;
     size_t at = ((size_t)blockIdx.y * n_heads + h) * hd;
     attend_head(q + at, (const u16*)t[0], (const u16*)t[1], h, n_heads, n_kv_heads, hd, end,
                 scale, softcap, window, out + at);
@@ -166,13 +175,9 @@ extern "C" __global__ void attention_rows_split_f16(const float* q, const u64* t
                                                     int n_kv_heads, int hd, float scale,
                                                     float softcap, int window, int span,
                                                     float* part) {
-    const u64* t = tab + (size_t)blockIdx.y * SEQ_TAB;
-    int j = blockIdx.x, count = (int)t[5];
-    if (j >= count || hd % 8 != 0 || hd > 256) return;
-    const u32* idx = (const u32*)t[2];
-    int h = idx ? (int)idx[j] : j;
-    if (h >= n_heads) return;
-    int end = min((int)t[3] + 1, (int)t[4]);
+    int h, end;
+    const u64* t = row_head(tab, n_heads, &h, &end);
+    if (!t || hd % 8 != 0 || hd > 256) return;
     int p0 = (window > 0 ? max(end - window, 0) : 0) + (int)blockIdx.z * span;
     size_t at = ((size_t)blockIdx.y * n_heads + h) * hd;
     float* o = span_part(part, hd);
@@ -182,13 +187,9 @@ extern "C" __global__ void attention_rows_split_f16(const float* q, const u64* t
 // The spans of `attention_rows_split_f16` merged: block (j, r) row r's j-th head's.
 extern "C" __global__ void attention_rows_merge(const u64* tab, int n_heads, int hd, int spans,
                                                 const float* part, float* out) {
-    const u64* t = tab + (size_t)blockIdx.y * SEQ_TAB;
-    int j = blockIdx.x, count = (int)t[5];
-    if (j >= count) return;
-    const u32* idx = (const u32*)t[2];
-    int h = idx ? (int)idx[j] : j;
-    if (h >= n_heads) return;
-    size_t slot = (size_t)blockIdx.y * gridDim.x + j;
+    int h, end;
+    if (!row_head(tab, n_heads, &h, &end)) return;
+    size_t slot = (size_t)blockIdx.y * gridDim.x + blockIdx.x;
     float* o = out + ((size_t)blockIdx.y * n_heads + h) * hd;
     merge_spans(part + slot * spans * (hd + 2), spans, hd, o);
 }
