@@ -81,3 +81,13 @@ fn the_gpu_load_test_runs_on_the_cpu() {
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/llama-silu");
     common::load::on_fixture(&model, "cpu", 0.0);
 }
+
+/// The GPU's fault test (tests/device/cuda.rs) on the CPU: a hang-up beside a reply in flight,
+/// a prompt past the context, and SIGTERM with no grace, on two sequences stepped as one batch
+/// (see `common::faults`); the reply beside the hang-up equal to the reply alone.
+#[test]
+fn the_gpu_fault_test_runs_on_the_cpu() {
+    let model =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/llama-silu");
+    common::faults::on_fixture(&model, "cpu", true);
+}

@@ -291,22 +291,26 @@ impl Load<'_> {
                     (t, &want[i][chat as usize])
                 })
                 .collect();
+            // Every stream sent and at least one still held. Streams counted as finished
+            // before the server is asked are not among those it holds, so `held + finished`
+            // reaches the count only once each has been sent (a fast device may finish some).
             let t = Instant::now();
             loop {
+                let finished = streams.iter().filter(|(s, _)| s.is_finished()).count();
                 let h: Value = ureq::get(&format!("{base}/health"))
                     .call()
                     .unwrap()
                     .into_json()
                     .unwrap();
                 let held = h["slots_busy"].as_u64().unwrap() + h["queued"].as_u64().unwrap();
-                if held == streams.len() as u64 {
-                    break; // every stream is queued or generating
+                if held > 0 && held as usize + finished == streams.len() {
+                    break; // every stream is queued, generating or done, and some are in flight
                 }
                 assert!(
                     t.elapsed() < Duration::from_secs(30),
-                    "streams not started: {h}"
+                    "streams not started (or all done before SIGTERM): {h}, {finished} finished"
                 );
-                std::thread::sleep(Duration::from_millis(10));
+                std::thread::sleep(Duration::from_millis(2));
             }
             let status = server.terminate(Duration::from_secs(60));
             for (s, expected) in streams {

@@ -13,6 +13,7 @@ use rand::{Rng, SeedableRng};
 use serde::Deserialize;
 use std::path::PathBuf;
 
+pub mod faults;
 pub mod inproc;
 pub mod load;
 pub mod server;

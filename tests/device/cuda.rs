@@ -418,3 +418,16 @@ fn serving_on_the_gpu_under_load_matches_generate() {
     let model = root().join("tests/fixtures/hf/llama-silu");
     common::load::on_fixture(&model, "cuda", 0.02);
 }
+
+/// Faults that reach the batch thread, on the GPU (`common::faults`): a client that hangs up
+/// mid-stream beside another reply (cancelled; the other ends whole), a prompt past the context
+/// (a 400, the batch goes on), and SIGTERM with no grace under two streams (each ends with an
+/// error chunk and `[DONE]`, exit 0). The HTTP layer's faults are the CPU's (tests/serve.rs).
+#[test]
+fn faults_on_the_gpu_are_bounded_and_the_server_keeps_serving() {
+    if gpu().is_none() {
+        return;
+    }
+    let model = root().join("tests/fixtures/hf/llama-silu");
+    common::faults::on_fixture(&model, "cuda", false);
+}

@@ -157,9 +157,9 @@ pub struct CudaDevice {
     /// to `att_part` (`ATT_PART` floats a SM).
     att_span: usize,
     att_part: CudaSlice<f32>,
-    /// `SEQ_GRAPHS` (default 0 until a GPU has run it): `Device::set_seq_rows` writes every
-    /// layer's rows of a step of several sequences before it, so that the step is recorded (a
-    /// graph per leader and row count) and replayed; 0: each layer's call uploads its rows.
+    /// `SEQ_GRAPHS` (default 1): `Device::set_seq_rows` writes every layer's rows of a step of
+    /// several sequences before it, so that the step is recorded (a graph per leader and row
+    /// count) and replayed; 0: each layer's call uploads its rows, and the step runs eagerly.
     seq_graphs: bool,
     /// `GRAPHS` (default 1): a decode step is recorded once as a CUDA graph and replayed;
     /// `GRAPHS=0` runs every step's launches eagerly (a diagnostic: what recording buys).

@@ -160,7 +160,7 @@ impl CudaDevice {
             split_cols: split_cols(tuning("SPLIT_COLS", 1024, 0..=32768)),
             mma_prompt: tuning("MMA_PROMPT", 0, 0..=1) == 1,
             graphs: tuning("GRAPHS", 1, 0..=1) == 1,
-            seq_graphs: tuning("SEQ_GRAPHS", 0, 0..=1) == 1,
+            seq_graphs: tuning("SEQ_GRAPHS", 1, 0..=1) == 1,
             att_span: tuning("ATT_SPAN", 512, 0..=65536),
             att_part,
             ax_vec: ax_vec(),
