@@ -3,8 +3,10 @@
 
 Each round starts each server in turn (alternating, so slow phases of a shared machine hit
 both alike) with `--parallel N` sequences at the given threads, warms it, then measures:
-  - one client alone: greedy completions of --tokens tokens (ignore_eos), tok/s;
-  - N concurrent clients doing the same: aggregate tok/s (completion tokens / wall time);
+  - one client alone: --bursts greedy completions of --tokens tokens (ignore_eos) one after
+    another, tok/s;
+  - --bursts times N concurrent clients doing the same, each burst after the last has ended:
+    aggregate tok/s (completion tokens / wall time);
   - time to first token of a long prompt (--long-prompt tokens, streamed, each one new) sent
     while N - 1 clients generate without a break, several times a round (p50 / p99 over every
     round).
@@ -17,6 +19,8 @@ from the source distribution of the `llama-cpp-python` package: `pip download ll
 -DLLAMA_CURL=OFF && cmake --build build --target llama-server`) and pass its path.
 
     python3 tools/serve_bench.py --model PATH.gguf --llama-server /scratch/llama-server --rounds 3
+
+`--compare OLD` runs another dejavu binary in the same rounds (a change's A/B).
 """
 import argparse
 import json
@@ -101,11 +105,12 @@ class Server:
             self.proc.kill()
 
 
-def measure(base: str, n: int, tokens: int, long_prompt: str, ttft_samples: int) -> dict:
+def measure(base: str, n: int, tokens: int, long_prompt: str, ttft_samples: int,
+            bursts: int) -> dict:
     for p in PROMPTS[:2]:
         complete(base, p, 8)
     t0 = time.perf_counter()
-    one = complete(base, PROMPTS[0], tokens)
+    one = sum(complete(base, PROMPTS[k % len(PROMPTS)], tokens) for k in range(bursts))
     one_tps = one / (time.perf_counter() - t0)
     done = []
     lock = threading.Lock()
@@ -122,12 +127,13 @@ def measure(base: str, n: int, tokens: int, long_prompt: str, ttft_samples: int)
         while not stop.is_set():
             complete(base, PROMPTS[i % len(PROMPTS)], tokens)
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
     t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    for _ in range(bursts):
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     agg = sum(done) / (time.perf_counter() - t0)
     # TTFT mid-load: n - 1 clients generating without a break, and the long prompts (each
     # different from the start, so no server reuses a cached prefix) take the free sequence.
@@ -148,6 +154,8 @@ def main() -> int:
     ap.add_argument("--model", required=True, help="GGUF file")
     ap.add_argument("--dejavu", default=str(ROOT / "target" / "release" / "dejavu"))
     ap.add_argument("--llama-server", help="path to a llama-server binary (optional)")
+    ap.add_argument("--compare", help="another dejavu binary (a build before a change), run "
+                    "in turn with --dejavu as `dejavu-compare`")
     ap.add_argument("--parallel", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64)
@@ -155,12 +163,18 @@ def main() -> int:
     ap.add_argument("--long-prompt", type=int, default=512, help="tokens (about) of the TTFT prompt")
     ap.add_argument("--ttft-samples", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--bursts", type=int, default=3,
+                    help="requests of one client, and bursts of N clients, a round")
     a = ap.parse_args()
     # About one token per word in these models' vocabularies; the server reports the count.
     long_prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * (a.long_prompt // 10))
-    servers = {"dejavu": lambda port: [a.dejavu, "serve", "-m", a.model, "--port", str(port),
-                                       "--parallel", str(a.parallel), "-t", str(a.threads),
-                                       "--ctx", str(a.ctx), "--no-prefix-reuse"]}
+    def dejavu(binary):
+        return lambda port: [binary, "serve", "-m", a.model, "--port", str(port), "--parallel",
+                             str(a.parallel), "-t", str(a.threads), "--ctx", str(a.ctx),
+                             "--no-prefix-reuse"]
+    servers = {"dejavu": dejavu(a.dejavu)}
+    if a.compare:
+        servers["dejavu-compare"] = dejavu(a.compare)
     if a.llama_server:
         servers["llama-server"] = lambda port: [
             a.llama_server, "-m", a.model, "--port", str(port), "--parallel", str(a.parallel),
@@ -172,7 +186,7 @@ def main() -> int:
             port = free_port()
             s = Server(cmd(port), port)
             try:
-                m = measure(s.base, a.parallel, a.tokens, long_prompt, a.ttft_samples)
+                m = measure(s.base, a.parallel, a.tokens, long_prompt, a.ttft_samples, a.bursts)
             finally:
                 s.stop()
             res[name].append(m)
@@ -189,9 +203,9 @@ def main() -> int:
         p99 = ttft[min(len(ttft) - 1, round(0.99 * (len(ttft) - 1)))]
         print(f"| {name} | {one:.1f} | {agg:.1f} | {agg / one:.2f}x | "
               f"{statistics.median(ttft):.2f} / {p99:.2f} |")
-    if a.llama_server:
-        ratios = [d["agg"] / l["agg"] for d, l in zip(res["dejavu"], res["llama-server"])]
-        print(f"\ndejavu / llama-server aggregate, per round: "
+    for other in [n for n in res if n != "dejavu"]:
+        ratios = [d["agg"] / o["agg"] for d, o in zip(res["dejavu"], res[other])]
+        print(f"\ndejavu / {other} aggregate, per round: "
               f"{' '.join(f'{x:.2f}' for x in ratios)} (median {statistics.median(ratios):.2f})")
     return 0
 

@@ -4,8 +4,8 @@
 //! grammars, stop sequences, streaming); their decoder is a [`BatchDecoder`] that hands its
 //! tokens to this thread and waits for the logits.
 //!
-//! Each round the thread runs one chunk of a waiting prompt ([`PROMPT_CHUNK`] tokens, so a
-//! long prompt does not stall the replies in flight for longer), then one step of the decode rows that
+//! Each round the thread runs the waiting prompts, in turn, up to [`PROMPT_CHUNK`] tokens in all
+//! (so a long prompt does not stall the replies in flight for longer), then one step of the decode rows that
 //! have arrived. A step waits for every sequence of the last step to send its next token (a
 //! slot samples between steps), at most [`JOIN_WAIT`]; new sequences join at the next step.
 //! A slot whose reply ends says so ([`Decoder::pause`]), and the step stops waiting for it.
@@ -24,8 +24,9 @@ use std::collections::{BTreeSet, VecDeque};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::time::{Duration, Instant};
 
-/// Tokens of a prompt run between two decode steps (vLLM's chunked prefill, llama.cpp's
-/// micro-batch): one prompt batch, as `generate` runs a prompt. Measured with
+/// Prompt tokens run between two decode steps, of one prompt or several (vLLM's chunked
+/// prefill, llama.cpp's micro-batch); a prompt's chunk is one prompt batch, as `generate` runs
+/// a prompt. Measured with
 /// `tools/serve_bench.py` on SmolLM2 at 2 threads, alternating: a 512-token prompt's first
 /// token came after 0.64-0.87 s with chunks of 512 against 0.84-0.90 s with chunks of 128
 /// while 7 other replies ran, at the same aggregate tok/s (the others wait out one chunk).
@@ -265,8 +266,19 @@ pub fn run(seqs: &mut dyn SeqBatch, rx: Receiver<Ask>, chunk: usize, pool: Optio
                 }
             }
         }
-        if let Some(mut p) = prompts.pop_front() {
-            let end = (p.done + chunk).min(p.tokens.len());
+        // Waiting prompts in turn while their next chunks fit `chunk` tokens in all: several
+        // short prompts start together (their replies then step together from their first
+        // token); a long one runs one chunk. A prompt's chunks are always `chunk` tokens from
+        // its start (the splits `generate` makes: another split rounds otherwise).
+        let mut budget = chunk;
+        while let Some(next) = prompts.front() {
+            let take = chunk.min(next.tokens.len() - next.done);
+            if take > budget {
+                break;
+            }
+            budget -= take;
+            let mut p = prompts.pop_front().expect("looked at");
+            let end = p.done + take;
             // The whole rest of the prompt, so that one that cannot fit runs no chunk.
             let len = seqs.len(p.seq) + p.tokens.len() - p.done;
             let ran = need(&mut pool, seqs, &lending, p.seq, len)
@@ -555,6 +567,74 @@ mod tests {
             self.0[to] = self.0[from][..len].to_vec();
             Ok(())
         }
+    }
+
+    /// [`Held`], each run and step told to the test: `(seq, tokens)` of a run, `(usize::MAX,
+    /// rows)` of a step.
+    struct Logged(Held, Sender<(usize, usize)>);
+
+    impl SeqBatch for Logged {
+        fn count(&self) -> usize {
+            self.0.count()
+        }
+        fn n_ctx(&self) -> usize {
+            self.0.n_ctx()
+        }
+        fn len(&self, seq: usize) -> usize {
+            self.0.len(seq)
+        }
+        fn truncate(&mut self, seq: usize, len: usize) {
+            self.0.truncate(seq, len)
+        }
+        fn batches(&self) -> bool {
+            true
+        }
+        fn run(&mut self, seq: usize, tokens: &[u32], want: Logits) -> Result<Vec<f32>> {
+            let _ = self.1.send((seq, tokens.len()));
+            self.0.run(seq, tokens, want)
+        }
+        fn step(&mut self, seqs: &[usize], tokens: &[u32]) -> Result<Vec<f32>> {
+            let _ = self.1.send((usize::MAX, seqs.len()));
+            self.0.step(seqs, tokens)
+        }
+        fn release(&mut self, seq: usize) -> Result<()> {
+            self.0.release(seq)
+        }
+        fn fork(&mut self, from: usize, to: usize, len: usize) -> Result<()> {
+            self.0.fork(from, to, len)
+        }
+    }
+
+    /// Short prompts waiting together run in one round, before the step, while their chunks
+    /// fit the round's tokens; a long prompt's chunks are `chunk` tokens from its start
+    /// whatever ran before them in its round.
+    #[test]
+    fn waiting_prompts_share_a_round_and_keep_their_chunks() {
+        let (decs, rx) = decoders(4, 100);
+        // Queued in this order before the batch thread starts: d's one token (a step), then
+        // the prompts of a (3 tokens), b (4) and c (20).
+        let clients: Vec<_> = (decs.into_iter().zip([1, 3, 4, 20]))
+            .map(|(mut dec, n)| {
+                let t = std::thread::spawn(move || dec.decode(&vec![1; n]).map(|l| l[0]));
+                std::thread::sleep(Duration::from_millis(30));
+                t
+            })
+            .collect();
+        let (log_tx, log) = channel();
+        let (freed_tx, _freed) = channel();
+        let thread = std::thread::spawn(move || {
+            let mut seqs = Logged(Held(vec![Vec::new(); 4], freed_tx), log_tx);
+            run(&mut seqs, rx, 8, None);
+        });
+        let lens: Vec<f32> = clients
+            .into_iter()
+            .map(|t| t.join().unwrap().unwrap())
+            .collect();
+        assert_eq!(lens, [1.0, 3.0, 4.0, 20.0]);
+        thread.join().unwrap();
+        let step = usize::MAX;
+        let got: Vec<(usize, usize)> = log.try_iter().collect();
+        assert_eq!(got, [(1, 3), (2, 4), (step, 1), (3, 8), (3, 8), (3, 4)]);
     }
 
     /// A slot's choices borrow idle sequences only (not one mid-reply), each forked from its
