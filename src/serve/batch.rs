@@ -612,11 +612,12 @@ mod tests {
     fn waiting_prompts_share_a_round_and_keep_their_chunks() {
         let (decs, rx) = decoders(4, 100);
         // Queued in this order before the batch thread starts: d's one token (a step), then
-        // the prompts of a (3 tokens), b (4) and c (20).
+        // the prompts of a (3 tokens), b (4) and c (20); each client is given 100 ms to send
+        // before the next starts (a busy machine too).
         let clients: Vec<_> = (decs.into_iter().zip([1, 3, 4, 20]))
             .map(|(mut dec, n)| {
                 let t = std::thread::spawn(move || dec.decode(&vec![1; n]).map(|l| l[0]));
-                std::thread::sleep(Duration::from_millis(30));
+                std::thread::sleep(Duration::from_millis(100));
                 t
             })
             .collect();
