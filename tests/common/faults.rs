@@ -8,7 +8,7 @@
 //!
 //! Replies ignore end-of-generation tokens and run to nearly the context (480 tokens), so that
 //! each is still in flight when the fault arrives on a fast device too.
-use super::inproc::sse_events;
+use super::inproc::{metric_in, settles_to, sse_events};
 use super::server::ServerProcess;
 use serde_json::{json, Value};
 use std::io::{Read, Write};
@@ -64,7 +64,9 @@ pub fn on_fixture(model: &Path, backend: &str, exact: bool) {
             assert_eq!(text, want, "the row beside the hang-up");
         }
     });
-    settle(&base, "dejavu_slots_busy", 0);
+    settles_to("dejavu_slots_busy", 0, || {
+        metric(&base, "dejavu_slots_busy")
+    });
 
     // A prompt past the context is refused; the batch serves the next request.
     let big = json!({"prompt": "word ".repeat(2000), "max_tokens": 4});
@@ -150,19 +152,5 @@ fn metric(base: &str, name: &str) -> u64 {
         .unwrap()
         .into_string()
         .unwrap();
-    let line = m.lines().find(|l| l.starts_with(&format!("{name} ")));
-    line.and_then(|l| l.split(' ').nth(1)?.parse().ok())
-        .unwrap_or_else(|| panic!("{name}: {m}"))
-}
-
-/// Wait (10 s at most) for the gauge `name` to read `want`.
-fn settle(base: &str, name: &str, want: u64) {
-    let t0 = Instant::now();
-    while metric(base, name) != want {
-        assert!(
-            t0.elapsed() < Duration::from_secs(10),
-            "{name} never read {want}"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    metric_in(&m, name)
 }

@@ -224,7 +224,11 @@ impl<D: Decoder> Decoder for Slow<D> {
 
 /// The value of a counter in `/metrics`.
 pub fn counter(s: &Server, name: &str) -> u64 {
-    let (_, m) = s.get("/metrics");
+    metric_in(&s.get("/metrics").1, name)
+}
+
+/// The value of the metric `name` in a `/metrics` text.
+pub fn metric_in(m: &str, name: &str) -> u64 {
     let line = m.lines().find(|l| l.starts_with(&format!("{name} ")));
     line.and_then(|l| l.split(' ').nth(1)?.parse().ok())
         .unwrap_or_else(|| panic!("{name}: {m}"))
@@ -233,8 +237,13 @@ pub fn counter(s: &Server, name: &str) -> u64 {
 /// Wait (10 s at most) for the metric `name` to read `want`: a slot frees itself just after
 /// its reply is sent, so a client can see the reply before the gauge moves.
 pub fn settles(s: &Server, name: &str, want: u64) {
+    settles_to(name, want, || counter(s, name));
+}
+
+/// [`settles`] with the metric read by `read` (a server in another process).
+pub fn settles_to(name: &str, want: u64, read: impl Fn() -> u64) {
     let t0 = Instant::now();
-    while counter(s, name) != want {
+    while read() != want {
         assert!(
             t0.elapsed() < Duration::from_secs(10),
             "{name} never read {want}"
