@@ -10,8 +10,22 @@ use dejavu_backend_api::Device;
 /// What generation runs on: a sequence's KV cache and the model that extends it
 /// (`exec::DeviceSession`, on the CPU or a GPU, or a tensor-parallel world).
 pub trait Decoder {
-    /// Run `tokens` after what the cache holds; the logits of the last.
+    /// Run `tokens` after what the cache holds; the logits of the last. One token is a decode
+    /// step, under the plan.
     fn decode(&mut self, tokens: &[u32]) -> Result<&mut [f32]>;
+    /// Run a prompt, or the rest of one after a cached prefix, after what the cache holds; the
+    /// logits of its last token. Its tokens run as a prompt's do, even one alone (under a plan
+    /// that selects per step, every unit: see `DeviceSession::prompt`).
+    fn prompt(&mut self, tokens: &[u32]) -> Result<&mut [f32]> {
+        self.decode(tokens)
+    }
+    /// Do decode steps write bit for bit the keys and values that a prompt of the same tokens
+    /// writes (a plan that computes every unit, on a batch-invariant device)? Then the
+    /// positions a reply generated may be reused as a later prompt's cached prefix without
+    /// changing what that prompt computes; otherwise only the prompt's own positions may.
+    fn steps_are_prompts(&self) -> bool {
+        false
+    }
     /// Tokens in the cache.
     fn len(&self) -> usize;
     fn n_ctx(&self) -> usize;

@@ -33,13 +33,20 @@ pub struct EngineOptions {
     pub synthetic: SyntheticOptions,
     /// Keep the file's row layout: skip the load-time repacking (`model::repack`).
     pub keep_file_layout: bool,
+    /// Run the CPU's prompt batches through tiles (`--deterministic false`): faster on long
+    /// prompts, but no longer batch-invariant (see `CpuDevice::with_prompt_tiles`).
+    pub prompt_tiles: bool,
 }
 
 /// The CPU device on `threads` threads, its caches of `kv` values.
-fn cpu_device(threads: usize, kv: KvType, file_layout: bool) -> Result<CpuDevice> {
+fn cpu_device(threads: usize, kv: KvType, file_layout: bool, tiles: bool) -> Result<CpuDevice> {
     let d = CpuDevice::from_backend(CpuBackend::new(threads)?);
     let d = match file_layout {
         true => d.with_file_layout(),
+        false => d,
+    };
+    let d = match tiles {
+        true => d.with_prompt_tiles(),
         false => d,
     };
     Ok(match kv {
@@ -157,7 +164,12 @@ impl Engine {
             Some(n) => n,
             None => std::thread::available_parallelism().map_or(1, |n| n.get()),
         };
-        let device = cpu_device(threads, opts.kv_type, opts.keep_file_layout)?;
+        let device = cpu_device(
+            threads,
+            opts.kv_type,
+            opts.keep_file_layout,
+            opts.prompt_tiles,
+        )?;
         if !opts.keep_file_layout {
             model.repack(device.backend())?;
             release_free_heap();
@@ -396,7 +408,8 @@ impl Engine {
         if n == 0 {
             return Err(Error::Invalid("--threads must be at least 1".into()));
         }
-        self.device = cpu_device(n, self.kv_type, self.file_layout)?;
+        let tiles = !dejavu_backend_api::Device::batch_invariant(&self.device);
+        self.device = cpu_device(n, self.kv_type, self.file_layout, tiles)?;
         self.threads = n;
         Ok(())
     }

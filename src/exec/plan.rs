@@ -361,6 +361,14 @@ impl<D: Device> DevicePlan<D> {
         self.mlp.iter().chain(&self.heads).all(Sel::is_all) && self.inputs.is_none()
     }
 
+    /// Does a decode step compute its layers as a prompt's batch row does: every unit and
+    /// input, through the dense products (no rows of zero activations skipped)? Then, on a
+    /// batch-invariant device, a step's keys and values are bit for bit a prompt's. The output
+    /// head may still be contextual.
+    pub fn layers_dense(&self) -> bool {
+        self.is_dense() && !self.needs_layout()
+    }
+
     /// Does a step read the units' sparse layout (a selection, or rows of zero activations
     /// skipped)? Input sparsity reads the inputs' layout instead ([`Self::needs_inputs`]).
     pub fn needs_layout(&self) -> bool {

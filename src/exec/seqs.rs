@@ -17,8 +17,8 @@ pub trait SeqBatch {
     /// Do steps of several sequences run as one batch (every sequence's plan batches: see
     /// `DeviceSession::batches`)? If not, [`Self::step`] runs them one after another.
     fn batches(&self) -> bool;
-    /// `tokens` after what sequence `seq` holds, alone (a prompt, or a chunk of one); the rows
-    /// `want` names.
+    /// `tokens` after what sequence `seq` holds, alone (a prompt, or a chunk of one, run as a
+    /// prompt: see `DeviceSession::prompt`); the rows `want` names.
     fn run(&mut self, seq: usize, tokens: &[u32], want: Logits) -> Result<Vec<f32>>;
     /// One decode step of the distinct sequences `seqs`: `tokens[i]` after what `seqs[i]`
     /// holds. The logits, `[n][vocab]`.
@@ -33,6 +33,10 @@ pub trait SeqBatch {
     fn release(&mut self, seq: usize) -> Result<()>;
     /// Sequence `to` holds sequence `from`'s first `len` positions, and nothing after.
     fn fork(&mut self, from: usize, to: usize, len: usize) -> Result<()>;
+    /// Do decode steps write what prompts write (see `Decoder::steps_are_prompts`)?
+    fn steps_are_prompts(&self) -> bool {
+        false
+    }
 }
 
 impl<D: Device> SeqBatch for Vec<DeviceSession<'_, D>> {
@@ -53,9 +57,12 @@ impl<D: Device> SeqBatch for Vec<DeviceSession<'_, D>> {
     fn batches(&self) -> bool {
         self.iter().all(|s| s.batches())
     }
+    fn steps_are_prompts(&self) -> bool {
+        self.iter().all(|s| s.steps_are_prompts())
+    }
     fn run(&mut self, seq: usize, tokens: &[u32], want: Logits) -> Result<Vec<f32>> {
         let s = self.get_mut(seq).ok_or_else(|| no_sequence(seq))?;
-        Ok(s.run(tokens, want)?.to_vec())
+        Ok(s.run_as(tokens, want, true)?.to_vec())
     }
     fn release(&mut self, seq: usize) -> Result<()> {
         let s = self.get_mut(seq).ok_or_else(|| no_sequence(seq))?;

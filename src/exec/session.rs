@@ -115,6 +115,12 @@ impl<D: Device> crate::exec::Decoder for DeviceSession<'_, D> {
     fn decode(&mut self, tokens: &[u32]) -> Result<&mut [f32]> {
         self.forward(tokens)
     }
+    fn prompt(&mut self, tokens: &[u32]) -> Result<&mut [f32]> {
+        DeviceSession::prompt(self, tokens)
+    }
+    fn steps_are_prompts(&self) -> bool {
+        DeviceSession::steps_are_prompts(self)
+    }
     fn len(&self) -> usize {
         self.len
     }
@@ -437,6 +443,12 @@ impl<'a, D: Device> DeviceSession<'a, D> {
         (self.plan.mlp.iter().zip(&self.plan.heads))
             .map(|(m, h)| Ok((read(m, n0)?, read(h, h0)?)))
             .collect()
+    }
+
+    /// Do decode steps write what a prompt's batch writes, bit for bit (see
+    /// `Decoder::steps_are_prompts`)?
+    pub fn steps_are_prompts(&self) -> bool {
+        self.plan.layers_dense() && self.dev.batch_invariant()
     }
 
     /// Tokens in the cache.

@@ -21,7 +21,9 @@
 use crate::exec::{Decoder, Logits, SeqBatch};
 use crate::{Error, Result};
 use std::collections::{BTreeSet, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Prompt tokens run between two decode steps, of one prompt or several (vLLM's chunked
@@ -42,6 +44,8 @@ enum Op {
         tokens: Vec<u32>,
         want: Logits,
         from: usize,
+        /// (The rest of) a prompt, run as a prompt even when one token (`Decoder::prompt`).
+        prompt: bool,
     },
     Truncate(usize),
     Pause,
@@ -75,11 +79,20 @@ pub struct BatchDecoder {
     n_ctx: usize,
     out: Vec<f32>,
     lent: bool,
+    /// The sequences' `SeqBatch::steps_are_prompts`, set by the batch thread when it starts.
+    exact: Arc<AtomicBool>,
+}
+
+/// The batch thread's end of the decoders' queue (for [`run`]).
+pub struct Queue {
+    rx: Receiver<Ask>,
+    exact: Arc<AtomicBool>,
 }
 
 /// The batch thread's queue and a decoder for each of `n` sequences of `n_ctx` positions.
-pub fn decoders(n: usize, n_ctx: usize) -> (Vec<BatchDecoder>, Receiver<Ask>) {
+pub fn decoders(n: usize, n_ctx: usize) -> (Vec<BatchDecoder>, Queue) {
     let (tx, rx) = channel();
+    let exact = Arc::new(AtomicBool::new(false));
     let decs = (0..n)
         .map(|seq| BatchDecoder {
             seq,
@@ -88,12 +101,35 @@ pub fn decoders(n: usize, n_ctx: usize) -> (Vec<BatchDecoder>, Receiver<Ask>) {
             n_ctx,
             out: Vec::new(),
             lent: false,
+            exact: exact.clone(),
         })
         .collect();
-    (decs, rx)
+    (decs, Queue { rx, exact })
 }
 
 impl BatchDecoder {
+    /// `Decoder::run`; `prompt`: the tokens are (the rest of) a prompt.
+    fn run_as(&mut self, tokens: &[u32], want: Logits, prompt: bool) -> Result<&mut [f32]> {
+        let (tx, rx) = channel();
+        let (tokens, from) = (tokens.to_vec(), self.len);
+        let op = Op::Run {
+            tokens,
+            want,
+            from,
+            prompt,
+        };
+        self.ask(op, Some(tx))?;
+        let got = rx
+            .recv()
+            .map_err(|_| Error::Invalid("the batch thread has ended".into()))?;
+        if let Err(Error::Evicted) = got {
+            self.len = 0;
+        }
+        let (out, len) = got?;
+        (self.out, self.len) = (out, len);
+        Ok(&mut self.out)
+    }
+
     fn ask(&self, op: Op, reply: Option<Sender<Reply>>) -> Result<()> {
         let ask = Ask {
             seq: self.seq,
@@ -123,18 +159,13 @@ impl Decoder for BatchDecoder {
         }
     }
     fn run(&mut self, tokens: &[u32], want: Logits) -> Result<&mut [f32]> {
-        let (tx, rx) = channel();
-        let (tokens, from) = (tokens.to_vec(), self.len);
-        self.ask(Op::Run { tokens, want, from }, Some(tx))?;
-        let got = rx
-            .recv()
-            .map_err(|_| Error::Invalid("the batch thread has ended".into()))?;
-        if let Err(Error::Evicted) = got {
-            self.len = 0;
-        }
-        let (out, len) = got?;
-        (self.out, self.len) = (out, len);
-        Ok(&mut self.out)
+        self.run_as(tokens, want, false)
+    }
+    fn prompt(&mut self, tokens: &[u32]) -> Result<&mut [f32]> {
+        self.run_as(tokens, Logits::Last, true)
+    }
+    fn steps_are_prompts(&self) -> bool {
+        self.exact.load(Ordering::Acquire)
     }
     fn pause(&mut self) {
         let _ = self.ask(Op::Pause, None);
@@ -157,6 +188,7 @@ impl Decoder for BatchDecoder {
                     n_ctx,
                     out,
                     lent: true,
+                    exact: self.exact.clone(),
                 };
                 Box::new(d) as Box<dyn Decoder + Send>
             })
@@ -183,7 +215,9 @@ struct Prompt {
 /// Serve the decoders' asks on `seqs` until every decoder is gone, running prompts in chunks of
 /// `chunk` tokens ([`PROMPT_CHUNK`]; at least 1), the sequences' positions bounded by `pool`
 /// when given.
-pub fn run(seqs: &mut dyn SeqBatch, rx: Receiver<Ask>, chunk: usize, pool: Option<usize>) {
+pub fn run(seqs: &mut dyn SeqBatch, queue: Queue, chunk: usize, pool: Option<usize>) {
+    let Queue { rx, exact } = queue;
+    exact.store(seqs.steps_are_prompts(), Ordering::Release);
     let chunk = chunk.max(1);
     let mut pool = pool.map(|size| Pool::new(size, seqs.count()));
     let mut steps: Vec<(usize, u32, Sender<Reply>)> = Vec::new();
@@ -238,14 +272,19 @@ pub fn run(seqs: &mut dyn SeqBatch, rx: Receiver<Ask>, chunk: usize, pool: Optio
                     expected.remove(&ask.seq);
                     lending.give_back(seqs, ask.seq);
                 }
-                Op::Run { tokens, want, from } => {
+                Op::Run {
+                    tokens,
+                    want,
+                    from,
+                    prompt,
+                } => {
                     let Some(reply) = ask.reply else { continue };
                     if seqs.len(ask.seq) != from {
                         let _ = reply.send(Err(Error::Evicted));
                         continue;
                     }
                     match (tokens.as_slice(), want) {
-                        (&[t], Logits::Last) => {
+                        (&[t], Logits::Last) if !prompt => {
                             since.get_or_insert_with(Instant::now);
                             steps.push((ask.seq, t, reply));
                         }

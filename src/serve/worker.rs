@@ -422,12 +422,12 @@ fn run_job(
     dec.truncate(cached.len());
     ran.reused = cached.len();
     // A cache the KV pool took back while the slot was idle: the whole prompt again.
-    let first = match dec.decode(&ids[ran.reused..]).map(|l| l.to_vec()) {
+    let first = match dec.prompt(&ids[ran.reused..]).map(|l| l.to_vec()) {
         Err(crate::Error::Evicted) => {
             cached.clear();
             dec.truncate(0);
             ran.reused = 0;
-            dec.decode(&ids).map(|l| l.to_vec())
+            dec.prompt(&ids).map(|l| l.to_vec())
         }
         first => first,
     };

@@ -238,7 +238,7 @@ impl<'a> Run<'a> {
         let n = new_tokens.len();
         let mut logits = match speculate {
             Some(_) => dec.run(new_tokens, crate::exec::Logits::Range(n - 1, n))?,
-            None => dec.decode(new_tokens)?,
+            None => dec.prompt(new_tokens)?,
         };
         stats.prompt_secs = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();

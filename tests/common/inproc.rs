@@ -76,6 +76,18 @@ impl Server {
         limits: Limits,
         pool: Option<usize>,
     ) -> Self {
+        Self::batched_with(n, n_ctx, slow, limits, pool, None)
+    }
+
+    /// [`Self::batched_pool`], taking request bodies of up to `max_body` bytes where given.
+    pub fn batched_with(
+        n: usize,
+        n_ctx: usize,
+        slow: bool,
+        limits: Limits,
+        pool: Option<usize>,
+        max_body: Option<usize>,
+    ) -> Self {
         let eng = Arc::new(engine_of(n_ctx));
         let (decs, rx) = serve::batch::decoders(n, n_ctx);
         let owner = eng.clone();
@@ -86,9 +98,11 @@ impl Server {
         });
         // Room in the queue for every request a test sends at once (one slot's 4 would turn
         // the fifth of five concurrent requests away with a 503 while the slots start).
+        let base = options(&eng, None, limits);
         let opts = ServeOptions {
             queue: 16,
-            ..options(&eng, None, limits)
+            max_body: max_body.unwrap_or(base.max_body),
+            ..base
         };
         let slots = (decs.into_iter())
             .map(|dec| {
@@ -219,6 +233,13 @@ impl<D: Decoder> Decoder for Slow<D> {
     fn run(&mut self, tokens: &[u32], want: dejavu::exec::Logits) -> dejavu::Result<&mut [f32]> {
         std::thread::sleep(self.delay);
         self.inner.run(tokens, want)
+    }
+    fn prompt(&mut self, tokens: &[u32]) -> dejavu::Result<&mut [f32]> {
+        std::thread::sleep(self.delay);
+        self.inner.prompt(tokens)
+    }
+    fn steps_are_prompts(&self) -> bool {
+        self.inner.steps_are_prompts()
     }
 }
 

@@ -236,6 +236,14 @@ pub trait Device: Send + Sync {
     type Graph;
 
     fn name(&self) -> String;
+    /// Is the device batch-invariant: does every verb of several rows give each row bit for bit
+    /// what a one-row decode step gives it, whatever the rows beside it, the thread count and
+    /// the cache's length? Then a token's keys, values and logits do not depend on how its
+    /// prompt was split, on a cached prefix, or on the batch it shares (deterministic
+    /// generation).
+    fn batch_invariant(&self) -> bool {
+        false
+    }
     /// Can this device compute with weights of this type?
     fn supports(&self, qtype: QuantType) -> bool;
     /// Does [`Device::axpy`] read matrices in the input-block layout

@@ -36,6 +36,37 @@ pub fn attention(
     s: AttnShape,
     out: &mut [f32],
 ) {
+    attention_of(kern, pool, (q, k, v), heads, s, out, true)
+}
+
+/// [`attention`] with every token as a one-token call computes it (a decode step's kernels,
+/// never the prompt's tiles), so each token's outputs are bit for bit those of its own decode
+/// step, however many tokens share the call: the batch-invariant path.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_steps(
+    kern: &Kernels,
+    pool: &SpinPool,
+    q: &[f32],
+    k: KvSlice<'_>,
+    v: KvSlice<'_>,
+    heads: &IndexSet,
+    s: AttnShape,
+    out: &mut [f32],
+) {
+    attention_of(kern, pool, (q, k, v), heads, s, out, false)
+}
+
+/// [`attention`] (`tiles`: a prompt of at least `PROMPT_MIN` tokens may take the tiled path)
+/// or [`attention_steps`].
+fn attention_of(
+    kern: &Kernels,
+    pool: &SpinPool,
+    (q, k, v): (&[f32], KvSlice<'_>, KvSlice<'_>),
+    heads: &IndexSet,
+    s: AttnShape,
+    out: &mut [f32],
+    tiles: bool,
+) {
     let kv_stride = s.n_kv_heads * s.head_dim;
     // Tasks write `out` through raw pointers: check every extent for real.
     check(s, heads);
@@ -50,7 +81,7 @@ pub fn attention(
         "attention: cache length or types"
     );
     out.fill(0.0);
-    if s.n_tokens >= crate::attention_prompt::PROMPT_MIN {
+    if tiles && s.n_tokens >= crate::attention_prompt::PROMPT_MIN {
         return crate::attention_prompt::attention_prompt(kern, pool, q, k, v, heads, s, out);
     }
     let op = SyncPtr::new(out.as_mut_ptr());
@@ -376,6 +407,49 @@ mod tests {
                         );
                     }
                 }
+            }
+        }
+    }
+
+    /// The batch-invariant path: each of a prompt's tokens (past the tiles' `PROMPT_MIN`) gets
+    /// bit for bit what its own one-token call at its position gives, on every tier, whatever
+    /// the pool's thread count.
+    #[test]
+    fn steps_give_each_token_its_own_calls_outputs() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+        let (n_heads, n_kv_heads, hd, pos0, n) = (6, 3, 16, 5, 37);
+        let len = (pos0 + n) * n_kv_heads * hd;
+        let mut r = |n| {
+            (0..n)
+                .map(|_| rng.gen_range(-1.0f32..1.0))
+                .collect::<Vec<_>>()
+        };
+        let (q, k, v) = (r(n * n_heads * hd), r(len), r(len));
+        let heads = IndexSet::new(n_heads, vec![0, 2, 3, 5]).unwrap();
+        let s = |pos0, n_tokens| AttnShape {
+            n_heads,
+            n_kv_heads,
+            head_dim: hd,
+            pos0,
+            n_tokens,
+            scoring: Scoring::plain(hd),
+        };
+        let qd = n_heads * hd;
+        for kern in Isa::supported().into_iter().filter_map(Kernels::for_isa) {
+            let one = crate::pool::SpinPool::new(1);
+            let mut want = vec![0f32; q.len()];
+            for t in 0..n {
+                let (kk, vv) = (KvSlice::F32(&k), KvSlice::F32(&v));
+                let (qt, ot) = (&q[t * qd..(t + 1) * qd], &mut want[t * qd..(t + 1) * qd]);
+                attention(&kern, &one, qt, kk, vv, &heads, s(pos0 + t, 1), ot);
+            }
+            for threads in [1, 2, 3] {
+                let pool = crate::pool::SpinPool::new(threads);
+                let mut got = vec![f32::NAN; q.len()];
+                let (kk, vv) = (KvSlice::F32(&k), KvSlice::F32(&v));
+                attention_steps(&kern, &pool, &q, kk, vv, &heads, s(pos0, n), &mut got);
+                let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "{} threads {threads}", kern.isa);
             }
         }
     }

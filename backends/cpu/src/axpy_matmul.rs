@@ -2,31 +2,30 @@
 //! `Backend::axpy_rows`): the sparse MLP's down projection reads only the rows of the neurons it
 //! kept, each a contiguous run of bytes.
 //!
-//! Each pool thread takes one contiguous range of the selected rows, prefetches the rows it will
-//! read next and adds them, a few at a time, into its own partial sums: for one token with the
-//! tier's `axpy_q` (dequantization fused into the multiply-add); for several (a step of several
-//! sequences) each segment of the rows is dequantized once, then added into every token's sum
-//! with the tier's f32 `axpy_rows`. The caller adds the partials. [`reference()`] is the scalar definition the test compares against.
+//! The pool's threads split the columns, in whole units of [`col_unit`]: each owns its columns
+//! of every token's output and adds every selected row's share of them, prefetching the rows it
+//! will read next. So every output is one thread's sum in the rows' order, with no partial sums
+//! to add after, and the result is bit for bit the same for any thread count. Each token adds
+//! its own nonzero rows, [`CHUNK`] at a time, with the tier's `axpy_q` (dequantization fused
+//! into the multiply-add), exactly as a call of that token alone would: a step of several
+//! sequences gives each row what its own decode step gives it (batch invariance), while each
+//! row's bytes are read once for all of them. [`reference()`] is the scalar definition the test
+//! compares against.
 use crate::dequant::dequantize_row;
 use crate::kernels::axpy_blocks;
 use crate::kernels::table::Kernels;
 use crate::matmul::SyncPtr;
 use crate::pool::SpinPool;
 use crate::prefetch;
-use dejavu_backend_api::{IndexSet, Weight};
-use std::cell::RefCell;
+use dejavu_backend_api::{IndexSet, QuantType, Weight};
 
 /// Rows summed per kernel call.
 const CHUNK: usize = crate::kernels::axpy_q::MAX_ROWS;
-/// Outputs per segment of the row loop (see `axpy_matmul`): 544 bytes of a Q8_0 row.
+/// Outputs per segment of a thread's columns (544 bytes of a Q8_0 row).
 const SEGMENT_COLS: usize = 512;
-/// Fewer selected rows than this per thread are not worth a second thread.
-const MIN_ROWS_PER_THREAD: usize = 32;
-
-thread_local! {
-    /// Per-thread partial sums of the calling thread's dispatch.
-    static PARTS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-}
+/// Bytes of selected rows per thread, at least, for the down projection (a thread's dispatch
+/// costs more than it saves on small matrices).
+const MIN_ROW_BYTES_PER_THREAD: usize = 32 << 10;
 
 /// The definition, in scalar f32: dequantize each selected row and accumulate in order.
 pub fn reference(w: &Weight, rows: &IndexSet, a: &[f32], y: &mut [f32]) {
@@ -40,6 +39,33 @@ pub fn reference(w: &Weight, rows: &IndexSet, a: &[f32], y: &mut [f32]) {
     }
 }
 
+/// The columns a thread's share holds a whole number of: a whole block of the type, and a
+/// multiple of 64 (the kernels' f32 lanes and the f16 paths' 32 columns), so that every column
+/// is computed by the same instructions whatever share it falls in. A row not of whole units
+/// is one share.
+fn col_unit(q: QuantType, cols: usize) -> usize {
+    let bl = q.block_len().max(1);
+    let unit = bl * 64 / gcd(bl, 64);
+    match cols.is_multiple_of(unit) {
+        true => unit,
+        false => cols,
+    }
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    match b {
+        0 => a,
+        _ => gcd(b, a % b),
+    }
+}
+
+/// One token's rows waiting for a kernel call: their bytes (whole rows) and coefficients.
+struct Pending<'w> {
+    rows: [&'w [u8]; CHUNK],
+    coefs: [f32; CHUNK],
+    n: usize,
+}
+
 pub fn axpy_matmul(
     k: &Kernels,
     pool: &SpinPool,
@@ -49,7 +75,7 @@ pub fn axpy_matmul(
     y: &mut [f32],
 ) {
     let cols = w.cols;
-    // Tasks write partial sums through raw pointers: check every extent for real.
+    // Tasks write `y` through raw pointers: check every extent for real.
     w.check();
     assert_eq!(rows.universe(), w.rows, "axpy_rows: row set universe");
     assert_eq!(
@@ -62,101 +88,91 @@ pub fn axpy_matmul(
         a.len() == n_tok * w.rows && y.len() == n_tok * cols,
         "axpy_rows: lengths"
     );
-    let threads = pool
-        .threads()
-        .min(rows.len().div_ceil(MIN_ROWS_PER_THREAD))
+    y.fill(0.0);
+    let q = w.qtype;
+    let unit = col_unit(q, cols);
+    let units = cols.div_ceil(unit.max(1));
+    let bytes = rows.len() * q.row_bytes(cols);
+    let threads = (pool.threads())
+        .min(units)
+        .min(bytes.div_ceil(MIN_ROW_BYTES_PER_THREAD))
         .max(1);
-    let per = rows.len().div_ceil(threads);
-    // Each task's partial sums of every token, `n_tok * cols` each; a chunk's segment is read
-    // once for all tokens (the rows stay in L1 while each token's coefficients add them).
-    let width = n_tok * cols;
-    PARTS.with_borrow_mut(|parts| {
-        parts.resize(threads * width, 0.0);
-        let pp = SyncPtr::new(parts.as_mut_ptr());
-        pool.run(threads, &|task| {
-            // SAFETY: task `task` alone writes partial `task` (`width` floats inside `parts`,
-            // which holds threads * width and outlives `pool.run`).
-            let part = unsafe { std::slice::from_raw_parts_mut(pp.get().add(task * width), width) };
-            part.fill(0.0);
-            let (lo, hi) = (task * per, ((task + 1) * per).min(rows.len()));
-            // The next chunk's rows are prefetched in step with the reading: while segment
-            // `s` of this chunk's rows is added, segment `s` of the next chunk's (a steady
-            // number of lines in flight; a burst per chunk overflows the miss queue).
-            let (q, bl) = (w.qtype, w.qtype.block_len());
-            let seg = if cols.is_multiple_of(SEGMENT_COLS) && bl <= SEGMENT_COLS {
-                SEGMENT_COLS
-            } else {
-                cols
-            };
-            let seg_bytes = q.row_bytes(seg);
-            for i in lo..(lo + CHUNK).min(hi) {
-                prefetch::prefetch(w.row(rows.get(i)));
+    let yp = SyncPtr::new(y.as_mut_ptr());
+    pool.run(threads, &|task| {
+        let (u0, u1) = (task * units / threads, (task + 1) * units / threads);
+        let (c0, c1) = (u0 * unit, (u1 * unit).min(cols));
+        if c0 >= c1 {
+            return;
+        }
+        // This share's bytes of a row, and its segments (whole units each).
+        let (b0, b1) = (q.row_bytes(c0), q.row_bytes(c1));
+        let seg = SEGMENT_COLS.div_ceil(unit) * unit;
+        let flush = |p: &mut Pending, t: usize| {
+            for s0 in (c0..c1).step_by(seg) {
+                let s1 = (s0 + seg).min(c1);
+                let (sb0, sb1) = (q.row_bytes(s0), q.row_bytes(s1));
+                let mut segs: [&[u8]; CHUNK] = [&[]; CHUNK];
+                for (sg, r) in segs.iter_mut().zip(&p.rows[..p.n]) {
+                    *sg = &r[sb0..sb1];
+                }
+                // SAFETY: task `task` alone writes columns c0..c1 of each token's output (the
+                // shares are disjoint), inside `y` (n_tok * cols floats, which outlives
+                // `pool.run`).
+                let ys =
+                    unsafe { std::slice::from_raw_parts_mut(yp.get().add(t * cols + s0), s1 - s0) };
+                (k.axpy_q)(q, &segs[..p.n], &p.coefs[..p.n], ys);
             }
-            let mut coefs = vec![0f32; n_tok * CHUNK];
-            // Several tokens: each chunk's segment dequantized once into `tile`, then every
-            // token's f32 weighted sum of it (one token: the fused integer kernel, as a decode
-            // step reads it).
-            let mut tile = vec![0f32; if n_tok > 1 { CHUNK * seg } else { 0 }];
-            let mut refs: [&[u8]; CHUNK] = [&[]; CHUNK];
-            let mut next: [&[u8]; CHUNK] = [&[]; CHUNK];
-            for start in (lo..hi).step_by(CHUNK) {
-                let m = CHUNK.min(hi - start);
-                let nm = CHUNK.min(hi.saturating_sub(start + m));
-                for i in 0..m {
-                    let r = rows.get(start + i);
-                    refs[i] = w.row(r);
-                    for t in 0..n_tok {
-                        coefs[t * CHUNK + i] = a[t * w.rows + r];
-                    }
+            p.n = 0;
+        };
+        let mut pending: Vec<Pending> = (0..n_tok)
+            .map(|_| Pending {
+                rows: [&[]; CHUNK],
+                coefs: [0.0; CHUNK],
+                n: 0,
+            })
+            .collect();
+        let ahead = prefetch::rows_ahead(b1 - b0);
+        for i in 0..ahead.min(rows.len()) {
+            prefetch::prefetch(&w.row(rows.get(i))[b0..b1]);
+        }
+        for i in 0..rows.len() {
+            if i + ahead < rows.len() {
+                prefetch::prefetch(&w.row(rows.get(i + ahead))[b0..b1]);
+            }
+            let r = rows.get(i);
+            for (t, p) in pending.iter_mut().enumerate() {
+                let c = a[t * w.rows + r];
+                if c == 0.0 {
+                    continue; // a zero's row adds nothing: a call of this token alone skips it
                 }
-                for (i, nx) in next.iter_mut().enumerate().take(nm) {
-                    *nx = w.row(rows.get(start + m + i));
-                }
-                for s in 0..cols.div_ceil(seg) {
-                    let bytes = s * seg_bytes..(s + 1) * seg_bytes;
-                    for nx in &next[..nm] {
-                        prefetch::prefetch(&nx[bytes.clone()]);
-                    }
-                    let mut segs: [&[u8]; CHUNK] = [&[]; CHUNK];
-                    for (sg, r) in segs.iter_mut().zip(&refs[..m]) {
-                        *sg = &r[bytes.clone()];
-                    }
-                    let c0 = s * seg;
-                    let c1 = (c0 + seg).min(cols);
-                    if n_tok == 1 {
-                        (k.axpy_q)(q, &segs[..m], &coefs[..m], &mut part[c0..c1]);
-                        continue;
-                    }
-                    let len = c1 - c0;
-                    for (sg, t) in segs[..m].iter().zip(tile.chunks_exact_mut(len)) {
-                        (k.dequantize)(q, sg, t);
-                    }
-                    for t in 0..n_tok {
-                        let ys = &mut part[t * cols + c0..t * cols + c1];
-                        let c = &coefs[t * CHUNK..t * CHUNK + m];
-                        (k.axpy_rows)(c, &tile[..m * len], len, ys);
-                    }
+                (p.rows[p.n], p.coefs[p.n]) = (w.row(r), c);
+                p.n += 1;
+                if p.n == CHUNK {
+                    flush(p, t);
                 }
             }
-        });
-        let (first, rest) = parts.split_at(width);
-        let y = &mut y[..width];
-        y.copy_from_slice(first);
-        for p in rest.chunks_exact(width) {
-            y.iter_mut().zip(p).for_each(|(y, v)| *y += v);
+        }
+        for (t, p) in pending.iter_mut().enumerate() {
+            if p.n > 0 {
+                flush(p, t);
+            }
         }
     });
 }
 
 /// Bytes of kept rows per thread, at least (fewer go to fewer threads: a second thread's
-/// dispatch and partial sum cost more than it saves on small matrices such as K and V).
+/// dispatch costs more than it saves on small matrices such as K and V).
 const MIN_BYTES_PER_THREAD: usize = 64 << 10;
+/// Outputs a thread's share of an input-block product holds a whole number of (the AVX-512
+/// tier's tile).
+const BLOCK_COL_UNIT: usize = 128;
 
 /// `y += sum over r with x[r] != 0 of x[r] * W[r]` for `w` in the input-block layout
 /// (`RowLayout::InputBlocks`, see `kernels::axpy_blocks`): each block of 32 inputs with a
-/// nonzero one goes through the tier's `axpy_blocks` with its kept rows. The pool's threads take
-/// contiguous runs of those blocks (about equal kept rows each), so each streams its rows in
-/// memory order; each adds into its own partial sum, and the caller adds the partials.
+/// nonzero one goes through the tier's `axpy_blocks` with its kept rows. The pool's threads
+/// split the outputs (whole tiles of [`BLOCK_COL_UNIT`]) and each reads its columns of every
+/// kept block in memory order, so every output is one thread's sum in the blocks' order: the
+/// same bits for any thread count.
 pub fn axpy_blocks(k: &Kernels, pool: &SpinPool, w: &Weight, x: &[f32], y: &mut [f32]) {
     w.check();
     assert_eq!(
@@ -189,61 +205,34 @@ pub fn axpy_blocks(k: &Kernels, pool: &SpinPool, w: &Weight, x: &[f32], y: &mut 
     if total == 0 {
         return;
     }
-    let threads = pool
-        .threads()
+    let units = cols.div_ceil(BLOCK_COL_UNIT);
+    let threads = (pool.threads())
+        .min(units)
         .min((total * q.row_bytes(cols)).div_ceil(MIN_BYTES_PER_THREAD))
         .max(1);
-    // Thread t takes the blocks whose first kept row falls in its share of the kept rows.
-    let mut bounds = vec![0usize; threads + 1];
-    let (mut seen, mut t) = (0, 1);
-    for (i, kb) in kept.iter().enumerate() {
-        while t < threads && seen >= t * total / threads {
-            bounds[t] = i;
-            t += 1;
-        }
-        seen += kb.2;
-    }
-    for b in bounds.iter_mut().skip(t) {
-        *b = kept.len();
-    }
-    bounds[threads] = kept.len();
     let block = |b: usize| &w.data[b * block_bytes..(b + 1) * block_bytes];
-    let run = |part: &mut [f32], t: usize| {
-        let mine = &kept[bounds[t]..bounds[t + 1]];
-        if let Some((b, r, n)) = mine.first() {
-            axpy_blocks::prefetch_first(q, block(*b), cols, &r[..*n]);
+    let yp = SyncPtr::new(y.as_mut_ptr());
+    pool.run(threads, &|t| {
+        let (c0, c1) = (
+            t * units / threads * BLOCK_COL_UNIT,
+            ((t + 1) * units / threads * BLOCK_COL_UNIT).min(cols),
+        );
+        if c0 >= c1 {
+            return;
         }
-        for (i, (b, r, n)) in mine.iter().enumerate() {
+        // SAFETY: task t alone writes outputs c0..c1 (the shares are disjoint), inside `y`
+        // (cols floats, which outlives `pool.run`).
+        let part = unsafe { std::slice::from_raw_parts_mut(yp.get().add(c0), c1 - c0) };
+        if let Some((b, r, n)) = kept.first() {
+            axpy_blocks::prefetch_first(q, block(*b), cols, &r[..*n], c0);
+        }
+        for (i, (b, r, n)) in kept.iter().enumerate() {
             // The next block's first rows, while this one's are read.
-            if let Some((nb, nr, nn)) = mine.get(i + 1) {
-                axpy_blocks::prefetch_first(q, block(*nb), cols, &nr[..*nn]);
+            if let Some((nb, nr, nn)) = kept.get(i + 1) {
+                axpy_blocks::prefetch_first(q, block(*nb), cols, &nr[..*nn], c0);
             }
             let xb: &[f32; 32] = x[32 * b..32 * b + 32].try_into().expect("32 inputs");
-            (k.axpy_blocks)(q, block(*b), cols, &r[..*n], xb, 0, part);
-        }
-    };
-    if threads == 1 {
-        return run(y, 0);
-    }
-    PARTS.with_borrow_mut(|parts| {
-        parts.clear();
-        parts.resize((threads - 1) * cols, 0.0);
-        let pp = SyncPtr::new(parts.as_mut_ptr());
-        let yp = SyncPtr::new(y.as_mut_ptr());
-        pool.run(threads, &|t| {
-            // SAFETY: task 0 alone writes `y` (cols floats); task t > 0 alone writes partial
-            // t - 1 (cols floats inside `parts`, which holds (threads - 1) * cols); both outlive
-            // `pool.run`.
-            let part = unsafe {
-                match t {
-                    0 => std::slice::from_raw_parts_mut(yp.get(), cols),
-                    _ => std::slice::from_raw_parts_mut(pp.get().add((t - 1) * cols), cols),
-                }
-            };
-            run(part, t);
-        });
-        for p in parts.chunks_exact(cols) {
-            y.iter_mut().zip(p).for_each(|(y, v)| *y += v);
+            (k.axpy_blocks)(q, block(*b), cols, &r[..*n], xb, c0, part);
         }
     });
 }
@@ -258,6 +247,78 @@ mod tests {
     /// Every tier and thread count within 1e-5 (relative to the sum of |terms|) of the reference,
     /// plus the integer kernels' rounding bound (`axpy_q::rounding_bound`), for every weight type,
     /// ragged row counts and subsets (empty, one row, random, full), for `NT` tokens at once.
+    /// Bit for bit the same at any thread count, and each token of a call what a call of that
+    /// token alone gives (batch invariance), for every tier and type, ragged shapes and
+    /// subsets; the input-block product the same at any thread count.
+    #[test]
+    fn threads_and_batches_change_no_bit() {
+        const NT: usize = 3;
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        for isa in Isa::supported() {
+            let k = Kernels::for_isa(isa).unwrap();
+            let pools = [1, 2, 3].map(SpinPool::new);
+            for (q, cols) in QuantType::ALL.into_iter().flat_map(|q| {
+                let bl = q.block_len().max(32);
+                [(q, 9 * bl.max(64)), (q, 2 * SEGMENT_COLS + 3 * bl), (q, bl)]
+            }) {
+                let n = 203;
+                let data: Vec<u8> = (0..n)
+                    .flat_map(|r| random_row(q, cols, r as u64 * 17 + 3))
+                    .collect();
+                let w = Weight::new(q, n, cols, &data).unwrap();
+                let mut a = random_f32(NT * n, 9);
+                // Each token keeps its own rows (zeros elsewhere), as a batched sparse step.
+                for (i, v) in a.iter_mut().enumerate() {
+                    if (i * 7 + i / n) % 5 < 2 {
+                        *v = 0.0;
+                    }
+                }
+                let rows = IndexSet::new(n, (0..n as u32).filter(|i| i % 4 != 1).collect());
+                let rows = rows.unwrap();
+                let mut one = vec![0f32; NT * cols];
+                for t in 0..NT {
+                    let at = &a[t * n..(t + 1) * n];
+                    let yt = &mut one[t * cols..(t + 1) * cols];
+                    axpy_matmul(&k, &pools[0], &w, &rows, at, yt);
+                }
+                for pool in &pools {
+                    let mut got = vec![1f32; NT * cols];
+                    axpy_matmul(&k, pool, &w, &rows, &a, &mut got);
+                    let th = pool.threads();
+                    assert_eq!(bits(&got), bits(&one), "{isa} {q:?} {cols} threads {th}");
+                }
+            }
+            // The input-block layout: Q8_0 inputs in blocks of 32, outputs over several tiles.
+            let (rows, cols) = (96, 3 * BLOCK_COL_UNIT + 64);
+            let q = QuantType::Q8_0;
+            let d: Vec<f32> = random_f32(cols, 3).iter().map(|v| v.abs() + 0.01).collect();
+            let quants: Vec<u8> = (0..rows * cols).map(|i| (i * 31 % 255) as u8).collect();
+            let data: Vec<u8> = (0..rows / 32)
+                .flat_map(|b| {
+                    let qs = &quants[b * 32 * cols..(b + 1) * 32 * cols];
+                    axpy_blocks::pack_block(q, cols, &d, &[], qs)
+                })
+                .collect();
+            let w = Weight::new(q, rows, cols, &data)
+                .unwrap()
+                .with_layout(dejavu_backend_api::RowLayout::InputBlocks);
+            let mut x = random_f32(rows, 4);
+            x.iter_mut().step_by(3).for_each(|v| *v = 0.0);
+            let mut want = vec![0f32; cols];
+            axpy_blocks(&k, &pools[0], &w, &x, &mut want);
+            for pool in &pools[1..] {
+                let mut got = vec![0f32; cols];
+                axpy_blocks(&k, pool, &w, &x, &mut got);
+                assert_eq!(
+                    bits(&got),
+                    bits(&want),
+                    "{isa} blocks, {} threads",
+                    pool.threads()
+                );
+            }
+        }
+    }
+
     #[test]
     fn tiers_match_reference() {
         const NT: usize = 3;

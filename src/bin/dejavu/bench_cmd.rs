@@ -29,6 +29,10 @@ pub struct BenchArgs {
     /// Tensor parallelism of the `cuda` runs: the model split over this many GPUs (`-tp N`).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub tensor_parallel: u16,
+    /// `false`: the CPU's prompt batches through faster tiles, not batch-invariant (see
+    /// `generate --help`); `true` (the default) as every other command runs them.
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
+    pub deterministic: Option<bool>,
     /// Thread counts to test, comma-separated.
     #[arg(long, short, value_delimiter = ',', default_value = "1,2")]
     pub threads: Vec<usize>,
@@ -166,6 +170,7 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
             kv_type: a.kv_type,
             synthetic: a.synthetic.options(),
             keep_file_layout: a.no_repack || cuda,
+            prompt_tiles: a.deterministic == Some(false),
         },
     )?;
     let policies = (a.sparsity.iter())

@@ -197,9 +197,12 @@ fn chat_loop(
             Stop::Cancelled => eprintln!("(reply stopped)"),
             _ => {}
         }
-        // What the cache holds now: the prompt and every reply token that was fed back.
+        // What the cache holds now: the prompt and every reply token that was fed back (those
+        // only where a decode step writes what a prompt would: see `Decoder::steps_are_prompts`).
         cached = ids;
-        cached.extend(&reply);
+        if dec.steps_are_prompts() {
+            cached.extend(&reply);
+        }
         cached.truncate(dec.len());
         messages.push(("assistant".into(), engine.tokenizer.decode(&reply)?));
     }

@@ -93,6 +93,13 @@ struct ModelArgs {
     /// Where to run: cpu, or cuda (a build with `--features cuda`).
     #[arg(long, value_enum, default_value = "cpu")]
     backend: BackendKind,
+    /// Same request, same reply (the CPU's default, `true`): every token is computed as its own
+    /// decode step computes it, so its logits do not depend on how its prompt was split, on a
+    /// cached prefix, on the requests batched beside it or on `--threads`. `false`: prompts of
+    /// 16 tokens and more go through faster tiles whose rounding differs, so a near tie can
+    /// flip. Not yet on the GPU.
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
+    deterministic: Option<bool>,
     /// Tensor parallelism: split the model over this many GPUs (`-tp N`; with `--backend cuda`,
     /// one GPU per rank, NCCL between them).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
@@ -141,6 +148,11 @@ impl ModelArgs {
 
     fn load(&self, n_ctx: Option<usize>) -> Result<Engine> {
         dejavu_backend_cpu::pool::set_poll(self.poll);
+        if self.backend == BackendKind::Cuda && self.deterministic == Some(true) {
+            anyhow::bail!(
+                "--deterministic is not yet on the GPU (its batch-invariant kernels are to come);                  the CPU is deterministic by default"
+            );
+        }
         let path = fetch::resolve_model(self.model.as_deref())?;
         let engine = load_engine(
             &path,
@@ -151,6 +163,7 @@ impl ModelArgs {
                 synthetic: self.synthetic.options(),
                 // A GPU uploads the file's layout (repacking is the CPU's).
                 keep_file_layout: self.no_repack || self.backend == BackendKind::Cuda,
+                prompt_tiles: self.deterministic == Some(false),
             },
         )?;
         if engine.model.synthetic_source().is_some() {

@@ -79,6 +79,25 @@ impl<D: Device> DeviceSession<'_, D> {
     /// run. A prompt runs in batches where the plan allows (`batchable`; always under
     /// capture, which needs it), else one position at a time, as decode steps do.
     pub fn run(&mut self, tokens: &[u32], want: Logits) -> Result<&mut [f32]> {
+        self.run_as(tokens, want, false)
+    }
+
+    /// Run a prompt, or the rest of one after a cached prefix: its last token's logits. Under
+    /// a plan whose steps select units per token, a prompt of one token runs as a batch of
+    /// every unit too, as the same token does inside a longer prompt; a decode step
+    /// ([`Self::forward`]) runs under the plan. So a prompt's keys, values and logits do not
+    /// depend on where a cached prefix ends.
+    pub fn prompt(&mut self, tokens: &[u32]) -> Result<&mut [f32]> {
+        self.run_as(tokens, Logits::Last, true)
+    }
+
+    /// [`Self::run`]; `prompt`: the tokens are (the rest of) a prompt (see [`Self::prompt`]).
+    pub(crate) fn run_as(
+        &mut self,
+        tokens: &[u32],
+        want: Logits,
+        prompt: bool,
+    ) -> Result<&mut [f32]> {
         self.check(tokens)?;
         let n = tokens.len();
         let (rows, hidden) = match want {
@@ -106,7 +125,8 @@ impl<D: Device> DeviceSession<'_, D> {
         }
         self.clamp_lazy()?;
         self.rows_out.clear();
-        match (n > 1 || capture) && self.batchable() {
+        let prompt = prompt && !self.plan.layers_dense();
+        match (n > 1 || capture || prompt) && self.batchable() {
             true => self.prefill(tokens, (!last).then_some((rows, hidden)))?,
             false => {
                 for (i, &t) in tokens.iter().enumerate() {

@@ -85,6 +85,7 @@ fn one_choice(
 ) -> Result<Option<(Finish, usize)>, ApiError> {
     let (engine, job, jobs) = (slot.engine, slot.job, slot.jobs);
     let send = |e: Event| slot.send(e);
+    let keep_steps = dec.steps_are_prompts();
     let Start {
         ids,
         index,
@@ -115,7 +116,7 @@ fn one_choice(
             raw.extend_from_slice(logits);
         }
         if let Some(g) = &mut guide {
-            g.mask(logits).map_err(internal)?;
+            g.mask(logits).map_err(grammar_error)?;
         }
         let next = sampler.sample(logits, &history);
         if eog.contains(&next) {
@@ -127,7 +128,7 @@ fn one_choice(
             }
         }
         let complete = match &mut guide {
-            Some(g) => g.advance(next).map_err(internal)?,
+            Some(g) => g.advance(next).map_err(grammar_error)?,
             None => false,
         };
         n += 1;
@@ -163,7 +164,11 @@ fn one_choice(
             Err(crate::Error::Busy(_)) => break Finish::Length,
             Err(e) => return Err(internal(e)),
         };
-        cached.push(next);
+        // A later prompt reuses this position only where a step writes what a prompt would
+        // (a sparse plan's steps do not: the prompt then computes it again, as a cold cache).
+        if keep_steps {
+            cached.push(next);
+        }
     };
     // The held-back text and the detokenizer's rest, unless a stop sequence ended the reply.
     if !stops.stopped {
@@ -182,4 +187,10 @@ fn one_choice(
         None => Ok(Some((finish, n))),
         Some(c) => Ok(send(Event::ToolCalls(index, c)).then_some((Finish::ToolCalls, n))),
     }
+}
+
+/// A grammar that reached one of the parser's limits mid-reply: the request's fault, a 400
+/// with the parser's short reason.
+fn grammar_error(e: String) -> ApiError {
+    ApiError::invalid(format!("the grammar or schema: {e}"), None)
 }

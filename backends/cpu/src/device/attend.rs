@@ -67,7 +67,11 @@ impl CpuDevice {
                     y: &mut v,
                 },
             ];
-            matmul::matmul_shared(&self.cpu.kernels, &self.cpu.pool, &x, &mut jobs);
+            let run = match self.invariant {
+                true => matmul::matmul_shared_steps,
+                false => matmul::matmul_shared,
+            };
+            run(&self.cpu.kernels, &self.cpu.pool, &x, &mut jobs);
             for (i, (kr, vr)) in k
                 .chunks_exact_mut(width)
                 .zip(v.chunks_exact_mut(width))
@@ -146,7 +150,11 @@ impl CpuDevice {
             n_tokens: rows,
             scoring: g.scoring,
         };
-        attention::attention(
+        let run = match self.invariant {
+            true => attention::attention_steps,
+            false => attention::attention,
+        };
+        run(
             &self.cpu.kernels,
             &self.cpu.pool,
             &qf,

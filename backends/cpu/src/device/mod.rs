@@ -50,6 +50,10 @@ pub struct CpuDevice {
     f32_cache: bool,
     /// `upload_rows` keeps the file's layout ([`CpuDevice::with_file_layout`]).
     file_layout: bool,
+    /// Batch-invariant (the default; off by [`CpuDevice::with_prompt_tiles`]): every verb of
+    /// several rows gives each row bit for bit what a one-row decode step gives it, whatever
+    /// the rows beside it and the pool's thread count (see `Device::batch_invariant`).
+    invariant: bool,
 }
 
 impl Default for CpuDevice {
@@ -94,6 +98,7 @@ impl CpuDevice {
             world: None,
             f32_cache: false,
             file_layout: false,
+            invariant: true,
         }
     }
     /// The kernels and pool as a [`crate::CpuBackend`] (for work outside a decode step: repacking,
@@ -118,6 +123,16 @@ impl CpuDevice {
     pub fn with_f32_cache(self) -> Self {
         Self {
             f32_cache: true,
+            ..self
+        }
+    }
+    /// A prompt's batches through the fastest kernels (`--deterministic false`): a dense batch's
+    /// products in integer or f32 tiles and its attention in tiles from 16 tokens on, each
+    /// token's values then differing from its decode step's by rounding, so a token's logits
+    /// depend on how its prompt was split. Off by default.
+    pub fn with_prompt_tiles(self) -> Self {
+        Self {
+            invariant: false,
             ..self
         }
     }
@@ -195,6 +210,13 @@ impl Device for CpuDevice {
     type Cache = CpuCache;
     type Graph = ();
 
+    /// Batch-invariant unless made [`CpuDevice::with_prompt_tiles`]: `Device::matmul` is then
+    /// `Device::matmul_steps`, `Device::attention` of several rows runs each row through the
+    /// decode kernels, the lazy K/V fill's products are the decode path's, and the sparse sums
+    /// add in one order whatever the thread count.
+    fn batch_invariant(&self) -> bool {
+        self.invariant
+    }
     fn name(&self) -> String {
         match self.reference {
             true => "cpu (f32 reference)".into(),
@@ -322,7 +344,7 @@ impl Device for CpuDevice {
         rows: usize,
         jobs: &mut [Product<'_, Self>],
     ) -> Result<(), BackendError> {
-        self.batch_products(x, rows, jobs, false)
+        self.batch_products(x, rows, jobs, self.invariant)
     }
 
     fn matmul_steps(

@@ -168,18 +168,19 @@ fn prefetch_row(q: QuantType, block: &[u8], cols: usize, r: Option<&u8>, o: usiz
     }
 }
 
-/// The scale table and the first tile of the first [`AHEAD`] kept rows of a block, for the
-/// loop that reads the block before it to prefetch.
-pub fn prefetch_first(q: QuantType, block: &[u8], cols: usize, kept: &[u8]) {
+/// The scale table and the first tile from output `lo` (a multiple of 32) of the first
+/// [`AHEAD`] kept rows of a block, for the loop that reads the block before it to prefetch.
+pub fn prefetch_first(q: QuantType, block: &[u8], cols: usize, kept: &[u8], lo: usize) {
     #[cfg(target_arch = "x86_64")]
     {
         crate::prefetch::prefetch(&block[..scale_bytes(q, cols)]);
+        let lo = lo.min(cols);
         for &r in kept.iter().take(AHEAD) {
-            prefetch_row(q, block, cols, Some(&r), 0, TILE.min(cols));
+            prefetch_row(q, block, cols, Some(&r), lo, TILE.min(cols - lo));
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (q, block, cols, kept);
+    let _ = (q, block, cols, kept, lo);
 }
 
 /// Outputs per register tile of the AVX-512 loop (eight 16-lane sums; the AVX2 loop takes
