@@ -199,6 +199,8 @@ fn an_api_key_guards_the_v1_routes() {
     assert_eq!(s.post("/v1/chat/completions", &body, Some("wrong")).0, 401);
     assert_eq!(s.post("/v1/chat/completions", &body, Some("sesame")).0, 200);
     assert_eq!(s.get("/v1/models").0, 401);
+    // Issue 52: what the slots are doing is behind the key too.
+    assert_eq!(s.get("/slots").0, 401, "/slots needs the key");
     assert_eq!(s.get("/health").0, 200, "health needs no key");
     s.shutdown().unwrap();
 }

@@ -292,8 +292,12 @@ async fn health(State(s): State<Shared>) -> Json<Value> {
 }
 
 /// `GET /slots`: each slot's context, whether it is generating, its request's prompt and decoded
-/// token counts, and the tokens its cache holds (no prompt text).
-async fn slots(State(s): State<Shared>) -> impl IntoResponse {
+/// token counts, and the tokens its cache holds (no prompt text). Behind the API key, as in
+/// llama-server (what the clients are doing is theirs).
+async fn slots(State(s): State<Shared>, headers: HeaderMap) -> Response {
+    if let Err(e) = authorized(&s, &headers) {
+        return error(e);
+    }
     let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
     let slots: Vec<serde_json::Value> = (s.metrics.slots.iter().enumerate())
         .map(|(id, st)| {
@@ -307,7 +311,7 @@ async fn slots(State(s): State<Shared>) -> impl IntoResponse {
             })
         })
         .collect();
-    axum::Json(slots)
+    axum::Json(slots).into_response()
 }
 
 async fn metrics(State(s): State<Shared>) -> impl IntoResponse {

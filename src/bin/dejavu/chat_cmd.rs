@@ -57,6 +57,10 @@ enum Turn {
     End,
 }
 
+/// Most bytes of one line of piped input: far past any context (a million-token context
+/// holds a few MiB of text), far below what would strain the machine.
+const MAX_LINE: u64 = 16 << 20;
+
 /// Where turns come from: the line editor on a terminal, plain lines from a pipe.
 enum Source {
     Editor(Box<rustyline::DefaultEditor>),
@@ -83,13 +87,23 @@ impl Source {
                     Err(e) => return Err(e.into()),
                 }
             },
-            Self::Lines(input) => {
-                let mut l = String::new();
-                match input.read_line(&mut l)? {
-                    0 => Ok(None),
-                    _ => Ok(Some(l.trim_end_matches(['\n', '\r']).to_string())),
+            Self::Lines(input) => loop {
+                // At most MAX_LINE bytes a line (endless input without a newline is refused,
+                // not held); a line that is not UTF-8 is skipped with an error, the chat
+                // goes on.
+                let mut l = Vec::new();
+                let n = std::io::Read::take(&mut *input, MAX_LINE + 1).read_until(b'\n', &mut l)?;
+                if n == 0 {
+                    return Ok(None);
                 }
-            }
+                if l.len() as u64 > MAX_LINE {
+                    bail!("a line of standard input is longer than {MAX_LINE} bytes");
+                }
+                match String::from_utf8(l) {
+                    Ok(l) => return Ok(Some(l.trim_end_matches(['\n', '\r']).to_string())),
+                    Err(_) => eprintln!("error: a line of standard input is not UTF-8; skipped"),
+                }
+            },
         }
     }
 
@@ -186,9 +200,13 @@ fn chat_loop(
             a.max_tokens,
             sampler,
             &rules,
-            stream_to(&mut stdout),
+            stream_to(&mut stdout, &cancel),
         )?;
-        let _ = writeln!(stdout);
+        // Standard output gone (a closed pipe): the reply stopped at its first piece; end.
+        if writeln!(stdout).and_then(|_| stdout.flush()).is_err() {
+            eprintln!("(standard output closed; chat ends)");
+            return Ok(());
+        }
         match stats.stop {
             Stop::ContextFull => eprintln!(
                 "(reply cut: the context window of {} tokens is full)",

@@ -12,6 +12,8 @@ use dejavu::text::generate::Stop;
 use dejavu::text::sampling::{Sampler, SamplerConfig};
 use dejavu_backend_api::QuantType;
 use std::io::Write;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
 
 mod backend_choice;
 use backend_choice::{with_decoder, with_sessions, BackendKind, Placement};
@@ -501,8 +503,13 @@ fn load_engine(path: &std::path::Path, opts: EngineOptions) -> Result<Engine> {
 fn prompt_text(a: &GenerateArgs) -> Result<String> {
     let stdin = || -> Result<String> {
         let mut s = String::new();
-        std::io::Read::read_to_string(&mut std::io::stdin().lock(), &mut s)
+        let cap = dejavu::fsio::MAX_TEXT_BYTES;
+        let mut input = std::io::Read::take(std::io::stdin().lock(), cap + 1);
+        std::io::Read::read_to_string(&mut input, &mut s)
             .context("reading the prompt from standard input (it must be UTF-8)")?;
+        if s.len() as u64 > cap {
+            bail!("the prompt on standard input is longer than {cap} bytes");
+        }
         Ok(s)
     };
     let text = match (&a.prompt, &a.file) {
@@ -550,10 +557,12 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
         true => (engine.tokenizer).encode_chat(&[("user".into(), prompt)])?,
         false => engine.tokenizer.encode_prompt(&prompt)?,
     };
+    // Set when standard output goes away mid-reply: generation stops there.
+    let closed = Arc::new(AtomicBool::new(false));
     let rules = dejavu::text::generate::StopRules {
         stop: a.stop.clone(),
         ignore_eos: a.ignore_eos,
-        cancel: None,
+        cancel: Some(closed.clone()),
     };
     if rules.stop.iter().any(String::is_empty) {
         bail!("--stop: an empty stop string would stop at once");
@@ -569,7 +578,7 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
             &mut sampler,
             &rules,
             a.speculate,
-            stream_to(&mut stdout),
+            stream_to(&mut stdout, &closed),
         )?;
         Ok((stats, dec.last_step()?))
     })?;
@@ -620,12 +629,21 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
     Ok(())
 }
 
-/// A `generate` callback that prints each piece of text as it arrives. Write errors (a closed
-/// pipe) are ignored here; the final `writeln!` reports them.
-fn stream_to<'a>(out: &'a mut std::io::StdoutLock<'static>) -> impl FnMut(&str) + 'a {
+/// A `generate` callback that prints each piece of text as it arrives. A write that fails (a
+/// closed pipe) sets `closed`, which the generation's stop rules read as a cancel: no tokens
+/// are generated for a reader that is gone. The final `writeln!` reports the error.
+fn stream_to<'a>(
+    out: &'a mut std::io::StdoutLock<'static>,
+    closed: &'a AtomicBool,
+) -> impl FnMut(&str) + 'a {
     |s| {
-        let _ = out.write_all(s.as_bytes());
-        let _ = out.flush();
+        if out
+            .write_all(s.as_bytes())
+            .and_then(|_| out.flush())
+            .is_err()
+        {
+            closed.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
     }
 }
 
