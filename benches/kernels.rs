@@ -210,7 +210,7 @@ fn row_dot_kernel(c: &mut Criterion) {
             let mut packed = vec![0u8; data.len()];
             repack::repack_matrix(qtype, cols, &data, &mut packed);
             let rb = qtype.row_bytes(cols);
-            let RowDot::Q8A(ggml) = k.dot(qtype, false) else {
+            let Some(ggml) = k.dot(qtype, false).q8a() else {
                 unreachable!()
             };
             let rep = dot_repacked::select(qtype, isa, true);

@@ -17,6 +17,8 @@ use dejavu_backend_api::quant::{BlockQ8A, QK};
 use dejavu_backend_api::{IndexSet, MatmulJob, RowLayout, Weight};
 use std::cell::RefCell;
 
+const _: () = assert!(TOKEN_CHUNK <= crate::kernels::MAX_Q8A_TOKENS);
+
 /// From this many tokens on, a dense matmul goes through dequantized tiles and `gemm`.
 pub const GEMM_MIN_TOKENS: usize = 4;
 /// The same for repacked rows, whose multi-token dot unpacks a group once for 8 tokens: below
@@ -148,7 +150,7 @@ fn dot_path(
     let needs_q8a = dots
         .iter()
         .flatten()
-        .any(|d| matches!(d, RowDot::Q8A(_) | RowDot::R8(..)));
+        .any(|d| matches!(d, RowDot::Q8A(_) | RowDot::Q8AN(..) | RowDot::R8(..)));
     let needs_groups = dots.iter().flatten().any(|d| matches!(d, RowDot::R8(..)));
     ACT.with_borrow_mut(|act| {
         ACT_GROUPS.with_borrow_mut(|groups| {
@@ -226,7 +228,9 @@ impl Input<'_> {
         let (e0, e1) = (b0 * bl, b1 * bl);
         match dot {
             RowDot::F32(f) => f(w, &self.x[t * self.cols..][e0..e1]),
-            RowDot::Q8A(f) => f(w, &self.act[t * self.bpr..][e0 / QK..e1 / QK]),
+            RowDot::Q8A(f) | RowDot::Q8AN(f, _) => {
+                f(w, &self.act[t * self.bpr..][e0 / QK..e1 / QK])
+            }
             RowDot::R8(f, _) => f(w, self.act_of(t, e0, e1), self.groups_of(t, e0, e1)),
         }
     }
@@ -246,6 +250,17 @@ impl Input<'_> {
                     std::array::from_fn(|i| self.groups_of(tokens.start + i.min(n - 1), e0, e1));
                 let mut out = [0f32; TOKEN_CHUNK];
                 f(w, &acts[..n], &groups[..n], &mut out[..n]);
+                for (vt, o) in v.iter_mut().zip(&out[..n]) {
+                    *vt += o;
+                }
+            }
+            RowDot::Q8AN(_, f) if tokens.len() > 1 => {
+                let (e0, e1) = (b0 * bl, b1 * bl);
+                let n = tokens.len();
+                let acts: [&[BlockQ8A]; TOKEN_CHUNK] =
+                    std::array::from_fn(|i| self.act_of(tokens.start + i.min(n - 1), e0, e1));
+                let mut out = [0f32; TOKEN_CHUNK];
+                f(w, &acts[..n], &mut out[..n]);
                 for (vt, o) in v.iter_mut().zip(&out[..n]) {
                     *vt += o;
                 }
@@ -718,15 +733,20 @@ mod tests {
     }
 
     /// `matmul_shared_steps` gives each of 1-9 tokens its one-token product bit for bit, on
-    /// every tier, for ggml and repacked rows (the multi-token repacked kernel), full and sparse
+    /// every tier, for every quantized type (the K-quants' multi-token kernels among them), ggml
+    /// and repacked rows (the multi-token repacked kernel), full and sparse
     /// sets, rows of whole groups and with a ragged tail of blocks, long (segmented) and short.
     #[test]
     fn steps_equal_one_token_calls() {
         for isa in Isa::supported() {
             let k = Kernels::for_isa(isa).unwrap();
             let pool = SpinPool::new(2);
-            for q in QuantType::ALL.into_iter().filter(|&q| q.block_len() == QK) {
-                for cols in [QK * 8 * 3, QK * 11, QK * 8 * 20 + QK * 3] {
+            for q in QuantType::ALL.into_iter().filter(|&q| q.block_len() > 1) {
+                let whole = |c: &usize| c.is_multiple_of(q.block_len());
+                for cols in [QK * 8 * 3, QK * 11, QK * 8 * 20 + QK * 3]
+                    .into_iter()
+                    .filter(whole)
+                {
                     let n = 21;
                     let data: Vec<u8> = (0..n)
                         .flat_map(|r| random_row(q, cols, r as u64 * 3 + 2))

@@ -106,6 +106,53 @@ unsafe fn x86_body<const VNNI: bool, const PF: bool>(w: &[BlockQ4K], act: &[Bloc
     hsum_ps(_mm256_sub_ps(acc, acc_min))
 }
 
+x86_q8a_tokens!(BlockQ4K, x86_tokens);
+
+/// [`x86_body`] for several tokens: each super-block's nibbles unpacked and its scales and
+/// mins decoded once, then each token's integer dots and float sums in [`x86_body`]'s
+/// operations and order.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn x86_tokens<const VNNI: bool, const PF: bool>(
+    w: &[BlockQ4K],
+    acts: &[&[BlockQ8A]],
+    out: &mut [f32],
+) {
+    use super::x86::*;
+    use std::arch::x86_64::*;
+    let n = acts.len();
+    let mut acc = [_mm256_setzero_ps(); super::MAX_Q8A_TOKENS];
+    let mut acc_min = acc;
+    let mask = _mm256_set1_epi8(0x0F);
+    let bytes_f32 = |v: u64| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64)));
+    for (i, b) in w.iter().enumerate() {
+        if PF {
+            prefetch_block_ahead(b);
+        }
+        let mut q = [_mm256_setzero_si256(); 8];
+        for g in 0..4 {
+            let raw = _mm256_loadu_si256(b.qs.as_ptr().add(32 * g) as *const __m256i);
+            q[2 * g] = _mm256_and_si256(raw, mask);
+            q[2 * g + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+        }
+        let (sc, mn) = scales_mins(&b.scales);
+        let scd = _mm256_mul_ps(bytes_f32(sc), _mm256_set1_ps(f16(b.d)));
+        let mins = _mm256_mul_ps(bytes_f32(mn), _mm256_set1_ps(f16(b.dmin)));
+        for ((acc, acc_min), act) in acc.iter_mut().zip(&mut acc_min).zip(acts).take(n) {
+            let a8 = &act[8 * i..8 * i + 8];
+            let p: [__m256i; 8] =
+                std::array::from_fn(|j| dot_u8i8_v::<VNNI>(q[j], load_i8x32(&a8[j].qs)));
+            let (ad, asum) = act_d_s_x8(a8);
+            let fac = _mm256_mul_ps(scd, ad);
+            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum8_epi32(&p)), fac, *acc);
+            *acc_min = _mm256_fmadd_ps(mins, asum, *acc_min);
+        }
+    }
+    for ((o, acc), acc_min) in out.iter_mut().zip(acc).zip(acc_min) {
+        *o = hsum_ps(_mm256_sub_ps(acc, acc_min));
+    }
+}
+
 /// The NEON kernel: per super-block, 8 sub-block dots as 4-lane partial sums, reduced to one
 /// vector per 4 sub-blocks, then scaled by `d * sc_j * d_a(j)` in float lanes; the min terms
 /// `dmin * m_j * s_a(j)` accumulate beside them.
@@ -149,6 +196,10 @@ mod tests {
     #[test]
     fn tiers_match_reference() {
         check_dot_tiers(QuantType::Q4K);
+    }
+    #[test]
+    fn tokens_equal_one_token_dots() {
+        check_dot_tokens(QuantType::Q4K);
     }
     #[test]
     fn reference_is_close_to_f32() {

@@ -118,6 +118,71 @@ unsafe fn x86_body<const VNNI: bool, const PF: bool>(w: &[BlockQ6K], act: &[Bloc
     hsum_ps(acc)
 }
 
+x86_q8a_tokens!(BlockQ6K, x86_tokens);
+
+/// [`x86_body`] for several tokens: each super-block's quants unpacked once, then each token's
+/// integer dots and float sums in [`x86_body`]'s operations and order.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn x86_tokens<const VNNI: bool, const PF: bool>(
+    w: &[BlockQ6K],
+    acts: &[&[BlockQ8A]],
+    out: &mut [f32],
+) {
+    use super::x86::*;
+    use std::arch::x86_64::*;
+    let n = acts.len();
+    let mut acc = [_mm256_setzero_ps(); super::MAX_Q8A_TOKENS];
+    let m4 = _mm256_set1_epi8(0x0F);
+    let m2 = _mm256_set1_epi8(3);
+    let c32 = _mm256_set1_epi8(32);
+    for (i, b) in w.iter().enumerate() {
+        if PF {
+            prefetch_block_ahead(b);
+        }
+        let scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(b.scales.as_ptr() as *const __m128i));
+        let mut q = [_mm256_setzero_si256(); 8];
+        for h in 0..2 {
+            let ql0 = _mm256_loadu_si256(b.ql.as_ptr().add(64 * h) as *const __m256i);
+            let ql1 = _mm256_loadu_si256(b.ql.as_ptr().add(64 * h + 32) as *const __m256i);
+            let qh = _mm256_loadu_si256(b.qh.as_ptr().add(32 * h) as *const __m256i);
+            let lows = [
+                _mm256_and_si256(ql0, m4),
+                _mm256_and_si256(ql1, m4),
+                _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+            ];
+            let highs = [
+                _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4),
+                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4),
+                _mm256_and_si256(qh, _mm256_set1_epi8(0x30)),
+                _mm256_and_si256(_mm256_srli_epi16(qh, 2), _mm256_set1_epi8(0x30)),
+            ];
+            for k in 0..4 {
+                q[4 * h + k] = _mm256_or_si256(lows[k], highs[k]);
+            }
+        }
+        let d = _mm256_set1_ps(f16(b.d));
+        for (acc, act) in acc.iter_mut().zip(acts).take(n) {
+            let a8 = &act[8 * i..8 * i + 8];
+            let p: [__m256i; 8] = std::array::from_fn(|kk| {
+                let qa = load_i8x32(&a8[kk].qs);
+                let d16 = _mm256_sub_epi16(
+                    _mm256_maddubs_epi16(q[kk], qa),
+                    _mm256_maddubs_epi16(c32, qa),
+                );
+                _mm256_madd_epi16(d16, scale_pair(scales, kk))
+            });
+            let (ad, _) = act_d_s_x8(a8);
+            let fac = _mm256_mul_ps(ad, d);
+            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum8_epi32(&p)), fac, *acc);
+        }
+    }
+    for (o, acc) in out.iter_mut().zip(acc) {
+        *o = hsum_ps(acc);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use crate::kernels::testutil::*;
@@ -126,6 +191,10 @@ mod tests {
     #[test]
     fn tiers_match_reference() {
         check_dot_tiers(QuantType::Q6K);
+    }
+    #[test]
+    fn tokens_equal_one_token_dots() {
+        check_dot_tokens(QuantType::Q6K);
     }
     #[test]
     fn reference_is_close_to_f32() {

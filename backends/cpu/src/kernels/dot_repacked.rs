@@ -314,7 +314,7 @@ mod tests {
                 let mut deq = vec![0f32; n];
                 crate::dequant::dequantize_row(q, &row, &mut deq);
                 let mag: f32 = deq.iter().zip(&x).map(|(w, x)| (w * x).abs()).sum();
-                let RowDot::Q8A(ggml) = Kernels::for_isa(Isa::Scalar).unwrap().dot(q, false) else {
+                let Some(ggml) = Kernels::for_isa(Isa::Scalar).unwrap().dot(q, false).q8a() else {
                     panic!()
                 };
                 let want = ggml(&row, &act);

@@ -154,6 +154,93 @@ pub(crate) fn check_q8a(
     );
 }
 
+/// Most tokens one call of a multi-token Q8A dot takes ([`table::DotQ8ATokensFn`]).
+pub const MAX_Q8A_TOKENS: usize = 8;
+
+/// The length contract of a multi-token Q8A dot: 1..=[`MAX_Q8A_TOKENS`] tokens, each as
+/// [`check_q8a`] states, and one output each.
+#[inline(always)]
+pub(crate) fn check_q8a_tokens(
+    q: dejavu_backend_api::quant::QuantType,
+    row: &[u8],
+    acts: &[&[dejavu_backend_api::quant::BlockQ8A]],
+    out: &[f32],
+) {
+    assert!(
+        (1..=MAX_Q8A_TOKENS).contains(&acts.len()) && out.len() == acts.len(),
+        "{} row dot: {} tokens for {} outputs (1..={MAX_Q8A_TOKENS})",
+        q.name(),
+        acts.len(),
+        out.len()
+    );
+    for act in acts {
+        check_q8a(q, row, act);
+    }
+}
+
+/// The x86 tiers of a file's multi-token Q8A dot: `select_tokens(isa, prefetch)` hands out
+/// `avx512_tokens::<PF>` or `avx2_tokens::<PF>`, which check their lengths (in release builds)
+/// and run the file's `$body::<VNNI, PF>(blocks, acts, out)`: each block's quants unpacked
+/// once for all the tokens, then each token's sums as the one-token kernel computes them, so
+/// every output equals that kernel's bit for bit (the test says so). Other tiers: `None` (the
+/// one-token kernel per token).
+macro_rules! x86_q8a_tokens {
+    ($block:ty, $body:ident) => {
+        pub fn select_tokens(isa: Isa, prefetch: bool) -> Option<super::table::DotQ8ATokensFn> {
+            match (isa, prefetch) {
+                #[cfg(target_arch = "x86_64")]
+                (Isa::Avx512, true) => Some(avx512_tokens::<true>),
+                #[cfg(target_arch = "x86_64")]
+                (Isa::Avx512, false) => Some(avx512_tokens::<false>),
+                #[cfg(target_arch = "x86_64")]
+                (Isa::Avx2, true) => Some(avx2_tokens::<true>),
+                #[cfg(target_arch = "x86_64")]
+                (Isa::Avx2, false) => Some(avx2_tokens::<false>),
+                _ => None,
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        fn avx512_tokens<const PF: bool>(
+            row: &[u8],
+            acts: &[&[dejavu_backend_api::quant::BlockQ8A]],
+            out: &mut [f32],
+        ) {
+            super::check_q8a_tokens(QTYPE, row, acts, out);
+            // SAFETY: handed out by `select_tokens` only for tiers whose features this CPU
+            // has; the lengths were checked above.
+            unsafe { avx512_tokens_impl::<PF>(&super::as_blocks::<$block>(row), acts, out) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        fn avx2_tokens<const PF: bool>(
+            row: &[u8],
+            acts: &[&[dejavu_backend_api::quant::BlockQ8A]],
+            out: &mut [f32],
+        ) {
+            super::check_q8a_tokens(QTYPE, row, acts, out);
+            // SAFETY: as in `avx512_tokens`.
+            unsafe { avx2_tokens_impl::<PF>(&super::as_blocks::<$block>(row), acts, out) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+        unsafe fn avx512_tokens_impl<const PF: bool>(
+            w: &[$block],
+            acts: &[&[dejavu_backend_api::quant::BlockQ8A]],
+            out: &mut [f32],
+        ) {
+            $body::<true, PF>(w, acts, out)
+        }
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn avx2_tokens_impl<const PF: bool>(
+            w: &[$block],
+            acts: &[&[dejavu_backend_api::quant::BlockQ8A]],
+            out: &mut [f32],
+        ) {
+            $body::<false, PF>(w, acts, out)
+        }
+    };
+}
+
 #[cfg(target_arch = "aarch64")]
 mod arm;
 pub mod axpy;

@@ -11,6 +11,9 @@ use std::sync::OnceLock;
 
 /// Dot of a quantized weight row with activations quantized to [`BlockQ8A`].
 pub type DotQ8AFn = fn(&[u8], &[BlockQ8A]) -> f32;
+/// Dots of a quantized weight row with 1..=`MAX_Q8A_TOKENS` tokens' activations (`out[t]`),
+/// each bit for bit the type's [`DotQ8AFn`] on that token.
+pub type DotQ8ATokensFn = fn(&[u8], &[&[BlockQ8A]], &mut [f32]);
 /// Dot of a float weight row (F32/F16/BF16) with f32 activations.
 pub type DotF32Fn = fn(&[u8], &[f32]) -> f32;
 
@@ -18,6 +21,9 @@ pub type DotF32Fn = fn(&[u8], &[f32]) -> f32;
 #[derive(Clone, Copy)]
 pub enum RowDot {
     Q8A(DotQ8AFn),
+    /// The same, with a multi-token kernel that unpacks each block once for several tokens
+    /// (a prompt's rows, a batch of decode rows).
+    Q8AN(DotQ8AFn, DotQ8ATokensFn),
     F32(DotF32Fn),
     /// Repacked rows: Q8A blocks and their transposed groups (`repack::ActGroup`); one token,
     /// and up to `dot_repacked::MAX_TOKENS` tokens per call with the same results.
@@ -65,6 +71,24 @@ pub struct Kernels {
     pub dequantize_repacked: repack::DequantFn,
 }
 
+/// A Q8A type's dot, with its multi-token kernel where the tier has one.
+fn q8a(one: DotQ8AFn, tokens: Option<DotQ8ATokensFn>) -> RowDot {
+    match tokens {
+        Some(t) => RowDot::Q8AN(one, t),
+        None => RowDot::Q8A(one),
+    }
+}
+
+impl RowDot {
+    /// The one-token dot of a type whose activations are Q8A blocks (not repacked rows).
+    pub fn q8a(self) -> Option<DotQ8AFn> {
+        match self {
+            RowDot::Q8A(f) | RowDot::Q8AN(f, _) => Some(f),
+            _ => None,
+        }
+    }
+}
+
 impl Kernels {
     /// The table of one tier; `None` if this CPU cannot run it.
     pub fn for_isa(isa: Isa) -> Option<Self> {
@@ -80,8 +104,8 @@ impl Kernels {
                 QuantType::Q4_0 => RowDot::Q8A(dot_q4_0::select(isa, pf)),
                 QuantType::Q4_1 => RowDot::Q8A(dot_q4_1::select(isa, pf)),
                 QuantType::Q5_0 => RowDot::Q8A(dot_q5_0::select(isa, pf)),
-                QuantType::Q4K => RowDot::Q8A(dot_q4k::select(isa, pf)),
-                QuantType::Q6K => RowDot::Q8A(dot_q6k::select(isa, pf)),
+                QuantType::Q4K => q8a(dot_q4k::select(isa, pf), dot_q4k::select_tokens(isa, pf)),
+                QuantType::Q6K => q8a(dot_q6k::select(isa, pf), dot_q6k::select_tokens(isa, pf)),
                 QuantType::Q5_1 => RowDot::Q8A(dot_q5_1::select(isa, pf)),
                 QuantType::Q2K => RowDot::Q8A(dot_q2k::select(isa, pf)),
                 QuantType::Q3K => RowDot::Q8A(dot_q3k::select(isa, pf)),

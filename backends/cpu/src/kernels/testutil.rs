@@ -83,8 +83,9 @@ pub fn check_dot_tiers(qtype: QuantType) {
         for &n in &lens {
             let row = random_row(qtype, n, n as u64);
             let x = random_f32(n, 7 + n as u64);
-            let (want, got, mag) = match (reference.dot(qtype, false), k.dot(qtype, sparse)) {
-                (RowDot::Q8A(r), RowDot::Q8A(f)) => {
+            let (r, f) = (reference.dot(qtype, false), k.dot(qtype, sparse));
+            let (want, got, mag) = match (r.q8a(), f.q8a(), r, f) {
+                (Some(r), Some(f), ..) => {
                     let mut act = vec![
                         BlockQ8A {
                             d: 0.0,
@@ -99,7 +100,7 @@ pub fn check_dot_tiers(qtype: QuantType) {
                     let mag: f32 = deq.iter().zip(&x).map(|(w, x)| (w * x).abs()).sum();
                     (r(&row, &act), f(&row, &act), mag)
                 }
-                (RowDot::F32(r), RowDot::F32(f)) => (
+                (_, _, RowDot::F32(r), RowDot::F32(f)) => (
                     r(&row, &x),
                     f(&row, &x),
                     x.iter().map(|v| v.abs()).sum::<f32>(),
@@ -118,7 +119,7 @@ pub fn check_dot_tiers(qtype: QuantType) {
 /// error is at most d/2 = max|x|/254 per element, so |error| <= sum_i |w_i| * max|x_block| / 254.
 pub fn check_q8a_against_f32(qtype: QuantType) {
     let k = Kernels::for_isa(Isa::Scalar).unwrap();
-    let RowDot::Q8A(f) = k.dot(qtype, false) else {
+    let Some(f) = k.dot(qtype, false).q8a() else {
         panic!("{qtype:?} is not a Q8A type")
     };
     for nb in [1usize, 8, 32] {
@@ -151,5 +152,53 @@ pub fn check_q8a_against_f32(qtype: QuantType) {
             (got - exact).abs() <= bound * 1.001 + 1e-4,
             "{qtype:?} n={n}: {got} vs exact {exact} (bound {bound})"
         );
+    }
+}
+
+/// Every tier's multi-token dot for `qtype` (where it has one; prefetching or not) gives each
+/// of 1..=`MAX_Q8A_TOKENS` tokens what the same tier's one-token dot gives it, bit for bit, on
+/// rows of 1, 3 and 9 blocks.
+pub fn check_dot_tokens(qtype: QuantType) {
+    let bl = qtype.block_len().max(QK);
+    for isa in Isa::supported() {
+        let k = Kernels::for_isa(isa).unwrap();
+        for sparse in [false, true] {
+            let RowDot::Q8AN(one, tokens) = k.dot(qtype, sparse) else {
+                continue;
+            };
+            for nb in [1, 3, 9] {
+                let n = nb * bl;
+                let row = random_row(qtype, n, 11 + n as u64);
+                let acts: Vec<Vec<BlockQ8A>> = (0..crate::kernels::MAX_Q8A_TOKENS as u64)
+                    .map(|t| {
+                        let x = random_f32(n, 100 * t + n as u64);
+                        let mut act = vec![
+                            BlockQ8A {
+                                d: 0.0,
+                                s: 0.0,
+                                qs: [0; QK]
+                            };
+                            n / QK
+                        ];
+                        (k.quantize)(&x, &mut act);
+                        act
+                    })
+                    .collect();
+                for nt in 1..=acts.len() {
+                    let refs: Vec<&[BlockQ8A]> = acts[..nt].iter().map(|a| &a[..]).collect();
+                    let mut out = vec![f32::NAN; nt];
+                    tokens(&row, &refs, &mut out);
+                    for (t, (o, a)) in out.iter().zip(&refs).enumerate() {
+                        let want = one(&row, a);
+                        assert_eq!(
+                            o.to_bits(),
+                            want.to_bits(),
+                            "{isa} {qtype:?} ({nb} blocks, sparse {sparse}) token {t} of {nt}: \
+                             {o} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
     }
 }
