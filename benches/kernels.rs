@@ -180,7 +180,7 @@ fn axpy_kernel(c: &mut Criterion) {
 /// the ggml layout against the repacked one (`kernels::repack`), per tier and type.
 fn row_dot_kernel(c: &mut Criterion) {
     use dejavu_backend_api::quant::{BlockQ8A, QK};
-    use dejavu_backend_cpu::kernels::{dot_repacked, repack, table::RowDot};
+    use dejavu_backend_cpu::kernels::{dot_repacked, repack};
     let (rows, cols) = (64, 896);
     let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.37).sin()).collect();
     for isa in Isa::supported()

@@ -12,7 +12,7 @@ pub enum Error {
     MissingKey(String),
     #[error("metadata key `{key}` is invalid: {reason}")]
     BadKey { key: String, reason: String },
-    #[error("unsupported architecture `{0}` (supported: GGUF llama, qwen2, opt; Hugging Face OPTForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM)")]
+    #[error("unsupported architecture `{0}` (supported: GGUF llama, qwen2, qwen3, phi3, gemma2, gemma3, opt; Hugging Face OPTForCausalLM, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM)")]
     UnknownArchitecture(String),
     #[error("tensor `{0}` is missing")]
     MissingTensor(String),

@@ -148,6 +148,25 @@ fn canonical(p: &Path) -> Option<PathBuf> {
     Some(parent.join(p.file_name()?))
 }
 
+/// Refuse an output file (`flag` names it) that cannot be written where it says, before any
+/// work: an existing directory, or a path whose folder does not exist.
+pub fn refuse_unwritable(flag: &str, out: &Path) -> Result<()> {
+    if out.is_dir() {
+        return Err(Error::Invalid(format!(
+            "{flag} {} is a directory; give the output file's path",
+            out.display()
+        )));
+    }
+    match out.parent().filter(|p| !p.as_os_str().is_empty()) {
+        Some(dir) if !dir.is_dir() => Err(Error::Invalid(format!(
+            "{flag} {}: the folder {} does not exist",
+            out.display(),
+            dir.display()
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// Refuse an output (`flag` names it in the error) that would replace `input`: the same file, or,
 /// for an input directory (a checkpoint), the directory itself or an existing file inside it.
 pub fn refuse_overwrite(flag: &str, out: &Path, input: &Path) -> Result<()> {
@@ -259,5 +278,10 @@ mod tests {
         assert!(refuse_overwrite("--out", &ck.join("model.safetensors"), &ck).is_err());
         assert!(refuse_overwrite("--out", &ck, &ck).is_err());
         assert!(refuse_overwrite("--out", &ck.join("q8.gguf"), &ck).is_ok());
+        // Issue 52: a directory, or a file in a folder that is not there, before any work.
+        assert!(refuse_unwritable("--out", &ck).is_err());
+        assert!(refuse_unwritable("--out", &ck.join("no/such.gguf")).is_err());
+        assert!(refuse_unwritable("--out", &ck.join("q8.gguf")).is_ok());
+        assert!(refuse_unwritable("--out", Path::new("q8.gguf")).is_ok());
     }
 }

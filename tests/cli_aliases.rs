@@ -121,6 +121,56 @@ fn llama_cpp_names_mean_the_same_as_ours() {
         assert!(ngl.stderr.contains("no GPU backend"), "{}", ngl.stderr);
         assert_eq!(ngl.stdout, ours.stdout);
     }
+    // Issue 52: `-ngl -1` (llama.cpp's every layer) is a count like 99; a word is an error
+    // that names the flag.
+    let all = ok(&[&base[..], &["-p", PROMPT, "-ngl", "-1"]].concat(), None);
+    if !cfg!(feature = "cuda") {
+        assert!(all.stderr.contains("no GPU backend"), "{}", all.stderr);
+        assert_eq!(all.stdout, ours.stdout);
+    }
+    let bad = dejavu(&[&base[..], &["-p", PROMPT, "-ngl", "all"]].concat(), None);
+    assert_eq!(bad.code, Some(2), "{}", bad.stderr);
+    assert!(bad.stderr.contains("`all` for -ngl"), "{}", bad.stderr);
+}
+
+/// Issue 52: llama.cpp's multi-letter short flags are never read as a one-letter flag and its
+/// value (`-cnv` was `--ctx nv`, `-sys` was `--seed ys`): ours where we have one, a hint where
+/// not, a note where nothing is to be done.
+#[test]
+fn llama_cpp_multi_letter_flags_are_ours_or_refused() {
+    let m = model();
+    let cnv = dejavu(&["generate", "-m", &m, "-cnv", "-p", PROMPT], None);
+    assert_eq!(cnv.code, Some(2), "{}", cnv.stderr);
+    assert!(
+        cnv.stderr
+            .contains("`-cnv` is a llama.cpp option; conversation mode is `dejavu chat`"),
+        "{}",
+        cnv.stderr
+    );
+    let tb = dejavu(&["generate", "-m", &m, "-tb", "2", "-p", PROMPT], None);
+    assert_eq!(tb.code, Some(2), "{}", tb.stderr);
+    assert!(tb.stderr.contains("--threads"), "{}", tb.stderr);
+    // `-sys` is chat's --system: the same reply as the long name.
+    let chat = ["chat", "-m", &m, "-n", "8", "--temp", "0", "-t", "1"];
+    let long = ok(
+        &[&chat[..], &["--system", "Answer in French."]].concat(),
+        Some("Hello\n"),
+    );
+    let short = ok(
+        &[&chat[..], &["-sys", "Answer in French."]].concat(),
+        Some("Hello\n"),
+    );
+    assert_eq!(short.stdout, long.stdout);
+    // `-fa` (with or without a value) changes nothing and says so.
+    let base = [
+        "generate", "-m", &m, "-n", "6", "--temp", "0", "-t", "1", "-p", PROMPT,
+    ];
+    let plain = ok(&base, None);
+    for fa in [&["-fa"][..], &["-fa", "on"], &["-fa=off"]] {
+        let o = ok(&[&base[..], fa].concat(), None);
+        assert_eq!(o.stdout, plain.stdout, "{fa:?}");
+        assert!(o.stderr.contains("note: -fa"), "{fa:?}: {}", o.stderr);
+    }
 }
 
 #[test]

@@ -154,3 +154,25 @@ fn hostile_grammars_are_400s_and_other_streams_run_on() {
     let (status, v) = s.post("/v1/chat/completions", &chat(json!({})), None);
     assert_eq!(status, 200, "{v}");
 }
+
+/// Issue 52: a prompt that cannot fit the context whatever its tokens (1 MiB of text against
+/// a context of 96) is a 400 before it is tokenized: eight of them in a row take a fraction of
+/// a second each (tokenizing one took about a second and hundreds of MB), and a small request
+/// after them is served at once.
+#[test]
+fn a_prompt_too_long_for_any_tokenization_is_refused_untokenized() {
+    let s = Server::batched_with(1, N_CTX, false, Limits::default(), None, Some(2 << 20));
+    let big = json!({"prompt": "lorem ipsum dolor ".repeat(60_000), "max_tokens": 4}).to_string();
+    assert!(big.len() > 1 << 20);
+    let t0 = std::time::Instant::now();
+    for _ in 0..8 {
+        let (status, v) = s.post("/v1/completions", &big, None);
+        assert_eq!(status, 400, "{v}");
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(msg.contains("the prompt has at least"), "{msg}");
+    }
+    let small = json!({"prompt": "Once", "max_tokens": 2}).to_string();
+    let (status, v) = s.post("/v1/completions", &small, None);
+    assert_eq!(status, 200, "{v}");
+    assert!(t0.elapsed() < Duration::from_secs(4), "{:?}", t0.elapsed());
+}

@@ -2,7 +2,7 @@
 //! weights): tokenizer ids, teacher-forced logits, incremental decoding, perplexity.
 //!
 //! Logit tolerances, derived:
-//! - Batch (prefill) path on tiers without an integer prefill kernel (`gemm_q8a`): f32
+//! - The prompt tiles (`--deterministic false`) on tiers without an integer prefill kernel (`gemm_q8a`): f32
 //!   activations on f32-dequantized weights, as the reference, so only summation order and
 //!   transcendental rounding differ. A dot of length n <= 4864 carries a
 //!   relative error of typically sqrt(n) * 2^-24 ~ 4e-6 of its absolute sum; through 24-30 residual
@@ -31,12 +31,16 @@ use dejavu_backend_cpu::isa::Isa;
 use dejavu_backend_cpu::kernels::table::Kernels;
 use dejavu_backend_cpu::CpuBackend;
 
-/// How the teacher-forced sequence is fed: one batch (prefill kernels, f32 activations) or one
-/// token at a time (decode kernels, 8-bit quantized activations for quantized weights).
+/// How the teacher-forced sequence is fed: one batch on the default, batch-invariant device
+/// (each row computed as its decode step computes it: bit for bit the token-by-token logits),
+/// one token at a time (decode kernels, 8-bit quantized activations for quantized weights), or
+/// one batch through the prompt tiles (`--deterministic false`: f32 activations, or 8-bit ones
+/// on tiers with the integer prefill kernel).
 #[derive(Clone, Copy, PartialEq, Debug)]
 enum Feed {
     Batch,
     TokenByToken,
+    Tiles,
 }
 
 /// Logit tolerances of one feed: `|ours - ref| <= abs + rel |ref|`, the same relative to the
@@ -65,7 +69,9 @@ const Q8_ACTS: Tol = Tol {
     margin: 0.5,
 };
 
-fn check_model(name: &str, isa: Isa, feed: Feed, tol: Tol) {
+/// The teacher-forced logits of every case, fed as `feed`, checked against the reference
+/// within `tol`.
+fn check_model(name: &str, isa: Isa, feed: Feed, tol: Tol) -> Vec<Vec<f32>> {
     let Tol {
         abs: abs_tol,
         rel: rel_tol,
@@ -74,7 +80,11 @@ fn check_model(name: &str, isa: Isa, feed: Feed, tol: Tol) {
     } = tol;
     let eng = engine(name);
     let r = reference(name);
-    let cpu = OnCpu::new(&eng, CpuBackend::with_isa(isa, 2).unwrap(), false);
+    let mut cpu = OnCpu::new(&eng, CpuBackend::with_isa(isa, 2).unwrap(), false);
+    if feed == Feed::Tiles {
+        cpu.dev = cpu.dev.with_prompt_tiles();
+    }
+    let mut all = Vec::new();
     let plan = SparsePlan::dense(&eng.model.config);
     let vocab = eng.model.config.vocab_size;
     let (mut worst, mut worst_rel) = (0f32, 0f32);
@@ -92,7 +102,7 @@ fn check_model(name: &str, isa: Isa, feed: Feed, tol: Tol) {
         let p = case.prompt_ids.len();
         let mut s = cpu.fixed(&plan, eng.n_ctx);
         let logits: Vec<f32> = match feed {
-            Feed::Batch => s
+            Feed::Batch | Feed::Tiles => s
                 .run(&seq, Logits::Range(p - 1, seq.len()))
                 .unwrap()
                 .to_vec(),
@@ -102,6 +112,7 @@ fn check_model(name: &str, isa: Isa, feed: Feed, tol: Tol) {
                 seq[p - 1..].iter().flat_map(|&t| step(t)).collect()
             }
         };
+        all.push(logits.clone());
         for (i, step) in case.steps.iter().enumerate() {
             let row = &logits[i * vocab..(i + 1) * vocab];
             let margin = step.top5[0].1 - step.top5[1].1;
@@ -135,22 +146,40 @@ fn check_model(name: &str, isa: Isa, feed: Feed, tol: Tol) {
         }
     }
     eprintln!("{name} {isa} {feed:?}: worst top-5 logit error {worst:.5}, relative to top-1 {worst_rel:.5}; top-1 checked at {checked_top1} steps, {skipped_top1} under margin");
+    all
 }
 
-/// Batches on every tier and token by token on every tier. A batch's products take f32
+/// Batches on every tier and token by token on every tier. The prompt tiles' products take f32
 /// activations on tiers without an integer prefill kernel (tolerance 0.05) and 8-bit ones where
-/// it has one (`gemm_q8a`), as every decode step does (the decode tolerance, 1.5).
+/// it has one (`gemm_q8a`), as every decode step does (the decode tolerance, 1.5); the default
+/// device's batches are its decode steps.
 fn check_every_feed(name: &str, f32_batch: Tol, q8_acts: Tol) {
     check_feeds(name, &Isa::supported(), f32_batch, q8_acts);
 }
 
-/// Both feeds on the given tiers (batches with the tolerance of the tier's prefill path).
+/// The tiles and token by token on the given tiers (the tiles with the tolerance of the tier's
+/// prefill path); and on this CPU's best tier, the default device's batch bit for bit its
+/// token-by-token decoding (issue 52; the kernels' tests check every tier's multi-token paths
+/// against their one-token calls, bit for bit).
 fn check_feeds(name: &str, tiers: &[Isa], f32_batch: Tol, q8_acts: Tol) {
     for &isa in tiers {
         let integer = Kernels::for_isa(isa).is_some_and(|k| k.gemm_q8a.is_some());
-        let batch = if integer { q8_acts } else { f32_batch };
-        check_model(name, isa, Feed::Batch, batch);
-        check_model(name, isa, Feed::TokenByToken, q8_acts);
+        let tiles = if integer { q8_acts } else { f32_batch };
+        check_model(name, isa, Feed::Tiles, tiles);
+        let steps = check_model(name, isa, Feed::TokenByToken, q8_acts);
+        if isa != Isa::detect() {
+            continue;
+        }
+        let batch = check_model(name, isa, Feed::Batch, q8_acts);
+        let bits = |v: &[Vec<f32>]| -> Vec<Vec<u32>> {
+            v.iter()
+                .map(|c| c.iter().map(|x| x.to_bits()).collect())
+                .collect()
+        };
+        assert!(
+            bits(&batch) == bits(&steps),
+            "{name} {isa}: a batch's logits are not its decode steps' bit for bit"
+        );
     }
 }
 
@@ -190,13 +219,16 @@ fn gemma_matches_reference() {
 }
 
 /// Token-by-token decoding through the KV cache gives the logits of the batched forward pass.
-/// Both run on the f32 reference backend, so only summation order differs (per-row dots vs
-/// dequantized gemm); the integer decode kernels are checked against the reference above.
+/// Both run on the f32 reference backend, its batches through the prompt tiles, so only
+/// summation order differs (per-row dots vs dequantized gemm); the integer decode kernels are
+/// checked against the reference above (the default device's batches are its steps bit for
+/// bit: `check_feeds`).
 #[test]
 fn incremental_decode_matches_batch() {
     for name in [SMOLLM2, QWEN] {
         let eng = engine(name);
-        let cpu = OnCpu::new(&eng, CpuBackend::f32_reference(2), false);
+        let mut cpu = OnCpu::new(&eng, CpuBackend::f32_reference(2), false);
+        cpu.dev = cpu.dev.with_prompt_tiles();
         let plan = SparsePlan::dense(&eng.model.config);
         let vocab = eng.model.config.vocab_size;
         let case = &reference(name).greedy.cases[1];
@@ -226,14 +258,15 @@ fn incremental_decode_matches_batch() {
 
 /// The decode kernels (8-bit activations) score the text within 1% of the mature engine's
 /// native-quantization figure; SmolLM2 only, to keep the suite short (Qwen's decode path is
-/// checked token by token above).
+/// checked token by token above). Scored in batches: on the default, batch-invariant device a
+/// batch's logits are its token-by-token decoding's bit for bit (`check_feeds` asserts it).
 #[test]
 fn smollm2_decode_path_perplexity_within_1_percent_of_native() {
     let eng = engine(SMOLLM2);
     let r = reference(SMOLLM2).perplexity;
     let tokens = eng.tokenizer.encode(&public_eval()).unwrap();
     let plan = SparsePlan::dense(&eng.model.config);
-    let feed = dejavu::eval::perplexity::Feed::TokenByToken;
+    let feed = dejavu::eval::perplexity::Feed::Batch;
     let res = dejavu::eval::perplexity::perplexity(
         &eng,
         &mut eng.session(eng.fixed_plan(&plan).unwrap()).unwrap(),

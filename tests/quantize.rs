@@ -250,11 +250,47 @@ fn k_quant_mixes_follow_llama_quantize() {
         .for_tensor("blk.5.attn_output.weight")
         .is_some_and(|v| v.iter().all(|x| *x >= 0.0)));
     let out = dir.path().join("opt-q2_k-imatrix.gguf");
-    quantize_with(&src, FileType::Q2K, false, Some(im), &out);
+    quantize_with(&src, FileType::Q2K, false, Some(im.clone()), &out);
     let p = ppl(&out);
     eprintln!(
         "opt-relu q2_k with an importance matrix: ppl {p:.4} ({:+.2}%)",
         (p / base - 1.0) * 100.0
     );
     assert!((p / base - 1.0).abs() <= 0.05);
+    // Issue 52: Q2_K_S only with an importance matrix, as llama-quantize: refused without one
+    // (the library and the command, before any work, writing nothing), written with one.
+    let out = dir.path().join("opt-q2_k_s.gguf");
+    let m = Model::load(&src).unwrap();
+    let t = Tokenizer::from_model(&m).unwrap();
+    let opts = Options {
+        ftype: FileType::Q2KS,
+        pure: false,
+        imatrix: None,
+        rounding: dejavu_backend_api::quantize::Rounding::Ggml,
+    };
+    let b = CpuBackend::new(1).unwrap();
+    let err = match dejavu::quantize::quantize(&m, &t, &b, &opts, &out) {
+        Ok(_) => panic!("q2_k_s without an importance matrix was written"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("q2_k_s needs an importance matrix"), "{err}");
+    assert!(!out.exists());
+    let cli = std::process::Command::new(env!("CARGO_BIN_EXE_dejavu"))
+        .args(["quantize", "--type", "q2_k_s", "-o"])
+        .arg(&out)
+        .arg(&src)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&cli.stderr);
+    assert!(
+        !cli.status.success() && stderr.contains("--imatrix"),
+        "{stderr}"
+    );
+    assert!(!out.exists());
+    quantize_with(&src, FileType::Q2KS, false, Some(im), &out);
+    let p = ppl(&out);
+    assert!(
+        (p / base - 1.0).abs() <= 0.08,
+        "q2_k_s with an importance matrix: {p} vs {base}"
+    );
 }

@@ -266,3 +266,55 @@ fn families_chat_templates_render() {
         }
     }
 }
+
+/// Issue 52: a model file's chat template is a stranger's program. Templates that aborted the
+/// process (a chain of 100,000 filters; `tojson` of a list nested 100,000 deep) or took
+/// gigabytes (`'%1000000000d'|format`, `indent(1e9)`, endless output) are errors, each within
+/// a second; an ordinary template still renders.
+#[test]
+fn hostile_chat_templates_are_errors_not_aborts() {
+    let chat = [("user".to_string(), "hi".to_string())];
+    let nested = "{% set ns = namespace(x=[]) %}{% for i in range(100000) %}\
+                  {% set ns.x = [ns.x] %}{% endfor %}{{ ns.x|tojson }}";
+    let cases = [
+        (
+            "a chain of 100,000 filters",
+            format!("{{{{ 'a'{} }}}}", "|upper".repeat(100_000)),
+            "bytes",
+        ),
+        (
+            "a chain of 15,000 filters",
+            format!("{{{{ 'a'{} }}}}", "|upper".repeat(15_000)),
+            "",
+        ),
+        ("tojson of a deep list", nested.to_string(), ""),
+        (
+            "a huge format width",
+            "{{ '%1000000000d'|format(1) }}".to_string(),
+            "width",
+        ),
+        (
+            "a huge indent",
+            "{{ 'a\nb'|indent(1000000000) }}".to_string(),
+            "width",
+        ),
+        (
+            "endless output",
+            "{% for i in range(1000000) %}{{ 'x' * 1000 }}{% endfor %}".to_string(),
+            "",
+        ),
+    ];
+    for (what, tpl, needle) in cases {
+        let t0 = std::time::Instant::now();
+        match render_chat_template(&tpl, &chat, "<s>", "</s>") {
+            Ok(text) => assert!(text.len() <= 16 << 20, "{what}: {} bytes", text.len()),
+            Err(e) => assert!(e.to_string().contains(needle), "{what}: {e}"),
+        }
+        assert!(t0.elapsed().as_secs() < 10, "{what}: {:?}", t0.elapsed());
+    }
+    let ok = "{% for m in messages %}<|{{ m.role }}|>{{ m.content|indent(2) }}{% endfor %}";
+    assert_eq!(
+        render_chat_template(ok, &chat, "", "").unwrap(),
+        "<|user|>hi"
+    );
+}

@@ -19,12 +19,13 @@ pub trait Decoder {
     fn prompt(&mut self, tokens: &[u32]) -> Result<&mut [f32]> {
         self.decode(tokens)
     }
-    /// Do decode steps write bit for bit the keys and values that a prompt of the same tokens
-    /// writes (a plan that computes every unit, on a batch-invariant device)? Then the
-    /// positions a reply generated may be reused as a later prompt's cached prefix without
-    /// changing what that prompt computes; otherwise only the prompt's own positions may.
-    fn steps_are_prompts(&self) -> bool {
-        false
+    /// May a later prompt reuse, as its cached prefix, the positions decode steps wrote? On a
+    /// batch-invariant device only where steps write bit for bit what a prompt of the same
+    /// tokens writes (a plan that computes every unit), so that a warm cache changes no reply;
+    /// elsewhere (no such guarantee to keep) yes. Where not, a prompt reuses only the positions
+    /// an earlier prompt wrote.
+    fn reuses_steps(&self) -> bool {
+        true
     }
     /// Tokens in the cache.
     fn len(&self) -> usize;

@@ -33,9 +33,9 @@ pub trait SeqBatch {
     fn release(&mut self, seq: usize) -> Result<()>;
     /// Sequence `to` holds sequence `from`'s first `len` positions, and nothing after.
     fn fork(&mut self, from: usize, to: usize, len: usize) -> Result<()>;
-    /// Do decode steps write what prompts write (see `Decoder::steps_are_prompts`)?
-    fn steps_are_prompts(&self) -> bool {
-        false
+    /// May a later prompt reuse what decode steps wrote (see `Decoder::reuses_steps`)?
+    fn reuses_steps(&self) -> bool {
+        true
     }
 }
 
@@ -57,8 +57,8 @@ impl<D: Device> SeqBatch for Vec<DeviceSession<'_, D>> {
     fn batches(&self) -> bool {
         self.iter().all(|s| s.batches())
     }
-    fn steps_are_prompts(&self) -> bool {
-        self.iter().all(|s| s.steps_are_prompts())
+    fn reuses_steps(&self) -> bool {
+        self.iter().all(|s| s.reuses_steps())
     }
     fn run(&mut self, seq: usize, tokens: &[u32], want: Logits) -> Result<Vec<f32>> {
         let s = self.get_mut(seq).ok_or_else(|| no_sequence(seq))?;

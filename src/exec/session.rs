@@ -118,8 +118,8 @@ impl<D: Device> crate::exec::Decoder for DeviceSession<'_, D> {
     fn prompt(&mut self, tokens: &[u32]) -> Result<&mut [f32]> {
         DeviceSession::prompt(self, tokens)
     }
-    fn steps_are_prompts(&self) -> bool {
-        DeviceSession::steps_are_prompts(self)
+    fn reuses_steps(&self) -> bool {
+        DeviceSession::reuses_steps(self)
     }
     fn len(&self) -> usize {
         self.len
@@ -445,10 +445,11 @@ impl<'a, D: Device> DeviceSession<'a, D> {
             .collect()
     }
 
-    /// Do decode steps write what a prompt's batch writes, bit for bit (see
-    /// `Decoder::steps_are_prompts`)?
-    pub fn steps_are_prompts(&self) -> bool {
-        self.plan.layers_dense() && self.dev.batch_invariant()
+    /// May a later prompt reuse the positions decode steps wrote (see
+    /// `Decoder::reuses_steps`)? Not on a batch-invariant device under a plan whose steps skip
+    /// units a prompt computes.
+    pub fn reuses_steps(&self) -> bool {
+        self.plan.layers_dense() || !self.dev.batch_invariant()
     }
 
     /// Tokens in the cache.

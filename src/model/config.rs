@@ -572,6 +572,28 @@ pub(crate) fn bad(key: &str, reason: &str) -> Error {
 #[cfg(test)]
 mod tests {
     use super::Llama3Scaling;
+    use super::{Architecture, Error};
+
+    /// Issue 52: the error for an unknown architecture names every one that loads: each GGUF
+    /// name `from_name` takes, and each Hugging Face class `arch::from_hf` takes (read off its
+    /// source, so a new family cannot be left out of the message).
+    #[test]
+    fn the_unknown_architecture_error_lists_every_family() {
+        let msg = Error::UnknownArchitecture("x".into()).to_string();
+        for name in ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "opt"] {
+            assert_eq!(Architecture::from_name(name).unwrap().name(), name);
+            let listed = msg.contains(&format!(" {name},")) || msg.contains(&format!(" {name};"));
+            assert!(listed, "{name}: {msg}");
+        }
+        let src = include_str!("arch/mod.rs");
+        let classes: Vec<&str> = (src.split('"'))
+            .filter(|w| w.ends_with("ForCausalLM") && !w.contains(' '))
+            .collect();
+        assert!(classes.len() >= 8, "{classes:?}");
+        for c in classes {
+            assert!(msg.contains(c), "{c}: {msg}");
+        }
+    }
 
     /// Llama 3's divisors for heads of 16 (theta 10^4, factor 8, low/high 1/4, original context
     /// 64), worked by hand from the formula: pair 0 (wavelength 6.28 < 64/4) keeps its speed;

@@ -13,6 +13,7 @@ use crate::sparsity::policy::Policy;
 use crate::Result;
 
 /// Per layer the four input statistics, and the output head's; each a mean of squares.
+#[derive(Clone)]
 pub struct Imatrix {
     attn_in: Vec<Vec<f32>>,
     attn_out: Vec<Vec<f32>>,

@@ -48,6 +48,12 @@ pub enum FileType {
 }
 
 impl FileType {
+    /// Types llama-quantize refuses without an importance matrix (its IQ1/IQ2 types and
+    /// Q2_K_S, of which this crate writes Q2_K_S): their 2-bit rows lose too much without one.
+    pub fn needs_imatrix(self) -> bool {
+        matches!(self, FileType::Q2KS)
+    }
+
     pub const ALL: [FileType; 20] = [
         FileType::F32,
         FileType::F16,

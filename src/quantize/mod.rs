@@ -71,6 +71,15 @@ pub struct Summary {
 }
 
 /// Write `model` (with its `tokenizer`) to `out` as a GGUF of the file type `opts.ftype`.
+/// The error of a type quantized without the importance matrix it needs.
+pub fn needs_imatrix(t: mix::FileType) -> Error {
+    Error::Invalid(format!(
+        "{} needs an importance matrix (--imatrix TEXT): without one its 2-bit rows lose too \
+         much (llama-quantize refuses it too); q2_k is the 2-bit type that needs none",
+        t.name()
+    ))
+}
+
 pub fn quantize(
     model: &Model,
     tokenizer: &Tokenizer,
@@ -79,6 +88,10 @@ pub fn quantize(
     out: &Path,
 ) -> Result<Summary> {
     crate::fsio::refuse_overwrite("--out", out, &model.path)?;
+    crate::fsio::refuse_unwritable("--out", out)?;
+    if opts.ftype.needs_imatrix() && opts.imatrix.is_none() {
+        return Err(needs_imatrix(opts.ftype));
+    }
     let mut meta = metadata(model, tokenizer)?;
     meta.push(("general.file_type".into(), MetaValue::U32(opts.ftype.id())));
     if opts.ftype.base().block_len() > 1 {

@@ -79,7 +79,8 @@ pub struct BatchDecoder {
     n_ctx: usize,
     out: Vec<f32>,
     lent: bool,
-    /// The sequences' `SeqBatch::steps_are_prompts`, set by the batch thread when it starts.
+    /// The sequences' `SeqBatch::reuses_steps`, set by the batch thread when it starts (until
+    /// then `false`: a prompt reuses only what prompts wrote).
     exact: Arc<AtomicBool>,
 }
 
@@ -164,7 +165,7 @@ impl Decoder for BatchDecoder {
     fn prompt(&mut self, tokens: &[u32]) -> Result<&mut [f32]> {
         self.run_as(tokens, Logits::Last, true)
     }
-    fn steps_are_prompts(&self) -> bool {
+    fn reuses_steps(&self) -> bool {
         self.exact.load(Ordering::Acquire)
     }
     fn pause(&mut self) {
@@ -217,7 +218,7 @@ struct Prompt {
 /// when given.
 pub fn run(seqs: &mut dyn SeqBatch, queue: Queue, chunk: usize, pool: Option<usize>) {
     let Queue { rx, exact } = queue;
-    exact.store(seqs.steps_are_prompts(), Ordering::Release);
+    exact.store(seqs.reuses_steps(), Ordering::Release);
     let chunk = chunk.max(1);
     let mut pool = pool.map(|size| Pool::new(size, seqs.count()));
     let mut steps: Vec<(usize, u32, Sender<Reply>)> = Vec::new();

@@ -285,6 +285,13 @@ pub fn run_slot(engine: &Engine, dec: &mut dyn Decoder, jobs: &Jobs, metrics: &M
                 metrics.generated.fetch_add(n as u64, Ordering::Relaxed);
                 let us = t0.elapsed().as_micros().max(1) as u64;
                 metrics.gen_micros.fetch_add(us, Ordering::Relaxed);
+                // Last: a client that reads /metrics once its reply is whole sees it counted.
+                if !cancelled && matches!(job.work, Work::Generate(_)) {
+                    let done = Event::Done {
+                        completion_tokens: n,
+                    };
+                    send(&job.tx, done, jobs.stall_timeout);
+                }
             }
             Err(e) => {
                 metrics.failed.fetch_add(1, Ordering::Relaxed);
@@ -384,6 +391,23 @@ fn run_job(
     let engine = slot.engine;
     let fmt = tool_format(engine, req)?;
     let constraint = constraint_of(engine, req, fmt)?;
+    // A prompt that cannot fit whatever its tokens is refused before it is tokenized (a 1 MiB
+    // text costs a second and hundreds of MB to tokenize).
+    let bytes = match &req.input {
+        Input::Chat(messages) => messages.iter().map(|m| m.content.len()).sum(),
+        Input::Text(s) => s.len(),
+    };
+    let least = bytes / engine.tokenizer.max_token_bytes();
+    if least + 1 > dec.n_ctx() {
+        return Err(ApiError::invalid(
+            format!(
+                "the prompt has at least {least} tokens ({bytes} bytes); the context window \
+                 holds {} (prompt and reply)",
+                dec.n_ctx()
+            ),
+            None,
+        ));
+    }
     let ids = prompt_tokens(engine, &req.input, req.tools.as_ref())?;
     if let Some(st) = slot.state {
         st.prompt_tokens.store(ids.len() as u64, Ordering::Relaxed);
@@ -483,9 +507,7 @@ fn run_job(
         }
         choice += wave;
     }
-    slot.send(Event::Done {
-        completion_tokens: ran.n,
-    });
+    // The reply's `Done` goes out from `run_slot`, after the metrics count it.
     ran.cancelled = false;
     Ok(ran)
 }

@@ -184,14 +184,17 @@ impl ToolFormat {
         control: &dyn Fn(&str) -> Option<u32>,
     ) -> Result<String, String> {
         let key = self.arguments_key();
+        let mut defs = serde_json::Map::new();
         let calls: Vec<Value> = (tools.iter())
             .filter_map(|t| t.get("function"))
             .filter(|f| only.is_none_or(|n| f.get("name").and_then(Value::as_str) == Some(n)))
-            .map(|f| {
+            .enumerate()
+            .map(|(i, f)| {
                 let params = f
                     .get("parameters")
                     .cloned()
                     .unwrap_or(json!({"type": "object"}));
+                let params = hoist_defs(params, i, &mut defs);
                 json!({
                     "type": "object",
                     "properties": {"name": {"const": f.get("name")}, key: params},
@@ -203,10 +206,13 @@ impl ToolFormat {
         if calls.is_empty() {
             return Err(format!("no tool named {:?}", only.unwrap_or_default()));
         }
-        let schema = json!({
+        let mut schema = json!({
             "anyOf": calls,
             "x-guidance": {"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "},
         });
+        if !defs.is_empty() {
+            schema["$defs"] = Value::Object(defs);
+        }
         let call = format!("call: %json {schema}");
         let lit = |t: &str| match control(t) {
             Some(id) => format!("<[{id}]>"),
@@ -224,6 +230,52 @@ impl ToolFormat {
             ToolFormat::Llama3 => format!("start: call\n{call}"),
         })
     }
+}
+
+/// Tool `i`'s parameters schema made to sit inside the one schema of a call: its own root
+/// becomes `$defs/t{i}` of the call's, its `$defs` (or `definitions`) `$defs/t{i}_NAME`, and
+/// its `$ref`s are rewritten to match (pydantic's `#/$defs/Model`, a root's `#`, any
+/// `#/pointer`); returns the `$ref` to its root when it refers to anything, else itself.
+fn hoist_defs(mut params: Value, i: usize, defs: &mut serde_json::Map<String, Value>) -> Value {
+    fn rewrite(v: &mut Value, i: usize, refs: &mut bool) {
+        match v {
+            Value::Object(o) => {
+                if let Some(Value::String(r)) = o.get_mut("$ref") {
+                    *refs = true;
+                    let named =
+                        (r.strip_prefix("#/$defs/")).or_else(|| r.strip_prefix("#/definitions/"));
+                    *r = match (r.as_str(), named) {
+                        ("#", _) => format!("#/$defs/t{i}"),
+                        (_, Some(rest)) => format!("#/$defs/t{i}_{rest}"),
+                        (r, None) => match r.strip_prefix("#/") {
+                            Some(pointer) => format!("#/$defs/t{i}/{pointer}"),
+                            None => r.to_string(), // not a local reference: left to the compiler
+                        },
+                    };
+                }
+                o.values_mut().for_each(|v| rewrite(v, i, refs));
+            }
+            Value::Array(a) => a.iter_mut().for_each(|v| rewrite(v, i, refs)),
+            _ => {}
+        }
+    }
+    let mut refs = false;
+    if let Some(o) = params.as_object_mut() {
+        for k in ["$defs", "definitions"] {
+            if let Some(Value::Object(named)) = o.remove(k) {
+                for (name, mut schema) in named {
+                    rewrite(&mut schema, i, &mut refs);
+                    defs.insert(format!("t{i}_{name}"), schema);
+                }
+            }
+        }
+    }
+    rewrite(&mut params, i, &mut refs);
+    if !refs {
+        return params;
+    }
+    defs.insert(format!("t{i}"), params);
+    json!({"$ref": format!("#/$defs/t{i}")})
 }
 
 /// `tools` as a request gives them: a list of `{"type": "function", "function": {"name",
@@ -376,5 +428,50 @@ mod tests {
         ] {
             assert!(check_tools(&bad).is_err(), "{bad}");
         }
+    }
+
+    /// Issue 52: a tool whose parameters use `$defs` and `$ref` (pydantic's output) compiles
+    /// as a required call, its references resolved, and greedy decoding under it on a byte
+    /// vocabulary gives a call whose arguments hold the referenced object.
+    #[test]
+    fn a_required_call_resolves_the_tools_own_defs() {
+        use crate::text::constrain::{Constraint, Grammars};
+        let tools = json!([{"type": "function", "function": {"name": "ship",
+            "parameters": {"type": "object", "$defs": {"Address": {"type": "object",
+                "properties": {"zip": {"type": "integer", "minimum": 0, "maximum": 9}},
+                "required": ["zip"], "additionalProperties": false}},
+                "properties": {"to": {"$ref": "#/$defs/Address"}},
+                "required": ["to"], "additionalProperties": false}}},
+            {"type": "function", "function": {"name": "tree", "parameters": {"type": "object",
+                "properties": {"kids": {"type": "array", "maxItems": 0, "items": {"$ref": "#"}}},
+                "required": ["kids"], "additionalProperties": false}}}]);
+        let list = check_tools(&tools).unwrap();
+        let g = ToolFormat::Llama3
+            .required(&list, Some("ship"), &|_| None)
+            .unwrap();
+        assert!(g.contains("#/$defs/t0_Address"), "{g}");
+        let tok = crate::model::tokenizer::Tokenizer::byte_level().unwrap();
+        let n = tok.vocab_size();
+        let grammars = Grammars::new(&tok, n).unwrap();
+        let mut guide = grammars.matcher(&Constraint::Lark(g)).unwrap();
+        let mut out = Vec::new();
+        for _ in 0..200 {
+            let mut logits: Vec<f32> = (0..n).map(|t| -(t as f32)).collect();
+            guide.mask(&mut logits).unwrap();
+            let next = crate::text::sampling::argmax(&logits);
+            out.push(next);
+            if guide.advance(next).unwrap() {
+                break;
+            }
+        }
+        let text = tok.decode(&out).unwrap();
+        let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text}: {e}"));
+        assert_eq!(v["name"], "ship", "{text}");
+        assert!(v["parameters"]["to"]["zip"].is_u64(), "{text}");
+        // A schema that refers to its own root compiles too.
+        let g = ToolFormat::Llama3
+            .required(&list, Some("tree"), &|_| None)
+            .unwrap();
+        assert!(grammars.matcher(&Constraint::Lark(g)).is_ok());
     }
 }

@@ -492,6 +492,19 @@ fn search(
                 tried: &mut Vec<Candidate>,
                 log: &mut dyn FnMut(&str)|
      -> Result<Vec<Candidate>> {
+        // Only what the policy parser accepts: a composition it refuses (lazy K/V under input
+        // sparsity, say) is skipped with its reason, never a failed search.
+        let specs: Vec<String> = (specs.iter())
+            .filter(|spec| match Policy::parse(spec, c, Some(preds)) {
+                Ok(_) => true,
+                Err(e) => {
+                    log(&format!("  {spec:28} skipped: {e}"));
+                    false
+                }
+            })
+            .cloned()
+            .collect();
+        let specs = &specs[..];
         let rs = compare_specs(
             engine,
             on,

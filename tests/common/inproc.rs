@@ -238,8 +238,8 @@ impl<D: Decoder> Decoder for Slow<D> {
         std::thread::sleep(self.delay);
         self.inner.prompt(tokens)
     }
-    fn steps_are_prompts(&self) -> bool {
-        self.inner.steps_are_prompts()
+    fn reuses_steps(&self) -> bool {
+        self.inner.reuses_steps()
     }
 }
 

@@ -216,9 +216,9 @@ fn chat_loop(
             _ => {}
         }
         // What the cache holds now: the prompt and every reply token that was fed back (those
-        // only where a decode step writes what a prompt would: see `Decoder::steps_are_prompts`).
+        // only where a later prompt may reuse them: see `Decoder::reuses_steps`).
         cached = ids;
-        if dec.steps_are_prompts() {
+        if dec.reuses_steps() {
             cached.extend(&reply);
         }
         cached.truncate(dec.len());

@@ -54,8 +54,12 @@ pub struct QuantizeArgs {
 pub fn cmd_quantize(a: QuantizeArgs) -> Result<()> {
     let ftype = FileType::parse(&a.qtype)
         .with_context(|| format!("--type {}: expected one of {}", a.qtype, FileType::names()))?;
-    // Before any work (the library refuses it again for its other callers).
+    // Before any work (the library refuses both again for its other callers).
     crate::refuse_overwrites(&[("--out", Some(&a.out))], &[&a.input])?;
+    dejavu::fsio::refuse_unwritable("--out", &a.out)?;
+    if ftype.needs_imatrix() && a.imatrix.is_none() {
+        return Err(dejavu::quantize::needs_imatrix(ftype).into());
+    }
     let load = || -> Result<(Model, Tokenizer)> {
         let m = Model::load(&a.input)?;
         let t = Tokenizer::from_model(&m)?;

@@ -261,6 +261,19 @@ impl Tokenizer {
         self.tokens.len()
     }
 
+    /// The most bytes of text one token stands for, bounded above by the longest token's text
+    /// (byte-level and SentencePiece spellings take at least a byte per byte they stand for).
+    /// A text of `n` bytes is then at least `n / max_token_bytes()` tokens: a prompt that
+    /// cannot fit the context is refused before it is tokenized.
+    pub fn max_token_bytes(&self) -> usize {
+        self.tokens
+            .iter()
+            .map(String::len)
+            .max()
+            .unwrap_or(1)
+            .max(1)
+    }
+
     pub fn token_text(&self, id: u32) -> Option<&str> {
         self.tokens.get(id as usize).map(String::as_str)
     }
@@ -360,6 +373,112 @@ pub fn render_chat(
     bos: &str,
     eos: &str,
 ) -> Result<String> {
+    // A model file's template is a stranger's program: bounded in size, run on a thread whose
+    // stack its nesting cannot exhaust (a chain of 100,000 filters, a list nested as deep),
+    // with fuel, widths and output bounded (see `guarded`).
+    if tpl.len() > MAX_TEMPLATE_BYTES {
+        return Err(Error::Template(format!(
+            "the chat template is {} bytes; at most {MAX_TEMPLATE_BYTES} are taken",
+            tpl.len()
+        )));
+    }
+    std::thread::scope(|scope| {
+        let t = std::thread::Builder::new()
+            .name("chat-template".into())
+            .stack_size(TEMPLATE_STACK)
+            .spawn_scoped(scope, || render_guarded(tpl, messages, tools, bos, eos))
+            .map_err(|e| Error::Template(format!("no thread to render it on: {e}")))?;
+        (t.join()).unwrap_or_else(|_| Err(Error::Template("the template engine failed".into())))
+    })
+}
+
+/// Most bytes of a chat template (the largest in use are about 10 KiB).
+pub const MAX_TEMPLATE_BYTES: usize = 128 << 10;
+/// Most bytes a template renders to.
+pub const MAX_RENDERED_BYTES: usize = 16 << 20;
+/// The widest `indent` and `format` width a template may ask for.
+pub const MAX_TEMPLATE_WIDTH: usize = 4096;
+/// The deepest value a template may hand `tojson`.
+pub const MAX_TEMPLATE_NESTING: usize = 256;
+/// The stack of the thread a template renders on (address space, mapped as it is used):
+/// within [`MAX_TEMPLATE_BYTES`] no chain of filters or nesting of values comes near it.
+const TEMPLATE_STACK: usize = 256 << 20;
+
+fn template_error(msg: String) -> minijinja::Error {
+    minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg)
+}
+
+/// The widths a printf-style format string asks for (after each `%`: flags, then the width and
+/// the precision).
+fn format_widths(f: &str) -> impl Iterator<Item = usize> + '_ {
+    f.split('%').skip(1).flat_map(|spec| {
+        let spec = spec.trim_start_matches(['-', '+', ' ', '#', '0']);
+        let num = |s: &str| -> (usize, usize) {
+            let n = s.bytes().take_while(u8::is_ascii_digit).count();
+            (
+                s[..n].parse().unwrap_or(if n > 0 { usize::MAX } else { 0 }),
+                n,
+            )
+        };
+        let (width, n) = num(spec);
+        let precision = spec[n..].strip_prefix('.').map_or(0, |p| num(p).0);
+        [width, precision]
+    })
+}
+
+/// The depth of `v`'s nesting, counted without recursion, stopping past `limit`.
+fn nesting(v: &minijinja::Value, limit: usize) -> usize {
+    let mut todo = vec![(v.clone(), 1usize)];
+    let mut deepest = 0;
+    while let Some((v, d)) = todo.pop() {
+        deepest = deepest.max(d);
+        if deepest > limit {
+            break;
+        }
+        if matches!(
+            v.kind(),
+            minijinja::value::ValueKind::Seq | minijinja::value::ValueKind::Map
+        ) {
+            if let Ok(items) = v.try_iter() {
+                for k in items {
+                    let item = match v.kind() {
+                        minijinja::value::ValueKind::Map => v.get_item(&k).unwrap_or_default(),
+                        _ => k,
+                    };
+                    todo.push((item, d + 1));
+                }
+            }
+        }
+    }
+    deepest
+}
+
+/// A writer that refuses to grow past [`MAX_RENDERED_BYTES`].
+struct Bounded(Vec<u8>);
+
+impl std::io::Write for Bounded {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.0.len() + buf.len() > MAX_RENDERED_BYTES {
+            return Err(std::io::Error::other(format!(
+                "the template renders past {MAX_RENDERED_BYTES} bytes"
+            )));
+        }
+        self.0.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// [`render_chat`]'s work, on its thread.
+fn render_guarded(
+    tpl: &str,
+    messages: &[ChatMessage],
+    tools: Option<&[serde_json::Value]>,
+    bos: &str,
+    eos: &str,
+) -> Result<String> {
     let mut env = minijinja::Environment::new();
     minijinja_contrib::add_to_environment(&mut env);
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
@@ -389,6 +508,51 @@ pub fn render_chat(
             Ok(out)
         },
     );
+    // Builtins that could allocate without bound in one step, with their arguments bounded.
+    env.add_filter(
+        "indent",
+        |v: minijinja::value::StringInput<'_>,
+         width: Option<usize>,
+         first: Option<bool>,
+         blank: Option<bool>,
+         kwargs: minijinja::value::Kwargs| {
+            if width.unwrap_or(0) > MAX_TEMPLATE_WIDTH {
+                return Err(template_error(format!(
+                    "indent: a width past {MAX_TEMPLATE_WIDTH}"
+                )));
+            }
+            minijinja::filters::indent(v, width, first, blank, kwargs)
+        },
+    );
+    env.add_filter(
+        "format",
+        |state: &minijinja::State,
+         f: &minijinja::Value,
+         args: minijinja::value::Rest<minijinja::Value>| {
+            let widest = f
+                .as_str()
+                .map_or(0, |f| format_widths(f).max().unwrap_or(0));
+            if widest > MAX_TEMPLATE_WIDTH {
+                return Err(template_error(format!(
+                    "format: a width past {MAX_TEMPLATE_WIDTH}"
+                )));
+            }
+            minijinja::filters::format(state, f, args)
+        },
+    );
+    env.add_filter(
+        "tojson",
+        |v: &minijinja::Value,
+         indent: Option<minijinja::Value>,
+         kwargs: minijinja::value::Kwargs| {
+            if nesting(v, MAX_TEMPLATE_NESTING) > MAX_TEMPLATE_NESTING {
+                return Err(template_error(format!(
+                    "tojson: a value nested past {MAX_TEMPLATE_NESTING} levels"
+                )));
+            }
+            minijinja::filters::tojson(v, indent, kwargs)
+        },
+    );
     env.add_template("chat", tpl)
         .map_err(|e| Error::Template(e.to_string()))?;
     let msgs: Vec<minijinja::Value> = (messages.iter())
@@ -407,9 +571,11 @@ pub fn render_chat(
         bos_token => bos,
         eos_token => eos,
     };
+    let mut out = Bounded(Vec::new());
     env.get_template("chat")
-        .and_then(|t| t.render(ctx))
-        .map_err(|e| Error::Template(e.to_string()))
+        .and_then(|t| t.render_captured_to(ctx, &mut out).map(drop))
+        .map_err(|e| Error::Template(e.to_string()))?;
+    String::from_utf8(out.0).map_err(|_| Error::Template("the template rendered bad UTF-8".into()))
 }
 
 /// A Hugging Face `tokenizer.json` (from a file or a GGUF's metadata: either may come from a

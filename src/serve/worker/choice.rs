@@ -85,7 +85,7 @@ fn one_choice(
 ) -> Result<Option<(Finish, usize)>, ApiError> {
     let (engine, job, jobs) = (slot.engine, slot.job, slot.jobs);
     let send = |e: Event| slot.send(e);
-    let keep_steps = dec.steps_are_prompts();
+    let keep_steps = dec.reuses_steps();
     let Start {
         ids,
         index,

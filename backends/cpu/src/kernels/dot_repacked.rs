@@ -267,7 +267,7 @@ mod arm;
 mod tests {
     use super::*;
     use crate::kernels::repack::repack_row;
-    use crate::kernels::table::{Kernels, RowDot};
+    use crate::kernels::table::Kernels;
     use crate::kernels::testutil::{random_f32, random_row};
     use dejavu_backend_api::quant::QK;
 

@@ -160,6 +160,7 @@ pub const MAX_Q8A_TOKENS: usize = 8;
 /// The length contract of a multi-token Q8A dot: 1..=[`MAX_Q8A_TOKENS`] tokens, each as
 /// [`check_q8a`] states, and one output each.
 #[inline(always)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) fn check_q8a_tokens(
     q: dejavu_backend_api::quant::QuantType,
     row: &[u8],
