@@ -392,3 +392,47 @@ fn pickles_that_ask_for_code_are_refused() {
     );
     generate(d.path(), "not a PyTorch zip");
 }
+
+/// Issue 52: a GGUF tokenizer's special-token ids past its vocabulary, token types outside
+/// llama.cpp's 0-6 and SentencePiece scores that are not numbers were taken silently (the EOS
+/// then never ended a reply, the merges ranked at random): each is an error naming its key.
+#[test]
+fn a_gguf_tokenizers_bad_ids_types_and_scores_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let set = |key: &'static str, v: MetaValue| {
+        move |meta: &mut Vec<(String, MetaValue)>,
+              _: &mut Vec<(String, Vec<u64>, GgmlType, Vec<u8>)>| {
+            meta.retain(|(k, _)| k != key);
+            meta.push((key.into(), v));
+        }
+    };
+    let eos = write(
+        dir.path(),
+        "eos.gguf",
+        &tiny_llama_gguf(set("tokenizer.ggml.eos_token_id", MetaValue::U32(999_999))),
+    );
+    generate(&eos, "tokenizer.ggml.eos_token_id");
+    let types = MetaValue::Array(
+        (0..256)
+            .map(|i| MetaValue::I32(if i == 7 { 99 } else { 1 }))
+            .collect(),
+    );
+    let typed = write(
+        dir.path(),
+        "types.gguf",
+        &tiny_llama_gguf(set("tokenizer.ggml.token_type", types)),
+    );
+    generate(&typed, "token 7 has type");
+    // SentencePiece (`llama`) with every score NaN.
+    let spm = tiny_llama_gguf(|meta, _| {
+        meta.retain(|(k, _)| k != "tokenizer.ggml.model" && k != "tokenizer.ggml.pre");
+        meta.push((
+            "tokenizer.ggml.model".into(),
+            MetaValue::String("llama".into()),
+        ));
+        let scores = (0..256).map(|_| MetaValue::F32(f32::NAN)).collect();
+        meta.push(("tokenizer.ggml.scores".into(), MetaValue::Array(scores)));
+    });
+    let spm = write(dir.path(), "spm.gguf", &spm);
+    generate(&spm, "score is not a finite number");
+}

@@ -265,6 +265,10 @@ fn unsupported_fields_are_refused_by_name_unless_neutral() {
         ("logit_bias", json!({"5": -101})),
         ("min_p", json!(1.5)),
         ("repeat_penalty", json!(0)),
+        // Issue 52: OpenAI fields for what this server does not do.
+        ("prediction", json!({"type": "content", "content": "x"})),
+        ("modalities", json!(["text", "audio"])),
+        ("audio", json!({"voice": "alloy", "format": "wav"})),
     ];
     for (k, v) in asks {
         let (st, e) = with(k, v.clone());
@@ -287,10 +291,37 @@ fn unsupported_fields_are_refused_by_name_unless_neutral() {
         ("logprobs", Value::Null),
         ("ignore_eos", json!(true)),
         ("cache_prompt", json!(false)),
+        ("modalities", json!(["text"])),
+        ("prediction", Value::Null),
     ];
     for (k, v) in taken {
         let (st, e) = with(k, v.clone());
         assert_eq!(st, 200, "{k}: {v}: {e}");
+    }
+    // Issue 52: a key named twice, at any depth, is a 400 (not the last one silently).
+    for body in [
+        r#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "max_tokens": 9}"#,
+        r#"{"messages": [{"role": "user", "role": "system", "content": "hi"}], "max_tokens": 1}"#,
+    ] {
+        let (st, e) = s.post("/v1/chat/completions", body, None);
+        assert_eq!(st, 400, "{body}: {e}");
+        assert!(
+            e["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("appears twice"),
+            "{e}"
+        );
+    }
+    // Embeddings: no shortened `dimensions`, no empty input.
+    for (body, param) in [
+        (json!({"input": "hi", "dimensions": 8}), "dimensions"),
+        (json!({"input": ""}), "input"),
+        (json!({"input": ["a", ""]}), "input"),
+    ] {
+        let (st, e) = s.post("/v1/embeddings", &body.to_string(), None);
+        assert_eq!(st, 400, "{body}: {e}");
+        assert_eq!(e["error"]["param"], param, "{e}");
     }
     s.shutdown().unwrap();
 }

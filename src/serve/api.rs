@@ -185,11 +185,89 @@ pub struct Request {
     suffix: Option<Value>,
     #[serde(default)]
     best_of: Option<Value>,
+    /// OpenAI's predicted outputs, output modalities and audio output.
+    #[serde(default)]
+    prediction: Option<Value>,
+    #[serde(default)]
+    modalities: Option<Value>,
+    #[serde(default)]
+    audio: Option<Value>,
+}
+
+/// A request body as `T`: a 400 for bytes that are not JSON, for JSON that is not `T`, and for
+/// an object anywhere in it that names a key twice (serde_json would keep the last silently;
+/// which one a client meant is not ours to guess).
+pub fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    let bad = |e: String| ApiError::invalid(format!("the body is not a valid request: {e}"), None);
+    let mut de = serde_json::Deserializer::from_slice(body);
+    serde::de::Deserializer::deserialize_any(&mut de, NoDuplicates)
+        .map_err(|e| bad(e.to_string()))?;
+    serde_json::from_slice(body).map_err(|e| bad(e.to_string()))
+}
+
+/// Walks a JSON document, failing at the first object that names a key twice.
+struct NoDuplicates;
+
+impl<'de> serde::de::DeserializeSeed<'de> for NoDuplicates {
+    type Value = ();
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for NoDuplicates {
+    type Value = ();
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("JSON")
+    }
+    fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_str<E>(self, _: &str) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_unit<E>(self) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut a: A) -> Result<(), A::Error> {
+        while a.next_element_seed(NoDuplicates)?.is_some() {}
+        Ok(())
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut a: A) -> Result<(), A::Error> {
+        let mut seen = std::collections::HashSet::new();
+        while let Some(k) = a.next_key::<String>()? {
+            if !seen.insert(k.clone()) {
+                return Err(serde::de::Error::custom(format!(
+                    "the key `{k}` appears twice"
+                )));
+            }
+            a.next_value_seed(NoDuplicates)?;
+        }
+        Ok(())
+    }
 }
 
 /// Fields that ask for what the server does not do yet, and the values that ask for nothing
 /// (what clients send by default): a field is refused unless absent, null or neutral.
-pub const UNSUPPORTED: [&str; 5] = ["functions", "function_call", "echo", "suffix", "best_of"];
+pub const UNSUPPORTED: [&str; 8] = [
+    "functions",
+    "function_call",
+    "echo",
+    "suffix",
+    "best_of",
+    "prediction",
+    "modalities",
+    "audio",
+];
 
 /// Whether `v`, the value of the unsupported field `name`, asks for nothing.
 fn neutral(name: &str, v: &Value) -> bool {
@@ -203,6 +281,7 @@ fn neutral(name: &str, v: &Value) -> bool {
             "function_call" => v == "none" || v == "auto",
             "suffix" => v == "",
             "best_of" => v.as_f64() == Some(1.0),
+            "modalities" => v == &serde_json::json!(["text"]),
             _ => false,
         }
 }
@@ -380,8 +459,7 @@ pub const MAX_TOKENS_CAP: u64 = 1 << 20;
 impl Request {
     /// Parse a body (any bytes: invalid UTF-8 and malformed JSON are 400s).
     pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
-        serde_json::from_slice(body)
-            .map_err(|e| ApiError::invalid(format!("the body is not a valid request: {e}"), None))
+        parse_body(body)
     }
 
     /// Check every field we read; `chat` says which endpoint this is. `default_max` applies
@@ -398,6 +476,9 @@ impl Request {
             &self.echo,
             &self.suffix,
             &self.best_of,
+            &self.prediction,
+            &self.modalities,
+            &self.audio,
         ];
         for (name, v) in UNSUPPORTED.into_iter().zip(asked) {
             if let Some(v) = v.as_ref().filter(|v| !neutral(name, v)) {

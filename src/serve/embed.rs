@@ -21,6 +21,9 @@ struct EmbeddingsRequest {
     /// for unless told otherwise).
     #[serde(default)]
     encoding_format: Option<String>,
+    /// OpenAI's shortened embeddings: not offered (the model's width is the embedding's).
+    #[serde(default)]
+    dimensions: Option<Value>,
 }
 
 /// The most inputs one `/v1/embeddings` request may hold.
@@ -56,6 +59,12 @@ pub(super) async fn embeddings(
             )
         }
     };
+    if let Some(d) = req.dimensions.as_ref().filter(|d| !d.is_null()) {
+        return bad(
+            &format!("`dimensions` ({d}): embeddings here have the model's own width"),
+            Some("dimensions"),
+        );
+    }
     let texts: Vec<String> = match &req.input {
         Value::String(t) => vec![t.clone()],
         Value::Array(a) if !a.is_empty() && a.len() <= MAX_EMBEDDING_INPUTS => {
@@ -76,6 +85,9 @@ pub(super) async fn embeddings(
             )
         }
     };
+    if texts.iter().any(String::is_empty) {
+        return bad("`input` holds an empty string", Some("input"));
+    }
     let (mut rx, prompt_tokens) = match enqueue(&s, Work::Embed(texts)).await {
         Ok(started) => started,
         Err(e) => return error(e),

@@ -518,8 +518,7 @@ fn parse<T: serde::de::DeserializeOwned>(
     body: &[u8],
 ) -> Result<T, ApiError> {
     authorized(s, headers)?;
-    serde_json::from_slice(body)
-        .map_err(|e| ApiError::invalid(format!("the body is not a valid request: {e}"), None))
+    api::parse_body(body)
 }
 
 /// What every chunk or reply of one request repeats.

@@ -108,17 +108,28 @@ fn finish(
     tokens: Vec<String>,
     add_bos: bool,
 ) -> Result<Tokenizer> {
-    let id = |key: &str| {
-        h.get(key)
-            .and_then(|x| x.as_u64())
-            .filter(|&i| (i as usize) < tokens.len())
-            .map(|i| i as u32)
+    // A special token's id, when its key is given: inside the vocabulary, or the file is
+    // refused (an end-of-generation id past it would never end a reply).
+    let id = |key: &str| -> Result<Option<u32>> {
+        let Some(v) = h.get(key) else {
+            return Ok(None);
+        };
+        match v.as_u64().filter(|&i| (i as usize) < tokens.len()) {
+            Some(i) => Ok(Some(i as u32)),
+            None => Err(Error::BadKey {
+                key: key.into(),
+                reason: format!(
+                    "{v:?} is not a token id of the {} in the vocabulary",
+                    tokens.len()
+                ),
+            }),
+        }
     };
-    let (bos, eos) = (id(TOK_BOS), id(TOK_EOS));
+    let (bos, eos) = (id(TOK_BOS)?, id(TOK_EOS)?);
     if add_bos {
         prepend_bos(&mut inner, bos)?;
     }
-    let eog: Vec<u32> = [eos, id(TOK_EOT)].into_iter().flatten().collect();
+    let eog: Vec<u32> = [eos, id(TOK_EOT)?].into_iter().flatten().collect();
     let chat_template = h
         .get(CHAT_TEMPLATE)
         .and_then(|x| x.as_str())
@@ -136,8 +147,17 @@ fn finish(
 impl Vocab {
     fn read(h: &GgufHeader) -> Result<Self> {
         let tokens = string_array(h, TOK_TOKENS)?;
+        // llama.cpp's types run from 0 (undefined) to 6 (byte); anything else is a broken file.
         let types: Vec<i64> = match h.get(TOK_TYPES).and_then(|v| v.as_array()) {
-            Some(a) => a.iter().map(|v| v.as_i64().unwrap_or(1)).collect(),
+            Some(a) => (a.iter().enumerate())
+                .map(|(i, v)| match v.as_i64() {
+                    Some(t @ 0..=6) => Ok(t),
+                    _ => Err(Error::BadKey {
+                        key: TOK_TYPES.into(),
+                        reason: format!("token {i} has type {v:?} (types are 0 to 6)"),
+                    }),
+                })
+                .collect::<Result<_>>()?,
             None => vec![TOKEN_NORMAL; tokens.len()],
         };
         if types.len() != tokens.len() {
@@ -220,9 +240,16 @@ fn byte_level_bpe(h: &GgufHeader, v: &Vocab) -> Result<(tokenizers::Tokenizer, b
 /// byte fallback, its merges derived from the scores.
 fn sentencepiece(h: &GgufHeader, v: &Vocab) -> Result<tokenizers::Tokenizer> {
     let scores: Vec<f64> = match h.get(TOK_SCORES).and_then(|x| x.as_array()) {
-        Some(a) => a.iter().map(|x| x.as_f64().unwrap_or(0.0)).collect(),
+        Some(a) => a.iter().map(|x| x.as_f64().unwrap_or(f64::NAN)).collect(),
         None => return Err(Error::MissingKey(TOK_SCORES.into())),
     };
+    // The merges are ranked by score: a score that is not a finite number ranks nothing.
+    if let Some(i) = scores.iter().position(|s| !s.is_finite()) {
+        return Err(Error::BadKey {
+            key: TOK_SCORES.into(),
+            reason: format!("token {i}'s score is not a finite number"),
+        });
+    }
     if scores.len() != v.tokens.len() {
         return Err(Error::Tokenizer(format!(
             "{} token scores for {} tokens",
