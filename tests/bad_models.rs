@@ -436,3 +436,30 @@ fn a_gguf_tokenizers_bad_ids_types_and_scores_are_refused() {
     let spm = write(dir.path(), "spm.gguf", &spm);
     generate(&spm, "score is not a finite number");
 }
+
+/// Issue 52: config.json's RoPE scaling and token ids are read as written or refused: a
+/// `rope_scaling` that is not an object, a null `rope_parameters` beside a `rope_scaling` that
+/// names an unsupported scaling, a `rope_scaling` (Phi-3's LongRoPE) beside `rope_parameters`,
+/// and an end-of-generation id past 2^32 (it was truncated to token 0).
+#[test]
+fn config_json_rope_and_ids_are_read_as_written() {
+    let cases: [(&str, fn(&mut Value, &mut Value)); 4] = [
+        ("rope_scaling", |c, _| c["rope_scaling"] = "big".into()),
+        ("yarn", |c, _| {
+            c["rope_parameters"] = Value::Null;
+            c["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0});
+        }),
+        ("longrope", |c, _| {
+            c["rope_scaling"] = serde_json::json!({"type": "longrope", "long_factor": [1.0],
+                                                   "short_factor": [1.0]});
+        }),
+        ("outside the tokenizer", |c, g| {
+            c["eos_token_id"] = (1u64 << 40).into();
+            g["eos_token_id"] = (1u64 << 40).into();
+        }),
+    ];
+    for (needle, edit) in cases {
+        let d = hf_copy("llama-silu", |c, g, _| edit(c, g));
+        generate(d.path(), needle);
+    }
+}

@@ -154,17 +154,38 @@ pub(crate) type Rope = (f32, Option<RopeScaling>);
 /// `low_freq_factor`, `high_freq_factor` and `original_max_position_embeddings`). Other
 /// scalings (dynamic, YaRN, LongRoPE) are refused by name rather than run wrong.
 pub(crate) fn rope_theta(j: &HfJson) -> Result<Rope> {
-    let key = match j.get("rope_parameters") {
-        Some(_) => "rope_parameters",
-        None => "rope_scaling",
-    };
-    let Some(p) = j.get(key) else {
+    // Both keys are read (null is absent; anything else must be an object): a scaling named
+    // under either is run or refused, never dropped because the other key is there too.
+    let kind_of = |v: &serde_json::Value| v.get("rope_type").or_else(|| v.get("type")).cloned();
+    let mut given = Vec::new();
+    for key in ["rope_parameters", "rope_scaling"] {
+        match j.get(key) {
+            None | Some(serde_json::Value::Null) => {}
+            Some(v) if v.is_object() => given.push((key, v)),
+            Some(v) => {
+                return Err(bad(
+                    key,
+                    &format!("{v} is not an object of RoPE parameters"),
+                ))
+            }
+        }
+    }
+    let typed = |(_, v): &&(&str, &serde_json::Value)| kind_of(v).is_some_and(|t| t != "default");
+    if let [a, b] = &given[..] {
+        if typed(&a) && typed(&b) && kind_of(a.1) != kind_of(b.1) {
+            return Err(bad(
+                "rope_scaling",
+                "rope_parameters and rope_scaling name different RoPE scalings",
+            ));
+        }
+    }
+    let Some(&(key, p)) = given.iter().find(typed).or(given.first()) else {
         return Ok((j.float_or("rope_theta", 10_000.0)?, None));
     };
     let p = HfJson(p);
     let kind = p.get("rope_type").or_else(|| p.get("type"));
-    let theta = match p.get("rope_theta") {
-        Some(_) => p.float_or("rope_theta", 1e4)?,
+    let theta = match given.iter().find(|(_, v)| v.get("rope_theta").is_some()) {
+        Some((_, v)) => HfJson(v).float_or("rope_theta", 1e4)?,
         None => j.float_or("rope_theta", 10_000.0)?,
     };
     let scaling = match kind.and_then(|t| t.as_str()) {

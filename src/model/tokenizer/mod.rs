@@ -121,7 +121,10 @@ impl Tokenizer {
             )));
         };
         let id_of = |s: Option<String>| s.and_then(|s| inner.token_to_id(&s));
-        let int = |v: &Value, k: &str| v.get(k).and_then(Value::as_u64).map(|i| i as u32);
+        // An id past u32 (2^40, say) saturates, so the range check below refuses it rather than
+        // a truncation finding some token.
+        let id32 = |i: u64| u32::try_from(i).unwrap_or(u32::MAX);
+        let int = |v: &Value, k: &str| v.get(k).and_then(Value::as_u64).map(id32);
         let bos = id_of(token_str("bos_token"))
             .or_else(|| int(&gen, "bos_token_id"))
             .or_else(|| int(&model_cfg, "bos_token_id"));
@@ -136,10 +139,8 @@ impl Tokenizer {
         let mut eog: Vec<u32> = [eos].into_iter().flatten().collect();
         for cfg in [&gen, &model_cfg] {
             match cfg.get("eos_token_id") {
-                Some(Value::Array(a)) => {
-                    eog.extend(a.iter().filter_map(|v| v.as_u64().map(|i| i as u32)))
-                }
-                Some(v) => eog.extend(v.as_u64().map(|i| i as u32)),
+                Some(Value::Array(a)) => eog.extend(a.iter().filter_map(|v| v.as_u64().map(id32))),
+                Some(v) => eog.extend(v.as_u64().map(id32)),
                 None => {}
             }
         }
