@@ -443,7 +443,8 @@ fn a_gguf_tokenizers_bad_ids_types_and_scores_are_refused() {
 /// and an end-of-generation id past 2^32 (it was truncated to token 0).
 #[test]
 fn config_json_rope_and_ids_are_read_as_written() {
-    let cases: [(&str, fn(&mut Value, &mut Value)); 4] = [
+    type Edit = fn(&mut Value, &mut Value);
+    let cases: [(&str, Edit); 4] = [
         ("rope_scaling", |c, _| c["rope_scaling"] = "big".into()),
         ("yarn", |c, _| {
             c["rope_parameters"] = Value::Null;
