@@ -81,19 +81,19 @@ pub struct BatchDecoder {
     lent: bool,
     /// The sequences' `SeqBatch::reuses_steps`, set by the batch thread when it starts (until
     /// then `false`: a prompt reuses only what prompts wrote).
-    exact: Arc<AtomicBool>,
+    reuses: Arc<AtomicBool>,
 }
 
 /// The batch thread's end of the decoders' queue (for [`run`]).
 pub struct Queue {
     rx: Receiver<Ask>,
-    exact: Arc<AtomicBool>,
+    reuses: Arc<AtomicBool>,
 }
 
 /// The batch thread's queue and a decoder for each of `n` sequences of `n_ctx` positions.
 pub fn decoders(n: usize, n_ctx: usize) -> (Vec<BatchDecoder>, Queue) {
     let (tx, rx) = channel();
-    let exact = Arc::new(AtomicBool::new(false));
+    let reuses = Arc::new(AtomicBool::new(false));
     let decs = (0..n)
         .map(|seq| BatchDecoder {
             seq,
@@ -102,10 +102,10 @@ pub fn decoders(n: usize, n_ctx: usize) -> (Vec<BatchDecoder>, Queue) {
             n_ctx,
             out: Vec::new(),
             lent: false,
-            exact: exact.clone(),
+            reuses: reuses.clone(),
         })
         .collect();
-    (decs, Queue { rx, exact })
+    (decs, Queue { rx, reuses })
 }
 
 impl BatchDecoder {
@@ -166,7 +166,7 @@ impl Decoder for BatchDecoder {
         self.run_as(tokens, Logits::Last, true)
     }
     fn reuses_steps(&self) -> bool {
-        self.exact.load(Ordering::Acquire)
+        self.reuses.load(Ordering::Acquire)
     }
     fn pause(&mut self) {
         let _ = self.ask(Op::Pause, None);
@@ -189,7 +189,7 @@ impl Decoder for BatchDecoder {
                     n_ctx,
                     out,
                     lent: true,
-                    exact: self.exact.clone(),
+                    reuses: self.reuses.clone(),
                 };
                 Box::new(d) as Box<dyn Decoder + Send>
             })
@@ -217,8 +217,8 @@ struct Prompt {
 /// `chunk` tokens ([`PROMPT_CHUNK`]; at least 1), the sequences' positions bounded by `pool`
 /// when given.
 pub fn run(seqs: &mut dyn SeqBatch, queue: Queue, chunk: usize, pool: Option<usize>) {
-    let Queue { rx, exact } = queue;
-    exact.store(seqs.reuses_steps(), Ordering::Release);
+    let Queue { rx, reuses } = queue;
+    reuses.store(seqs.reuses_steps(), Ordering::Release);
     let chunk = chunk.max(1);
     let mut pool = pool.map(|size| Pool::new(size, seqs.count()));
     let mut steps: Vec<(usize, u32, Sender<Reply>)> = Vec::new();
