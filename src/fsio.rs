@@ -5,8 +5,9 @@
 //! - the bytes go to a unique temporary file in the target's directory, created exclusively
 //!   (`tempfile`: `O_EXCL`, a random name), so two runs writing the same target never share a file;
 //! - the file is fsynced, then renamed over the target: a reader sees the old file or the whole
-//!   new one, and an interrupted run leaves only a `.dejavu-*.tmp` file that nothing reads (it is
-//!   removed on error and on drop);
+//!   new one, and an interrupted run leaves only a `.dejavu-<host>-<pid>-*.tmp` file that
+//!   nothing reads (removed on error and on drop; a killed run's by the next write into that
+//!   directory, once its process is gone);
 //! - an existing file is never opened for writing, and [`refuse_overwrite`] keeps a command's
 //!   output from replacing one of its inputs;
 //! - the new file gets the permissions any new file does (`0o666` less the umask, on Unix), not
@@ -16,14 +17,59 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
-/// A unique temporary file beside `target`, and the directory it lives in.
+/// This process's prefix of temporary names: `.dejavu-<host>-<pid>-` (see [`clean_stale`]).
+fn temp_prefix() -> String {
+    format!(".dejavu-{}-{}-", host(), std::process::id())
+}
+
+/// This machine's host name (Linux), or "host".
+fn host() -> String {
+    let name = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let name: String = (name.trim().chars())
+        .filter(|c| c.is_ascii_alphanumeric() || *c == '.' || *c == '_')
+        .collect();
+    match name.is_empty() {
+        true => "host".into(),
+        false => name,
+    }
+}
+
+/// Remove from `dir` the temporary files of this host's processes that have died (killed before
+/// they could remove their own: SIGKILL, or SIGXFSZ past a file-size limit). Best effort, on
+/// Linux only: a process is alive while `/proc/<pid>` exists; another host's files, and names
+/// without a host and pid (older runs), are left alone.
+fn clean_stale(dir: &Path) {
+    if !Path::new("/proc/self").exists() {
+        return;
+    }
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let mine = format!(".dejavu-{}-", host());
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(&mine)) else {
+            continue;
+        };
+        let Some(Ok(pid)) = rest.split_once('-').map(|(p, _)| p.parse::<u32>()) else {
+            continue;
+        };
+        if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
+/// A unique temporary file beside `target`, once the stale ones of dead runs are removed.
 fn temp_beside(target: &Path, suffix: &str) -> Result<tempfile::NamedTempFile> {
     let dir = match target.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
     };
+    clean_stale(&dir);
+    let prefix = temp_prefix();
     let mut b = tempfile::Builder::new();
-    b.prefix(".dejavu-").suffix(suffix);
+    b.prefix(&prefix).suffix(suffix);
     #[cfg(unix)]
     {
         use std::os::unix::fs::PermissionsExt;
@@ -45,7 +91,11 @@ pub fn write_with(
     let tmp = temp_beside(target, ".tmp")?;
     {
         let mut w = BufWriter::new(tmp.as_file());
-        fill(&mut w)?;
+        // A writer's I/O error (a full disk) names the file it was writing.
+        fill(&mut w).map_err(|e| match e {
+            Error::Io(e) => io_error(target, "writing", e),
+            e => e,
+        })?;
         w.flush().map_err(|e| io_error(target, "writing", e))?;
     }
     commit(tmp, target)
@@ -190,6 +240,42 @@ pub fn refuse_overwrite(flag: &str, out: &Path, input: &Path) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 52: a run killed mid-write (SIGXFSZ) left its temporary file forever: the next
+    /// write into that directory removes this host's temporaries of dead processes, and keeps
+    /// a live process's, another host's and an old-style name.
+    #[test]
+    #[cfg(target_os = "linux")]
+    fn a_write_removes_the_temporaries_of_dead_runs() {
+        let d = tempfile::tempdir().unwrap();
+        let dead = format!(".dejavu-{}-999999999-abc.tmp", host());
+        let keep = [
+            format!(".dejavu-{}-1-abc.tmp", host()),
+            ".dejavu-otherhost-999999999-abc.tmp".to_string(),
+            ".dejavu-abc.tmp".to_string(),
+        ];
+        for n in keep.iter().chain([&dead]) {
+            std::fs::write(d.path().join(n), b"partial").unwrap();
+        }
+        write(&d.path().join("out.json"), b"{}").unwrap();
+        assert!(!d.path().join(&dead).exists());
+        for n in &keep {
+            assert!(d.path().join(n).exists(), "{n} removed");
+        }
+    }
+
+    /// Issue 52: a full disk (ENOSPC) while a writer fills the file is an error naming the
+    /// target, and leaves neither the target nor a temporary file.
+    #[test]
+    fn a_full_disk_names_the_file() {
+        let d = tempfile::tempdir().unwrap();
+        let target = d.path().join("out.gguf");
+        let full = std::io::Error::from_raw_os_error(28);
+        let e = write_with(&target, |_| Err(Error::Io(full))).unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.contains("out.gguf") && msg.contains("writing"), "{msg}");
+        assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 0);
+    }
 
     #[test]
     fn a_write_replaces_the_target_whole_and_leaves_no_temporary_file() {

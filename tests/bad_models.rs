@@ -326,6 +326,49 @@ fn a_head_width_the_weights_do_not_have_is_refused() {
     generate(&m, "value_length");
 }
 
+/// Issue 52: a sharded PyTorch checkpoint whose index and shards disagree. A tensor the index
+/// puts in a shard that does not hold it is reported against pytorch_model.bin.index.json (it
+/// named model.safetensors.index.json); a tensor a shard holds that the index does not list was
+/// ignored, and is refused, as the GGUF path refuses unused tensors.
+#[test]
+fn a_pytorch_index_that_disagrees_with_its_shards_is_refused() {
+    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/opt-torch");
+    let index = "pytorch_model.bin.index.json";
+    let with_index = |edit: &dyn Fn(&mut serde_json::Map<String, serde_json::Value>)| {
+        let d = tempfile::tempdir().unwrap();
+        for f in std::fs::read_dir(&src).unwrap() {
+            let f = f.unwrap().path();
+            std::fs::copy(&f, d.path().join(f.file_name().unwrap())).unwrap();
+        }
+        let text = std::fs::read_to_string(src.join(index)).unwrap();
+        let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        edit(v["weight_map"].as_object_mut().unwrap());
+        std::fs::write(d.path().join(index), v.to_string()).unwrap();
+        d
+    };
+    let other = "pytorch_model-00002-of-00002.bin";
+    let moved = with_index(&|m| {
+        let first = m
+            .get("decoder.embed_tokens.weight")
+            .unwrap()
+            .as_str()
+            .unwrap();
+        assert_ne!(first, other, "the fixture's layout changed");
+        m.insert("decoder.embed_tokens.weight".into(), other.into());
+    });
+    generate(
+        moved.path(),
+        "pytorch_model.bin.index.json puts `decoder.embed_tokens.weight` in pytorch_model-00002",
+    );
+    let unlisted = with_index(&|m| {
+        m.remove("decoder.layers.0.fc1.bias");
+    });
+    generate(
+        unlisted.path(),
+        "holds `decoder.layers.0.fc1.bias`, which pytorch_model.bin.index.json's weight_map does not list",
+    );
+}
+
 /// A PyTorch checkpoint whose pickle asks for code (`os.system` through GLOBAL and REDUCE,
 /// `builtins.eval`, `builtins.exec` through STACK_GLOBAL, an object built by INST) is refused,
 /// naming what it asked for, and nothing runs: the payload would create a file, which does not

@@ -42,17 +42,27 @@ impl HfCheckpoint {
         let dir = dir.as_ref().to_path_buf();
         let config = read_text(&dir.join(CONFIG))?;
         let shard_names = shard_names(&dir)?;
+        let listed: std::collections::HashSet<&String> = (shard_names.iter())
+            .flat_map(|(_, names)| names.iter().flatten())
+            .collect();
         let mut shards = Vec::with_capacity(shard_names.len());
         let mut tensors = HashMap::new();
         for (i, (file, names)) in shard_names.iter().enumerate() {
-            let f = match file.ends_with(".bin") {
-                true => SafetensorsFile::open_torch(dir.join(file))?,
-                false => SafetensorsFile::open(dir.join(file))?,
+            let (f, index) = match file.ends_with(".bin") {
+                true => (SafetensorsFile::open_torch(dir.join(file))?, TORCH_INDEX),
+                false => (SafetensorsFile::open(dir.join(file))?, INDEX),
             };
             for (name, info) in &f.tensors {
                 if let Some(want) = names {
+                    if !listed.contains(name) {
+                        // As the GGUF path refuses unused tensors: the files and the index
+                        // disagree, so what the model computes is in doubt.
+                        return Err(FormatError::Safetensors(format!(
+                            "{file} holds `{name}`, which {index}'s weight_map does not list"
+                        )));
+                    }
                     if !want.contains(name) {
-                        continue; // not this shard's per the index
+                        continue; // another shard's per the index (a second copy)
                     }
                 }
                 let t = HfTensor {
@@ -66,7 +76,7 @@ impl HfCheckpoint {
             if let Some(want) = names {
                 if let Some(missing) = want.iter().find(|n| !f.tensors.contains_key(*n)) {
                     return Err(FormatError::Safetensors(format!(
-                        "{INDEX} puts `{missing}` in {file}, which does not hold it"
+                        "{index} puts `{missing}` in {file}, which does not hold it"
                     )));
                 }
             }

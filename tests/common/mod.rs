@@ -16,6 +16,7 @@ use std::path::PathBuf;
 pub mod faults;
 pub mod inproc;
 pub mod load;
+pub mod same_reply;
 pub mod server;
 
 /// Run `dejavu args...`; assert a non-zero exit with an `error:` line containing `needle`.

@@ -258,6 +258,20 @@ fn batched_steps_on_every_cpu_tier_are_each_sequences_own() {
     }
 }
 
+/// On every fixture, every CPU tier: a position's logits bit for bit the same however its
+/// prompt was split (the CPU's default batch invariance).
+#[test]
+fn prompt_splits_on_every_cpu_tier_give_one_logits() {
+    use dejavu_backend_cpu::isa::Isa;
+    for name in FIXTURES {
+        let eng = load(name);
+        for isa in Isa::supported() {
+            let dev = CpuDevice::with_isa(isa, 2).unwrap();
+            prompt_splits_give_one_logits(&dev, &eng, &format!("{name} on {isa}"));
+        }
+    }
+}
+
 /// Under a fixed sparse plan on every CPU tier, within the suite's tolerance (a batch's W_o
 /// reads every head's row, zeros for the heads a row did not select, where a sparse step
 /// reads only the selected rows: the same sum in another order).
@@ -315,4 +329,39 @@ fn a_bad_step_of_several_sequences_changes_nothing() {
         assert!(err.is_err(), "{what}: refused");
     }
     assert_eq!((a.len(), b.len(), full.len(), sp.len()), (2, 0, 4, 0));
+}
+
+/// A position's logits on `eng`'s model, dense, bit for bit the same however its prompt ran:
+/// whole, in chunks of 1, 3 or 7 rows, or after a cached prefix (a longer sequence truncated
+/// to 17 or 9 positions, the rest run as a prompt): on a batch-invariant device
+/// (`Device::batch_invariant`), each row of a prompt is its own decode step.
+pub fn prompt_splits_give_one_logits<D: Device>(dev: &D, eng: &Engine, what: &str) {
+    use dejavu::exec::Decoder;
+    let c = &eng.model.config;
+    let dm = DeviceModel::upload(dev, &eng.model, None).unwrap();
+    let ids: Vec<u32> = (0..40)
+        .map(|i| (i * 37 + 11) % c.vocab_size as u32)
+        .collect();
+    let run = |chunk: usize, cached: usize| -> Vec<u32> {
+        let plan = DevicePlan::fixed(dev, c, &SparsePlan::dense(c), "plan").unwrap();
+        let mut s = DeviceSession::new(dev, &dm, plan, 64).unwrap();
+        if cached > 0 {
+            s.prompt(&ids).unwrap();
+            Decoder::truncate(&mut s, cached);
+        }
+        let mut last = Vec::new();
+        for ch in ids[cached..].chunks(chunk) {
+            last = (s.prompt(ch).unwrap().iter())
+                .map(|v| v.to_bits())
+                .collect();
+        }
+        last
+    };
+    let whole = run(ids.len(), 0);
+    for (chunk, cached) in [(1, 0), (3, 0), (7, 0), (ids.len(), 17), (5, 9)] {
+        assert!(
+            run(chunk, cached) == whole,
+            "{what}: chunks of {chunk} after {cached} cached differ from the whole prompt"
+        );
+    }
 }

@@ -343,6 +343,64 @@ fn batched_steps_on_the_gpu_match_each_sequences_own() {
     }
 }
 
+/// `--deterministic` on the GPU (`CudaDevice::set_deterministic`): on every fixture (bf16
+/// weights: the tensor cores' products) and on synthetic OPT-125M (f16 weights), steps
+/// of several sequences are bit for bit each sequence's own steps, with attention spans of 4
+/// asked for (deterministic attention takes none), and a position's logits are bit for bit the
+/// same however its prompt was split.
+#[test]
+fn deterministic_gpu_steps_and_prompts_are_batch_invariant() {
+    let Some(mut g) = gpu() else { return };
+    g.set_deterministic(true);
+    g.set_att_span(4);
+    assert!(g.batch_invariant());
+    batching::batched_steps_are_each_sequences_own(&g, true, false);
+    for name in FIXTURES {
+        batching::prompt_splits_give_one_logits(&g, &load(name), name);
+    }
+    {
+        let opts = EngineOptions {
+            keep_file_layout: true,
+            ..Default::default()
+        };
+        let (name, eng) = (
+            "synthetic f16 opt-125m",
+            Engine::load("synthetic:opt-125m", &opts),
+        );
+        batching::prompt_splits_give_one_logits(&g, &eng.unwrap(), name);
+    }
+}
+
+/// (a)-(f) of tests/determinism.rs on the GPU under `--deterministic`: `dejavu serve --backend
+/// cuda --deterministic` replies byte for byte as `dejavu generate` with the same flags, one
+/// by one, 16 at once with `--parallel 8`, on a warm prompt cache, with `cache_prompt` off,
+/// greedy and sampled; on the llama-silu fixture (bf16 rows) and the qwen2 one converted to
+/// f16 (a GGUF made by `dejavu quantize`). Dense only (the GPU's `--deterministic` refuses
+/// sparse policies).
+#[test]
+fn deterministic_serving_on_the_gpu_replies_as_generate() {
+    if gpu().is_none() {
+        return;
+    }
+    let on = ["--backend", "cuda", "--deterministic", "true"];
+    let silu = root().join("tests/fixtures/hf/llama-silu");
+    common::same_reply::replies_equal_generate(&silu, "llama-silu", &on, &["dense"]);
+    let dir = tempfile::tempdir().unwrap();
+    let f16 = dir.path().join("qwen2-f16.gguf");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dejavu"))
+        .args(["quantize", "--type", "f16", "-o"])
+        .arg(&f16)
+        .arg(root().join("tests/fixtures/hf/qwen2"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    common::same_reply::replies_equal_generate(&f16, "qwen2 f16", &on, &["dense"]);
+}
+
 /// Sequences forked from another's prompt on the GPU (see
 /// `forked_sequences_continue_as_their_source`), within the suite's tolerance.
 #[test]

@@ -13,9 +13,11 @@ impl CudaDevice {
     /// How many spans to split `positions` positions into, for `blocks` blocks (heads times
     /// rows) of head size `hd`: 1 (no split) under `ATT_SPAN=0`, else as many as fill the SMs
     /// 8 deep, each of at least `att_span` positions, at most 64; 1 also where their sums
-    /// would not fit `att_part`.
+    /// would not fit `att_part`, and under `--deterministic` (the spans would depend on the
+    /// batch).
     pub(crate) fn att_spans(&self, blocks: usize, positions: usize, hd: usize) -> usize {
-        if self.att_span == 0 || blocks == 0 {
+        // Deterministic: one block a row's head over all its positions, as a step alone has.
+        if self.att_span == 0 || blocks == 0 || self.deterministic {
             return 1;
         }
         let fill = (8 * self.n_sm).div_ceil(blocks);

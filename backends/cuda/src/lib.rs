@@ -180,6 +180,9 @@ pub struct CudaDevice {
     smem: Mutex<HashMap<&'static str, usize>>,
     /// This GPU's communicator in a tensor-parallel world ([`CudaDevice::in_world`]).
     world: Option<world::Nccl>,
+    /// `--deterministic` ([`CudaDevice::set_deterministic`]): batch-invariant products and
+    /// attention (`matmul::launch_invariant`, `att_spans`).
+    deterministic: bool,
 }
 
 /// An f32 vector in GPU memory.
@@ -225,7 +228,10 @@ impl Device for CudaDevice {
     type Graph = Graph;
 
     fn name(&self) -> String {
-        format!("cuda ({})", self.name)
+        match self.deterministic {
+            true => format!("cuda ({}), deterministic", self.name),
+            false => format!("cuda ({})", self.name),
+        }
     }
     fn supports(&self, _qtype: QuantType) -> bool {
         true
@@ -375,8 +381,15 @@ impl Device for CudaDevice {
         launch::run(b, launch::rows(launch::grid(t.cols.div_ceil(8), 256), rows))
     }
 
+    fn batch_invariant(&self) -> bool {
+        self.deterministic
+    }
+
     fn matvecs(&self, x: &Buf, jobs: &mut [Product<'_, Self>]) -> Result<(), BackendError> {
-        self.launch_matvecs(x, jobs)
+        match self.deterministic {
+            true => self.launch_invariant(x, 1, jobs),
+            false => self.launch_matvecs(x, jobs),
+        }
     }
 
     fn matmul(

@@ -53,6 +53,9 @@ impl CudaDevice {
         jobs: &mut [Product<'_, Self>],
     ) -> Result<(), BackendError> {
         self.batch_rows("matmul", rows)?;
+        if self.deterministic {
+            return self.launch_invariant(x, rows, jobs);
+        }
         let sel = jobs.iter().any(|p| matches!(p.rows, Rows::Sel { .. }));
         // A few rows (a step of several sequences), a selection, or with `MMA_PROMPT` any
         // batch, of 16-bit weights: the tensor cores, `MMA_MAX` rows a launch.
@@ -126,5 +129,39 @@ impl CudaDevice {
         let mut b = self.lane().launch_builder(f);
         b.arg(&mm);
         launch::run(b, launch::grid(blocks * 256, 256))
+    }
+
+    /// `--deterministic` ([`CudaDevice::set_deterministic`]): rows `0..rows` of `jobs` through
+    /// one kernel per product whatever `rows` is (one row, a step of several sequences, a
+    /// prompt): the tensor cores' split-input kernel for 16-bit weights (`MMA_MAX` rows a
+    /// launch, with `MMA_H=1`), else `matvec_rows_T` (`MVR_MAX` rows a launch). Each row's sum
+    /// runs in one order: both kernels keep each batch row's accumulators apart, and their
+    /// split-K (`mma_ks` at its widest tile, `split_k`) depends on the products' shapes only.
+    /// A product whose kernel differs from its launch-mates' goes alone, so the kernel is
+    /// each product's own.
+    pub(crate) fn launch_invariant(
+        &self,
+        x: &Buf,
+        rows: usize,
+        jobs: &mut [Product<'_, Self>],
+    ) -> Result<(), BackendError> {
+        let fits = |p: &Product<'_, Self>| self.mma_h && self.mma_fits(std::slice::from_ref(p));
+        let mma = jobs.first().is_some_and(fits);
+        let alike = |p: &Product<'_, Self>| p.w.qtype == jobs[0].w.qtype && fits(p) == mma;
+        if !jobs.iter().all(alike) {
+            return (jobs.iter_mut())
+                .try_for_each(|p| self.launch_invariant(x, rows, std::slice::from_mut(p)));
+        }
+        let step = match mma {
+            true => crate::mma::MMA_MAX,
+            false => crate::products::MVR_MAX,
+        };
+        (0..rows).step_by(step).try_for_each(|t0| {
+            let nt = step.min(rows - t0);
+            match mma {
+                true => self.launch_mma_at(x, t0, nt, jobs),
+                false => self.launch_matvec_rows_at(x, t0, nt, jobs),
+            }
+        })
     }
 }

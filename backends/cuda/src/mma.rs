@@ -122,7 +122,10 @@ impl CudaDevice {
         };
         let n_tiles: usize = outs.iter().map(|o| o.div_ceil(16)).sum();
         let min_cols = (jobs.iter().map(|p| p.w.cols).min()).unwrap_or(0);
-        let ks = self.mma_ks(n_tiles, min_cols, 16 * 8 * tiles);
+        // Deterministic: the split-K of the widest tile, whatever the rows (a row's sum in one
+        // order).
+        let widest = if self.deterministic { 4 } else { tiles };
+        let ks = self.mma_ks(n_tiles, min_cols, 16 * 8 * widest);
         let blocks = first_blocks(&mut mv, &outs, 16, ks);
         mv.ks = ks as i32;
         let mut b = self
@@ -166,7 +169,10 @@ impl CudaDevice {
         };
         let scratch = &scratch[self.lane_index()];
         let jobs = &mut mv.job[..mv.n as usize];
-        let fits = |cols: i32| parts(qtype) * nt * cols as usize + 2 * nt <= MMA_X_SLOT;
+        // Deterministic: whether it fits `MMA_MAX` rows, so that the kernel is the same for
+        // any rows.
+        let most = if self.deterministic { MMA_MAX } else { nt };
+        let fits = |cols: i32| parts(qtype) * most * cols as usize + 2 * most <= MMA_X_SLOT;
         if !jobs.iter().all(|j| fits(j.cols)) {
             return Ok(None);
         }

@@ -170,6 +170,7 @@ impl CudaDevice {
             name,
             smem: Mutex::default(),
             world: None,
+            deterministic: false,
         })
     }
 
@@ -177,6 +178,15 @@ impl CudaDevice {
     /// default), or row by row (`ATTEND_ROWS=0` in `DEJAVU_CUDA_DEFINES` sets it too).
     pub fn set_attend_rows(&mut self, on: bool) {
         self.attend_rows = on;
+    }
+
+    /// `--deterministic`: every verb gives each row bit for bit what it gives that row alone,
+    /// whatever the rows beside it (`Device::batch_invariant`). Products of any number of rows
+    /// take one kernel each ([`Self::launch_invariant`]); attention takes one block a row's head
+    /// over all its positions (no spans). Costs: a one-row step through the batch kernels, and a
+    /// prompt's products in chunks of 32 (16-bit weights) or 8 rows instead of tiles.
+    pub fn set_deterministic(&mut self, on: bool) {
+        self.deterministic = on;
     }
 
     /// Run a few batch rows' products of 16-bit weights on the tensor cores (`MMA=1` in

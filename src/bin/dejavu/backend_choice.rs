@@ -21,6 +21,37 @@ pub struct Placement {
     pub backend: BackendKind,
     /// Tensor-parallel ranks (`--tensor-parallel`; 1: the whole model on one device).
     pub tensor_parallel: usize,
+    /// `--deterministic true` on the GPU: its batch-invariant kernels
+    /// (`CudaDevice::set_deterministic`; the CPU is batch-invariant by default).
+    pub deterministic: bool,
+}
+
+/// Refuse what `--deterministic` cannot keep on the GPU: several GPUs (the all-reduce's
+/// algorithm follows the message size, so the batch), and sparse policies (a step of several
+/// sequences computes the union of their neurons).
+fn check_deterministic(at: Placement, sparse: bool) -> Result<()> {
+    if !at.deterministic || at.backend != BackendKind::Cuda {
+        return Ok(());
+    }
+    if at.tensor_parallel > 1 {
+        bail!("--deterministic runs on one GPU: not with --tensor-parallel");
+    }
+    if sparse {
+        bail!(
+            "--deterministic on the GPU runs dense plans only (a step of several sequences \
+             computes the union of their neurons): use --sparsity dense, or the CPU, which is \
+             deterministic under every policy"
+        );
+    }
+    Ok(())
+}
+
+/// GPU 0, batch-invariant where `at` says (see [`check_deterministic`]).
+#[cfg(feature = "cuda")]
+fn cuda_device(at: Placement) -> Result<dejavu_backend_cuda::CudaDevice> {
+    let mut dev = dejavu_backend_cuda::CudaDevice::new(0)?;
+    dev.set_deterministic(at.deterministic);
+    Ok(dev)
 }
 
 /// Run `f` on a fresh decoder of `engine` under `policy`, where `at` says.
@@ -30,12 +61,13 @@ pub fn with_decoder<R>(
     policy: &Policy,
     f: impl FnOnce(&mut dyn Decoder) -> Result<R>,
 ) -> Result<R> {
+    check_deterministic(at, !policy.is_dense())?;
     match (at.backend, at.tensor_parallel) {
         (BackendKind::Cpu, 1) => f(&mut engine.decoder(policy)?),
         (BackendKind::Cpu, _) => {
             bail!("tensor parallelism splits a model over GPUs: add --backend cuda")
         }
-        (BackendKind::Cuda, 1) => cuda(engine, policy, f),
+        (BackendKind::Cuda, 1) => cuda(at, engine, policy, f),
         (BackendKind::Cuda, n) => cuda_parallel(engine, policy, n, f),
     }
 }
@@ -61,6 +93,7 @@ pub fn with_sequences_each<R>(
     n: usize,
     f: impl FnOnce(&mut [&mut dyn SeqBatch]) -> Result<R>,
 ) -> Result<R> {
+    check_deterministic(at, policies.iter().any(|p| !p.is_dense()))?;
     match (at.backend, at.tensor_parallel) {
         (BackendKind::Cpu, 1) => {
             let mut sets = Vec::with_capacity(policies.len());
@@ -72,20 +105,21 @@ pub fn with_sequences_each<R>(
                 sets.iter_mut().map(|s| s as &mut dyn SeqBatch).collect();
             f(&mut refs)
         }
-        (BackendKind::Cuda, 1) => cuda_sequences(engine, policies, n, f),
+        (BackendKind::Cuda, 1) => cuda_sequences(at, engine, policies, n, f),
         (_, _) => bail!("batched sequences run on one device: no --tensor-parallel"),
     }
 }
 
 #[cfg(feature = "cuda")]
 fn cuda_sequences<R>(
+    at: Placement,
     engine: &Engine,
     policies: &[&Policy],
     n: usize,
     f: impl FnOnce(&mut [&mut dyn SeqBatch]) -> Result<R>,
 ) -> Result<R> {
     use dejavu::exec::{DeviceModel, DevicePlan, DeviceSession};
-    let dev = dejavu_backend_cuda::CudaDevice::new(0)?;
+    let dev = cuda_device(at)?;
     let model: DeviceModel<_> = engine.device_model(&dev, policies)?;
     let mut sets = Vec::with_capacity(policies.len());
     for policy in policies {
@@ -103,6 +137,7 @@ fn cuda_sequences<R>(
 
 #[cfg(not(feature = "cuda"))]
 fn cuda_sequences<R>(
+    _: Placement,
     _: &Engine,
     _: &[&Policy],
     _: usize,
@@ -122,19 +157,23 @@ pub fn with_sessions<R>(
 ) -> Result<R> {
     match (at.backend, at.tensor_parallel) {
         (BackendKind::Cpu, 1) => f(engine),
-        (BackendKind::Cuda, 1) => cuda_sessions(engine, sparse, f),
+        (BackendKind::Cuda, 1) => {
+            check_deterministic(at, sparse)?;
+            cuda_sessions(at, engine, sparse, f)
+        }
         (_, _) => bail!("this command runs on one device: no --tensor-parallel"),
     }
 }
 
 #[cfg(feature = "cuda")]
 fn cuda_sessions<R>(
+    at: Placement,
     engine: &Engine,
     sparse: bool,
     f: impl FnOnce(&dyn Sessions) -> Result<R>,
 ) -> Result<R> {
     use dejavu::exec::{DeviceModel, OnDevice};
-    let dev = dejavu_backend_cuda::CudaDevice::new(0)?;
+    let dev = cuda_device(at)?;
     let layout = match sparse {
         true => Some(engine.sparse_layout()?),
         false => None,
@@ -148,7 +187,12 @@ fn cuda_sessions<R>(
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda_sessions<R>(_: &Engine, _: bool, _: impl FnOnce(&dyn Sessions) -> Result<R>) -> Result<R> {
+fn cuda_sessions<R>(
+    _: Placement,
+    _: &Engine,
+    _: bool,
+    _: impl FnOnce(&dyn Sessions) -> Result<R>,
+) -> Result<R> {
     bail!("this build has no CUDA backend: build with `cargo build --release --features cuda`")
 }
 
@@ -163,21 +207,25 @@ pub fn bench_on(
         (BackendKind::Cpu, _) => {
             bail!("tensor parallelism splits a model over GPUs: add --backend cuda")
         }
-        (BackendKind::Cuda, n) => cuda_bench(n, spec, tick),
+        (BackendKind::Cuda, _) => {
+            check_deterministic(at, spec.policies.iter().any(|p| !p.is_dense()))?;
+            cuda_bench(at, spec, tick)
+        }
     }
 }
 
 #[cfg(feature = "cuda")]
-fn cuda_bench(n: usize, spec: &BenchSpec, tick: &mut dyn FnMut()) -> Result<Vec<BenchResult>> {
+fn cuda_bench(at: Placement, spec: &BenchSpec, tick: &mut dyn FnMut()) -> Result<Vec<BenchResult>> {
+    let n = at.tensor_parallel;
     if n == 1 {
-        let dev = dejavu_backend_cuda::CudaDevice::new(0)?;
+        let dev = cuda_device(at)?;
         return Ok(bench::on_device(&dev, spec, tick)?);
     }
     Ok(bench::on_world(n, cuda_world(n)?, spec, tick)?)
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda_bench(_: usize, _: &BenchSpec, _: &mut dyn FnMut()) -> Result<Vec<BenchResult>> {
+fn cuda_bench(_: Placement, _: &BenchSpec, _: &mut dyn FnMut()) -> Result<Vec<BenchResult>> {
     bail!("this build has no CUDA backend: build with `cargo build --release --features cuda`")
 }
 
@@ -210,11 +258,12 @@ fn layout_for<'e>(
 
 #[cfg(feature = "cuda")]
 fn cuda<R>(
+    at: Placement,
     engine: &Engine,
     policy: &Policy,
     f: impl FnOnce(&mut dyn Decoder) -> Result<R>,
 ) -> Result<R> {
-    let dev = dejavu_backend_cuda::CudaDevice::new(0)?;
+    let dev = cuda_device(at)?;
     on_device(&dev, engine, policy, f)
 }
 
@@ -269,16 +318,21 @@ pub fn cuda_world(
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda<R>(_: &Engine, _: &Policy, _: impl FnOnce(&mut dyn Decoder) -> Result<R>) -> Result<R> {
+fn cuda<R>(
+    _: Placement,
+    _: &Engine,
+    _: &Policy,
+    _: impl FnOnce(&mut dyn Decoder) -> Result<R>,
+) -> Result<R> {
     bail!("this build has no CUDA backend: build with `cargo build --release --features cuda`")
 }
 
 #[cfg(not(feature = "cuda"))]
 fn cuda_parallel<R>(
-    e: &Engine,
-    p: &Policy,
+    _: &Engine,
+    _: &Policy,
     _: usize,
-    f: impl FnOnce(&mut dyn Decoder) -> Result<R>,
+    _: impl FnOnce(&mut dyn Decoder) -> Result<R>,
 ) -> Result<R> {
-    cuda(e, p, f)
+    bail!("this build has no CUDA backend: build with `cargo build --release --features cuda`")
 }

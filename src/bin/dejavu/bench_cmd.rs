@@ -30,9 +30,12 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub tensor_parallel: u16,
     /// `false`: the CPU's prompt batches through faster tiles, not batch-invariant (see
-    /// `generate --help`); `true` (the default) as every other command runs them.
-    #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
-    pub deterministic: Option<bool>,
+    /// `generate --help`); `true` (the CPU's default) as every other command runs them. On the
+    /// GPU `true` runs its batch-invariant kernels (off by default there), and `false,true`
+    /// measures both, one after the other on one copy of the model.
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true",
+          value_delimiter = ',')]
+    pub deterministic: Vec<bool>,
     /// Thread counts to test, comma-separated.
     #[arg(long, short, value_delimiter = ',', default_value = "1,2")]
     pub threads: Vec<usize>,
@@ -140,20 +143,30 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
     }
     // Where to run: the GPU (or a world of them), then the CPU at each thread count.
     let mut places: Vec<(Placement, Option<usize>)> = Vec::new();
+    let both = a.deterministic.contains(&true) && a.deterministic.contains(&false);
+    if both && cpu {
+        bail!("--deterministic false,true compares the GPU's kernels: the CPU takes one value");
+    }
     if cuda {
         let tensor_parallel = a.tensor_parallel as usize;
-        places.push((
-            Placement {
+        let modes = match a.deterministic.is_empty() {
+            true => vec![false],
+            false => a.deterministic.clone(),
+        };
+        places.extend(modes.into_iter().map(|deterministic| {
+            let at = Placement {
                 backend: BackendKind::Cuda,
                 tensor_parallel,
-            },
-            None,
-        ));
+                deterministic,
+            };
+            (at, None)
+        }));
     }
     if cpu {
         let at = Placement {
             backend: BackendKind::Cpu,
             tensor_parallel: 1,
+            deterministic: false,
         };
         places.extend(a.threads.iter().map(|&t| (at, Some(t))));
     }
@@ -170,7 +183,7 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
             kv_type: a.kv_type,
             synthetic: a.synthetic.options(),
             keep_file_layout: a.no_repack || cuda,
-            prompt_tiles: a.deterministic == Some(false),
+            prompt_tiles: a.deterministic == [false],
         },
     )?;
     let policies = (a.sparsity.iter())
@@ -251,6 +264,7 @@ fn bench_batches(
                 engine.set_threads(t)?;
                 format!("cpu, {t} threads")
             }
+            None if at.deterministic => "cuda, deterministic".into(),
             None => "cuda".into(),
         };
         bar.set_message(name.clone());

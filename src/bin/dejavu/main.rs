@@ -100,7 +100,8 @@ struct ModelArgs {
     /// decode step computes it, so its logits do not depend on how its prompt was split, on a
     /// cached prefix, on the requests batched beside it or on `--threads`. `false`: prompts of
     /// 16 tokens and more go through faster tiles whose rounding differs, so a near tie can
-    /// flip. Not yet on the GPU.
+    /// flip. On the GPU the default is `false`; `true` runs its batch-invariant kernels (one
+    /// GPU, dense plans), at a cost in speed (README: Deterministic generation).
     #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
     deterministic: Option<bool>,
     /// Tensor parallelism: split the model over this many GPUs (`-tp N`; with `--backend cuda`,
@@ -146,16 +147,12 @@ impl ModelArgs {
         Placement {
             backend: self.backend,
             tensor_parallel: self.tensor_parallel as usize,
+            deterministic: self.deterministic == Some(true),
         }
     }
 
     fn load(&self, n_ctx: Option<usize>) -> Result<Engine> {
         dejavu_backend_cpu::pool::set_poll(self.poll);
-        if self.backend == BackendKind::Cuda && self.deterministic == Some(true) {
-            anyhow::bail!(
-                "--deterministic is not yet on the GPU (its batch-invariant kernels are to come);                  the CPU is deterministic by default"
-            );
-        }
         let path = fetch::resolve_model(self.model.as_deref())?;
         let engine = load_engine(
             &path,

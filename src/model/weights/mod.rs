@@ -166,6 +166,14 @@ impl Source {
             Source::Synthetic(s) => s.buffers[file].clone(),
         }
     }
+    /// How many files [`Self::files`] lists.
+    fn count(&self) -> usize {
+        match self {
+            Source::Gguf(_) => 1,
+            Source::Hf(c) => c.shards.len(),
+            Source::Synthetic(s) => s.buffers.len(),
+        }
+    }
     fn files(&self) -> Vec<&[u8]> {
         match self {
             Source::Gguf(f) => vec![f.bytes()],
@@ -196,6 +204,9 @@ pub struct Model {
     key: super::content_key::ContentKey,
     /// The repacked matrices of a mapped model (see `Model::repack`), in one anonymous buffer.
     pub(crate) converted: Option<std::sync::Arc<memmap2::MmapMut>>,
+    /// A checkpoint's tensors whose data was not aligned in its shard, copied (file
+    /// `source.files().len()`; see `table::copy_misaligned`).
+    copied: Option<std::sync::Arc<memmap2::MmapMut>>,
 }
 
 impl Model {
@@ -226,8 +237,11 @@ impl Model {
                     }
                 }
             }
+            // Before `unfuse`, so that a fused matrix's row ranges view the copy.
+            let source = Source::Hf(ckpt);
+            let copied = table::copy_misaligned(&mut table, &source.files())?;
             unfuse(&mut table, &config)?;
-            return Self::build(path, Source::Hf(ckpt), config, &table);
+            return Self::build(path, source, config, &table, copied);
         }
         let file = GgufFile::open(path)?;
         let config = ModelConfig::from_gguf(&file.header)?;
@@ -238,7 +252,7 @@ impl Model {
             .map(|t| (t.name.clone(), Entry::gguf(t, 0)))
             .collect();
         unfuse(&mut table, &config)?;
-        Self::build(path, Source::Gguf(file), config, &table)
+        Self::build(path, Source::Gguf(file), config, &table, None)
     }
 
     /// A synthetic model (`synthetic:NAME`, see `model::synthetic`), built in memory.
@@ -250,7 +264,7 @@ impl Model {
             .map(|(i, t)| (t.name.clone(), Entry::memory(i, t)))
             .collect();
         let path = PathBuf::from(format!("{}{}", synthetic::PREFIX, shape.name));
-        Self::build(&path, Source::Synthetic(synth), config, &table)
+        Self::build(&path, Source::Synthetic(synth), config, &table, None)
     }
 
     /// The synthetic model's weights, if it is one.
@@ -271,9 +285,18 @@ impl Model {
         }
     }
 
-    fn build(path: &Path, source: Source, config: ModelConfig, table: &Tensors) -> Result<Self> {
+    /// The model of `table`'s entries in `source`'s files, and in `copied` (file
+    /// `source.files().len()`: [`table::copy_misaligned`]).
+    fn build(
+        path: &Path,
+        source: Source,
+        config: ModelConfig,
+        table: &Tensors,
+        copied: Option<std::sync::Arc<memmap2::MmapMut>>,
+    ) -> Result<Self> {
         let c = &config;
-        let files = source.files();
+        let mut files = source.files();
+        files.extend(copied.as_deref().map(|c| &c[..]));
         // Counts from the file size allocations only once the file can hold them: a layer
         // needs tensors of its own.
         if c.n_layers > table.len() {
@@ -409,6 +432,7 @@ impl Model {
             layers,
             key,
             converted: None,
+            copied,
         };
         // Random synthetic weights are finite by construction (and can be tens of GB).
         if !synthetic {
@@ -426,16 +450,18 @@ impl Model {
     ///
     /// [`Device::share_mat`]: dejavu_backend_api::Device::share_mat
     pub fn owner(&self, w: &WeightRef) -> SharedBytes {
-        match (&self.converted, w.file) {
-            (Some(c), CONVERTED) => c.clone(),
+        match (&self.converted, &self.copied, w.file) {
+            (Some(c), _, CONVERTED) => c.clone(),
+            (_, Some(c), f) if f == self.source.count() => c.clone(),
             _ => self.source.owner(w.file),
         }
     }
 
     /// Mapped file `file`, or the converted buffer.
     pub(crate) fn file_bytes(&self, file: usize) -> &[u8] {
-        match (&self.converted, file) {
-            (Some(c), CONVERTED) => c,
+        match (&self.converted, &self.copied, file) {
+            (Some(c), _, CONVERTED) => c,
+            (_, Some(c), f) if f == self.source.count() => c,
             _ => self.source.bytes(file),
         }
     }
@@ -443,6 +469,7 @@ impl Model {
     /// The mapped files (one GGUF, or the checkpoint's shards), and the converted buffer.
     pub fn mapped_files(&self) -> Vec<&[u8]> {
         let mut v = self.source.files();
+        v.extend(self.copied.as_deref().map(|c| &c[..]));
         v.extend(self.converted.as_deref().map(|c| &c[..]));
         v
     }

@@ -75,6 +75,44 @@ impl Entry {
     }
 }
 
+/// The tensors of a checkpoint whose data in its shard is not aligned to its type (a PyTorch
+/// zip or a safetensors file from a writer that does not pad: `torch.save` aligns storages to
+/// 64 bytes), copied into one buffer at 64-byte offsets and their entries pointed at it, as
+/// file `files.len()` (one past the shards); None where every tensor is aligned (zero-copy).
+pub(super) fn copy_misaligned(
+    table: &mut Tensors,
+    files: &[&[u8]],
+) -> Result<Option<std::sync::Arc<memmap2::MmapMut>>> {
+    let misaligned = |e: &Entry| {
+        let Ok(q) = e.qtype else { return false };
+        let within = files
+            .get(e.file)
+            .and_then(|f| f.get(e.start..e.start + e.n_bytes));
+        within.is_some_and(|b| !(b.as_ptr() as usize).is_multiple_of(q.align()))
+    };
+    let mut names: Vec<String> = (table.iter())
+        .filter(|(_, e)| misaligned(e))
+        .map(|(k, _)| k.clone())
+        .collect();
+    if names.is_empty() {
+        return Ok(None);
+    }
+    names.sort();
+    let size: usize = names
+        .iter()
+        .map(|n| table[n].n_bytes.next_multiple_of(64))
+        .sum();
+    let mut buf = memmap2::MmapMut::map_anon(size.max(1))?;
+    let mut at = 0;
+    for n in &names {
+        let e = table.get_mut(n).expect("listed above");
+        buf[at..at + e.n_bytes].copy_from_slice(&files[e.file][e.start..e.start + e.n_bytes]);
+        (e.file, e.start) = (files.len(), at);
+        at += e.n_bytes.next_multiple_of(64);
+    }
+    Ok(Some(std::sync::Arc::new(buf)))
+}
+
 /// Phi-3's fused matrices (see [`crate::model::arch::phi3`]) replaced by entries of their row ranges:
 /// views of the same bytes, so nothing is copied. Phi-3's LongRoPE tables are refused by name.
 pub(super) fn unfuse(table: &mut Tensors, c: &ModelConfig) -> Result<()> {
