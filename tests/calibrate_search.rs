@@ -3,16 +3,16 @@
 //! (`teal:...+lazy-kv`; `wina:...` with a head rule) and exit 1, saving nothing. Now a refused
 //! composition is skipped with its reason, and the run saves its predictors and a
 //! recommendation. The text and token counts are small (this checks the search's course, not
-//! its choice); the search's stages and candidates are the default ones. Two families cover
-//! its branches: OPT (ReLU rules, multi-head attention: the lazy K/V candidates) and Qwen3
-//! (gated rules, grouped-query attention); each run takes about half a minute, most of it
-//! TEAL's allocation search.
+//! its choice); the search's stages and candidates are the default ones. Every fixture family
+//! runs it (OPT's ReLU rules and multi-head attention with the lazy K/V candidates; gated Llama,
+//! Mistral, Qwen2/3, Phi-3 and Gemma 2/3 with grouped queries, windows, soft caps, fused and
+//! post-norm blocks): 5-10 s each.
 mod common;
 use std::path::PathBuf;
 use std::process::Command;
 
 #[test]
-fn the_default_search_completes_on_relu_and_gated_families() {
+fn the_default_search_completes_on_every_fixture_family() {
     let dir = tempfile::tempdir().unwrap();
     let eval = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/eval.txt");
     let text = dir.path().join("text.txt");
@@ -22,7 +22,7 @@ fn the_default_search_completes_on_relu_and_gated_families() {
         .take(5000)
         .collect();
     std::fs::write(&text, head).unwrap();
-    for name in ["opt-relu", "qwen3"] {
+    for name in common::HF_FIXTURES {
         let model = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
             .join("tests/fixtures/hf")
             .join(name);
