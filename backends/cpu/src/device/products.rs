@@ -189,9 +189,14 @@ impl CpuDevice {
                 axpy_matmul::axpy_blocks(k, &self.cpu.pool, &wt, fr, yr);
             }
         } else {
-            let nonzero = (0..w.rows as u32)
-                .filter(|&r| full.chunks_exact(w.rows).any(|fr| fr[r as usize] != 0.0))
-                .collect();
+            // The rows with a nonzero activation in any batch row: one pass over each row's
+            // activations (a scan per weight row, through an iterator each, cost 15 us a call
+            // on SmolLM2's down projection).
+            let mut kept = vec![false; w.rows];
+            for fr in full.chunks_exact(w.rows) {
+                (kept.iter_mut().zip(fr)).for_each(|(k, &v)| *k |= v != 0.0);
+            }
+            let nonzero = (0..w.rows as u32).filter(|&r| kept[r as usize]).collect();
             let set = IndexSet::new(w.rows, nonzero).map_err(|e| shape(e.to_string()))?;
             let mut sum = vec![0f32; n * w.cols];
             let k = &self.cpu.kernels;
