@@ -86,3 +86,27 @@ fn a_positions_logits_do_not_depend_on_the_prompts_split() {
         }
     }
 }
+
+/// `--deterministic true` on the GPU refuses what it cannot keep, before any device opens (so
+/// this runs in a build without CUDA too): a sparse policy (a step of several sequences computes
+/// the union of their neurons) and `--tensor-parallel` (NCCL picks its algorithm by size).
+#[test]
+fn the_gpus_deterministic_mode_refuses_sparse_plans_and_tensor_parallelism() {
+    let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hf/llama-silu");
+    let base = [
+        "generate",
+        "-m",
+        fixture,
+        "-p",
+        "hi",
+        "-n",
+        "2",
+        "--backend",
+        "cuda",
+    ];
+    let det = ["--deterministic", "true"];
+    let sparse = [&base[..], &det, &["--sparsity", "gate-first:0.5"]].concat();
+    common::fails_with(&sparse, "runs dense plans only");
+    let tp = [&base[..], &det, &["--tensor-parallel", "2"]].concat();
+    common::fails_with(&tp, "--deterministic runs on one GPU");
+}
