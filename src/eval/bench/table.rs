@@ -1,6 +1,6 @@
 //! What a bench prints and draws: the markdown table people read, CSV, and the sparsity gains
 //! of each device against MLP density (a table and a PNG).
-use super::{BenchResult, BlockTime};
+use super::{BenchResult, BlockTime, Blocks};
 use crate::Result;
 use serde::Serialize;
 
@@ -45,20 +45,21 @@ pub fn markdown(results: &[BenchResult]) -> String {
         );
     }
     s += "\nPer block, mean per decoded token (ms of steps timed block by block, weight MB, \
-          GB/s):\n\n| backend | sparsity | test | attention | MLP | output head | predictors \
-          | all-reduce ms |\n|---|---|---|---:|---:|---:|---:|---:|\n";
-    let cell = |b: &BlockTime| format!("{:.2} ms, {:.1} MB, {:.1} GB/s", b.ms, b.mb, b.gb_per_s);
+          GB/s; a sparse policy's rate over the same block's dense rate in this run, where both \
+          read bytes: its kept-byte efficiency):\n\n| backend | sparsity | test | attention \
+          | MLP | output head | predictors | all-reduce ms |\n|---|---|---|---:|---:|---:|---:|---:|\n";
     for r in results.iter().filter(|r| r.test.starts_with("tg")) {
-        let b = &r.blocks;
+        let (b, d) = (&r.blocks, dense_blocks(results, r));
+        let pick = |f: fn(&Blocks) -> BlockTime| (f(b), d.map(f));
         s += &format!(
             "| {} | {} | {} | {} | {} | {} | {} | {} |\n",
             r.backend,
             r.sparsity,
             r.test,
-            cell(&b.attention),
-            cell(&b.mlp),
-            cell(&b.output),
-            cell(&b.predictors),
+            cell(pick(|b| b.attention)),
+            cell(pick(|b| b.mlp)),
+            cell(pick(|b| b.output)),
+            cell(pick(|b| b.predictors)),
             match b.all_reduce.ms > 0.0 {
                 true => format!("{:.2}", b.all_reduce.ms),
                 false => "-".into(),
@@ -66,6 +67,30 @@ pub fn markdown(results: &[BenchResult]) -> String {
         );
     }
     s
+}
+
+/// The blocks of the dense run of `r`'s device, threads and test, where `r` is a sparse one.
+fn dense_blocks<'a>(results: &'a [BenchResult], r: &BenchResult) -> Option<&'a Blocks> {
+    if r.sparsity == "dense" {
+        return None;
+    }
+    let same = |d: &&BenchResult| {
+        d.sparsity == "dense"
+            && d.backend == r.backend
+            && d.threads == r.threads
+            && d.test == r.test
+    };
+    results.iter().find(same).map(|d| &d.blocks)
+}
+
+/// A block's time, bytes and rate, and with a dense run beside it (`dense`) the rate's ratio
+/// to dense's (where both read bytes).
+fn cell((b, dense): (BlockTime, Option<BlockTime>)) -> String {
+    let mut c = format!("{:.2} ms, {:.1} MB, {:.1} GB/s", b.ms, b.mb, b.gb_per_s);
+    if let Some(d) = dense.filter(|d| d.gb_per_s > 0.0 && b.gb_per_s > 0.0) {
+        c += &format!(", {:.2}x dense's rate", b.gb_per_s / d.gb_per_s);
+    }
+    c
 }
 
 pub fn csv(results: &[BenchResult]) -> String {
@@ -171,4 +196,80 @@ pub fn plot_gains(rows: &[GainRow], title: &str, path: &std::path::Path) -> Resu
         y_max: ymax,
     };
     line_chart(path, title, axes, &series)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(sparsity: &str, mlp: (f64, f64), threads: usize) -> BenchResult {
+        let t = |ms: f64, mb: f64| BlockTime {
+            ms,
+            mb,
+            gb_per_s: if ms > 0.0 { mb / ms } else { 0.0 },
+        };
+        BenchResult {
+            model: "m".into(),
+            commit: "c".into(),
+            cpu: "cpu".into(),
+            backend: "cpu (2 threads)".into(),
+            threads: Some(threads),
+            sparsity: sparsity.into(),
+            test: "tg64".into(),
+            n_tokens: 64,
+            tok_per_s_median: 100.0,
+            tok_per_s_stddev: 0.0,
+            weight_gb_per_s: 1.0,
+            weight_bytes_per_token: 1.0,
+            speedup_vs_dense: Some(1.0),
+            mlp_density: 1.0,
+            head_density: 1.0,
+            exact_logits: 1.0,
+            predict_ms: None,
+            blocks: Blocks {
+                attention: t(1.0, 10.0),
+                mlp: t(mlp.0, mlp.1),
+                output: t(1.0, 10.0),
+                predictors: t(0.0, 0.0),
+                all_reduce: t(0.0, 0.0),
+            },
+            samples: Vec::new(),
+            memory: None,
+        }
+    }
+
+    /// A sparse run's blocks say their rate against the same device's dense run of the same
+    /// test (the MLP reads half the bytes in 0.8 of the time: 0.62x dense's rate); the dense row
+    /// says nothing, nor does a run at other threads, nor a block that reads no bytes.
+    #[test]
+    fn sparse_blocks_state_their_rate_against_dense() {
+        let rows = [
+            run("dense", (2.0, 40.0), 2),
+            run("teal:0.5", (1.6, 20.0), 2),
+            run("teal:0.5", (1.6, 20.0), 1),
+        ];
+        let md = markdown(&rows);
+        let lines: Vec<&str> = md
+            .lines()
+            .filter(|l| l.contains("| tg64 | 1.00 ms"))
+            .collect();
+        assert_eq!(lines.len(), 3, "{md}");
+        assert!(!lines[0].contains("dense's rate"), "{}", lines[0]);
+        assert!(
+            lines[1].contains("1.60 ms, 20.0 MB, 12.5 GB/s, 0.62x dense's rate"),
+            "{}",
+            lines[1]
+        );
+        assert!(
+            lines[1].contains("1.00 ms, 10.0 MB, 10.0 GB/s, 1.00x dense's rate"),
+            "{}",
+            lines[1]
+        );
+        assert!(
+            lines[1].contains("| 0.00 ms, 0.0 MB, 0.0 GB/s |"),
+            "{}",
+            lines[1]
+        );
+        assert!(!lines[2].contains("dense's rate"), "{}", lines[2]);
+    }
 }
