@@ -20,6 +20,8 @@
 pub mod batched;
 mod table;
 
+#[cfg(test)]
+pub(crate) use table::tests::run as test_run;
 pub use table::{csv, gains, gains_markdown, markdown, plot_gains, GainRow};
 
 use crate::exec::parallel::{self, ParallelDecoder, Shard, WorldSpec};

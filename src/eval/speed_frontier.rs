@@ -30,6 +30,10 @@ pub struct SpeedRow {
     pub mlp_ms: f64,
     pub mlp_speedup: f64,
     pub mlp_gb_per_s: f64,
+    /// The MLP's kept-byte efficiency: its rate over dense's MLP rate in the same run (1 for
+    /// dense; absent from reports written before it was measured).
+    #[serde(default)]
+    pub mlp_efficiency: f64,
     /// Predictors' own ms per token.
     pub predict_ms: f64,
     /// `1 / density`: the MLP speedup if time followed the neuron count.
@@ -99,7 +103,7 @@ pub fn rows(results: &[BenchResult], densities: &[f64]) -> Result<Vec<SpeedRow>>
             decode.len()
         )));
     }
-    let dense_mlp = dense.blocks.mlp.ms;
+    let (dense_mlp, dense_rate) = (dense.blocks.mlp.ms, dense.blocks.mlp.gb_per_s);
     Ok((decode.iter().zip(densities))
         .map(|(r, &density)| SpeedRow {
             policy: r.sparsity.clone(),
@@ -110,6 +114,7 @@ pub fn rows(results: &[BenchResult], densities: &[f64]) -> Result<Vec<SpeedRow>>
             mlp_ms: r.blocks.mlp.ms,
             mlp_speedup: dense_mlp / r.blocks.mlp.ms.max(1e-9),
             mlp_gb_per_s: r.blocks.mlp.gb_per_s,
+            mlp_efficiency: r.blocks.mlp.gb_per_s / dense_rate.max(1e-9),
             predict_ms: r.blocks.predictors.ms,
             ideal_mlp_speedup: 1.0 / density.max(1e-9),
         })
@@ -118,12 +123,12 @@ pub fn rows(results: &[BenchResult], densities: &[f64]) -> Result<Vec<SpeedRow>>
 
 pub fn markdown(rows: &[SpeedRow]) -> String {
     let mut s = String::from(
-        "| policy | density | MLP density | t/s | step speedup | MLP ms/token | MLP speedup | ideal (1/density) | MLP GB/s | predictors ms/token |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "| policy | density | MLP density | t/s | step speedup | MLP ms/token | MLP speedup | ideal (1/density) | MLP GB/s | MLP rate / dense's | predictors ms/token |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for r in rows {
         s += &format!(
-            "| {} | {:.2} | {:.3} | {:.2} | {:.2}x | {:.2} | {:.2}x | {:.1}x | {:.1} | {:.2} |\n",
+            "| {} | {:.2} | {:.3} | {:.2} | {:.2}x | {:.2} | {:.2}x | {:.1}x | {:.1} | {:.2}x | {:.2} |\n",
             r.policy,
             r.density,
             r.mlp_density,
@@ -133,6 +138,7 @@ pub fn markdown(rows: &[SpeedRow]) -> String {
             r.mlp_speedup,
             r.ideal_mlp_speedup,
             r.mlp_gb_per_s,
+            r.mlp_efficiency,
             r.predict_ms
         );
     }
@@ -321,6 +327,7 @@ mod tests {
             mlp_ms: 1.0,
             mlp_speedup: 1.0,
             mlp_gb_per_s: 1.0,
+            mlp_efficiency: 1.0,
             predict_ms: 0.0,
             ideal_mlp_speedup: 1.0 / density,
         };
@@ -367,5 +374,38 @@ mod tests {
         );
         assert_eq!(dtype("model.gguf"), "");
         assert!(on_gpu("cuda (NVIDIA H200)") && !on_gpu("cpu (2 threads, avx2)"));
+    }
+
+    /// The reports in docs/speed-map, written before the MLP's kept-byte efficiency was
+    /// measured, still load (the field reads as 0) and still draw a map's table.
+    #[test]
+    fn reports_without_the_efficiency_still_load() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/docs/speed-map/gpu");
+        let text = std::fs::read_to_string(format!("{dir}/synthetic-opt-13b.speed.json")).unwrap();
+        let r: SpeedReport = serde_json::from_str(&text).unwrap();
+        assert!(r.rows.iter().all(|row| row.mlp_efficiency == 0.0));
+        assert!(map_markdown(&[r]).contains("synthetic:opt-13b"));
+    }
+
+    /// Each row's MLP rate over dense's: half the bytes in 0.8 of the time is 0.62x.
+    #[test]
+    fn rows_state_the_mlps_kept_byte_efficiency() {
+        use crate::eval::bench::test_run;
+        let runs = [
+            test_run("dense", (2.0, 40.0), 2),
+            test_run("p", (1.6, 20.0), 2),
+        ];
+        let rows = rows(&runs, &[1.0, 0.5]).unwrap();
+        assert_eq!(rows[0].mlp_efficiency, 1.0);
+        assert!(
+            (rows[1].mlp_efficiency - 0.625).abs() < 1e-9,
+            "{}",
+            rows[1].mlp_efficiency
+        );
+        assert!(
+            markdown(&rows).contains("| 12.5 | 0.62x |"),
+            "{}",
+            markdown(&rows)
+        );
     }
 }
