@@ -112,13 +112,7 @@ impl Load<'_> {
         if self.near_tie.is_some() {
             cmd.arg("--ignore-eos");
         }
-        let out = cmd.output().unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let text = String::from_utf8(out.stdout).unwrap();
+        let text = super::stdout_of(&mut cmd);
         text.strip_suffix('\n').unwrap().to_string()
     }
 

@@ -19,6 +19,17 @@ pub mod load;
 pub mod same_reply;
 pub mod server;
 
+/// Run `cmd`; assert it succeeded (its stderr in the message) and return its stdout as text.
+pub fn stdout_of(cmd: &mut std::process::Command) -> String {
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
 /// Run `dejavu args...`; assert a non-zero exit with an `error:` line containing `needle`.
 pub fn fails_with(args: &[&str], needle: &str) {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_dejavu"))

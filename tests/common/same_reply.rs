@@ -48,13 +48,7 @@ fn generate(model: &Path, question: &str, draw: Draw, sparsity: &str, on: &[&str
             "0.05",
         ]),
     };
-    let out = cmd.output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8(out.stdout).unwrap();
+    let text = super::stdout_of(&mut cmd);
     text.strip_suffix('\n').unwrap_or(&text).to_string()
 }
 

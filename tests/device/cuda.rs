@@ -387,16 +387,11 @@ fn deterministic_serving_on_the_gpu_replies_as_generate() {
     common::same_reply::replies_equal_generate(&silu, "llama-silu", &on, &["dense"]);
     let dir = tempfile::tempdir().unwrap();
     let f16 = dir.path().join("qwen2-f16.gguf");
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dejavu"))
-        .args(["quantize", "--type", "f16", "-o"])
-        .arg(&f16)
-        .arg(root().join("tests/fixtures/hf/qwen2"))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    common::stdout_of(
+        std::process::Command::new(env!("CARGO_BIN_EXE_dejavu"))
+            .args(["quantize", "--type", "f16", "-o"])
+            .arg(&f16)
+            .arg(root().join("tests/fixtures/hf/qwen2")),
     );
     common::same_reply::replies_equal_generate(&f16, "qwen2 f16", &on, &["dense"]);
 }
