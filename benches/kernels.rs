@@ -264,6 +264,7 @@ fn input_blocks(c: &mut Criterion) {
     let k = Kernels::for_isa(isa).unwrap();
     let mut kf = k;
     kf.axpy_blocks = dejavu_backend_cpu::kernels::axpy_blocks::select(isa);
+    kf.axpy_blocks_q8 = None;
     for (n_in, n_out) in [(576, 1536), (4096, 14336)] {
         let mut g = c.benchmark_group(format!("input_blocks_{n_in}x{n_out}"));
         for qtype in [QuantType::Q8_0, QuantType::Q4_0, QuantType::Q4_1] {

@@ -13,6 +13,7 @@
 //! compares against.
 use crate::dequant::dequantize_row;
 use crate::kernels::axpy_blocks;
+use crate::kernels::axpy_blocks_i8::{quantize, Q8Inputs};
 use crate::kernels::table::Kernels;
 use crate::matmul::SyncPtr;
 use crate::pool::SpinPool;
@@ -163,78 +164,134 @@ pub fn axpy_matmul(
 /// Bytes of kept rows per thread, at least (fewer go to fewer threads: a second thread's
 /// dispatch costs more than it saves on small matrices such as K and V).
 const MIN_BYTES_PER_THREAD: usize = 64 << 10;
-/// Outputs a thread's share of an input-block product holds a whole number of (the AVX-512
-/// tier's tile).
-const BLOCK_COL_UNIT: usize = 128;
+/// Outputs a thread's share of an input-block product holds a whole number of: the 8-bit
+/// kernel's tile (every output's sum is its own lane's in every tier, so a share's bounds
+/// change no bit); finer than the f32 kernel's 128 to even out the shares of SmolLM2's
+/// 576-output products.
+const BLOCK_COL_UNIT: usize = 64;
 
 /// `y += sum over r with x[r] != 0 of x[r] * W[r]` for `w` in the input-block layout
-/// (`RowLayout::InputBlocks`, see `kernels::axpy_blocks`): each block of 32 inputs with a
-/// nonzero one goes through the tier's `axpy_blocks` with its kept rows. The pool's threads
-/// split the outputs (whole tiles of [`BLOCK_COL_UNIT`]) and each reads its columns of every
-/// kept block in memory order, so every output is one thread's sum in the blocks' order: the
-/// same bits for any thread count.
+/// (`RowLayout::InputBlocks`, see `kernels::axpy_blocks`): [`axpy_blocks_many`] of one matrix.
 pub fn axpy_blocks(k: &Kernels, pool: &SpinPool, w: &Weight, x: &[f32], y: &mut [f32]) {
-    w.check();
-    assert_eq!(
-        w.layout,
-        dejavu_backend_api::RowLayout::InputBlocks,
-        "axpy_blocks reads input-block matrices"
-    );
-    let (rows, cols, q) = (w.rows, w.cols, w.qtype);
-    assert!(
-        rows.is_multiple_of(32) && cols.is_multiple_of(32),
-        "axpy_blocks: a {rows}x{cols} matrix is not in whole blocks of 32"
-    );
-    assert!(x.len() == rows && y.len() == cols, "axpy_blocks: lengths");
-    let block_bytes = 32 * q.row_bytes(cols);
-    // The blocks with a kept input, and their kept rows.
-    let kept: Vec<(usize, [u8; 32], usize)> = (0..rows / 32)
-        .filter_map(|b| {
-            let mut r = [0u8; 32];
-            let mut n = 0;
-            for (i, v) in x[32 * b..32 * b + 32].iter().enumerate() {
-                if *v != 0.0 {
-                    r[n] = i as u8;
-                    n += 1;
-                }
+    axpy_blocks_many(k, pool, &[*w], x, &mut [y]);
+}
+
+/// One block of 32 inputs with a kept (nonzero) one: its index, kept rows (the first `n`) and,
+/// on a tier with an 8-bit kernel, its kept inputs in 8 bits.
+struct KeptBlock {
+    b: usize,
+    rows: [u8; 32],
+    n: usize,
+    q8: Option<Q8Inputs>,
+}
+
+/// The blocks of `x` with a kept input: scanned, and quantized for the 8-bit kernel, once for
+/// every matrix and thread that reads them.
+fn kept_blocks(k: &Kernels, x: &[f32]) -> Vec<KeptBlock> {
+    (x.chunks_exact(32).enumerate())
+        .filter_map(|(b, xb)| {
+            let xb: &[f32; 32] = xb.try_into().expect("32 inputs");
+            let (mut rows, mut n) = ([0u8; 32], 0);
+            for (i, v) in xb.iter().enumerate() {
+                rows[n] = i as u8;
+                n += usize::from(*v != 0.0);
             }
-            (n > 0).then_some((b, r, n))
+            let q8 = k.axpy_blocks_q8.and_then(|_| quantize(xb, &rows[..n]));
+            (n > 0).then_some(KeptBlock { b, rows, n, q8 })
         })
-        .collect();
-    let total: usize = kept.iter().map(|k| k.2).sum();
-    if total == 0 {
+        .collect()
+}
+
+/// `ys[j] += sum over r with x[r] != 0 of x[r] * ws[j][r]` for matrices in the input-block
+/// layout of one input (Q, K and V; gate and up): each block of 32 inputs with a nonzero one
+/// goes through the tier's `axpy_blocks` with its kept rows. One pool dispatch: the threads
+/// split the matrices' outputs, taken one after the other, in whole tiles of
+/// [`BLOCK_COL_UNIT`], and each reads its columns of every kept block in memory order, so every
+/// output is one thread's sum in the blocks' order: the same bits for any thread count, and
+/// the same as a call of that matrix alone.
+pub fn axpy_blocks_many(
+    k: &Kernels,
+    pool: &SpinPool,
+    ws: &[Weight],
+    x: &[f32],
+    ys: &mut [&mut [f32]],
+) {
+    assert_eq!(ws.len(), ys.len(), "axpy_blocks: one output per matrix");
+    for (w, y) in ws.iter().zip(ys.iter()) {
+        w.check();
+        assert_eq!(
+            w.layout,
+            dejavu_backend_api::RowLayout::InputBlocks,
+            "axpy_blocks reads input-block matrices"
+        );
+        let (rows, cols) = (w.rows, w.cols);
+        assert!(
+            rows.is_multiple_of(32) && cols.is_multiple_of(32),
+            "axpy_blocks: a {rows}x{cols} matrix is not in whole blocks of 32"
+        );
+        assert!(x.len() == rows && y.len() == cols, "axpy_blocks: lengths");
+    }
+    let kept = kept_blocks(k, x);
+    let total: usize = kept.iter().map(|k| k.n).sum();
+    if total == 0 || ws.is_empty() {
         return;
     }
-    let units = cols.div_ceil(BLOCK_COL_UNIT);
+    // Each matrix's tiles, one after the other: matrix j's start among them.
+    let units: Vec<usize> = ws.iter().map(|w| w.cols.div_ceil(BLOCK_COL_UNIT)).collect();
+    let starts: Vec<usize> = (units.iter())
+        .scan(0, |s, &u| {
+            *s += u;
+            Some(*s - u)
+        })
+        .collect();
+    let all_units: usize = units.iter().sum();
+    let bytes: usize = ws.iter().map(|w| total * w.qtype.row_bytes(w.cols)).sum();
     let threads = (pool.threads())
-        .min(units)
-        .min((total * q.row_bytes(cols)).div_ceil(MIN_BYTES_PER_THREAD))
+        .min(all_units)
+        .min(bytes.div_ceil(MIN_BYTES_PER_THREAD))
         .max(1);
-    let block = |b: usize| &w.data[b * block_bytes..(b + 1) * block_bytes];
-    let yp = SyncPtr::new(y.as_mut_ptr());
+    let yps: Vec<SyncPtr> = ys.iter_mut().map(|y| SyncPtr::new(y.as_mut_ptr())).collect();
     pool.run(threads, &|t| {
-        let (c0, c1) = (
-            t * units / threads * BLOCK_COL_UNIT,
-            ((t + 1) * units / threads * BLOCK_COL_UNIT).min(cols),
-        );
-        if c0 >= c1 {
-            return;
-        }
-        // SAFETY: task t alone writes outputs c0..c1 (the shares are disjoint), inside `y`
-        // (cols floats, which outlives `pool.run`).
-        let part = unsafe { std::slice::from_raw_parts_mut(yp.get().add(c0), c1 - c0) };
-        if let Some((b, r, n)) = kept.first() {
-            axpy_blocks::prefetch_first(q, block(*b), cols, &r[..*n], c0);
-        }
-        for (i, (b, r, n)) in kept.iter().enumerate() {
-            // The next block's first rows, while this one's are read.
-            if let Some((nb, nr, nn)) = kept.get(i + 1) {
-                axpy_blocks::prefetch_first(q, block(*nb), cols, &nr[..*nn], c0);
+        let (u0, u1) = (t * all_units / threads, (t + 1) * all_units / threads);
+        for (j, w) in ws.iter().enumerate() {
+            let (a, b) = (u0.max(starts[j]), u1.min(starts[j] + units[j]));
+            if a >= b {
+                continue;
             }
-            let xb: &[f32; 32] = x[32 * b..32 * b + 32].try_into().expect("32 inputs");
-            (k.axpy_blocks)(q, block(*b), cols, &r[..*n], xb, c0, part);
+            let (c0, c1) = (
+                (a - starts[j]) * BLOCK_COL_UNIT,
+                ((b - starts[j]) * BLOCK_COL_UNIT).min(w.cols),
+            );
+            // SAFETY: task t alone writes outputs c0..c1 of matrix j (the shares are
+            // disjoint), inside `ys[j]` (w.cols floats, checked above; it outlives `pool.run`).
+            let part = unsafe { std::slice::from_raw_parts_mut(yps[j].get().add(c0), c1 - c0) };
+            blocks_share(k, w, &kept, x, c0, part);
         }
     });
+}
+
+/// Outputs `c0..` (`part`) of `w`: every kept block's rows added in memory order, the next
+/// block's first rows prefetched while one is read.
+fn blocks_share(k: &Kernels, w: &Weight, kept: &[KeptBlock], x: &[f32], c0: usize, part: &mut [f32]) {
+    let (cols, q) = (w.cols, w.qtype);
+    let block_bytes = 32 * q.row_bytes(cols);
+    let block = |b: usize| &w.data[b * block_bytes..(b + 1) * block_bytes];
+    if let Some(kb) = kept.first() {
+        axpy_blocks::prefetch_first(q, block(kb.b), cols, &kb.rows[..kb.n], c0);
+    }
+    for (i, kb) in kept.iter().enumerate() {
+        if let Some(nb) = kept.get(i + 1) {
+            axpy_blocks::prefetch_first(q, block(nb.b), cols, &nb.rows[..nb.n], c0);
+        }
+        let rows = &kb.rows[..kb.n];
+        match (k.axpy_blocks_q8, &kb.q8) {
+            (Some(f), Some(xi)) => f(q, block(kb.b), cols, rows, xi, c0, part),
+            _ => {
+                let xb: &[f32; 32] = x[32 * kb.b..32 * kb.b + 32].try_into().expect("32 inputs");
+                (k.axpy_blocks)(q, block(kb.b), cols, rows, xb, c0, part)
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -290,33 +347,58 @@ mod tests {
             }
             // The input-block layout: Q8_0 inputs in blocks of 32, outputs over several tiles.
             let (rows, cols) = (96, 3 * BLOCK_COL_UNIT + 64);
-            let q = QuantType::Q8_0;
-            let d: Vec<f32> = random_f32(cols, 3).iter().map(|v| v.abs() + 0.01).collect();
-            let quants: Vec<u8> = (0..rows * cols).map(|i| (i * 31 % 255) as u8).collect();
-            let data: Vec<u8> = (0..rows / 32)
-                .flat_map(|b| {
-                    let qs = &quants[b * 32 * cols..(b + 1) * 32 * cols];
-                    axpy_blocks::pack_block(q, cols, &d, &[], qs)
-                })
-                .collect();
-            let w = Weight::new(q, rows, cols, &data)
-                .unwrap()
-                .with_layout(dejavu_backend_api::RowLayout::InputBlocks);
+            let data = blocks_matrix(rows, cols, 3);
+            let w = blocks_weight(rows, cols, &data);
             let mut x = random_f32(rows, 4);
             x.iter_mut().step_by(3).for_each(|v| *v = 0.0);
-            let mut want = vec![0f32; cols];
-            axpy_blocks(&k, &pools[0], &w, &x, &mut want);
-            for pool in &pools[1..] {
-                let mut got = vec![0f32; cols];
-                axpy_blocks(&k, pool, &w, &x, &mut got);
-                assert_eq!(
-                    bits(&got),
-                    bits(&want),
-                    "{isa} blocks, {} threads",
-                    pool.threads()
-                );
+            // The tier's f32 kernel too (the 8-bit one off), whose tile is wider than a share.
+            let mut kf = k;
+            kf.axpy_blocks_q8 = None;
+            let (d2, d3) = (blocks_matrix(rows, cols + 128, 5), blocks_matrix(rows, 64, 6));
+            let ws = [w, blocks_weight(rows, cols + 128, &d2), blocks_weight(rows, 64, &d3)];
+            for k in [&k, &kf] {
+                let mut want = vec![0f32; cols];
+                axpy_blocks(k, &pools[0], &w, &x, &mut want);
+                for pool in &pools[1..] {
+                    let mut got = vec![0f32; cols];
+                    axpy_blocks(k, pool, &w, &x, &mut got);
+                    let th = pool.threads();
+                    assert_eq!(bits(&got), bits(&want), "{isa} blocks, {th} threads");
+                }
+                // Several matrices of one input in one call: each what its own call gives.
+                for pool in &pools {
+                    let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![0.5; w.cols]).collect();
+                    let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| &mut y[..]).collect();
+                    axpy_blocks_many(k, pool, &ws, &x, &mut outs);
+                    for (wj, yj) in ws.iter().zip(&ys) {
+                        let mut one = vec![0.5f32; wj.cols];
+                        axpy_blocks(k, &pools[0], wj, &x, &mut one);
+                        assert_eq!(bits(yj), bits(&one), "{isa} many, {}", pool.threads());
+                    }
+                }
             }
         }
+    }
+
+    /// A Q8_0 matrix of `rows` inputs and `cols` outputs in the input-block layout.
+    fn blocks_matrix(rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+        let q = QuantType::Q8_0;
+        let d: Vec<f32> = random_f32(cols, seed).iter().map(|v| v.abs() + 0.01).collect();
+        let quants: Vec<u8> = (0..rows * cols)
+            .map(|i| ((i as u64 * 31 + seed) % 255) as u8)
+            .collect();
+        (0..rows / 32)
+            .flat_map(|b| {
+                let qs = &quants[b * 32 * cols..(b + 1) * 32 * cols];
+                axpy_blocks::pack_block(q, cols, &d, &[], qs)
+            })
+            .collect()
+    }
+
+    fn blocks_weight(rows: usize, cols: usize, data: &[u8]) -> Weight<'_> {
+        Weight::new(QuantType::Q8_0, rows, cols, data)
+            .unwrap()
+            .with_layout(dejavu_backend_api::RowLayout::InputBlocks)
     }
 
     #[test]

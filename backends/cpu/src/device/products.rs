@@ -168,6 +168,16 @@ impl CpuDevice {
         if let Some(b) = bias {
             need("axpy bias", b.len(), w.cols)?;
         }
+        if w.layout == RowLayout::InputBlocks && rs.is_none() {
+            // Every row's activations are already at their rows: the kernel reads `a` itself.
+            let (wt, k) = (w.weight()?, &self.cpu.kernels);
+            let y = &mut y[..n * w.cols];
+            for (ar, yr) in a.chunks_exact(w.rows).zip(y.chunks_exact_mut(w.cols)) {
+                axpy_matmul::axpy_blocks(k, &self.cpu.pool, &wt, ar, yr);
+            }
+            add_bias(bias, y, w.cols);
+            return Ok(());
+        }
         // The compact activations back at their rows, for the kernel's row-indexed input; the
         // rows of zero activations (in every row) go unread (the contract allows it: ReLU's
         // zeros).
@@ -203,12 +213,57 @@ impl CpuDevice {
             axpy_matmul::axpy_matmul(k, &self.cpu.pool, &wt, &set, &full, &mut sum);
             y.iter_mut().zip(&sum).for_each(|(y, s)| *y += s);
         }
-        if let Some(b) = bias {
-            for yr in y.chunks_exact_mut(w.cols) {
-                yr.iter_mut().zip(b).for_each(|(y, b)| *y += b);
+        add_bias(bias, y, w.cols);
+        Ok(())
+    }
+
+    /// `Device::axpys`: the products of one input's coefficients `a`; matrices in the
+    /// input-block layout over every row (input sparsity's Q, K and V; gate and up) share one
+    /// scan of `a` and one pool dispatch (`axpy_matmul::axpy_blocks_many`), others go one by one.
+    pub(super) fn axpys_rows(
+        &self,
+        a: &[f32],
+        jobs: &mut [Product<'_, Self>],
+    ) -> Result<(), BackendError> {
+        let fused = |p: &Product<'_, Self>| {
+            p.w.layout == RowLayout::InputBlocks && matches!(p.rows, Rows::All)
+        };
+        if jobs.is_empty() || jobs.len() > 3 {
+            return Err(shape(format!("{} axpys in one launch (1 to 3)", jobs.len())));
+        }
+        if jobs.len() < 2 || !jobs.iter().all(|p| fused(p) && p.w.rows == jobs[0].w.rows) {
+            for p in jobs.iter_mut() {
+                self.axpy_rows(p.w, p.rows, a, 1, p.bias, p.y)?;
+            }
+            return Ok(());
+        }
+        let rows = jobs[0].w.rows;
+        need("axpy activations", a.len(), rows)?;
+        for p in jobs.iter() {
+            need("axpy output", p.y.len(), p.w.cols)?;
+            if let Some(b) = p.bias {
+                need("axpy bias", b.len(), p.w.cols)?;
             }
         }
+        let ws = (jobs.iter().map(|p| p.w.weight())).collect::<Result<Vec<_>, _>>()?;
+        let mut ys: Vec<&mut [f32]> = (jobs.iter_mut())
+            .map(|p| &mut p.y[..p.w.cols])
+            .collect();
+        let (k, pool) = (&self.cpu.kernels, &self.cpu.pool);
+        axpy_matmul::axpy_blocks_many(k, pool, &ws, &a[..rows], &mut ys);
+        for p in jobs.iter_mut() {
+            add_bias(p.bias, &mut p.y[..p.w.cols], p.w.cols);
+        }
         Ok(())
+    }
+}
+
+/// `y += bias` on each row of `cols` outputs.
+fn add_bias(bias: Option<&Vec<f32>>, y: &mut [f32], cols: usize) {
+    if let Some(b) = bias {
+        for yr in y.chunks_exact_mut(cols) {
+            yr.iter_mut().zip(b).for_each(|(y, b)| *y += b);
+        }
     }
 }
 

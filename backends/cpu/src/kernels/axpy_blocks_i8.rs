@@ -29,9 +29,37 @@ pub fn select(isa: Isa) -> Option<AxpyBlocksFn> {
     }
 }
 
-/// The kept inputs of a block in 8 bits, in `kept` order: `(sx, xq, sum of xq)`; `None` when
-/// they are not all finite or all zero (the caller takes the f32 kernel).
-pub fn quantize(x: &[f32; 32], kept: &[u8]) -> Option<(f32, [i8; 32], i32)> {
+/// The AVX-512 tier's kernel over inputs [`quantize`]d once per product (not once per thread's
+/// share of the outputs); `None` on other tiers.
+pub fn select_q8(isa: Isa) -> Option<AxpyBlocksQ8Fn> {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => Some(avx512_q8),
+        _ => None,
+    }
+}
+
+/// `(qtype, block, cols, kept, inputs, lo, y)`: [`scalar`] with the block's kept inputs
+/// already in 8 bits (`inputs = quantize(x, kept)`, which was `Some`); the rest as
+/// [`AxpyBlocksFn`].
+pub type AxpyBlocksQ8Fn = fn(QuantType, &[u8], usize, &[u8], &Q8Inputs, usize, &mut [f32]);
+
+/// A block's kept inputs in 8 bits, in `kept` order: scale `sx`, quants `xq` and their sum.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Q8Inputs {
+    pub sx: f32,
+    pub xq: [i8; 32],
+    pub sum: i32,
+}
+
+/// 1.5 * 2^23: `(v + MAGIC) - MAGIC` rounds `|v| < 2^22` to an integer, ties to even (the
+/// default rounding of f32 addition), as `f32::round_ties_even` does, without a call to `rintf`
+/// on targets without SSE4.1's `roundps` (the baseline x86-64 this function is built for).
+const MAGIC: f32 = 12_582_912.0;
+
+/// The kept inputs of a block in 8 bits, in `kept` order; `None` when they are not all finite
+/// or all zero (the caller takes the f32 kernel).
+pub fn quantize(x: &[f32; 32], kept: &[u8]) -> Option<Q8Inputs> {
     let amax = kept.iter().fold(0f32, |m, &r| m.max(x[r as usize].abs()));
     let finite = kept.iter().all(|&r| x[r as usize].is_finite());
     if !finite || amax == 0.0 {
@@ -41,11 +69,16 @@ pub fn quantize(x: &[f32; 32], kept: &[u8]) -> Option<(f32, [i8; 32], i32)> {
     let mut xq = [0i8; 32];
     let mut sum = 0;
     for (j, &r) in kept.iter().enumerate() {
-        let v = (x[r as usize] * inv).round_ties_even() as i8;
+        // |x * inv| <= 127 (up to one rounding of the product): well inside MAGIC's range.
+        let v = ((x[r as usize] * inv + MAGIC) - MAGIC) as i8;
         xq[j] = v;
         sum += v as i32;
     }
-    Some((amax / 127.0, xq, sum))
+    Some(Q8Inputs {
+        sx: amax / 127.0,
+        xq,
+        sum,
+    })
 }
 
 /// The definition.
@@ -59,7 +92,7 @@ pub fn scalar(
     y: &mut [f32],
 ) {
     axpy_blocks::check(q, block, cols, kept, lo, y);
-    let Some((sx, xq, sum)) = quantize(x, kept) else {
+    let Some(Q8Inputs { sx, xq, sum }) = quantize(x, kept) else {
         return axpy_blocks::scalar(q, block, cols, kept, x, lo, y);
     };
     // The quants are small integers, exact in f32.
@@ -86,17 +119,35 @@ fn avx512(
     y: &mut [f32],
 ) {
     axpy_blocks::check(q, block, cols, kept, lo, y);
-    let Some((sx, xq, sum)) = quantize(x, kept) else {
+    let Some(xi) = quantize(x, kept) else {
         return axpy_blocks::avx512(q, block, cols, kept, x, lo, y);
     };
     // SAFETY: handed out by `select` for the AVX-512 tier only (which has VNNI); extents
-    // checked above.
-    unsafe { avx512_impl(q, block, cols, kept, (sx, &xq, sum), lo, y) }
+    // checked above, and `quantize` gave `Some`, so `kept` is not empty.
+    unsafe { avx512_impl(q, block, cols, kept, &xi, lo, y) }
 }
 
-/// Outputs of a tile ahead that the loop prefetches for the rows it reads.
 #[cfg(target_arch = "x86_64")]
-const AHEAD_OUTPUTS: usize = 256;
+fn avx512_q8(
+    q: QuantType,
+    block: &[u8],
+    cols: usize,
+    kept: &[u8],
+    xi: &Q8Inputs,
+    lo: usize,
+    y: &mut [f32],
+) {
+    axpy_blocks::check(q, block, cols, kept, lo, y);
+    assert!(!kept.is_empty(), "axpy_blocks: quantized inputs of no kept row");
+    // SAFETY: handed out by `select_q8` for the AVX-512 tier only (which has VNNI); extents
+    // checked above, `kept` not empty.
+    unsafe { avx512_impl(q, block, cols, kept, xi, lo, y) }
+}
+
+/// Outputs of a tile ahead that the loop prefetches for the rows it reads (the first ones of a
+/// block were fetched by `prefetch_first`).
+#[cfg(target_arch = "x86_64")]
+const AHEAD_OUTPUTS: usize = axpy_blocks::FIRST_OUTPUTS;
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
@@ -105,7 +156,7 @@ unsafe fn avx512_impl(
     block: &[u8],
     cols: usize,
     kept: &[u8],
-    (sx, xq, sum): (f32, &[i8; 32], i32),
+    &Q8Inputs { sx, ref xq, sum }: &Q8Inputs,
     lo: usize,
     y: &mut [f32],
 ) {
@@ -193,6 +244,38 @@ unsafe fn avx512_impl(
 mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
+
+    /// `quantize` rounds as `round_ties_even` does: on exact ties (amax 127, so `x * inv` is x
+    /// itself, at every half from -127 to 127), and on random blocks.
+    #[test]
+    fn quantize_rounds_ties_to_even() {
+        let want = |x: &[f32; 32], kept: &[u8]| {
+            let amax = kept.iter().fold(0f32, |m, &r| m.max(x[r as usize].abs()));
+            let inv = 127.0 / amax;
+            let xq: Vec<i8> = (kept.iter())
+                .map(|&r| (x[r as usize] * inv).round_ties_even() as i8)
+                .collect();
+            (amax / 127.0, xq)
+        };
+        let all: Vec<u8> = (0..32).collect();
+        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(9);
+        for start in (-254..=222).step_by(16) {
+            let mut x: [f32; 32] = std::array::from_fn(|i| ((start + i as i32) as f32 * 0.5));
+            x[0] = 127.0;
+            let got = quantize(&x, &all).unwrap();
+            let (sx, xq) = want(&x, &all);
+            assert_eq!((got.sx, &got.xq[..]), (sx, &xq[..]), "ties from {start}");
+            assert_eq!(got.sum, xq.iter().map(|&v| v as i32).sum::<i32>());
+        }
+        for _ in 0..2000 {
+            let x: [f32; 32] = std::array::from_fn(|_| r.gen_range(-3f32..3.0));
+            let kept: Vec<u8> = (0..32).filter(|_| r.gen_bool(0.6)).collect();
+            if let Some(got) = quantize(&x, &kept) {
+                let (sx, xq) = want(&x, &kept);
+                assert_eq!((got.sx, &got.xq[..kept.len()]), (sx, &xq[..]));
+            }
+        }
+    }
 
     /// The definition against the f32 kernel: the rounding of x costs at most half a step
     /// (`amax / 254`) per kept input, times |w|, summed; the AVX-512 tier equals the definition

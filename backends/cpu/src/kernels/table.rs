@@ -58,6 +58,9 @@ pub struct Kernels {
     pub axpy_q: axpy_q::AxpyQFn,
     /// The same over a block of 32 rows of an input-block matrix (input sparsity).
     pub axpy_blocks: axpy_blocks::AxpyBlocksFn,
+    /// The same with each block's kept inputs quantized once by the caller
+    /// (`axpy_blocks_i8::quantize`), on the tiers with an 8-bit kernel (else `None`).
+    pub axpy_blocks_q8: Option<axpy_blocks_i8::AxpyBlocksQ8Fn>,
     /// Row dots per weight type: `dots` prefetch ahead of the row they read (dense products),
     /// `sparse_dots` do not (the sparse row loop prefetches the rows it selected).
     dots: [RowDot; QuantType::ALL.len()],
@@ -147,6 +150,7 @@ impl Kernels {
             axpy_rows_many_f16: axpy::select_many_f16(isa),
             axpy_q: axpy_q::select(isa),
             axpy_blocks: axpy_blocks_i8::select(isa).unwrap_or(axpy_blocks::select(isa)),
+            axpy_blocks_q8: axpy_blocks_i8::select_q8(isa),
             dots: dots_with(true),
             sparse_dots: dots_with(false),
         })
@@ -213,6 +217,7 @@ impl Kernels {
             axpy_rows_many_f16: axpy::select_many_f16(Isa::Scalar),
             axpy_q: axpy_q::scalar,
             axpy_blocks: axpy_blocks::scalar,
+            axpy_blocks_q8: None,
             dots,
             sparse_dots: dots,
         }
