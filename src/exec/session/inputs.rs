@@ -4,6 +4,7 @@
 //! input-major matrix, which reads only the rows of the kept entries ([`Device::axpys`]: the
 //! products of one input in one launch). Outputs that are not a residual start from zeros
 //! ([`Device::clear`]).
+use super::step::{first_projections, row_parallel, Pass};
 use super::{DeviceSession, Scratch};
 use crate::exec::model::{DeviceModel, InputMats};
 use crate::sparsity::input::Group;
@@ -109,38 +110,58 @@ impl<D: Device> DeviceSession<'_, D> {
     }
 
     /// The MLP of `s.h` at thresholds `t_in` (gate and up) and `t_down` (the down
-    /// projection), added to `s.part` (`out`) or the residual.
-    pub(super) fn input_mlp(&mut self, l: usize, t_in: f32, t_down: f32, out: bool) -> Result<()> {
-        self.keep_inputs(l, Group::GateUp, t_in, Input::H)?;
+    /// projection), added to `s.part` (`out`) or the residual; a group without a threshold
+    /// (`None`: kept whole) through the dense products over the file's rows.
+    pub(super) fn input_mlp(
+        &mut self,
+        l: usize,
+        t_in: Option<f32>,
+        t_down: Option<f32>,
+        out: bool,
+    ) -> Result<()> {
         let (dev, m) = (self.dev, self.model);
         let (c, lw, im) = (&m.local, &m.layers[l], inputs_of(m, l)?);
         let (ff, act) = (c.n_ff, c.mlp.activation());
-        let s = &mut self.s;
-        let a = match &im.gate {
-            Some(gate) => {
-                let Scratch {
-                    gate: g,
-                    up,
-                    sparse,
-                    ..
-                } = s;
-                dev.clear(&mut [(&mut *g, ff), (&mut *up, ff)])?;
-                dev.axpys(
-                    sparse,
-                    &mut [
-                        Product::new(gate, Rows::All, g),
-                        Product::new(&im.up, Rows::All, up),
-                    ],
-                )?;
-                dev.glu(act, &mut s.gate, &s.up, ff)?;
-                Input::Gate
-            }
+        let gated = lw.w_gate.is_some();
+        match t_in {
             None => {
-                dev.clear(&mut [(&mut s.up, ff)])?;
-                dev.axpy(&im.up, Rows::All, &s.sparse, lw.b_up.as_ref(), &mut s.up)?;
-                dev.activate(act, &mut s.up, ff)?;
-                Input::Up
+                first_projections(dev, c, lw, Rows::All, ff, Pass::Step, &mut self.s)?;
             }
+            Some(t_in) => {
+                self.keep_inputs(l, Group::GateUp, t_in, Input::H)?;
+                let s = &mut self.s;
+                match &im.gate {
+                    Some(gate) => {
+                        let Scratch {
+                            gate: g,
+                            up,
+                            sparse,
+                            ..
+                        } = s;
+                        dev.clear(&mut [(&mut *g, ff), (&mut *up, ff)])?;
+                        dev.axpys(
+                            sparse,
+                            &mut [
+                                Product::new(gate, Rows::All, g),
+                                Product::new(&im.up, Rows::All, up),
+                            ],
+                        )?;
+                        dev.glu(act, &mut s.gate, &s.up, ff)?;
+                    }
+                    None => {
+                        dev.clear(&mut [(&mut s.up, ff)])?;
+                        dev.axpy(&im.up, Rows::All, &s.sparse, lw.b_up.as_ref(), &mut s.up)?;
+                        dev.activate(act, &mut s.up, ff)?;
+                    }
+                }
+            }
+        }
+        let a = if gated { Input::Gate } else { Input::Up };
+        let Some(t_down) = t_down else {
+            let s = &mut self.s;
+            let a = if gated { &s.gate } else { &s.up };
+            let y = if out { &mut s.part } else { &mut s.x };
+            return row_parallel(dev, &lw.w_down, lw.b_down.as_ref(), a, y, out, Pass::Step);
         };
         self.keep_inputs(l, Group::Down, t_down, a)?;
         let down_t = &inputs_of(m, l)?.down;

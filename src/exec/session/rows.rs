@@ -3,7 +3,8 @@
 //! (calibration); and, for calibration, each layer's block inputs and head output norms.
 use super::step::{first_projections, norm, products, Pass};
 use super::{Computed, DeviceSession, Scratch};
-use crate::exec::model::DeviceModel;
+use crate::exec::model::{DeviceModel, UnitBytes};
+use crate::model::config::ModelConfig;
 use crate::{Error, Result};
 use dejavu_backend_api::{Device, Product, Rows, MAX_ROWS};
 use std::ops::Range;
@@ -327,11 +328,15 @@ impl<D: Device> DeviceSession<'_, D> {
             mlp_kept += k;
         }
         let inputs = self.model.inputs.as_deref();
-        if let (Some(_), Some(im), true) = (&self.plan.inputs, inputs, self.measure) {
-            // Input sparsity: the rows of the inputs each layer kept at this step.
+        if let (Some(p), Some(im), true) = (&self.plan.inputs, inputs, self.measure) {
+            // Input sparsity: the rows of the inputs each layer kept at this step; a group kept
+            // whole (threshold below 0) reads the file's rows of its matrices.
             let mut kept = vec![0.0; 4 * c.n_layers];
             self.dev.download(&self.s.kept, &mut kept)?;
-            let read = |l: usize, g: usize| kept[4 * l + g] as usize * im[l].row_bytes[g];
+            let read = |l: usize, g: usize| match p.thresholds[l][g] < 0.0 {
+                true => group_bytes(c, &self.model.unit_bytes[l], g),
+                false => kept[4 * l + g] as usize * im[l].row_bytes[g],
+            };
             bytes.attention = (0..c.n_layers).map(|l| read(l, 0) + read(l, 1)).sum();
             bytes.mlp = (0..c.n_layers).map(|l| read(l, 2) + read(l, 3)).sum();
         }
@@ -344,6 +349,17 @@ impl<D: Device> DeviceSession<'_, D> {
             exact_logits: (self.plan.output.as_ref()).map_or(c.vocab_size, |o| o.candidates),
             bytes,
         })
+    }
+}
+
+/// The file's bytes of the matrices that read input group `g` (`Group::ALL` order: Q, K and
+/// V; W_o; gate and up; down) of a layer with unit bytes `u`.
+fn group_bytes(c: &ModelConfig, u: &UnitBytes, g: usize) -> usize {
+    match g {
+        0 => c.n_heads * (u.q + u.kv_head),
+        1 => c.n_heads * (u.head - u.q),
+        2 => c.n_ff * (u.gate + u.up),
+        _ => c.n_ff * (u.neuron - u.gate - u.up),
     }
 }
 

@@ -189,8 +189,9 @@ impl<D: Device> DeviceSession<'_, D> {
         // Input sparsity (no lazy K/V: the policy refuses both): Q, K and V from the kept
         // inputs here; the rest of the block as without.
         let th = if step { self.input_thresholds(l) } else { None };
-        if let Some(th) = th {
-            self.input_qkv(l, th[0], by_norm)?;
+        let (th_qkv, th_o) = (sparse_group(th, 0), sparse_group(th, 1));
+        if let Some(t) = th_qkv {
+            self.input_qkv(l, t, by_norm)?;
         }
         let every = Sel::All;
         let heads = if step { &self.plan.heads[l] } else { &every };
@@ -216,7 +217,7 @@ impl<D: Device> DeviceSession<'_, D> {
                 }
             }
             None => {
-                if th.is_none() {
+                if th_qkv.is_none() {
                     let k = Product::new(&lw.wk, Rows::All, &mut s.k).bias(lw.bk.as_ref());
                     let v = Product::new(&lw.wv, Rows::All, &mut s.v).bias(lw.bv.as_ref());
                     match n_sel {
@@ -272,10 +273,10 @@ impl<D: Device> DeviceSession<'_, D> {
                 }
                 _ => false,
             };
-            match th {
-                Some(th) => {
+            match th_o {
+                Some(t) => {
                     let n = self.plan.heads[l].count(c.n_heads) * hd;
-                    self.input_wo(l, th[1], gathered, n, out)?;
+                    self.input_wo(l, t, gathered, n, out)?;
                 }
                 None => {
                     if let Some(th) = masked {
@@ -323,9 +324,12 @@ impl<D: Device> DeviceSession<'_, D> {
         keep(dev, m, &mut self.capture, Kept::MlpIn, l, &self.s.h, rows)?;
         let post = lw.post_ffn_norm.as_ref();
         let out = residual_out(dev, m, &mut self.s, pass, post.is_some())?;
-        if let Some(th) = step.then(|| self.input_thresholds(l)).flatten() {
-            self.input_mlp(l, th[2], th[3], out)?;
-            return mlp_out(dev, m, lw, &mut self.s, rows, clock, out);
+        let th = step.then(|| self.input_thresholds(l)).flatten();
+        if let (Some(_), t_in, t_down) = (th, sparse_group(th, 2), sparse_group(th, 3)) {
+            if t_in.is_some() || t_down.is_some() {
+                self.input_mlp(l, t_in, t_down, out)?;
+                return mlp_out(dev, m, lw, &mut self.s, rows, clock, out);
+            }
         }
         if let Some(th) = self.batch_thresholds(l, step) {
             self.mask_rows(th[2], Masked::H, rows)?;
@@ -569,7 +573,15 @@ fn head_norm<D: Device>(
 
 /// A row-parallel product (W_o, fc2) of `input`'s rows added to the residual `y` (`out`: to a
 /// tensor-parallel partial, which a decode step zeroed and a batch overwrites).
-fn row_parallel<D: Device>(
+/// Group `g`'s threshold of a layer's input thresholds when the group is sparse: a group the
+/// plan keeps whole (threshold below 0: sparsity 0, as TEAL's allocation gives the attention
+/// at low model-wide sparsity) runs the dense products over the file's rows, which read the
+/// same bytes faster than the input-major kernels, with no `sparsify`.
+fn sparse_group(th: Option<[f32; 4]>, g: usize) -> Option<f32> {
+    th.map(|t| t[g]).filter(|&t| t >= 0.0)
+}
+
+pub(super) fn row_parallel<D: Device>(
     dev: &D,
     w: &D::Mat,
     bias: Option<&D::Buf>,
