@@ -2,10 +2,11 @@
 //! `kernels::axpy_blocks`): the source's own 8- or 4-bit values, transposed, so input sparsity
 //! reads each kept input's quants without a second rounding.
 //!
-//! Sources and their target type: Q8_0, Q4_0 and Q4_1 keep their type and every value exactly;
-//! Q4_K becomes Q4_1 (each sub-block's scale `d * sc` and min `-dmin * m` rounded to f16, a
-//! relative change below 2^-11 of a scale; the 4-bit quants are unchanged). Other types keep
-//! the requantized rows of [`crate::sparsity::layout`].
+//! Sources and their target type: Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 keep their type and every
+//! value exactly; Q4_K becomes Q4_1 and Q5_K Q5_1 (each sub-block's scale `d * sc` and min
+//! `-dmin * m` rounded to f16, a relative change below 2^-11 of a scale; the quants are
+//! unchanged). The 5-bit types need outputs in multiples of 64 (their fifth bits are stored
+//! in 64-bit words). Other types keep the requantized rows of [`crate::sparsity::layout`].
 use dejavu_backend_api::{QuantType, RowLayout, Weight};
 use dejavu_backend_cpu::dequant::{group_len, unpack_block};
 use dejavu_backend_cpu::kernels::{axpy_blocks, repack};
@@ -16,9 +17,12 @@ pub fn target(src: QuantType, outputs: usize, inputs: usize) -> Option<QuantType
     if !outputs.is_multiple_of(32) || !inputs.is_multiple_of(32) {
         return None;
     }
+    let words = outputs.is_multiple_of(64);
     match src {
         QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q4_1 => Some(src),
         QuantType::Q4K => Some(QuantType::Q4_1),
+        QuantType::Q5_0 | QuantType::Q5_1 if words => Some(src),
+        QuantType::Q5K if words => Some(QuantType::Q5_1),
         _ => None,
     }
 }
@@ -39,9 +43,11 @@ pub fn convert(w: &Weight, qt: QuantType, out: &mut [u8]) {
     let bb = w.qtype.block_bytes();
     let block_bytes = 32 * qt.row_bytes(n_out);
     let scales = match qt {
-        QuantType::Q4_1 => 4 * n_out,
+        QuantType::Q4_1 | QuantType::Q5_1 => 4 * n_out,
         _ => 2 * n_out,
     };
+    // The 5-bit types' plane of fifth bits, after the nibbles.
+    let high = scales + 16 * n_out;
     let mut ggml = vec![0u8; w.qtype.row_bytes(n_in)];
     let (mut q, mut sc, mut off) = (vec![0i8; bl], vec![0f32; bl / g], vec![0f32; bl / g]);
     // 32 outputs at a time: their quants of every input, then each input's 32 (one ggml
@@ -64,14 +70,16 @@ pub fn convert(w: &Weight, qt: QuantType, out: &mut [u8]) {
                     let block = &mut out[b * block_bytes..(b + 1) * block_bytes];
                     let h = |v: f32| half::f16::from_f32(v).to_le_bytes();
                     block[2 * o..2 * o + 2].copy_from_slice(&h(sc[j]));
-                    if qt == QuantType::Q4_1 {
+                    if matches!(qt, QuantType::Q4_1 | QuantType::Q5_1) {
                         block[2 * (n_out + o)..2 * (n_out + o) + 2].copy_from_slice(&h(off[j]));
                     }
                     for r in 0..32 {
-                        // Q4_0's unpacked values are `n - 8`: store the nibble `n`.
+                        // Q4_0's and Q5_0's unpacked values are `n - 8` and `n - 16`: store
+                        // the quant `n`.
                         let v = q[j * g + r];
                         quants[k * n_in + b * 32 + r] = match w.qtype {
                             QuantType::Q4_0 => (v + 8) as u8,
+                            QuantType::Q5_0 => (v + 16) as u8,
                             _ => v as u8,
                         };
                     }
@@ -90,7 +98,14 @@ pub fn convert(w: &Weight, qt: QuantType, out: &mut [u8]) {
                 _ => {
                     let at = scales + r * n_out / 2 + o0 / 2;
                     for k in 0..16 {
-                        block[at + k] = (col[k] & 0xF) | (col[k + 16] << 4);
+                        block[at + k] = (col[k] & 0xF) | ((col[k + 16] & 0xF) << 4);
+                    }
+                    if axpy_blocks::five_bit(qt) {
+                        // Outputs o0..o0 + 32: 4 bytes of the row's words (o0 a multiple of 32).
+                        let bits = (col.iter().enumerate())
+                            .fold(0u32, |b, (k, &v)| b | ((v as u32 >> 4) & 1) << k);
+                        let at = high + r * n_out / 8 + o0 / 8;
+                        block[at..at + 4].copy_from_slice(&bits.to_le_bytes());
                     }
                 }
             }
@@ -105,8 +120,8 @@ mod tests {
     use dejavu_backend_api::quantize;
 
     /// Every input's row of the converted matrix equals the source's column (dequantized), for
-    /// each source type: exactly for Q8_0, Q4_0 and Q4_1; for Q4_K within the f16 rounding of
-    /// its scale and min terms (2^-10 of the row's largest magnitude).
+    /// each source type: exactly for Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1; for Q4_K and Q5_K within
+    /// the f16 rounding of their scale and min terms (2^-10 of the row's largest magnitude).
     #[test]
     fn converted_rows_are_the_source_columns() {
         let (n_out, n_in) = (64, 256);
@@ -118,6 +133,9 @@ mod tests {
             QuantType::Q4_0,
             QuantType::Q4_1,
             QuantType::Q4K,
+            QuantType::Q5_0,
+            QuantType::Q5_1,
+            QuantType::Q5K,
         ] {
             let mut bytes = Vec::new();
             for row in vals.chunks_exact(n_in) {
@@ -141,7 +159,7 @@ mod tests {
                     // Q4_K: f16 rounding of `d * sc` and `dmin * m`, each term up to the row's
                     // largest magnitude.
                     let big = src_row.iter().fold(0f32, |m, v| m.max(v.abs()));
-                    let tol = if src == QuantType::Q4K {
+                    let tol = if matches!(src, QuantType::Q4K | QuantType::Q5K) {
                         2.0 * big / 1024.0
                     } else {
                         0.0

@@ -19,7 +19,7 @@
 //! Q8_0 become Q8_0.
 //!
 //! The result is cached in dejavu's cache directory as `layouts/<model file>-<path hash>.<kind>-
-//! <TYPE>.v4.gguf` (built once, straight into the memory that holds it; checked against the
+//! <TYPE>.v5.gguf` (built once, straight into the memory that holds it; checked against the
 //! source's content hash (model::content_key) and the shapes on every load, rebuilt when
 //! stale); where that directory is not writable, it is built in memory for the process.
 use crate::model::synthetic;
@@ -33,7 +33,8 @@ use std::path::PathBuf;
 /// Bump when the conversion changes: older cache files are rebuilt.
 /// 2: W_o added. 3: keyed on the full content hash and the files' stamp (model::content_key).
 /// 4: the requantized rows search scales at both ends of the range (lower error).
-pub const LAYOUT_VERSION: u32 = 4;
+/// 5: Q5_0, Q5_1 and Q5_K sources in the input-block layout (their own 5-bit values).
+pub const LAYOUT_VERSION: u32 = 5;
 const KEY_VERSION: &str = "dejavu.layout.version";
 const KEY_SOURCE: &str = "dejavu.layout.source_fingerprint";
 const KEY_STAMP: &str = "dejavu.layout.source_stamp";
@@ -124,7 +125,7 @@ impl Kind {
 /// How a quantized matrix is stored input-major: `Rows`, each input's row requantized in the
 /// file's row layout (every device reads it); `Blocks`, the source's own values in the
 /// input-block layout where its type has one ([`crate::sparsity::blocks`]: Q8_0, Q4_0, Q4_1,
-/// Q4_K; read by devices that [`dejavu_backend_api::Device::reads_input_blocks`]), else `Rows`.
+/// Q4_K, and the 5-bit types; read by devices that [`dejavu_backend_api::Device::reads_input_blocks`]), else `Rows`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Form {
     Rows,

@@ -250,7 +250,10 @@ pub fn axpy_blocks_many(
         .min(all_units)
         .min(bytes.div_ceil(MIN_BYTES_PER_THREAD))
         .max(1);
-    let yps: Vec<SyncPtr> = ys.iter_mut().map(|y| SyncPtr::new(y.as_mut_ptr())).collect();
+    let yps: Vec<SyncPtr> = ys
+        .iter_mut()
+        .map(|y| SyncPtr::new(y.as_mut_ptr()))
+        .collect();
     pool.run(threads, &|t| {
         let (u0, u1) = (t * all_units / threads, (t + 1) * all_units / threads);
         for (j, w) in ws.iter().enumerate() {
@@ -272,7 +275,14 @@ pub fn axpy_blocks_many(
 
 /// Outputs `c0..` (`part`) of `w`: every kept block's rows added in memory order, the next
 /// block's first rows prefetched while one is read.
-fn blocks_share(k: &Kernels, w: &Weight, kept: &[KeptBlock], x: &[f32], c0: usize, part: &mut [f32]) {
+fn blocks_share(
+    k: &Kernels,
+    w: &Weight,
+    kept: &[KeptBlock],
+    x: &[f32],
+    c0: usize,
+    part: &mut [f32],
+) {
     let (cols, q) = (w.cols, w.qtype);
     let block_bytes = 32 * q.row_bytes(cols);
     let block = |b: usize| &w.data[b * block_bytes..(b + 1) * block_bytes];
@@ -354,8 +364,15 @@ mod tests {
             // The tier's f32 kernel too (the 8-bit one off), whose tile is wider than a share.
             let mut kf = k;
             kf.axpy_blocks_q8 = None;
-            let (d2, d3) = (blocks_matrix(rows, cols + 128, 5), blocks_matrix(rows, 64, 6));
-            let ws = [w, blocks_weight(rows, cols + 128, &d2), blocks_weight(rows, 64, &d3)];
+            let (d2, d3) = (
+                blocks_matrix(rows, cols + 128, 5),
+                blocks_matrix(rows, 64, 6),
+            );
+            let ws = [
+                w,
+                blocks_weight(rows, cols + 128, &d2),
+                blocks_weight(rows, 64, &d3),
+            ];
             for k in [&k, &kf] {
                 let mut want = vec![0f32; cols];
                 axpy_blocks(k, &pools[0], &w, &x, &mut want);
@@ -383,7 +400,10 @@ mod tests {
     /// A Q8_0 matrix of `rows` inputs and `cols` outputs in the input-block layout.
     fn blocks_matrix(rows: usize, cols: usize, seed: u64) -> Vec<u8> {
         let q = QuantType::Q8_0;
-        let d: Vec<f32> = random_f32(cols, seed).iter().map(|v| v.abs() + 0.01).collect();
+        let d: Vec<f32> = random_f32(cols, seed)
+            .iter()
+            .map(|v| v.abs() + 0.01)
+            .collect();
         let quants: Vec<u8> = (0..rows * cols)
             .map(|i| ((i as u64 * 31 + seed) % 255) as u8)
             .collect();

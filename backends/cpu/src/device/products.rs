@@ -229,7 +229,10 @@ impl CpuDevice {
             p.w.layout == RowLayout::InputBlocks && matches!(p.rows, Rows::All)
         };
         if jobs.is_empty() || jobs.len() > 3 {
-            return Err(shape(format!("{} axpys in one launch (1 to 3)", jobs.len())));
+            return Err(shape(format!(
+                "{} axpys in one launch (1 to 3)",
+                jobs.len()
+            )));
         }
         if jobs.len() < 2 || !jobs.iter().all(|p| fused(p) && p.w.rows == jobs[0].w.rows) {
             for p in jobs.iter_mut() {
@@ -246,9 +249,7 @@ impl CpuDevice {
             }
         }
         let ws = (jobs.iter().map(|p| p.w.weight())).collect::<Result<Vec<_>, _>>()?;
-        let mut ys: Vec<&mut [f32]> = (jobs.iter_mut())
-            .map(|p| &mut p.y[..p.w.cols])
-            .collect();
+        let mut ys: Vec<&mut [f32]> = (jobs.iter_mut()).map(|p| &mut p.y[..p.w.cols]).collect();
         let (k, pool) = (&self.cpu.kernels, &self.cpu.pool);
         axpy_matmul::axpy_blocks_many(k, pool, &ws, &a[..rows], &mut ys);
         for p in jobs.iter_mut() {

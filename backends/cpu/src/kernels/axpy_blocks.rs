@@ -4,13 +4,16 @@
 //! stored value is the source's, transposed).
 //!
 //! A block holds 32 inputs' rows of `cols` outputs: a table of the outputs' scales `d` (f16;
-//! Q4_1: then their offsets `m`), then the 32 rows of quants (Q8_0: `cols` signed bytes; Q4_0 and
-//! Q4_1: `cols / 2` bytes, each 32 outputs in 16 bytes as a ggml block: byte `k` holds output `k`
-//! in its low nibble and `k + 16` in its high one). Value `(r, o)` = `d[o] * q + m[o]` (Q4_1),
-//! `d[o] * (q - 8)` (Q4_0), `d[o] * q` (Q8_0).
+//! Q4_1 and Q5_1: then their offsets `m`), then the 32 rows of quants (Q8_0: `cols` signed bytes;
+//! the 4- and 5-bit types: `cols / 2` bytes of low nibbles, each 32 outputs in 16 bytes as a
+//! ggml block: byte `k` holds output `k` in its low nibble and `k + 16` in its high one); Q5_0
+//! and Q5_1 then hold the 32 rows' fifth bits (`cols / 8` bytes a row, `cols` a multiple of 64:
+//! little-endian 64-bit words, bit `i` of word `t` the fifth bit of output `64 t + i`). Value
+//! `(r, o)` = `d[o] * q + m[o]` (Q4_1, Q5_1), `d[o] * (q - 8)` (Q4_0), `d[o] * (q - 16)` (Q5_0),
+//! `d[o] * q` (Q8_0).
 //!
 //! Per output: `t = sum_r x[r] q[r][o]` in f32 over the kept rows, then `y[o] += d[o] * t +
-//! off[o] * S` with `S = sum_r x[r]` (`off = m`, `-8 d`, or 0). [`scalar`] is the definition; the
+//! off[o] * S` with `S = sum_r x[r]` (`off = m`, `-8 d`, `-16 d`, or 0). [`scalar`] is the definition; the
 //! x86 tiers keep `t` of a tile of outputs (128 on AVX-512, 64 on AVX2) in registers while each
 //! kept row's quants of the tile are widened and multiply-added, prefetching the rows ahead.
 use crate::isa::Isa;
@@ -24,7 +27,28 @@ pub type AxpyBlocksFn = fn(QuantType, &[u8], usize, &[u8], &[f32; 32], usize, &m
 
 /// The types this layout holds.
 pub fn supports(q: QuantType) -> bool {
-    matches!(q, QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q4_1)
+    matches!(
+        q,
+        QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q5_0 | QuantType::Q5_1
+    )
+}
+
+/// Whether `q` is a 5-bit type (a plane of fifth bits after the nibbles; `cols` a multiple of
+/// 64).
+pub fn five_bit(q: QuantType) -> bool {
+    matches!(q, QuantType::Q5_0 | QuantType::Q5_1)
+}
+
+/// Offset of the fifth-bit plane in a block (the 5-bit types).
+pub(super) fn high_bits_at(q: QuantType, cols: usize) -> usize {
+    scale_bytes(q, cols) + 16 * cols
+}
+
+/// Row `r`'s fifth bits of outputs `64 t .. 64 t + 64` (a 5-bit type's block).
+#[inline(always)]
+pub(super) fn high_word(q: QuantType, block: &[u8], cols: usize, r: usize, t: usize) -> u64 {
+    let at = high_bits_at(q, cols) + r * cols / 8 + 8 * t;
+    u64::from_le_bytes(block[at..at + 8].try_into().expect("8 bytes"))
 }
 
 pub fn select(isa: Isa) -> AxpyBlocksFn {
@@ -40,7 +64,7 @@ pub fn select(isa: Isa) -> AxpyBlocksFn {
 /// Bytes of the scale table at the start of a block.
 pub(super) fn scale_bytes(q: QuantType, cols: usize) -> usize {
     match q {
-        QuantType::Q4_1 => 4 * cols,
+        QuantType::Q4_1 | QuantType::Q5_1 => 4 * cols,
         _ => 2 * cols,
     }
 }
@@ -60,6 +84,10 @@ pub(super) fn check(q: QuantType, block: &[u8], cols: usize, kept: &[u8], lo: us
     );
     assert!(lo + y.len() <= cols, "axpy_blocks: outputs past the row");
     assert!(
+        !five_bit(q) || cols.is_multiple_of(64) && lo.is_multiple_of(64),
+        "axpy_blocks: a 5-bit block's outputs and range start in whole words of 64"
+    );
+    assert!(
         kept.iter().all(|&r| r < 32),
         "axpy_blocks: a kept row past 32"
     );
@@ -70,20 +98,26 @@ pub(super) fn scale_off(q: QuantType, block: &[u8], cols: usize, o: usize) -> (f
     let h = |i: usize| f16::from_le_bytes([block[2 * i], block[2 * i + 1]]).to_f32();
     let d = h(o);
     match q {
-        QuantType::Q4_1 => (d, h(cols + o)),
+        QuantType::Q4_1 | QuantType::Q5_1 => (d, h(cols + o)),
         QuantType::Q4_0 => (d, -8.0 * d),
+        QuantType::Q5_0 => (d, -16.0 * d),
         _ => (d, 0.0),
     }
 }
 
-/// Quant `q[r][o]` (unsigned nibble for the 4-bit types, signed byte for Q8_0).
+/// Quant `q[r][o]` (unsigned for the 4- and 5-bit types, signed byte for Q8_0).
 pub(super) fn quant(q: QuantType, block: &[u8], cols: usize, r: usize, o: usize) -> f32 {
     let base = scale_bytes(q, cols);
     match q {
         QuantType::Q8_0 => block[base + r * cols + o] as i8 as f32,
         _ => {
             let b = block[base + r * cols / 2 + (o / 32) * 16 + o % 16];
-            (if o % 32 < 16 { b & 0xF } else { b >> 4 }) as f32
+            let low = if o % 32 < 16 { b & 0xF } else { b >> 4 };
+            let high = match five_bit(q) {
+                true => (high_word(q, block, cols, r, o / 64) >> (o % 64)) as u8 & 1,
+                false => 0,
+            };
+            (low | high << 4) as f32
         }
     }
 }
@@ -159,12 +193,16 @@ const AHEAD: usize = 24;
 #[inline(always)]
 fn prefetch_row(q: QuantType, block: &[u8], cols: usize, r: Option<&u8>, o: usize, n: usize) {
     if let Some(&r) = r {
-        let (row, at, n) = match q {
+        let (row, at, bytes) = match q {
             QuantType::Q8_0 => (cols, o, n),
             _ => (cols / 2, o / 2, n / 2),
         };
         let start = scale_bytes(q, cols) + r as usize * row + at;
-        crate::prefetch::prefetch(&block[start..start + n]);
+        crate::prefetch::prefetch(&block[start..start + bytes]);
+        if five_bit(q) {
+            let hb = high_bits_at(q, cols) + r as usize * cols / 8 + o / 8;
+            crate::prefetch::prefetch(&block[hb..hb + n.div_ceil(8)]);
+        }
     }
 }
 
@@ -242,6 +280,9 @@ unsafe fn avx2_impl(
     let base = block.as_ptr();
     let quants = base.add(scale_bytes(q, cols));
     let nib = _mm_set1_epi8(0x0F);
+    let five = five_bit(q);
+    let bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    let sixteen = _mm256_set1_epi32(16);
     let (end, tile) = (lo + y.len(), TILE / 2);
     let mut step = 0;
     for g in (lo..end).step_by(tile) {
@@ -265,12 +306,26 @@ unsafe fn avx2_impl(
                     );
                     [l, _mm_srli_si128(l, 8), h, _mm_srli_si128(h, 8)]
                 };
+                // The 5-bit types: this row's fifth bits of the group's 32 outputs.
+                let hw = match five {
+                    true => high_word(q, block, cols, r as usize, o / 64) >> (o % 64),
+                    false => 0,
+                };
                 for (k, wk) in w.into_iter().enumerate() {
                     let f = match q {
-                        QuantType::Q8_0 => _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(wk)),
-                        _ => _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(wk)),
+                        QuantType::Q8_0 => _mm256_cvtepi8_epi32(wk),
+                        _ => _mm256_cvtepu8_epi32(wk),
                     };
-                    t[4 * h + k] = _mm256_fmadd_ps(xv, f, t[4 * h + k]);
+                    let f = match five {
+                        // Lane j gets 16 where bit 8 k + j is set.
+                        true => {
+                            let b = _mm256_set1_epi32((hw >> (8 * k)) as i32 & 0xFF);
+                            let set = _mm256_cmpeq_epi32(_mm256_and_si256(b, bit), bit);
+                            _mm256_or_si256(f, _mm256_and_si256(set, sixteen))
+                        }
+                        false => f,
+                    };
+                    t[4 * h + k] = _mm256_fmadd_ps(xv, _mm256_cvtepi32_ps(f), t[4 * h + k]);
                 }
             }
         }
@@ -279,10 +334,11 @@ unsafe fn avx2_impl(
             let o = g + 8 * k;
             let d = _mm256_cvtph_ps(_mm_loadu_si128(base.add(2 * o) as *const __m128i));
             let off = match q {
-                QuantType::Q4_1 => {
+                QuantType::Q4_1 | QuantType::Q5_1 => {
                     _mm256_cvtph_ps(_mm_loadu_si128(base.add(2 * (cols + o)) as *const __m128i))
                 }
                 QuantType::Q4_0 => _mm256_mul_ps(d, _mm256_set1_ps(-8.0)),
+                QuantType::Q5_0 => _mm256_mul_ps(d, _mm256_set1_ps(-16.0)),
                 _ => _mm256_setzero_ps(),
             };
             let yp = y.as_mut_ptr().add(o - lo);
@@ -310,6 +366,7 @@ unsafe fn avx512_impl(
     let quants = base.add(scale_bytes(q, cols));
     let nib = _mm256_set1_epi8(0x0F);
     let nib128 = _mm_set1_epi8(0x0F);
+    let (five, sixteen) = (five_bit(q), _mm_set1_epi8(16));
     let end = lo + y.len();
     let mut step = 0;
     for g in (lo..end).step_by(TILE) {
@@ -348,7 +405,16 @@ unsafe fn avx512_impl(
                     [l, _mm_and_si128(_mm_srli_epi16(v, 4), nib128), l, l]
                 };
                 let m = if 2 * h + 1 < n { 4 } else { 2 };
+                // The 5-bit types: this row's fifth bits of these 64 outputs (part k: 16).
+                let hw = match five {
+                    true => high_word(q, block, cols, r as usize, (g + 64 * h) / 64),
+                    false => 0,
+                };
                 for (k, w) in parts.into_iter().enumerate().take(m) {
+                    let w = match five {
+                        true => _mm_mask_add_epi8(w, (hw >> (16 * k)) as u16, w, sixteen),
+                        false => w,
+                    };
                     let f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(w));
                     t[4 * h + k] = _mm512_fmadd_ps(xv, f, t[4 * h + k]);
                 }
@@ -380,10 +446,11 @@ pub(super) unsafe fn add_scaled16(
     use std::arch::x86_64::*;
     let d = _mm512_cvtph_ps(_mm256_loadu_si256(base.add(2 * o) as *const __m256i));
     let off = match q {
-        QuantType::Q4_1 => _mm512_cvtph_ps(_mm256_loadu_si256(
-            base.add(2 * (cols + o)) as *const __m256i
+        QuantType::Q4_1 | QuantType::Q5_1 => _mm512_cvtph_ps(_mm256_loadu_si256(
+            base.add(2 * (cols + o)) as *const __m256i,
         )),
         QuantType::Q4_0 => _mm512_mul_ps(d, _mm512_set1_ps(-8.0)),
+        QuantType::Q5_0 => _mm512_mul_ps(d, _mm512_set1_ps(-16.0)),
         _ => _mm512_setzero_ps(),
     };
     _mm512_storeu_ps(
@@ -403,6 +470,7 @@ pub(super) fn random_block(q: QuantType, cols: usize, seed: u64) -> (Vec<u8>, Ve
     let quants: Vec<u8> = (0..32 * cols)
         .map(|_| match q {
             QuantType::Q8_0 => r.gen_range(-127i8..=127) as u8,
+            _ if five_bit(q) => r.gen_range(0u8..32),
             _ => r.gen_range(0u8..16),
         })
         .collect();
@@ -414,6 +482,7 @@ pub(super) fn random_block(q: QuantType, cols: usize, seed: u64) -> (Vec<u8>, Ve
             match q {
                 QuantType::Q8_0 => rd(d[o]) * qv as i8 as f32,
                 QuantType::Q4_0 => rd(d[o]) * (qv as f32 - 8.0),
+                QuantType::Q5_0 => rd(d[o]) * (qv as f32 - 16.0),
                 _ => rd(d[o]) * qv as f32 + rd(m[o]),
             }
         })
@@ -423,9 +492,14 @@ pub(super) fn random_block(q: QuantType, cols: usize, seed: u64) -> (Vec<u8>, Ve
 
 /// The cases of this layout's kernel tests: kept-row sets (none, one, three, about half at
 /// random, all 32 in reverse), each with the output ranges `(lo, n)` over `cols` outputs (all,
-/// all but the first group, the first group, the last; empty ones left out).
+/// all but the first group (64 outputs for a 5-bit type), the first group, the last; empty
+/// ones left out). `cols` of a 5-bit type: a multiple of 64.
 #[cfg(test)]
-pub(crate) fn test_cases(r: &mut impl rand::Rng, cols: usize) -> Vec<(Vec<u8>, usize, usize)> {
+pub(crate) fn test_cases(
+    r: &mut impl rand::Rng,
+    q: QuantType,
+    cols: usize,
+) -> Vec<(Vec<u8>, usize, usize)> {
     let sets: Vec<Vec<u8>> = vec![
         vec![],
         vec![7],
@@ -433,7 +507,14 @@ pub(crate) fn test_cases(r: &mut impl rand::Rng, cols: usize) -> Vec<(Vec<u8>, u
         (0..32).filter(|_| r.gen_bool(0.5)).collect(),
         (0..32).rev().collect(),
     ];
-    let ranges = [(0, cols), (32, cols - 32), (0, 32), (cols - 32, 32)];
+    let g = if five_bit(q) { 64 } else { 32 };
+    let ranges = [
+        (0, cols),
+        (g, cols - g),
+        (0, 32),
+        (cols - g, 32),
+        (cols - g, g),
+    ];
     (sets.iter())
         .flat_map(|k| {
             ranges
@@ -450,8 +531,12 @@ pub(crate) fn test_cases(r: &mut impl rand::Rng, cols: usize) -> Vec<(Vec<u8>, u
 pub fn pack_block(q: QuantType, cols: usize, d: &[f32], m: &[f32], quants: &[u8]) -> Vec<u8> {
     assert!(supports(q) && d.len() == cols && quants.len() == 32 * cols);
     let mut out = Vec::with_capacity(32 * q.row_bytes(cols));
+    assert!(
+        !five_bit(q) || cols.is_multiple_of(64),
+        "5-bit blocks of whole words"
+    );
     out.extend(d.iter().flat_map(|v| f16::from_f32(*v).to_le_bytes()));
-    if q == QuantType::Q4_1 {
+    if matches!(q, QuantType::Q4_1 | QuantType::Q5_1) {
         out.extend(m.iter().flat_map(|v| f16::from_f32(*v).to_le_bytes()));
     }
     for row in quants.chunks_exact(cols) {
@@ -459,13 +544,32 @@ pub fn pack_block(q: QuantType, cols: usize, d: &[f32], m: &[f32], quants: &[u8]
             QuantType::Q8_0 => out.extend_from_slice(row),
             _ => {
                 for g in row.chunks_exact(32) {
-                    out.extend((0..16).map(|k| (g[k] & 0xF) | (g[k + 16] << 4)));
+                    out.extend((0..16).map(|k| (g[k] & 0xF) | ((g[k + 16] & 0xF) << 4)));
                 }
+            }
+        }
+    }
+    if five_bit(q) {
+        for row in quants.chunks_exact(cols) {
+            for w in row.chunks_exact(64) {
+                let bits =
+                    (w.iter().enumerate()).fold(0u64, |b, (i, &v)| b | ((v as u64 >> 4) & 1) << i);
+                out.extend(bits.to_le_bytes());
             }
         }
     }
     out
 }
+
+/// The types of this layout, for its tests.
+#[cfg(test)]
+pub(super) const TYPES: [QuantType; 5] = [
+    QuantType::Q8_0,
+    QuantType::Q4_0,
+    QuantType::Q4_1,
+    QuantType::Q5_0,
+    QuantType::Q5_1,
+];
 
 #[cfg(test)]
 mod tests {
@@ -479,11 +583,14 @@ mod tests {
     #[test]
     fn tiers_match_reference() {
         let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(3);
-        for q in [QuantType::Q8_0, QuantType::Q4_0, QuantType::Q4_1] {
-            for cols in [32, 96, 256, 352, 2112] {
+        for q in TYPES {
+            for cols in [32usize, 96, 256, 352, 2112, 64, 192, 2240] {
+                if five_bit(q) && !cols.is_multiple_of(64) {
+                    continue;
+                }
                 let (bytes, values) = random_block(q, cols, cols as u64);
                 let x: [f32; 32] = std::array::from_fn(|_| r.gen_range(-2f32..2.0));
-                for (kept, lo, n) in &test_cases(&mut r, cols) {
+                for (kept, lo, n) in &test_cases(&mut r, q, cols) {
                     let (kept, lo, n) = (kept, *lo, *n);
                     let y0: Vec<f32> = (0..n).map(|j| j as f32 * 0.01).collect();
                     let mut want = y0.clone();

@@ -138,10 +138,21 @@ fn avx512_q8(
     y: &mut [f32],
 ) {
     axpy_blocks::check(q, block, cols, kept, lo, y);
-    assert!(!kept.is_empty(), "axpy_blocks: quantized inputs of no kept row");
+    assert!(
+        !kept.is_empty(),
+        "axpy_blocks: quantized inputs of no kept row"
+    );
     // SAFETY: handed out by `select_q8` for the AVX-512 tier only (which has VNNI); extents
     // checked above, `kept` not empty.
     unsafe { avx512_impl(q, block, cols, kept, xi, lo, y) }
+}
+
+/// A tile's fifth bits (bit `i`: output `i`) in the order of the 4-bit types' register: bytes
+/// 0-15 hold outputs 0-15, 16-31 outputs 32-47, 32-47 outputs 16-31, 48-63 outputs 48-63.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn register_order(w: u64) -> u64 {
+    (w & 0xFFFF_0000_0000_FFFF) | ((w >> 16) & 0xFFFF_0000) | ((w << 16) & 0xFFFF_0000_0000)
 }
 
 /// Outputs of a tile ahead that the loop prefetches for the rows it reads (the first ones of a
@@ -177,6 +188,7 @@ unsafe fn avx512_impl(
     }
     let nib = _mm256_set1_epi8(0x0F);
     let flip = _mm512_set1_epi8(-128);
+    let (five, sixteen) = (axpy_blocks::five_bit(q), _mm512_set1_epi8(16));
     let end = lo + y.len();
     let (sxv, so) = (_mm512_set1_ps(sx), _mm512_set1_ps(sx * sum as f32));
     let excess = _mm512_set1_epi32(128 * sum);
@@ -201,7 +213,17 @@ unsafe fn avx512_impl(
                     let w = _mm256_maskz_loadu_epi8(mask as u32 >> (32 - n / 2), p as *const i8);
                     let l = _mm256_and_si256(w, nib);
                     let h = _mm256_and_si256(_mm256_srli_epi16(w, 4), nib);
-                    _mm512_inserti64x4(_mm512_castsi256_si512(l), h, 1)
+                    let v = _mm512_inserti64x4(_mm512_castsi256_si512(l), h, 1);
+                    match five {
+                        // Register byte j holds output `order(j)`: its fifth bit, as 16 (a
+                        // nibble plus 16 is the nibble with bit 4 set).
+                        true => {
+                            let r = rows[4 * gi + k];
+                            let hw = axpy_blocks::high_word(q, block, cols, r, g / 64);
+                            _mm512_mask_add_epi8(v, register_order(hw), v, sixteen)
+                        }
+                        false => v,
+                    }
                 };
             }
             let a = _mm512_unpacklo_epi8(v[0], v[1]);
@@ -260,7 +282,7 @@ mod tests {
         let all: Vec<u8> = (0..32).collect();
         let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(9);
         for start in (-254..=222).step_by(16) {
-            let mut x: [f32; 32] = std::array::from_fn(|i| ((start + i as i32) as f32 * 0.5));
+            let mut x: [f32; 32] = std::array::from_fn(|i| (start + i as i32) as f32 * 0.5);
             x[0] = 127.0;
             let got = quantize(&x, &all).unwrap();
             let (sx, xq) = want(&x, &all);
@@ -285,11 +307,14 @@ mod tests {
     #[test]
     fn the_tier_equals_the_definition_within_the_rounding_of_x() {
         let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(5);
-        for q in [QuantType::Q8_0, QuantType::Q4_0, QuantType::Q4_1] {
-            for cols in [32, 64, 96, 352, 2112] {
+        for q in axpy_blocks::TYPES {
+            for cols in [32usize, 64, 96, 352, 2112, 192, 2240] {
+                if axpy_blocks::five_bit(q) && !cols.is_multiple_of(64) {
+                    continue;
+                }
                 let (bytes, _) = axpy_blocks::random_block(q, cols, r.gen());
                 let mut x: [f32; 32] = std::array::from_fn(|_| r.gen_range(-2f32..2.0));
-                let cases = axpy_blocks::test_cases(&mut r, cols);
+                let cases = axpy_blocks::test_cases(&mut r, q, cols);
                 for (kept, lo, n) in cases.iter().filter(|c| !c.0.is_empty()) {
                     let (kept, lo, n) = (kept, *lo, *n);
                     let y0: Vec<f32> = (0..n).map(|j| j as f32 * 0.01).collect();
