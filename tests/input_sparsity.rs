@@ -1,6 +1,8 @@
 //! Input sparsity (`teal`, `wina`) on the tiny crafted model with every projection in f32 (so
 //! the input-major layouts are exact transposes and only the order of summation differs):
-//! - thresholds below every score keep every input: the dense model's logits;
+//! - a threshold of 0 keeps every nonzero input: the dense model's logits through the
+//!   input-major kernels; a group kept whole (threshold below 0) runs the dense products
+//!   themselves, bit for bit, and reads the dense step's bytes;
 //! - a threshold above every score of one input group drops it: the logits of the dense model
 //!   whose matrices reading that input are zero (each group wired to its own matrices);
 //! - on 8- and 4-bit weights (the input-block layout, the file's own values transposed), every
@@ -87,9 +89,40 @@ fn keeping_every_input_is_the_dense_model() {
     let dense = decode(&e, &Policy::dense(&e.model.config));
     assert_close(
         "all kept",
-        &decode(&e, &with_thresholds(&e, [-1.0; 4])),
+        &decode(&e, &with_thresholds(&e, [0.0; 4])),
         &dense,
     );
+    // Some groups through the input-major kernels, the others whole.
+    for th in [[0.0, -1.0, 0.0, -1.0], [-1.0, 0.0, -1.0, 0.0]] {
+        let got = decode(&e, &with_thresholds(&e, th));
+        assert_close(&format!("{th:?}"), &got, &dense);
+    }
+}
+
+/// Every group kept whole (TEAL's allocation at sparsity 0 for it): the dense products
+/// themselves, so the dense model's logits bit for bit, and the dense step's bytes.
+#[test]
+fn groups_kept_whole_run_the_dense_products() {
+    let (_d, e) = load(&q4_1_model());
+    let c = &e.model.config;
+    let step = |pol: &Policy| {
+        let mut s = e.decoder(pol).unwrap();
+        let logits: Vec<f32> = (TOKENS.iter())
+            .flat_map(|&t| s.run(&[t], Logits::Last).unwrap().to_vec())
+            .collect();
+        (logits, s.last_step().unwrap().weight_bytes)
+    };
+    let (dense, dense_bytes) = step(&Policy::dense(c));
+    let (whole, whole_bytes) = step(&with_thresholds(&e, [-1.0; 4]));
+    let differ = (whole.iter().zip(&dense))
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count();
+    assert_eq!(differ, 0, "every group whole: logits other than dense's");
+    assert_eq!(whole.len(), dense.len());
+    assert_eq!(whole_bytes, dense_bytes, "every group whole: the dense bytes");
+    // One group through the kernels (all its nonzero inputs kept): fewer or as many bytes.
+    let (_, some) = step(&with_thresholds(&e, [-1.0, -1.0, 0.0, -1.0]));
+    assert!(some <= dense_bytes + dense_bytes / 50, "{some} vs {dense_bytes}");
 }
 
 /// The tiny model's Q8_0 projections as Q4_1 (requantized from their values).
@@ -137,7 +170,7 @@ fn input_blocks_keep_the_files_values() {
                 .collect()
         };
         let want = run(&Policy::dense(c));
-        let got = run(&with_thresholds(&e, [-1.0; 4]));
+        let got = run(&with_thresholds(&e, [0.0; 4]));
         assert_close(&format!("{what}: every input kept"), &got, &want);
     }
 }
