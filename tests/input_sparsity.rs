@@ -119,10 +119,16 @@ fn groups_kept_whole_run_the_dense_products() {
         .count();
     assert_eq!(differ, 0, "every group whole: logits other than dense's");
     assert_eq!(whole.len(), dense.len());
-    assert_eq!(whole_bytes, dense_bytes, "every group whole: the dense bytes");
+    assert_eq!(
+        whole_bytes, dense_bytes,
+        "every group whole: the dense bytes"
+    );
     // One group through the kernels (all its nonzero inputs kept): fewer or as many bytes.
     let (_, some) = step(&with_thresholds(&e, [-1.0, -1.0, 0.0, -1.0]));
-    assert!(some <= dense_bytes + dense_bytes / 50, "{some} vs {dense_bytes}");
+    assert!(
+        some <= dense_bytes + dense_bytes / 50,
+        "{some} vs {dense_bytes}"
+    );
 }
 
 /// The tiny model's Q8_0 projections as Q4_1 (requantized from their values).

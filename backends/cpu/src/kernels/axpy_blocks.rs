@@ -281,8 +281,14 @@ unsafe fn avx2_impl(
     let quants = base.add(scale_bytes(q, cols));
     let nib = _mm_set1_epi8(0x0F);
     let five = five_bit(q);
-    let bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-    let sixteen = _mm256_set1_epi32(16);
+    // Byte j of a 32-bit word's spread: its byte j / 8 (both lanes hold the word); tested
+    // against bit j % 8.
+    let spread = _mm256_setr_epi8(
+        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3,
+        3, 3,
+    );
+    let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+    let sixteen = _mm256_set1_epi8(16);
     let (end, tile) = (lo + y.len(), TILE / 2);
     let mut step = 0;
     for g in (lo..end).step_by(tile) {
@@ -300,30 +306,26 @@ unsafe fn avx2_impl(
                 } else {
                     let p = quants.add(r as usize * cols / 2 + o / 2);
                     let v = _mm_loadu_si128(p as *const __m128i);
-                    let (l, h) = (
+                    let (mut l, mut hi) = (
                         _mm_and_si128(v, nib),
                         _mm_and_si128(_mm_srli_epi16(v, 4), nib),
                     );
-                    [l, _mm_srli_si128(l, 8), h, _mm_srli_si128(h, 8)]
-                };
-                // The 5-bit types: this row's fifth bits of the group's 32 outputs.
-                let hw = match five {
-                    true => high_word(q, block, cols, r as usize, o / 64) >> (o % 64),
-                    false => 0,
+                    if five {
+                        // This row's fifth bits of the group's 32 outputs, one byte each
+                        // (byte j: bit j % 8 of the word's byte j / 8), as 16 or 0.
+                        let hw = high_word(q, block, cols, r as usize, o / 64) >> (o % 64);
+                        let b = _mm256_shuffle_epi8(_mm256_set1_epi32(hw as u32 as i32), spread);
+                        let set = _mm256_cmpeq_epi8(_mm256_and_si256(b, bit), bit);
+                        let add = _mm256_and_si256(set, sixteen);
+                        l = _mm_or_si128(l, _mm256_castsi256_si128(add));
+                        hi = _mm_or_si128(hi, _mm256_extracti128_si256(add, 1));
+                    }
+                    [l, _mm_srli_si128(l, 8), hi, _mm_srli_si128(hi, 8)]
                 };
                 for (k, wk) in w.into_iter().enumerate() {
                     let f = match q {
                         QuantType::Q8_0 => _mm256_cvtepi8_epi32(wk),
                         _ => _mm256_cvtepu8_epi32(wk),
-                    };
-                    let f = match five {
-                        // Lane j gets 16 where bit 8 k + j is set.
-                        true => {
-                            let b = _mm256_set1_epi32((hw >> (8 * k)) as i32 & 0xFF);
-                            let set = _mm256_cmpeq_epi32(_mm256_and_si256(b, bit), bit);
-                            _mm256_or_si256(f, _mm256_and_si256(set, sixteen))
-                        }
-                        false => f,
                     };
                     t[4 * h + k] = _mm256_fmadd_ps(xv, _mm256_cvtepi32_ps(f), t[4 * h + k]);
                 }

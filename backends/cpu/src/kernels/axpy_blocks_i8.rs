@@ -215,7 +215,8 @@ unsafe fn avx512_impl(
                 // (waiting on them took 28% of this kernel's samples on Qwen2.5's Q5_0).
                 if five && (g - lo).is_multiple_of(HIGH_LINE) && g + HIGH_LINE < end {
                     let r = rows[4 * gi + k];
-                    let at = axpy_blocks::high_bits_at(q, cols) + r * cols / 8 + (g + HIGH_LINE) / 8;
+                    let at =
+                        axpy_blocks::high_bits_at(q, cols) + r * cols / 8 + (g + HIGH_LINE) / 8;
                     _mm_prefetch::<_MM_HINT_T0>(base.add(at) as *const i8);
                 }
                 *vk = if q8 {
