@@ -325,11 +325,10 @@ impl<D: Device> DeviceSession<'_, D> {
         let post = lw.post_ffn_norm.as_ref();
         let out = residual_out(dev, m, &mut self.s, pass, post.is_some())?;
         let th = step.then(|| self.input_thresholds(l)).flatten();
-        if let (Some(_), t_in, t_down) = (th, sparse_group(th, 2), sparse_group(th, 3)) {
-            if t_in.is_some() || t_down.is_some() {
-                self.input_mlp(l, t_in, t_down, out)?;
-                return mlp_out(dev, m, lw, &mut self.s, rows, clock, out);
-            }
+        let (t_in, t_down) = (sparse_group(th, 2), sparse_group(th, 3));
+        if t_in.is_some() || t_down.is_some() {
+            self.input_mlp(l, t_in, t_down, out)?;
+            return mlp_out(dev, m, lw, &mut self.s, rows, clock, out);
         }
         if let Some(th) = self.batch_thresholds(l, step) {
             self.mask_rows(th[2], Masked::H, rows)?;
