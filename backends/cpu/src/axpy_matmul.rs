@@ -167,7 +167,7 @@ const MIN_BYTES_PER_THREAD: usize = 64 << 10;
 /// Outputs a thread's share of an input-block product holds a whole number of: the 8-bit
 /// kernel's tile (every output's sum is its own lane's in every tier, so a share's bounds
 /// change no bit); finer than the f32 kernel's 128 to even out the shares of SmolLM2's
-/// 576-output products.
+/// 576-output products. A multiple of 64, as the 5-bit types' words of fifth bits need.
 const BLOCK_COL_UNIT: usize = 64;
 
 /// `y += sum over r with x[r] != 0 of x[r] * W[r]` for `w` in the input-block layout
