@@ -133,6 +133,12 @@ pub(super) struct OutputHead<D: Device> {
     pub(super) rank: usize,
     pub(super) candidates: usize,
     pub(super) idx: D::Idx,
+    /// The candidates' preview logits (in `idx`'s order), and the host's copies of both and
+    /// scratch for the bound (`crate::sparsity::head_bound`).
+    pub(super) preview: D::Buf,
+    pub(super) host_idx: Vec<u32>,
+    pub(super) host_preview: Vec<f32>,
+    pub(super) scratch: Vec<f32>,
     pub(super) bytes: usize,
 }
 
@@ -257,6 +263,10 @@ impl<D: Device> DevicePlan<D> {
                     rank: pv.rank,
                     candidates: rule.candidates,
                     idx: dev.upload_idx(&vec![0; rule.candidates])?,
+                    preview: dev.zeros(rule.candidates)?,
+                    host_idx: Vec::new(),
+                    host_preview: Vec::new(),
+                    scratch: Vec::new(),
                     bytes: pv.bytes(),
                 })
             }

@@ -6,6 +6,7 @@ use crate::{Error, Result};
 use dejavu_backend_api::{Device, MAX_ROWS};
 
 mod batch;
+mod head;
 mod inputs;
 mod many;
 mod rows;
@@ -287,6 +288,8 @@ pub struct DeviceSession<'a, D: Device> {
     mask_batches: bool,
     /// Weight bytes one step reads under the plan.
     step_bytes: StepBytes,
+    /// The last step's contextual head fell back to the dense head (its bound may not hold).
+    head_fell_back: bool,
     /// During a step of several sequences this one leads: each row's sequence (see
     /// [`Self::step_many`]); empty otherwise.
     rows_seq: Vec<many::RowSeq<D>>,
@@ -395,6 +398,7 @@ impl<'a, D: Device> DeviceSession<'a, D> {
             measure: true,
             mask_batches: false,
             step_bytes,
+            head_fell_back: false,
             rows_seq: Vec::new(),
             spare: Vec::new(),
             union_idx: None,

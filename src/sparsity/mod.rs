@@ -4,6 +4,7 @@
 //! ([`predictors_file`]), the neuron-major weight layout the sparse kernels read ([`layout`]),
 //! and `dejavu calibrate` (`crate::tune::calibrate`). The forward pass (`exec`) runs the plan.
 pub mod blocks;
+pub mod head_bound;
 pub mod input;
 pub mod layout;
 pub mod plan;

@@ -139,7 +139,10 @@ impl<D: Device> DeviceSession<'_, D> {
             }
         }
         if last {
-            self.dev.download(&self.s.logits, &mut self.logits)?;
+            let mut out = std::mem::take(&mut self.logits);
+            let got = self.head_logits(&mut out);
+            self.logits = out;
+            got?;
             return Ok(&mut self.logits);
         }
         Ok(&mut self.rows_out)
@@ -168,14 +171,28 @@ impl<D: Device> DeviceSession<'_, D> {
         })
     }
 
+    /// The logits of the row [`Self::output`] last computed into `out` (`vocab` wide), under a
+    /// contextual head checked against its bound (see [`Self::bound_head`]).
+    fn head_logits(&mut self, out: &mut [f32]) -> Result<()> {
+        self.dev.download(&self.s.logits, out)?;
+        self.bound_head(out)
+    }
+
     /// After a step: its logits, or its output head's input, appended to `rows_out`.
     fn step_row(&mut self, hidden: bool) -> Result<()> {
         let (m, s) = (self.model, &self.s);
-        let (buf, width) = match (hidden, &m.proj_out, &m.output_norm) {
-            (false, ..) => (&s.logits, m.local.vocab_size),
-            (true, Some(_), _) => (&s.e, m.local.d_embed),
-            (true, None, Some(_)) => (&s.h, m.local.d_model),
-            (true, None, None) => (&s.x, m.local.d_model),
+        if !hidden {
+            let (at, vocab) = (self.rows_out.len(), m.local.vocab_size);
+            let mut out = std::mem::take(&mut self.rows_out);
+            out.resize(at + vocab, 0.0);
+            let got = self.head_logits(&mut out[at..]);
+            self.rows_out = out;
+            return got;
+        }
+        let (buf, width) = match (&m.proj_out, &m.output_norm) {
+            (Some(_), _) => (&s.e, m.local.d_embed),
+            (None, Some(_)) => (&s.h, m.local.d_model),
+            (None, None) => (&s.x, m.local.d_model),
         };
         let at = self.rows_out.len();
         self.rows_out.resize(at + width, 0.0);
@@ -340,13 +357,19 @@ impl<D: Device> DeviceSession<'_, D> {
             bytes.attention = (0..c.n_layers).map(|l| read(l, 0) + read(l, 1)).sum();
             bytes.mlp = (0..c.n_layers).map(|l| read(l, 2) + read(l, 3)).sum();
         }
+        // A contextual head that fell back read the dense head as well.
+        let fell_back = self.head_fell_back && self.plan.output.is_some();
+        if fell_back {
+            bytes.output += self.model.head_bytes;
+        }
+        let exact = self.plan.output.as_ref().filter(|_| !fell_back);
         Ok(StepStats {
             weight_bytes: bytes.total(),
             mlp_kept,
             mlp_total: c.n_ff * c.n_layers,
             heads_kept: self.plan.heads.iter().map(|s| s.count(c.n_heads)).sum(),
             heads_total: c.n_heads * c.n_layers,
-            exact_logits: (self.plan.output.as_ref()).map_or(c.vocab_size, |o| o.candidates),
+            exact_logits: exact.map_or(c.vocab_size, |o| o.candidates),
             bytes,
         })
     }

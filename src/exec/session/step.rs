@@ -88,65 +88,6 @@ impl<D: Device> DeviceSession<'_, D> {
         Ok(())
     }
 
-    /// The output head of `s.x` (one row) into `s.logits`: dense, or contextual. Under tensor
-    /// parallelism each rank's logits of its vocabulary rows are gathered.
-    pub(super) fn output(&mut self, clock: &mut Option<Clock>) -> Result<()> {
-        let (dev, m, s) = (self.dev, self.model, &mut self.s);
-        let c = &m.local;
-        let head_in = match &m.output_norm {
-            Some(n) => {
-                norm(dev, c, n, &s.x, &mut s.h, 1)?;
-                &s.h
-            }
-            None => &s.x,
-        };
-        let head_in = match &m.proj_out {
-            Some(p) => {
-                dev.matvec(p, Rows::All, head_in, None, &mut s.e, false)?;
-                &s.e
-            }
-            None => head_in,
-        };
-        match &mut self.plan.output {
-            None if !m.shard.is_whole() => {
-                let per = m.shard.vocab_per_rank(c.vocab_size);
-                dev.matvec(
-                    m.head(),
-                    Rows::All,
-                    head_in,
-                    None,
-                    &mut s.part_logits,
-                    false,
-                )?;
-                collective(
-                    clock,
-                    dev,
-                    |t| &mut t.output,
-                    || Ok(dev.all_gather(&s.part_logits, per, &mut s.logits)?),
-                )?;
-            }
-            None => dev.matvec(m.head(), Rows::All, head_in, None, &mut s.logits, false)?,
-            Some(o) => {
-                // The preview scores every token; the top candidates get exact logits.
-                let vocab = c.vocab_size;
-                dev.matvec(&o.proj, Rows::All, head_in, None, &mut s.z[0], false)?;
-                dev.matvec(&o.table, Rows::All, &s.z[0], None, &mut s.logits, false)?;
-                dev.top_k(&s.logits, vocab, o.candidates, &mut o.idx)?;
-                let cand = Rows::Sel {
-                    idx: &o.idx,
-                    count: o.candidates,
-                    group: 1,
-                };
-                dev.matvec(m.head(), cand, head_in, None, &mut s.exact, false)?;
-                dev.scatter(&s.exact, &o.idx, o.candidates, 1, &mut s.logits)?;
-            }
-        }
-        if let Some(cap) = c.final_softcap {
-            dev.scale_cap(&mut s.logits, c.vocab_size, 1.0, Some(cap))?;
-        }
-        Ok(())
-    }
-
     /// The predictors that run at layer `l`'s attention input `s.h` (see [`predict`]).
     fn predict(&mut self, l: usize) -> Result<()> {
         let p = &mut self.plan;

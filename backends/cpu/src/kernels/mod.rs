@@ -270,6 +270,7 @@ pub mod quantize_act;
 pub mod repack;
 pub mod softmax;
 pub mod table;
+pub mod tail_mass;
 #[cfg(test)]
 pub(crate) mod testutil;
 #[cfg(target_arch = "x86_64")]
