@@ -39,7 +39,7 @@ fn the_contextual_head_never_loses_more_than_its_bound() {
         mlp_tokens: 0,
         ..Default::default()
     };
-    let (preds, _) = calibrate(&e, &e, &tokens[..1024], "eval.txt", &cal, |_| {}).unwrap();
+    let (preds, _) = calibrate(&e, &e, &tokens[..1024], "eval.txt", &[], &cal, |_| {}).unwrap();
     let c = &e.model.config;
     let head = Policy::parse("head:32:2048", c, Some(&preds)).unwrap();
     let (mut dense, mut sparse) = (e.open(&Policy::dense(c)).unwrap(), e.open(&head).unwrap());

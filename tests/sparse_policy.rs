@@ -151,7 +151,7 @@ fn calibrated(e: &Engine) -> Predictors {
         no_search: true,
         ..Default::default()
     };
-    calibrate(e, e, &tokens, "test text", &opts, |_| {})
+    calibrate(e, e, &tokens, "test text", &[], &opts, |_| {})
         .unwrap()
         .0
 }

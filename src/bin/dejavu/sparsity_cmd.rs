@@ -36,6 +36,15 @@ pub struct CalibrateArgs {
     /// Smallest top-1 agreement with dense the recommended setting must keep on them.
     #[arg(long, default_value_t = 0.9)]
     pub min_top1_agreement: f64,
+    /// Share of --max-ppl-increase held back: the recommended setting stays within the rest on
+    /// every validation text.
+    #[arg(long, default_value_t = 0.25)]
+    pub margin: f64,
+    /// Texts of your own domain to validate the recommended setting on as well (never trained
+    /// on). Without them, it is validated on the held-out tail of the calibration text and on
+    /// one source of it held out of training whole (with several sources).
+    #[arg(long, num_args = 1..)]
+    pub validation_file: Vec<std::path::PathBuf>,
     /// Tokens per chunk.
     #[arg(long, default_value_t = 512)]
     pub ctx: usize,
@@ -106,39 +115,77 @@ pub fn cmd_calibrate(a: CalibrateArgs) -> Result<()> {
         dejavu::sparsity::predictors_file::Predictors::default_path(&engine.model)
     });
     let mut inputs: Vec<&std::path::Path> = vec![&engine.model.path];
-    inputs.extend(a.data.iter().map(|p| p.as_path()));
+    inputs.extend(a.data.iter().chain(&a.validation_file).map(|p| p.as_path()));
     crate::refuse_overwrites(&[("--out", Some(&out))], &inputs)?;
-    let mut docs = Vec::new();
+    if !(0.0..1.0).contains(&a.margin) {
+        anyhow::bail!("--margin {} must be in [0, 1)", a.margin);
+    }
+    // Documents by source: a --data file, or a kind of the default corpus.
+    let mut docs: Vec<(String, String)> = Vec::new();
     let mut sources = Vec::new();
     for f in &a.data {
         let text = dejavu::fsio::read_text(f.as_ref(), dejavu::fsio::MAX_TEXT_BYTES, false)?;
-        docs.extend(calibrate::split_documents(&text));
-        sources.push(f.display().to_string());
+        let name = f.display().to_string();
+        docs.extend(
+            calibrate::split_documents(&text)
+                .into_iter()
+                .map(|d| (name.clone(), d)),
+        );
+        sources.push(name);
     }
     if a.data.is_empty() {
         let corpus = calibrate::default_corpus(a.corpus_chars)?;
         eprintln!("default corpus: {} documents", corpus.len());
-        docs.extend(corpus);
+        let kind = |d: &str| {
+            calibrate::source_kind(d)
+                .unwrap_or("default corpus")
+                .to_string()
+        };
+        docs.extend(corpus.into_iter().map(|d| (kind(&d), d)));
         sources.push("tools/calibration_text.py".into());
+    }
+    // One source held out of training whole, to validate on another domain.
+    let held = match a.no_search {
+        true => None,
+        false => calibrate::held_out_source(&docs, a.validation_tokens),
+    };
+    let (held_docs, mut train_docs): (Vec<_>, Vec<_>) =
+        (docs.into_iter()).partition(|(src, _)| Some(src) == held.as_ref());
+    let mut validation = Vec::new();
+    for f in &a.validation_file {
+        let text = dejavu::fsio::read_text(f.as_ref(), dejavu::fsio::MAX_TEXT_BYTES, false)?;
+        validation.push((f.display().to_string(), text));
     }
     let preds = with_sessions(&engine, a.model.placement(), true, |on| {
         eprintln!("calibrating on {}", on.name());
         if a.sample_tokens > 0 {
-            docs.extend(calibrate::sample_texts(
-                &engine,
-                on,
-                a.sample_tokens,
-                a.seed,
-            )?);
+            let samples = calibrate::sample_texts(&engine, on, a.sample_tokens, a.seed)?;
+            train_docs.extend(samples.into_iter().map(|d| (String::new(), d)));
             sources.push(format!("{} tokens sampled from the model", a.sample_tokens));
         }
-        let tokens = calibrate::tokens_of(&engine, std::mem::take(&mut docs), a.seed)?;
+        let train = train_docs.drain(..).map(|(_, d)| d).collect();
+        let tokens = calibrate::tokens_of(&engine, train, a.seed)?;
+        let mut held_out = Vec::new();
+        if let Some(src) = &held {
+            let docs = held_docs.iter().map(|(_, d)| d.clone()).collect();
+            held_out.push(calibrate::HeldOut {
+                name: format!("{src} (a source held out of training)"),
+                tokens: calibrate::tokens_of(&engine, docs, a.seed)?,
+            });
+        }
+        for (name, text) in &validation {
+            held_out.push(calibrate::HeldOut {
+                name: name.clone(),
+                tokens: engine.tokenizer.encode_document(text)?,
+            });
+        }
         let opts = CalibrateOptions {
             ctx: a.ctx,
             rank: a.rank,
             validation_tokens: a.validation_tokens,
             max_ppl_increase: a.max_ppl_increase,
             min_top1_agreement: a.min_top1_agreement,
+            margin: a.margin,
             no_search: a.no_search,
             mlp_tokens: a.mlp_tokens,
             mlp: dejavu::sparsity::predictor::TrainOptions {
@@ -147,16 +194,37 @@ pub fn cmd_calibrate(a: CalibrateArgs) -> Result<()> {
             },
             ..CalibrateOptions::default()
         };
-        let (preds, _) =
-            calibrate::calibrate(&engine, on, &tokens, &sources.join("; "), &opts, |l| {
-                eprintln!("{l}")
-            })?;
+        let (preds, _) = calibrate::calibrate(
+            &engine,
+            on,
+            &tokens,
+            &sources.join("; "),
+            &held_out,
+            &opts,
+            |l| eprintln!("{l}"),
+        )?;
         Ok(preds)
     })?;
     preds.save(&out, &engine.model)?;
     println!("{}", out.display());
     if let Some(r) = preds.recommended() {
         println!("recommended: {r}");
+        let texts = preds
+            .metadata
+            .get("validated_on")
+            .cloned()
+            .unwrap_or_default();
+        println!(
+            "validated (perplexity within {:.2}% of dense, top-1 agreement {:.0}% or more) on: {texts}",
+            a.max_ppl_increase * (1.0 - a.margin) * 100.0,
+            a.min_top1_agreement * 100.0
+        );
+        if held.is_none() && a.validation_file.is_empty() {
+            eprintln!(
+                "note: the calibration text has one source, so the setting was validated on \
+                 its held-out tail only; pass --validation-file with text of your own domain"
+            );
+        }
     }
     Ok(())
 }
