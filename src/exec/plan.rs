@@ -253,6 +253,13 @@ impl<D: Device> DevicePlan<D> {
                 what,
             })
         };
+        // Each rank would check the head's bound on its own and fall back alone, out of step
+        // with the others' all-gather; and the candidates index the whole vocabulary.
+        if p.output.is_some() && !shard.is_whole() {
+            return Err(unsupported(
+                "the contextual output head under tensor parallelism".into(),
+            ));
+        }
         let output = match &p.output {
             None => None,
             Some(rule) => {
