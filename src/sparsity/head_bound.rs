@@ -22,6 +22,7 @@
 //! about `EPSILON` of the mass. `delta` is an estimate, not a proof: its quantile is measured
 //! ([`QUANTILE`]).
 
+use dejavu_backend_cpu::kernels::table;
 use dejavu_backend_cpu::kernels::tail_mass::{self, REL_ERR};
 
 /// The largest share of the softmax (temperature 1) the non-candidates may hold by their upper
@@ -36,12 +37,10 @@ fn cutoff(n: usize) -> f32 {
     (1000.0 * n.max(1) as f64 / EPSILON).ln() as f32
 }
 
-/// The scan of a step's logits on this CPU's tier (see `DEJAVU_ISA`).
+/// The scan of a step's logits on the process's tier (the CPU kernel table; its reference if
+/// `DEJAVU_ISA` is unusable, which loading a model refuses first).
 fn scan(x: &mut [f32], delta: f32, top: f32, floor: f32) -> tail_mass::Tail {
-    use dejavu_backend_cpu::isa;
-    static SCAN: std::sync::OnceLock<tail_mass::TailFn> = std::sync::OnceLock::new();
-    let f = SCAN
-        .get_or_init(|| tail_mass::select(isa::selected().unwrap_or_else(|_| isa::Isa::detect())));
+    let f = table::kernels().map_or(tail_mass::scalar as tail_mass::TailFn, |k| k.tail_mass);
     f(x, delta, top, floor)
 }
 

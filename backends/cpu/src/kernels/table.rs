@@ -2,7 +2,7 @@
 use super::{
     axpy, axpy_blocks, axpy_blocks_i8, axpy_q, dequantize, dot_float, dot_iq4nl, dot_iq4xs,
     dot_q2k, dot_q3k, dot_q4_0, dot_q4_1, dot_q4k, dot_q5_0, dot_q5_1, dot_q5k, dot_q6k, dot_q8_0,
-    dot_repacked, dot_rows, gemm_q8a, glu, quantize_act, repack, softmax,
+    dot_repacked, dot_rows, gemm_q8a, glu, quantize_act, repack, softmax, tail_mass,
 };
 use crate::isa::{self, Isa, IsaError};
 use dejavu_backend_api::quant::{BlockQ8A, QuantType};
@@ -45,6 +45,8 @@ pub struct Kernels {
     pub axpy_rows: axpy::AxpyRowsFn,
     /// Attention's softmax over one head's scores.
     pub softmax: softmax::SoftmaxFn,
+    /// The contextual output head's bound: a vocabulary's tail mass.
+    pub tail_mass: tail_mass::TailFn,
     /// The same two over f16 rows (an f16 KV cache).
     pub dot_rows_f16: dot_rows::DotRowsFn<half::f16>,
     pub axpy_rows_f16: axpy::AxpyRowsFn<half::f16>,
@@ -142,6 +144,7 @@ impl Kernels {
             dot_rows: dot_rows::select(isa),
             axpy_rows: axpy::select(isa),
             softmax: softmax::select(isa),
+            tail_mass: tail_mass::select(isa),
             dot_rows_f16: dot_rows::select_f16(isa),
             axpy_rows_f16: axpy::select_f16(isa),
             dot_rows_many: dot_rows::select_many(isa),
@@ -209,6 +212,7 @@ impl Kernels {
             dot_rows: dot_rows::scalar,
             axpy_rows: axpy::scalar,
             softmax: softmax::scalar,
+            tail_mass: tail_mass::scalar,
             dot_rows_f16: dot_rows::scalar,
             axpy_rows_f16: axpy::scalar,
             dot_rows_many: dot_rows::select_many(Isa::Scalar),
