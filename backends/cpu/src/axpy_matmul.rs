@@ -19,6 +19,7 @@ use crate::matmul::SyncPtr;
 use crate::pool::SpinPool;
 use crate::prefetch;
 use dejavu_backend_api::{IndexSet, QuantType, Weight};
+use std::cell::RefCell;
 
 /// Rows summed per kernel call.
 const CHUNK: usize = crate::kernels::axpy_q::MAX_ROWS;
@@ -164,11 +165,19 @@ pub fn axpy_matmul(
 /// Bytes of kept rows per thread, at least (fewer go to fewer threads: a second thread's
 /// dispatch costs more than it saves on small matrices such as K and V).
 const MIN_BYTES_PER_THREAD: usize = 64 << 10;
-/// Outputs a thread's share of an input-block product holds a whole number of: the 8-bit
-/// kernel's tile (every output's sum is its own lane's in every tier, so a share's bounds
-/// change no bit); finer than the f32 kernel's 128 to even out the shares of SmolLM2's
-/// 576-output products. A multiple of 64, as the 5-bit types' words of fifth bits need.
+/// Outputs a work unit of an input-block product holds a whole number of: the 8-bit kernel's
+/// tile (every output's sum is its own lane's in every tier, so a unit's bounds change no bit).
+/// A multiple of 64, as the 5-bit types' words of fifth bits need.
 const BLOCK_COL_UNIT: usize = 64;
+/// Outputs of a matrix one work unit covers at most: a kept row's share of a block is then one
+/// run of up to 8 KB (Q8_0), long enough for the hardware prefetcher to follow.
+const SEGMENT_OUTPUTS: usize = 2048;
+/// Work units a product is cut into, at least where its kept blocks allow: by outputs
+/// (segments), then by kept blocks (chunks). Fixed by the shapes and `x`, never by the thread
+/// count, so the sums are the same bits at any thread count.
+const TARGET_UNITS: usize = 4;
+/// Kept blocks a chunk holds at least.
+const MIN_CHUNK_BLOCKS: usize = 4;
 
 /// `y += sum over r with x[r] != 0 of x[r] * W[r]` for `w` in the input-block layout
 /// (`RowLayout::InputBlocks`, see `kernels::axpy_blocks`): [`axpy_blocks_many`] of one matrix.
@@ -185,30 +194,94 @@ struct KeptBlock {
     q8: Option<Q8Inputs>,
 }
 
-/// The blocks of `x` with a kept input: scanned, and quantized for the 8-bit kernel, once for
-/// every matrix and thread that reads them.
-fn kept_blocks(k: &Kernels, x: &[f32]) -> Vec<KeptBlock> {
-    (x.chunks_exact(32).enumerate())
-        .filter_map(|(b, xb)| {
-            let xb: &[f32; 32] = xb.try_into().expect("32 inputs");
-            let (mut rows, mut n) = ([0u8; 32], 0);
-            for (i, v) in xb.iter().enumerate() {
-                rows[n] = i as u8;
-                n += usize::from(*v != 0.0);
-            }
+/// The blocks of `x` with a kept input, into `out`: scanned, and quantized for the 8-bit
+/// kernel, once for every matrix and thread that reads them.
+fn kept_blocks(k: &Kernels, x: &[f32], out: &mut Vec<KeptBlock>) {
+    out.clear();
+    for (b, xb) in x.chunks_exact(32).enumerate() {
+        let xb: &[f32; 32] = xb.try_into().expect("32 inputs");
+        let (mut rows, mut n) = ([0u8; 32], 0);
+        for (i, v) in xb.iter().enumerate() {
+            rows[n] = i as u8;
+            n += usize::from(*v != 0.0);
+        }
+        if n > 0 {
             let q8 = k.axpy_blocks_q8.and_then(|_| quantize(xb, &rows[..n]));
-            (n > 0).then_some(KeptBlock { b, rows, n, q8 })
-        })
-        .collect()
+            out.push(KeptBlock { b, rows, n, q8 });
+        }
+    }
+}
+
+/// What an input-block product of the calling thread works in, kept across calls (no
+/// allocation a call once grown to the widest product).
+#[derive(Default)]
+struct Scratch {
+    kept: Vec<KeptBlock>,
+    units: Vec<Unit>,
+    chunks: Vec<usize>,
+    owner: Vec<usize>,
+    starts: Vec<usize>,
+    partial: Vec<f32>,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// One work unit of an input-block product: outputs `c0..c1` of matrix `j` over kept blocks
+/// `k0..k1` (chunk `c`), and its share of the product's bytes.
+#[derive(Clone, Copy)]
+struct Unit {
+    j: usize,
+    c: usize,
+    c0: usize,
+    c1: usize,
+    k0: usize,
+    k1: usize,
+    cost: usize,
+}
+
+/// The units of a product (into `out`) and each matrix's chunk count (into `chunks`). Matrix
+/// `j`'s outputs go in segments of at most [`SEGMENT_OUTPUTS`] (whole [`BLOCK_COL_UNIT`]s), the
+/// kept blocks in chunks of about equal count, enough of them for [`TARGET_UNITS`] units of
+/// that matrix: a matrix's units depend on its shape and the kept blocks only, not on the
+/// matrices beside it.
+fn units(ws: &[Weight], kept: &[KeptBlock], out: &mut Vec<Unit>, chunks: &mut Vec<usize>) {
+    (out.clear(), chunks.clear());
+    for (j, w) in ws.iter().enumerate() {
+        let segs = w.cols.div_ceil(SEGMENT_OUTPUTS);
+        let n = (TARGET_UNITS.div_ceil(segs))
+            .min(kept.len() / MIN_CHUNK_BLOCKS)
+            .max(1);
+        chunks.push(n);
+        let len = w.cols.div_ceil(segs).div_ceil(BLOCK_COL_UNIT) * BLOCK_COL_UNIT;
+        for c in 0..n {
+            let (k0, k1) = (c * kept.len() / n, (c + 1) * kept.len() / n);
+            let rows: usize = kept[k0..k1].iter().map(|kb| kb.n).sum();
+            for c0 in (0..w.cols).step_by(len) {
+                let c1 = (c0 + len).min(w.cols);
+                let cost = rows * w.qtype.row_bytes(c1 - c0);
+                out.push(Unit {
+                    j,
+                    c,
+                    c0,
+                    c1,
+                    k0,
+                    k1,
+                    cost,
+                });
+            }
+        }
+    }
 }
 
 /// `ys[j] += sum over r with x[r] != 0 of x[r] * ws[j][r]` for matrices in the input-block
 /// layout of one input (Q, K and V; gate and up): each block of 32 inputs with a nonzero one
-/// goes through the tier's `axpy_blocks` with its kept rows. One pool dispatch: the threads
-/// split the matrices' outputs, taken one after the other, in whole tiles of
-/// [`BLOCK_COL_UNIT`], and each reads its columns of every kept block in memory order, so every
-/// output is one thread's sum in the blocks' order: the same bits for any thread count, and
-/// the same as a call of that matrix alone.
+/// goes through the tier's `axpy_blocks` with its kept rows, in one pool dispatch over the
+/// work [`units`]. A unit reads its outputs of its chunk's kept blocks in memory order; chunk
+/// 0 adds into `ys`, chunk `c > 0` into a sum of its own, added to `ys` after, in chunk order.
+/// So every output's bits depend on its matrix's shape and `x` only: the same at any thread
+/// count, and the same as a call of that matrix alone.
 pub fn axpy_blocks_many(
     k: &Kernels,
     pool: &SpinPool,
@@ -231,46 +304,87 @@ pub fn axpy_blocks_many(
         );
         assert!(x.len() == rows && y.len() == cols, "axpy_blocks: lengths");
     }
-    let kept = kept_blocks(k, x);
-    let total: usize = kept.iter().map(|k| k.n).sum();
-    if total == 0 || ws.is_empty() {
+    SCRATCH.with(|s| match s.try_borrow_mut() {
+        Ok(mut s) => blocks_product(k, pool, ws, x, ys, &mut s),
+        // A product inside a product's task (none today) works in scratch of its own.
+        Err(_) => blocks_product(k, pool, ws, x, ys, &mut Scratch::default()),
+    })
+}
+
+/// [`axpy_blocks_many`] after its checks.
+fn blocks_product(
+    k: &Kernels,
+    pool: &SpinPool,
+    ws: &[Weight],
+    x: &[f32],
+    ys: &mut [&mut [f32]],
+    s: &mut Scratch,
+) {
+    kept_blocks(k, x, &mut s.kept);
+    if s.kept.is_empty() || ws.is_empty() {
         return;
     }
-    // Each matrix's tiles, one after the other: matrix j's start among them.
-    let units: Vec<usize> = ws.iter().map(|w| w.cols.div_ceil(BLOCK_COL_UNIT)).collect();
-    let starts: Vec<usize> = (units.iter())
-        .scan(0, |s, &u| {
-            *s += u;
-            Some(*s - u)
-        })
-        .collect();
-    let all_units: usize = units.iter().sum();
-    let bytes: usize = ws.iter().map(|w| total * w.qtype.row_bytes(w.cols)).sum();
+    let Scratch {
+        kept,
+        units: us,
+        chunks,
+        owner,
+        starts,
+        partial,
+    } = s;
+    units(ws, kept, us, chunks);
+    // Chunk c > 0 of matrix j sums into `partial[starts[j] + (c - 1) * cols ..]`, zeroed by the
+    // unit that writes it.
+    starts.clear();
+    let mut n = 0;
+    for (w, c) in ws.iter().zip(chunks.iter()) {
+        starts.push(n);
+        n += (c - 1) * w.cols;
+    }
+    if partial.len() < n {
+        partial.resize(n, 0.0);
+    }
+    let total: usize = us.iter().map(|u| u.cost).sum();
     let threads = (pool.threads())
-        .min(all_units)
-        .min(bytes.div_ceil(MIN_BYTES_PER_THREAD))
+        .min(us.len())
+        .min(total.div_ceil(MIN_BYTES_PER_THREAD))
         .max(1);
-    let yps: Vec<SyncPtr> = ys
-        .iter_mut()
+    // Thread t takes the units whose cost's midpoint falls in its share of the total.
+    let mut at = 0;
+    owner.clear();
+    owner.extend(us.iter().map(|u| {
+        at += u.cost;
+        ((2 * at - u.cost) * threads / (2 * total).max(1)).min(threads - 1)
+    }));
+    let yps: Vec<SyncPtr> = (ys.iter_mut())
         .map(|y| SyncPtr::new(y.as_mut_ptr()))
         .collect();
+    let pp = SyncPtr::new(partial.as_mut_ptr());
+    let (us, owner, starts, kept) = (&*us, &*owner, &*starts, &*kept);
     pool.run(threads, &|t| {
-        let (u0, u1) = (t * all_units / threads, (t + 1) * all_units / threads);
-        for (j, w) in ws.iter().enumerate() {
-            let (a, b) = (u0.max(starts[j]), u1.min(starts[j] + units[j]));
-            if a >= b {
-                continue;
+        for (u, _) in us.iter().zip(owner).filter(|(_, &o)| o == t) {
+            let base = match u.c {
+                0 => yps[u.j].get(),
+                // SAFETY: inside `partial` (it holds chunks - 1 rows of each matrix).
+                c => unsafe { pp.get().add(starts[u.j] + (c - 1) * ws[u.j].cols) },
+            };
+            // SAFETY: each unit writes its own outputs c0..c1 of its own chunk's sums (units
+            // are disjoint and each has one owner), inside `ys[j]` (w.cols floats, checked
+            // above) or `partial`, both of which outlive `pool.run`.
+            let part = unsafe { std::slice::from_raw_parts_mut(base.add(u.c0), u.c1 - u.c0) };
+            if u.c > 0 {
+                part.fill(0.0);
             }
-            let (c0, c1) = (
-                (a - starts[j]) * BLOCK_COL_UNIT,
-                ((b - starts[j]) * BLOCK_COL_UNIT).min(w.cols),
-            );
-            // SAFETY: task t alone writes outputs c0..c1 of matrix j (the shares are
-            // disjoint), inside `ys[j]` (w.cols floats, checked above; it outlives `pool.run`).
-            let part = unsafe { std::slice::from_raw_parts_mut(yps[j].get().add(c0), c1 - c0) };
-            blocks_share(k, w, &kept, x, c0, part);
+            blocks_share(k, &ws[u.j], &kept[u.k0..u.k1], x, u.c0, part);
         }
     });
+    for (j, y) in ys.iter_mut().enumerate() {
+        let cols = ws[j].cols;
+        for c in 1..chunks[j] {
+            let p = &partial[starts[j] + (c - 1) * cols..][..cols];
+            y.iter_mut().zip(p).for_each(|(y, p)| *y += p);
+        }
+    }
 }
 
 /// Outputs `c0..` (`part`) of `w`: every kept block's rows added in memory order, the next
@@ -293,6 +407,7 @@ fn blocks_share(
         if let Some(nb) = kept.get(i + 1) {
             axpy_blocks::prefetch_first(q, block(nb.b), cols, &nb.rows[..nb.n], c0);
         }
+
         let rows = &kb.rows[..kb.n];
         match (k.axpy_blocks_q8, &kb.q8) {
             (Some(f), Some(xi)) => f(q, block(kb.b), cols, rows, xi, c0, part),
@@ -355,43 +470,79 @@ mod tests {
                     assert_eq!(bits(&got), bits(&one), "{isa} {q:?} {cols} threads {th}");
                 }
             }
-            // The input-block layout: Q8_0 inputs in blocks of 32, outputs over several tiles.
-            let (rows, cols) = (96, 3 * BLOCK_COL_UNIT + 64);
-            let data = blocks_matrix(rows, cols, 3);
-            let w = blocks_weight(rows, cols, &data);
-            let mut x = random_f32(rows, 4);
-            x.iter_mut().step_by(3).for_each(|v| *v = 0.0);
-            // The tier's f32 kernel too (the 8-bit one off), whose tile is wider than a share.
-            let mut kf = k;
-            kf.axpy_blocks_q8 = None;
-            let (d2, d3) = (
-                blocks_matrix(rows, cols + 128, 5),
-                blocks_matrix(rows, 64, 6),
+            // The input-block layout: Q8_0 inputs in blocks of 32, outputs over several tiles;
+            // 3 blocks (one chunk) and 24 (chunks of kept blocks summed apart, then in order).
+            for rows in [96, 768] {
+                blocks_invariance(&k, &pools, rows);
+            }
+        }
+    }
+
+    /// [`axpy_blocks`] over `rows` inputs: the same bits at 1-3 threads, and each matrix of an
+    /// [`axpy_blocks_many`] call what its own call gives, with the 8-bit and the f32 kernels.
+    fn blocks_invariance(k: &Kernels, pools: &[SpinPool], rows: usize) {
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        let cols = 3 * BLOCK_COL_UNIT + 64;
+        let data = blocks_matrix(rows, cols, 3);
+        let w = blocks_weight(rows, cols, &data);
+        let mut x = random_f32(rows, 4);
+        x.iter_mut().step_by(3).for_each(|v| *v = 0.0);
+        // The tier's f32 kernel too (the 8-bit one off), whose tile is wider than a share.
+        let mut kf = *k;
+        kf.axpy_blocks_q8 = None;
+        let (d2, d3) = (
+            blocks_matrix(rows, cols + 128, 5),
+            blocks_matrix(rows, 64, 6),
+        );
+        let ws = [
+            w,
+            blocks_weight(rows, cols + 128, &d2),
+            blocks_weight(rows, 64, &d3),
+        ];
+        let isa = k.isa;
+        // The value: the f32 kernel's chunked sums (the AVX-512 tier's `axpy_blocks` rounds x
+        // to 8 bits itself) against each row added in input order, in f64, within 1e-5 of the
+        // sum of |terms|.
+        let (mut exact, mut mag) = (vec![0f64; cols], vec![0f64; cols]);
+        let mut row = vec![0f32; cols];
+        let bb = 32 * QuantType::Q8_0.row_bytes(cols);
+        for (r, &xr) in x.iter().enumerate() {
+            let block = &data[(r / 32) * bb..(r / 32 + 1) * bb];
+            axpy_blocks::input_row(QuantType::Q8_0, block, cols, r % 32, &mut row);
+            for o in 0..cols {
+                exact[o] += xr as f64 * row[o] as f64;
+                mag[o] += (xr as f64 * row[o] as f64).abs();
+            }
+        }
+        let mut f32_only = kf;
+        f32_only.axpy_blocks = axpy_blocks::select(isa);
+        let mut got = vec![0f32; cols];
+        axpy_blocks(&f32_only, &pools[1], &w, &x, &mut got);
+        for o in 0..cols {
+            let e = (got[o] as f64 - exact[o]).abs();
+            assert!(
+                e <= 1e-5 * mag[o] + 1e-6,
+                "{isa} {rows} rows, output {o}: {e}"
             );
-            let ws = [
-                w,
-                blocks_weight(rows, cols + 128, &d2),
-                blocks_weight(rows, 64, &d3),
-            ];
-            for k in [&k, &kf] {
-                let mut want = vec![0f32; cols];
-                axpy_blocks(k, &pools[0], &w, &x, &mut want);
-                for pool in &pools[1..] {
-                    let mut got = vec![0f32; cols];
-                    axpy_blocks(k, pool, &w, &x, &mut got);
-                    let th = pool.threads();
-                    assert_eq!(bits(&got), bits(&want), "{isa} blocks, {th} threads");
-                }
-                // Several matrices of one input in one call: each what its own call gives.
-                for pool in &pools {
-                    let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![0.5; w.cols]).collect();
-                    let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| &mut y[..]).collect();
-                    axpy_blocks_many(k, pool, &ws, &x, &mut outs);
-                    for (wj, yj) in ws.iter().zip(&ys) {
-                        let mut one = vec![0.5f32; wj.cols];
-                        axpy_blocks(k, &pools[0], wj, &x, &mut one);
-                        assert_eq!(bits(yj), bits(&one), "{isa} many, {}", pool.threads());
-                    }
+        }
+        for k in [k, &kf] {
+            let mut want = vec![0f32; cols];
+            axpy_blocks(k, &pools[0], &w, &x, &mut want);
+            for pool in &pools[1..] {
+                let mut got = vec![0f32; cols];
+                axpy_blocks(k, pool, &w, &x, &mut got);
+                let th = pool.threads();
+                assert_eq!(bits(&got), bits(&want), "{isa} blocks, {th} threads");
+            }
+            // Several matrices of one input in one call: each what its own call gives.
+            for pool in pools {
+                let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![0.5; w.cols]).collect();
+                let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| &mut y[..]).collect();
+                axpy_blocks_many(k, pool, &ws, &x, &mut outs);
+                for (wj, yj) in ws.iter().zip(&ys) {
+                    let mut one = vec![0.5f32; wj.cols];
+                    axpy_blocks(k, &pools[0], wj, &x, &mut one);
+                    assert_eq!(bits(yj), bits(&one), "{isa} many, {}", pool.threads());
                 }
             }
         }
