@@ -247,7 +247,8 @@ struct Unit {
 /// that matrix: a matrix's units depend on its shape and the kept blocks only, not on the
 /// matrices beside it.
 fn units(ws: &[Weight], kept: &[KeptBlock], out: &mut Vec<Unit>, chunks: &mut Vec<usize>) {
-    (out.clear(), chunks.clear());
+    out.clear();
+    chunks.clear();
     for (j, w) in ws.iter().enumerate() {
         let segs = w.cols.div_ceil(SEGMENT_OUTPUTS);
         let n = (TARGET_UNITS.div_ceil(segs))
