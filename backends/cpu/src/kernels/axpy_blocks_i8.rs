@@ -124,7 +124,7 @@ fn avx512(
     };
     // SAFETY: handed out by `select` for the AVX-512 tier only (which has VNNI); extents
     // checked above, and `quantize` gave `Some`, so `kept` is not empty.
-    unsafe { avx512_impl(q, block, cols, kept, &xi, lo, y) }
+    unsafe { avx512_typed(q, block, cols, kept, &xi, lo, y) }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -144,7 +144,7 @@ fn avx512_q8(
     );
     // SAFETY: handed out by `select_q8` for the AVX-512 tier only (which has VNNI); extents
     // checked above, `kept` not empty.
-    unsafe { avx512_impl(q, block, cols, kept, xi, lo, y) }
+    unsafe { avx512_typed(q, block, cols, kept, xi, lo, y) }
 }
 
 /// A tile's fifth bits (bit `i`: output `i`) in the order of the 4-bit types' register: bytes
@@ -164,10 +164,59 @@ const HIGH_LINE: usize = 512;
 #[cfg(target_arch = "x86_64")]
 const AHEAD_OUTPUTS: usize = axpy_blocks::FIRST_OUTPUTS;
 
+/// [`avx512_impl`] built once per type, so that no test of the type is left in its loops.
+///
+/// # Safety
+/// As [`avx512_impl`].
+#[cfg(target_arch = "x86_64")]
+unsafe fn avx512_typed(
+    q: QuantType,
+    block: &[u8],
+    cols: usize,
+    kept: &[u8],
+    xi: &Q8Inputs,
+    lo: usize,
+    y: &mut [f32],
+) {
+    match q {
+        QuantType::Q8_0 => avx512_impl::<TYPE_Q8_0>(block, cols, kept, xi, lo, y),
+        QuantType::Q4_0 => avx512_impl::<TYPE_Q4_0>(block, cols, kept, xi, lo, y),
+        QuantType::Q4_1 => avx512_impl::<TYPE_Q4_1>(block, cols, kept, xi, lo, y),
+        QuantType::Q5_0 => avx512_impl::<TYPE_Q5_0>(block, cols, kept, xi, lo, y),
+        QuantType::Q5_1 => avx512_impl::<TYPE_Q5_1>(block, cols, kept, xi, lo, y),
+        _ => unreachable!("axpy_blocks::check admits the input-block types only"),
+    }
+}
+
+/// The input-block types as the kernel's const parameter.
+#[cfg(target_arch = "x86_64")]
+const TYPE_Q8_0: u8 = 0;
+#[cfg(target_arch = "x86_64")]
+const TYPE_Q4_0: u8 = 1;
+#[cfg(target_arch = "x86_64")]
+const TYPE_Q4_1: u8 = 2;
+#[cfg(target_arch = "x86_64")]
+const TYPE_Q5_0: u8 = 3;
+#[cfg(target_arch = "x86_64")]
+const TYPE_Q5_1: u8 = 4;
+
+#[cfg(target_arch = "x86_64")]
+const fn type_of(t: u8) -> QuantType {
+    match t {
+        TYPE_Q8_0 => QuantType::Q8_0,
+        TYPE_Q4_0 => QuantType::Q4_0,
+        TYPE_Q4_1 => QuantType::Q4_1,
+        TYPE_Q5_0 => QuantType::Q5_0,
+        _ => QuantType::Q5_1,
+    }
+}
+
+/// # Safety
+/// The caller checked the extents (`axpy_blocks::check`), `kept` is not empty, and the CPU
+/// has AVX-512 with VNNI.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn avx512_impl(
-    q: QuantType,
+unsafe fn avx512_impl<const T: u8>(
     block: &[u8],
     cols: usize,
     kept: &[u8],
@@ -176,23 +225,32 @@ unsafe fn avx512_impl(
     y: &mut [f32],
 ) {
     use std::arch::x86_64::*;
+    let q = const { type_of(T) };
     let base = block.as_ptr();
     let quants = base.add(axpy_blocks::scale_bytes(q, cols));
     let q8 = q == QuantType::Q8_0;
     // Row bytes per output: 1 (Q8_0) or 1/2.
     let (row, shift) = if q8 { (cols, 0) } else { (cols / 2, 1) };
-    // The kept rows in groups of 4 (a short last group repeats row kept[0] with input 0), and
-    // each group's 4 input bytes as one 32-bit lane.
+    let five = axpy_blocks::five_bit(q);
+    // The fifth bits' plane of a row (5-bit types; the block's start otherwise, never read).
+    let high = |r: u8| match five {
+        true => base.add(axpy_blocks::high_bits_at(q, cols) + r as usize * cols / 8),
+        false => base,
+    };
+    // The kept rows in groups of 4 (a short last group repeats row kept[0] with input 0): their
+    // quants' and fifth bits' starts; each group's 4 input bytes as one 32-bit lane.
     let groups = kept.len().div_ceil(4);
-    let mut rows = [kept[0] as usize; 32];
+    let mut rows = [quants.add(kept[0] as usize * row); 32];
+    let mut highs = [high(kept[0]); 32];
     let mut x4 = [0i32; 8];
     for (j, &r) in kept.iter().enumerate() {
-        rows[j] = r as usize;
+        rows[j] = quants.add(r as usize * row);
+        highs[j] = high(r);
         x4[j / 4] |= ((xq[j] as u8) as i32) << (8 * (j % 4));
     }
     let nib = _mm256_set1_epi8(0x0F);
     let flip = _mm512_set1_epi8(-128);
-    let (five, sixteen) = (axpy_blocks::five_bit(q), _mm512_set1_epi8(16));
+    let sixteen = _mm512_set1_epi8(16);
     let end = lo + y.len();
     let (sxv, so) = (_mm512_set1_ps(sx), _mm512_set1_ps(sx * sum as f32));
     let excess = _mm512_set1_epi32(128 * sum);
@@ -202,22 +260,22 @@ unsafe fn avx512_impl(
         let n = (end - g).min(64);
         let mask: u64 = if n == 64 { !0 } else { (1u64 << 32) - 1 };
         let mut acc = [_mm512_setzero_si512(); 4];
+        let ahead = g + AHEAD_OUTPUTS < end;
+        // The fifth bits: a line holds 512 outputs' of a row; fetch the next one (waiting on
+        // them took 28% of this kernel's samples on Qwen2.5's Q5_0).
+        let high_ahead = five && (g - lo).is_multiple_of(HIGH_LINE) && g + HIGH_LINE < end;
         for (gi, xg) in x4.iter().enumerate().take(groups) {
             let xb = _mm512_set1_epi32(*xg);
             // A loop, not a closure: a closure would not inherit this function's features.
             let mut v = [_mm512_setzero_si512(); 4];
             for (k, vk) in v.iter_mut().enumerate() {
-                let p = quants.add(rows[4 * gi + k] * row + (g >> shift));
-                if g + AHEAD_OUTPUTS < end {
+                let p = rows[4 * gi + k].add(g >> shift);
+                if ahead {
                     _mm_prefetch::<_MM_HINT_T0>(p.add(AHEAD_OUTPUTS >> shift) as *const i8);
                 }
-                // The fifth bits: a line holds 512 outputs' of a row; fetch the next one
-                // (waiting on them took 28% of this kernel's samples on Qwen2.5's Q5_0).
-                if five && (g - lo).is_multiple_of(HIGH_LINE) && g + HIGH_LINE < end {
-                    let r = rows[4 * gi + k];
-                    let at =
-                        axpy_blocks::high_bits_at(q, cols) + r * cols / 8 + (g + HIGH_LINE) / 8;
-                    _mm_prefetch::<_MM_HINT_T0>(base.add(at) as *const i8);
+                if high_ahead {
+                    let at = highs[4 * gi + k].add((g + HIGH_LINE) / 8);
+                    _mm_prefetch::<_MM_HINT_T0>(at as *const i8);
                 }
                 *vk = if q8 {
                     _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, p as *const i8), flip)
@@ -230,8 +288,9 @@ unsafe fn avx512_impl(
                         // Register byte j holds output `order(j)`: its fifth bit, as 16 (a
                         // nibble plus 16 is the nibble with bit 4 set).
                         true => {
-                            let r = rows[4 * gi + k];
-                            let hw = axpy_blocks::high_word(q, block, cols, r, g / 64);
+                            // Inside the block: `check` saw the plane's extent.
+                            let hw =
+                                (highs[4 * gi + k].add(g / 64 * 8) as *const u64).read_unaligned();
                             _mm512_mask_add_epi8(v, register_order(hw), v, sixteen)
                         }
                         false => v,
