@@ -6,9 +6,13 @@
 //! value exactly; Q4_K becomes Q4_1 and Q5_K Q5_1 (each sub-block's scale `d * sc` and min
 //! `-dmin * m` rounded to f16, a relative change below 2^-11 of a scale; the quants are
 //! unchanged). The 5-bit types need outputs in multiples of 64 (their fifth bits are stored
-//! in 64-bit words). Other types keep the requantized rows of [`crate::sparsity::layout`].
-use dejavu_backend_api::{QuantType, RowLayout, Weight};
-use dejavu_backend_cpu::dequant::{group_len, unpack_block};
+//! in 64-bit words). The types whose scales cover 16 inputs or 256 (Q6_K; Q2_K, Q3_K, IQ4_NL,
+//! IQ4_XS) have no such form: each output's 32 inputs are requantized, to the type and with
+//! the error-minimising scales of the requantized rows of [`crate::sparsity::layout`] (Q8_0 for
+//! Q6_K, Q5_0 for the others; a Q5_0 target needs outputs in multiples of 64 as above) — the
+//! same one rounding those rows take, along the other axis.
+use dejavu_backend_api::{quantize, QuantType, RowLayout, Weight};
+use dejavu_backend_cpu::dequant::{dequantize_row, group_len, unpack_block};
 use dejavu_backend_cpu::kernels::{axpy_blocks, repack};
 
 /// The input-block type a source of `src` becomes, if it has one, for a `[outputs][inputs]`
@@ -23,8 +27,20 @@ pub fn target(src: QuantType, outputs: usize, inputs: usize) -> Option<QuantType
         QuantType::Q4K => Some(QuantType::Q4_1),
         QuantType::Q5_0 | QuantType::Q5_1 if words => Some(src),
         QuantType::Q5K if words => Some(QuantType::Q5_1),
+        q if requantized(q) => {
+            let t = crate::sparsity::layout::down_t_type(q);
+            (t == QuantType::Q8_0 || (t == QuantType::Q5_0 && words)).then_some(t)
+        }
         _ => None,
     }
+}
+
+/// Whether a source of type `q` is requantized into its input blocks (see the module's text).
+fn requantized(q: QuantType) -> bool {
+    matches!(
+        q,
+        QuantType::Q6K | QuantType::Q2K | QuantType::Q3K | QuantType::IQ4NL | QuantType::IQ4XS
+    )
 }
 
 /// Write `w` (`[outputs][inputs]`, ggml or repacked rows of a type [`target`] takes) into `out`
@@ -38,9 +54,12 @@ pub fn convert(w: &Weight, qt: QuantType, out: &mut [u8]) {
         w.qtype
     );
     assert_eq!(out.len(), n_in * qt.row_bytes(n_out), "input blocks: size");
-    let (bl, g) = (w.qtype.block_len(), group_len(w.qtype));
+    // The type whose blocks are unpacked: the source's, or the target's for a requantized one.
+    let sq = if requantized(w.qtype) { qt } else { w.qtype };
+    let (bl, g) = (sq.block_len(), group_len(sq));
     assert_eq!(g, 32, "input blocks take groups of 32");
-    let bb = w.qtype.block_bytes();
+    let bb = sq.block_bytes();
+    let (mut values, mut requant) = (vec![0f32; n_in], Vec::with_capacity(qt.row_bytes(n_in)));
     let block_bytes = 32 * qt.row_bytes(n_out);
     let scales = match qt {
         QuantType::Q4_1 | QuantType::Q5_1 => 4 * n_out,
@@ -63,8 +82,18 @@ pub fn convert(w: &Weight, qt: QuantType, out: &mut [u8]) {
                 }
                 _ => w.row(o),
             };
+            let row = match requantized(w.qtype) {
+                true => {
+                    dequantize_row(w.qtype, row, &mut values);
+                    requant.clear();
+                    quantize::quantize_row(qt, &values, &mut requant)
+                        .expect("a requantized source's target is writable");
+                    &requant[..]
+                }
+                false => row,
+            };
             for (blk, src) in row.chunks_exact(bb).enumerate() {
-                unpack_block(w.qtype, src, &mut q, &mut sc, &mut off);
+                unpack_block(sq, src, &mut q, &mut sc, &mut off);
                 for j in 0..bl / g {
                     let b = (blk * bl + j * g) / 32;
                     let block = &mut out[b * block_bytes..(b + 1) * block_bytes];
@@ -77,7 +106,7 @@ pub fn convert(w: &Weight, qt: QuantType, out: &mut [u8]) {
                         // Q4_0's and Q5_0's unpacked values are `n - 8` and `n - 16`: store
                         // the quant `n`.
                         let v = q[j * g + r];
-                        quants[k * n_in + b * 32 + r] = match w.qtype {
+                        quants[k * n_in + b * 32 + r] = match sq {
                             QuantType::Q4_0 => (v + 8) as u8,
                             QuantType::Q5_0 => (v + 16) as u8,
                             _ => v as u8,
@@ -121,7 +150,9 @@ mod tests {
 
     /// Every input's row of the converted matrix equals the source's column (dequantized), for
     /// each source type: exactly for Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1; for Q4_K and Q5_K within
-    /// the f16 rounding of their scale and min terms (2^-10 of the row's largest magnitude).
+    /// the f16 rounding of their scale and min terms (2^-10 of the row's largest magnitude);
+    /// for the requantized ones within a step of their target (its largest magnitude over 127
+    /// for Q8_0, over 15 for Q5_0, in each output's group of 32 inputs).
     #[test]
     fn converted_rows_are_the_source_columns() {
         let (n_out, n_in) = (64, 256);
@@ -136,7 +167,15 @@ mod tests {
             QuantType::Q5_0,
             QuantType::Q5_1,
             QuantType::Q5K,
+            QuantType::Q6K,
+            QuantType::Q2K,
+            QuantType::Q3K,
+            QuantType::IQ4NL,
+            QuantType::IQ4XS,
         ] {
+            if !quantize::WRITABLE.contains(&src) {
+                continue;
+            }
             let mut bytes = Vec::new();
             for row in vals.chunks_exact(n_in) {
                 quantize::quantize_row(src, row, &mut bytes).unwrap();
@@ -159,10 +198,20 @@ mod tests {
                     // Q4_K: f16 rounding of `d * sc` and `dmin * m`, each term up to the row's
                     // largest magnitude.
                     let big = src_row.iter().fold(0f32, |m, v| m.max(v.abs()));
-                    let tol = if matches!(src, QuantType::Q4K | QuantType::Q5K) {
-                        2.0 * big / 1024.0
-                    } else {
-                        0.0
+                    let group = &src_row[i / 32 * 32..][..32];
+                    let amax = group.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    let tol = match (src, qt) {
+                        (QuantType::Q4K | QuantType::Q5K, _) => 2.0 * big / 1024.0,
+                        (QuantType::Q6K, _) => {
+                            assert_eq!(qt, QuantType::Q8_0);
+                            amax / 127.0
+                        }
+                        (QuantType::Q2K | QuantType::Q3K | QuantType::IQ4NL, _)
+                        | (QuantType::IQ4XS, _) => {
+                            assert_eq!(qt, QuantType::Q5_0);
+                            amax / 15.0
+                        }
+                        _ => 0.0,
                     };
                     assert!(
                         (c - want).abs() <= tol,

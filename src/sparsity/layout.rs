@@ -19,7 +19,7 @@
 //! Q8_0 become Q8_0.
 //!
 //! The result is cached in dejavu's cache directory as `layouts/<model file>-<path hash>.<kind>-
-//! <TYPE>.v5.gguf` (built once, straight into the memory that holds it; checked against the
+//! <TYPE>.v6.gguf` (built once, straight into the memory that holds it; checked against the
 //! source's content hash (model::content_key) and the shapes on every load, rebuilt when
 //! stale); where that directory is not writable, it is built in memory for the process.
 use crate::model::synthetic;
@@ -34,7 +34,8 @@ use std::path::PathBuf;
 /// 2: W_o added. 3: keyed on the full content hash and the files' stamp (model::content_key).
 /// 4: the requantized rows search scales at both ends of the range (lower error).
 /// 5: Q5_0, Q5_1 and Q5_K sources in the input-block layout (their own 5-bit values).
-pub const LAYOUT_VERSION: u32 = 5;
+/// 6: Q6_K, Q2_K, Q3_K and the IQ4 types requantized into the input-block layout.
+pub const LAYOUT_VERSION: u32 = 6;
 const KEY_VERSION: &str = "dejavu.layout.version";
 const KEY_SOURCE: &str = "dejavu.layout.source_fingerprint";
 const KEY_STAMP: &str = "dejavu.layout.source_stamp";
@@ -123,9 +124,10 @@ impl Kind {
 }
 
 /// How a quantized matrix is stored input-major: `Rows`, each input's row requantized in the
-/// file's row layout (every device reads it); `Blocks`, the source's own values in the
-/// input-block layout where its type has one ([`crate::sparsity::blocks`]: Q8_0, Q4_0, Q4_1,
-/// Q4_K, and the 5-bit types; read by devices that [`dejavu_backend_api::Device::reads_input_blocks`]), else `Rows`.
+/// file's row layout (every device reads it); `Blocks`, the input-block layout where the
+/// matrix's shape allows ([`crate::sparsity::blocks`]: the source's own values for Q8_0, Q4_0,
+/// Q4_1, Q4_K and the 5-bit types, requantized as `Rows` are for Q6_K, Q2_K, Q3_K and IQ4; read
+/// by devices that [`dejavu_backend_api::Device::reads_input_blocks`]), else `Rows`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Form {
     Rows,
