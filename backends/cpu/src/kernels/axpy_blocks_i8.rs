@@ -1,5 +1,6 @@
-//! [`super::axpy_blocks`] with the kept inputs rounded to 8 bits, for `vpdpbusd`: the AVX-512
-//! tier's kernel of input sparsity (TEAL, WINA) over the input-block layout.
+//! [`super::axpy_blocks`] with the kept inputs rounded to 8 bits, for `vpdpbusd` (AVX-512) and
+//! `vpmaddubsw` (AVX2): the x86 tiers' kernels of input sparsity (TEAL, WINA) over the
+//! input-block layout.
 //!
 //! Per block of 32 inputs, with `amax` the largest |x| kept: `sx = amax / 127` and, for the j-th
 //! kept input, `xq[j] = round_ties_even(x * (127 / amax))` ([`quantize`]). Per output `o`,
@@ -15,26 +16,31 @@
 //! bytes. A fifth to eighth row repeats a kept row with a zero input. Q8_0's signed quants enter
 //! `vpdpbusd`'s unsigned operand as `q + 128`, the excess `128 * sum xq` taken off once. The 4-bit
 //! types' tile holds outputs 0-15 and 32-47 (low nibbles) before 16-31 and 48-63 (high): the
-//! sums are put back in output order once per tile.
+//! sums are put back in output order once per tile. The AVX2 loop is described at
+//! [`avx2_impl`].
 use super::axpy_blocks::{self, AxpyBlocksFn};
 use crate::isa::Isa;
 use dejavu_backend_api::quant::QuantType;
 
-/// The AVX-512 tier's `axpy_blocks`; other tiers keep their f32 kernels.
+/// The x86 tiers' `axpy_blocks`; other tiers keep their f32 kernels.
 pub fn select(isa: Isa) -> Option<AxpyBlocksFn> {
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => Some(avx512),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => Some(avx2),
         _ => None,
     }
 }
 
-/// The AVX-512 tier's kernel over inputs [`quantize`]d once per product (not once per thread's
+/// The x86 tiers' kernels over inputs [`quantize`]d once per product (not once per thread's
 /// share of the outputs); `None` on other tiers.
 pub fn select_q8(isa: Isa) -> Option<AxpyBlocksQ8Fn> {
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => Some(avx512_q8),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => Some(avx2_q8),
         _ => None,
     }
 }
@@ -145,6 +151,206 @@ fn avx512_q8(
     // SAFETY: handed out by `select_q8` for the AVX-512 tier only (which has VNNI); extents
     // checked above, `kept` not empty.
     unsafe { avx512_typed(q, block, cols, kept, xi, lo, y) }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avx2(
+    q: QuantType,
+    block: &[u8],
+    cols: usize,
+    kept: &[u8],
+    x: &[f32; 32],
+    lo: usize,
+    y: &mut [f32],
+) {
+    axpy_blocks::check(q, block, cols, kept, lo, y);
+    let Some(xi) = quantize(x, kept) else {
+        return (axpy_blocks::select(Isa::Avx2))(q, block, cols, kept, x, lo, y);
+    };
+    // SAFETY: handed out by `select` for the AVX2 tier only; extents checked above, and
+    // `quantize` gave `Some`, so `kept` is not empty.
+    unsafe { avx2_typed(q, block, cols, kept, &xi, lo, y) }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avx2_q8(
+    q: QuantType,
+    block: &[u8],
+    cols: usize,
+    kept: &[u8],
+    xi: &Q8Inputs,
+    lo: usize,
+    y: &mut [f32],
+) {
+    axpy_blocks::check(q, block, cols, kept, lo, y);
+    assert!(
+        !kept.is_empty(),
+        "axpy_blocks: quantized inputs of no kept row"
+    );
+    // SAFETY: handed out by `select_q8` for the AVX2 tier only; extents checked above, `kept`
+    // not empty.
+    unsafe { avx2_typed(q, block, cols, kept, xi, lo, y) }
+}
+
+/// [`avx2_impl`] built once per type.
+///
+/// # Safety
+/// As [`avx2_impl`].
+#[cfg(target_arch = "x86_64")]
+unsafe fn avx2_typed(
+    q: QuantType,
+    block: &[u8],
+    cols: usize,
+    kept: &[u8],
+    xi: &Q8Inputs,
+    lo: usize,
+    y: &mut [f32],
+) {
+    match q {
+        QuantType::Q8_0 => avx2_impl::<TYPE_Q8_0>(block, cols, kept, xi, lo, y),
+        QuantType::Q4_0 => avx2_impl::<TYPE_Q4_0>(block, cols, kept, xi, lo, y),
+        QuantType::Q4_1 => avx2_impl::<TYPE_Q4_1>(block, cols, kept, xi, lo, y),
+        QuantType::Q5_0 => avx2_impl::<TYPE_Q5_0>(block, cols, kept, xi, lo, y),
+        QuantType::Q5_1 => avx2_impl::<TYPE_Q5_1>(block, cols, kept, xi, lo, y),
+        _ => unreachable!("axpy_blocks::check admits the input-block types only"),
+    }
+}
+
+/// The AVX2 loop: tiles of 32 outputs, the kept rows 2 at a time. A pair's quants are
+/// interleaved (one byte unpack per 16 outputs) and `vpmaddubsw` multiplies them with the
+/// pair's 2 input bytes: one 16-bit sum per output, at most 2 * 128 * 127 in magnitude (Q8_0's
+/// signed quants enter as |q| against the input with q's sign, `vpsignb`), widened to 32 bits
+/// at once by shifts (even outputs, odd outputs) and added. A short last pair repeats row
+/// kept[0] with input 0. The sums are exact integers, so the result is the definition's.
+///
+/// # Safety
+/// The caller checked the extents (`axpy_blocks::check`), `kept` is not empty, and the CPU
+/// has AVX2, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn avx2_impl<const T: u8>(
+    block: &[u8],
+    cols: usize,
+    kept: &[u8],
+    &Q8Inputs { sx, ref xq, sum }: &Q8Inputs,
+    lo: usize,
+    y: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    let q = const { type_of(T) };
+    let base = block.as_ptr();
+    let quants = base.add(axpy_blocks::scale_bytes(q, cols));
+    let q8 = q == QuantType::Q8_0;
+    let (row, shift) = if q8 { (cols, 0) } else { (cols / 2, 1) };
+    let five = axpy_blocks::five_bit(q);
+    let high = |r: u8| match five {
+        true => base.add(axpy_blocks::high_bits_at(q, cols) + r as usize * cols / 8),
+        false => base,
+    };
+    let pairs = kept.len().div_ceil(2);
+    let mut rows = [quants.add(kept[0] as usize * row); 32];
+    let mut highs = [high(kept[0]); 32];
+    let mut x2 = [0i16; 16];
+    for (j, &r) in kept.iter().enumerate() {
+        rows[j] = quants.add(r as usize * row);
+        highs[j] = high(r);
+        x2[j / 2] |= (((xq[j] as u8) as u16) << (8 * (j % 2))) as i16;
+    }
+    let nib = _mm256_set1_epi8(0x0F);
+    // A 32-bit word of fifth bits to bytes: byte i takes bit i % 8 of the word's byte i / 8.
+    let spread = _mm256_setr_epi8(
+        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3,
+        3, 3,
+    );
+    let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+    let sixteen = _mm256_set1_epi8(16);
+    let end = lo + y.len();
+    let (sxv, so) = (_mm256_set1_ps(sx), _mm256_set1_ps(sx * sum as f32));
+    // Row j's 32 quants of the tile at `g`, one byte an output in output order.
+    let load = |j: usize, g: usize| -> __m256i {
+        let p = rows[j].add(g >> shift);
+        if q8 {
+            return _mm256_loadu_si256(p as *const __m256i);
+        }
+        let w = _mm_loadu_si128(p as *const __m128i);
+        let v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(w, 4), w), nib);
+        if !five {
+            return v;
+        }
+        let hw = (highs[j].add(g / 8) as *const u32).read_unaligned();
+        let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(hw as i32), spread);
+        let set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
+        _mm256_add_epi8(v, _mm256_and_si256(set, sixteen))
+    };
+    for g in (lo..end).step_by(32) {
+        // acc[0]: outputs 0-7 and 16-23 even, acc[1] odd; acc[2], acc[3]: 8-15 and 24-31.
+        let mut acc = [_mm256_setzero_si256(); 4];
+        if (g - lo).is_multiple_of(64) && g + AHEAD_OUTPUTS < end {
+            for &r in rows.iter().take(kept.len()) {
+                _mm_prefetch::<_MM_HINT_T0>(r.add((g + AHEAD_OUTPUTS) >> shift) as *const i8);
+            }
+        }
+        for (pi, xp) in x2.iter().enumerate().take(pairs) {
+            let xb = _mm256_set1_epi16(*xp);
+            let (v0, v1) = (load(2 * pi, g), load(2 * pi + 1, g));
+            let halves = [_mm256_unpacklo_epi8(v0, v1), _mm256_unpackhi_epi8(v0, v1)];
+            for (h, v) in halves.into_iter().enumerate() {
+                let m = match q8 {
+                    true => _mm256_maddubs_epi16(_mm256_abs_epi8(v), _mm256_sign_epi8(xb, v)),
+                    false => _mm256_maddubs_epi16(v, xb),
+                };
+                let even = _mm256_srai_epi32(_mm256_slli_epi32(m, 16), 16);
+                acc[2 * h] = _mm256_add_epi32(acc[2 * h], even);
+                acc[2 * h + 1] = _mm256_add_epi32(acc[2 * h + 1], _mm256_srai_epi32(m, 16));
+            }
+        }
+        // Back in output order: lanes of (even, odd) pairs, then the 128-bit halves.
+        let a = _mm256_unpacklo_epi32(acc[0], acc[1]); // 0-3, 16-19
+        let b = _mm256_unpackhi_epi32(acc[0], acc[1]); // 4-7, 20-23
+        let c = _mm256_unpacklo_epi32(acc[2], acc[3]); // 8-11, 24-27
+        let d = _mm256_unpackhi_epi32(acc[2], acc[3]); // 12-15, 28-31
+        let t = [
+            _mm256_permute2x128_si256::<0x20>(a, b), // 0-7
+            _mm256_permute2x128_si256::<0x20>(c, d), // 8-15
+            _mm256_permute2x128_si256::<0x31>(a, b), // 16-23
+            _mm256_permute2x128_si256::<0x31>(c, d), // 24-31
+        ];
+        for (k, tk) in t.into_iter().enumerate() {
+            let o = g + 8 * k;
+            let tf = _mm256_mul_ps(_mm256_cvtepi32_ps(tk), sxv);
+            add_scaled8::<T>(base, cols, o, tf, so, y.as_mut_ptr().add(o - lo));
+        }
+    }
+}
+
+/// `y[..8] = d * t + (off * s + y)` for the 8 outputs from `o` of a block at `base`, as
+/// `axpy_blocks::add_scaled16` (the definition's two fused multiply-adds).
+///
+/// # Safety
+/// `o + 8 <= cols`, 8 floats at `y`, AVX2, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn add_scaled8<const T: u8>(
+    base: *const u8,
+    cols: usize,
+    o: usize,
+    t: std::arch::x86_64::__m256,
+    s: std::arch::x86_64::__m256,
+    y: *mut f32,
+) {
+    use std::arch::x86_64::*;
+    let d = _mm256_cvtph_ps(_mm_loadu_si128(base.add(2 * o) as *const __m128i));
+    let off = match const { type_of(T) } {
+        QuantType::Q4_1 | QuantType::Q5_1 => {
+            _mm256_cvtph_ps(_mm_loadu_si128(base.add(2 * (cols + o)) as *const __m128i))
+        }
+        QuantType::Q4_0 => _mm256_mul_ps(d, _mm256_set1_ps(-8.0)),
+        QuantType::Q5_0 => _mm256_mul_ps(d, _mm256_set1_ps(-16.0)),
+        _ => _mm256_setzero_ps(),
+    };
+    let v = _mm256_fmadd_ps(d, t, _mm256_fmadd_ps(off, s, _mm256_loadu_ps(y)));
+    _mm256_storeu_ps(y, v);
 }
 
 /// A tile's fifth bits (bit `i`: output `i`) in the order of the 4-bit types' register: bytes
@@ -371,10 +577,10 @@ mod tests {
     }
 
     /// The definition against the f32 kernel: the rounding of x costs at most half a step
-    /// (`amax / 254`) per kept input, times |w|, summed; the AVX-512 tier equals the definition
-    /// bit for bit (the same integer sums, the same two fused multiply-adds), on ragged output
-    /// ranges (tails of 32), kept sets of 1 to 32 rows (groups of 4 padded), every type; a NaN
-    /// input and an all-zero block take the f32 path.
+    /// (`amax / 254`) per kept input, times |w|, summed; the AVX-512 and AVX2 tiers equal the
+    /// definition bit for bit (the same integer sums, the same two fused multiply-adds), on
+    /// ragged output ranges (tails of 32), kept sets of 1 to 32 rows (groups of 4 or pairs
+    /// padded), every type; a NaN input and an all-zero block take the f32 path.
     #[test]
     fn the_tier_equals_the_definition_within_the_rounding_of_x() {
         let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(5);
