@@ -169,13 +169,12 @@ const MIN_BYTES_PER_THREAD: usize = 64 << 10;
 /// tile (every output's sum is its own lane's in every tier, so a unit's bounds change no bit).
 /// A multiple of 64, as the 5-bit types' words of fifth bits need.
 const BLOCK_COL_UNIT: usize = 64;
-/// Outputs of a matrix one work unit covers at most: a kept row's share of a block is then one
-/// run of up to 8 KB (Q8_0), long enough for the hardware prefetcher to follow.
-const SEGMENT_OUTPUTS: usize = 2048;
-/// Work units a product is cut into, at least where its kept blocks allow: by outputs
-/// (segments), then by kept blocks (chunks). Fixed by the shapes and `x`, never by the thread
-/// count, so the sums are the same bits at any thread count.
-const TARGET_UNITS: usize = 4;
+/// A matrix of fewer outputs than this has its kept blocks cut into chunks (up to
+/// [`MAX_CHUNKS`]), summed apart and added in order: the threads then share its work by blocks,
+/// each reading whole rows of few outputs, not a thin slice of every row. The chunks are fixed
+/// by the shape and `x`, never by the thread count, so the sums are the same bits at any.
+const CHUNKED_OUTPUTS: usize = 4096;
+const MAX_CHUNKS: usize = 4;
 /// Kept blocks a chunk holds at least.
 const MIN_CHUNK_BLOCKS: usize = 4;
 
@@ -219,7 +218,6 @@ struct Scratch {
     kept: Vec<KeptBlock>,
     units: Vec<Unit>,
     chunks: Vec<usize>,
-    owner: Vec<usize>,
     starts: Vec<usize>,
     partial: Vec<f32>,
 }
@@ -229,7 +227,7 @@ thread_local! {
 }
 
 /// One work unit of an input-block product: outputs `c0..c1` of matrix `j` over kept blocks
-/// `k0..k1` (chunk `c`), and its share of the product's bytes.
+/// `k0..k1` (chunk `c`), run by thread `owner`.
 #[derive(Clone, Copy)]
 struct Unit {
     j: usize,
@@ -238,30 +236,56 @@ struct Unit {
     c1: usize,
     k0: usize,
     k1: usize,
-    cost: usize,
+    owner: usize,
 }
 
-/// The units of a product (into `out`) and each matrix's chunk count (into `chunks`). Matrix
-/// `j`'s outputs go in segments of at most [`SEGMENT_OUTPUTS`] (whole [`BLOCK_COL_UNIT`]s), the
-/// kept blocks in chunks of about equal count, enough of them for [`TARGET_UNITS`] units of
-/// that matrix: a matrix's units depend on its shape and the kept blocks only, not on the
-/// matrices beside it.
-fn units(ws: &[Weight], kept: &[KeptBlock], out: &mut Vec<Unit>, chunks: &mut Vec<usize>) {
-    out.clear();
+/// Each matrix's chunk count (into `chunks`): `CHUNKED_OUTPUTS / cols`, at most [`MAX_CHUNKS`],
+/// with [`MIN_CHUNK_BLOCKS`] kept blocks each; a matrix's chunks depend on its shape and the
+/// kept blocks only, not on the matrices beside it or the threads.
+fn chunk_counts(ws: &[Weight], kept: usize, chunks: &mut Vec<usize>) {
     chunks.clear();
+    chunks.extend(ws.iter().map(|w| {
+        (CHUNKED_OUTPUTS / w.cols.max(1))
+            .clamp(1, MAX_CHUNKS)
+            .min(kept / MIN_CHUNK_BLOCKS)
+            .max(1)
+    }));
+}
+
+/// The units of a product on `threads` threads (into `out`, in owner order): every matrix's
+/// chunks one after the other, each a run of tiles of [`BLOCK_COL_UNIT`] outputs weighted by
+/// the chunk's kept rows, split into `threads` contiguous runs of about equal bytes. (A unit's
+/// bounds change no bit: every output's sum is one unit's.)
+fn units(ws: &[Weight], kept: &[KeptBlock], chunks: &[usize], threads: usize, out: &mut Vec<Unit>) {
+    out.clear();
+    let chunk_rows = |j: usize, c: usize| {
+        let n = chunks[j];
+        let (k0, k1) = (c * kept.len() / n, (c + 1) * kept.len() / n);
+        (k0, k1, kept[k0..k1].iter().map(|kb| kb.n).sum::<usize>())
+    };
+    let tile_cost = |j: usize, rows: usize| rows * ws[j].qtype.row_bytes(BLOCK_COL_UNIT);
+    let mut total = 0;
     for (j, w) in ws.iter().enumerate() {
-        let segs = w.cols.div_ceil(SEGMENT_OUTPUTS);
-        let n = (TARGET_UNITS.div_ceil(segs))
-            .min(kept.len() / MIN_CHUNK_BLOCKS)
-            .max(1);
-        chunks.push(n);
-        let len = w.cols.div_ceil(segs).div_ceil(BLOCK_COL_UNIT) * BLOCK_COL_UNIT;
-        for c in 0..n {
-            let (k0, k1) = (c * kept.len() / n, (c + 1) * kept.len() / n);
-            let rows: usize = kept[k0..k1].iter().map(|kb| kb.n).sum();
-            for c0 in (0..w.cols).step_by(len) {
-                let c1 = (c0 + len).min(w.cols);
-                let cost = rows * w.qtype.row_bytes(c1 - c0);
+        for c in 0..chunks[j] {
+            total += tile_cost(j, chunk_rows(j, c).2) * w.cols.div_ceil(BLOCK_COL_UNIT);
+        }
+    }
+    let mut at = 0;
+    for (j, w) in ws.iter().enumerate() {
+        for c in 0..chunks[j] {
+            let (k0, k1, rows) = chunk_rows(j, c);
+            let cost = tile_cost(j, rows);
+            let tiles = w.cols.div_ceil(BLOCK_COL_UNIT);
+            // Tile i goes to the thread whose share of the total holds its middle.
+            let owner = |i: usize| (2 * (at + i * cost) + cost) * threads / (2 * total).max(1);
+            let mut i0 = 0;
+            while i0 < tiles {
+                let t = owner(i0).min(threads - 1);
+                let mut i1 = i0 + 1;
+                while i1 < tiles && owner(i1).min(threads - 1) == t {
+                    i1 += 1;
+                }
+                let (c0, c1) = (i0 * BLOCK_COL_UNIT, (i1 * BLOCK_COL_UNIT).min(w.cols));
                 out.push(Unit {
                     j,
                     c,
@@ -269,9 +293,11 @@ fn units(ws: &[Weight], kept: &[KeptBlock], out: &mut Vec<Unit>, chunks: &mut Ve
                     c1,
                     k0,
                     k1,
-                    cost,
+                    owner: t,
                 });
+                i0 = i1;
             }
+            at += cost * tiles;
         }
     }
 }
@@ -329,13 +355,12 @@ fn blocks_product(
         kept,
         units: us,
         chunks,
-        owner,
         starts,
         partial,
     } = s;
-    units(ws, kept, us, chunks);
+    chunk_counts(ws, kept.len(), chunks);
     // Chunk c > 0 of matrix j sums into `partial[starts[j] + (c - 1) * cols ..]`, zeroed by the
-    // unit that writes it.
+    // units that write it.
     starts.clear();
     let mut n = 0;
     for (w, c) in ws.iter().zip(chunks.iter()) {
@@ -345,25 +370,23 @@ fn blocks_product(
     if partial.len() < n {
         partial.resize(n, 0.0);
     }
-    let total: usize = us.iter().map(|u| u.cost).sum();
+    let rows: usize = kept.iter().map(|kb| kb.n).sum();
+    let bytes: usize = ws.iter().map(|w| rows * w.qtype.row_bytes(w.cols)).sum();
+    let tiles: usize = (ws.iter().zip(chunks.iter()))
+        .map(|(w, c)| c * w.cols.div_ceil(BLOCK_COL_UNIT))
+        .sum();
     let threads = (pool.threads())
-        .min(us.len())
-        .min(total.div_ceil(MIN_BYTES_PER_THREAD))
+        .min(tiles)
+        .min(bytes.div_ceil(MIN_BYTES_PER_THREAD))
         .max(1);
-    // Thread t takes the units whose cost's midpoint falls in its share of the total.
-    let mut at = 0;
-    owner.clear();
-    owner.extend(us.iter().map(|u| {
-        at += u.cost;
-        ((2 * at - u.cost) * threads / (2 * total).max(1)).min(threads - 1)
-    }));
+    units(ws, kept, chunks, threads, us);
     let yps: Vec<SyncPtr> = (ys.iter_mut())
         .map(|y| SyncPtr::new(y.as_mut_ptr()))
         .collect();
     let pp = SyncPtr::new(partial.as_mut_ptr());
-    let (us, owner, starts, kept) = (&*us, &*owner, &*starts, &*kept);
+    let (us, starts, kept) = (&*us, &*starts, &*kept);
     pool.run(threads, &|t| {
-        for (u, _) in us.iter().zip(owner).filter(|(_, &o)| o == t) {
+        for u in us.iter().filter(|u| u.owner == t) {
             let base = match u.c {
                 0 => yps[u.j].get(),
                 // SAFETY: inside `partial` (it holds chunks - 1 rows of each matrix).
