@@ -1,0 +1,100 @@
+//! Input sparsity's product against the dense matvec of the same matrix, in turn, from memory:
+//! the kept-byte efficiency of one shape, as `bench`'s per-block table reports it for a model.
+//! `cargo bench --bench input_ratio -- INPUTS OUTPUTS TYPE DENSITY [THREADS]` (TYPE: q8_0, q4_0,
+//! q4_1, q5_0, q5_1; `DEJAVU_ISA` picks the tier). Copies of the matrix fill 120 MB and each
+//! call reads the next, as a decode step reads its layers; five rounds of 200 calls of each,
+//! alternating, after one to warm up. Synthetic bytes: these measure kernels, not a model.
+use dejavu_backend_api::{IndexSet, QuantType, RowLayout, Weight};
+use dejavu_backend_cpu::axpy_matmul::axpy_blocks;
+use dejavu_backend_cpu::isa::Isa;
+use dejavu_backend_cpu::kernels::table::Kernels;
+use dejavu_backend_cpu::matmul::matmul;
+use dejavu_backend_cpu::pool::SpinPool;
+use half::f16;
+use std::time::Instant;
+
+/// Bytes of a valid `rows x cols` matrix, different for each `seed`, every scale a small f16.
+fn synthetic(q: QuantType, rows: usize, cols: usize, seed: usize) -> Vec<u8> {
+    let mut bytes: Vec<u8> = (0..q.row_bytes(cols) * rows)
+        .map(|i| (i * 7 + 3 + seed) as u8)
+        .collect();
+    let scale = f16::from_f32(0.01).to_le_bytes();
+    for blk in bytes.chunks_exact_mut(q.block_bytes()) {
+        for &o in q.scale_offsets() {
+            blk[o..o + 2].copy_from_slice(&scale);
+        }
+    }
+    bytes
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with("--"))
+        .collect();
+    if args.len() < 4 {
+        eprintln!(
+            "usage: cargo bench --bench input_ratio -- INPUTS OUTPUTS TYPE DENSITY [THREADS]"
+        );
+        return;
+    }
+    let num = |s: &str| s.parse::<usize>().expect("a number");
+    let (n_in, n_out) = (num(&args[0]), num(&args[1]));
+    let q = QuantType::from_name(&args[2].to_uppercase()).expect("a weight type");
+    let density: f32 = args[3].parse().expect("a density");
+    let threads = args.get(4).map_or(2, |s| num(s));
+    let isa = (std::env::var("DEJAVU_ISA").ok())
+        .and_then(|s| Isa::from_name(&s))
+        .unwrap_or(Isa::detect());
+    let k = Kernels::for_isa(isa).unwrap();
+    let pool = SpinPool::new(threads);
+    let copies = (120usize << 20) / (q.row_bytes(n_in) * n_out) + 1;
+    let data: Vec<Vec<u8>> = (0..copies).map(|c| synthetic(q, n_out, n_in, c)).collect();
+    let dense: Vec<Weight> = (data.iter())
+        .map(|d| Weight::new(q, n_out, n_in, d).unwrap())
+        .collect();
+    let blocks: Vec<Weight> = (data.iter())
+        .map(|d| {
+            let w = Weight::new(q, n_in, n_out, d).unwrap();
+            w.with_layout(RowLayout::InputBlocks)
+        })
+        .collect();
+    let x: Vec<f32> = (0..n_in).map(|i| (i as f32 * 0.37).sin()).collect();
+    // Input i dropped where a hash of i falls below 1 - density.
+    let hash = |i: usize| ((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as f32;
+    let xs: Vec<f32> = (x.iter().enumerate())
+        .map(
+            |(i, &v)| match hash(i) < (1.0 - density) * (1u64 << 24) as f32 {
+                true => 0.0,
+                false => v,
+            },
+        )
+        .collect();
+    let kept = xs.iter().filter(|v| **v != 0.0).count() as f64 / n_in as f64;
+    let (mut y, all) = (vec![0f32; n_out], IndexSet::full(n_out));
+    let (reps, mut td, mut ts) = (200, 0f64, 0f64);
+    for round in 0..6 {
+        let t0 = Instant::now();
+        for i in 0..reps {
+            matmul(&k, &pool, &dense[i % copies], &all, &x, &mut y);
+        }
+        let d = t0.elapsed().as_secs_f64();
+        let t0 = Instant::now();
+        for i in 0..reps {
+            axpy_blocks(&k, &pool, &blocks[i % copies], &xs, &mut y);
+        }
+        if round > 0 {
+            (td, ts) = (td + d, ts + t0.elapsed().as_secs_f64());
+        }
+    }
+    let gb = (q.row_bytes(n_in) * n_out * 5 * reps) as f64 / 1e9;
+    println!(
+        "{n_in}x{n_out} {} {isa} {threads} threads, {kept:.2} of the inputs kept: dense {:.1} GB/s, \
+         sparse {:.1} GB/s of kept rows, {:.2}x dense's speed, kept-byte efficiency {:.2}",
+        q.name(),
+        gb / td,
+        gb * kept / ts,
+        td / ts,
+        td / ts * kept
+    );
+}
