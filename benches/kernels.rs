@@ -319,72 +319,6 @@ fn input_blocks(c: &mut Criterion) {
     }
 }
 
-/// [`input_blocks`] on the shapes of a small model's layers, from memory rather than cache: 24
-/// copies of Qwen2.5-0.5B's gate (896 inputs, 4864 outputs) and down (4864 x 896) projections
-/// (about 110 MB a shape in Q8_0), each call on the next copy, as a decode step reads them. The
-/// dense matvec of the file's rows against the input-block product with every input kept and
-/// with about half dropped; throughput in bytes of the kept inputs' rows.
-fn input_blocks_layers(c: &mut Criterion) {
-    use dejavu_backend_api::RowLayout;
-    use dejavu_backend_cpu::axpy_matmul::axpy_blocks;
-    const COPIES: usize = 24;
-    let pool = SpinPool::new(std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let k = Kernels::for_isa(*Isa::supported().last().unwrap()).unwrap();
-    for (n_in, n_out) in [(896, 4864), (4864, 896)] {
-        let mut g = c.benchmark_group(format!("input_blocks_layers_{n_in}x{n_out}"));
-        for qtype in [QuantType::Q8_0, QuantType::Q4_0] {
-            let data = synthetic(qtype, n_out, n_in);
-            let copies: Vec<Vec<u8>> = (0..COPIES).map(|_| data.clone()).collect();
-            let dense: Vec<Weight> = (copies.iter())
-                .map(|d| Weight::new(qtype, n_out, n_in, d).unwrap())
-                .collect();
-            // The input-block reading of the same bytes (its scale tables are the synthetic
-            // bytes' own: finite f16s).
-            let blocks: Vec<Weight> = (copies.iter())
-                .map(|d| {
-                    let w = Weight::new(qtype, n_in, n_out, d).unwrap();
-                    w.with_layout(RowLayout::InputBlocks)
-                })
-                .collect();
-            let x: Vec<f32> = (0..n_in).map(|i| (i as f32 * 0.37).sin()).collect();
-            let half: Vec<f32> = (x.iter().enumerate())
-                .map(|(i, v)| {
-                    if (i * 2654435761usize) % 7 < 3 {
-                        0.0
-                    } else {
-                        *v
-                    }
-                })
-                .collect();
-            let kept = half.iter().filter(|v| **v != 0.0).count();
-            let mut y = vec![0f32; n_out];
-            let all = IndexSet::full(n_out);
-            let mut i = 0;
-            g.throughput(Throughput::Bytes(data.len() as u64));
-            g.bench_function(BenchmarkId::new("dense_matvec", qtype.name()), |b| {
-                b.iter(|| {
-                    i = (i + 1) % COPIES;
-                    matmul(&k, &pool, &dense[i], &all, &x, &mut y)
-                })
-            });
-            g.bench_function(BenchmarkId::new("axpy_all", qtype.name()), |b| {
-                b.iter(|| {
-                    i = (i + 1) % COPIES;
-                    axpy_blocks(&k, &pool, &blocks[i], &x, &mut y)
-                })
-            });
-            g.throughput(Throughput::Bytes((data.len() * kept / n_in) as u64));
-            g.bench_function(BenchmarkId::new("axpy_half", qtype.name()), |b| {
-                b.iter(|| {
-                    i = (i + 1) % COPIES;
-                    axpy_blocks(&k, &pool, &blocks[i], &half, &mut y)
-                })
-            });
-        }
-        g.finish();
-    }
-}
-
 /// Attention's softmax over one head's 512 scores and the MLP's SiLU GLU over SmolLM2's 1536
 /// neurons, on every tier (elements per second).
 fn activations(c: &mut Criterion) {
@@ -423,7 +357,6 @@ criterion_group!(
     axpy_kernel,
     row_dot_kernel,
     input_blocks,
-    input_blocks_layers,
     activations
 );
 criterion_main!(benches);

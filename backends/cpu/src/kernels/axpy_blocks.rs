@@ -209,6 +209,7 @@ fn prefetch_row(q: QuantType, block: &[u8], cols: usize, r: Option<&u8>, o: usiz
 /// Outputs from `lo` of every kept row that [`prefetch_first`] fetches: as far as the loops'
 /// own prefetches run ahead of the tile they read (the 8-bit kernel's distance), so that no
 /// row's start is left to wait on memory.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(super) const FIRST_OUTPUTS: usize = 256;
 
 /// The scales of the first tile and the first [`FIRST_OUTPUTS`] outputs from `lo` (a multiple

@@ -22,6 +22,45 @@ use super::axpy_blocks::{self, AxpyBlocksFn};
 use crate::isa::Isa;
 use dejavu_backend_api::quant::QuantType;
 
+/// `$f::<T>(args)` with `T` the const of `q`'s type: each kernel built once per type, so that
+/// no test of the type is left in its loops.
+#[cfg(target_arch = "x86_64")]
+macro_rules! by_type {
+    ($f:ident, $q:expr, $($a:expr),*) => {
+        match $q {
+            QuantType::Q8_0 => $f::<TYPE_Q8_0>($($a),*),
+            QuantType::Q4_0 => $f::<TYPE_Q4_0>($($a),*),
+            QuantType::Q4_1 => $f::<TYPE_Q4_1>($($a),*),
+            QuantType::Q5_0 => $f::<TYPE_Q5_0>($($a),*),
+            QuantType::Q5_1 => $f::<TYPE_Q5_1>($($a),*),
+            _ => unreachable!("axpy_blocks::check admits the input-block types only"),
+        }
+    };
+}
+
+/// The input-block types as the kernel's const parameter.
+#[cfg(target_arch = "x86_64")]
+const TYPE_Q8_0: u8 = 0;
+#[cfg(target_arch = "x86_64")]
+const TYPE_Q4_0: u8 = 1;
+#[cfg(target_arch = "x86_64")]
+const TYPE_Q4_1: u8 = 2;
+#[cfg(target_arch = "x86_64")]
+const TYPE_Q5_0: u8 = 3;
+#[cfg(target_arch = "x86_64")]
+const TYPE_Q5_1: u8 = 4;
+
+#[cfg(target_arch = "x86_64")]
+const fn type_of(t: u8) -> QuantType {
+    match t {
+        TYPE_Q8_0 => QuantType::Q8_0,
+        TYPE_Q4_0 => QuantType::Q4_0,
+        TYPE_Q4_1 => QuantType::Q4_1,
+        TYPE_Q5_0 => QuantType::Q5_0,
+        _ => QuantType::Q5_1,
+    }
+}
+
 /// The x86 tiers' `axpy_blocks`; other tiers keep their f32 kernels.
 pub fn select(isa: Isa) -> Option<AxpyBlocksFn> {
     match isa {
@@ -130,7 +169,7 @@ fn avx512(
     };
     // SAFETY: handed out by `select` for the AVX-512 tier only (which has VNNI); extents
     // checked above, and `quantize` gave `Some`, so `kept` is not empty.
-    unsafe { avx512_typed(q, block, cols, kept, &xi, lo, y) }
+    unsafe { by_type!(avx512_impl, q, block, cols, kept, &xi, lo, y) }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -150,7 +189,7 @@ fn avx512_q8(
     );
     // SAFETY: handed out by `select_q8` for the AVX-512 tier only (which has VNNI); extents
     // checked above, `kept` not empty.
-    unsafe { avx512_typed(q, block, cols, kept, xi, lo, y) }
+    unsafe { by_type!(avx512_impl, q, block, cols, kept, xi, lo, y) }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -169,7 +208,7 @@ fn avx2(
     };
     // SAFETY: handed out by `select` for the AVX2 tier only; extents checked above, and
     // `quantize` gave `Some`, so `kept` is not empty.
-    unsafe { avx2_typed(q, block, cols, kept, &xi, lo, y) }
+    unsafe { by_type!(avx2_impl, q, block, cols, kept, &xi, lo, y) }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -189,31 +228,7 @@ fn avx2_q8(
     );
     // SAFETY: handed out by `select_q8` for the AVX2 tier only; extents checked above, `kept`
     // not empty.
-    unsafe { avx2_typed(q, block, cols, kept, xi, lo, y) }
-}
-
-/// [`avx2_impl`] built once per type.
-///
-/// # Safety
-/// As [`avx2_impl`].
-#[cfg(target_arch = "x86_64")]
-unsafe fn avx2_typed(
-    q: QuantType,
-    block: &[u8],
-    cols: usize,
-    kept: &[u8],
-    xi: &Q8Inputs,
-    lo: usize,
-    y: &mut [f32],
-) {
-    match q {
-        QuantType::Q8_0 => avx2_impl::<TYPE_Q8_0>(block, cols, kept, xi, lo, y),
-        QuantType::Q4_0 => avx2_impl::<TYPE_Q4_0>(block, cols, kept, xi, lo, y),
-        QuantType::Q4_1 => avx2_impl::<TYPE_Q4_1>(block, cols, kept, xi, lo, y),
-        QuantType::Q5_0 => avx2_impl::<TYPE_Q5_0>(block, cols, kept, xi, lo, y),
-        QuantType::Q5_1 => avx2_impl::<TYPE_Q5_1>(block, cols, kept, xi, lo, y),
-        _ => unreachable!("axpy_blocks::check admits the input-block types only"),
-    }
+    unsafe { by_type!(avx2_impl, q, block, cols, kept, xi, lo, y) }
 }
 
 /// The AVX2 loop: tiles of 32 outputs, the kept rows 2 at a time. A pair's quants are
@@ -369,53 +384,6 @@ const HIGH_LINE: usize = 512;
 /// block were fetched by `prefetch_first`).
 #[cfg(target_arch = "x86_64")]
 const AHEAD_OUTPUTS: usize = axpy_blocks::FIRST_OUTPUTS;
-
-/// [`avx512_impl`] built once per type, so that no test of the type is left in its loops.
-///
-/// # Safety
-/// As [`avx512_impl`].
-#[cfg(target_arch = "x86_64")]
-unsafe fn avx512_typed(
-    q: QuantType,
-    block: &[u8],
-    cols: usize,
-    kept: &[u8],
-    xi: &Q8Inputs,
-    lo: usize,
-    y: &mut [f32],
-) {
-    match q {
-        QuantType::Q8_0 => avx512_impl::<TYPE_Q8_0>(block, cols, kept, xi, lo, y),
-        QuantType::Q4_0 => avx512_impl::<TYPE_Q4_0>(block, cols, kept, xi, lo, y),
-        QuantType::Q4_1 => avx512_impl::<TYPE_Q4_1>(block, cols, kept, xi, lo, y),
-        QuantType::Q5_0 => avx512_impl::<TYPE_Q5_0>(block, cols, kept, xi, lo, y),
-        QuantType::Q5_1 => avx512_impl::<TYPE_Q5_1>(block, cols, kept, xi, lo, y),
-        _ => unreachable!("axpy_blocks::check admits the input-block types only"),
-    }
-}
-
-/// The input-block types as the kernel's const parameter.
-#[cfg(target_arch = "x86_64")]
-const TYPE_Q8_0: u8 = 0;
-#[cfg(target_arch = "x86_64")]
-const TYPE_Q4_0: u8 = 1;
-#[cfg(target_arch = "x86_64")]
-const TYPE_Q4_1: u8 = 2;
-#[cfg(target_arch = "x86_64")]
-const TYPE_Q5_0: u8 = 3;
-#[cfg(target_arch = "x86_64")]
-const TYPE_Q5_1: u8 = 4;
-
-#[cfg(target_arch = "x86_64")]
-const fn type_of(t: u8) -> QuantType {
-    match t {
-        TYPE_Q8_0 => QuantType::Q8_0,
-        TYPE_Q4_0 => QuantType::Q4_0,
-        TYPE_Q4_1 => QuantType::Q4_1,
-        TYPE_Q5_0 => QuantType::Q5_0,
-        _ => QuantType::Q5_1,
-    }
-}
 
 /// # Safety
 /// The caller checked the extents (`axpy_blocks::check`), `kept` is not empty, and the CPU
