@@ -153,83 +153,55 @@ pub fn scalar(
     }
 }
 
+/// A tier's two entries: `$f32_in` over f32 inputs, quantized here (the tier's f32 kernel
+/// `$fallback` where they are not all finite or all zero), and `$q8_in` over inputs already
+/// quantized; both check the extents and run `$imp` for the block's type.
 #[cfg(target_arch = "x86_64")]
-fn avx512(
-    q: QuantType,
-    block: &[u8],
-    cols: usize,
-    kept: &[u8],
-    x: &[f32; 32],
-    lo: usize,
-    y: &mut [f32],
-) {
-    axpy_blocks::check(q, block, cols, kept, lo, y);
-    let Some(xi) = quantize(x, kept) else {
-        return axpy_blocks::avx512(q, block, cols, kept, x, lo, y);
+macro_rules! entries {
+    ($f32_in:ident, $q8_in:ident, $imp:ident, $fallback:expr) => {
+        fn $f32_in(
+            q: QuantType,
+            block: &[u8],
+            cols: usize,
+            kept: &[u8],
+            x: &[f32; 32],
+            lo: usize,
+            y: &mut [f32],
+        ) {
+            axpy_blocks::check(q, block, cols, kept, lo, y);
+            let Some(xi) = quantize(x, kept) else {
+                return ($fallback)(q, block, cols, kept, x, lo, y);
+            };
+            // SAFETY: handed out by `select` for this tier only (its CPU features present);
+            // extents checked above, and `quantize` gave `Some`, so `kept` is not empty.
+            unsafe { by_type!($imp, q, block, cols, kept, &xi, lo, y) }
+        }
+
+        fn $q8_in(
+            q: QuantType,
+            block: &[u8],
+            cols: usize,
+            kept: &[u8],
+            xi: &Q8Inputs,
+            lo: usize,
+            y: &mut [f32],
+        ) {
+            axpy_blocks::check(q, block, cols, kept, lo, y);
+            assert!(
+                !kept.is_empty(),
+                "axpy_blocks: quantized inputs of no kept row"
+            );
+            // SAFETY: handed out by `select_q8` for this tier only (its CPU features
+            // present); extents checked above, `kept` not empty.
+            unsafe { by_type!($imp, q, block, cols, kept, xi, lo, y) }
+        }
     };
-    // SAFETY: handed out by `select` for the AVX-512 tier only (which has VNNI); extents
-    // checked above, and `quantize` gave `Some`, so `kept` is not empty.
-    unsafe { by_type!(avx512_impl, q, block, cols, kept, &xi, lo, y) }
 }
 
 #[cfg(target_arch = "x86_64")]
-fn avx512_q8(
-    q: QuantType,
-    block: &[u8],
-    cols: usize,
-    kept: &[u8],
-    xi: &Q8Inputs,
-    lo: usize,
-    y: &mut [f32],
-) {
-    axpy_blocks::check(q, block, cols, kept, lo, y);
-    assert!(
-        !kept.is_empty(),
-        "axpy_blocks: quantized inputs of no kept row"
-    );
-    // SAFETY: handed out by `select_q8` for the AVX-512 tier only (which has VNNI); extents
-    // checked above, `kept` not empty.
-    unsafe { by_type!(avx512_impl, q, block, cols, kept, xi, lo, y) }
-}
-
+entries!(avx512, avx512_q8, avx512_impl, axpy_blocks::avx512);
 #[cfg(target_arch = "x86_64")]
-fn avx2(
-    q: QuantType,
-    block: &[u8],
-    cols: usize,
-    kept: &[u8],
-    x: &[f32; 32],
-    lo: usize,
-    y: &mut [f32],
-) {
-    axpy_blocks::check(q, block, cols, kept, lo, y);
-    let Some(xi) = quantize(x, kept) else {
-        return (axpy_blocks::select(Isa::Avx2))(q, block, cols, kept, x, lo, y);
-    };
-    // SAFETY: handed out by `select` for the AVX2 tier only; extents checked above, and
-    // `quantize` gave `Some`, so `kept` is not empty.
-    unsafe { by_type!(avx2_impl, q, block, cols, kept, &xi, lo, y) }
-}
-
-#[cfg(target_arch = "x86_64")]
-fn avx2_q8(
-    q: QuantType,
-    block: &[u8],
-    cols: usize,
-    kept: &[u8],
-    xi: &Q8Inputs,
-    lo: usize,
-    y: &mut [f32],
-) {
-    axpy_blocks::check(q, block, cols, kept, lo, y);
-    assert!(
-        !kept.is_empty(),
-        "axpy_blocks: quantized inputs of no kept row"
-    );
-    // SAFETY: handed out by `select_q8` for the AVX2 tier only; extents checked above, `kept`
-    // not empty.
-    unsafe { by_type!(avx2_impl, q, block, cols, kept, xi, lo, y) }
-}
+entries!(avx2, avx2_q8, avx2_impl, axpy_blocks::select(Isa::Avx2));
 
 /// The AVX2 loop: tiles of 32 outputs, the kept rows 2 at a time. A pair's quants are
 /// interleaved (one byte unpack per 16 outputs) and `vpmaddubsw` multiplies them with the
