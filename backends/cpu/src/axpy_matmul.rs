@@ -172,7 +172,8 @@ const BLOCK_COL_UNIT: usize = 64;
 /// A matrix of fewer outputs than this has its kept blocks cut into chunks (up to
 /// [`MAX_CHUNKS`]), summed apart and added in order: the threads then share its work by blocks,
 /// each reading whole rows of few outputs, not a thin slice of every row. The chunks are fixed
-/// by the shape and `x`, never by the thread count, so the sums are the same bits at any.
+/// by the shape and `x`, never by the thread count, so the sums are the same bits at any
+/// thread count.
 const CHUNKED_OUTPUTS: usize = 4096;
 const MAX_CHUNKS: usize = 4;
 /// Kept blocks a chunk holds at least.
@@ -220,6 +221,7 @@ struct Scratch {
     chunks: Vec<usize>,
     starts: Vec<usize>,
     partial: Vec<f32>,
+    outputs: Vec<SyncPtr>,
 }
 
 thread_local! {
@@ -357,6 +359,7 @@ fn blocks_product(
         chunks,
         starts,
         partial,
+        outputs,
     } = s;
     chunk_counts(ws, kept.len(), chunks);
     // Chunk c > 0 of matrix j sums into `partial[starts[j] + (c - 1) * cols ..]`, zeroed by the
@@ -380,11 +383,10 @@ fn blocks_product(
         .min(bytes.div_ceil(MIN_BYTES_PER_THREAD))
         .max(1);
     units(ws, kept, chunks, threads, us);
-    let yps: Vec<SyncPtr> = (ys.iter_mut())
-        .map(|y| SyncPtr::new(y.as_mut_ptr()))
-        .collect();
+    outputs.clear();
+    outputs.extend(ys.iter_mut().map(|y| SyncPtr::new(y.as_mut_ptr())));
     let pp = SyncPtr::new(partial.as_mut_ptr());
-    let (us, starts, kept) = (&*us, &*starts, &*kept);
+    let (us, starts, kept, yps) = (&*us, &*starts, &*kept, &*outputs);
     pool.run(threads, &|t| {
         for u in us.iter().filter(|u| u.owner == t) {
             let base = match u.c {
@@ -431,7 +433,6 @@ fn blocks_share(
         if let Some(nb) = kept.get(i + 1) {
             axpy_blocks::prefetch_first(q, block(nb.b), cols, &nb.rows[..nb.n], c0);
         }
-
         let rows = &kb.rows[..kb.n];
         match (k.axpy_blocks_q8, &kb.q8) {
             (Some(f), Some(xi)) => f(q, block(kb.b), cols, rows, xi, c0, part),
