@@ -203,6 +203,35 @@ entries!(avx512, avx512_q8, avx512_impl, axpy_blocks::avx512);
 #[cfg(target_arch = "x86_64")]
 entries!(avx2, avx2_q8, avx2_impl, axpy_blocks::select(Isa::Avx2));
 
+/// The starts of the kept rows' quants and fifth-bit planes (the 5-bit types; the block's
+/// start otherwise, never read) in a block, slot `j` for `kept[j]`; the slots past `kept` hold
+/// `kept[0]`'s, for the padding of a short last group. `kept` is not empty and its rows are in
+/// the block (`axpy_blocks::check`).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn row_starts(
+    q: QuantType,
+    block: &[u8],
+    cols: usize,
+    kept: &[u8],
+) -> ([*const u8; 32], [*const u8; 32]) {
+    let base = block.as_ptr();
+    let row = if q == QuantType::Q8_0 { cols } else { cols / 2 };
+    let quants = axpy_blocks::scale_bytes(q, cols);
+    let five = axpy_blocks::five_bit(q);
+    // `wrapping_add`: offsets inside the block, so no pointer leaves it.
+    let start = |r: u8| base.wrapping_add(quants + r as usize * row);
+    let high = |r: u8| match five {
+        true => base.wrapping_add(axpy_blocks::high_bits_at(q, cols) + r as usize * cols / 8),
+        false => base,
+    };
+    let (mut rows, mut highs) = ([start(kept[0]); 32], [high(kept[0]); 32]);
+    for (j, &r) in kept.iter().enumerate() {
+        (rows[j], highs[j]) = (start(r), high(r));
+    }
+    (rows, highs)
+}
+
 /// The AVX2 loop: tiles of 32 outputs, the kept rows 2 at a time. A pair's quants are
 /// interleaved (one byte unpack per 16 outputs) and `vpmaddubsw` multiplies them with the
 /// pair's 2 input bytes: one 16-bit sum per output, at most 2 * 128 * 127 in magnitude (Q8_0's
@@ -226,22 +255,15 @@ unsafe fn avx2_impl<const T: u8>(
     use std::arch::x86_64::*;
     let q = const { type_of(T) };
     let base = block.as_ptr();
-    let quants = base.add(axpy_blocks::scale_bytes(q, cols));
     let q8 = q == QuantType::Q8_0;
-    let (row, shift) = if q8 { (cols, 0) } else { (cols / 2, 1) };
+    let shift = if q8 { 0 } else { 1 };
     let five = axpy_blocks::five_bit(q);
-    let high = |r: u8| match five {
-        true => base.add(axpy_blocks::high_bits_at(q, cols) + r as usize * cols / 8),
-        false => base,
-    };
+    // A short last pair repeats row kept[0] with input 0.
     let pairs = kept.len().div_ceil(2);
-    let mut rows = [quants.add(kept[0] as usize * row); 32];
-    let mut highs = [high(kept[0]); 32];
+    let (rows, highs) = row_starts(q, block, cols, kept);
     let mut x2 = [0i16; 16];
-    for (j, &r) in kept.iter().enumerate() {
-        rows[j] = quants.add(r as usize * row);
-        highs[j] = high(r);
-        x2[j / 2] |= (((xq[j] as u8) as u16) << (8 * (j % 2))) as i16;
+    for (j, &v) in xq.iter().enumerate().take(kept.len()) {
+        x2[j / 2] |= (((v as u8) as u16) << (8 * (j % 2))) as i16;
     }
     let nib = _mm256_set1_epi8(0x0F);
     // A 32-bit word of fifth bits to bytes: byte i takes bit i % 8 of the word's byte i / 8.
@@ -373,26 +395,17 @@ unsafe fn avx512_impl<const T: u8>(
     use std::arch::x86_64::*;
     let q = const { type_of(T) };
     let base = block.as_ptr();
-    let quants = base.add(axpy_blocks::scale_bytes(q, cols));
     let q8 = q == QuantType::Q8_0;
     // Row bytes per output: 1 (Q8_0) or 1/2.
-    let (row, shift) = if q8 { (cols, 0) } else { (cols / 2, 1) };
+    let shift = if q8 { 0 } else { 1 };
     let five = axpy_blocks::five_bit(q);
-    // The fifth bits' plane of a row (5-bit types; the block's start otherwise, never read).
-    let high = |r: u8| match five {
-        true => base.add(axpy_blocks::high_bits_at(q, cols) + r as usize * cols / 8),
-        false => base,
-    };
-    // The kept rows in groups of 4 (a short last group repeats row kept[0] with input 0): their
-    // quants' and fifth bits' starts; each group's 4 input bytes as one 32-bit lane.
+    // The kept rows in groups of 4 (a short last group repeats row kept[0] with input 0); each
+    // group's 4 input bytes as one 32-bit lane.
     let groups = kept.len().div_ceil(4);
-    let mut rows = [quants.add(kept[0] as usize * row); 32];
-    let mut highs = [high(kept[0]); 32];
+    let (rows, highs) = row_starts(q, block, cols, kept);
     let mut x4 = [0i32; 8];
-    for (j, &r) in kept.iter().enumerate() {
-        rows[j] = quants.add(r as usize * row);
-        highs[j] = high(r);
-        x4[j / 4] |= ((xq[j] as u8) as i32) << (8 * (j % 4));
+    for (j, &v) in xq.iter().enumerate().take(kept.len()) {
+        x4[j / 4] |= ((v as u8) as i32) << (8 * (j % 4));
     }
     let nib = _mm256_set1_epi8(0x0F);
     let flip = _mm512_set1_epi8(-128);
