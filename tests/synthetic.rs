@@ -4,6 +4,7 @@
 use dejavu::exec::{BlockTimes, Logits};
 use dejavu::exec::{Engine, EngineOptions};
 use dejavu::model::synthetic::SyntheticOptions;
+use dejavu::quantize::mix::FileType;
 use dejavu::sparsity::policy::Policy;
 use dejavu::sparsity::{HeadRule, MlpRule};
 use dejavu_backend_api::QuantType;
@@ -15,7 +16,7 @@ fn max_diff(a: &[f32], b: &[f32]) -> (f32, f32) {
     (diff, a.iter().fold(0f32, |m, v| m.max(v.abs())))
 }
 
-fn engine(dtype: QuantType) -> Engine {
+fn engine(dtype: FileType) -> Engine {
     let opts = EngineOptions {
         threads: Some(2),
         n_ctx: Some(64),
@@ -30,7 +31,7 @@ fn engine(dtype: QuantType) -> Engine {
 
 #[test]
 fn builds_at_the_published_shape_and_says_synthetic() {
-    let e = engine(QuantType::Q8_0);
+    let e = engine(FileType::Q8_0);
     let c = &e.model.config;
     assert_eq!(
         (c.n_layers, c.d_model, c.n_ff, c.n_heads, c.vocab_size),
@@ -52,7 +53,7 @@ fn builds_at_the_published_shape_and_says_synthetic() {
 /// quantized along its own axis, so equal within the two rounding steps); likewise W_o.
 #[test]
 fn layout_is_the_transpose_of_the_model() {
-    for dtype in [QuantType::Q8_0, QuantType::F16] {
+    for dtype in [FileType::Q8_0, FileType::F16] {
         let e = engine(dtype);
         let (m, b) = (&e.model, e.backend());
         let lay = e.sparse_layout().unwrap();
@@ -70,11 +71,7 @@ fn layout_is_the_transpose_of_the_model() {
                 for j in [0, 5, w.cols / 2, w.cols - 1] {
                     b.dequantize_row(&t, j, &mut trow);
                     // |w| <= 0.02 * 3.46; Q8_0 steps are at most 0.07 / 127 per side.
-                    let tol = if dtype == QuantType::F16 {
-                        1e-4
-                    } else {
-                        1.2e-3
-                    };
+                    let tol = if dtype == FileType::F16 { 1e-4 } else { 1.2e-3 };
                     assert!(
                         (trow[r] - row[j]).abs() <= tol,
                         "{dtype:?} {}: [{r}][{j}] {} vs {}",
@@ -88,9 +85,48 @@ fn layout_is_the_transpose_of_the_model() {
     }
 }
 
+/// `--dtype q4_k_m` is llama-quantize's Q4_K_M: the head (OPT's, tied to the token embedding)
+/// in Q6_K, `attn_v` and `ffn_down` in Q6_K in the first and last eighth of the layers and every
+/// third between, every other matrix in Q4_K; it decodes dense and under `teal:0.5` (input
+/// blocks of the K-quants), reading fewer bytes.
+#[test]
+fn k_quant_mixes_are_llama_quantizes() {
+    let e = engine(FileType::Q4KM);
+    let m = &e.model;
+    assert!(m.label().contains("q4_k_m"), "{}", m.label());
+    assert_eq!(m.token_embd.qtype, QuantType::Q6K);
+    // 12 layers: `more` is layer 0 (below n/8 = 1), 10 and 11 (from 7n/8 = 10), and every
+    // third from 1 + 2: 3, 6, 9.
+    for (l, layer) in m.layers.iter().enumerate() {
+        let more = [0, 3, 6, 9, 10, 11].contains(&l);
+        let six = if more { QuantType::Q6K } else { QuantType::Q4K };
+        assert_eq!(
+            (layer.wv.qtype, layer.w_down.qtype),
+            (six, six),
+            "layer {l}"
+        );
+        for w in [&layer.wq, &layer.wk, &layer.wo, &layer.w_up] {
+            assert_eq!(w.qtype, QuantType::Q4K, "layer {l} {}", w.name);
+        }
+    }
+    let preds = e.predictors(None).unwrap().unwrap();
+    let teal = e.policy("teal:0.5", Some(&preds)).unwrap();
+    let dense = Policy::dense(&m.config);
+    let mut bytes = Vec::new();
+    for pol in [&dense, &teal] {
+        let mut s = e.decoder(pol).unwrap();
+        s.run(&[5, 6, 7], Logits::Last).unwrap();
+        let out = s.run(&[8], Logits::Last).unwrap();
+        assert!(out.iter().all(|v| v.is_finite()));
+        assert!(out.iter().any(|&v| v != out[0]));
+        bytes.push(s.last_step().unwrap().weight_bytes);
+    }
+    assert!(bytes[1] < bytes[0], "{bytes:?}");
+}
+
 #[test]
 fn paper_policy_runs_its_selection_on_synthetic_predictors() {
-    let e = engine(QuantType::Q8_0);
+    let e = engine(FileType::Q8_0);
     let preds = e.predictors(None).unwrap().expect("synthetic predictors");
     let pol = e.policy("paper", Some(&preds)).unwrap();
     assert_eq!(pol.mlp[0], MlpRule::Dense);
@@ -117,7 +153,7 @@ fn paper_policy_runs_its_selection_on_synthetic_predictors() {
 
 #[test]
 fn quality_commands_refuse_and_bad_names_are_errors() {
-    let e = engine(QuantType::Q4_0);
+    let e = engine(FileType::Q4_0);
     let mut dense = e.decoder(&Policy::dense(&e.model.config)).unwrap();
     let err = dejavu::eval::perplexity::perplexity(
         &e,
@@ -154,7 +190,7 @@ fn quality_commands_refuse_and_bad_names_are_errors() {
         "1",
     ]);
     assert!(
-        !ok && err.contains("expected f16, bf16, q8_0 or q4_0"),
+        !ok && err.contains("expected one of f16, bf16, q8_0, q4_0, q4_k_s, q4_k_m"),
         "{err}"
     );
     let (ok, err) = run(&["perplexity", "-m", "synthetic:opt-125m", "-f", "Cargo.toml"]);
@@ -167,7 +203,7 @@ fn quality_commands_refuse_and_bad_names_are_errors() {
 /// batch (every unit) after truncating fills every hole.
 #[test]
 fn lazy_kv_equals_full_kv_with_fewer_bytes() {
-    let e = engine(QuantType::F16);
+    let e = engine(FileType::F16);
     let preds = e.predictors(None).unwrap().unwrap();
     let full = e.policy("dejavu-attn:0.5", Some(&preds)).unwrap();
     let lazy = e.policy("dejavu-attn:0.5+lazy-kv", Some(&preds)).unwrap();
@@ -209,7 +245,7 @@ fn lazy_kv_equals_full_kv_with_fewer_bytes() {
 
 #[test]
 fn lazy_kv_needs_multi_head_attention_and_a_head_rule() {
-    let e = engine(QuantType::Q8_0);
+    let e = engine(FileType::Q8_0);
     let preds = e.predictors(None).unwrap().unwrap();
     let err = e.policy("dejavu:0.1+lazy-kv", Some(&preds)).err().unwrap();
     assert!(err.to_string().contains("needs a head rule"), "{err}");

@@ -2,8 +2,10 @@
 //!
 //! The Deja Vu paper measures latency on random weights; so do we. The weights are seeded random
 //! numbers at Hugging Face's initialisation (every matrix `N(0, 0.02)`, biases 0, norm gains 1),
-//! built directly in memory in the type asked for (f16, bf16, Q8_0, Q4_0; quantized with ggml's
-//! one-pass rounding). They come with random low-rank predictors of a configurable rank, so every
+//! built directly in memory in the file type asked for (f16, bf16, Q8_0, Q4_0 and the K-quant
+//! mixes Q4_K_S/M, Q5_K_S/M, Q6_K), each matrix in the type `llama-quantize` gives it in that
+//! file type (`quantize::mix`: the output head in Q6_K, some `attn_v` and `ffn_down` in Q6_K under
+//! Q4_K_M, ...), quantized with one pass of rounding (ggml's for the 32-wide types). They come with random low-rank predictors of a configurable rank, so every
 //! policy runs its real selection path and pays its real cost. Nothing computed on them means
 //! anything: every output that names the model says `synthetic`, and `perplexity` and
 //! `calibrate` refuse them.
@@ -14,6 +16,7 @@
 use crate::model::arch;
 use crate::model::config::ModelConfig;
 use crate::model::names::{GlobalTensor, LayerTensor};
+use crate::quantize::mix::{FileType, Mix};
 use crate::{Error, Result};
 use dejavu_backend_api::quantize::quantize_row_absmax;
 use dejavu_backend_api::QuantType;
@@ -102,8 +105,8 @@ pub const SHAPES: [Shape; 10] = [
 /// How a synthetic model is built.
 #[derive(Debug, Clone, Copy)]
 pub struct SyntheticOptions {
-    /// Weight type: F16, BF16, Q8_0 or Q4_0.
-    pub dtype: QuantType,
+    /// The file type whose per-tensor mix the matrices take (one of [`DTYPES`]).
+    pub dtype: FileType,
     /// Rank of the synthetic MLP and head predictors (default: [`default_rank`]).
     pub predictor_rank: Option<usize>,
     pub seed: u64,
@@ -112,20 +115,31 @@ pub struct SyntheticOptions {
 impl Default for SyntheticOptions {
     fn default() -> Self {
         Self {
-            dtype: QuantType::F16,
+            dtype: FileType::F16,
             predictor_rank: None,
             seed: 0,
         }
     }
 }
 
-/// The weight types a synthetic model can be built in.
-pub const DTYPES: [QuantType; 4] = [
-    QuantType::F16,
-    QuantType::BF16,
-    QuantType::Q8_0,
-    QuantType::Q4_0,
+/// The file types a synthetic model can be built in: those people download (the types with a
+/// one-pass rounding; `quantize` writes the others from a real model).
+pub const DTYPES: [FileType; 9] = [
+    FileType::F16,
+    FileType::BF16,
+    FileType::Q8_0,
+    FileType::Q4_0,
+    FileType::Q4KS,
+    FileType::Q4KM,
+    FileType::Q5KS,
+    FileType::Q5KM,
+    FileType::Q6K,
 ];
+
+/// [`DTYPES`]' names, for messages.
+pub fn dtype_names() -> String {
+    DTYPES.map(|f| f.name()).join(", ")
+}
 
 /// The shape a `synthetic:NAME` model argument names (`None`: not a synthetic name; an unknown
 /// NAME is an error listing the known ones).
@@ -206,8 +220,9 @@ enum Fill {
     Ones,
 }
 
-/// Every tensor of a model of config `c`, as the loader will look them up.
-fn tensors(c: &ModelConfig, dtype: QuantType) -> Vec<TensorSpec> {
+/// Every tensor of a model of config `c`, as the loader will look them up; each matrix in the type
+/// `llama-quantize` gives it in file type `ftype` (in its file order: layer by layer).
+fn tensors(c: &ModelConfig, ftype: FileType) -> Vec<TensorSpec> {
     let (d, q_dim, kv, ff, vocab) = (
         c.d_model,
         c.n_heads * c.head_dim,
@@ -215,6 +230,8 @@ fn tensors(c: &ModelConfig, dtype: QuantType) -> Vec<TensorSpec> {
         c.n_ff,
         c.vocab_size,
     );
+    let gqa = c.n_heads / c.n_kv_heads.max(1);
+    let mut mix = Mix::new(ftype, false, false, c.tied_output, gqa, c.n_layers);
     let mut v = Vec::new();
     let mut push = |name: String, qtype, shape, fill| {
         v.push(TensorSpec {
@@ -225,14 +242,15 @@ fn tensors(c: &ModelConfig, dtype: QuantType) -> Vec<TensorSpec> {
         })
     };
     let f32v = QuantType::F32;
-    push(
-        GlobalTensor::TokenEmbd.name(),
-        dtype,
-        [vocab, d],
-        Fill::Random,
-    );
+    let mut matrix = |push: &mut dyn FnMut(String, QuantType, [usize; 2], Fill),
+                      name: String,
+                      shape: [usize; 2]| {
+        let q = mix.tensor_type(&name, shape[1]);
+        push(name, q, shape, Fill::Random)
+    };
+    matrix(&mut push, GlobalTensor::TokenEmbd.name(), [vocab, d]);
     if !c.tied_output {
-        push(GlobalTensor::Output.name(), dtype, [vocab, d], Fill::Random);
+        matrix(&mut push, GlobalTensor::Output.name(), [vocab, d]);
     }
     if let crate::model::config::Positions::Learned { offset } = c.positions {
         let rows = c.context_length + offset;
@@ -256,7 +274,7 @@ fn tensors(c: &ModelConfig, dtype: QuantType) -> Vec<TensorSpec> {
         }
     }
     for l in 0..c.n_layers {
-        let mut m = |t: LayerTensor, shape| push(t.name(l), dtype, shape, Fill::Random);
+        let mut m = |t: LayerTensor, shape| matrix(&mut push, t.name(l), shape);
         m(LayerTensor::AttnQ, [q_dim, d]);
         m(LayerTensor::AttnK, [kv, d]);
         m(LayerTensor::AttnV, [kv, d]);
@@ -303,7 +321,7 @@ impl Synthetic {
         format!(
             "{PREFIX}{} (synthetic random weights, {})",
             self.shape.name,
-            self.options.dtype.name().to_lowercase()
+            self.options.dtype.name()
         )
     }
 
@@ -345,7 +363,7 @@ impl Synthetic {
 }
 
 /// The bytes a synthetic model of `shape` takes in `dtype`.
-pub fn model_bytes(shape: &Shape, dtype: QuantType) -> Result<usize> {
+pub fn model_bytes(shape: &Shape, dtype: FileType) -> Result<usize> {
     let c = shape.config()?;
     Ok(tensors(&c, dtype).iter().map(TensorSpec::n_bytes).sum())
 }
@@ -358,7 +376,8 @@ pub(crate) fn build(
 ) -> Result<(ModelConfig, Vec<TensorSpec>, Synthetic)> {
     if !DTYPES.contains(&options.dtype) {
         return Err(Error::Invalid(format!(
-            "synthetic models are built in f16, bf16, q8_0 or q4_0, not {}",
+            "synthetic models are built in {}, not {}",
+            dtype_names(),
             options.dtype.name()
         )));
     }
@@ -520,7 +539,7 @@ mod tests {
         }
         let bytes = |name: &str| {
             let shape = parse(&format!("synthetic:{name}")).unwrap().unwrap();
-            model_bytes(shape, QuantType::F16).unwrap() as f64
+            model_bytes(shape, FileType::F16).unwrap() as f64
         };
         // 6.66e9 weights in f16 (embedding, positions in f32, vectors).
         let b = bytes("opt-6.7b");

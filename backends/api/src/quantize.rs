@@ -209,8 +209,8 @@ fn q5_0((d, q): (f32, [i32; QK])) -> BlockQ5_0 {
 
 /// Like [`quantize_row`] but with ggml's one-pass absmax scales (no error search, ~30x faster,
 /// up to ~2x the squared error at 4-5 bits): for bulk data where rounding quality does not
-/// matter, such as the random weights of synthetic models. Q4_1 and the float types are as
-/// [`quantize_row`].
+/// matter, such as the random weights of synthetic models. Q4_K, Q5_K and Q6_K round in one pass
+/// too ([`k::one_pass`]); the other types are as [`quantize_row`].
 pub fn quantize_row_absmax(qtype: QuantType, x: &[f32], out: &mut Vec<u8>) -> Option<()> {
     if !x.len().is_multiple_of(qtype.block_len()) {
         return None;
@@ -226,6 +226,7 @@ pub fn quantize_row_absmax(qtype: QuantType, x: &[f32], out: &mut Vec<u8>) -> Op
         QuantType::Q5_0 => {
             blocks.for_each(|b| out.extend(bytemuck::bytes_of(&q5_0(absmax(b, -16, 15)))))
         }
+        QuantType::Q4K | QuantType::Q5K | QuantType::Q6K => return k::one_pass(qtype, x, out),
         _ => return quantize_row(qtype, x, out),
     }
     Some(())

@@ -7,10 +7,10 @@ use dejavu::exec::KvType;
 use dejavu::exec::{Engine, EngineOptions};
 use dejavu::fetch;
 use dejavu::model::synthetic::{self, SyntheticOptions};
+use dejavu::quantize::mix::FileType;
 use dejavu::text::chat::EncodeChat;
 use dejavu::text::generate::Stop;
 use dejavu::text::sampling::{Sampler, SamplerConfig};
-use dejavu_backend_api::QuantType;
 use std::io::Write;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -113,9 +113,10 @@ struct ModelArgs {
 /// How a `--model synthetic:NAME` is built (random weights at a published shape, for speed only).
 #[derive(Args, Clone, Copy)]
 struct SyntheticArgs {
-    /// Weight type of a synthetic model: f16, bf16, q8_0 or q4_0.
+    /// File type of a synthetic model (each matrix in the type llama-quantize gives it): f16,
+    /// bf16, q8_0, q4_0, q4_k_s, q4_k_m, q5_k_s, q5_k_m or q6_k.
     #[arg(long, default_value = "f16", value_parser = parse_dtype)]
-    dtype: QuantType,
+    dtype: FileType,
     /// Rank of a synthetic model's predictors (default: d_model / 16, in multiples of 32).
     #[arg(long)]
     predictor_rank: Option<usize>,
@@ -131,10 +132,10 @@ impl SyntheticArgs {
     }
 }
 
-fn parse_dtype(s: &str) -> std::result::Result<QuantType, String> {
-    QuantType::from_name(&s.to_uppercase())
-        .filter(|q| synthetic::DTYPES.contains(q))
-        .ok_or_else(|| format!("`{s}`: expected f16, bf16, q8_0 or q4_0"))
+fn parse_dtype(s: &str) -> std::result::Result<FileType, String> {
+    FileType::parse(s)
+        .filter(|f| synthetic::DTYPES.contains(f))
+        .ok_or_else(|| format!("`{s}`: expected one of {}", synthetic::dtype_names()))
 }
 
 fn parse_kv_type(s: &str) -> std::result::Result<KvType, String> {
