@@ -57,7 +57,8 @@ pub fn select(isa: Isa) -> AxpyBlocksFn {
         Isa::Avx512 => avx512,
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => avx2,
-        _ => scalar,
+        Isa::Scalar => scalar,
+        _ => generic,
     }
 }
 
@@ -122,7 +123,7 @@ pub(super) fn quant(q: QuantType, block: &[u8], cols: usize, r: usize, o: usize)
     }
 }
 
-/// The definition (also the portable and ARM tiers).
+/// The definition (and the scalar tier's kernel).
 pub fn scalar(
     q: QuantType,
     block: &[u8],
@@ -141,6 +142,75 @@ pub fn scalar(
             .sum();
         let (d, off) = scale_off(q, block, cols, o);
         *yj += d * t + off * s;
+    }
+}
+
+/// The tiers without intrinsics of their own here (portable, NEON, NEON with the dot product):
+/// [`scalar`]'s arithmetic in its order (each output's `t` summed over the kept rows in `kept`
+/// order from -0.0, as `Sum` does; products and sums not fused), 32 outputs at a time in
+/// fixed-size arrays that the compiler vectorises (NEON on aarch64, SSE2 on x86-64), each kernel
+/// built once per type: bit for bit the definition.
+pub fn generic(
+    q: QuantType,
+    block: &[u8],
+    cols: usize,
+    kept: &[u8],
+    x: &[f32; 32],
+    lo: usize,
+    y: &mut [f32],
+) {
+    check(q, block, cols, kept, lo, y);
+    match q {
+        QuantType::Q8_0 => generic_type::<0>(q, block, cols, kept, x, lo, y),
+        QuantType::Q4_0 | QuantType::Q4_1 => generic_type::<4>(q, block, cols, kept, x, lo, y),
+        _ => generic_type::<5>(q, block, cols, kept, x, lo, y),
+    }
+}
+
+/// [`generic`] for a type of `BITS` (0: Q8_0's bytes).
+#[inline(always)]
+fn generic_type<const BITS: u32>(
+    q: QuantType,
+    block: &[u8],
+    cols: usize,
+    kept: &[u8],
+    x: &[f32; 32],
+    lo: usize,
+    y: &mut [f32],
+) {
+    let s: f32 = kept.iter().map(|&r| x[r as usize]).sum();
+    let base = scale_bytes(q, cols);
+    for (g, yg) in y.chunks_exact_mut(32).enumerate() {
+        let o0 = lo + 32 * g;
+        let mut t = [-0.0f32; 32];
+        for &r in kept {
+            let (r, xr) = (r as usize, x[r as usize]);
+            let mut v = [0f32; 32];
+            if BITS == 0 {
+                let row: &[u8; 32] = block[base + r * cols + o0..][..32].try_into().unwrap();
+                for i in 0..32 {
+                    v[i] = row[i] as i8 as f32;
+                }
+            } else {
+                let at = base + r * cols / 2 + o0 / 2;
+                let row: &[u8; 16] = block[at..at + 16].try_into().unwrap();
+                let high = match BITS {
+                    5 => (high_word(q, block, cols, r, o0 / 64) >> (o0 % 64)) as u32,
+                    _ => 0,
+                };
+                for i in 0..16 {
+                    v[i] = ((row[i] & 15) as u32 | (high >> i & 1) << 4) as f32;
+                    v[i + 16] = ((row[i] >> 4) as u32 | (high >> (i + 16) & 1) << 4) as f32;
+                }
+            }
+            for i in 0..32 {
+                t[i] += xr * v[i];
+            }
+        }
+        for (j, yj) in yg.iter_mut().enumerate() {
+            let (d, off) = scale_off(q, block, cols, o0 + j);
+            *yj += d * t[j] + off * s;
+        }
     }
 }
 
@@ -609,6 +679,11 @@ mod tests {
                         let tol = 1e-5 * mag + 1e-6;
                         assert!(((want[j] as f64) - exact).abs() <= tol, "{q:?} ref {o}");
                     }
+                    // The kernel of the tiers without intrinsics: the definition's bits.
+                    let mut got = y0.clone();
+                    generic(q, &bytes, cols, kept, &x, lo, &mut got);
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&got), bits(&want), "generic {q:?} {cols} {lo} {n}");
                     for isa in Isa::supported() {
                         let mut got = y0.clone();
                         select(isa)(q, &bytes, cols, kept, &x, lo, &mut got);
