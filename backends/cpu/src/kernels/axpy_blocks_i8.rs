@@ -1,6 +1,6 @@
 //! [`super::axpy_blocks`] with the kept inputs rounded to 8 bits, for `vpdpbusd` (AVX-512) and
-//! `vpmaddubsw` (AVX2): the x86 tiers' kernels of input sparsity (TEAL, WINA) over the
-//! input-block layout.
+//! `vpmaddubsw` (AVX2) and NEON's `smlal` (both aarch64 tiers): the SIMD tiers' kernels of input
+//! sparsity (TEAL, WINA) over the input-block layout.
 //!
 //! Per block of 32 inputs, with `amax` the largest |x| kept: `sx = amax / 127` and, for the j-th
 //! kept input, `xq[j] = round_ties_even(x * (127 / amax))` ([`quantize`]). Per output `o`,
@@ -16,15 +16,15 @@
 //! bytes. A fifth to eighth row repeats a kept row with a zero input. Q8_0's signed quants enter
 //! `vpdpbusd`'s unsigned operand as `q + 128`, the excess `128 * sum xq` taken off once. The 4-bit
 //! types' tile holds outputs 0-15 and 32-47 (low nibbles) before 16-31 and 48-63 (high): the
-//! sums are put back in output order once per tile. The AVX2 loop is described at
-//! [`avx2_impl`].
+//! sums are put back in output order once per tile. The AVX2 and NEON loops are described at
+//! [`avx2_impl`] and `neon_impl`.
 use super::axpy_blocks::{self, AxpyBlocksFn};
 use crate::isa::Isa;
 use dejavu_backend_api::quant::QuantType;
 
 /// `$f::<T>(args)` with `T` the const of `q`'s type: each kernel built once per type, so that
 /// no test of the type is left in its loops.
-#[cfg(target_arch = "x86_64")]
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 macro_rules! by_type {
     ($f:ident, $q:expr, $($a:expr),*) => {
         match $q {
@@ -39,18 +39,18 @@ macro_rules! by_type {
 }
 
 /// The input-block types as the kernel's const parameter.
-#[cfg(target_arch = "x86_64")]
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 const TYPE_Q8_0: u8 = 0;
-#[cfg(target_arch = "x86_64")]
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 const TYPE_Q4_0: u8 = 1;
-#[cfg(target_arch = "x86_64")]
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 const TYPE_Q4_1: u8 = 2;
-#[cfg(target_arch = "x86_64")]
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 const TYPE_Q5_0: u8 = 3;
-#[cfg(target_arch = "x86_64")]
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 const TYPE_Q5_1: u8 = 4;
 
-#[cfg(target_arch = "x86_64")]
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 const fn type_of(t: u8) -> QuantType {
     match t {
         TYPE_Q8_0 => QuantType::Q8_0,
@@ -61,25 +61,29 @@ const fn type_of(t: u8) -> QuantType {
     }
 }
 
-/// The x86 tiers' `axpy_blocks`; other tiers keep their f32 kernels.
+/// The x86 and NEON tiers' `axpy_blocks`; other tiers keep their f32 kernels.
 pub fn select(isa: Isa) -> Option<AxpyBlocksFn> {
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => Some(avx512),
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => Some(avx2),
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon | Isa::Dotprod => Some(neon),
         _ => None,
     }
 }
 
-/// The x86 tiers' kernels over inputs [`quantize`]d once per product (not once per thread's
-/// share of the outputs); `None` on other tiers.
+/// The x86 and NEON tiers' kernels over inputs [`quantize`]d once per product (not once per
+/// thread's share of the outputs); `None` on other tiers.
 pub fn select_q8(isa: Isa) -> Option<AxpyBlocksQ8Fn> {
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => Some(avx512_q8),
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => Some(avx2_q8),
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon | Isa::Dotprod => Some(neon_q8),
         _ => None,
     }
 }
@@ -156,7 +160,7 @@ pub fn scalar(
 /// A tier's two entries: `$f32_in` over f32 inputs, quantized here (the tier's f32 kernel
 /// `$fallback` where they are not all finite or all zero), and `$q8_in` over inputs already
 /// quantized; both check the extents and run `$imp` for the block's type.
-#[cfg(target_arch = "x86_64")]
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 macro_rules! entries {
     ($f32_in:ident, $q8_in:ident, $imp:ident, $fallback:expr) => {
         fn $f32_in(
@@ -202,12 +206,14 @@ macro_rules! entries {
 entries!(avx512, avx512_q8, avx512_impl, axpy_blocks::avx512);
 #[cfg(target_arch = "x86_64")]
 entries!(avx2, avx2_q8, avx2_impl, axpy_blocks::select(Isa::Avx2));
+#[cfg(target_arch = "aarch64")]
+entries!(neon, neon_q8, neon_impl, axpy_blocks::generic);
 
 /// The starts of the kept rows' quants and fifth-bit planes (the 5-bit types; the block's
 /// start otherwise, never read) in a block, slot `j` for `kept[j]`; the slots past `kept` hold
 /// `kept[0]`'s, for the padding of a short last group. `kept` is not empty and its rows are in
 /// the block (`axpy_blocks::check`).
-#[cfg(target_arch = "x86_64")]
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 #[inline(always)]
 fn row_starts(
     q: QuantType,
@@ -488,6 +494,97 @@ unsafe fn avx512_impl<const T: u8>(
             let t = if q8 { _mm512_sub_epi32(pl, excess) } else { pl };
             let tf = _mm512_mul_ps(_mm512_cvtepi32_ps(t), sxv);
             axpy_blocks::add_scaled16(q, base, cols, o, tf, so, y.as_mut_ptr().add(o - lo));
+        }
+    }
+}
+
+/// The NEON loop (both aarch64 tiers; base ARMv8 instructions): tiles of 32 outputs; each kept
+/// row's quants of the tile (nibbles, plus 16 where the fifth bit is set; Q8_0's bytes) are
+/// multiplied by the row's input byte and added into 16-bit lanes (`smlal`), then widened into
+/// 32-bit sums every 8 rows (every 2 for Q8_0): |xq * q| is at most 127 * 31 for the 4- and
+/// 5-bit types and 128 * 127 for Q8_0, so no 16-bit sum overflows. The sums are exact
+/// integers, and the result is the definition's two fused multiply-adds (`fmla`) per output:
+/// bit for bit the definition.
+///
+/// # Safety
+/// The caller checked the extents (`axpy_blocks::check`) and `kept` is not empty; NEON is
+/// part of every aarch64 CPU.
+#[cfg(target_arch = "aarch64")]
+#[target_feature(enable = "neon")]
+unsafe fn neon_impl<const T: u8>(
+    block: &[u8],
+    cols: usize,
+    kept: &[u8],
+    &Q8Inputs { sx, ref xq, sum }: &Q8Inputs,
+    lo: usize,
+    y: &mut [f32],
+) {
+    use super::arm::f16x4;
+    use std::arch::aarch64::*;
+    let q = const { type_of(T) };
+    let base = block.as_ptr();
+    let (q8, five) = (q == QuantType::Q8_0, axpy_blocks::five_bit(q));
+    let flush = if q8 { 2 } else { 8 };
+    let (rows, highs) = row_starts(q, block, cols, kept);
+    let (sxv, so) = (vdupq_n_f32(sx), vdupq_n_f32(sx * sum as f32));
+    // Byte i of a half takes bit i % 8 of byte i / 8 of its 16 bits.
+    let bit: [u8; 16] = std::array::from_fn(|i| 1 << (i % 8));
+    let bit = vld1q_u8(bit.as_ptr());
+    let (spread_lo, spread_hi): ([u8; 16], [u8; 16]) = (
+        std::array::from_fn(|i| (i / 8) as u8),
+        std::array::from_fn(|i| 2 + (i / 8) as u8),
+    );
+    let (spread_lo, spread_hi) = (vld1q_u8(spread_lo.as_ptr()), vld1q_u8(spread_hi.as_ptr()));
+    // Row j's quants of outputs g..g + 16 and g + 16..g + 32, in output order.
+    let load = |j: usize, g: usize| -> [int8x16_t; 2] {
+        if q8 {
+            let p = rows[j].add(g) as *const i8;
+            return [vld1q_s8(p), vld1q_s8(p.add(16))];
+        }
+        let v = vld1q_u8(rows[j].add(g / 2));
+        let mut n = [vandq_u8(v, vdupq_n_u8(0x0F)), vshrq_n_u8::<4>(v)];
+        if five {
+            let hw = vreinterpretq_u8_u32(vdupq_n_u32(
+                (highs[j].add(g / 8) as *const u32).read_unaligned(),
+            ));
+            for (h, spread) in [spread_lo, spread_hi].into_iter().enumerate() {
+                let set = vtstq_u8(vqtbl1q_u8(hw, spread), bit);
+                n[h] = vaddq_u8(n[h], vandq_u8(set, vdupq_n_u8(16)));
+            }
+        }
+        [vreinterpretq_s8_u8(n[0]), vreinterpretq_s8_u8(n[1])]
+    };
+    let scale = |o: usize| f16x4(base.add(2 * o));
+    for g in (lo..lo + y.len()).step_by(32) {
+        let mut t = [vdupq_n_s32(0); 8];
+        let mut p = [vdupq_n_s16(0); 4];
+        for (j, &xj) in xq.iter().enumerate().take(kept.len()) {
+            let xb = vdupq_n_s8(xj);
+            for (h, v) in load(j, g).into_iter().enumerate() {
+                p[2 * h] = vmlal_s8(p[2 * h], vget_low_s8(v), vget_low_s8(xb));
+                p[2 * h + 1] = vmlal_high_s8(p[2 * h + 1], v, xb);
+            }
+            if (j + 1) % flush == 0 || j + 1 == kept.len() {
+                for (k, pk) in p.iter_mut().enumerate() {
+                    t[2 * k] = vaddw_s16(t[2 * k], vget_low_s16(*pk));
+                    t[2 * k + 1] = vaddw_high_s16(t[2 * k + 1], *pk);
+                    *pk = vdupq_n_s16(0);
+                }
+            }
+        }
+        for (k, tk) in t.into_iter().enumerate() {
+            let o = g + 4 * k;
+            let d = scale(o);
+            let off = match q {
+                QuantType::Q4_1 | QuantType::Q5_1 => scale(cols + o),
+                QuantType::Q4_0 => vmulq_n_f32(d, -8.0),
+                QuantType::Q5_0 => vmulq_n_f32(d, -16.0),
+                _ => vdupq_n_f32(0.0),
+            };
+            let yp = y.as_mut_ptr().add(o - lo);
+            let inner = vfmaq_f32(vld1q_f32(yp), off, so);
+            let tf = vmulq_f32(vcvtq_f32_s32(tk), sxv);
+            vst1q_f32(yp, vfmaq_f32(inner, d, tf));
         }
     }
 }
