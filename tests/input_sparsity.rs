@@ -131,6 +131,24 @@ fn groups_kept_whole_run_the_dense_products() {
     );
 }
 
+/// What an input-sparse step's bytes count, on the device: the kept inputs (nonzero, NaN
+/// included) and the blocks of 32 that hold one (each reads its block's scale table whole).
+#[test]
+fn kept_inputs_and_their_blocks_are_counted() {
+    use dejavu_backend_api::Device;
+    use dejavu_backend_cpu::device::CpuDevice;
+    let dev = CpuDevice::reference();
+    let mut x = vec![0f32; 100];
+    (x[3], x[40], x[41], x[99]) = (1.0, -2.0, f32::NAN, 0.5);
+    let mut out = dev.zeros(4).unwrap();
+    dev.count_nonzero(&x, 100, 1, &mut out, 0).unwrap();
+    dev.count_nonzero(&x, 100, 32, &mut out, 1).unwrap();
+    dev.count_nonzero(&x, 99, 32, &mut out, 2).unwrap();
+    dev.count_nonzero(&x, 100, 200, &mut out, 3).unwrap();
+    assert_eq!(out, [4.0, 3.0, 2.0, 1.0]);
+    assert!(dev.count_nonzero(&x, 100, 0, &mut out, 0).is_err());
+}
+
 /// The tiny model's Q8_0 projections as Q4_1 (requantized from their values).
 fn q4_1_model() -> Vec<u8> {
     tiny_llama_gguf(|_, tensors| {

@@ -5,7 +5,7 @@ use crate::model::weights::{Model, NormWeights, WeightRef};
 use crate::sparsity::input::{Group, InputNorms};
 use crate::sparsity::layout::{Kind, Part, SparseLayout};
 use crate::{Error, Result};
-use dejavu_backend_api::{Device, Rotary, Weight};
+use dejavu_backend_api::{input_block_table_bytes, Device, Rotary, RowLayout, Weight};
 use std::ops::Range;
 
 /// A norm's gain and bias on the device.
@@ -39,8 +39,9 @@ pub(super) struct Layer<D: Device> {
 }
 
 /// Input sparsity's matrices of one layer (`teal`, `wina`): every projection input-major, and
-/// per input [`Group`] the norms of its weight rows (WINA's scales) and the bytes of one
-/// input's rows.
+/// per input [`Group`] the norms of its weight rows (WINA's scales), the bytes of one input's
+/// rows, and of the scale tables of one block of 32 inputs where the matrices are input blocks
+/// (0 otherwise; an input's rows hold a 32nd of them).
 pub(super) struct InputMats<D: Device> {
     pub(super) q: D::Mat,
     pub(super) k: D::Mat,
@@ -51,6 +52,7 @@ pub(super) struct InputMats<D: Device> {
     pub(super) down: D::Mat,
     pub(super) norms: [D::Buf; 4],
     pub(super) row_bytes: [usize; 4],
+    pub(super) table_bytes: [usize; 4],
 }
 
 /// Every weight of a model on the device (plus, for sparse plans, the neuron-major down
@@ -163,7 +165,16 @@ impl<D: Device> DeviceModel<D> {
                 true => Some(share(Part::Gate)?),
                 false => None,
             };
-            let row_bytes = Group::ALL.map(|g| g.parts().iter().map(|&p| bytes(p)).sum());
+            let table = |p: Part| {
+                get(p).map_or(0, |w| match w.layout {
+                    RowLayout::InputBlocks => input_block_table_bytes(w.qtype, w.cols),
+                    _ => 0,
+                })
+            };
+            let sum = |f: &dyn Fn(Part) -> usize| {
+                Group::ALL.map(|g| g.parts().iter().map(|&p| f(p)).sum())
+            };
+            let (row_bytes, table_bytes) = (sum(&bytes), sum(&table));
             let widths = [c.d_model, c.n_heads * c.head_dim, c.d_model, c.n_ff];
             for (g, (n, w)) in nl.iter().zip(widths).enumerate() {
                 if n.len() != w {
@@ -188,6 +199,7 @@ impl<D: Device> DeviceModel<D> {
                     dev.upload(&nl[3])?,
                 ],
                 row_bytes,
+                table_bytes,
             });
         }
         self.inputs = Some(out);

@@ -362,7 +362,7 @@ impl<'a, D: Device> DeviceSession<'a, D> {
             score: dev.zeros(c.n_ff.max(c.n_heads))?,
             exact: dev.zeros(plan.output.as_ref().map_or(1, |o| o.candidates))?,
             sparse: dev.zeros(if inputs { widest } else { 1 })?,
-            kept: dev.zeros(4 * c.n_layers.max(1))?,
+            kept: dev.zeros(8 * c.n_layers.max(1))?,
             nonzero: dev.zeros(c.n_layers.max(1))?,
             logits: dev.zeros(per_rank * model.shard.world)?,
             part,

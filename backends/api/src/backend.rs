@@ -27,8 +27,9 @@ pub struct Weight<'a> {
 /// load by [`Backend::repack`] for the types [`Backend::repacks`] names.
 ///
 /// `InputBlocks` is an input-major matrix (`rows` inputs of `cols` outputs, both multiples of
-/// 32) that keeps its source's 8- or 4-bit quantization (Q8_0, Q4_0, Q4_1): per block of 32
-/// inputs, the outputs' scales (and Q4_1's offsets) as f16, then the 32 inputs' quants (see
+/// 32) that keeps its source's 8-, 5- or 4-bit quantization (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1): per
+/// block of 32 inputs, a table of the outputs' scales (and Q4_1's and Q5_1's offsets) as f16
+/// ([`input_block_table_bytes`]), then the 32 inputs' quants (see
 /// `dejavu_backend_cpu::kernels::axpy_blocks`). Its size is the type's `rows * row_bytes(cols)`;
 /// only [`crate::Device::axpy`] reads it, on a device that [`crate::Device::reads_input_blocks`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -37,6 +38,18 @@ pub enum RowLayout {
     Ggml,
     Repacked,
     InputBlocks,
+}
+
+/// Bytes of the scale table at the start of each block of 32 inputs of an input-block matrix of
+/// `cols` outputs in `q` (`RowLayout::InputBlocks`): an f16 scale per output, and an f16 offset
+/// too for Q4_1 and Q5_1. A product that keeps any input of a block reads its whole table, and
+/// the kept inputs' rows of quants: the rest of the block's bytes, `row_bytes(cols) - table /
+/// 32` an input.
+pub fn input_block_table_bytes(q: QuantType, cols: usize) -> usize {
+    match q {
+        QuantType::Q4_1 | QuantType::Q5_1 => 4 * cols,
+        _ => 2 * cols,
+    }
 }
 
 impl<'a> Weight<'a> {

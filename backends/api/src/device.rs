@@ -511,12 +511,15 @@ pub trait Device: Send + Sync {
     /// `x[i] = |x[i]|` for `i < n` (scores by magnitude, for [`Device::top_k`]).
     fn abs(&self, x: &mut Self::Buf, n: usize) -> Result<(), BackendError>;
 
-    /// `out[slot]` = how many of `x[..n]` are nonzero (exact below 2^24): what a step that
-    /// skips zero activations computed, counted where they are.
+    /// `out[slot]` = how many groups of `group` consecutive values of `x[..n]` (the last one
+    /// short where `group` does not divide `n`) hold a nonzero value, exact below 2^24; `group`
+    /// 1 counts the nonzero values. What a step that skips zero activations computed (and, by
+    /// 32, the input blocks it read: [`crate::input_block_table_bytes`]), counted where they are.
     fn count_nonzero(
         &self,
         x: &Self::Buf,
         n: usize,
+        group: usize,
         out: &mut Self::Buf,
         slot: usize,
     ) -> Result<(), BackendError>;

@@ -12,8 +12,8 @@ mod quantize_k;
 mod quantize_search;
 
 pub use backend::{
-    Activation, AttnShape, Backend, BackendError, KvSlice, MatmulJob, RopeStyle, RowLayout,
-    Scoring, Weight,
+    input_block_table_bytes, Activation, AttnShape, Backend, BackendError, KvSlice, MatmulJob,
+    RopeStyle, RowLayout, Scoring, Weight,
 };
 pub use device::{
     check_scale_cap, sparsify_ref, AttnGeom, Device, InputMask, LazyKv, Product, Rotary, Rows,

@@ -526,10 +526,11 @@ impl Device for CudaDevice {
         &self,
         x: &Buf,
         n: usize,
+        group: usize,
         out: &mut Buf,
         slot: usize,
     ) -> Result<(), BackendError> {
-        self.launch_count_nonzero(x, n, out, slot)
+        self.launch_count_nonzero(x, n, group, out, slot)
     }
 
     fn group_norms(

@@ -84,14 +84,21 @@ impl CudaDevice {
         &self,
         x: &Buf,
         n: usize,
+        group: usize,
         out: &mut Buf,
         slot: usize,
     ) -> Result<(), BackendError> {
         need("count_nonzero input", x.0.len(), n)?;
         need("count_nonzero output", out.0.len(), slot + 1)?;
+        if group == 0 || group > i32::MAX as usize {
+            return Err(shape(format!(
+                "count_nonzero: groups of {group} of {n} values"
+            )));
+        }
         let (xp, ni, op, si) = (self.ptr(&x.0), n as i32, self.ptr(&out.0), slot as i32);
+        let gi = group as i32;
         let mut b = self.lane().launch_builder(self.func("count_nonzero_f32"));
-        b.arg(&xp).arg(&ni).arg(&op).arg(&si);
+        b.arg(&xp).arg(&ni).arg(&gi).arg(&op).arg(&si);
         launch::run(b, launch::one_block(1024))
     }
 

@@ -142,14 +142,21 @@ fn elementwise_on<D: Device>(d: &D, x: &[f32], w: &[f32], b: &[f32], hd: usize) 
     out.extend(down(d, &g, n));
     d.group_norms(&xb, n / hd, hd, &mut g).unwrap();
     out.extend(down(d, &g, n / hd));
-    // Nonzero counts of a ReLU'd vector (about half zero), over more values than one block.
+    // Nonzero counts of a ReLU'd vector (about half zero), over more values than one block;
+    // and of its groups of 32 (the last one short) and of 2 with a nonzero, on a sparser one.
     let relu: Vec<f32> = (0..3000)
         .map(|i| x[i % n].max(0.0) * (i % 7) as f32)
         .collect();
-    let (rb, mut counts) = (d.upload(&relu).unwrap(), d.zeros(3).unwrap());
-    d.count_nonzero(&rb, 2999, &mut counts, 1).unwrap();
-    d.count_nonzero(&rb, 5, &mut counts, 2).unwrap();
-    out.extend(down(d, &counts, 3));
+    let (rb, mut counts) = (d.upload(&relu).unwrap(), d.zeros(5).unwrap());
+    d.count_nonzero(&rb, 2999, 1, &mut counts, 1).unwrap();
+    d.count_nonzero(&rb, 5, 1, &mut counts, 2).unwrap();
+    let sparse: Vec<f32> = (0..3000)
+        .map(|i| relu[i] * (i % 97 < 3) as u8 as f32)
+        .collect();
+    let sb = d.upload(&sparse).unwrap();
+    d.count_nonzero(&sb, 2999, 32, &mut counts, 3).unwrap();
+    d.count_nonzero(&sb, 2999, 2, &mut counts, 4).unwrap();
+    out.extend(down(d, &counts, 5));
     out
 }
 

@@ -38,7 +38,12 @@ impl<D: Device> DeviceSession<'_, D> {
         };
         dev.sparsify(x, n, mask, &mut s.sparse)?;
         if self.measure {
-            dev.count_nonzero(&s.sparse, n, &mut s.kept, 4 * l + gi)?;
+            // The kept entries, and the input blocks that hold one (each reads its scale table).
+            dev.count_nonzero(&s.sparse, n, 1, &mut s.kept, 4 * l + gi)?;
+            if im.table_bytes[gi] > 0 {
+                let slot = 4 * (m.local.n_layers + l) + gi;
+                dev.count_nonzero(&s.sparse, n, 32, &mut s.kept, slot)?;
+            }
         }
         Ok(())
     }

@@ -348,11 +348,17 @@ impl<D: Device> DeviceSession<'_, D> {
         if let (Some(p), Some(im), true) = (&self.plan.inputs, inputs, self.measure) {
             // Input sparsity: the rows of the inputs each layer kept at this step; a group kept
             // whole (threshold below 0) reads the file's rows of its matrices.
-            let mut kept = vec![0.0; 4 * c.n_layers];
+            // (input blocks: the kept inputs' quants, and the scale table of each block with a
+            // kept input).
+            let mut kept = vec![0.0; 8 * c.n_layers];
             self.dev.download(&self.s.kept, &mut kept)?;
             let read = |l: usize, g: usize| match p.thresholds[l][g] < 0.0 {
                 true => group_bytes(c, &self.model.unit_bytes[l], g),
-                false => kept[4 * l + g] as usize * im[l].row_bytes[g],
+                false => {
+                    let (n, blocks) = (kept[4 * l + g] as usize, kept[4 * (c.n_layers + l) + g]);
+                    let (row, table) = (im[l].row_bytes[g], im[l].table_bytes[g]);
+                    n * (row - table / 32) + blocks as usize * table
+                }
             };
             bytes.attention = (0..c.n_layers).map(|l| read(l, 0) + read(l, 1)).sum();
             bytes.mlp = (0..c.n_layers).map(|l| read(l, 2) + read(l, 3)).sum();

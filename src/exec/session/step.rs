@@ -353,7 +353,7 @@ impl<D: Device> DeviceSession<'_, D> {
                 let a = first_projections(dev, c, lw, sel.rows(1), n, pass, s)?;
                 let a = if a { &s.gate } else { &s.up };
                 if matches!(rule, Computed::Nonzero { .. }) && self.measure {
-                    dev.count_nonzero(a, n, &mut s.nonzero, l)?;
+                    dev.count_nonzero(a, n, 1, &mut s.nonzero, l)?;
                 }
                 a
             }

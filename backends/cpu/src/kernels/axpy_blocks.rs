@@ -64,10 +64,7 @@ pub fn select(isa: Isa) -> AxpyBlocksFn {
 
 /// Bytes of the scale table at the start of a block.
 pub(super) fn scale_bytes(q: QuantType, cols: usize) -> usize {
-    match q {
-        QuantType::Q4_1 | QuantType::Q5_1 => 4 * cols,
-        _ => 2 * cols,
-    }
+    dejavu_backend_api::input_block_table_bytes(q, cols)
 }
 
 /// Check the call's extents (every tier, in release builds: the x86 loops read through raw

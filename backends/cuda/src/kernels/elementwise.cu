@@ -57,11 +57,18 @@ extern "C" __global__ void sparsify_f32(const float* x, int n, float t, const fl
     float v = x[i], s = fabsf(v) * (scale ? scale[i] : 1.0f);
     out[i] = s <= t ? 0.0f : v;
 }
-// out[slot] = the number of nonzero x[i], i < n: one block of 1024 threads.
-extern "C" __global__ void count_nonzero_f32(const float* x, int n, float* out, int slot) {
+// out[slot] = the number of groups of `group` consecutive x[i], i < n (the last one short), that
+// hold a nonzero value (group 1: the nonzero x[i]): one block of 1024 threads.
+extern "C" __global__ void count_nonzero_f32(const float* x, int n, int group, float* out,
+                                             int slot) {
     __shared__ int part[1024];
     int c = 0;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) c += x[i] != 0.0f;
+    int groups = (n + group - 1) / group;
+    for (int g = threadIdx.x; g < groups; g += blockDim.x) {
+        int any = 0, end = min(n, (g + 1) * group);
+        for (int i = g * group; i < end; i++) any |= x[i] != 0.0f;
+        c += any;
+    }
     part[threadIdx.x] = c;
     __syncthreads();
     for (int s = blockDim.x / 2; s > 0; s >>= 1) {
