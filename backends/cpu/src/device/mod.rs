@@ -510,19 +510,8 @@ impl Device for CpuDevice {
         out: &mut Vec<f32>,
         slot: usize,
     ) -> Result<(), BackendError> {
-        need("count_nonzero input", x.len(), n)?;
         need("count_nonzero output", out.len(), slot + 1)?;
-        if group == 0 {
-            return Err(BackendError::Shape(
-                "count_nonzero: groups of 0 values".into(),
-            ));
-        }
-        // (Counted on every measured step: loops without early exits, which vectorise.)
-        let nonzero = |g: &[f32]| g.iter().fold(false, |a, &v| a | (v != 0.0));
-        out[slot] = match group {
-            1 => x[..n].iter().filter(|&&v| v != 0.0).count(),
-            _ => x[..n].chunks(group).filter(|g| nonzero(g)).count(),
-        } as f32;
+        out[slot] = select::count_nonzero(x, n, group)? as f32;
         Ok(())
     }
 
