@@ -51,6 +51,20 @@ impl CpuDevice {
     }
 }
 
+/// `Device::count_nonzero`'s count: the groups of `group` values of `x[..n]` that hold a nonzero.
+/// (Run on every measured step: loops without early exits, which vectorise.)
+pub(super) fn count_nonzero(x: &[f32], n: usize, group: usize) -> Result<usize, BackendError> {
+    need("count_nonzero input", x.len(), n)?;
+    if group == 0 {
+        return Err(shape("count_nonzero: groups of 0 values".into()));
+    }
+    let nonzero = |g: &[f32]| g.iter().fold(false, |a, &v| a | (v != 0.0));
+    Ok(match group {
+        1 => x[..n].iter().filter(|&&v| v != 0.0).count(),
+        _ => x[..n].chunks(group).filter(|g| nonzero(g)).count(),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -99,18 +113,4 @@ mod tests {
             assert!(dev.top_ks(&mut [bad]).is_err(), "a row past the scores");
         }
     }
-}
-
-/// `Device::count_nonzero`'s count: the groups of `group` values of `x[..n]` that hold a nonzero.
-/// (Run on every measured step: loops without early exits, which vectorise.)
-pub(super) fn count_nonzero(x: &[f32], n: usize, group: usize) -> Result<usize, BackendError> {
-    need("count_nonzero input", x.len(), n)?;
-    if group == 0 {
-        return Err(shape("count_nonzero: groups of 0 values".into()));
-    }
-    let nonzero = |g: &[f32]| g.iter().fold(false, |a, &v| a | (v != 0.0));
-    Ok(match group {
-        1 => x[..n].iter().filter(|&&v| v != 0.0).count(),
-        _ => x[..n].chunks(group).filter(|g| nonzero(g)).count(),
-    })
 }
