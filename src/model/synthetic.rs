@@ -233,7 +233,9 @@ fn tensors(c: &ModelConfig, ftype: FileType) -> Vec<TensorSpec> {
     let gqa = c.n_heads / c.n_kv_heads.max(1);
     let mut mix = Mix::new(ftype, false, false, c.tied_output, gqa, c.n_layers);
     let mut v = Vec::new();
-    let mut push = |name: String, qtype, shape, fill| {
+    // A type, or (`None`) a matrix: the mix's type for it.
+    let mut push = |name: String, qtype: Option<QuantType>, shape: [usize; 2], fill| {
+        let qtype = qtype.unwrap_or_else(|| mix.tensor_type(&name, shape[1]));
         v.push(TensorSpec {
             name,
             qtype,
@@ -241,16 +243,15 @@ fn tensors(c: &ModelConfig, ftype: FileType) -> Vec<TensorSpec> {
             fill,
         })
     };
-    let f32v = QuantType::F32;
-    let mut matrix = |push: &mut dyn FnMut(String, QuantType, [usize; 2], Fill),
-                      name: String,
-                      shape: [usize; 2]| {
-        let q = mix.tensor_type(&name, shape[1]);
-        push(name, q, shape, Fill::Random)
-    };
-    matrix(&mut push, GlobalTensor::TokenEmbd.name(), [vocab, d]);
+    let f32v = Some(QuantType::F32);
+    push(
+        GlobalTensor::TokenEmbd.name(),
+        None,
+        [vocab, d],
+        Fill::Random,
+    );
     if !c.tied_output {
-        matrix(&mut push, GlobalTensor::Output.name(), [vocab, d]);
+        push(GlobalTensor::Output.name(), None, [vocab, d], Fill::Random);
     }
     if let crate::model::config::Positions::Learned { offset } = c.positions {
         let rows = c.context_length + offset;
@@ -274,7 +275,7 @@ fn tensors(c: &ModelConfig, ftype: FileType) -> Vec<TensorSpec> {
         }
     }
     for l in 0..c.n_layers {
-        let mut m = |t: LayerTensor, shape| matrix(&mut push, t.name(l), shape);
+        let mut m = |t: LayerTensor, shape| push(t.name(l), None, shape, Fill::Random);
         m(LayerTensor::AttnQ, [q_dim, d]);
         m(LayerTensor::AttnK, [kv, d]);
         m(LayerTensor::AttnV, [kv, d]);
