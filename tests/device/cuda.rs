@@ -57,11 +57,11 @@ fn rules_that_select_from_activations_run_on_the_gpu() {
 }
 
 /// Input sparsity on the GPU (see `input_sparsity_conforms`): thresholds compared on the
-/// device, inside the recorded step.
+/// device, inside the recorded step (by `sparsify`, and inside the products).
 #[test]
 fn input_sparsity_on_the_gpu_conforms_to_the_reference() {
     let Some(g) = gpu() else { return };
-    let worst = inputs::input_sparsity_conforms(&g);
+    let worst = inputs::input_sparsity_conforms(&g, false);
     eprintln!(
         "{}: teal and wina on 4 fixtures, worst |logit error| {worst:.2e}",
         g.name()

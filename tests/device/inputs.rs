@@ -7,7 +7,9 @@ use super::*;
 /// thresholds calibrated on the fixture. Tolerance: an input whose score lies within rounding
 /// of its threshold may be kept on one side and dropped on the other, so 0.1 + 0.01 |ref|
 /// (measured: printed). Teal alone is checked as masked batches too. Returns the worst error.
-pub fn input_sparsity_conforms<D: Device>(dev: &D) -> f32 {
+/// `same_bits`: a session that does not measure gives the bits of one that does (a device
+/// whose sums do not depend on its threads' timing).
+pub fn input_sparsity_conforms<D: Device>(dev: &D, same_bits: bool) -> f32 {
     use dejavu::sparsity::predictors_file::Predictors;
     let mut worst = 0f32;
     for (name, spec) in [
@@ -28,13 +30,23 @@ pub fn input_sparsity_conforms<D: Device>(dev: &D) -> f32 {
         let pol = eng.policy(spec, Some(&preds)).unwrap();
         let run =
             |d: &dyn Fn(&[u32]) -> Vec<f32>| TOKENS.iter().map(|&t| d(&[t])).collect::<Vec<_>>();
-        let on = |dev: &D| {
+        // A session that measures writes the kept inputs (`sparsify`) before each product; one
+        // that does not hands the products the thresholds (`axpys` with a mask).
+        let on = |dev: &D, measure: bool| {
             let dm = eng.device_model(dev, &[&pol]).unwrap();
             let plan = DevicePlan::policy(dev, c, &pol).unwrap();
-            let sess = std::cell::RefCell::new(DeviceSession::new(dev, &dm, plan, 16).unwrap());
+            let mut s = DeviceSession::new(dev, &dm, plan, 16).unwrap();
+            s.measure(measure);
+            let sess = std::cell::RefCell::new(s);
             run(&|t| sess.borrow_mut().forward(t).unwrap().to_vec())
         };
-        let got = on(dev);
+        let (got, masked) = (on(dev, true), on(dev, false));
+        if same_bits {
+            assert!(
+                got == masked,
+                "{name} {spec}: thresholds in the products change the bits"
+            );
+        }
         let r = CpuDevice::reference();
         let rm = eng.device_model(&r, &[&pol]).unwrap();
         let rplan = DevicePlan::policy(&r, c, &pol).unwrap();
@@ -53,6 +65,7 @@ pub fn input_sparsity_conforms<D: Device>(dev: &D) -> f32 {
         for (i, (g, &t)) in got.iter().zip(&TOKENS).enumerate() {
             let want = rs.forward(&[t]).unwrap();
             check("step", i, g, want);
+            check("step, thresholds in the products", i, &masked[i], want);
             steps.push(want.to_vec());
         }
         // A masked batch (calibration's allocation search; TEAL without a head rule, whose
@@ -85,7 +98,7 @@ pub fn input_sparsity_conforms<D: Device>(dev: &D) -> f32 {
 fn input_sparsity_on_every_cpu_tier_conforms_to_the_reference() {
     use dejavu_backend_cpu::isa::Isa;
     for isa in Isa::supported() {
-        let worst = input_sparsity_conforms(&CpuDevice::with_isa(isa, 2).unwrap());
+        let worst = input_sparsity_conforms(&CpuDevice::with_isa(isa, 2).unwrap(), true);
         eprintln!("{isa}: teal and wina, worst |logit error| {worst:.2e}");
     }
 }

@@ -403,13 +403,27 @@ pub trait Device: Send + Sync {
     /// [`Device::axpy`] of each job with the same coefficients `a` (`job.x` is not read): `y +=`
     /// the product over the job's `rows` of its matrix, plus its bias (`act` and `accumulate`
     /// are not read: an axpy always adds). Q, K and V of one input under input sparsity; gate
-    /// and up. One launch where the device can; at most 3 jobs.
-    fn axpys(&self, a: &Self::Buf, jobs: &mut [Product<'_, Self>]) -> Result<(), BackendError> {
+    /// and up. One launch where the device can; at most 3 jobs. With `mask`, the coefficients
+    /// are what [`Device::sparsify`] of `a` would give (`mask.scale` covering them), bit for
+    /// bit, without that pass: input sparsity's threshold inside the product. The default
+    /// takes no mask.
+    fn axpys(
+        &self,
+        a: &Self::Buf,
+        mask: Option<InputMask<'_, Self::Buf>>,
+        jobs: &mut [Product<'_, Self>],
+    ) -> Result<(), BackendError> {
         if jobs.is_empty() || jobs.len() > 3 {
             return Err(BackendError::Shape(format!(
                 "{} axpys in one launch (1 to 3)",
                 jobs.len()
             )));
+        }
+        if mask.is_some() {
+            return Err(BackendError::Unsupported {
+                backend: self.name(),
+                what: "input sparsity's mask inside axpys".into(),
+            });
         }
         for p in jobs.iter_mut() {
             self.axpy(p.w, p.rows, a, p.bias, p.y)?;

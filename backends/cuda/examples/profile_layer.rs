@@ -291,6 +291,7 @@ fn input_sparsity(
         time(dev, || {
             dev.axpys(
                 &hd_in,
+                None,
                 &mut [
                     Product::new(&wq, Rows::All, &mut qb),
                     Product::new(&wk, Rows::All, &mut kb),
@@ -310,6 +311,7 @@ fn input_sparsity(
         time(dev, || {
             dev.axpys(
                 &hd_in,
+                None,
                 &mut [
                     Product::new(&wg, Rows::All, &mut gate),
                     Product::new(&wu, Rows::All, &mut up),
@@ -323,8 +325,9 @@ fn input_sparsity(
         time(dev, || dev.axpy(&wd, Rows::All, &ff_in, None, &mut x)),
         rb(ff, d),
     );
-    // The layer of a `teal:0.5` step: the attention output's and the GLU's thresholds are
-    // their medians in a first, eager run.
+    // The layer of a `teal:0.5` step as generation runs it (thresholds inside the products:
+    // no `sparsify`): the attention output's and the GLU's thresholds are their medians in a
+    // first, eager run.
     let (mut kc, mut vc) = (
         dev.cache(n_ctx, kvw).unwrap(),
         dev.cache(n_ctx, kvw).unwrap(),
@@ -346,10 +349,10 @@ fn input_sparsity(
     // `calibrate`: eager, setting each threshold to its input's median magnitude.
     let mut layer = |calibrate: bool| -> Result<(), BackendError> {
         dev.rmsnorm(&x, &nw, 1e-5, &mut h2, 1)?;
-        dev.sparsify(&h, d, mask(0.5), &mut sp)?;
         dev.clear(&mut [(&mut qb, d), (&mut kb, kvw), (&mut vb, kvw)])?;
         dev.axpys(
-            &sp,
+            &h,
+            Some(mask(0.5)),
             &mut [
                 Product::new(&wq, Rows::All, &mut qb),
                 Product::new(&wk, Rows::All, &mut kb),
@@ -362,13 +365,13 @@ fn input_sparsity(
         if calibrate {
             t_att.set(median_abs(dev, &att, d));
         }
-        dev.sparsify(&att, d, mask(t_att.get()), &mut sp)?;
-        dev.axpy(&wo, Rows::All, &sp, None, &mut x)?;
+        let o = Product::new(&wo, Rows::All, &mut x);
+        dev.axpys(&att, Some(mask(t_att.get())), &mut [o])?;
         dev.rmsnorm(&x, &nw, 1e-5, &mut h2, 1)?;
-        dev.sparsify(&h, d, mask(0.5), &mut sp)?;
         dev.clear(&mut [(&mut gate, ff), (&mut up, ff)])?;
         dev.axpys(
-            &sp,
+            &h,
+            Some(mask(0.5)),
             &mut [
                 Product::new(&wg, Rows::All, &mut gate),
                 Product::new(&wu, Rows::All, &mut up),
@@ -378,8 +381,8 @@ fn input_sparsity(
         if calibrate {
             t_glu.set(median_abs(dev, &gate, ff));
         }
-        dev.sparsify(&gate, ff, mask(t_glu.get()), &mut sp)?;
-        dev.axpy(&wd, Rows::All, &sp, None, &mut x)
+        let down = Product::new(&wd, Rows::All, &mut x);
+        dev.axpys(&gate, Some(mask(t_glu.get())), &mut [down])
     };
     dev.set_step(&[0], pos).unwrap();
     layer(true).unwrap();

@@ -410,7 +410,7 @@ impl Device for CudaDevice {
         y: &mut Buf,
     ) -> Result<(), BackendError> {
         let mut job = [Product::new(w, rows, y).bias(bias)];
-        self.launch_axpys(a, &mut job)
+        self.launch_axpys(a, None, &mut job)
     }
 
     fn axpy_steps(
@@ -425,8 +425,13 @@ impl Device for CudaDevice {
         self.launch_axpy_steps(w, rows, a, n, bias, y)
     }
 
-    fn axpys(&self, a: &Buf, jobs: &mut [Product<'_, Self>]) -> Result<(), BackendError> {
-        self.launch_axpys(a, jobs)
+    fn axpys(
+        &self,
+        a: &Buf,
+        mask: Option<InputMask<'_, Buf>>,
+        jobs: &mut [Product<'_, Self>],
+    ) -> Result<(), BackendError> {
+        self.launch_axpys(a, mask, jobs)
     }
 
     fn clear(&self, bufs: &mut [(&mut Buf, usize)]) -> Result<(), BackendError> {

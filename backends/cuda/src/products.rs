@@ -2,7 +2,7 @@
 //! the checks of every buffer against the sizes the kernels will touch, then one launch.
 use crate::{launch, need, shape, type_suffix, Buf, CudaDevice, Idx, Mat};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
-use dejavu_backend_api::{Activation, BackendError, Product, QuantType, Rows, TopK};
+use dejavu_backend_api::{Activation, BackendError, InputMask, Product, QuantType, Rows, TopK};
 
 /// One product of `matvec_jobs` (`MvJob` in matvec.cu: same fields, same order).
 #[repr(C)]
@@ -64,9 +64,19 @@ struct AxJob {
 #[derive(Clone, Copy, Default)]
 struct AxJobs {
     job: [AxJob; 3],
-    a: u64,
+    input: AxIn,
     n: i32,
     _pad: i32,
+}
+
+/// `AxIn` in axpy.cu: the coefficients, and input sparsity's mask over them (`masked` 0: none).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct AxIn {
+    a: u64,
+    scale: u64,
+    t: f32,
+    masked: i32,
 }
 
 /// The job of `axpy_rows_T` (`AxbJob` in axpy.cu: same fields, same order).
@@ -379,6 +389,7 @@ impl CudaDevice {
     pub(crate) fn launch_axpys(
         &self,
         a: &Buf,
+        mask: Option<InputMask<'_, Buf>>,
         jobs: &mut [Product<'_, Self>],
     ) -> Result<(), BackendError> {
         if jobs.is_empty() || jobs.len() > 3 {
@@ -390,20 +401,33 @@ impl CudaDevice {
         if jobs.iter().any(|p| p.w.qtype != jobs[0].w.qtype) {
             return jobs
                 .iter_mut()
-                .try_for_each(|p| self.launch_axpys(a, std::slice::from_mut(p)));
+                .try_for_each(|p| self.launch_axpys(a, mask, std::slice::from_mut(p)));
         }
         let mut ax = AxJobs {
-            a: self.ptr(&a.0),
+            input: AxIn {
+                a: self.ptr(&a.0),
+                ..Default::default()
+            },
             n: jobs.len() as i32,
             ..Default::default()
         };
-        let (mut tiles, mut most) = (0, 1);
+        let (mut tiles, mut most, mut read) = (0, 1, 0);
         for (i, p) in jobs.iter().enumerate() {
             let y = (self.ptr(&p.y.0), p.y.0.len());
             let outs;
             (ax.job[i], outs) = self.ax_job(p.w, p.rows, a.0.len(), p.bias, y, tiles)?;
             tiles += p.w.cols.div_ceil(256 * self.ax_vec);
             most = most.max(outs.div_ceil(8));
+            read = read.max(outs);
+        }
+        if let Some(m) = mask {
+            ax.input.masked = 1;
+            ax.input.t = m.threshold;
+            if let Some(sc) = m.scale {
+                // A scale for each coefficient read.
+                need("axpys mask scales", sc.0.len(), read)?;
+                ax.input.scale = self.ptr(&sc.0);
+            }
         }
         self.run_axpys(ax, tiles, most, jobs[0].w.qtype)
     }
@@ -420,7 +444,10 @@ impl CudaDevice {
     ) -> Result<(), BackendError> {
         let (job, outs) = self.ax_job(w, rows, a_len, bias, y, 0)?;
         let mut ax = AxJobs {
-            a,
+            input: AxIn {
+                a,
+                ..Default::default()
+            },
             n: 1,
             ..Default::default()
         };

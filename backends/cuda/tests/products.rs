@@ -3,7 +3,9 @@
 //! ([`CpuDevice::reference`]) on random inputs of ragged sizes, every weight type. Skipped,
 //! with the reason printed, where no GPU is usable (CI). Tolerance as in tests/kernels.rs:
 //! `|gpu - ref| <= 1e-4 (1 + sum |terms|)`, the order of summation being all that differs.
-use dejavu_backend_api::{Activation, Device, Product, QuantType, Rows, StepRow, Weight};
+use dejavu_backend_api::{
+    sparsify_ref, Activation, Device, InputMask, Product, QuantType, Rows, StepRow, Weight,
+};
 use dejavu_backend_cpu::device::CpuDevice;
 use dejavu_backend_cuda::CudaDevice;
 
@@ -505,10 +507,22 @@ fn dense_products_on<D: Device>(d: &D, ws: &[Weight], x: &[f32]) -> Vec<f32> {
 }
 
 /// Three axpys of one input (`Device::axpys`, as Q, K and V under input sparsity): the second
-/// output cleared first (`Device::clear`), the others added to; each with a bias.
-fn axpys_on<D: Device>(d: &D, ws: &[Weight], a: &[f32], y0: &[f32]) -> Vec<f32> {
+/// output cleared first (`Device::clear`), the others added to; each with a bias; with `mask`
+/// (a threshold and the scales, if any), input sparsity's threshold inside the products.
+fn axpys_on<D: Device>(
+    d: &D,
+    ws: &[Weight],
+    a: &[f32],
+    mask: Option<(f32, Option<&[f32]>)>,
+    y0: &[f32],
+) -> Vec<f32> {
     let m: Vec<D::Mat> = ws.iter().map(|w| d.upload_mat(w).unwrap()).collect();
     let ab = d.upload(a).unwrap();
+    let scale = mask.and_then(|(_, s)| s.map(|s| d.upload(s).unwrap()));
+    let mask = mask.map(|(threshold, _)| InputMask {
+        threshold,
+        scale: scale.as_ref(),
+    });
     let bias: Vec<D::Buf> = (ws.iter())
         .map(|w| d.upload(&vec![0.5; w.cols]).unwrap())
         .collect();
@@ -520,7 +534,7 @@ fn axpys_on<D: Device>(d: &D, ws: &[Weight], a: &[f32], y0: &[f32]) -> Vec<f32> 
     };
     d.clear(&mut [(&mut *y1b, ws[1].cols)]).unwrap();
     let p = |i: usize, y| Product::new(&m[i], Rows::All, y).bias(Some(&bias[i]));
-    d.axpys(&ab, &mut [p(0, y0b), p(1, y1b), p(2, y2b)])
+    d.axpys(&ab, mask, &mut [p(0, y0b), p(1, y1b), p(2, y2b)])
         .unwrap();
     (ys.iter().zip(ws))
         .flat_map(|(y, w)| down(d, y, w.cols))
@@ -564,11 +578,28 @@ fn axpys_of_one_input_match_the_scalar_reference() {
             }
             mags.extend(col);
         }
-        let want = axpys_on(&host, &ws, &a, &y0);
-        let got = axpys_on(&gpu, &ws, &a, &y0);
+        let want = axpys_on(&host, &ws, &a, None, &y0);
+        let got = axpys_on(&gpu, &ws, &a, None, &y0);
         close(&format!("axpys {types:?}"), &got, &want, |i| {
             1e-4 * (2.0 + mags[i])
         });
+        // The threshold inside the products (TEAL's, then WINA's scaled scores) against the
+        // reference over the inputs `sparsify` keeps.
+        let scales: Vec<f32> = (0..rows).map(|i| 0.5 + (i % 7) as f32 * 0.25).collect();
+        for (t, sc) in [(0.4, None), (0.3, Some(&scales[..]))] {
+            let mut kept = vec![0.0; rows];
+            sparsify_ref(&a, t, sc, &mut kept);
+            let nonzero = |v: &[f32]| v.iter().filter(|x| **x != 0.0).count();
+            assert!(
+                nonzero(&kept) < nonzero(&a) * 9 / 10,
+                "the mask drops inputs"
+            );
+            let want = axpys_on(&host, &ws, &kept, None, &y0);
+            let got = axpys_on(&gpu, &ws, &a, Some((t, sc)), &y0);
+            close(&format!("masked axpys {types:?} {t}"), &got, &want, |i| {
+                1e-4 * (2.0 + mags[i])
+            });
+        }
     }
 }
 

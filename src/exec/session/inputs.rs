@@ -1,25 +1,34 @@
 //! Input sparsity in a decode step (`teal`, `wina`; see [`crate::sparsity::input`]): each
-//! projection's input keeps the entries whose score passes the layer's threshold for that input
-//! ([`Device::sparsify`], on the device), and the product is [`Device::axpy`] over the
-//! input-major matrix, which reads only the rows of the kept entries ([`Device::axpys`]: the
-//! products of one input in one launch). Outputs that are not a residual start from zeros
-//! ([`Device::clear`]).
+//! projection's input keeps the entries whose score passes the layer's threshold for that input,
+//! and the product is [`Device::axpys`] over the input-major matrix, which reads only the rows
+//! of the kept entries (the products of one input in one launch). A session that measures
+//! writes the kept entries first ([`Device::sparsify`], to count them); one that does not hands
+//! the threshold to the product (one launch fewer a projection on the GPU). Outputs that are
+//! not a residual start from zeros ([`Device::clear`]).
 use super::step::{first_projections, row_parallel, Pass};
 use super::{DeviceSession, Scratch};
 use crate::exec::model::{DeviceModel, InputMats};
+use crate::model::config::ModelConfig;
 use crate::sparsity::input::Group;
 use crate::Result;
 use dejavu_backend_api::{Device, InputMask, Product, Rows};
 
-impl<D: Device> DeviceSession<'_, D> {
+impl<'a, D: Device> DeviceSession<'a, D> {
     /// Layer `l`'s input thresholds under the plan (`None`: its inputs are dense).
     pub(super) fn input_thresholds(&self, l: usize) -> Option<[f32; 4]> {
         self.plan.inputs.as_ref().map(|p| p.thresholds[l])
     }
 
-    /// `s.sparse` = the kept entries of `x` (`n` values) for layer `l`'s input group `g` at
-    /// threshold `t`; counted per layer and group when the session measures.
-    fn keep_inputs(&mut self, l: usize, g: Group, t: f32, which: Input) -> Result<()> {
+    /// Layer `l`'s input group `g` at threshold `t`, of the input `which`: when the session
+    /// measures, `s.sparse` = the kept entries (counted per layer and group) and `None`: the
+    /// products read `s.sparse`; else the mask that the products apply to `which` themselves.
+    fn keep_inputs(
+        &mut self,
+        l: usize,
+        g: Group,
+        t: f32,
+        which: Input,
+    ) -> Result<Option<InputMask<'a, D::Buf>>> {
         let (dev, m) = (self.dev, self.model);
         let im = inputs_of(m, l)?;
         let gi = Group::ALL.iter().position(|&x| x == g).unwrap_or(0);
@@ -28,30 +37,24 @@ impl<D: Device> DeviceSession<'_, D> {
             threshold: t,
             scale: wina.then_some(&im.norms[gi]),
         };
-        let s = &mut self.s;
-        let (x, n) = match which {
-            Input::H => (&s.h, m.local.d_model),
-            Input::Att { n } => (&s.att, n),
-            Input::Full { n } => (&s.full, n),
-            Input::Gate => (&s.gate, m.local.n_ff),
-            Input::Up => (&s.up, m.local.n_ff),
-        };
-        dev.sparsify(x, n, mask, &mut s.sparse)?;
-        if self.measure {
-            // The kept entries, and the input blocks that hold one (each reads its scale table).
-            dev.count_nonzero(&s.sparse, n, 1, &mut s.kept, 4 * l + gi)?;
-            if im.table_bytes[gi] > 0 {
-                let slot = 4 * (m.local.n_layers + l) + gi;
-                dev.count_nonzero(&s.sparse, n, 32, &mut s.kept, slot)?;
-            }
+        if !self.measure {
+            return Ok(Some(mask));
         }
-        Ok(())
+        let (p, n) = (Parts::of(&mut self.s, which), which.len(&m.local));
+        dev.sparsify(p.input, n, mask, p.sparse)?;
+        // The kept entries, and the input blocks that hold one (each reads its scale table).
+        dev.count_nonzero(p.sparse, n, 1, p.kept, 4 * l + gi)?;
+        if im.table_bytes[gi] > 0 {
+            let slot = 4 * (m.local.n_layers + l) + gi;
+            dev.count_nonzero(p.sparse, n, 32, p.kept, slot)?;
+        }
+        Ok(None)
     }
 
     /// Q (of the plan's heads, compact in `s.q`; of every head when `all_heads`), K and V of
     /// `s.h` at threshold `t`.
     pub(super) fn input_qkv(&mut self, l: usize, t: f32, all_heads: bool) -> Result<()> {
-        self.keep_inputs(l, Group::Qkv, t, Input::H)?;
+        let mask = self.keep_inputs(l, Group::Qkv, t, Input::H)?;
         let (dev, m) = (self.dev, self.model);
         let (c, lw, im) = (&m.local, &m.layers[l], inputs_of(m, l)?);
         let s = &mut self.s;
@@ -69,6 +72,7 @@ impl<D: Device> DeviceSession<'_, D> {
             v,
             full,
             sparse,
+            h,
             ..
         } = s;
         let qo = match heads {
@@ -77,7 +81,8 @@ impl<D: Device> DeviceSession<'_, D> {
         };
         dev.clear(&mut [(&mut *qo, nq), (&mut *k, nkv), (&mut *v, nkv)])?;
         dev.axpys(
-            sparse,
+            if mask.is_some() { h } else { sparse },
+            mask,
             &mut [
                 Product::new(&im.q, Rows::All, qo).bias(lw.bq.as_ref()),
                 Product::new(&im.k, Rows::All, k).bias(lw.bk.as_ref()),
@@ -104,14 +109,14 @@ impl<D: Device> DeviceSession<'_, D> {
             true => Input::Full { n },
             false => Input::Att { n },
         };
-        self.keep_inputs(l, Group::O, t, which)?;
+        let mask = self.keep_inputs(l, Group::O, t, which)?;
         let (dev, m) = (self.dev, self.model);
         let (c, lw) = (&m.local, &m.layers[l]);
         let wo_t = &inputs_of(m, l)?.wo;
         let heads = self.plan.heads[l].rows(c.head_dim);
-        let s = &mut self.s;
-        let y = if out { &mut s.part } else { &mut s.x };
-        Ok(dev.axpy(wo_t, heads, &s.sparse, lw.bo.as_ref(), y)?)
+        let (a, y) = Parts::of(&mut self.s, which).product(mask.is_some(), out);
+        let p = Product::new(wo_t, heads, y).bias(lw.bo.as_ref());
+        Ok(dev.axpys(a, mask, &mut [p])?)
     }
 
     /// The MLP of `s.h` at thresholds `t_in` (gate and up) and `t_down` (the down
@@ -133,30 +138,33 @@ impl<D: Device> DeviceSession<'_, D> {
                 first_projections(dev, c, lw, Rows::All, ff, Pass::Step, &mut self.s)?;
             }
             Some(t_in) => {
-                self.keep_inputs(l, Group::GateUp, t_in, Input::H)?;
-                let s = &mut self.s;
+                let mask = self.keep_inputs(l, Group::GateUp, t_in, Input::H)?;
+                let Scratch {
+                    gate: g,
+                    up,
+                    sparse,
+                    h,
+                    ..
+                } = &mut self.s;
+                let a = if mask.is_some() { &*h } else { &*sparse };
                 match &im.gate {
                     Some(gate) => {
-                        let Scratch {
-                            gate: g,
-                            up,
-                            sparse,
-                            ..
-                        } = s;
                         dev.clear(&mut [(&mut *g, ff), (&mut *up, ff)])?;
                         dev.axpys(
-                            sparse,
+                            a,
+                            mask,
                             &mut [
                                 Product::new(gate, Rows::All, g),
                                 Product::new(&im.up, Rows::All, up),
                             ],
                         )?;
-                        dev.glu(act, &mut s.gate, &s.up, ff)?;
+                        dev.glu(act, g, up, ff)?;
                     }
                     None => {
-                        dev.clear(&mut [(&mut s.up, ff)])?;
-                        dev.axpy(&im.up, Rows::All, &s.sparse, lw.b_up.as_ref(), &mut s.up)?;
-                        dev.activate(act, &mut s.up, ff)?;
+                        dev.clear(&mut [(&mut *up, ff)])?;
+                        let p = Product::new(&im.up, Rows::All, up).bias(lw.b_up.as_ref());
+                        dev.axpys(a, mask, &mut [p])?;
+                        dev.activate(act, up, ff)?;
                     }
                 }
             }
@@ -168,11 +176,11 @@ impl<D: Device> DeviceSession<'_, D> {
             let y = if out { &mut s.part } else { &mut s.x };
             return row_parallel(dev, &lw.w_down, lw.b_down.as_ref(), a, y, out, Pass::Step);
         };
-        self.keep_inputs(l, Group::Down, t_down, a)?;
+        let mask = self.keep_inputs(l, Group::Down, t_down, a)?;
         let down_t = &inputs_of(m, l)?.down;
-        let s = &mut self.s;
-        let y = if out { &mut s.part } else { &mut s.x };
-        Ok(dev.axpy(down_t, Rows::All, &s.sparse, lw.b_down.as_ref(), y)?)
+        let (a, y) = Parts::of(&mut self.s, a).product(mask.is_some(), out);
+        let p = Product::new(down_t, Rows::All, y).bias(lw.b_down.as_ref());
+        Ok(dev.axpys(a, mask, &mut [p])?)
     }
 }
 
@@ -245,6 +253,65 @@ enum Input {
     Full { n: usize },
     Gate,
     Up,
+}
+
+impl Input {
+    /// Its entries in a step of model `c`.
+    fn len(self, c: &ModelConfig) -> usize {
+        match self {
+            Input::H => c.d_model,
+            Input::Att { n } | Input::Full { n } => n,
+            Input::Gate | Input::Up => c.n_ff,
+        }
+    }
+}
+
+/// The buffers of one input-sparse product, borrowed apart from the scratch.
+struct Parts<'s, B> {
+    /// The input itself, `s.sparse`, the kept-entry counts, `s.part` and the residual.
+    input: &'s B,
+    sparse: &'s mut B,
+    kept: &'s mut B,
+    part: &'s mut B,
+    x: &'s mut B,
+}
+
+impl<'s, B> Parts<'s, B> {
+    fn of<D: Device<Buf = B>>(s: &'s mut Scratch<D>, which: Input) -> Self {
+        let Scratch {
+            h,
+            att,
+            full,
+            gate,
+            up,
+            sparse,
+            kept,
+            part,
+            x,
+            ..
+        } = s;
+        let input = match which {
+            Input::H => &*h,
+            Input::Att { .. } => &*att,
+            Input::Full { .. } => &*full,
+            Input::Gate => &*gate,
+            Input::Up => &*up,
+        };
+        Parts {
+            input,
+            sparse,
+            kept,
+            part,
+            x,
+        }
+    }
+
+    /// A row-parallel product's coefficients (the input under a mask, or `sparse`) and its
+    /// output (`part`, or the residual).
+    fn product(self, masked: bool, out: bool) -> (&'s B, &'s mut B) {
+        let a = if masked { self.input } else { &*self.sparse };
+        (a, if out { self.part } else { self.x })
+    }
 }
 
 fn inputs_of<D: Device>(m: &DeviceModel<D>, l: usize) -> Result<&InputMats<D>> {

@@ -367,8 +367,13 @@ impl Device for CpuDevice {
         self.axpy_rows(w, rows, a, 1, bias, y)
     }
 
-    fn axpys(&self, a: &Vec<f32>, jobs: &mut [Product<'_, Self>]) -> Result<(), BackendError> {
-        self.axpys_rows(a, jobs)
+    fn axpys(
+        &self,
+        a: &Vec<f32>,
+        mask: Option<InputMask<'_, Vec<f32>>>,
+        jobs: &mut [Product<'_, Self>],
+    ) -> Result<(), BackendError> {
+        self.axpys_rows(a, mask, jobs)
     }
 
     fn axpy_steps(

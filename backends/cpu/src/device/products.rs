@@ -3,7 +3,10 @@
 //! `Device::matmul`, `Device::axpy`), on the backend's kernels and pool.
 use super::{need, rows_of, shape, CpuDevice, CpuMat};
 use crate::{axpy_matmul, matmul};
-use dejavu_backend_api::{Activation, BackendError, IndexSet, MatmulJob, Product, RowLayout, Rows};
+use dejavu_backend_api::{
+    sparsify_ref, Activation, BackendError, IndexSet, InputMask, MatmulJob, Product, RowLayout,
+    Rows,
+};
 
 impl CpuDevice {
     /// `Device::matvecs`: one row, every product over every row or a selection (compact).
@@ -220,11 +223,35 @@ impl CpuDevice {
     /// `Device::axpys`: the products of one input's coefficients `a`; matrices in the
     /// input-block layout over every row (input sparsity's Q, K and V; gate and up) share one
     /// scan of `a` and one pool dispatch (`axpy_matmul::axpy_blocks_many`), others go one by one.
+    /// A mask is applied to a copy of `a` (`sparsify_ref`: what `Device::sparsify` writes).
     pub(super) fn axpys_rows(
         &self,
         a: &[f32],
+        mask: Option<InputMask<'_, Vec<f32>>>,
         jobs: &mut [Product<'_, Self>],
     ) -> Result<(), BackendError> {
+        let masked;
+        let a = match mask {
+            None => a,
+            Some(m) => {
+                // The coefficients the jobs read.
+                let n = (jobs.iter())
+                    .map(|p| match p.rows {
+                        Rows::All => p.w.rows,
+                        Rows::Sel { count, group, .. } => count * group,
+                    })
+                    .max()
+                    .unwrap_or(0);
+                need("axpy activations", a.len(), n)?;
+                if let Some(s) = m.scale {
+                    need("axpys mask scales", s.len(), n)?;
+                }
+                let mut out = vec![0.0; n];
+                sparsify_ref(&a[..n], m.threshold, m.scale.map(|s| &s[..n]), &mut out);
+                masked = out;
+                &masked[..]
+            }
+        };
         let fused = |p: &Product<'_, Self>| {
             p.w.layout == RowLayout::InputBlocks && matches!(p.rows, Rows::All)
         };

@@ -1,6 +1,7 @@
 // Up to 3 products of one weight type and one input a in one launch (Q, K and V of an input under
 // input sparsity; gate and up), each: y[c] += sum over outputs j of a[j] * W[row(j)][c]
-// (+ bias[c]), W neuron-major (row r: neuron r's output column), or input-major. Blocks of x
+// (+ bias[c]), W neuron-major (row r: neuron r's output column), or input-major; a[j] taken
+// through input sparsity's mask where the call has one (`AxIn`: no `sparsify` launch before). Blocks of x
 // `first_tile` on are the job's. A block of 8 warps owns 256 * AX_VEC columns (tile `tile`): lane l loads 8 columns at
 // each of base + v * 256 + l * 8 (v < AX_VEC), so a warp reads AX_VEC * 512 contiguous bytes of a
 // 16-bit row. Row y of blocks (split-K) owns one contiguous range of the outputs j. It walks its
@@ -37,9 +38,23 @@ __device__ __forceinline__ int list_slot(bool keep, int* wcount, int& n) {
 #ifndef AX_VEC
 #define AX_VEC 1
 #endif
+// The coefficients of `Device::axpys`: a[j], or with `masked` a[j] where |a[j]| * scale[j] > t
+// (scale 1 when null) and 0 elsewhere, as `sparsify_f32` writes them (a NaN score is kept).
+struct AxIn {
+    const float* a;
+    const float* scale;
+    float t;
+    int masked;
+};
+__device__ __forceinline__ float ax_coef(const AxIn& in, int j) {
+    float v = in.a[j];
+    if (!in.masked) return v;
+    float s = fabsf(v) * (in.scale ? in.scale[j] : 1.0f);
+    return s <= in.t ? 0.0f : v;
+}
 template <int T>
 __device__ __forceinline__ void axpy(const u8* w, int rows, int cols, const u32* idx, int n_out,
-                                     int group, const float* a, const float* bias, float* y,
+                                     int group, const AxIn& a, const float* bias, float* y,
                                      int tile) {
     __shared__ float part[8][256 * AX_VEC + 1];
     __shared__ int krow[256];
@@ -60,7 +75,7 @@ __device__ __forceinline__ void axpy(const u8* w, int rows, int cols, const u32*
         int j = s0 + threadIdx.x, r = rows;
         float av = 0.f;
         if (j < je) {
-            av = a[j];
+            av = ax_coef(a, j);
             r = av != 0.f ? sel_row(idx, j, group) : rows;
         }
         bool keep = r < rows;
@@ -126,7 +141,7 @@ AX_ROUND_2(T_Q5_0) AX_ROUND_2(T_Q5_1) AX_ROUND_2(T_Q2K) AX_ROUND_2(T_Q3K) AX_ROU
 AX_ROUND_2(T_Q5K) AX_ROUND_2(T_Q6K) AX_ROUND_2(T_IQ4XS)
 template <int T>
 __device__ __forceinline__ void axpy_warp(const u8* w, int rows, int cols, const u32* idx,
-                                          int n_out, int group, const float* a,
+                                          int n_out, int group, const AxIn& a,
                                           const float* bias, float* y, int tile) {
     __shared__ float part[8][256 * AX_VEC + 1];
     constexpr int U = AxRound<T>::U;
@@ -144,7 +159,7 @@ __device__ __forceinline__ void axpy_warp(const u8* w, int rows, int cols, const
     // This lane's coefficient and row in the chunk from c on (0 and `rows` past the range).
     auto fetch = [&](int c, float& av, int& r) {
         int j = c + lane;
-        av = j < je ? a[j] : 0.f;
+        av = j < je ? ax_coef(a, j) : 0.f;
         r = j < je ? sel_row(idx, j, group) : rows;
     };
     int c = jb + 32 * warp;
@@ -216,20 +231,20 @@ struct AxJob {
 };
 struct AxJobs {
     AxJob job[3];
-    const float* a;
+    AxIn in;
     int n, pad;
 };
 // One job's tile: the listed kernel for rows of floats, the warp kernel for quantized blocks.
 template <int T>
 __device__ __forceinline__ void axpy_one(const u8* w, int rows, int cols, const u32* idx,
-                                         int n_out, int group, const float* a,
+                                         int n_out, int group, const AxIn& a,
                                          const float* bias, float* y, int tile) {
     if constexpr (Blk<T>::LEN == 1) axpy<T>(w, rows, cols, idx, n_out, group, a, bias, y, tile);
     else axpy_warp<T>(w, rows, cols, idx, n_out, group, a, bias, y, tile);
 }
 // The job of this block, its fields read by constant indices (as in matvec.cu).
 #define AX_CALL(n) axpy_one<T>(jobs.job[n].w, jobs.job[n].rows, jobs.job[n].cols, jobs.job[n].idx,    \
-    jobs.job[n].n_out, jobs.job[n].group, jobs.a, jobs.job[n].bias, jobs.job[n].y,              \
+    jobs.job[n].n_out, jobs.job[n].group, jobs.in, jobs.job[n].bias, jobs.job[n].y,              \
     b - jobs.job[n].first_tile)
 template <int T>
 __device__ __forceinline__ void axpy_jobs(const AxJobs& jobs) {
