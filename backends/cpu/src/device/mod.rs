@@ -18,8 +18,8 @@ use crate::pool::SpinPool;
 use crate::world::HostWorld;
 use crate::{ops, CpuBackend};
 use dejavu_backend_api::{
-    sparsify_ref, Activation, AttnGeom, BackendError, Device, InputMask, LazyKv, Product,
-    QuantType, Rotary, Rows, SeqRow, SharedBytes, StepRow, TopK, Weight, MAX_ROWS,
+    Activation, AttnGeom, BackendError, Device, InputMask, LazyKv, Product, QuantType, Rotary,
+    Rows, SeqRow, SharedBytes, StepRow, TopK, Weight, MAX_ROWS,
 };
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -488,17 +488,7 @@ impl Device for CpuDevice {
         mask: InputMask<'_, Vec<f32>>,
         out: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
-        need("sparsify input", x.len(), n)?;
-        need("sparsify output", out.len(), n)?;
-        let scale = match mask.scale {
-            Some(s) => {
-                need("sparsify scales", s.len(), n)?;
-                Some(&s[..n])
-            }
-            None => None,
-        };
-        sparsify_ref(&x[..n], mask.threshold, scale, &mut out[..n]);
-        Ok(())
+        select::sparsify(x, n, mask, out)
     }
 
     fn abs(&self, x: &mut Vec<f32>, n: usize) -> Result<(), BackendError> {

@@ -2,7 +2,7 @@
 //! scores each, several side by side on the pool; and the count of what a selection kept
 //! (`Device::count_nonzero`).
 use super::{need, shape, CpuDevice};
-use dejavu_backend_api::{BackendError, TopK};
+use dejavu_backend_api::{sparsify_ref, BackendError, InputMask, TopK};
 use std::sync::Mutex;
 
 impl CpuDevice {
@@ -49,6 +49,26 @@ impl CpuDevice {
         }
         Ok(())
     }
+}
+
+/// `Device::sparsify`: `out[..n]` = the entries of `x[..n]` the mask keeps (`sparsify_ref`).
+pub(super) fn sparsify(
+    x: &[f32],
+    n: usize,
+    mask: InputMask<'_, Vec<f32>>,
+    out: &mut [f32],
+) -> Result<(), BackendError> {
+    need("sparsify input", x.len(), n)?;
+    need("sparsify output", out.len(), n)?;
+    let scale = match mask.scale {
+        Some(s) => {
+            need("sparsify scales", s.len(), n)?;
+            Some(&s[..n])
+        }
+        None => None,
+    };
+    sparsify_ref(&x[..n], mask.threshold, scale, &mut out[..n]);
+    Ok(())
 }
 
 /// `Device::count_nonzero`'s count: the groups of `group` values of `x[..n]` that hold a nonzero.
