@@ -80,19 +80,7 @@ fn main() {
         dev.cache(n_ctx, kvw).unwrap(),
     );
     dev.set_step(&[0], pos).unwrap();
-    let rope = Rotary::<Buf> {
-        theta: 500000.0,
-        style: RopeStyle::Interleaved,
-        factors: None,
-    };
-    let geom = AttnGeom {
-        n_heads: nh,
-        n_kv_heads: nkv,
-        head_dim: hd,
-        n_ctx,
-        rows: 1,
-        scoring: Scoring::plain(hd),
-    };
+    let (rope, geom) = llama_attention(nh, nkv, hd, n_ctx);
     let kv_bytes = 2 * (pos + 1) * kvw * 2;
     let mut total = 0.0;
     let mut rows = Vec::new();
@@ -325,26 +313,14 @@ fn input_sparsity(
         time(dev, || dev.axpy(&wd, Rows::All, &ff_in, None, &mut x)),
         rb(ff, d),
     );
-    // The layer of a `teal:0.5` step as generation runs it (thresholds inside the products:
-    // no `sparsify`): the attention output's and the GLU's thresholds are their medians in a
+    // The layer of a `teal:0.5` step as a step that does not measure runs it (thresholds
+    // inside the products: no `sparsify`): the attention output's and the GLU's thresholds are their medians in a
     // first, eager run.
     let (mut kc, mut vc) = (
         dev.cache(n_ctx, kvw).unwrap(),
         dev.cache(n_ctx, kvw).unwrap(),
     );
-    let rope = Rotary::<Buf> {
-        theta: 500000.0,
-        style: RopeStyle::Interleaved,
-        factors: None,
-    };
-    let geom = AttnGeom {
-        n_heads: nh,
-        n_kv_heads: nkv,
-        head_dim: hd,
-        n_ctx,
-        rows: 1,
-        scoring: Scoring::plain(hd),
-    };
+    let (rope, geom) = llama_attention(nh, nkv, hd, n_ctx);
     let (t_att, t_glu) = (Cell::new(0.0f32), Cell::new(0.0f32));
     // `calibrate`: eager, setting each threshold to its input's median magnitude.
     let mut layer = |calibrate: bool| -> Result<(), BackendError> {
@@ -392,6 +368,29 @@ fn input_sparsity(
         time(dev, || layer(false)),
         bytes,
     );
+}
+
+/// Llama 3's RoPE and one row's attention over `nh` query and `nkv` KV heads of `hd`.
+fn llama_attention(
+    nh: usize,
+    nkv: usize,
+    hd: usize,
+    n_ctx: usize,
+) -> (Rotary<'static, Buf>, AttnGeom) {
+    let rope = Rotary::<Buf> {
+        theta: 500000.0,
+        style: RopeStyle::Interleaved,
+        factors: None,
+    };
+    let geom = AttnGeom {
+        n_heads: nh,
+        n_kv_heads: nkv,
+        head_dim: hd,
+        n_ctx,
+        rows: 1,
+        scoring: Scoring::plain(hd),
+    };
+    (rope, geom)
 }
 
 /// Bytes of one layer's weights: Q, K, V, O, gate, up and down.
