@@ -315,8 +315,9 @@ pub fn on_cpu(spec: &BenchSpec, tick: &mut dyn FnMut()) -> Result<Vec<BenchResul
     bench(&mut sessions, spec, Some(e.threads()), tick)
 }
 
-/// The bench on `dev` (the model uploaded to it). Timed as generation runs on a GPU: each step's
-/// statistics are the plan's, none counted on the device.
+/// The bench on `dev` (the model uploaded to it), its steps unmeasured: each step's statistics
+/// are the plan's, none counted on the device, and input sparsity's thresholds go inside the
+/// products (`generate` and `serve` measure, and count kept inputs and nonzero activations).
 pub fn on_device<D: Device>(
     dev: &D,
     spec: &BenchSpec,
