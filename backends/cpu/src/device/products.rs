@@ -4,8 +4,7 @@
 use super::{need, rows_of, shape, CpuDevice, CpuMat};
 use crate::{axpy_matmul, matmul};
 use dejavu_backend_api::{
-    sparsify_ref, Activation, BackendError, IndexSet, InputMask, MatmulJob, Product, RowLayout,
-    Rows,
+    Activation, BackendError, IndexSet, InputMask, MatmulJob, Product, RowLayout, Rows,
 };
 
 impl CpuDevice {
@@ -223,7 +222,7 @@ impl CpuDevice {
     /// `Device::axpys`: the products of one input's coefficients `a`; matrices in the
     /// input-block layout over every row (input sparsity's Q, K and V; gate and up) share one
     /// scan of `a` and one pool dispatch (`axpy_matmul::axpy_blocks_many`), others go one by one.
-    /// A mask is applied to a copy of `a` (`sparsify_ref`: what `Device::sparsify` writes).
+    /// A mask is applied to a copy of `a` (what `Device::sparsify` writes).
     pub(super) fn axpys_rows(
         &self,
         a: &[f32],
@@ -242,12 +241,8 @@ impl CpuDevice {
                     })
                     .max()
                     .unwrap_or(0);
-                need("axpy activations", a.len(), n)?;
-                if let Some(s) = m.scale {
-                    need("axpys mask scales", s.len(), n)?;
-                }
                 let mut out = vec![0.0; n];
-                sparsify_ref(&a[..n], m.threshold, m.scale.map(|s| &s[..n]), &mut out);
+                super::select::sparsify(a, n, m, &mut out)?;
                 masked = out;
                 &masked[..]
             }
