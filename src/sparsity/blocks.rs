@@ -3,9 +3,10 @@
 //! reads each kept input's quants without a second rounding.
 //!
 //! Sources and their target type: Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 keep their type and every
-//! value exactly; Q4_K becomes Q4_1 and Q5_K Q5_1 (each sub-block's scale `d * sc` and min
-//! `-dmin * m` rounded to f16, a relative change below 2^-11 of a scale; the quants are
-//! unchanged). The 5-bit types need outputs in multiples of 64 (their fifth bits are stored
+//! value exactly; so does Q4_K where its outputs are a multiple of 256 (its 6-bit scales and
+//! mins under the per-256 scales, 4.5 bits a weight as in the file); other Q4_K matrices become
+//! Q4_1 and Q5_K Q5_1 (each sub-block's scale `d * sc` and min `-dmin * m` rounded to f16, a
+//! relative change below 2^-11 of a scale; the quants are unchanged; 5 and 6 bits a weight). The 5-bit types need outputs in multiples of 64 (their fifth bits are stored
 //! in 64-bit words). The types whose scales cover 16 inputs or 256 (Q6_K; Q2_K, Q3_K, IQ4_NL,
 //! IQ4_XS) have no such form: each output's 32 inputs are requantized, to the type and with
 //! the error-minimising scales of the requantized rows of [`crate::sparsity::layout`] (Q8_0 for
@@ -24,6 +25,8 @@ pub fn target(src: QuantType, outputs: usize, inputs: usize) -> Option<QuantType
     let words = outputs.is_multiple_of(64);
     match src {
         QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q4_1 => Some(src),
+        // Q4_K's own form has Q4_K's size only in whole super-blocks of outputs.
+        QuantType::Q4K if outputs.is_multiple_of(256) => Some(QuantType::Q4K),
         QuantType::Q4K => Some(QuantType::Q4_1),
         QuantType::Q5_0 | QuantType::Q5_1 if words => Some(src),
         QuantType::Q5K if words => Some(QuantType::Q5_1),
@@ -44,16 +47,20 @@ fn requantized(q: QuantType) -> bool {
 }
 
 /// Write `w` (`[outputs][inputs]`, ggml or repacked rows of a type [`target`] takes) into `out`
-/// in the input-block layout of `inputs` rows of `outputs` columns of type `qt`.
+/// in the input-block layout of `inputs` rows of `outputs` columns of type `qt` (the target, or
+/// Q4_1 for any Q4_K source).
 pub fn convert(w: &Weight, qt: QuantType, out: &mut [u8]) {
     let (n_out, n_in) = (w.rows, w.cols);
-    assert_eq!(
-        target(w.qtype, n_out, n_in),
-        Some(qt),
-        "input blocks of {:?}",
+    let as_q4_1 = w.qtype == QuantType::Q4K && qt == QuantType::Q4_1;
+    assert!(
+        as_q4_1 || target(w.qtype, n_out, n_in) == Some(qt),
+        "input blocks of {:?} as {qt:?}",
         w.qtype
     );
     assert_eq!(out.len(), n_in * qt.row_bytes(n_out), "input blocks: size");
+    if qt == QuantType::Q4K {
+        return convert_k4(w, out);
+    }
     // The type whose blocks are unpacked: the source's, or the target's for a requantized one.
     let sq = if requantized(w.qtype) { qt } else { w.qtype };
     let (bl, g) = (sq.block_len(), group_len(sq));
@@ -143,6 +150,58 @@ pub fn convert(w: &Weight, qt: QuantType, out: &mut [u8]) {
     debug_assert!(axpy_blocks::supports(qt));
 }
 
+/// [`convert`] of Q4_K into its own form (`kernels::axpy_blocks`): per 32 outputs, each
+/// super-block's `d` and `dmin` into its shared table, each block's 6-bit scales and mins into
+/// its own table, and its quants transposed.
+fn convert_k4(w: &Weight, out: &mut [u8]) {
+    let (n_out, n_in) = (w.rows, w.cols);
+    // A ggml block: d, dmin (f16), 12 bytes of 6-bit scales and mins, 128 of quants.
+    const BB: usize = 144;
+    let (own, sup) = (35 * n_out / 2, 144 * n_out);
+    let table = 3 * n_out / 2;
+    let mut ggml = vec![0u8; w.qtype.row_bytes(n_in)];
+    // Per block of 32 inputs, the 32 outputs' scales and mins; per output, its quants.
+    let blocks = n_in / 32;
+    let (mut sc, mut m) = (vec![[0u8; 32]; blocks], vec![[0u8; 32]; blocks]);
+    let mut quants = vec![0u8; 32 * n_in];
+    for o0 in (0..n_out).step_by(32) {
+        for k in 0..32 {
+            let o = o0 + k;
+            let row = match w.layout {
+                RowLayout::Repacked => {
+                    repack::unpack_row(w.qtype, w.row(o), &mut ggml);
+                    &ggml[..]
+                }
+                _ => w.row(o),
+            };
+            for (s, src) in row.chunks_exact(BB).enumerate() {
+                let head = s * sup + 8 * own;
+                out[head + 2 * o..][..2].copy_from_slice(&src[0..2]);
+                out[head + 2 * (n_out + o)..][..2].copy_from_slice(&src[2..4]);
+                let scales: &[u8; 12] = src[4..16].try_into().expect("12 bytes");
+                for j in 0..8 {
+                    let b = 8 * s + j;
+                    (sc[b][k], m[b][k]) = dejavu_backend_api::quant::q4k_scale_min(j, scales);
+                    for (l, &n) in src[16 + 32 * (j / 2)..][..32].iter().enumerate() {
+                        quants[k * n_in + 32 * b + l] = if j % 2 == 0 { n & 0xF } else { n >> 4 };
+                    }
+                }
+            }
+        }
+        for b in 0..blocks {
+            let at = b / 8 * sup + b % 8 * own;
+            axpy_blocks::put_k4_scale_min(&mut out[at..at + table], n_out, o0, &sc[b], &m[b]);
+            for r in 0..32 {
+                let i = 32 * b + r;
+                let dst = &mut out[at + table + r * n_out / 2 + o0 / 2..][..16];
+                for (k, d) in dst.iter_mut().enumerate() {
+                    *d = quants[k * n_in + i] | quants[(k + 16) * n_in + i] << 4;
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -155,7 +214,13 @@ mod tests {
     /// for Q8_0, over 15 for Q5_0, in each output's group of 32 inputs).
     #[test]
     fn converted_rows_are_the_source_columns() {
-        let (n_out, n_in) = (64, 256);
+        // 64 outputs: Q4_K as Q4_1; 512 outputs, Q4_K's own form.
+        for (n_out, n_in) in [(64, 256), (512, 512)] {
+            converted_rows_of(n_out, n_in);
+        }
+    }
+
+    fn converted_rows_of(n_out: usize, n_in: usize) {
         let vals: Vec<f32> = (0..n_out * n_in)
             .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * (1.0 + (i % 13) as f32))
             .collect();
@@ -201,6 +266,7 @@ mod tests {
                     let group = &src_row[i / 32 * 32..][..32];
                     let amax = group.iter().fold(0f32, |m, v| m.max(v.abs()));
                     let tol = match (src, qt) {
+                        (QuantType::Q4K, QuantType::Q4K) => 0.0,
                         (QuantType::Q4K | QuantType::Q5K, _) => 2.0 * big / 1024.0,
                         (QuantType::Q6K, _) => {
                             assert_eq!(qt, QuantType::Q8_0);

@@ -27,8 +27,9 @@ pub struct Weight<'a> {
 /// load by [`Backend::repack`] for the types [`Backend::repacks`] names.
 ///
 /// `InputBlocks` is an input-major matrix (`rows` inputs of `cols` outputs, both multiples of
-/// 32) that keeps its source's 8-, 5- or 4-bit quantization (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1): per
-/// block of 32 inputs, a table of the outputs' scales (and Q4_1's and Q5_1's offsets) as f16
+/// 32) that keeps its source's 8-, 5- or 4-bit quantization (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+/// Q4_K): per block of 32 inputs, a table of the outputs' scales (and offsets) as f16, or Q4_K's
+/// 6-bit scales and mins under f16 scales shared by the 8 blocks of 256 inputs
 /// ([`input_block_table_bytes`]), then the 32 inputs' quants (see
 /// `dejavu_backend_cpu::kernels::axpy_blocks`). Its size is the type's `rows * row_bytes(cols)`;
 /// only [`crate::Device::axpy`] reads it, on a device that [`crate::Device::reads_input_blocks`].
@@ -40,11 +41,14 @@ pub enum RowLayout {
     InputBlocks,
 }
 
-/// Bytes of the scale table at the start of each block of 32 inputs of an input-block matrix of
-/// `cols` outputs in `q` (`RowLayout::InputBlocks`): an f16 scale per output, and an f16 offset
-/// too for Q4_1 and Q5_1. A product that keeps any input of a block reads its whole table, and
-/// the kept inputs' rows of quants: the rest of the block's bytes, `row_bytes(cols) - table /
-/// 32` an input.
+/// Bytes of the scale table of each block of 32 inputs of an input-block matrix of `cols`
+/// outputs in `q` (`RowLayout::InputBlocks`): an f16 scale per output, and an f16 offset too for
+/// Q4_1 and Q5_1; Q4_K: 12 bits of scale and min per output, and an eighth of the f16 scale and
+/// min per output that its 8 blocks of a super-block of 256 inputs share (a block read alone
+/// reads them all: counted so, the count holds where every block of a super-block has a kept
+/// input). A product that keeps any input of a block reads its whole table, and the kept
+/// inputs' rows of quants: the rest of the block's bytes, `row_bytes(cols) - table / 32` an
+/// input.
 pub fn input_block_table_bytes(q: QuantType, cols: usize) -> usize {
     match q {
         QuantType::Q4_1 | QuantType::Q5_1 => 4 * cols,

@@ -265,7 +265,8 @@ fn units(ws: &[Weight], kept: &[KeptBlock], chunks: &[usize], threads: usize, ou
         let (k0, k1) = (c * kept.len() / n, (c + 1) * kept.len() / n);
         (k0, k1, kept[k0..k1].iter().map(|kb| kb.n).sum::<usize>())
     };
-    let tile_cost = |j: usize, rows: usize| rows * ws[j].qtype.row_bytes(BLOCK_COL_UNIT);
+    let tile_cost =
+        |j: usize, rows: usize| rows * axpy_blocks::input_bytes(ws[j].qtype, BLOCK_COL_UNIT);
     let mut total = 0;
     for (j, w) in ws.iter().enumerate() {
         for c in 0..chunks[j] {
@@ -327,9 +328,10 @@ pub fn axpy_blocks_many(
             "axpy_blocks reads input-block matrices"
         );
         let (rows, cols) = (w.rows, w.cols);
+        let inputs = if w.qtype == QuantType::Q4K { 256 } else { 32 };
         assert!(
-            rows.is_multiple_of(32) && cols.is_multiple_of(32),
-            "axpy_blocks: a {rows}x{cols} matrix is not in whole blocks of 32"
+            rows.is_multiple_of(inputs) && cols.is_multiple_of(32),
+            "axpy_blocks: a {rows}x{cols} matrix is not in whole blocks of {inputs}"
         );
         assert!(x.len() == rows && y.len() == cols, "axpy_blocks: lengths");
     }
@@ -374,7 +376,9 @@ fn blocks_product(
         partial.resize(n, 0.0);
     }
     let rows: usize = kept.iter().map(|kb| kb.n).sum();
-    let bytes: usize = ws.iter().map(|w| rows * w.qtype.row_bytes(w.cols)).sum();
+    let bytes: usize = (ws.iter())
+        .map(|w| rows * axpy_blocks::input_bytes(w.qtype, w.cols))
+        .sum();
     let tiles: usize = (ws.iter().zip(chunks.iter()))
         .map(|(w, c)| c * w.cols.div_ceil(BLOCK_COL_UNIT))
         .sum();
@@ -424,8 +428,7 @@ fn blocks_share(
     part: &mut [f32],
 ) {
     let (cols, q) = (w.cols, w.qtype);
-    let block_bytes = 32 * q.row_bytes(cols);
-    let block = |b: usize| &w.data[b * block_bytes..(b + 1) * block_bytes];
+    let block = |b: usize| axpy_blocks::block(q, w.data, cols, b);
     if let Some(kb) = kept.first() {
         axpy_blocks::prefetch_first(q, block(kb.b), cols, &kb.rows[..kb.n], c0);
     }

@@ -596,9 +596,14 @@ pub fn dequantize_row(k: &Kernels, w: &Weight, r: usize, out: &mut [f32]) {
         RowLayout::Ggml => (k.dequantize)(w.qtype, w.row(r), out),
         RowLayout::Repacked => (k.dequantize_repacked)(w.qtype, w.row(r), out),
         RowLayout::InputBlocks => {
-            let block = 32 * w.qtype.row_bytes(w.cols);
-            let b = &w.data[r / 32 * block..(r / 32 + 1) * block];
-            crate::kernels::axpy_blocks::input_row(w.qtype, b, w.cols, r % 32, out)
+            use crate::kernels::axpy_blocks::{block, input_row};
+            input_row(
+                w.qtype,
+                block(w.qtype, w.data, w.cols, r / 32),
+                w.cols,
+                r % 32,
+                out,
+            )
         }
     }
 }

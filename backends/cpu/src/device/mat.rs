@@ -38,8 +38,7 @@ impl CpuMat {
                 dequant::dequantize_row(self.qtype, &ggml, out)
             }
             RowLayout::InputBlocks => {
-                let block = 32 * rb;
-                let b = &self.bytes()[r / 32 * block..(r / 32 + 1) * block];
+                let b = axpy_blocks::block(self.qtype, self.bytes(), self.cols, r / 32);
                 axpy_blocks::input_row(self.qtype, b, self.cols, r % 32, out)
             }
         }

@@ -10,12 +10,17 @@
 //! and Q5_1 then hold the 32 rows' fifth bits (`cols / 8` bytes a row, `cols` a multiple of 64:
 //! little-endian 64-bit words, bit `i` of word `t` the fifth bit of output `64 t + i`). Value
 //! `(r, o)` = `d[o] * q + m[o]` (Q4_1, Q5_1), `d[o] * (q - 8)` (Q4_0), `d[o] * (q - 16)` (Q5_0),
-//! `d[o] * q` (Q8_0).
+//! `d[o] * q` (Q8_0). Q4_K keeps its 6-bit scales and mins under per-256 scales: its table is
+//! described in [`super::block_tables`], its quants are Q4_1's; its `d[o]` and `off[o]` come
+//! from both levels.
 //!
 //! Per output: `t = sum_r x[r] q[r][o]` in f32 over the kept rows, then `y[o] += d[o] * t +
 //! off[o] * S` with `S = sum_r x[r]` (`off = m`, `-8 d`, `-16 d`, or 0). [`scalar`] is the definition; the
 //! x86 tiers keep `t` of a tile of outputs (128 on AVX-512, 64 on AVX2) in registers while each
 //! kept row's quants of the tile are widened and multiply-added, prefetching the rows ahead.
+pub(super) use super::block_tables::scale_off;
+pub(super) use super::block_tables::table_bytes as scale_bytes;
+pub use super::block_tables::{block, input_bytes, put_k4_scale_min};
 use crate::isa::Isa;
 use dejavu_backend_api::quant::QuantType;
 use half::f16;
@@ -29,7 +34,12 @@ pub type AxpyBlocksFn = fn(QuantType, &[u8], usize, &[u8], &[f32; 32], usize, &m
 pub fn supports(q: QuantType) -> bool {
     matches!(
         q,
-        QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q5_0 | QuantType::Q5_1
+        QuantType::Q8_0
+            | QuantType::Q4_0
+            | QuantType::Q4_1
+            | QuantType::Q5_0
+            | QuantType::Q5_1
+            | QuantType::Q4K
     )
 }
 
@@ -62,18 +72,12 @@ pub fn select(isa: Isa) -> AxpyBlocksFn {
     }
 }
 
-/// Bytes of the scale table at the start of a block.
-pub(super) fn scale_bytes(q: QuantType, cols: usize) -> usize {
-    dejavu_backend_api::input_block_table_bytes(q, cols)
-}
-
 /// Check the call's extents (every tier, in release builds: the x86 loops read through raw
 /// pointers).
 pub(super) fn check(q: QuantType, block: &[u8], cols: usize, kept: &[u8], lo: usize, y: &[f32]) {
     assert!(supports(q), "axpy_blocks: {q:?} has no input-block layout");
-    assert_eq!(
-        block.len(),
-        32 * q.row_bytes(cols),
+    assert!(
+        super::block_tables::block_len_ok(q, block.len(), cols),
         "axpy_blocks: block size"
     );
     assert!(
@@ -89,18 +93,6 @@ pub(super) fn check(q: QuantType, block: &[u8], cols: usize, kept: &[u8], lo: us
         kept.iter().all(|&r| r < 32),
         "axpy_blocks: a kept row past 32"
     );
-}
-
-/// The per-output scale `d[o]` and offset `off[o]` of a block (offset `m`, `-8 d` or 0).
-pub(super) fn scale_off(q: QuantType, block: &[u8], cols: usize, o: usize) -> (f32, f32) {
-    let h = |i: usize| f16::from_le_bytes([block[2 * i], block[2 * i + 1]]).to_f32();
-    let d = h(o);
-    match q {
-        QuantType::Q4_1 | QuantType::Q5_1 => (d, h(cols + o)),
-        QuantType::Q4_0 => (d, -8.0 * d),
-        QuantType::Q5_0 => (d, -16.0 * d),
-        _ => (d, 0.0),
-    }
 }
 
 /// Quant `q[r][o]` (unsigned for the 4- and 5-bit types, signed byte for Q8_0).
@@ -159,7 +151,9 @@ pub fn generic(
     check(q, block, cols, kept, lo, y);
     match q {
         QuantType::Q8_0 => generic_type::<0>(q, block, cols, kept, x, lo, y),
-        QuantType::Q4_0 | QuantType::Q4_1 => generic_type::<4>(q, block, cols, kept, x, lo, y),
+        QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q4K => {
+            generic_type::<4>(q, block, cols, kept, x, lo, y)
+        }
         _ => generic_type::<5>(q, block, cols, kept, x, lo, y),
     }
 }
@@ -290,10 +284,7 @@ pub fn prefetch_first(q: QuantType, block: &[u8], cols: usize, kept: &[u8], lo: 
     {
         let lo = lo.min(cols);
         let hi = (lo + TILE).min(cols);
-        crate::prefetch::prefetch(&block[2 * lo..2 * hi]);
-        if q == QuantType::Q4_1 {
-            crate::prefetch::prefetch(&block[2 * (cols + lo)..2 * (cols + hi)]);
-        }
+        super::block_tables::prefetch(q, block, cols, lo, hi);
         for &r in kept {
             prefetch_row(q, block, cols, Some(&r), lo, FIRST_OUTPUTS.min(cols - lo));
         }
@@ -402,15 +393,7 @@ unsafe fn avx2_impl(
         let sv = _mm256_set1_ps(s);
         for (k, tk) in t.iter().enumerate().take(4 * groups) {
             let o = g + 8 * k;
-            let d = _mm256_cvtph_ps(_mm_loadu_si128(base.add(2 * o) as *const __m128i));
-            let off = match q {
-                QuantType::Q4_1 | QuantType::Q5_1 => {
-                    _mm256_cvtph_ps(_mm_loadu_si128(base.add(2 * (cols + o)) as *const __m128i))
-                }
-                QuantType::Q4_0 => _mm256_mul_ps(d, _mm256_set1_ps(-8.0)),
-                QuantType::Q5_0 => _mm256_mul_ps(d, _mm256_set1_ps(-16.0)),
-                _ => _mm256_setzero_ps(),
-            };
+            let (d, off) = super::block_tables::scales8(q, block, cols, o);
             let yp = y.as_mut_ptr().add(o - lo);
             let v = _mm256_fmadd_ps(d, *tk, _mm256_fmadd_ps(off, sv, _mm256_loadu_ps(yp)));
             _mm256_storeu_ps(yp, v);
@@ -493,20 +476,20 @@ unsafe fn avx512_impl(
         let sv = _mm512_set1_ps(s);
         for (k, tk) in t.iter().enumerate().take(2 * n) {
             let o = g + 16 * k;
-            add_scaled16(q, base, cols, o, *tk, sv, y.as_mut_ptr().add(o - lo));
+            add_scaled16(q, block, cols, o, *tk, sv, y.as_mut_ptr().add(o - lo));
         }
     }
 }
 
-/// `y[..16] = d * t + (off * s + y)` for the 16 outputs from `o` of a block at `base` (`d`,
-/// `off` from its table, as [`scale_off`]): the end of a tile of the AVX-512 loops. The caller
-/// keeps `o + 16 <= cols` and 16 floats at `y`.
+/// `y[..16] = d * t + (off * s + y)` for the 16 outputs from `o` of `block` (`d`, `off` from
+/// its table, as [`scale_off`]): the end of a tile of the AVX-512 loops. The caller keeps `o`
+/// a multiple of 16, `o + 16 <= cols`, 16 floats at `y`, and the block's extent checked.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
 #[inline]
 pub(super) unsafe fn add_scaled16(
     q: QuantType,
-    base: *const u8,
+    block: &[u8],
     cols: usize,
     o: usize,
     t: std::arch::x86_64::__m512,
@@ -514,15 +497,7 @@ pub(super) unsafe fn add_scaled16(
     y: *mut f32,
 ) {
     use std::arch::x86_64::*;
-    let d = _mm512_cvtph_ps(_mm256_loadu_si256(base.add(2 * o) as *const __m256i));
-    let off = match q {
-        QuantType::Q4_1 | QuantType::Q5_1 => _mm512_cvtph_ps(_mm256_loadu_si256(
-            base.add(2 * (cols + o)) as *const __m256i,
-        )),
-        QuantType::Q4_0 => _mm512_mul_ps(d, _mm512_set1_ps(-8.0)),
-        QuantType::Q5_0 => _mm512_mul_ps(d, _mm512_set1_ps(-16.0)),
-        _ => _mm512_setzero_ps(),
-    };
+    let (d, off) = super::block_tables::scales16(q, block, cols, o);
     _mm512_storeu_ps(
         y,
         _mm512_fmadd_ps(d, t, _mm512_fmadd_ps(off, s, _mm512_loadu_ps(y))),
@@ -530,11 +505,15 @@ pub(super) unsafe fn add_scaled16(
 }
 
 /// A random block (scales, offsets, quants) and its values as the layout defines them, for the
-/// tests of this layout's kernels.
+/// tests of this layout's kernels. (Q4_K: a super-block's block 6 as [`block`] hands it out:
+/// its own bytes, block 7's, then the shared scales.)
 #[cfg(test)]
 pub(super) fn random_block(q: QuantType, cols: usize, seed: u64) -> (Vec<u8>, Vec<f32>) {
     use rand::{Rng, SeedableRng};
     let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    if q == QuantType::Q4K {
+        return random_k4_block(&mut r, cols);
+    }
     let d: Vec<f32> = (0..cols).map(|_| r.gen_range(0.001f32..0.1)).collect();
     let m: Vec<f32> = (0..cols).map(|_| r.gen_range(-0.5f32..0.5)).collect();
     let quants: Vec<u8> = (0..32 * cols)
@@ -595,11 +574,51 @@ pub(crate) fn test_cases(
         .collect()
 }
 
+/// [`random_block`] of Q4_K.
+#[cfg(test)]
+fn random_k4_block(r: &mut impl rand::Rng, cols: usize) -> (Vec<u8>, Vec<f32>) {
+    let h = |v: f32| f16::from_f32(v);
+    let d: Vec<f16> = (0..cols).map(|_| h(r.gen_range(0.0001f32..0.01))).collect();
+    let dmin: Vec<f16> = (0..cols).map(|_| h(r.gen_range(0.0f32..0.01))).collect();
+    let sc: Vec<u8> = (0..cols).map(|_| r.gen_range(0..64)).collect();
+    let m: Vec<u8> = (0..cols).map(|_| r.gen_range(0..64)).collect();
+    let quants: Vec<u8> = (0..32 * cols).map(|_| r.gen_range(0..16)).collect();
+    let mut table = vec![0u8; scale_bytes(QuantType::Q4K, cols)];
+    for o0 in (0..cols).step_by(32) {
+        let (s, mm) = (&sc[o0..o0 + 32], &m[o0..o0 + 32]);
+        let put = super::block_tables::put_k4_scale_min;
+        put(
+            &mut table,
+            cols,
+            o0,
+            s.try_into().unwrap(),
+            mm.try_into().unwrap(),
+        );
+    }
+    let mut out = table;
+    for row in quants.chunks_exact(cols) {
+        for g in row.chunks_exact(32) {
+            out.extend((0..16).map(|k| (g[k] & 0xF) | ((g[k + 16] & 0xF) << 4)));
+        }
+    }
+    // Block 7 of the super-block: bytes the kernels must not read as this block's.
+    let own = out.len();
+    out.extend((0..own).map(|_| r.gen::<u8>()));
+    out.extend(d.iter().chain(&dmin).flat_map(|v| v.to_le_bytes()));
+    let values = (0..32 * cols)
+        .map(|i| {
+            let (o, qv) = (i % cols, quants[i] as f32);
+            d[o].to_f32() * sc[o] as f32 * qv - dmin[o].to_f32() * m[o] as f32
+        })
+        .collect();
+    (out, values)
+}
+
 /// The block `b` of a matrix in the input-block layout built from ggml rows: for tests and the
 /// layout conversion's reference (`values[r][o]` for its 32 inputs of `cols` outputs, and the
 /// per-output scales and offsets of the 32-input group, as `(d, m)` with the quants `q`).
 pub fn pack_block(q: QuantType, cols: usize, d: &[f32], m: &[f32], quants: &[u8]) -> Vec<u8> {
-    assert!(supports(q) && d.len() == cols && quants.len() == 32 * cols);
+    assert!(supports(q) && q != QuantType::Q4K && d.len() == cols && quants.len() == 32 * cols);
     let mut out = Vec::with_capacity(32 * q.row_bytes(cols));
     assert!(
         !five_bit(q) || cols.is_multiple_of(64),
@@ -633,12 +652,13 @@ pub fn pack_block(q: QuantType, cols: usize, d: &[f32], m: &[f32], quants: &[u8]
 
 /// The types of this layout, for its tests.
 #[cfg(test)]
-pub(super) const TYPES: [QuantType; 5] = [
+pub(super) const TYPES: [QuantType; 6] = [
     QuantType::Q8_0,
     QuantType::Q4_0,
     QuantType::Q4_1,
     QuantType::Q5_0,
     QuantType::Q5_1,
+    QuantType::Q4K,
 ];
 
 #[cfg(test)]

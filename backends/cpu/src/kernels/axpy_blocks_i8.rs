@@ -33,6 +33,7 @@ macro_rules! by_type {
             QuantType::Q4_1 => $f::<TYPE_Q4_1>($($a),*),
             QuantType::Q5_0 => $f::<TYPE_Q5_0>($($a),*),
             QuantType::Q5_1 => $f::<TYPE_Q5_1>($($a),*),
+            QuantType::Q4K => $f::<TYPE_Q4K>($($a),*),
             _ => unreachable!("axpy_blocks::check admits the input-block types only"),
         }
     };
@@ -49,6 +50,8 @@ const TYPE_Q4_1: u8 = 2;
 const TYPE_Q5_0: u8 = 3;
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 const TYPE_Q5_1: u8 = 4;
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+const TYPE_Q4K: u8 = 5;
 
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 const fn type_of(t: u8) -> QuantType {
@@ -57,7 +60,8 @@ const fn type_of(t: u8) -> QuantType {
         TYPE_Q4_0 => QuantType::Q4_0,
         TYPE_Q4_1 => QuantType::Q4_1,
         TYPE_Q5_0 => QuantType::Q5_0,
-        _ => QuantType::Q5_1,
+        TYPE_Q5_1 => QuantType::Q5_1,
+        _ => QuantType::Q4K,
     }
 }
 
@@ -260,7 +264,6 @@ unsafe fn avx2_impl<const T: u8>(
 ) {
     use std::arch::x86_64::*;
     let q = const { type_of(T) };
-    let base = block.as_ptr();
     let q8 = q == QuantType::Q8_0;
     let shift = if q8 { 0 } else { 1 };
     let five = axpy_blocks::five_bit(q);
@@ -333,21 +336,22 @@ unsafe fn avx2_impl<const T: u8>(
         for (k, tk) in t.into_iter().enumerate() {
             let o = g + 8 * k;
             let tf = _mm256_mul_ps(_mm256_cvtepi32_ps(tk), sxv);
-            add_scaled8::<T>(base, cols, o, tf, so, y.as_mut_ptr().add(o - lo));
+            add_scaled8::<T>(block, cols, o, tf, so, y.as_mut_ptr().add(o - lo));
         }
     }
 }
 
-/// `y[..8] = d * t + (off * s + y)` for the 8 outputs from `o` of a block at `base`, as
+/// `y[..8] = d * t + (off * s + y)` for the 8 outputs from `o` of `block`, as
 /// `axpy_blocks::add_scaled16` (the definition's two fused multiply-adds).
 ///
 /// # Safety
-/// `o + 8 <= cols`, 8 floats at `y`, AVX2, FMA and F16C.
+/// `o` a multiple of 8, `o + 8 <= cols`, 8 floats at `y`, the block's extent checked; AVX2,
+/// FMA and F16C.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn add_scaled8<const T: u8>(
-    base: *const u8,
+    block: &[u8],
     cols: usize,
     o: usize,
     t: std::arch::x86_64::__m256,
@@ -355,15 +359,7 @@ unsafe fn add_scaled8<const T: u8>(
     y: *mut f32,
 ) {
     use std::arch::x86_64::*;
-    let d = _mm256_cvtph_ps(_mm_loadu_si128(base.add(2 * o) as *const __m128i));
-    let off = match const { type_of(T) } {
-        QuantType::Q4_1 | QuantType::Q5_1 => {
-            _mm256_cvtph_ps(_mm_loadu_si128(base.add(2 * (cols + o)) as *const __m128i))
-        }
-        QuantType::Q4_0 => _mm256_mul_ps(d, _mm256_set1_ps(-8.0)),
-        QuantType::Q5_0 => _mm256_mul_ps(d, _mm256_set1_ps(-16.0)),
-        _ => _mm256_setzero_ps(),
-    };
+    let (d, off) = super::block_tables::scales8(const { type_of(T) }, block, cols, o);
     let v = _mm256_fmadd_ps(d, t, _mm256_fmadd_ps(off, s, _mm256_loadu_ps(y)));
     _mm256_storeu_ps(y, v);
 }
@@ -400,7 +396,6 @@ unsafe fn avx512_impl<const T: u8>(
 ) {
     use std::arch::x86_64::*;
     let q = const { type_of(T) };
-    let base = block.as_ptr();
     let q8 = q == QuantType::Q8_0;
     // Row bytes per output: 1 (Q8_0) or 1/2.
     let shift = if q8 { 0 } else { 1 };
@@ -493,7 +488,7 @@ unsafe fn avx512_impl<const T: u8>(
             let o = g + f;
             let t = if q8 { _mm512_sub_epi32(pl, excess) } else { pl };
             let tf = _mm512_mul_ps(_mm512_cvtepi32_ps(t), sxv);
-            axpy_blocks::add_scaled16(q, base, cols, o, tf, so, y.as_mut_ptr().add(o - lo));
+            axpy_blocks::add_scaled16(q, block, cols, o, tf, so, y.as_mut_ptr().add(o - lo));
         }
     }
 }
@@ -574,12 +569,18 @@ unsafe fn neon_impl<const T: u8>(
         }
         for (k, tk) in t.into_iter().enumerate() {
             let o = g + 4 * k;
-            let d = scale(o);
-            let off = match q {
-                QuantType::Q4_1 | QuantType::Q5_1 => scale(cols + o),
-                QuantType::Q4_0 => vmulq_n_f32(d, -8.0),
-                QuantType::Q5_0 => vmulq_n_f32(d, -16.0),
-                _ => vdupq_n_f32(0.0),
+            let (d, off) = match q {
+                // Both levels of scales, as the definition combines them.
+                QuantType::Q4K => {
+                    let both: [(f32, f32); 4] =
+                        std::array::from_fn(|i| axpy_blocks::scale_off(q, block, cols, o + i));
+                    let (d, off) = (both.map(|v| v.0), both.map(|v| v.1));
+                    (vld1q_f32(d.as_ptr()), vld1q_f32(off.as_ptr()))
+                }
+                QuantType::Q4_1 | QuantType::Q5_1 => (scale(o), scale(cols + o)),
+                QuantType::Q4_0 => (scale(o), vmulq_n_f32(scale(o), -8.0)),
+                QuantType::Q5_0 => (scale(o), vmulq_n_f32(scale(o), -16.0)),
+                _ => (scale(o), vdupq_n_f32(0.0)),
             };
             let yp = y.as_mut_ptr().add(o - lo);
             let inner = vfmaq_f32(vld1q_f32(yp), off, so);

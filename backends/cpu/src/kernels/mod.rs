@@ -248,6 +248,7 @@ pub mod axpy;
 pub mod axpy_blocks;
 pub mod axpy_blocks_i8;
 pub mod axpy_q;
+mod block_tables;
 pub mod dequantize;
 pub mod dot_float;
 pub mod dot_iq4nl;
