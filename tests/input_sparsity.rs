@@ -176,36 +176,41 @@ fn q4_1_model() -> Vec<u8> {
 
 /// On the reference device (f32 activations everywhere), every input kept through the
 /// input-block layout is the dense model: the layout holds the file's own values. (The tiers'
-/// kernels are held to the reference in `kernels::axpy_blocks`.) Q4_K: a synthetic OPT-125m in
-/// Q4_K_M, its W_o and fc1 (Q4_K in every layer, 768 and 3072 outputs) through Q4_K's own
-/// input blocks, the other groups dense (their Q6_K layers are requantized to Q8_0).
+/// kernels are held to the reference in `kernels::axpy_blocks`.) Q4_K and Q5_K: a synthetic
+/// OPT-125m in Q4_K_M and Q5_K_M, its W_o and fc1 (Q4_K or Q5_K in every layer, 768 and 3072
+/// outputs) through the K-quants' own input blocks, the other groups dense (their Q6_K layers
+/// are requantized to Q8_0).
 #[test]
 fn input_blocks_keep_the_files_values() {
     use dejavu::exec::{DevicePlan, DeviceSession};
+    use dejavu::quantize::mix::FileType;
     use dejavu_backend_api::QuantType;
     use dejavu_backend_cpu::device::CpuDevice;
-    let k4 = || {
+    let synthetic = |dtype: FileType| {
         let opts = EngineOptions {
             threads: Some(2),
             n_ctx: Some(64),
             synthetic: dejavu::model::synthetic::SyntheticOptions {
-                dtype: dejavu::quantize::mix::FileType::Q4KM,
+                dtype,
                 ..Default::default()
             },
             ..Default::default()
         };
-        Engine::load("synthetic:opt-125m", &opts).unwrap()
+        (
+            tempfile::tempdir().unwrap(),
+            Engine::load("synthetic:opt-125m", &opts).unwrap(),
+        )
     };
     let target = dejavu::sparsity::blocks::target;
-    assert_eq!(target(QuantType::Q4K, 3072, 768), Some(QuantType::Q4K));
+    for q in [QuantType::Q4K, QuantType::Q5K] {
+        assert_eq!(target(q, 3072, 768), Some(q));
+    }
+    let k_quants = [-1.0, 0.0, 0.0, -1.0];
     let cases = [
         ("q8_0", load(&tiny_llama_gguf(|_, _| {})), [0.0; 4]),
         ("q4_1", load(&q4_1_model()), [0.0; 4]),
-        (
-            "q4_k",
-            (tempfile::tempdir().unwrap(), k4()),
-            [-1.0, 0.0, 0.0, -1.0],
-        ),
+        ("q4_k", synthetic(FileType::Q4KM), k_quants),
+        ("q5_k", synthetic(FileType::Q5KM), k_quants),
     ];
     for (what, (_d, e), th) in cases {
         let c = &e.model.config;

@@ -3,10 +3,11 @@
 //! reads each kept input's quants without a second rounding.
 //!
 //! Sources and their target type: Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 keep their type and every
-//! value exactly; so does Q4_K where its outputs are a multiple of 256 (its 6-bit scales and
-//! mins under the per-256 scales, 4.5 bits a weight as in the file); other Q4_K matrices become
-//! Q4_1 and Q5_K Q5_1 (each sub-block's scale `d * sc` and min `-dmin * m` rounded to f16, a
-//! relative change below 2^-11 of a scale; the quants are unchanged; 5 and 6 bits a weight). The 5-bit types need outputs in multiples of 64 (their fifth bits are stored
+//! value exactly; so do Q4_K and Q5_K where their outputs are a multiple of 256 (their 6-bit
+//! scales and mins under the per-256 scales, 4.5 and 5.5 bits a weight as in the file); other
+//! Q4_K matrices become Q4_1 and Q5_K Q5_1 (each sub-block's scale `d * sc` and min `-dmin * m`
+//! rounded to f16, a relative change below 2^-11 of a scale; the quants are unchanged; 5 and 6
+//! bits a weight). The 5-bit types need outputs in multiples of 64 (their fifth bits are stored
 //! in 64-bit words). The types whose scales cover 16 inputs or 256 (Q6_K; Q2_K, Q3_K, IQ4_NL,
 //! IQ4_XS) have no such form: each output's 32 inputs are requantized, to the type and with
 //! the error-minimising scales of the requantized rows of [`crate::sparsity::layout`] (Q8_0 for
@@ -29,6 +30,7 @@ pub fn target(src: QuantType, outputs: usize, inputs: usize) -> Option<QuantType
         QuantType::Q4K if outputs.is_multiple_of(256) => Some(QuantType::Q4K),
         QuantType::Q4K => Some(QuantType::Q4_1),
         QuantType::Q5_0 | QuantType::Q5_1 if words => Some(src),
+        QuantType::Q5K if outputs.is_multiple_of(256) => Some(QuantType::Q5K),
         QuantType::Q5K if words => Some(QuantType::Q5_1),
         q if requantized(q) => {
             let t = crate::sparsity::layout::down_t_type(q);
@@ -48,18 +50,19 @@ fn requantized(q: QuantType) -> bool {
 
 /// Write `w` (`[outputs][inputs]`, ggml or repacked rows of a type [`target`] takes) into `out`
 /// in the input-block layout of `inputs` rows of `outputs` columns of type `qt` (the target, or
-/// Q4_1 for any Q4_K source).
+/// Q4_1 and Q5_1 for Q4_K and Q5_K sources of any shape they take).
 pub fn convert(w: &Weight, qt: QuantType, out: &mut [u8]) {
     let (n_out, n_in) = (w.rows, w.cols);
     let as_q4_1 = w.qtype == QuantType::Q4K && qt == QuantType::Q4_1;
+    let as_q5_1 = w.qtype == QuantType::Q5K && qt == QuantType::Q5_1 && n_out % 64 == 0;
     assert!(
-        as_q4_1 || target(w.qtype, n_out, n_in) == Some(qt),
+        as_q4_1 || as_q5_1 || target(w.qtype, n_out, n_in) == Some(qt),
         "input blocks of {:?} as {qt:?}",
         w.qtype
     );
     assert_eq!(out.len(), n_in * qt.row_bytes(n_out), "input blocks: size");
-    if qt == QuantType::Q4K {
-        return convert_k4(w, out);
+    if matches!(qt, QuantType::Q4K | QuantType::Q5K) {
+        return convert_k(w, out);
     }
     // The type whose blocks are unpacked: the source's, or the target's for a requantized one.
     let sq = if requantized(w.qtype) { qt } else { w.qtype };
@@ -150,15 +153,17 @@ pub fn convert(w: &Weight, qt: QuantType, out: &mut [u8]) {
     debug_assert!(axpy_blocks::supports(qt));
 }
 
-/// [`convert`] of Q4_K into its own form (`kernels::axpy_blocks`): per 32 outputs, each
-/// super-block's `d` and `dmin` into its shared table, each block's 6-bit scales and mins into
-/// its own table, and its quants transposed.
-fn convert_k4(w: &Weight, out: &mut [u8]) {
-    let (n_out, n_in) = (w.rows, w.cols);
-    // A ggml block: d, dmin (f16), 12 bytes of 6-bit scales and mins, 128 of quants.
-    const BB: usize = 144;
-    let (own, sup) = (35 * n_out / 2, 144 * n_out);
-    let table = 3 * n_out / 2;
+/// [`convert`] of Q4_K or Q5_K into its own form (`kernels::axpy_blocks`): per 32 outputs,
+/// each super-block's `d` and `dmin` into its shared table, each block's 6-bit scales and mins
+/// into its own table, and its quants transposed (Q5_K's fifth bits into their plane).
+fn convert_k(w: &Weight, out: &mut [u8]) {
+    let (n_out, n_in, five) = (w.rows, w.cols, w.qtype == QuantType::Q5K);
+    // A ggml block: d, dmin (f16), 12 bytes of 6-bit scales and mins, Q5_K's 32 bytes of fifth
+    // bits, 128 of quants.
+    let (bb, qs_at) = if five { (176, 48) } else { (144, 16) };
+    // Per output in a block: 1.5 bytes of table, 16 of nibbles, Q5_K's 4 of fifth bits.
+    let own = if five { 43 * n_out / 2 } else { 35 * n_out / 2 };
+    let (table, sup) = (3 * n_out / 2, bb * n_out);
     let mut ggml = vec![0u8; w.qtype.row_bytes(n_in)];
     // Per block of 32 inputs, the 32 outputs' scales and mins; per output, its quants.
     let blocks = n_in / 32;
@@ -174,7 +179,7 @@ fn convert_k4(w: &Weight, out: &mut [u8]) {
                 }
                 _ => w.row(o),
             };
-            for (s, src) in row.chunks_exact(BB).enumerate() {
+            for (s, src) in row.chunks_exact(bb).enumerate() {
                 let head = s * sup + 8 * own;
                 out[head + 2 * o..][..2].copy_from_slice(&src[0..2]);
                 out[head + 2 * (n_out + o)..][..2].copy_from_slice(&src[2..4]);
@@ -182,8 +187,10 @@ fn convert_k4(w: &Weight, out: &mut [u8]) {
                 for j in 0..8 {
                     let b = 8 * s + j;
                     (sc[b][k], m[b][k]) = dejavu_backend_api::quant::q4k_scale_min(j, scales);
-                    for (l, &n) in src[16 + 32 * (j / 2)..][..32].iter().enumerate() {
-                        quants[k * n_in + 32 * b + l] = if j % 2 == 0 { n & 0xF } else { n >> 4 };
+                    for (l, &n) in src[qs_at + 32 * (j / 2)..][..32].iter().enumerate() {
+                        let low = if j % 2 == 0 { n & 0xF } else { n >> 4 };
+                        let high = if five { (src[16 + l] >> j & 1) << 4 } else { 0 };
+                        quants[k * n_in + 32 * b + l] = low | high;
                     }
                 }
             }
@@ -192,10 +199,17 @@ fn convert_k4(w: &Weight, out: &mut [u8]) {
             let at = b / 8 * sup + b % 8 * own;
             axpy_blocks::put_k4_scale_min(&mut out[at..at + table], n_out, o0, &sc[b], &m[b]);
             for r in 0..32 {
-                let i = 32 * b + r;
+                let col: [u8; 32] = std::array::from_fn(|k| quants[k * n_in + 32 * b + r]);
                 let dst = &mut out[at + table + r * n_out / 2 + o0 / 2..][..16];
                 for (k, d) in dst.iter_mut().enumerate() {
-                    *d = quants[k * n_in + i] | quants[(k + 16) * n_in + i] << 4;
+                    *d = col[k] & 0xF | (col[k + 16] & 0xF) << 4;
+                }
+                if five {
+                    // Outputs o0..o0 + 32: 4 bytes of the row's words of fifth bits.
+                    let bits = (col.iter().enumerate())
+                        .fold(0u32, |a, (k, &v)| a | ((v as u32 >> 4) & 1) << k);
+                    let hb = at + table + 16 * n_out + r * n_out / 8 + o0 / 8;
+                    out[hb..hb + 4].copy_from_slice(&bits.to_le_bytes());
                 }
             }
         }
@@ -266,7 +280,7 @@ mod tests {
                     let group = &src_row[i / 32 * 32..][..32];
                     let amax = group.iter().fold(0f32, |m, v| m.max(v.abs()));
                     let tol = match (src, qt) {
-                        (QuantType::Q4K, QuantType::Q4K) => 0.0,
+                        (QuantType::Q4K, QuantType::Q4K) | (QuantType::Q5K, QuantType::Q5K) => 0.0,
                         (QuantType::Q4K | QuantType::Q5K, _) => 2.0 * big / 1024.0,
                         (QuantType::Q6K, _) => {
                             assert_eq!(qt, QuantType::Q8_0);

@@ -28,8 +28,8 @@ pub struct Weight<'a> {
 ///
 /// `InputBlocks` is an input-major matrix (`rows` inputs of `cols` outputs, both multiples of
 /// 32) that keeps its source's 8-, 5- or 4-bit quantization (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
-/// Q4_K): per block of 32 inputs, a table of the outputs' scales (and offsets) as f16, or Q4_K's
-/// 6-bit scales and mins under f16 scales shared by the 8 blocks of 256 inputs
+/// Q4_K, Q5_K): per block of 32 inputs, a table of the outputs' scales (and offsets) as f16, or
+/// the K-quants' 6-bit scales and mins under f16 scales shared by the 8 blocks of 256 inputs
 /// ([`input_block_table_bytes`]), then the 32 inputs' quants (see
 /// `dejavu_backend_cpu::kernels::axpy_blocks`). Its size is the type's `rows * row_bytes(cols)`;
 /// only [`crate::Device::axpy`] reads it, on a device that [`crate::Device::reads_input_blocks`].
@@ -43,7 +43,7 @@ pub enum RowLayout {
 
 /// Bytes of the scale table of each block of 32 inputs of an input-block matrix of `cols`
 /// outputs in `q` (`RowLayout::InputBlocks`): an f16 scale per output, and an f16 offset too for
-/// Q4_1 and Q5_1; Q4_K: 12 bits of scale and min per output, and an eighth of the f16 scale and
+/// Q4_1 and Q5_1; Q4_K, Q5_K: 12 bits of scale and min per output, and an eighth of the f16 scale and
 /// min per output that its 8 blocks of a super-block of 256 inputs share (a block read alone
 /// reads them all: counted so, the count holds where every block of a super-block has a kept
 /// input). A product that keeps any input of a block reads its whole table, and the kept

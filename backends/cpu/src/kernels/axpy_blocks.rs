@@ -40,13 +40,14 @@ pub fn supports(q: QuantType) -> bool {
             | QuantType::Q5_0
             | QuantType::Q5_1
             | QuantType::Q4K
+            | QuantType::Q5K
     )
 }
 
 /// Whether `q` is a 5-bit type (a plane of fifth bits after the nibbles; `cols` a multiple of
 /// 64).
 pub fn five_bit(q: QuantType) -> bool {
-    matches!(q, QuantType::Q5_0 | QuantType::Q5_1)
+    matches!(q, QuantType::Q5_0 | QuantType::Q5_1 | QuantType::Q5K)
 }
 
 /// Offset of the fifth-bit plane in a block (the 5-bit types).
@@ -505,14 +506,14 @@ pub(super) unsafe fn add_scaled16(
 }
 
 /// A random block (scales, offsets, quants) and its values as the layout defines them, for the
-/// tests of this layout's kernels. (Q4_K: a super-block's block 6 as [`block`] hands it out:
-/// its own bytes, block 7's, then the shared scales.)
+/// tests of this layout's kernels. (Q4_K and Q5_K: a super-block's block 6 as [`block`] hands
+/// it out: its own bytes, block 7's, then the shared scales.)
 #[cfg(test)]
 pub(super) fn random_block(q: QuantType, cols: usize, seed: u64) -> (Vec<u8>, Vec<f32>) {
     use rand::{Rng, SeedableRng};
     let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-    if q == QuantType::Q4K {
-        return random_k4_block(&mut r, cols);
+    if super::block_tables::two_level(q) {
+        return random_k_block(q, &mut r, cols);
     }
     let d: Vec<f32> = (0..cols).map(|_| r.gen_range(0.001f32..0.1)).collect();
     let m: Vec<f32> = (0..cols).map(|_| r.gen_range(-0.5f32..0.5)).collect();
@@ -574,16 +575,17 @@ pub(crate) fn test_cases(
         .collect()
 }
 
-/// [`random_block`] of Q4_K.
+/// [`random_block`] of Q4_K and Q5_K.
 #[cfg(test)]
-fn random_k4_block(r: &mut impl rand::Rng, cols: usize) -> (Vec<u8>, Vec<f32>) {
+fn random_k_block(q: QuantType, r: &mut impl rand::Rng, cols: usize) -> (Vec<u8>, Vec<f32>) {
     let h = |v: f32| f16::from_f32(v);
     let d: Vec<f16> = (0..cols).map(|_| h(r.gen_range(0.0001f32..0.01))).collect();
     let dmin: Vec<f16> = (0..cols).map(|_| h(r.gen_range(0.0f32..0.01))).collect();
     let sc: Vec<u8> = (0..cols).map(|_| r.gen_range(0..64)).collect();
     let m: Vec<u8> = (0..cols).map(|_| r.gen_range(0..64)).collect();
-    let quants: Vec<u8> = (0..32 * cols).map(|_| r.gen_range(0..16)).collect();
-    let mut table = vec![0u8; scale_bytes(QuantType::Q4K, cols)];
+    let top = if five_bit(q) { 32 } else { 16 };
+    let quants: Vec<u8> = (0..32 * cols).map(|_| r.gen_range(0..top)).collect();
+    let mut table = vec![0u8; scale_bytes(q, cols)];
     for o0 in (0..cols).step_by(32) {
         let (s, mm) = (&sc[o0..o0 + 32], &m[o0..o0 + 32]);
         let put = super::block_tables::put_k4_scale_min;
@@ -596,11 +598,14 @@ fn random_k4_block(r: &mut impl rand::Rng, cols: usize) -> (Vec<u8>, Vec<f32>) {
         );
     }
     let mut out = table;
-    for row in quants.chunks_exact(cols) {
-        for g in row.chunks_exact(32) {
-            out.extend((0..16).map(|k| (g[k] & 0xF) | ((g[k + 16] & 0xF) << 4)));
-        }
-    }
+    // The quants as Q4_1's or Q5_1's (the plane of fifth bits after the nibbles).
+    let q1 = if five_bit(q) {
+        QuantType::Q5_1
+    } else {
+        QuantType::Q4_1
+    };
+    let ones = vec![0f32; cols];
+    out.extend(&pack_block(q1, cols, &ones, &ones, &quants)[scale_bytes(q1, cols)..]);
     // Block 7 of the super-block: bytes the kernels must not read as this block's.
     let own = out.len();
     out.extend((0..own).map(|_| r.gen::<u8>()));
@@ -618,7 +623,8 @@ fn random_k4_block(r: &mut impl rand::Rng, cols: usize) -> (Vec<u8>, Vec<f32>) {
 /// layout conversion's reference (`values[r][o]` for its 32 inputs of `cols` outputs, and the
 /// per-output scales and offsets of the 32-input group, as `(d, m)` with the quants `q`).
 pub fn pack_block(q: QuantType, cols: usize, d: &[f32], m: &[f32], quants: &[u8]) -> Vec<u8> {
-    assert!(supports(q) && q != QuantType::Q4K && d.len() == cols && quants.len() == 32 * cols);
+    let one_level = !super::block_tables::two_level(q);
+    assert!(supports(q) && one_level && d.len() == cols && quants.len() == 32 * cols);
     let mut out = Vec::with_capacity(32 * q.row_bytes(cols));
     assert!(
         !five_bit(q) || cols.is_multiple_of(64),
@@ -652,13 +658,14 @@ pub fn pack_block(q: QuantType, cols: usize, d: &[f32], m: &[f32], quants: &[u8]
 
 /// The types of this layout, for its tests.
 #[cfg(test)]
-pub(super) const TYPES: [QuantType; 6] = [
+pub(super) const TYPES: [QuantType; 7] = [
     QuantType::Q8_0,
     QuantType::Q4_0,
     QuantType::Q4_1,
     QuantType::Q5_0,
     QuantType::Q5_1,
     QuantType::Q4K,
+    QuantType::Q5K,
 ];
 
 #[cfg(test)]

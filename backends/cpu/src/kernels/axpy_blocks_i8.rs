@@ -34,6 +34,7 @@ macro_rules! by_type {
             QuantType::Q5_0 => $f::<TYPE_Q5_0>($($a),*),
             QuantType::Q5_1 => $f::<TYPE_Q5_1>($($a),*),
             QuantType::Q4K => $f::<TYPE_Q4K>($($a),*),
+            QuantType::Q5K => $f::<TYPE_Q5K>($($a),*),
             _ => unreachable!("axpy_blocks::check admits the input-block types only"),
         }
     };
@@ -52,6 +53,8 @@ const TYPE_Q5_0: u8 = 3;
 const TYPE_Q5_1: u8 = 4;
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 const TYPE_Q4K: u8 = 5;
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+const TYPE_Q5K: u8 = 6;
 
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 const fn type_of(t: u8) -> QuantType {
@@ -61,7 +64,8 @@ const fn type_of(t: u8) -> QuantType {
         TYPE_Q4_1 => QuantType::Q4_1,
         TYPE_Q5_0 => QuantType::Q5_0,
         TYPE_Q5_1 => QuantType::Q5_1,
-        _ => QuantType::Q4K,
+        TYPE_Q4K => QuantType::Q4K,
+        _ => QuantType::Q5K,
     }
 }
 
@@ -571,7 +575,7 @@ unsafe fn neon_impl<const T: u8>(
             let o = g + 4 * k;
             let (d, off) = match q {
                 // Both levels of scales, as the definition combines them.
-                QuantType::Q4K => {
+                QuantType::Q4K | QuantType::Q5K => {
                     let both: [(f32, f32); 4] =
                         std::array::from_fn(|i| axpy_blocks::scale_off(q, block, cols, o + i));
                     let (d, off) = (both.map(|v| v.0), both.map(|v| v.1));

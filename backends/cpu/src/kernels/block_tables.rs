@@ -4,12 +4,12 @@
 //! ([`scales16`], [`scales8`]), bit for bit the definition.
 //!
 //! Q8_0, Q4_0 and Q5_0: an f16 scale per output (`off` = 0, `-8 d`, `-16 d`); Q4_1 and Q5_1:
-//! then an f16 offset per output. Q4_K keeps the file's two levels of scales: a super-block of
-//! 256 inputs is 8 blocks, each its own table and quants, then the f16 `d` of every output and
-//! the f16 `dmin` of every output. A block's table: a byte per output of its 6-bit scale's and
+//! then an f16 offset per output. Q4_K and Q5_K keep the file's two levels of scales: a
+//! super-block of 256 inputs is 8 blocks, each its own table and quants (Q5_K's with Q5_1's plane
+//! of fifth bits), then the f16 `d` of every output and the f16 `dmin` of every output. A block's table: a byte per output of its 6-bit scale's and
 //! min's low 4 bits (`sc & 15 | (m & 15) << 4`), then per 32 outputs 16 bytes of their high 2
 //! bits (`sc >> 4 | (m >> 4) << 2`; output `k` in byte `k`'s low nibble, `k + 16` in its high
-//! one, as the quants' nibbles): 1.5 bytes an output, against Q4_1's 4. A Q4_K block is handed
+//! one, as the quants' nibbles): 1.5 bytes an output, against Q4_1's 4. A K-quant block is handed
 //! to the kernels as the bytes from its own start to its super-block's end ([`block`]), so its
 //! table is at its start as every type's is and the shared scales are its last `4 cols` bytes;
 //! its `d[o] = d * sc` and `off[o] = dmin * -m`, both exact in f32 (an 11-bit mantissa times
@@ -17,16 +17,25 @@
 use dejavu_backend_api::quant::QuantType;
 use half::f16;
 
-/// Bytes of a Q4_K block's own table and quants (per output: 1.5 + 16).
-fn k4_own(cols: usize) -> usize {
-    35 * cols / 2
+/// Whether `q` is a K-quant of two levels of scales (Q4_K, Q5_K).
+pub(super) fn two_level(q: QuantType) -> bool {
+    matches!(q, QuantType::Q4K | QuantType::Q5K)
+}
+
+/// Bytes of a K-quant block's own table and quants (per output: 1.5 + 16, and Q5_K's 4 of
+/// fifth bits).
+fn k_own(q: QuantType, cols: usize) -> usize {
+    match q {
+        QuantType::Q5K => 43 * cols / 2,
+        _ => 35 * cols / 2,
+    }
 }
 
 /// Bytes of the table at a block's start (the offset of its quants).
 pub(super) fn table_bytes(q: QuantType, cols: usize) -> usize {
-    match q {
-        QuantType::Q4K => 3 * cols / 2,
-        _ => dejavu_backend_api::input_block_table_bytes(q, cols),
+    match two_level(q) {
+        true => 3 * cols / 2,
+        false => dejavu_backend_api::input_block_table_bytes(q, cols),
     }
 }
 
@@ -35,6 +44,7 @@ pub(super) fn table_bytes(q: QuantType, cols: usize) -> usize {
 pub fn input_bytes(q: QuantType, cols: usize) -> usize {
     match q {
         QuantType::Q4K => 9 * cols / 16,
+        QuantType::Q5K => 11 * cols / 16,
         _ => q.row_bytes(cols),
     }
 }
@@ -42,8 +52,8 @@ pub fn input_bytes(q: QuantType, cols: usize) -> usize {
 /// Whether `len` bytes are a block of `cols` outputs in `q` as [`block`] hands them out.
 pub(super) fn block_len_ok(q: QuantType, len: usize, cols: usize) -> bool {
     match q {
-        QuantType::Q4K => {
-            let own = k4_own(cols);
+        QuantType::Q4K | QuantType::Q5K => {
+            let own = k_own(q, cols);
             len >= own + 4 * cols
                 && (len - 4 * cols).is_multiple_of(own)
                 && len <= 8 * own + 4 * cols
@@ -56,10 +66,10 @@ pub(super) fn block_len_ok(q: QuantType, len: usize, cols: usize) -> bool {
 /// matrix's bytes, whole blocks; Q4_K: whole super-blocks).
 pub fn block(q: QuantType, data: &[u8], cols: usize, b: usize) -> &[u8] {
     match q {
-        QuantType::Q4K => {
-            let sup = 8 * k4_own(cols) + 4 * cols;
+        QuantType::Q4K | QuantType::Q5K => {
+            let sup = 8 * k_own(q, cols) + 4 * cols;
             let (s, j) = (b / 8, b % 8);
-            &data[s * sup + j * k4_own(cols)..(s + 1) * sup]
+            &data[s * sup + j * k_own(q, cols)..(s + 1) * sup]
         }
         _ => {
             let bb = 32 * q.row_bytes(cols);
@@ -68,7 +78,7 @@ pub fn block(q: QuantType, data: &[u8], cols: usize, b: usize) -> &[u8] {
     }
 }
 
-/// Q4_K: output `o`'s 6-bit scale and min in a block.
+/// Q4_K, Q5_K: output `o`'s 6-bit scale and min in a block.
 fn k4_scale_min(block: &[u8], cols: usize, o: usize) -> (u8, u8) {
     let low = block[o];
     let high = block[cols + o / 32 * 16 + o % 16] >> (4 * (o % 32 / 16)) & 0xF;
@@ -76,7 +86,7 @@ fn k4_scale_min(block: &[u8], cols: usize, o: usize) -> (u8, u8) {
 }
 
 /// Write outputs' 6-bit scales and mins (`sc[k]`, `m[k]` of output `o0 + k`, `o0` a multiple
-/// of 32, 32 outputs) into a Q4_K block's table (`table`: its `table_bytes` of `cols` outputs).
+/// of 32, 32 outputs) into a Q4_K or Q5_K block's table (`table`: its `table_bytes` of `cols` outputs).
 pub fn put_k4_scale_min(table: &mut [u8], cols: usize, o0: usize, sc: &[u8; 32], m: &[u8; 32]) {
     assert!(o0.is_multiple_of(32) && o0 + 32 <= cols && table.len() == 3 * cols / 2);
     assert!(sc.iter().chain(m).all(|&v| v < 64), "6-bit scales and mins");
@@ -97,7 +107,7 @@ pub(super) fn scale_off(q: QuantType, block: &[u8], cols: usize, o: usize) -> (f
         QuantType::Q4_1 | QuantType::Q5_1 => (d(), h(2 * (cols + o))),
         QuantType::Q4_0 => (d(), -8.0 * d()),
         QuantType::Q5_0 => (d(), -16.0 * d()),
-        QuantType::Q4K => {
+        QuantType::Q4K | QuantType::Q5K => {
             let (sc, m) = k4_scale_min(block, cols, o);
             let head = block.len() - 4 * cols;
             let (d, dmin) = (h(head + 2 * o), h(head + 2 * (cols + o)));
@@ -113,7 +123,7 @@ pub(super) fn scale_off(q: QuantType, block: &[u8], cols: usize, o: usize) -> (f
 pub(super) fn prefetch(q: QuantType, block: &[u8], cols: usize, lo: usize, hi: usize) {
     use crate::prefetch::prefetch;
     match q {
-        QuantType::Q4K => {
+        QuantType::Q4K | QuantType::Q5K => {
             let head = block.len() - 4 * cols;
             prefetch(&block[lo..hi]);
             prefetch(&block[cols + lo / 2..cols + hi.div_ceil(32) * 16]);
@@ -148,7 +158,7 @@ pub(super) unsafe fn scales16(
     let base = block.as_ptr();
     let half = |at: usize| _mm512_cvtph_ps(_mm256_loadu_si256(base.add(at) as *const __m256i));
     match q {
-        QuantType::Q4K => {
+        QuantType::Q4K | QuantType::Q5K => {
             let head = block.len() - 4 * cols;
             let low = _mm512_cvtepu8_epi32(_mm_loadu_si128(base.add(o) as *const __m128i));
             let high = _mm_loadu_si128(base.add(cols + o / 32 * 16) as *const __m128i);
@@ -203,7 +213,7 @@ pub(super) unsafe fn scales8(
     let base = block.as_ptr();
     let half = |at: usize| _mm256_cvtph_ps(_mm_loadu_si128(base.add(at) as *const __m128i));
     match q {
-        QuantType::Q4K => {
+        QuantType::Q4K | QuantType::Q5K => {
             let head = block.len() - 4 * cols;
             let low = _mm256_cvtepu8_epi32(_mm_loadl_epi64(base.add(o) as *const __m128i));
             let at = cols + o / 32 * 16 + o % 16;
@@ -255,9 +265,9 @@ mod tests {
         let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(11);
         let cols = 256;
         for q in super::super::axpy_blocks::TYPES {
-            let sup = match q {
-                QuantType::Q4K => 8 * k4_own(cols) + 4 * cols,
-                _ => 32 * q.row_bytes(cols),
+            let sup = match two_level(q) {
+                true => 8 * k_own(q, cols) + 4 * cols,
+                false => 32 * q.row_bytes(cols),
             };
             let mut data: Vec<u8> = (0..sup).map(|_| r.gen()).collect();
             // f16 tables of finite values (random bytes may be NaN, whose bits need not match).
@@ -267,15 +277,11 @@ mod tests {
                     c.copy_from_slice(&v.to_le_bytes());
                 }
             };
-            match q {
-                QuantType::Q4K => finite(&mut data[sup - 4 * cols..], &mut r),
-                _ => finite(&mut data[..table_bytes(q, cols)], &mut r),
+            match two_level(q) {
+                true => finite(&mut data[sup - 4 * cols..], &mut r),
+                false => finite(&mut data[..table_bytes(q, cols)], &mut r),
             }
-            let blocks = if q == QuantType::Q4K {
-                vec![0, 3, 7]
-            } else {
-                vec![0]
-            };
+            let blocks = if two_level(q) { vec![0, 3, 7] } else { vec![0] };
             for b in blocks {
                 let block = block(q, &data, cols, b);
                 assert!(block_len_ok(q, block.len(), cols));
