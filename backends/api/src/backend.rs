@@ -43,10 +43,10 @@ pub enum RowLayout {
 
 /// Bytes of the scale table of each block of 32 inputs of an input-block matrix of `cols`
 /// outputs in `q` (`RowLayout::InputBlocks`): an f16 scale per output, and an f16 offset too for
-/// Q4_1 and Q5_1; Q4_K, Q5_K: 12 bits of scale and min per output, and an eighth of the f16 scale and
-/// min per output that its 8 blocks of a super-block of 256 inputs share (a block read alone
-/// reads them all: counted so, the count holds where every block of a super-block has a kept
-/// input). A product that keeps any input of a block reads its whole table, and the kept
+/// Q4_1 and Q5_1; Q4_K, Q5_K: 12 bits of scale and min per output, and an eighth of the f16
+/// scale and min per output that its 8 blocks of a super-block of 256 inputs share (a block read
+/// alone reads them all: counted so, the count holds where every block of a super-block has a
+/// kept input). A product that keeps any input of a block reads its whole table, and the kept
 /// inputs' rows of quants: the rest of the block's bytes, `row_bytes(cols) - table / 32` an
 /// input.
 pub fn input_block_table_bytes(q: QuantType, cols: usize) -> usize {
