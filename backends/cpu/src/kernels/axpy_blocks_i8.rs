@@ -337,6 +337,17 @@ unsafe fn avx2_impl<const T: u8>(
             _mm256_permute2x128_si256::<0x31>(a, b), // 16-23
             _mm256_permute2x128_si256::<0x31>(c, d), // 24-31
         ];
+        if super::block_tables::two_level(q) {
+            // The two-level tables decoded once for the tile.
+            let scales = super::block_tables::k_scales32(block, cols, g);
+            for (k, (tk, (d, off))) in t.into_iter().zip(scales).enumerate() {
+                let yp = y.as_mut_ptr().add(g + 8 * k - lo);
+                let tf = _mm256_mul_ps(_mm256_cvtepi32_ps(tk), sxv);
+                let v = _mm256_fmadd_ps(d, tf, _mm256_fmadd_ps(off, so, _mm256_loadu_ps(yp)));
+                _mm256_storeu_ps(yp, v);
+            }
+            continue;
+        }
         for (k, tk) in t.into_iter().enumerate() {
             let o = g + 8 * k;
             let tf = _mm256_mul_ps(_mm256_cvtepi32_ps(tk), sxv);

@@ -251,6 +251,61 @@ pub(super) unsafe fn scales8(
     }
 }
 
+/// [`scale_off`] of the 32 outputs from `g` (a multiple of 32, `g + 32 <= cols`) of a block of
+/// a two-level type (Q4_K, Q5_K), 8 at a time: the table's bytes decoded once for the 32, as
+/// the AVX2 loop's tiles need them (4 calls of [`scales8`] decode each byte plane 4 times).
+///
+/// # Safety
+/// The CPU has AVX2 and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(super) unsafe fn k_scales32(
+    block: &[u8],
+    cols: usize,
+    g: usize,
+) -> [(std::arch::x86_64::__m256, std::arch::x86_64::__m256); 4] {
+    use std::arch::x86_64::*;
+    debug_assert!(g.is_multiple_of(32) && g + 32 <= cols);
+    let (base, head) = (block.as_ptr(), block.len() - 4 * cols);
+    let (f, three) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(3));
+    let low = _mm256_loadu_si256(base.add(g) as *const __m256i);
+    // The 32 outputs' high bits, one byte each in output order (bytes 0-15 from the low
+    // nibbles, 16-31 from the high ones).
+    let h = _mm_loadu_si128(base.add(cols + g / 2) as *const __m128i);
+    let h = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(h, 4), h), f);
+    // Per byte; the 16-bit shifts move no bit across a byte (masked before or after).
+    let sc = _mm256_or_si256(
+        _mm256_and_si256(low, f),
+        _mm256_slli_epi16(_mm256_and_si256(h, three), 4),
+    );
+    let m = _mm256_or_si256(
+        _mm256_and_si256(_mm256_srli_epi16(low, 4), f),
+        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), three), 4),
+    );
+    let half = |at: usize| _mm256_cvtph_ps(_mm_loadu_si128(base.add(at) as *const __m128i));
+    let bytes8 = |v: __m256i, k: usize| -> __m128i {
+        let x = match k / 2 {
+            0 => _mm256_castsi256_si128(v),
+            _ => _mm256_extracti128_si256::<1>(v),
+        };
+        match k % 2 {
+            0 => x,
+            _ => _mm_srli_si128::<8>(x),
+        }
+    };
+    std::array::from_fn(|k| {
+        let o = g + 8 * k;
+        let sck = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8(sc, k)));
+        let mk = _mm256_cvtepu8_epi32(bytes8(m, k));
+        let neg_m = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_setzero_si256(), mk));
+        (
+            _mm256_mul_ps(half(head + 2 * o), sck),
+            _mm256_mul_ps(half(head + 2 * (cols + o)), neg_m),
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -304,6 +359,29 @@ mod tests {
                         for k in 0..8 {
                             let got = (d[k].to_bits(), off[k].to_bits());
                             assert_eq!(got, want[o + k], "avx2 {q:?} block {b} output {}", o + k);
+                        }
+                    }
+                    if o % 32 == 0 && two_level(q) && isas.contains(&crate::isa::Isa::Avx2) {
+                        let mut got = [[0f32; 8]; 8];
+                        // SAFETY: AVX2 is present (a supported tier); o + 32 <= cols; 8
+                        // floats stored into each array.
+                        unsafe {
+                            use std::arch::x86_64::_mm256_storeu_ps;
+                            for (k, (d, off)) in k_scales32(block, cols, o).into_iter().enumerate()
+                            {
+                                _mm256_storeu_ps(got[2 * k].as_mut_ptr(), d);
+                                _mm256_storeu_ps(got[2 * k + 1].as_mut_ptr(), off);
+                            }
+                        }
+                        for i in 0..32 {
+                            let (k, j) = (i / 8, i % 8);
+                            let bits = (got[2 * k][j].to_bits(), got[2 * k + 1][j].to_bits());
+                            assert_eq!(
+                                bits,
+                                want[o + i],
+                                "avx2 32 {q:?} block {b} output {}",
+                                o + i
+                            );
                         }
                     }
                     if o % 16 == 0 && isas.contains(&crate::isa::Isa::Avx512) {
