@@ -8,27 +8,25 @@
 //! q5_k; OUTPUTS a multiple of 256; `DEJAVU_ISA` picks the tier).
 use dejavu_backend_api::{quantize, QuantType, RowLayout, Weight};
 use dejavu_backend_cpu::axpy_matmul::axpy_blocks;
-use dejavu_backend_cpu::isa::Isa;
 use dejavu_backend_cpu::kernels::table::Kernels;
 use dejavu_backend_cpu::pool::SpinPool;
 use std::time::Instant;
 
+#[path = "common/shape.rs"]
+mod shape;
+
 fn main() {
-    let args: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with("--"))
-        .collect();
-    if args.len() < 4 {
-        eprintln!(
-            "usage: cargo bench --bench input_forms -- INPUTS OUTPUTS TYPE DENSITY [THREADS]"
-        );
+    let Some(shape::Shape {
+        n_in,
+        n_out,
+        q,
+        density,
+        threads,
+        isa,
+    }) = shape::parse("input_forms")
+    else {
         return;
-    }
-    let num = |s: &str| s.parse::<usize>().expect("a number");
-    let (n_in, n_out) = (num(&args[0]), num(&args[1]));
-    let q = QuantType::from_name(&args[2].to_uppercase()).expect("a weight type");
-    let density: f32 = args[3].parse().expect("a density");
-    let threads = args.get(4).map_or(2, |s| num(s));
+    };
     let old = match q {
         QuantType::Q4K => QuantType::Q4_1,
         QuantType::Q5K => QuantType::Q5_1,
@@ -38,9 +36,6 @@ fn main() {
         n_out.is_multiple_of(256) && n_in.is_multiple_of(256),
         "whole super-blocks"
     );
-    let isa = (std::env::var("DEJAVU_ISA").ok())
-        .and_then(|s| Isa::from_name(&s))
-        .unwrap_or(Isa::detect());
     let (k, pool) = (Kernels::for_isa(isa).unwrap(), SpinPool::new(threads));
     let mut src = Vec::new();
     for o in 0..n_out {
@@ -57,14 +52,8 @@ fn main() {
     };
     let copies = (240usize << 20) / (n_in * old.row_bytes(n_out)) + 1;
     let (olds, owns): (Vec<_>, Vec<_>) = (0..copies).map(|_| (form(old), form(q))).unzip();
-    // Input i dropped where a hash of i falls below 1 - density.
-    let hash = |i: usize| ((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as f32;
-    let x: Vec<f32> = (0..n_in)
-        .map(|i| match hash(i) < (1.0 - density) * (1u64 << 24) as f32 {
-            true => 0.0,
-            false => (i as f32 * 0.37).sin(),
-        })
-        .collect();
+    let x: Vec<f32> = (0..n_in).map(|i| (i as f32 * 0.37).sin()).collect();
+    let x = shape::drop_inputs(&x, density);
     let kept = x.iter().filter(|v| **v != 0.0).count() as f64 / n_in as f64;
     let mut y = vec![0f32; n_out];
     let (reps, warm) = (4100, 100);

@@ -6,12 +6,14 @@
 //! alternating, after one to warm up. Synthetic bytes: these measure kernels, not a model.
 use dejavu_backend_api::{IndexSet, QuantType, RowLayout, Weight};
 use dejavu_backend_cpu::axpy_matmul::axpy_blocks;
-use dejavu_backend_cpu::isa::Isa;
 use dejavu_backend_cpu::kernels::table::Kernels;
 use dejavu_backend_cpu::matmul::matmul;
 use dejavu_backend_cpu::pool::SpinPool;
 use half::f16;
 use std::time::Instant;
+
+#[path = "common/shape.rs"]
+mod shape;
 
 /// Bytes of a valid `rows x cols` matrix, different for each `seed`, every scale a small f16.
 fn synthetic(q: QuantType, rows: usize, cols: usize, seed: usize) -> Vec<u8> {
@@ -28,24 +30,17 @@ fn synthetic(q: QuantType, rows: usize, cols: usize, seed: usize) -> Vec<u8> {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with("--"))
-        .collect();
-    if args.len() < 4 {
-        eprintln!(
-            "usage: cargo bench --bench input_ratio -- INPUTS OUTPUTS TYPE DENSITY [THREADS]"
-        );
+    let Some(shape::Shape {
+        n_in,
+        n_out,
+        q,
+        density,
+        threads,
+        isa,
+    }) = shape::parse("input_ratio")
+    else {
         return;
-    }
-    let num = |s: &str| s.parse::<usize>().expect("a number");
-    let (n_in, n_out) = (num(&args[0]), num(&args[1]));
-    let q = QuantType::from_name(&args[2].to_uppercase()).expect("a weight type");
-    let density: f32 = args[3].parse().expect("a density");
-    let threads = args.get(4).map_or(2, |s| num(s));
-    let isa = (std::env::var("DEJAVU_ISA").ok())
-        .and_then(|s| Isa::from_name(&s))
-        .unwrap_or(Isa::detect());
+    };
     let k = Kernels::for_isa(isa).unwrap();
     let pool = SpinPool::new(threads);
     let copies = (120usize << 20) / (q.row_bytes(n_in) * n_out) + 1;
@@ -60,16 +55,7 @@ fn main() {
         })
         .collect();
     let x: Vec<f32> = (0..n_in).map(|i| (i as f32 * 0.37).sin()).collect();
-    // Input i dropped where a hash of i falls below 1 - density.
-    let hash = |i: usize| ((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as f32;
-    let xs: Vec<f32> = (x.iter().enumerate())
-        .map(
-            |(i, &v)| match hash(i) < (1.0 - density) * (1u64 << 24) as f32 {
-                true => 0.0,
-                false => v,
-            },
-        )
-        .collect();
+    let xs = shape::drop_inputs(&x, density);
     let kept = xs.iter().filter(|v| **v != 0.0).count() as f64 / n_in as f64;
     let (mut y, all) = (vec![0f32; n_out], IndexSet::full(n_out));
     let (reps, mut td, mut ts) = (200, 0f64, 0f64);

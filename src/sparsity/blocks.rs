@@ -85,13 +85,7 @@ pub fn convert(w: &Weight, qt: QuantType, out: &mut [u8]) {
     for o0 in (0..n_out).step_by(32) {
         for k in 0..32 {
             let o = o0 + k;
-            let row = match w.layout {
-                RowLayout::Repacked => {
-                    repack::unpack_row(w.qtype, w.row(o), &mut ggml);
-                    &ggml[..]
-                }
-                _ => w.row(o),
-            };
+            let row = ggml_row(w, o, &mut ggml);
             let row = match requantized(w.qtype) {
                 true => {
                     dequantize_row(w.qtype, row, &mut values);
@@ -153,6 +147,17 @@ pub fn convert(w: &Weight, qt: QuantType, out: &mut [u8]) {
     debug_assert!(axpy_blocks::supports(qt));
 }
 
+/// Row `o` of `w` in ggml's layout (unpacked into `ggml` if `w` is repacked).
+fn ggml_row<'a>(w: &Weight<'a>, o: usize, ggml: &'a mut [u8]) -> &'a [u8] {
+    match w.layout {
+        RowLayout::Repacked => {
+            repack::unpack_row(w.qtype, w.row(o), ggml);
+            ggml
+        }
+        _ => w.row(o),
+    }
+}
+
 /// [`convert`] of Q4_K or Q5_K into its own form (`kernels::axpy_blocks`): per 32 outputs,
 /// each super-block's `d` and `dmin` into its shared table, each block's 6-bit scales and mins
 /// into its own table, and its quants transposed (Q5_K's fifth bits into their plane).
@@ -172,13 +177,7 @@ fn convert_k(w: &Weight, out: &mut [u8]) {
     for o0 in (0..n_out).step_by(32) {
         for k in 0..32 {
             let o = o0 + k;
-            let row = match w.layout {
-                RowLayout::Repacked => {
-                    repack::unpack_row(w.qtype, w.row(o), &mut ggml);
-                    &ggml[..]
-                }
-                _ => w.row(o),
-            };
+            let row = ggml_row(w, o, &mut ggml);
             for (s, src) in row.chunks_exact(bb).enumerate() {
                 let head = s * sup + 8 * own;
                 out[head + 2 * o..][..2].copy_from_slice(&src[0..2]);

@@ -1,0 +1,45 @@
+//! The command line the input-sparsity benches share, `INPUTS OUTPUTS TYPE DENSITY [THREADS]`
+//! (flags that cargo passes, `--bench`, ignored; the tier from `DEJAVU_ISA`), and their input.
+use dejavu_backend_api::QuantType;
+use dejavu_backend_cpu::isa::Isa;
+
+pub struct Shape {
+    pub n_in: usize,
+    pub n_out: usize,
+    pub q: QuantType,
+    pub density: f32,
+    pub threads: usize,
+    pub isa: Isa,
+}
+
+/// The shape on the command line, or `None` after printing the usage of `bench`.
+pub fn parse(bench: &str) -> Option<Shape> {
+    let args: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with("--"))
+        .collect();
+    if args.len() < 4 {
+        eprintln!("usage: cargo bench --bench {bench} -- INPUTS OUTPUTS TYPE DENSITY [THREADS]");
+        return None;
+    }
+    let num = |s: &str| s.parse::<usize>().expect("a number");
+    Some(Shape {
+        n_in: num(&args[0]),
+        n_out: num(&args[1]),
+        q: QuantType::from_name(&args[2].to_uppercase()).expect("a weight type"),
+        density: args[3].parse().expect("a density"),
+        threads: args.get(4).map_or(2, |s| num(s)),
+        isa: (std::env::var("DEJAVU_ISA").ok())
+            .and_then(|s| Isa::from_name(&s))
+            .unwrap_or(Isa::detect()),
+    })
+}
+
+/// `x` with input i dropped (0) where a hash of i falls below `1 - density`.
+pub fn drop_inputs(x: &[f32], density: f32) -> Vec<f32> {
+    let hash = |i: usize| ((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as f32;
+    let cut = (1.0 - density) * (1u64 << 24) as f32;
+    (x.iter().enumerate())
+        .map(|(i, &v)| if hash(i) < cut { 0.0 } else { v })
+        .collect()
+}
