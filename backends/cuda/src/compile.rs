@@ -36,8 +36,7 @@ fn defines() -> Vec<(String, String)> {
 /// 16-bit weights on the tensor cores, `MMA_H`: their inputs split into 16-bit parts,
 /// `HMMA_FILL`: the blocks per SM under which they split rows between blocks, `GRAPHS`: decode
 /// steps recorded as CUDA graphs, `SEQ_GRAPHS`: steps of several sequences too, `ATT_SPAN`:
-/// attention's spans of positions, `SPLIT_COLS`: the input split's columns a block, `TK_ONE`:
-/// the most scores a top-k selects in one block; see
+/// attention's spans of positions, `SPLIT_COLS`: the input split's columns a block; see
 /// `CudaDevice`), or `default` when
 /// unset or outside `range`. Defaults measured on the H200: a fill of 8 ran the gather of 10%
 /// of OPT-30B's fc1 rows at 3.3 TB/s, against 2.5 for 2, but its dense step 2-3% slower than 2;

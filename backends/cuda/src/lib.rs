@@ -167,9 +167,6 @@ pub struct CudaDevice {
     /// The global state of `top_k_select`: 3 selections' `products::TK_SCRATCH`, zero between
     /// launches.
     tk_scratch: CudaSlice<u32>,
-    /// Scores a selection has at most to run in one block, one launch (`TK_ONE`, default 32768,
-    /// within the GPU's shared memory a block); more take `top_k_hist` and `top_k_select`.
-    tk_one: usize,
     /// 256-column chunks per axpy block, and axpy blocks per SM (see `tuning`).
     ax_vec: usize,
     ax_fill: usize,

@@ -77,7 +77,6 @@ impl CudaDevice {
             "store_row_f16",
             "top_k_hist",
             "top_k_select",
-            "top_k_one",
         ]
         .map(String::from)
         .to_vec();
@@ -129,11 +128,6 @@ impl CudaDevice {
         let n_sm = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(dev_err)? as usize;
-        let smem_optin = ctx
-            .attribute(
-                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
-            )
-            .map_err(dev_err)? as usize;
         let name = ctx.name().map_err(dev_err)?;
         let att_part = stream.alloc_zeros::<f32>(crate::attention::ATT_PART * n_sm);
         let att_part = att_part.map_err(dev_err)?;
@@ -151,9 +145,6 @@ impl CudaDevice {
             seq_set: Mutex::default(),
             batch: AtomicUsize::new(1),
             tk_scratch,
-            // `top_k_block`'s static shared memory is about 25 KiB: 32 KiB kept aside.
-            tk_one: tuning("TK_ONE", 32768, 0..=1 << 20)
-                .min(smem_optin.saturating_sub(32 << 10) / 4),
             n_sm,
             mv_rows: mv_rows(),
             mv_fill: tuning("MV_FILL", 2, 1..=64),

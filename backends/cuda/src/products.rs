@@ -526,8 +526,7 @@ impl CudaDevice {
     }
 
     /// `Device::top_ks`: `top_k_hist` then `top_k_select` (topk.cu), blocks of 1024 threads, a
-    /// row of blocks per selection (3 a launch), with `tk_scratch` as their global state; or,
-    /// where every selection has at most `tk_one` scores, `top_k_one`, a block each. A
+    /// row of blocks per selection (3 a launch), with `tk_scratch` as their global state; a
     /// selection of row `r` of its scores reads them from `r * n` on.
     pub(crate) fn launch_top_ks(&self, jobs: &mut [TopK<'_, Self>]) -> Result<(), BackendError> {
         if jobs.len() > 3 {
@@ -564,18 +563,6 @@ impl CudaDevice {
         let n_max = jobs.iter().map(|j| j.n).max().unwrap_or(0);
         let grid = (n_max.div_ceil(1024) as u32, jobs.len() as u32, 1);
         let scratch = self.ptr(&self.tk_scratch);
-        if n_max > 1024 && n_max <= self.tk_one {
-            let smem = 4 * n_max;
-            self.allow_smem("top_k_one", smem)?;
-            let mut b = self.lane().launch_builder(self.func("top_k_one"));
-            b.arg(&tk);
-            let cfg = LaunchConfig {
-                grid_dim: (1, jobs.len() as u32, 1),
-                shared_mem_bytes: smem as u32,
-                ..launch::one_block(1024)
-            };
-            return launch::run(b, cfg);
-        }
         if n_max > 1024 {
             let mut b = self.lane().launch_builder(self.func("top_k_hist"));
             b.arg(&tk).arg(&scratch);

@@ -242,15 +242,6 @@ extern "C" __global__ void __launch_bounds__(1024) top_k_hist(TkJobs jobs, TkScr
         if (h[b]) atomicAdd(&g[b], h[b]);
 }
 
-// A selection of few enough scores for one block's shared memory (`tk_one` on the host): the
-// whole job in one block (`top_k_block`), one launch and no global state; blockIdx.y the job.
-// Dynamic shared memory: 4 n bytes (the largest job's keys).
-extern "C" __global__ void __launch_bounds__(1024) top_k_one(TkJobs jobs) {
-    if (blockIdx.y >= jobs.n) return;
-    TkJob job = tk_job(jobs);
-    top_k_block(job.s, nullptr, job.n, job.k, job.out);
-}
-
 // Dynamic shared memory: 4 n bytes (the largest job's keys, for the last block).
 extern "C" __global__ void __launch_bounds__(1024) top_k_select(TkJobs jobs, TkScratch* scr) {
     __shared__ u32 red[32];
