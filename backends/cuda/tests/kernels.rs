@@ -296,6 +296,8 @@ fn top_k_matches_the_scalar_reference() {
         (16384, 1638),
         (28672, 2867),
         (24000, 3000),
+        (40000, 4000),
+        (50000, 5000),
         (100, 100),
     ] {
         let mut s = randv(&mut r, n);
@@ -311,9 +313,9 @@ fn top_k_matches_the_scalar_reference() {
             // compared (as a sorted list), not the indices.
             (s.iter_mut().step_by(4)).for_each(|v| *v = 0.9);
         }
-        if n == 24000 {
-            // 18000 tied scores: more candidates than the GPU's multi-block path keeps, so its
-            // last block selects over every score.
+        if n == 24000 || n == 50000 {
+            // Three quarters of the scores tied: more candidates than the GPU's multi-block path
+            // keeps, so its last block selects over every score (up to 200 KB of keys).
             (s.iter_mut().enumerate())
                 .filter(|(i, _)| i % 4 != 0)
                 .for_each(|(_, v)| *v = 0.5);
