@@ -54,7 +54,7 @@ fn requantized(q: QuantType) -> bool {
 pub fn convert(w: &Weight, qt: QuantType, out: &mut [u8]) {
     let (n_out, n_in) = (w.rows, w.cols);
     let as_q4_1 = w.qtype == QuantType::Q4K && qt == QuantType::Q4_1;
-    let as_q5_1 = w.qtype == QuantType::Q5K && qt == QuantType::Q5_1 && n_out % 64 == 0;
+    let as_q5_1 = w.qtype == QuantType::Q5K && qt == QuantType::Q5_1 && n_out.is_multiple_of(64);
     assert!(
         as_q4_1 || as_q5_1 || target(w.qtype, n_out, n_in) == Some(qt),
         "input blocks of {:?} as {qt:?}",

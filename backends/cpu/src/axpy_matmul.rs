@@ -328,7 +328,7 @@ pub fn axpy_blocks_many(
             "axpy_blocks reads input-block matrices"
         );
         let (rows, cols) = (w.rows, w.cols);
-        let inputs = if w.qtype == QuantType::Q4K { 256 } else { 32 };
+        let inputs = axpy_blocks::whole_inputs(w.qtype);
         assert!(
             rows.is_multiple_of(inputs) && cols.is_multiple_of(32),
             "axpy_blocks: a {rows}x{cols} matrix is not in whole blocks of {inputs}"

@@ -20,7 +20,7 @@
 //! kept row's quants of the tile are widened and multiply-added, prefetching the rows ahead.
 pub(super) use super::block_tables::scale_off;
 pub(super) use super::block_tables::table_bytes as scale_bytes;
-pub use super::block_tables::{block, input_bytes, put_k4_scale_min};
+pub use super::block_tables::{block, input_bytes, put_k4_scale_min, whole_inputs};
 use crate::isa::Isa;
 use dejavu_backend_api::quant::QuantType;
 use half::f16;

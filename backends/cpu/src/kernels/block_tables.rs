@@ -39,6 +39,16 @@ pub(super) fn table_bytes(q: QuantType, cols: usize) -> usize {
     }
 }
 
+/// Inputs a matrix in `q` has in multiples of: 256 for the two-level types (whole
+/// super-blocks), else 32.
+pub fn whole_inputs(q: QuantType) -> usize {
+    if two_level(q) {
+        256
+    } else {
+        32
+    }
+}
+
 /// Bytes a block of `cols` outputs in `q` holds per input (its row of quants and a 32nd of the
 /// table, Q4_K's shared scales included): for any `cols` a multiple of 32.
 pub fn input_bytes(q: QuantType, cols: usize) -> usize {
