@@ -1,19 +1,20 @@
 //! The scale tables of the input-block layout (`super::axpy_blocks`): where a block and its
 //! table lie, and each output's scale `d` and offset `off` read from it — plainly
-//! ([`scale_off`], the definition) and 16 or 8 outputs at a time for the AVX-512 and AVX2 loops
-//! ([`scales16`], [`scales8`]), bit for bit the definition.
+//! ([`scale_off`], the definition) and 16, 8 or 32 outputs at a time for the AVX-512 and AVX2
+//! loops ([`scales16`], [`scales8`], [`k_scales32`]), bit for bit the definition.
 //!
 //! Q8_0, Q4_0 and Q5_0: an f16 scale per output (`off` = 0, `-8 d`, `-16 d`); Q4_1 and Q5_1:
 //! then an f16 offset per output. Q4_K and Q5_K keep the file's two levels of scales: a
-//! super-block of 256 inputs is 8 blocks, each its own table and quants (Q5_K's with Q5_1's plane
-//! of fifth bits), then the f16 `d` of every output and the f16 `dmin` of every output. A block's table: a byte per output of its 6-bit scale's and
-//! min's low 4 bits (`sc & 15 | (m & 15) << 4`), then per 32 outputs 16 bytes of their high 2
-//! bits (`sc >> 4 | (m >> 4) << 2`; output `k` in byte `k`'s low nibble, `k + 16` in its high
-//! one, as the quants' nibbles): 1.5 bytes an output, against Q4_1's 4. A K-quant block is handed
-//! to the kernels as the bytes from its own start to its super-block's end ([`block`]), so its
-//! table is at its start as every type's is and the shared scales are its last `4 cols` bytes;
-//! its `d[o] = d * sc` and `off[o] = dmin * -m`, both exact in f32 (an 11-bit mantissa times
-//! 6 bits), so the sum is ggml's Q4_K value `d sc q - dmin m`.
+//! super-block of 256 inputs is 8 blocks, each its own table and quants (Q5_K's with Q5_1's
+//! plane of fifth bits), then the f16 `d` of every output and the f16 `dmin` of every output.
+//! A block's table: a byte per output of its 6-bit scale's and min's low 4 bits (`sc & 15 |
+//! (m & 15) << 4`), then per 32 outputs 16 bytes of their high 2 bits (`sc >> 4 | (m >> 4) <<
+//! 2`; output `k` in byte `k`'s low nibble, `k + 16` in its high one, as the quants' nibbles):
+//! 1.5 bytes an output, against Q4_1's 4. A K-quant block is handed to the kernels as the bytes
+//! from its own start to its super-block's end ([`block`]), so its table is at its start as
+//! every type's is and the shared scales are its last `4 cols` bytes; its `d[o] = d * sc` and
+//! `off[o] = dmin * -m`, both exact in f32 (an 11-bit mantissa times 6 bits), so the sum is
+//! ggml's K-quant value `d sc q - dmin m`.
 use dejavu_backend_api::quant::QuantType;
 use half::f16;
 
@@ -50,7 +51,7 @@ pub fn whole_inputs(q: QuantType) -> usize {
 }
 
 /// Bytes a block of `cols` outputs in `q` holds per input (its row of quants and a 32nd of the
-/// table, Q4_K's shared scales included): for any `cols` a multiple of 32.
+/// table, the K-quants' shared scales included): for any `cols` a multiple of 32.
 pub fn input_bytes(q: QuantType, cols: usize) -> usize {
     match q {
         QuantType::Q4K => 9 * cols / 16,
@@ -73,7 +74,7 @@ pub(super) fn block_len_ok(q: QuantType, len: usize, cols: usize) -> bool {
 }
 
 /// Block `b` (inputs `32 b ..`) of an input-block matrix of `cols` outputs in `q` (`data`: the
-/// matrix's bytes, whole blocks; Q4_K: whole super-blocks).
+/// matrix's bytes, whole blocks; Q4_K and Q5_K: whole super-blocks).
 pub fn block(q: QuantType, data: &[u8], cols: usize, b: usize) -> &[u8] {
     match q {
         QuantType::Q4K | QuantType::Q5K => {
