@@ -97,7 +97,8 @@ fn k4_scale_min(block: &[u8], cols: usize, o: usize) -> (u8, u8) {
 }
 
 /// Write outputs' 6-bit scales and mins (`sc[k]`, `m[k]` of output `o0 + k`, `o0` a multiple
-/// of 32, 32 outputs) into a Q4_K or Q5_K block's table (`table`: its `table_bytes` of `cols` outputs).
+/// of 32, 32 outputs) into a Q4_K or Q5_K block's table (`table`: its `table_bytes` of `cols`
+/// outputs).
 pub fn put_k4_scale_min(table: &mut [u8], cols: usize, o0: usize, sc: &[u8; 32], m: &[u8; 32]) {
     assert!(o0.is_multiple_of(32) && o0 + 32 <= cols && table.len() == 3 * cols / 2);
     assert!(sc.iter().chain(m).all(|&v| v < 64), "6-bit scales and mins");
