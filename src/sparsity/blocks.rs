@@ -166,9 +166,12 @@ fn convert_k(w: &Weight, out: &mut [u8]) {
     // A ggml block: d, dmin (f16), 12 bytes of 6-bit scales and mins, Q5_K's 32 bytes of fifth
     // bits, 128 of quants.
     let (bb, qs_at) = if five { (176, 48) } else { (144, 16) };
-    // Per output in a block: 1.5 bytes of table, 16 of nibbles, Q5_K's 4 of fifth bits.
-    let own = if five { 43 * n_out / 2 } else { 35 * n_out / 2 };
-    let (table, sup) = (3 * n_out / 2, bb * n_out);
+    // Each block's own table (1.5 bytes an output) at its start; a super-block's `d` and `dmin`
+    // in the last `4 n_out` bytes of its blocks' ranges.
+    let (range, table) = (
+        |b| axpy_blocks::block_range(w.qtype, n_out, b),
+        3 * n_out / 2,
+    );
     let mut ggml = vec![0u8; w.qtype.row_bytes(n_in)];
     // Per block of 32 inputs, the 32 outputs' scales and mins; per output, its quants.
     let blocks = n_in / 32;
@@ -179,7 +182,7 @@ fn convert_k(w: &Weight, out: &mut [u8]) {
             let o = o0 + k;
             let row = ggml_row(w, o, &mut ggml);
             for (s, src) in row.chunks_exact(bb).enumerate() {
-                let head = s * sup + 8 * own;
+                let head = range(8 * s).end - 4 * n_out;
                 out[head + 2 * o..][..2].copy_from_slice(&src[0..2]);
                 out[head + 2 * (n_out + o)..][..2].copy_from_slice(&src[2..4]);
                 let scales: &[u8; 12] = src[4..16].try_into().expect("12 bytes");
@@ -195,7 +198,7 @@ fn convert_k(w: &Weight, out: &mut [u8]) {
             }
         }
         for b in 0..blocks {
-            let at = b / 8 * sup + b % 8 * own;
+            let at = range(b).start;
             axpy_blocks::put_k4_scale_min(&mut out[at..at + table], n_out, o0, &sc[b], &m[b]);
             for r in 0..32 {
                 let col: [u8; 32] = std::array::from_fn(|k| quants[k * n_in + 32 * b + r]);

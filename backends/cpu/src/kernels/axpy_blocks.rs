@@ -10,9 +10,9 @@
 //! and Q5_1 then hold the 32 rows' fifth bits (`cols / 8` bytes a row, `cols` a multiple of 64:
 //! little-endian 64-bit words, bit `i` of word `t` the fifth bit of output `64 t + i`). Value
 //! `(r, o)` = `d[o] * q + m[o]` (Q4_1, Q5_1), `d[o] * (q - 8)` (Q4_0), `d[o] * (q - 16)` (Q5_0),
-//! `d[o] * q` (Q8_0). Q4_K keeps its 6-bit scales and mins under per-256 scales: its table is
-//! described in [`super::block_tables`], its quants are Q4_1's; its `d[o]` and `off[o]` come
-//! from both levels.
+//! `d[o] * q` (Q8_0). Q4_K and Q5_K keep their 6-bit scales and mins under per-256 scales:
+//! their tables are described in `block_tables`, their quants are Q4_1's and Q5_1's; their
+//! `d[o]` and `off[o]` come from both levels.
 //!
 //! Per output: `t = sum_r x[r] q[r][o]` in f32 over the kept rows, then `y[o] += d[o] * t +
 //! off[o] * S` with `S = sum_r x[r]` (`off = m`, `-8 d`, `-16 d`, or 0). [`scalar`] is the definition; the
@@ -20,7 +20,7 @@
 //! kept row's quants of the tile are widened and multiply-added, prefetching the rows ahead.
 pub(super) use super::block_tables::scale_off;
 pub(super) use super::block_tables::table_bytes as scale_bytes;
-pub use super::block_tables::{block, input_bytes, put_k4_scale_min, whole_inputs};
+pub use super::block_tables::{block, block_range, input_bytes, put_k4_scale_min, whole_inputs};
 use crate::isa::Isa;
 use dejavu_backend_api::quant::QuantType;
 use half::f16;

@@ -76,15 +76,21 @@ pub(super) fn block_len_ok(q: QuantType, len: usize, cols: usize) -> bool {
 /// Block `b` (inputs `32 b ..`) of an input-block matrix of `cols` outputs in `q` (`data`: the
 /// matrix's bytes, whole blocks; Q4_K and Q5_K: whole super-blocks).
 pub fn block(q: QuantType, data: &[u8], cols: usize, b: usize) -> &[u8] {
-    match q {
-        QuantType::Q4K | QuantType::Q5K => {
+    &data[block_range(q, cols, b)]
+}
+
+/// Where [`block`] `b` lies in its matrix's bytes: its own bytes, then (the two-level types)
+/// the rest of its super-block, whose last `4 cols` bytes are the shared `d` and `dmin`.
+pub fn block_range(q: QuantType, cols: usize, b: usize) -> std::ops::Range<usize> {
+    match two_level(q) {
+        true => {
             let sup = 8 * k_own(q, cols) + 4 * cols;
             let (s, j) = (b / 8, b % 8);
-            &data[s * sup + j * k_own(q, cols)..(s + 1) * sup]
+            s * sup + j * k_own(q, cols)..(s + 1) * sup
         }
-        _ => {
+        false => {
             let bb = 32 * q.row_bytes(cols);
-            &data[b * bb..(b + 1) * bb]
+            b * bb..(b + 1) * bb
         }
     }
 }
