@@ -1,10 +1,10 @@
 //! A K-quant matrix's input-sparse product in its two input-block forms, call by call: the
 //! K-quant's own (6-bit scales and mins under per-256 scales) and Q4_1's or Q5_1's (each
 //! sub-block's scale and min as f16, what K-quants took before). The same random weights, the
-//! same kept inputs; copies fill 240 MB so that each call reads from memory; 4000 calls of each
+//! same kept inputs; copies fill 240 MB (or `MB`) so that each call reads from memory; 4000 calls of each
 //! form, alternating, after 100 to warm up. Synthetic weights: this measures kernels, not a model.
 //!
-//! `cargo bench --bench input_forms -- INPUTS OUTPUTS TYPE DENSITY [THREADS]` (TYPE: q4_k,
+//! `cargo bench --bench input_forms -- INPUTS OUTPUTS TYPE DENSITY [THREADS] [MB]` (TYPE: q4_k,
 //! q5_k; OUTPUTS a multiple of 256; `DEJAVU_ISA` picks the tier).
 use dejavu_backend_api::{quantize, QuantType, RowLayout, Weight};
 use dejavu_backend_cpu::axpy_matmul::axpy_blocks;
@@ -23,6 +23,7 @@ fn main() {
         density,
         threads,
         isa,
+        mb,
     }) = shape::parse("input_forms")
     else {
         return;
@@ -50,7 +51,7 @@ fn main() {
         dejavu::sparsity::blocks::convert(&w, t, &mut out);
         out
     };
-    let copies = (240usize << 20) / (n_in * old.row_bytes(n_out)) + 1;
+    let copies = (mb.unwrap_or(240) << 20) / (n_in * old.row_bytes(n_out)) + 1;
     let (olds, owns): (Vec<_>, Vec<_>) = (0..copies).map(|_| (form(old), form(q))).unzip();
     let x: Vec<f32> = (0..n_in).map(|i| (i as f32 * 0.37).sin()).collect();
     let x = shape::drop_inputs(&x, density);

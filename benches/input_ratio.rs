@@ -1,9 +1,10 @@
 //! Input sparsity's product against the dense matvec of the same matrix, in turn, from memory:
 //! the kept-byte efficiency of one shape, as `bench`'s per-block table reports it for a model.
-//! `cargo bench --bench input_ratio -- INPUTS OUTPUTS TYPE DENSITY [THREADS]` (TYPE: q8_0, q4_0,
-//! q4_1, q5_0, q5_1; `DEJAVU_ISA` picks the tier). Copies of the matrix fill 120 MB and each
-//! call reads the next, as a decode step reads its layers; five rounds of 200 calls of each,
-//! alternating, after one to warm up. Synthetic bytes: these measure kernels, not a model.
+//! `cargo bench --bench input_ratio -- INPUTS OUTPUTS TYPE DENSITY [THREADS] [MB]` (TYPE: q8_0,
+//! q4_0, q4_1, q5_0, q5_1; `DEJAVU_ISA` picks the tier). Copies of the matrix fill `MB` (120
+//! by default) and each call reads the next, as a decode step reads its layers; five rounds of
+//! 200 calls of each, alternating, after one to warm up. Synthetic bytes: these measure
+//! kernels, not a model.
 use dejavu_backend_api::{IndexSet, QuantType, RowLayout, Weight};
 use dejavu_backend_cpu::axpy_matmul::axpy_blocks;
 use dejavu_backend_cpu::kernels::table::Kernels;
@@ -37,13 +38,14 @@ fn main() {
         density,
         threads,
         isa,
+        mb,
     }) = shape::parse("input_ratio")
     else {
         return;
     };
     let k = Kernels::for_isa(isa).unwrap();
     let pool = SpinPool::new(threads);
-    let copies = (120usize << 20) / (q.row_bytes(n_in) * n_out) + 1;
+    let copies = (mb.unwrap_or(120) << 20) / (q.row_bytes(n_in) * n_out) + 1;
     let data: Vec<Vec<u8>> = (0..copies).map(|c| synthetic(q, n_out, n_in, c)).collect();
     let dense: Vec<Weight> = (data.iter())
         .map(|d| Weight::new(q, n_out, n_in, d).unwrap())

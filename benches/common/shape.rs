@@ -1,5 +1,8 @@
-//! The command line the input-sparsity benches share, `INPUTS OUTPUTS TYPE DENSITY [THREADS]`
-//! (flags that cargo passes, `--bench`, ignored; the tier from `DEJAVU_ISA`), and their input.
+//! The command line the input-sparsity benches share, `INPUTS OUTPUTS TYPE DENSITY [THREADS]
+//! [MB]` (flags that cargo passes, `--bench`, ignored; the tier from `DEJAVU_ISA`), and their
+//! input. `MB`: the megabytes of copies of the matrix that the calls read in turn (each bench's
+//! default is more than any L3, so that they read from memory; 1 keeps them in cache: the
+//! kernels' own speed, without memory's).
 use dejavu_backend_api::QuantType;
 use dejavu_backend_cpu::isa::Isa;
 
@@ -10,6 +13,8 @@ pub struct Shape {
     pub density: f32,
     pub threads: usize,
     pub isa: Isa,
+    /// Megabytes of copies, when given.
+    pub mb: Option<usize>,
 }
 
 /// The shape on the command line, or `None` after printing the usage of `bench`.
@@ -19,7 +24,9 @@ pub fn parse(bench: &str) -> Option<Shape> {
         .filter(|a| !a.starts_with("--"))
         .collect();
     if args.len() < 4 {
-        eprintln!("usage: cargo bench --bench {bench} -- INPUTS OUTPUTS TYPE DENSITY [THREADS]");
+        eprintln!(
+            "usage: cargo bench --bench {bench} -- INPUTS OUTPUTS TYPE DENSITY [THREADS] [MB]"
+        );
         return None;
     }
     let num = |s: &str| s.parse::<usize>().expect("a number");
@@ -29,6 +36,7 @@ pub fn parse(bench: &str) -> Option<Shape> {
         q: QuantType::from_name(&args[2].to_uppercase()).expect("a weight type"),
         density: args[3].parse().expect("a density"),
         threads: args.get(4).map_or(2, |s| num(s)),
+        mb: args.get(5).map(|s| num(s).max(1)),
         isa: (std::env::var("DEJAVU_ISA").ok())
             .and_then(|s| Isa::from_name(&s))
             .unwrap_or(Isa::detect()),
