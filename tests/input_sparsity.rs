@@ -76,11 +76,15 @@ fn with_thresholds(e: &Engine, th: [f32; 4]) -> Policy {
 }
 
 fn assert_close(what: &str, got: &[f32], want: &[f32]) {
+    assert_within(what, got, want, 1e-4);
+}
+
+fn assert_within(what: &str, got: &[f32], want: &[f32], tol: f32) {
     assert_eq!(got.len(), want.len());
     let worst = (got.iter().zip(want))
         .map(|(a, b)| (a - b).abs() / (1.0 + b.abs()))
         .fold(0f32, f32::max);
-    assert!(worst < 1e-4, "{what}: worst relative error {worst}");
+    assert!(worst < tol, "{what}: worst relative error {worst}");
 }
 
 #[test]
@@ -225,7 +229,10 @@ fn input_blocks_keep_the_files_values() {
         };
         let want = run(&Policy::dense(c));
         let got = run(&with_thresholds(&e, th));
-        assert_close(&format!("{what}: every input kept"), &got, &want);
+        // f32 sums in another order than the dense dot's (the input-block product adds its kept
+        // blocks in 4 chunks, summed apart): 1.02e-4 on Q5_K_M's 12 layers. A scale or min
+        // decoded wrong is off by far more.
+        assert_within(&format!("{what}: every input kept"), &got, &want, 2.5e-4);
     }
 }
 
