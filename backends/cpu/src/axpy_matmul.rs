@@ -172,12 +172,12 @@ const BLOCK_COL_UNIT: usize = 64;
 /// A matrix's kept blocks are cut into chunks (up to this many), summed apart and added in
 /// order: the threads then share its work by blocks, each reading whole rows, not a slice of
 /// every row. The chunks are fixed by `x` (its kept blocks), never by the thread count, so the
-/// sums are the same bits at any thread count. (Once only matrices of fewer than 4096 outputs were
-/// chunked, the others' outputs split between the threads; on 2 threads of an AMD EPYC (Zen 4)
-/// chunking every matrix raised the kept-byte efficiency of `cargo bench --bench input_ratio --
-/// 14336 4096 q4_0 0.5` from 0.75-0.80 to 0.85-0.87 and of `4096 14336` from 0.82-0.94 to
-/// 0.94-0.97: two cores streaming halves of the same rows read them slower than each its own
-/// rows whole.)
+/// sums are the same bits at any thread count. (Once only matrices of fewer than 4096 outputs
+/// were chunked, the others' outputs split between the threads; on 2 threads of an AMD EPYC
+/// (Zen 4) chunking every matrix raised the kept-byte efficiency of `cargo bench --bench
+/// input_ratio -- 14336 4096 q4_0 0.5` from 0.75-0.80 to 0.85-0.87 and of `4096 14336` from
+/// 0.82-0.94 to 0.94-0.97: two cores streaming halves of the same rows read them slower than
+/// each its own rows whole.)
 const MAX_CHUNKS: usize = 4;
 /// Kept blocks a chunk holds at least.
 const MIN_CHUNK_BLOCKS: usize = 4;
@@ -221,7 +221,6 @@ fn kept_blocks(k: &Kernels, x: &[f32], out: &mut Vec<KeptBlock>) {
 struct Scratch {
     kept: Vec<KeptBlock>,
     units: Vec<Unit>,
-    chunks: Vec<usize>,
     starts: Vec<usize>,
     partial: Vec<f32>,
     outputs: Vec<SyncPtr>,
@@ -244,38 +243,34 @@ struct Unit {
     owner: usize,
 }
 
-/// Each matrix's chunk count (into `chunks`): [`MAX_CHUNKS`], fewer where the chunks would hold
-/// fewer than [`MIN_CHUNK_BLOCKS`] kept blocks each; it depends on the kept blocks only, not on
-/// the matrices beside it or the threads.
-fn chunk_counts(ws: &[Weight], kept: usize, chunks: &mut Vec<usize>) {
-    let n = MAX_CHUNKS.min(kept / MIN_CHUNK_BLOCKS).max(1);
-    chunks.clear();
-    chunks.extend(ws.iter().map(|_| n));
+/// The chunks of every matrix of a product of `kept` kept blocks: [`MAX_CHUNKS`], fewer where
+/// they would hold fewer than [`MIN_CHUNK_BLOCKS`] kept blocks each; never the threads'.
+fn chunk_count(kept: usize) -> usize {
+    MAX_CHUNKS.min(kept / MIN_CHUNK_BLOCKS).max(1)
 }
 
 /// The units of a product on `threads` threads (into `out`, in owner order): every matrix's
 /// chunks one after the other, each a run of tiles of [`BLOCK_COL_UNIT`] outputs weighted by
 /// the chunk's kept rows, split into `threads` contiguous runs of about equal bytes. (A unit's
 /// bounds change no bit: every output's sum is one unit's.)
-fn units(ws: &[Weight], kept: &[KeptBlock], chunks: &[usize], threads: usize, out: &mut Vec<Unit>) {
+fn units(ws: &[Weight], kept: &[KeptBlock], chunks: usize, threads: usize, out: &mut Vec<Unit>) {
     out.clear();
-    let chunk_rows = |j: usize, c: usize| {
-        let n = chunks[j];
-        let (k0, k1) = (c * kept.len() / n, (c + 1) * kept.len() / n);
+    let chunk_rows = |c: usize| {
+        let (k0, k1) = (c * kept.len() / chunks, (c + 1) * kept.len() / chunks);
         (k0, k1, kept[k0..k1].iter().map(|kb| kb.n).sum::<usize>())
     };
     let tile_cost =
         |j: usize, rows: usize| rows * axpy_blocks::input_bytes(ws[j].qtype, BLOCK_COL_UNIT);
     let mut total = 0;
     for (j, w) in ws.iter().enumerate() {
-        for c in 0..chunks[j] {
-            total += tile_cost(j, chunk_rows(j, c).2) * w.cols.div_ceil(BLOCK_COL_UNIT);
+        for c in 0..chunks {
+            total += tile_cost(j, chunk_rows(c).2) * w.cols.div_ceil(BLOCK_COL_UNIT);
         }
     }
     let mut at = 0;
     for (j, w) in ws.iter().enumerate() {
-        for c in 0..chunks[j] {
-            let (k0, k1, rows) = chunk_rows(j, c);
+        for c in 0..chunks {
+            let (k0, k1, rows) = chunk_rows(c);
             let cost = tile_cost(j, rows);
             let tiles = w.cols.div_ceil(BLOCK_COL_UNIT);
             // Tile i goes to the thread whose share of the total holds its middle.
@@ -357,19 +352,18 @@ fn blocks_product(
     let Scratch {
         kept,
         units: us,
-        chunks,
         starts,
         partial,
         outputs,
     } = s;
-    chunk_counts(ws, kept.len(), chunks);
+    let chunks = chunk_count(kept.len());
     // Chunk c > 0 of matrix j sums into `partial[starts[j] + (c - 1) * cols ..]`, zeroed by the
     // units that write it.
     starts.clear();
     let mut n = 0;
-    for (w, c) in ws.iter().zip(chunks.iter()) {
+    for w in ws {
         starts.push(n);
-        n += (c - 1) * w.cols;
+        n += (chunks - 1) * w.cols;
     }
     if partial.len() < n {
         partial.resize(n, 0.0);
@@ -378,8 +372,8 @@ fn blocks_product(
     let bytes: usize = (ws.iter())
         .map(|w| rows * axpy_blocks::input_bytes(w.qtype, w.cols))
         .sum();
-    let tiles: usize = (ws.iter().zip(chunks.iter()))
-        .map(|(w, c)| c * w.cols.div_ceil(BLOCK_COL_UNIT))
+    let tiles: usize = (ws.iter())
+        .map(|w| chunks * w.cols.div_ceil(BLOCK_COL_UNIT))
         .sum();
     let threads = (pool.threads())
         .min(tiles)
@@ -409,7 +403,7 @@ fn blocks_product(
     });
     for (j, y) in ys.iter_mut().enumerate() {
         let cols = ws[j].cols;
-        for c in 1..chunks[j] {
+        for c in 1..chunks {
             let p = &partial[starts[j] + (c - 1) * cols..][..cols];
             y.iter_mut().zip(p).for_each(|(y, p)| *y += p);
         }
