@@ -1,8 +1,9 @@
 //! A K-quant matrix's input-sparse product in its two input-block forms, call by call: the
 //! K-quant's own (6-bit scales and mins under per-256 scales) and Q4_1's or Q5_1's (each
 //! sub-block's scale and min as f16, what K-quants took before). The same random weights, the
-//! same kept inputs; copies fill 240 MB (or `MB`) so that each call reads from memory; 4000 calls of each
-//! form, alternating, after 100 to warm up. Synthetic weights: this measures kernels, not a model.
+//! same kept inputs; copies fill 240 MB (or `MB`: 1 keeps them in cache) so that each call reads
+//! from memory; 4000 calls of each form, alternating, after 100 to warm up. Synthetic weights:
+//! this measures kernels, not a model.
 //!
 //! `cargo bench --bench input_forms -- INPUTS OUTPUTS TYPE DENSITY [THREADS] [MB]` (TYPE: q4_k,
 //! q5_k; OUTPUTS a multiple of 256; `DEJAVU_ISA` picks the tier).
