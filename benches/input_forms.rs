@@ -1,8 +1,8 @@
 //! A K-quant matrix's input-sparse product in its two input-block forms, call by call: the
 //! K-quant's own (6-bit scales and mins under per-256 scales) and Q4_1's or Q5_1's (each
 //! sub-block's scale and min as f16, what K-quants took before). The same random weights, the
-//! same kept inputs; copies fill 240 MB (or `MB`: 1 keeps them in cache) so that each call reads
-//! from memory; 4000 calls of each form, alternating, after 100 to warm up. Synthetic weights:
+//! same kept inputs; copies fill 240 MB (or `MB`: 1 keeps them in cache), in huge pages as a
+//! model's layout is, so that each call reads from memory; 4000 calls of each form, alternating, after 100 to warm up. Synthetic weights:
 //! this measures kernels, not a model.
 //!
 //! `cargo bench --bench input_forms -- INPUTS OUTPUTS TYPE DENSITY [THREADS] [MB]` (TYPE: q4_k,
@@ -53,7 +53,14 @@ fn main() {
         out
     };
     let copies = (mb.unwrap_or(240) << 20) / (n_in * old.row_bytes(n_out)) + 1;
-    let (olds, owns): (Vec<_>, Vec<_>) = (0..copies).map(|_| (form(old), form(q))).unzip();
+    // Each form's copies in huge pages, as a model holds its input-major layout.
+    let (a, b) = (form(old), form(q));
+    let olds = shape::huge_pages(&a.repeat(copies));
+    let owns = shape::huge_pages(&b.repeat(copies));
+    let (olds, owns): (Vec<&[u8]>, Vec<&[u8]>) = (
+        olds.chunks_exact(a.len()).collect(),
+        owns.chunks_exact(b.len()).collect(),
+    );
     let x: Vec<f32> = (0..n_in).map(|i| (i as f32 * 0.37).sin()).collect();
     let x = shape::drop_inputs(&x, density);
     let kept = x.iter().filter(|v| **v != 0.0).count() as f64 / n_in as f64;
@@ -73,7 +80,7 @@ fn main() {
     };
     let (mut t_old, mut t_own) = (0f64, 0f64);
     for i in 0..reps {
-        let (a, b) = (time(old, &olds[i % copies]), time(q, &owns[i % copies]));
+        let (a, b) = (time(old, olds[i % copies]), time(q, owns[i % copies]));
         if i >= warm {
             (t_old, t_own) = (t_old + a, t_own + b);
         }

@@ -2,11 +2,16 @@
 //! the kept-byte efficiency of one shape, as `bench`'s per-block table reports it for a model.
 //! `cargo bench --bench input_ratio -- INPUTS OUTPUTS TYPE DENSITY [THREADS] [MB]` (TYPE: q8_0,
 //! q4_0, q4_1, q5_0, q5_1; `DEJAVU_ISA` picks the tier). Copies of the matrix fill `MB` (120
-//! by default) and each call reads the next, as a decode step reads its layers; five rounds of
+//! by default) and each call reads the next, as a decode step reads its layers. Both forms are
+//! held as a loaded model holds them: the dense rows repacked, every copy in huge pages (before
+//! 2026-12-07 the dense side read the file's rows in 4 KiB pages, slower: 9.6 against 42.5 GB/s
+//! in cache for SmolLM2's 576 x 1536 Q4_1, so ratios measured then flatter the sparse side).
+//! Five rounds of
 //! 200 calls of each, alternating, after one to warm up. Synthetic bytes: these measure
 //! kernels, not a model.
 use dejavu_backend_api::{IndexSet, QuantType, RowLayout, Weight};
 use dejavu_backend_cpu::axpy_matmul::axpy_blocks;
+use dejavu_backend_cpu::kernels::repack;
 use dejavu_backend_cpu::kernels::table::Kernels;
 use dejavu_backend_cpu::matmul::matmul;
 use dejavu_backend_cpu::pool::SpinPool;
@@ -47,10 +52,29 @@ fn main() {
     let pool = SpinPool::new(threads);
     let copies = (mb.unwrap_or(120) << 20) / (q.row_bytes(n_in) * n_out) + 1;
     let data: Vec<Vec<u8>> = (0..copies).map(|c| synthetic(q, n_out, n_in, c)).collect();
-    let dense: Vec<Weight> = (data.iter())
-        .map(|d| Weight::new(q, n_out, n_in, d).unwrap())
+    // Dense reads the rows as a model's load leaves them: repacked where the type has that form.
+    // Both forms' copies in huge pages, as a model holds them.
+    let size = q.row_bytes(n_in) * n_out;
+    let mut packed = data.concat();
+    if repack::supports(q) {
+        for (d, p) in data.iter().zip(packed.chunks_exact_mut(size)) {
+            repack::repack_matrix(q, n_in, d, p);
+        }
+    }
+    let (packed, data) = (
+        shape::huge_pages(&packed),
+        shape::huge_pages(&data.concat()),
+    );
+    let dense: Vec<Weight> = (packed.chunks_exact(size))
+        .map(|d| {
+            let w = Weight::new(q, n_out, n_in, d).unwrap();
+            match repack::supports(q) {
+                true => w.with_layout(RowLayout::Repacked),
+                false => w,
+            }
+        })
         .collect();
-    let blocks: Vec<Weight> = (data.iter())
+    let blocks: Vec<Weight> = (data.chunks_exact(size))
         .map(|d| {
             let w = Weight::new(q, n_in, n_out, d).unwrap();
             w.with_layout(RowLayout::InputBlocks)

@@ -8,6 +8,8 @@
 //! - on 8- and 4-bit weights (the input-block layout, the file's own values transposed), every
 //!   input kept is the dense model with f32 activations (the reference device);
 //! - calibrated thresholds drop about the requested fraction, and the step reads fewer bytes;
+//! - a group whose sparse products would be slower than its dense ones runs dense (`:always`
+//!   runs it sparse);
 //! - a masked batch (calibration's allocation search) is the decode steps under the thresholds;
 //! - the greedy allocation rises to its end, and `teal:S` reads it (`:uniform` does not);
 //! - the policy grammar's refusals.
@@ -71,6 +73,8 @@ fn with_thresholds(e: &Engine, th: [f32; 4]) -> Policy {
         score: Score::Teal,
         sparsity: 0.5,
         thresholds: vec![th; c.n_layers],
+        group_sparsity: [0.5; 4],
+        always: true,
     });
     pol
 }
@@ -274,7 +278,7 @@ fn calibrated_thresholds_drop_about_the_requested_fraction() {
         s.run(&TOKENS, Logits::Last).unwrap();
         s.info().unwrap().step.weight_bytes
     };
-    for spec in ["teal:0.5", "wina:0.5", "teal:0.2"] {
+    for spec in ["teal:0.5:always", "wina:0.5:always", "teal:0.2:always"] {
         let pol = e.policy(spec, Some(&preds)).unwrap();
         let mut s = e.decoder(&pol).unwrap();
         let (mut layers, mut sum) = (0, 0usize);
@@ -295,11 +299,48 @@ fn calibrated_thresholds_drop_about_the_requested_fraction() {
             d.run(&[tokens[0]], Logits::Last).unwrap();
             d.last_step().unwrap().bytes.mlp
         };
-        let s_req: f64 = spec[5..].parse().unwrap();
+        let s_req: f64 = spec[5..spec.len() - 7].parse().unwrap();
         let kept = sum as f64 / (layers * dense_mlp) as f64;
         assert!(
             (kept - (1.0 - s_req)).abs() < 0.15,
             "{spec}: the MLP read {kept:.2} of its bytes"
+        );
+    }
+}
+
+/// On the CPU, a group of inputs whose sparse products would take longer than its dense ones
+/// at its kept share runs dense: the tiny model's matrices (64 outputs and fewer) are far below
+/// the width where an input-block product pays, so `teal:0.5` and `wina:0.5` decode the dense
+/// model bit for bit and read its bytes, while `:always` reads fewer and moves the logits.
+#[test]
+fn sparsity_that_would_cost_time_runs_dense() {
+    let (_d, e) = load(&f32_model(&[]));
+    let preds = dejavu::sparsity::predictors_file::Predictors::inputs_only(stats(&e));
+    let dense = Policy::dense(&e.model.config);
+    let bytes = |pol: &Policy| {
+        let mut s = e.decoder(pol).unwrap();
+        s.run(&TOKENS[..4], Logits::Last).unwrap();
+        s.run(&TOKENS[4..5], Logits::Last).unwrap();
+        s.last_step().unwrap().weight_bytes
+    };
+    let (want, want_bytes) = (decode(&e, &dense), bytes(&dense));
+    for spec in ["teal:0.5", "wina:0.5", "teal:0.5:uniform"] {
+        let pol = e.policy(spec, Some(&preds)).unwrap();
+        assert!(!pol.inputs.as_ref().unwrap().always, "{spec}");
+        assert!(
+            decode(&e, &pol) == want,
+            "{spec}: not the dense model's bits"
+        );
+        assert_eq!(bytes(&pol), want_bytes, "{spec}: bytes");
+        let always = e.policy(&format!("{spec}:always"), Some(&preds)).unwrap();
+        assert!(always.inputs.as_ref().unwrap().always);
+        assert!(
+            bytes(&always) < want_bytes,
+            "{spec}:always read the dense bytes"
+        );
+        assert!(
+            decode(&e, &always) != want,
+            "{spec}:always changed no logit"
         );
     }
 }
@@ -318,7 +359,7 @@ fn stats(e: &Engine) -> dejavu::sparsity::input::InputStats {
 fn a_masked_batch_is_the_decode_steps() {
     let (_d, e) = load(&f32_model(&[]));
     let preds = dejavu::sparsity::predictors_file::Predictors::inputs_only(stats(&e));
-    let pol = e.policy("teal:0.5:uniform", Some(&preds)).unwrap();
+    let pol = e.policy("teal:0.5:uniform:always", Some(&preds)).unwrap();
     let steps = decode(&e, &pol);
     let mut s = e.decoder(&pol).unwrap();
     s.mask_batches(true).unwrap();
@@ -338,7 +379,7 @@ fn a_masked_batch_is_the_decode_steps() {
     // A plan without thresholds, or with WINA's, refuses.
     let mut d = e.decoder(&Policy::dense(&e.model.config)).unwrap();
     assert!(d.mask_batches(true).is_err());
-    let wina = e.policy("wina:0.5", Some(&preds)).unwrap();
+    let wina = e.policy("wina:0.5:always", Some(&preds)).unwrap();
     assert!(e.decoder(&wina).unwrap().mask_batches(true).is_err());
 }
 
@@ -413,6 +454,8 @@ fn bad_input_sparsity_specs_are_refused() {
         ("wina:0.5+attn-norm:0.5", "column norms"),
         ("teal", "one `teal:S`"),
         ("teal:0.5:even", "one `teal:S`"),
+        ("teal:0.5:always:uniform", "one `teal:S`"),
+        ("teal:0.5:always:always", "one `teal:S`"),
     ] {
         assert!(err(spec).contains(why), "{spec}: {}", err(spec));
     }

@@ -87,8 +87,8 @@ fn layout_is_the_transpose_of_the_model() {
 
 /// `--dtype q4_k_m` is llama-quantize's Q4_K_M: the head (OPT's, tied to the token embedding)
 /// in Q6_K, `attn_v` and `ffn_down` in Q6_K in the first and last eighth of the layers and every
-/// third between, every other matrix in Q4_K; it decodes dense and under `teal:0.5` (input
-/// blocks of the K-quants), reading fewer bytes.
+/// third between, every other matrix in Q4_K; it decodes dense and under `teal:0.5:always`
+/// (input blocks of the K-quants), reading fewer bytes.
 #[test]
 fn k_quant_mixes_are_llama_quantizes() {
     let e = engine(FileType::Q4KM);
@@ -110,7 +110,7 @@ fn k_quant_mixes_are_llama_quantizes() {
         }
     }
     let preds = e.predictors(None).unwrap().unwrap();
-    let teal = e.policy("teal:0.5", Some(&preds)).unwrap();
+    let teal = e.policy("teal:0.5:always", Some(&preds)).unwrap();
     let dense = Policy::dense(&m.config);
     let mut bytes = Vec::new();
     for pol in [&dense, &teal] {

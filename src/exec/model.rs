@@ -55,6 +55,19 @@ pub(super) struct InputMats<D: Device> {
     pub(super) table_bytes: [usize; 4],
 }
 
+impl<D: Device> InputMats<D> {
+    /// The matrices of input group `g` (in `Group::ALL` order: Q, K and V; W_o; gate and up;
+    /// down).
+    pub(super) fn group(&self, g: usize) -> Vec<&D::Mat> {
+        match g {
+            0 => vec![&self.q, &self.k, &self.v],
+            1 => vec![&self.wo],
+            2 => self.gate.iter().chain([&self.up]).collect(),
+            _ => vec![&self.down],
+        }
+    }
+}
+
 /// Every weight of a model on the device (plus, for sparse plans, the neuron-major down
 /// projections and head-major W_o of the [`SparseLayout`]); under tensor parallelism, one
 /// rank's [`Shard`] of them.

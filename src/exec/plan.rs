@@ -1,4 +1,5 @@
 //! A plan on the device: fixed index lists, or predictors and their top-k.
+use crate::exec::model::InputMats;
 use crate::exec::parallel::Shard;
 use crate::model::config::ModelConfig;
 use crate::sparsity::policy::Policy;
@@ -170,10 +171,32 @@ pub struct DevicePlan<D: Device> {
 /// `Group::ALL` order), compared on the device with `|x|` (TEAL) or `|x|` times the model's
 /// weight-row norms (WINA).
 pub(super) struct InputPlan {
+    /// Below 0: the group is kept whole (its dense products over the file's rows).
     pub(super) thresholds: Vec<[f32; 4]>,
     pub(super) wina: bool,
-    /// The target sparsity, for the step's expected byte count.
-    pub(super) sparsity: f64,
+    /// Each group's target sparsity, for the step's expected byte count.
+    pub(super) group_sparsity: [f64; 4],
+    /// `InputRule::always`: no group kept whole for the device's sake ([`Self::where_it_pays`]).
+    pub(super) always: bool,
+}
+
+impl InputPlan {
+    /// Keep whole each layer's group whose input-sparse products `dev` expects to be slower
+    /// than its dense ones at the group's expected kept fraction ([`Device::input_break_even`]
+    /// of its input-major matrices in `inputs`); none under `always`.
+    pub(super) fn where_it_pays<D: Device>(&mut self, dev: &D, inputs: &[InputMats<D>]) {
+        if self.always {
+            return;
+        }
+        for (th, im) in self.thresholds.iter_mut().zip(inputs) {
+            for (g, t) in th.iter_mut().enumerate() {
+                let kept = 1.0 - self.group_sparsity[g];
+                if *t >= 0.0 && kept > dev.input_break_even(&im.group(g)) {
+                    *t = -1.0;
+                }
+            }
+        }
+    }
 }
 
 impl<D: Device> DevicePlan<D> {
@@ -349,7 +372,8 @@ impl<D: Device> DevicePlan<D> {
             Some(r) => Some(InputPlan {
                 thresholds: r.thresholds.clone(),
                 wina: r.score == crate::sparsity::input::Score::Wina,
-                sparsity: r.sparsity,
+                group_sparsity: r.group_sparsity,
+                always: r.always,
             }),
             None => None,
         };

@@ -368,6 +368,10 @@ impl<'a, D: Device> DeviceSession<'a, D> {
             part,
             part_logits: dev.zeros(if tp { per_rank } else { 1 })?,
         };
+        let mut plan = plan;
+        if let (Some(ip), Some(im)) = (&mut plan.inputs, &model.inputs) {
+            ip.where_it_pays(dev, im);
+        }
         let step_bytes = step_bytes(model, Some(&plan));
         let lazy = (plan.heads.iter())
             .map(|h| match plan.lazy_kv && !h.is_all() {
@@ -666,14 +670,18 @@ fn step_bytes<D: Device>(m: &DeviceModel<D>, plan: Option<&DevicePlan<D>>) -> St
         mlp += c.n_ff * u.neuron - (c.n_ff - nm) * (u.neuron - read_neuron);
     }
     if let (Some(ip), Some(im)) = (&p.inputs, &m.inputs) {
-        // Input sparsity: the rows of the kept inputs, at the target density.
-        let keep = 1.0 - ip.sparsity;
+        // Input sparsity: the rows of the kept inputs, at each group's target density; a group
+        // kept whole reads the file's rows.
         let widths = [c.d_model, c.n_heads * c.head_dim, c.d_model, c.n_ff];
-        let read = |im: &crate::exec::model::InputMats<D>, g: usize| {
-            (widths[g] as f64 * keep).round() as usize * im.row_bytes[g]
+        let read = |l: usize, g: usize| match ip.thresholds[l][g] < 0.0 {
+            true => rows::group_bytes(c, &m.unit_bytes[l], g),
+            false => {
+                let keep = 1.0 - ip.group_sparsity[g];
+                (widths[g] as f64 * keep).round() as usize * im[l].row_bytes[g]
+            }
         };
-        attention = im.iter().map(|im| read(im, 0) + read(im, 1)).sum();
-        mlp = im.iter().map(|im| read(im, 2) + read(im, 3)).sum();
+        attention = (0..im.len()).map(|l| read(l, 0) + read(l, 1)).sum();
+        mlp = (0..im.len()).map(|l| read(l, 2) + read(l, 3)).sum();
     }
     let output = match &p.output {
         // A share of the head's rows (the candidates), plus the preview.

@@ -22,7 +22,10 @@
 //!   of each layer at sparsity S (`teal`: by magnitude, `wina`: by magnitude times the weight
 //!   column's norm); the MLP's and W_o's inputs included, so no other MLP rule. `teal:S` takes
 //!   the allocation across the inputs that calibration found, where it stored one
-//!   (`crate::tune::allocation`); `teal:S:uniform` keeps every input at S;
+//!   (`crate::tune::allocation`); `teal:S:uniform` keeps every input at S. A group of inputs
+//!   whose sparse products would be slower than its dense ones on the device, at its expected
+//!   kept fraction, runs dense (see [`InputRule::always`]); `teal:S:always` runs every group
+//!   sparse;
 //! - `lookahead`: run the `dejavu` predictors on a spare thread, overlapped with the layer's
 //!   attention (needs a `dejavu` rule; same plans, so the same output, as without it);
 //! - `lazy-kv` (multi-head attention, with a head rule): compute keys and values for the selected
@@ -60,6 +63,15 @@ pub struct InputRule {
     pub score: Score,
     pub sparsity: f64,
     pub thresholds: Vec<[f32; 4]>,
+    /// Each group's target sparsity (what its thresholds drop on average), in `Group::ALL`
+    /// order: the fraction of the group's inputs a step is expected to keep is 1 minus it.
+    pub group_sparsity: [f64; 4],
+    /// Every group sparse on every device (`teal:S:always`). Without it, a session keeps a
+    /// group whole (its dense products over the file's rows) on a device whose input-sparse
+    /// products of that group's matrices would take longer than the dense ones at the group's
+    /// expected kept fraction (`Device::input_break_even`): sparsity that costs time is not
+    /// run.
+    pub always: bool,
 }
 
 impl InputRule {
@@ -94,6 +106,8 @@ impl InputRule {
             score,
             sparsity,
             thresholds,
+            group_sparsity: per_group,
+            always: false,
         }
     }
 }
@@ -331,10 +345,18 @@ impl Policy {
                     }
                 }
                 "teal" | "wina" => {
-                    let uniform = args.get(1) == Some(&"uniform");
-                    if mlp_set || pol.inputs.is_some() || args.len() != 1 + uniform as usize {
+                    let (mut uniform, mut always) = (false, false);
+                    let mut ok = !mlp_set && pol.inputs.is_none() && !args.is_empty();
+                    for m in args.iter().skip(1) {
+                        match *m {
+                            "uniform" if !uniform && !always => uniform = true,
+                            "always" if !always => always = true,
+                            _ => ok = false,
+                        }
+                    }
+                    if !ok {
                         return Err(bad(format!(
-                            "one `{kind}:S` or `{kind}:S:uniform` rule, and no other MLP rule (it sparsifies the MLP's inputs)"
+                            "one `{kind}:S` rule (or `{kind}:S:uniform`, `:always`, `:uniform:always`), and no other MLP rule (it sparsifies the MLP's inputs)"
                         )));
                     }
                     mlp_set = true;
@@ -352,10 +374,12 @@ impl Policy {
                         )));
                     }
                     let score = if kind == "teal" { Score::Teal } else { Score::Wina };
-                    pol.inputs = Some(match uniform {
+                    let mut rule = match uniform {
                         true => InputRule::uniform(score, s, stats),
                         false => InputRule::allocated(score, s, stats),
-                    });
+                    };
+                    rule.always = always;
+                    pol.inputs = Some(rule);
                 }
                 "lookahead" if args.is_empty() => pol.lookahead = true,
                 "lazy-kv" if args.is_empty() => {

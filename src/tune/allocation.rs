@@ -76,7 +76,11 @@ pub fn greedy(
     let cost = |s: [f64; 4]| -> Result<f64> {
         let mut pol = Policy::dense(c);
         pol.name = format!("teal allocation {s:?}");
-        pol.inputs = Some(InputRule::groups(Score::Teal, model_wide(&w, &s), s, stats));
+        // TEAL's rule itself in every group (the allocation is about quality; a device's
+        // choice to keep a slow group dense comes at run time).
+        let mut rule = InputRule::groups(Score::Teal, model_wide(&w, &s), s, stats);
+        rule.always = true;
+        pol.inputs = Some(rule);
         mean_kl(on, &pol, &chunks, &dense)
     };
     let bar = crate::progress::bar((MAX * 100.0).round() as u64, "teal allocation (% sparsity)");

@@ -13,11 +13,11 @@ pub fn input_sparsity_conforms<D: Device>(dev: &D, same_bits: bool) -> f32 {
     use dejavu::sparsity::predictors_file::Predictors;
     let mut worst = 0f32;
     for (name, spec) in [
-        ("llama-silu", "teal:0.4"),
-        ("qwen2", "wina:0.5"),
-        ("opt-relu", "teal:0.3+attn-norm:0.5"),
-        ("opt-relu", "teal:0.3"),
-        ("opt-postln-proj", "wina:0.3"),
+        ("llama-silu", "teal:0.4:always"),
+        ("qwen2", "wina:0.5:always"),
+        ("opt-relu", "teal:0.3:always+attn-norm:0.5"),
+        ("opt-relu", "teal:0.3:always"),
+        ("opt-postln-proj", "wina:0.3:always"),
     ] {
         let eng = load(name);
         let c = &eng.model.config;

@@ -252,6 +252,15 @@ pub trait Device: Send + Sync {
     fn reads_input_blocks(&self) -> bool {
         false
     }
+    /// The fraction of their inputs kept below which [`Device::axpys`] over these input-major
+    /// matrices (the products of one input) is expected to take less time than the dense
+    /// products of the same matrices over the file's rows: input sparsity runs a group of
+    /// inputs whose expected kept fraction is above it dense. 1 (the default): every dropped
+    /// input saves time.
+    fn input_break_even(&self, mats: &[&Self::Mat]) -> f64 {
+        let _ = mats;
+        1.0
+    }
 
     /// `n` zeros.
     fn zeros(&self, n: usize) -> Result<Self::Buf, BackendError>;

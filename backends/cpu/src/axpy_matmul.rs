@@ -188,6 +188,61 @@ pub fn axpy_blocks(k: &Kernels, pool: &SpinPool, w: &Weight, x: &[f32], y: &mut 
     axpy_blocks_many(k, pool, &[*w], x, &mut [y]);
 }
 
+/// The speed of an input-block product's kept bytes over the dense product's (of the repacked
+/// rows), by the matrix's outputs: `(cols, efficiency)`, read between in log2 of `cols`, held
+/// past either end; with [`CALL_BYTES`], the time model of [`break_even`]. Measured on 2 threads
+/// of an AMD EPYC (Zen 4, AVX-512): `cargo bench --bench input_ratio -- IN OUT TYPE DENSITY`
+/// at densities 0.8, 0.65, 0.5 and 0.35, Q4_1 and Q8_0, at SmolLM2's, Qwen2.5-0.5B's,
+/// gemma-3-270m's and Llama-3-8B's shapes, a line through each shape's four time ratios. A
+/// narrow matrix's rows are short runs of bytes (each block's scale table and tile sums cost
+/// as much as its kept rows): 576 outputs kept 0.3 of dense's rate, 14336 0.9.
+const EFFICIENCY: [(usize, f64); 6] = [
+    (128, 0.15),
+    (576, 0.3),
+    (1024, 0.45),
+    (1536, 0.6),
+    (4096, 0.8),
+    (14336, 0.9),
+];
+
+/// A product's fixed cost (its dispatch, the kept blocks' scan, the first reads of every
+/// thread's blocks), in bytes the dense product reads meanwhile: about 8 us a call at 25 GB/s
+/// on the machine of [`EFFICIENCY`]. SmolLM2's 576x576 Q4_1 product took 0.41-0.62x dense's
+/// time from 0.8 to 0.35 of its inputs kept, and 1.1x only at 0.05.
+const CALL_BYTES: f64 = 200.0 * 1024.0;
+
+/// [`EFFICIENCY`] at `cols` outputs.
+fn efficiency(cols: usize) -> f64 {
+    let at = |i: usize| ((EFFICIENCY[i].0 as f64).log2(), EFFICIENCY[i].1);
+    let x = (cols.max(1) as f64).log2();
+    let last = EFFICIENCY.len() - 1;
+    if x <= at(0).0 {
+        return at(0).1;
+    }
+    for i in 1..=last {
+        let ((x0, y0), (x1, y1)) = (at(i - 1), at(i));
+        if x <= x1 {
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0);
+        }
+    }
+    at(last).1
+}
+
+/// The kept fraction of their inputs below which the input-sparse products of `ws` (one
+/// input's, one call) take less time than their dense products: in bytes of dense reading, the
+/// sparse call costs [`CALL_BYTES`] plus each matrix's kept bytes over its [`efficiency`], so
+/// the fraction `k` where `CALL_BYTES + k * sum(bytes / efficiency) = sum(bytes)` (0 where
+/// the call's cost alone is more). 1 for no matrix.
+pub fn break_even(ws: &[Weight]) -> f64 {
+    let bytes = |w: &Weight| (w.qtype.row_bytes(w.cols) * w.rows) as f64;
+    let total: f64 = ws.iter().map(bytes).sum();
+    let time: f64 = ws.iter().map(|w| bytes(w) / efficiency(w.cols)).sum();
+    match time > 0.0 {
+        true => ((total - CALL_BYTES) / time).max(0.0),
+        false => 1.0,
+    }
+}
+
 /// One block of 32 inputs with a kept (nonzero) one: its index, kept rows (the first `n`) and,
 /// on a tier with an 8-bit kernel, its kept inputs in 8 bits.
 struct KeptBlock {
@@ -649,5 +704,35 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The efficiency table read between its points: each point itself, rising with the width,
+    /// held past the ends; a group's break-even is where its call's cost and its matrices'
+    /// kept bytes, each over its efficiency, add up to their dense bytes.
+    #[test]
+    fn break_even_follows_the_table() {
+        for &(cols, f) in &EFFICIENCY {
+            assert!((efficiency(cols) - f).abs() < 1e-12, "{cols}");
+        }
+        let widths = [1, 64, 256, 300, 576, 700, 1024, 4096, 6144, 14336, 1 << 20];
+        for w in widths.windows(2) {
+            assert!(efficiency(w[0]) <= efficiency(w[1]), "{w:?}");
+        }
+        assert_eq!(efficiency(1), EFFICIENCY[0].1);
+        assert_eq!(efficiency(1 << 20), EFFICIENCY[5].1);
+        let bytes = vec![0u8; 4096 * 6144 * 18 / 32];
+        let w = |rows: usize, cols: usize| {
+            let n = rows * QuantType::Q4_0.row_bytes(cols);
+            Weight::new(QuantType::Q4_0, rows, cols, &bytes[..n]).unwrap()
+        };
+        let (q, k, v) = (w(4096, 4096), w(4096, 1024), w(4096, 1024));
+        let qkv = break_even(&[q, k, v]);
+        let b = |cols: usize| (4096 * QuantType::Q4_0.row_bytes(cols)) as f64;
+        let want = (b(6144) - CALL_BYTES) / (b(4096) / 0.8 + 2.0 * b(1024) / 0.45);
+        assert!((qkv - want).abs() < 1e-12, "{qkv} {want}");
+        assert!(break_even(&[k]) < qkv && qkv < break_even(&[q]), "{qkv}");
+        // A matrix smaller than a call's cost never pays.
+        assert_eq!(break_even(&[w(64, 256)]), 0.0);
+        assert_eq!(break_even(&[]), 1.0);
     }
 }

@@ -196,11 +196,13 @@ struct SparsityArgs {
     ///   lookahead                predict layer l+1 while layer l runs
     ///   lazy-kv                  recompute skipped heads' K/V only when needed (MHA models)
     ///   head:RANK:CANDIDATES     output head: a rank-RANK preview picks CANDIDATES exact logits
-    ///   teal:S[:uniform]         every projection: drop the share S of inputs smallest in |x|
-    ///                            (thresholds from calibrate; synthetic models: measured),
+    ///   teal:S[:uniform][:always] every projection: drop the share S of inputs smallest in
+    ///                            |x| (thresholds from calibrate; synthetic models: measured),
     ///                            shared across the inputs as calibrate's greedy search found
-    ///                            (`:uniform`: S at every input)
-    ///   wina:S                   as teal, ranking inputs by |x_i| * ||W[:, i]||
+    ///                            (`:uniform`: S at every input); matrices whose sparse
+    ///                            products would be slower than dense on this device at their
+    ///                            share stay dense (`bench` counts their bytes; `:always`: none)
+    ///   wina:S[:uniform][:always] as teal, ranking inputs by |x_i| * ||W[:, i]||
     #[arg(long, default_value = "dense", verbatim_doc_comment)]
     sparsity: String,
     /// Predictors file (default: the `dejavu calibrate` output next to the model, if present).

@@ -481,6 +481,17 @@ impl Device for CpuDevice {
         true
     }
 
+    fn input_break_even(&self, mats: &[&CpuMat]) -> f64 {
+        match mats
+            .iter()
+            .map(|m| m.weight())
+            .collect::<Result<Vec<_>, _>>()
+        {
+            Ok(ws) => crate::axpy_matmul::break_even(&ws),
+            Err(_) => 1.0,
+        }
+    }
+
     fn sparsify(
         &self,
         x: &Vec<f32>,
