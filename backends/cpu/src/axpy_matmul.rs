@@ -195,15 +195,22 @@ pub fn axpy_blocks(k: &Kernels, pool: &SpinPool, w: &Weight, x: &[f32], y: &mut 
 /// at densities 0.8, 0.65, 0.5 and 0.35, Q4_1 and Q8_0, at SmolLM2's, Qwen2.5-0.5B's,
 /// gemma-3-270m's and Llama-3-8B's shapes, a line through each shape's four time ratios. A
 /// narrow matrix's rows are short runs of bytes (each block's scale table and tile sums cost
-/// as much as its kept rows): 576 outputs kept 0.3 of dense's rate, 14336 0.9.
+/// as much as its kept rows): 576 outputs kept 0.3 of dense's rate, 14336 0.85. Fewer inputs
+/// lower it too (896 x 4864 Q4_1 0.54-0.64, 4096 x 4096 0.71): the table leans to the small
+/// models' shapes, where a wrong guess costs most.
 const EFFICIENCY: [(usize, f64); 6] = [
     (128, 0.15),
     (576, 0.3),
-    (1024, 0.45),
-    (1536, 0.6),
-    (4096, 0.8),
-    (14336, 0.9),
+    (1024, 0.4),
+    (1536, 0.5),
+    (4096, 0.65),
+    (14336, 0.85),
 ];
+
+/// [`EFFICIENCY`]'s factor for the 5-bit types, whose fifth bits are a second run of bytes per
+/// kept row: Qwen2.5-0.5B's 896 x 4864 at 0.5 and 0.7 kept moved its kept bytes at 0.38-0.55
+/// of dense's rate in Q5_0, 0.54-0.64 in Q4_1, 0.70-0.76 in Q8_0 (same bench, two runs).
+const FIVE_BIT: f64 = 0.75;
 
 /// A product's fixed cost (its dispatch, the kept blocks' scan, the first reads of every
 /// thread's blocks), in bytes the dense product reads meanwhile: about 8 us a call at 25 GB/s
@@ -211,8 +218,16 @@ const EFFICIENCY: [(usize, f64); 6] = [
 /// time from 0.8 to 0.35 of its inputs kept, and 1.1x only at 0.05.
 const CALL_BYTES: f64 = 200.0 * 1024.0;
 
+/// [`EFFICIENCY`] at `cols` outputs of type `q`.
+fn efficiency(q: QuantType, cols: usize) -> f64 {
+    match q {
+        QuantType::Q5_0 | QuantType::Q5_1 | QuantType::Q5K => FIVE_BIT * by_width(cols),
+        _ => by_width(cols),
+    }
+}
+
 /// [`EFFICIENCY`] at `cols` outputs.
-fn efficiency(cols: usize) -> f64 {
+fn by_width(cols: usize) -> f64 {
     let at = |i: usize| ((EFFICIENCY[i].0 as f64).log2(), EFFICIENCY[i].1);
     let x = (cols.max(1) as f64).log2();
     let last = EFFICIENCY.len() - 1;
@@ -236,7 +251,7 @@ fn efficiency(cols: usize) -> f64 {
 pub fn break_even(ws: &[Weight]) -> f64 {
     let bytes = |w: &Weight| (w.qtype.row_bytes(w.cols) * w.rows) as f64;
     let total: f64 = ws.iter().map(bytes).sum();
-    let time: f64 = ws.iter().map(|w| bytes(w) / efficiency(w.cols)).sum();
+    let time: f64 = ws.iter().map(|w| bytes(w) / efficiency(w.qtype, w.cols)).sum();
     match time > 0.0 {
         true => ((total - CALL_BYTES) / time).max(0.0),
         false => 1.0,
@@ -712,14 +727,16 @@ mod tests {
     #[test]
     fn break_even_follows_the_table() {
         for &(cols, f) in &EFFICIENCY {
-            assert!((efficiency(cols) - f).abs() < 1e-12, "{cols}");
+            assert!((efficiency(QuantType::Q4_0, cols) - f).abs() < 1e-12, "{cols}");
+            let five = efficiency(QuantType::Q5_0, cols);
+            assert!((five - FIVE_BIT * f).abs() < 1e-12, "{cols}");
         }
         let widths = [1, 64, 256, 300, 576, 700, 1024, 4096, 6144, 14336, 1 << 20];
         for w in widths.windows(2) {
-            assert!(efficiency(w[0]) <= efficiency(w[1]), "{w:?}");
+            assert!(by_width(w[0]) <= by_width(w[1]), "{w:?}");
         }
-        assert_eq!(efficiency(1), EFFICIENCY[0].1);
-        assert_eq!(efficiency(1 << 20), EFFICIENCY[5].1);
+        assert_eq!(by_width(1), EFFICIENCY[0].1);
+        assert_eq!(by_width(1 << 20), EFFICIENCY[5].1);
         let bytes = vec![0u8; 4096 * 6144 * 18 / 32];
         let w = |rows: usize, cols: usize| {
             let n = rows * QuantType::Q4_0.row_bytes(cols);
@@ -728,7 +745,7 @@ mod tests {
         let (q, k, v) = (w(4096, 4096), w(4096, 1024), w(4096, 1024));
         let qkv = break_even(&[q, k, v]);
         let b = |cols: usize| (4096 * QuantType::Q4_0.row_bytes(cols)) as f64;
-        let want = (b(6144) - CALL_BYTES) / (b(4096) / 0.8 + 2.0 * b(1024) / 0.45);
+        let want = (b(6144) - CALL_BYTES) / (b(4096) / 0.65 + 2.0 * b(1024) / 0.4);
         assert!((qkv - want).abs() < 1e-12, "{qkv} {want}");
         assert!(break_even(&[k]) < qkv && qkv < break_even(&[q]), "{qkv}");
         // A matrix smaller than a call's cost never pays.
