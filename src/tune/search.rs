@@ -117,10 +117,12 @@ pub(super) fn search(
         ),
         _ => {}
     }
-    // Input sparsity on every projection (it replaces the MLP rule).
+    // Input sparsity on every projection (it replaces the MLP rule). `:always`: every group
+    // sparse on every device, so the quality validated here is what any device runs (plain
+    // `teal:S` keeps dense the groups a device would run slower, which differs by device).
     if preds.inputs.is_some() {
         for s in ["0.1", "0.2", "0.3", "0.4", "0.5"] {
-            mlps.extend([format!("teal:{s}"), format!("wina:{s}")]);
+            mlps.extend([format!("teal:{s}:always"), format!("wina:{s}:always")]);
         }
     }
     // Evaluate a stage's candidates in one pass per text (one dense decode per token for all).

@@ -214,8 +214,8 @@ const FIVE_BIT: f64 = 0.75;
 
 /// A product's fixed cost (its dispatch, the kept blocks' scan, the first reads of every
 /// thread's blocks), in bytes the dense product reads meanwhile: about 8 us a call at 25 GB/s
-/// on the machine of [`EFFICIENCY`]. SmolLM2's 576x576 Q4_1 product took 0.41-0.62x dense's
-/// time from 0.8 to 0.35 of its inputs kept, and 1.1x only at 0.05.
+/// on the machine of [`EFFICIENCY`]. SmolLM2's 576x576 Q4_1 product ran at 0.41-0.62x dense's
+/// speed from 0.8 to 0.35 of its inputs kept, and at dense's only at 0.05 (0.93-1.10x).
 const CALL_BYTES: f64 = 200.0 * 1024.0;
 
 /// [`EFFICIENCY`] at `cols` outputs of type `q`.
@@ -251,7 +251,10 @@ fn by_width(cols: usize) -> f64 {
 pub fn break_even(ws: &[Weight]) -> f64 {
     let bytes = |w: &Weight| (w.qtype.row_bytes(w.cols) * w.rows) as f64;
     let total: f64 = ws.iter().map(bytes).sum();
-    let time: f64 = ws.iter().map(|w| bytes(w) / efficiency(w.qtype, w.cols)).sum();
+    let time: f64 = ws
+        .iter()
+        .map(|w| bytes(w) / efficiency(w.qtype, w.cols))
+        .sum();
     match time > 0.0 {
         true => ((total - CALL_BYTES) / time).max(0.0),
         false => 1.0,
@@ -727,7 +730,10 @@ mod tests {
     #[test]
     fn break_even_follows_the_table() {
         for &(cols, f) in &EFFICIENCY {
-            assert!((efficiency(QuantType::Q4_0, cols) - f).abs() < 1e-12, "{cols}");
+            assert!(
+                (efficiency(QuantType::Q4_0, cols) - f).abs() < 1e-12,
+                "{cols}"
+            );
             let five = efficiency(QuantType::Q5_0, cols);
             assert!((five - FIVE_BIT * f).abs() < 1e-12, "{cols}");
         }
