@@ -487,7 +487,7 @@ impl Device for CpuDevice {
             .map(|m| m.weight())
             .collect::<Result<Vec<_>, _>>()
         {
-            Ok(ws) => crate::axpy_matmul::break_even(&ws),
+            Ok(ws) => crate::axpy_matmul::break_even(&ws, self.isa()),
             Err(_) => 1.0,
         }
     }
