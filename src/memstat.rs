@@ -1,6 +1,7 @@
 //! Resident memory of this process, from Linux's `/proc/self/smaps`: the whole process, and the
 //! part that is pages of one mapped region (the model file). `None` where that file is missing.
-//! Also the memory the system can still give (`MemAvailable`), checked before large builds.
+//! Also the memory the system can still give (`MemAvailable`), checked before large builds, and
+//! the anonymous memory in huge pages that converted weights are held in ([`huge_zeroed`]).
 //!
 //! `dejavu bench` reports decode memory as mapped weights + KV cache + everything else, the split
 //! the CPU-speed issue sets its memory target in.
@@ -10,6 +11,17 @@
 pub struct Resident {
     pub total: u64,
     pub region: u64,
+}
+
+/// `len` zero bytes (at least one page) of anonymous memory advised to use huge pages (Linux's
+/// transparent huge pages), for weights the engine converts or builds (repacked rows, the
+/// sparse layouts, synthetic models): their scattered reads would wait on the TLB with 4 KiB
+/// pages.
+pub fn huge_zeroed(len: usize) -> std::io::Result<memmap2::MmapMut> {
+    let m = memmap2::MmapMut::map_anon(len.max(1))?;
+    #[cfg(target_os = "linux")]
+    let _ = m.advise(memmap2::Advice::HugePage);
+    Ok(m)
 }
 
 /// `MemAvailable` of /proc/meminfo in bytes (`None` where there is none).

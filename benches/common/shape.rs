@@ -55,9 +55,7 @@ pub fn drop_inputs(x: &[f32], density: f32) -> Vec<f32> {
 /// `bytes` in anonymous memory advised to use huge pages, as a model's load holds its repacked
 /// rows and input-major layouts (with 4 KiB pages the sparse reads wait on the TLB).
 pub fn huge_pages(bytes: &[u8]) -> memmap2::MmapMut {
-    let mut m = memmap2::MmapMut::map_anon(bytes.len().max(1)).expect("anonymous memory");
-    #[cfg(target_os = "linux")]
-    let _ = m.advise(memmap2::Advice::HugePage);
+    let mut m = dejavu::memstat::huge_zeroed(bytes.len()).expect("anonymous memory");
     m[..bytes.len()].copy_from_slice(bytes);
     m
 }

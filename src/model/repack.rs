@@ -51,9 +51,7 @@ impl Model {
                 bar.inc(w.n_bytes() as u64);
             }
         } else {
-            let mut buf = memmap2::MmapMut::map_anon(bytes)?;
-            #[cfg(target_os = "linux")]
-            let _ = buf.advise(memmap2::Advice::HugePage);
+            let mut buf = crate::memstat::huge_zeroed(bytes)?;
             let mut at = 0;
             for (&(file, start), w) in &todo {
                 let view = self.weight(w);

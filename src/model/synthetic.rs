@@ -400,9 +400,7 @@ pub(crate) fn build(
     let mut buffers = Vec::with_capacity(specs.len());
     for t in &specs {
         let cols = t.shape[1];
-        let mut m = MmapMut::map_anon(t.n_bytes().max(1))?;
-        #[cfg(target_os = "linux")]
-        let _ = m.advise(memmap2::Advice::HugePage);
+        let mut m = crate::memstat::huge_zeroed(t.n_bytes())?;
         let value = match t.fill {
             Fill::Random => None,
             Fill::Zeros => Some(0.0),

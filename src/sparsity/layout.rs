@@ -202,10 +202,7 @@ impl AsRef<[u8]> for Storage {
 
 impl Storage {
     fn zeroed(len: usize) -> Result<Self> {
-        let m = memmap2::MmapMut::map_anon(len.max(1))?;
-        #[cfg(target_os = "linux")]
-        let _ = m.advise(memmap2::Advice::HugePage);
-        Ok(Self(m))
+        Ok(Self(crate::memstat::huge_zeroed(len)?))
     }
     fn copy_of(bytes: &[u8]) -> Result<Self> {
         let mut m = Self::zeroed(bytes.len())?;

@@ -482,14 +482,8 @@ impl Device for CpuDevice {
     }
 
     fn input_break_even(&self, mats: &[&CpuMat]) -> f64 {
-        match mats
-            .iter()
-            .map(|m| m.weight())
-            .collect::<Result<Vec<_>, _>>()
-        {
-            Ok(ws) => crate::axpy_matmul::break_even(&ws, self.isa()),
-            Err(_) => 1.0,
-        }
+        let ws: Result<Vec<_>, _> = mats.iter().map(|m| m.weight()).collect();
+        ws.map_or(1.0, |ws| crate::axpy_matmul::break_even(&ws, self.isa()))
     }
 
     fn sparsify(
