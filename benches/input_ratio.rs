@@ -1,7 +1,9 @@
 //! Input sparsity's product against the dense matvec of the same matrix, in turn, from memory:
 //! the kept-byte efficiency of one shape, as `bench`'s per-block table reports it for a model.
-//! `cargo bench --bench input_ratio -- INPUTS OUTPUTS TYPE DENSITY [THREADS] [MB]` (TYPE: q8_0,
-//! q4_0, q4_1, q5_0, q5_1; `DEJAVU_ISA` picks the tier). Copies of the matrix fill `MB` (120
+//! `cargo bench --bench input_ratio -- INPUTS OUTPUTS TYPE DENSITY [THREADS] [MB]` (TYPE: any
+//! with an input-block form at that shape: q8_0, q4_0, q4_1, q5_0, q5_1, the K-quants in their
+//! own form or Q4_1's/Q5_1's, q6_k and the others requantized as a model's layout takes them;
+//! kept bytes are counted in the file's type; `DEJAVU_ISA` picks the tier). Copies of the matrix fill `MB` (120
 //! by default) and each call reads the next, as a decode step reads its layers. Both forms are
 //! held as a loaded model holds them: the dense rows repacked, every copy in huge pages (before
 //! 2026-12-07 the dense side read the file's rows in 4 KiB pages, slower: 9.6 against 42.5 GB/s
@@ -9,7 +11,7 @@
 //! Five rounds of
 //! 200 calls of each, alternating, after one to warm up. Synthetic bytes: these measure
 //! kernels, not a model.
-use dejavu_backend_api::{IndexSet, QuantType, RowLayout, Weight};
+use dejavu_backend_api::{quantize, IndexSet, QuantType, RowLayout, Weight};
 use dejavu_backend_cpu::axpy_matmul::axpy_blocks;
 use dejavu_backend_cpu::kernels::repack;
 use dejavu_backend_cpu::kernels::table::Kernels;
@@ -50,21 +52,59 @@ fn main() {
     };
     let k = Kernels::for_isa(isa).unwrap();
     let pool = SpinPool::new(threads);
-    let copies = (mb.unwrap_or(120) << 20) / (q.row_bytes(n_in) * n_out) + 1;
-    let data: Vec<Vec<u8>> = (0..copies).map(|c| synthetic(q, n_out, n_in, c)).collect();
+    let size = q.row_bytes(n_in) * n_out;
+    let copies = (mb.unwrap_or(120) << 20) / size + 1;
+    // The input-block form a model's layout gives this type (its own, or requantized).
+    let Some(bt) = (n_in.is_multiple_of(q.block_len()))
+        .then(|| dejavu::sparsity::blocks::target(q, n_out, n_in))
+        .flatten()
+    else {
+        eprintln!(
+            "input_ratio: {} has no input-block form at {n_in} x {n_out}",
+            q.name()
+        );
+        std::process::exit(2);
+    };
+    let bsize = bt.row_bytes(n_out) * n_in;
+    // The file's rows of every copy, and each copy's input blocks. The 32-wide types take
+    // bytes different in every copy; the others (whose blocks hold sub-scales) a quantized
+    // matrix, repeated.
+    let (data, blocks_bytes) = match bt == q && q.block_len() == 32 {
+        true => {
+            let data: Vec<Vec<u8>> = (0..copies).map(|c| synthetic(q, n_out, n_in, c)).collect();
+            let mut b = Vec::with_capacity(copies * size);
+            for (c, d) in data.iter().enumerate() {
+                b.extend(synthetic(q, n_in, n_out, c + copies));
+                debug_assert_eq!(d.len(), size);
+            }
+            (data, b)
+        }
+        false => {
+            let mut src = Vec::with_capacity(size);
+            for o in 0..n_out {
+                let row: Vec<f32> = (0..n_in)
+                    .map(|i| ((i * 7919 + o * 104729) % 1000) as f32 / 500.0 - 1.0)
+                    .collect();
+                quantize::quantize_row(q, &row, &mut src).unwrap();
+            }
+            let mut b = vec![0u8; bsize];
+            dejavu::sparsity::blocks::convert(
+                &Weight::new(q, n_out, n_in, &src).unwrap(),
+                bt,
+                &mut b,
+            );
+            (vec![src; copies], b.repeat(copies))
+        }
+    };
     // Dense reads the rows as a model's load leaves them: repacked where the type has that form.
     // Both forms' copies in huge pages, as a model holds them.
-    let size = q.row_bytes(n_in) * n_out;
     let mut packed = data.concat();
     if repack::supports(q) {
         for (d, p) in data.iter().zip(packed.chunks_exact_mut(size)) {
             repack::repack_matrix(q, n_in, d, p);
         }
     }
-    let (packed, data) = (
-        shape::huge_pages(&packed),
-        shape::huge_pages(&data.concat()),
-    );
+    let (packed, data) = (shape::huge_pages(&packed), shape::huge_pages(&blocks_bytes));
     let dense: Vec<Weight> = (packed.chunks_exact(size))
         .map(|d| {
             let w = Weight::new(q, n_out, n_in, d).unwrap();
@@ -74,9 +114,9 @@ fn main() {
             }
         })
         .collect();
-    let blocks: Vec<Weight> = (data.chunks_exact(size))
+    let blocks: Vec<Weight> = (data.chunks_exact(bsize))
         .map(|d| {
-            let w = Weight::new(q, n_in, n_out, d).unwrap();
+            let w = Weight::new(bt, n_in, n_out, d).unwrap();
             w.with_layout(RowLayout::InputBlocks)
         })
         .collect();

@@ -1,5 +1,5 @@
 //! A plan on the device: fixed index lists, or predictors and their top-k.
-use crate::exec::model::InputMats;
+use crate::exec::model::{InputMats, UnitBytes};
 use crate::exec::parallel::Shard;
 use crate::model::config::ModelConfig;
 use crate::sparsity::policy::Policy;
@@ -183,15 +183,21 @@ pub(super) struct InputPlan {
 impl InputPlan {
     /// Keep whole each layer's group whose input-sparse products `dev` expects to be slower
     /// than its dense ones at the group's expected kept fraction ([`Device::input_break_even`]
-    /// of its input-major matrices in `inputs`); none under `always`.
-    pub(super) fn where_it_pays<D: Device>(&mut self, dev: &D, inputs: &[InputMats<D>]) {
+    /// of its input-major matrices in `inputs` against the file's bytes of the group, per layer
+    /// in `dense`); none under `always`.
+    pub(super) fn where_it_pays<D: Device>(
+        &mut self,
+        dev: &D,
+        inputs: &[InputMats<D>],
+        dense: &[UnitBytes],
+    ) {
         if self.always {
             return;
         }
-        for (th, im) in self.thresholds.iter_mut().zip(inputs) {
+        for ((th, im), ub) in self.thresholds.iter_mut().zip(inputs).zip(dense) {
             for (g, t) in th.iter_mut().enumerate() {
                 let kept = 1.0 - self.group_sparsity[g];
-                if *t >= 0.0 && kept > dev.input_break_even(&im.group(g)) {
+                if *t >= 0.0 && kept > dev.input_break_even(&im.group(g), ub.groups[g]) {
                     *t = -1.0;
                 }
             }

@@ -370,7 +370,7 @@ impl<'a, D: Device> DeviceSession<'a, D> {
         };
         let mut plan = plan;
         if let (Some(ip), Some(im)) = (&mut plan.inputs, &model.inputs) {
-            ip.where_it_pays(dev, im);
+            ip.where_it_pays(dev, im, &model.unit_bytes);
         }
         let step_bytes = step_bytes(model, Some(&plan));
         let lazy = (plan.heads.iter())

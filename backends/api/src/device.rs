@@ -254,11 +254,12 @@ pub trait Device: Send + Sync {
     }
     /// The fraction of their inputs kept below which [`Device::axpys`] over these input-major
     /// matrices (the products of one input) is expected to take less time than the dense
-    /// products of the same matrices over the file's rows: input sparsity runs a group of
-    /// inputs whose expected kept fraction is above it dense. 1 (the default): every dropped
-    /// input saves time.
-    fn input_break_even(&self, mats: &[&Self::Mat]) -> f64 {
-        let _ = mats;
+    /// products of the same matrices over the file's rows, `dense_bytes` of them (more than
+    /// the input-major bytes where those are requantized to a wider type): input sparsity runs
+    /// a group of inputs whose expected kept fraction is above it dense. 1 (the default):
+    /// every dropped input saves time.
+    fn input_break_even(&self, mats: &[&Self::Mat], dense_bytes: usize) -> f64 {
+        let _ = (mats, dense_bytes);
         1.0
     }
 

@@ -255,13 +255,15 @@ fn by_width(cols: usize) -> f64 {
 }
 
 /// The kept fraction of their inputs below which the input-sparse products of `ws` (one
-/// input's, one call) take less time than their dense products: in bytes of dense reading, the
-/// sparse call costs [`CALL_BYTES`] plus each matrix's kept bytes over its [`efficiency`], so
-/// the fraction `k` where `CALL_BYTES + k * sum(bytes / efficiency) = sum(bytes)` (0 where
-/// the call's cost alone is more), on tier `isa`. 1 for no matrix.
-pub fn break_even(ws: &[Weight], isa: Isa) -> f64 {
+/// input's, one call) take less time than their dense products, which read `dense_bytes` (the
+/// file's rows: fewer than `ws`'s where those are requantized to a wider type, as Q6_K's input
+/// blocks are Q8_0's). In bytes of dense reading, the sparse call costs [`CALL_BYTES`] plus
+/// each matrix's kept bytes over its [`efficiency`], so the fraction `k` where
+/// `CALL_BYTES + k * sum(bytes / efficiency) = dense_bytes` (0 where the call's cost alone is
+/// more), on tier `isa`. 1 for no matrix.
+pub fn break_even(ws: &[Weight], dense_bytes: usize, isa: Isa) -> f64 {
     let bytes = |w: &Weight| (w.qtype.row_bytes(w.cols) * w.rows) as f64;
-    let total: f64 = ws.iter().map(bytes).sum();
+    let total = dense_bytes as f64;
     let time: f64 = ws
         .iter()
         .map(|w| bytes(w) / efficiency(w.qtype, w.cols, isa))
@@ -761,15 +763,25 @@ mod tests {
             Weight::new(QuantType::Q4_0, rows, cols, &bytes[..n]).unwrap()
         };
         let (q, k, v) = (w(4096, 4096), w(4096, 1024), w(4096, 1024));
-        let qkv = break_even(&[q, k, v], Isa::Avx512);
         let b = |cols: usize| (4096 * QuantType::Q4_0.row_bytes(cols)) as f64;
+        let own = |ws: &[Weight], isa| break_even(ws, ws.iter().map(|w| w.data.len()).sum(), isa);
+        let qkv = own(&[q, k, v], Isa::Avx512);
         let want = (b(6144) - CALL_BYTES) / (b(4096) / 0.65 + 2.0 * b(1024) / 0.4);
         assert!((qkv - want).abs() < 1e-12, "{qkv} {want}");
-        let one = |w: Weight| break_even(&[w], Isa::Avx512);
+        let one = |w: Weight| own(&[w], Isa::Avx512);
         assert!(one(k) < qkv && qkv < one(q), "{qkv}");
-        assert!(break_even(&[q, k, v], Isa::Avx2) < qkv);
+        assert!(own(&[q, k, v], Isa::Avx2) < qkv);
+        // Dense products that read fewer bytes than the input blocks (a Q6_K file's rows against
+        // their Q8_0 blocks) break even at a smaller kept fraction, in proportion.
+        let d = (0.77 * b(4096)) as usize;
+        let fewer = break_even(&[q], d, Isa::Avx512);
+        let want = (d as f64 - CALL_BYTES) / (b(4096) / 0.65);
+        assert!(
+            (fewer - want).abs() < 1e-9 && fewer < one(q),
+            "{fewer} {want}"
+        );
         // A matrix smaller than a call's cost never pays.
-        assert_eq!(break_even(&[w(64, 256)], Isa::Avx512), 0.0);
-        assert_eq!(break_even(&[], Isa::Avx512), 1.0);
+        assert_eq!(one(w(64, 256)), 0.0);
+        assert_eq!(own(&[], Isa::Avx512), 1.0);
     }
 }

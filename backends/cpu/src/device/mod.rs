@@ -481,9 +481,11 @@ impl Device for CpuDevice {
         true
     }
 
-    fn input_break_even(&self, mats: &[&CpuMat]) -> f64 {
+    fn input_break_even(&self, mats: &[&CpuMat], dense_bytes: usize) -> f64 {
         let ws: Result<Vec<_>, _> = mats.iter().map(|m| m.weight()).collect();
-        ws.map_or(1.0, |ws| crate::axpy_matmul::break_even(&ws, self.isa()))
+        ws.map_or(1.0, |ws| {
+            crate::axpy_matmul::break_even(&ws, dense_bytes, self.isa())
+        })
     }
 
     fn sparsify(
