@@ -267,6 +267,7 @@ pub fn map_plot(reports: &[SpeedReport], title: &str, path: &Path) -> Result<()>
     }
     let panel = |gpu: bool| {
         let mut series = vec![Series::ideal(ymax)];
+        let mut seen: Vec<&str> = Vec::new();
         for r in reports.iter().filter(|r| on_gpu(&r.backend) == gpu) {
             let mut pts: Vec<(f64, f64)> =
                 r.rows.iter().map(|x| (x.density, x.step_speedup)).collect();
@@ -276,9 +277,17 @@ pub fn map_plot(reports: &[SpeedReport], title: &str, path: &Path) -> Result<()>
                 .iter()
                 .position(|m| *m == short_model(&r.model))
                 .unwrap_or(0);
+            // A model's second type in a panel (Q4_0 and Q4_K_M): its colour, lighter.
+            let RGBColor(red, green, blue) = COLOURS[i % COLOURS.len()];
+            let light = |c: u8| ((c as u16 + 255) / 2) as u8;
+            let color = match seen.contains(&short_model(&r.model)) {
+                true => RGBColor(light(red), light(green), light(blue)),
+                false => RGBColor(red, green, blue),
+            };
+            seen.push(short_model(&r.model));
             series.push(Series {
                 label: format!("{} {} ({})", short_model(&r.model), dtype(&r.model), r.rule),
-                color: COLOURS[i % COLOURS.len()],
+                color,
                 width: 2,
                 dots: true,
                 points: pts,
