@@ -317,13 +317,16 @@ fn sparsity_that_would_cost_time_runs_dense() {
     let (_d, e) = load(&f32_model(&[]));
     let preds = dejavu::sparsity::predictors_file::Predictors::inputs_only(stats(&e));
     let dense = Policy::dense(&e.model.config);
-    let bytes = |pol: &Policy| {
+    let step = |pol: &Policy| {
         let mut s = e.decoder(pol).unwrap();
         s.run(&TOKENS[..4], Logits::Last).unwrap();
         s.run(&TOKENS[4..5], Logits::Last).unwrap();
-        s.last_step().unwrap().weight_bytes
+        s.last_step().unwrap()
     };
+    let bytes = |pol: &Policy| step(pol).weight_bytes;
     let (want, want_bytes) = (decode(&e, &dense), bytes(&dense));
+    let groups = 4 * e.model.config.n_layers;
+    assert_eq!(step(&dense).input_groups, 0);
     for spec in ["teal:0.5", "wina:0.5", "teal:0.5:uniform"] {
         let pol = e.policy(spec, Some(&preds)).unwrap();
         assert!(!pol.inputs.as_ref().unwrap().always, "{spec}");
@@ -332,8 +335,14 @@ fn sparsity_that_would_cost_time_runs_dense() {
             "{spec}: not the dense model's bits"
         );
         assert_eq!(bytes(&pol), want_bytes, "{spec}: bytes");
+        // The step says so: every group read whole.
+        let s = step(&pol);
+        assert_eq!((s.input_groups, s.input_groups_whole), (groups, groups));
         let always = e.policy(&format!("{spec}:always"), Some(&preds)).unwrap();
         assert!(always.inputs.as_ref().unwrap().always);
+        let s = step(&always);
+        assert_eq!(s.input_groups, groups);
+        assert!(s.input_groups_whole < groups, "{spec}:always read every group whole");
         assert!(
             bytes(&always) < want_bytes,
             "{spec}:always read the dense bytes"

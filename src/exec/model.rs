@@ -115,9 +115,6 @@ pub(super) struct UnitBytes {
     pub(super) head: usize,
     pub(super) q: usize,
     pub(super) kv_head: usize,
-    /// The file's bytes of each input group's matrices (Q, K and V; W_o; gate and up; down):
-    /// what the group's dense products read.
-    pub(super) groups: [usize; 4],
 }
 
 impl<D: Device> DeviceModel<D> {
@@ -393,12 +390,6 @@ impl<D: Device> DeviceModel<D> {
                         head: (lw.wq.n_bytes() + lw.wo.n_bytes()) / c.n_heads,
                         q: lw.wq.n_bytes() / c.n_heads,
                         kv_head: (lw.wk.n_bytes() + lw.wv.n_bytes()) / c.n_heads,
-                        groups: [
-                            lw.wq.n_bytes() + lw.wk.n_bytes() + lw.wv.n_bytes(),
-                            lw.wo.n_bytes(),
-                            gate + lw.w_up.n_bytes(),
-                            lw.w_down.n_bytes(),
-                        ],
                     }
                 })
                 .collect(),

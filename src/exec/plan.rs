@@ -1,6 +1,7 @@
 //! A plan on the device: fixed index lists, or predictors and their top-k.
-use crate::exec::model::{InputMats, UnitBytes};
+use crate::exec::model::DeviceModel;
 use crate::exec::parallel::Shard;
+use crate::exec::session::group_bytes;
 use crate::model::config::ModelConfig;
 use crate::sparsity::policy::Policy;
 use crate::sparsity::predictor::LowRankPredictor;
@@ -183,21 +184,20 @@ pub(super) struct InputPlan {
 impl InputPlan {
     /// Keep whole each layer's group whose input-sparse products `dev` expects to be slower
     /// than its dense ones at the group's expected kept fraction ([`Device::input_break_even`]
-    /// of its input-major matrices in `inputs` against the file's bytes of the group, per layer
-    /// in `dense`); none under `always`.
-    pub(super) fn where_it_pays<D: Device>(
-        &mut self,
-        dev: &D,
-        inputs: &[InputMats<D>],
-        dense: &[UnitBytes],
-    ) {
+    /// of its input-major matrices in `m.inputs` against the file's bytes of the group); none
+    /// under `always`.
+    pub(super) fn where_it_pays<D: Device>(&mut self, dev: &D, m: &DeviceModel<D>) {
+        let Some(inputs) = m.inputs.as_deref() else {
+            return;
+        };
         if self.always {
             return;
         }
-        for ((th, im), ub) in self.thresholds.iter_mut().zip(inputs).zip(dense) {
+        for (l, (th, im)) in self.thresholds.iter_mut().zip(inputs).enumerate() {
             for (g, t) in th.iter_mut().enumerate() {
                 let kept = 1.0 - self.group_sparsity[g];
-                if *t >= 0.0 && kept > dev.input_break_even(&im.group(g), ub.groups[g]) {
+                let dense = group_bytes(&m.local, &m.unit_bytes[l], g);
+                if *t >= 0.0 && kept > dev.input_break_even(&im.group(g), dense) {
                     *t = -1.0;
                 }
             }

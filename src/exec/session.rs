@@ -12,6 +12,7 @@ mod many;
 mod rows;
 mod step;
 
+pub(crate) use rows::group_bytes;
 pub use rows::{Capture, Logits, StepStats};
 
 /// The activations of one step: `x` to `up` and `part` hold `rows` rows (one for decode
@@ -369,8 +370,8 @@ impl<'a, D: Device> DeviceSession<'a, D> {
             part_logits: dev.zeros(if tp { per_rank } else { 1 })?,
         };
         let mut plan = plan;
-        if let (Some(ip), Some(im)) = (&mut plan.inputs, &model.inputs) {
-            ip.where_it_pays(dev, im, &model.unit_bytes);
+        if let Some(ip) = &mut plan.inputs {
+            ip.where_it_pays(dev, model);
         }
         let step_bytes = step_bytes(model, Some(&plan));
         let lazy = (plan.heads.iter())
@@ -735,6 +736,8 @@ impl StepStats {
             a.heads_total += r.heads_total;
             a.exact_logits += r.exact_logits;
             a.bytes.add(&r.bytes);
+            a.input_groups += r.input_groups;
+            a.input_groups_whole += r.input_groups_whole;
             a
         })
     }

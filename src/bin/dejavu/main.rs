@@ -560,6 +560,13 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
             s.heads_kept as f64 / s.heads_total.max(1) as f64,
             s.exact_logits
         );
+        if s.input_groups_whole > 0 {
+            eprintln!(
+                "input groups read whole: {} of {} (sparsity 0, or sparse products expected slower \
+                 than dense on this device; `:always` runs them sparse)",
+                s.input_groups_whole, s.input_groups
+            );
+        }
     }
     if let Some(sp) = stats.speculation {
         eprintln!(

@@ -53,6 +53,11 @@ pub struct StepStats {
     pub exact_logits: usize,
     /// The weight bytes by block.
     pub bytes: super::StepBytes,
+    /// Under input sparsity, each layer's four input groups (Q/K/V, W_o, gate/up, down), and
+    /// those of them read whole: at sparsity 0, or where the device expects the sparse products
+    /// to be slower (`InputPlan::where_it_pays`). 0 and 0 without input sparsity.
+    pub input_groups: usize,
+    pub input_groups_whole: usize,
 }
 
 /// What a batch hands back.
@@ -310,6 +315,8 @@ impl<D: Device> DeviceSession<'_, D> {
             heads_total: c.n_heads * c.n_layers,
             exact_logits: c.vocab_size,
             bytes,
+            input_groups: 0,
+            input_groups_whole: 0,
         }
     }
 
@@ -369,6 +376,8 @@ impl<D: Device> DeviceSession<'_, D> {
             bytes.output += self.model.head_bytes;
         }
         let exact = self.plan.output.as_ref().filter(|_| !fell_back);
+        let th = self.plan.inputs.as_ref().map(|p| &p.thresholds[..]);
+        let whole = th.map_or(0, |t| t.iter().flatten().filter(|t| **t < 0.0).count());
         Ok(StepStats {
             weight_bytes: bytes.total(),
             mlp_kept,
@@ -377,13 +386,15 @@ impl<D: Device> DeviceSession<'_, D> {
             heads_total: c.n_heads * c.n_layers,
             exact_logits: exact.map_or(c.vocab_size, |o| o.candidates),
             bytes,
+            input_groups: th.map_or(0, |t| 4 * t.len()),
+            input_groups_whole: whole,
         })
     }
 }
 
 /// The file's bytes of the matrices that read input group `g` (`Group::ALL` order: Q, K and
 /// V; W_o; gate and up; down) of a layer with unit bytes `u`.
-pub(super) fn group_bytes(c: &ModelConfig, u: &UnitBytes, g: usize) -> usize {
+pub(crate) fn group_bytes(c: &ModelConfig, u: &UnitBytes, g: usize) -> usize {
     match g {
         0 => c.n_heads * (u.q + u.kv_head),
         1 => c.n_heads * (u.head - u.q),
