@@ -327,6 +327,17 @@ fn sparsity_that_would_cost_time_runs_dense() {
     let (want, want_bytes) = (decode(&e, &dense), bytes(&dense));
     let groups = 4 * e.model.config.n_layers;
     assert_eq!(step(&dense).input_groups, 0);
+    // Every group runs dense here (below): an engine that runs only such plans builds no
+    // input-major layout (this one built it for the statistics).
+    let (_d2, fresh) = load(&f32_model(&[]));
+    let pol = fresh.policy("teal:0.5", Some(&preds)).unwrap();
+    assert!(decode(&fresh, &pol) == decode(&e, &dense));
+    assert!(
+        !fresh.input_layout_loaded(),
+        "a layout built for plans that read none"
+    );
+    let always = fresh.policy("teal:0.5:always", Some(&preds)).unwrap();
+    assert!(fresh.input_layout_loaded() && decode(&fresh, &always) != decode(&e, &dense));
     for spec in ["teal:0.5", "wina:0.5", "teal:0.5:uniform"] {
         let pol = e.policy(spec, Some(&preds)).unwrap();
         assert!(!pol.inputs.as_ref().unwrap().always, "{spec}");
@@ -342,7 +353,10 @@ fn sparsity_that_would_cost_time_runs_dense() {
         assert!(always.inputs.as_ref().unwrap().always);
         let s = step(&always);
         assert_eq!(s.input_groups, groups);
-        assert!(s.input_groups_whole < groups, "{spec}:always read every group whole");
+        assert!(
+            s.input_groups_whole < groups,
+            "{spec}:always read every group whole"
+        );
         assert!(
             bytes(&always) < want_bytes,
             "{spec}:always read the dense bytes"

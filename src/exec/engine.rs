@@ -4,8 +4,8 @@ use crate::exec::{DeviceModel, DevicePlan, DeviceSession};
 use crate::model::synthetic::SyntheticOptions;
 use crate::model::tokenizer::Tokenizer;
 use crate::model::weights::Model;
-use crate::sparsity::input::{InputNorms, InputStats};
-use crate::sparsity::layout::{Form, Kind, SparseLayout};
+use crate::sparsity::input::{Group, InputNorms, InputStats};
+use crate::sparsity::layout::{self, Form, Kind, Part, SparseLayout};
 use crate::sparsity::policy::Policy;
 use crate::sparsity::predictors_file::Predictors;
 use crate::sparsity::SparsePlan;
@@ -244,6 +244,11 @@ impl Engine {
         self.layout.get()
     }
 
+    /// Whether input sparsity's layout (either form) has been loaded or built.
+    pub fn input_layout_loaded(&self) -> bool {
+        self.inputs_layout.iter().any(|s| s.get().is_some())
+    }
+
     /// Load predictors: `path` if given, else the calibration output next to the model if there
     /// is one (`Ok(None)` when there is none).
     /// A synthetic model's are generated (see `model::synthetic`).
@@ -292,7 +297,9 @@ impl Engine {
         }
         let p = Policy::parse(spec, &self.model.config, predictors)?;
         match p.inputs.is_some() {
-            true => drop(self.input_layout(Form::Blocks)?),
+            // Built now only if the CPU's plan reads it (another device's model builds its own).
+            true if self.plan(&p)?.needs_inputs() => drop(self.input_layout(Form::Blocks)?),
+            true => {}
             false if p.sparse_mlp() || p.sparse_heads() => drop(self.sparse_layout()?),
             false => {}
         }
@@ -366,9 +373,34 @@ impl Engine {
         DeviceSession::new(&self.device, model, plan, self.n_ctx)
     }
 
-    /// A policy's plan on the CPU device.
+    /// A policy's plan on the CPU device. Input sparsity's groups whose products this CPU
+    /// expects to be slower than dense are kept whole here, from the shapes the input-major
+    /// layout will have (the session's own check, made before the layout is built): a plan
+    /// that keeps every group whole reads no input-major layout, and the engine neither builds
+    /// nor holds one for it.
     pub fn plan(&self, policy: &Policy) -> Result<DevicePlan<CpuDevice>> {
-        DevicePlan::policy(&self.device, &self.model.config, policy)
+        let mut plan = DevicePlan::policy(&self.device, &self.model.config, policy)?;
+        if let Some(ip) = &mut plan.inputs {
+            ip.where_it_pays(|l, g| self.input_break_even(l, g));
+        }
+        Ok(plan)
+    }
+
+    /// [`dejavu_backend_api::Device::input_break_even`] of the CPU for input group `g` of
+    /// layer `l`, from the shapes and types of its matrices in the input-block layout and the
+    /// file's bytes of them.
+    fn input_break_even(&self, l: usize, g: usize) -> f64 {
+        let gated = self.model.config.mlp.gated();
+        let (mut shapes, mut dense) = (Vec::new(), 0);
+        for &part in Group::ALL[g].parts() {
+            if part == Part::Gate && !gated {
+                continue;
+            }
+            let (q, rows, cols, bytes) = layout::input_major(&self.model, l, part, Form::Blocks);
+            shapes.push((q, rows, cols));
+            dense += bytes;
+        }
+        dejavu_backend_cpu::axpy_matmul::break_even(&shapes, dense, self.device.isa())
     }
 
     /// A fixed plan's sets on the CPU device.

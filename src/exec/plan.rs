@@ -1,7 +1,5 @@
 //! A plan on the device: fixed index lists, or predictors and their top-k.
-use crate::exec::model::DeviceModel;
 use crate::exec::parallel::Shard;
-use crate::exec::session::group_bytes;
 use crate::model::config::ModelConfig;
 use crate::sparsity::policy::Policy;
 use crate::sparsity::predictor::LowRankPredictor;
@@ -182,22 +180,18 @@ pub(super) struct InputPlan {
 }
 
 impl InputPlan {
-    /// Keep whole each layer's group whose input-sparse products `dev` expects to be slower
-    /// than its dense ones at the group's expected kept fraction ([`Device::input_break_even`]
-    /// of its input-major matrices in `m.inputs` against the file's bytes of the group); none
-    /// under `always`.
-    pub(super) fn where_it_pays<D: Device>(&mut self, dev: &D, m: &DeviceModel<D>) {
-        let Some(inputs) = m.inputs.as_deref() else {
-            return;
-        };
+    /// Keep whole each layer's group whose input-sparse products are expected to be slower
+    /// than its dense ones: `break_even(l, g)` is the kept fraction below which group `g` of
+    /// layer `l` pays (a device's [`Device::input_break_even`]), set against the group's
+    /// expected kept fraction; none under `always`.
+    pub(crate) fn where_it_pays(&mut self, break_even: impl Fn(usize, usize) -> f64) {
         if self.always {
             return;
         }
-        for (l, (th, im)) in self.thresholds.iter_mut().zip(inputs).enumerate() {
+        for (l, th) in self.thresholds.iter_mut().enumerate() {
             for (g, t) in th.iter_mut().enumerate() {
                 let kept = 1.0 - self.group_sparsity[g];
-                let dense = group_bytes(&m.local, &m.unit_bytes[l], g);
-                if *t >= 0.0 && kept > dev.input_break_even(&im.group(g), dense) {
+                if *t >= 0.0 && kept > break_even(l, g) {
                     *t = -1.0;
                 }
             }
@@ -424,8 +418,9 @@ impl<D: Device> DevicePlan<D> {
         self.inputs.is_none() && (units || self.mlp_rule.iter().any(nonzero))
     }
 
-    /// Does a step read the input-major layout too (input sparsity)?
+    /// Does a step read the input-major layout too (input sparsity with a group not kept
+    /// whole)?
     pub fn needs_inputs(&self) -> bool {
-        self.inputs.is_some()
+        (self.inputs.as_ref()).is_some_and(|p| p.thresholds.iter().flatten().any(|t| *t >= 0.0))
     }
 }

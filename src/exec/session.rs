@@ -12,7 +12,6 @@ mod many;
 mod rows;
 mod step;
 
-pub(crate) use rows::group_bytes;
 pub use rows::{Capture, Logits, StepStats};
 
 /// The activations of one step: `x` to `up` and `part` hold `rows` rows (one for decode
@@ -370,8 +369,11 @@ impl<'a, D: Device> DeviceSession<'a, D> {
             part_logits: dev.zeros(if tp { per_rank } else { 1 })?,
         };
         let mut plan = plan;
-        if let Some(ip) = &mut plan.inputs {
-            ip.where_it_pays(dev, model);
+        if let (Some(ip), Some(im)) = (&mut plan.inputs, model.inputs.as_deref()) {
+            ip.where_it_pays(|l, g| {
+                let dense = rows::group_bytes(c, &model.unit_bytes[l], g);
+                dev.input_break_even(&im[l].group(g), dense)
+            });
         }
         let step_bytes = step_bytes(model, Some(&plan));
         let lazy = (plan.heads.iter())

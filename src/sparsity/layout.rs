@@ -143,6 +143,19 @@ fn target(model: &Model, l: usize, part: Part, form: Form) -> (QuantType, RowLay
     }
 }
 
+/// Layer `l`'s `part` as the inputs' layout of `form` holds it, without building it: its type,
+/// rows (the source's inputs) and columns (its outputs), and the source's bytes (what its dense
+/// product reads).
+pub fn input_major(
+    model: &Model,
+    l: usize,
+    part: Part,
+    form: Form,
+) -> (QuantType, usize, usize, usize) {
+    let (src, [rows, cols]) = source(model, l, part);
+    (target(model, l, part, form).0, rows, cols, src.n_bytes())
+}
+
 fn tensor_name(l: usize, part: Part) -> String {
     let t = match part {
         Part::Down => "ffn_down_t",

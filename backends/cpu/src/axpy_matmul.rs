@@ -254,6 +254,9 @@ fn by_width(cols: usize) -> f64 {
     at(last).1
 }
 
+/// A matrix's type, rows and columns (an input-major matrix: its inputs and outputs).
+pub type Shape = (QuantType, usize, usize);
+
 /// The kept fraction of their inputs below which the input-sparse products of `ws` (one
 /// input's, one call) take less time than their dense products, which read `dense_bytes` (the
 /// file's rows: fewer than `ws`'s where those are requantized to a wider type, as Q6_K's input
@@ -261,12 +264,12 @@ fn by_width(cols: usize) -> f64 {
 /// each matrix's kept bytes over its [`efficiency`], so the fraction `k` where
 /// `CALL_BYTES + k * sum(bytes / efficiency) = dense_bytes` (0 where the call's cost alone is
 /// more), on tier `isa`. 1 for no matrix.
-pub fn break_even(ws: &[Weight], dense_bytes: usize, isa: Isa) -> f64 {
-    let bytes = |w: &Weight| (w.qtype.row_bytes(w.cols) * w.rows) as f64;
+pub fn break_even(ws: &[Shape], dense_bytes: usize, isa: Isa) -> f64 {
+    let bytes = |&(q, rows, cols): &Shape| (q.row_bytes(cols) * rows) as f64;
     let total = dense_bytes as f64;
     let time: f64 = ws
         .iter()
-        .map(|w| bytes(w) / efficiency(w.qtype, w.cols, isa))
+        .map(|w| bytes(w) / efficiency(w.0, w.2, isa))
         .sum();
     match time > 0.0 {
         true => ((total - CALL_BYTES) / time).max(0.0),
@@ -764,7 +767,10 @@ mod tests {
         };
         let (q, k, v) = (w(4096, 4096), w(4096, 1024), w(4096, 1024));
         let b = |cols: usize| (4096 * QuantType::Q4_0.row_bytes(cols)) as f64;
-        let own = |ws: &[Weight], isa| break_even(ws, ws.iter().map(|w| w.data.len()).sum(), isa);
+        let own = |ws: &[Weight], isa| {
+            let shapes: Vec<Shape> = ws.iter().map(|w| (w.qtype, w.rows, w.cols)).collect();
+            break_even(&shapes, ws.iter().map(|w| w.data.len()).sum(), isa)
+        };
         let qkv = own(&[q, k, v], Isa::Avx512);
         let want = (b(6144) - CALL_BYTES) / (b(4096) / 0.65 + 2.0 * b(1024) / 0.4);
         assert!((qkv - want).abs() < 1e-12, "{qkv} {want}");
@@ -774,7 +780,7 @@ mod tests {
         // Dense products that read fewer bytes than the input blocks (a Q6_K file's rows against
         // their Q8_0 blocks) break even at a smaller kept fraction, in proportion.
         let d = (0.77 * b(4096)) as usize;
-        let fewer = break_even(&[q], d, Isa::Avx512);
+        let fewer = break_even(&[(q.qtype, q.rows, q.cols)], d, Isa::Avx512);
         let want = (d as f64 - CALL_BYTES) / (b(4096) / 0.65);
         assert!(
             (fewer - want).abs() < 1e-9 && fewer < one(q),

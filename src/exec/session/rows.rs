@@ -394,7 +394,7 @@ impl<D: Device> DeviceSession<'_, D> {
 
 /// The file's bytes of the matrices that read input group `g` (`Group::ALL` order: Q, K and
 /// V; W_o; gate and up; down) of a layer with unit bytes `u`.
-pub(crate) fn group_bytes(c: &ModelConfig, u: &UnitBytes, g: usize) -> usize {
+pub(super) fn group_bytes(c: &ModelConfig, u: &UnitBytes, g: usize) -> usize {
     match g {
         0 => c.n_heads * (u.q + u.kv_head),
         1 => c.n_heads * (u.head - u.q),

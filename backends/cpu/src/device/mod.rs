@@ -482,7 +482,9 @@ impl Device for CpuDevice {
     }
 
     fn input_break_even(&self, mats: &[&CpuMat], dense_bytes: usize) -> f64 {
-        let ws: Result<Vec<_>, _> = mats.iter().map(|m| m.weight()).collect();
+        let ws: Result<Vec<_>, _> = (mats.iter())
+            .map(|m| m.weight().map(|w| (w.qtype, w.rows, w.cols)))
+            .collect();
         ws.map_or(1.0, |ws| {
             crate::axpy_matmul::break_even(&ws, dense_bytes, self.isa())
         })
