@@ -482,9 +482,8 @@ impl Device for CpuDevice {
     }
 
     fn input_break_even(&self, mats: &[&CpuMat], dense_bytes: usize) -> f64 {
-        let ws: Result<Vec<_>, _> = (mats.iter())
-            .map(|m| m.weight().map(|w| (w.qtype, w.rows, w.cols)))
-            .collect();
+        let shape = |m: &&CpuMat| m.weight().map(|w| (w.qtype, w.rows, w.cols));
+        let ws: Result<Vec<_>, _> = mats.iter().map(shape).collect();
         ws.map_or(1.0, |ws| {
             crate::axpy_matmul::break_even(&ws, dense_bytes, self.isa())
         })
