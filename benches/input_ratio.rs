@@ -72,12 +72,8 @@ fn main() {
     let (data, blocks_bytes) = match bt == q && q.block_len() == 32 {
         true => {
             let data: Vec<Vec<u8>> = (0..copies).map(|c| synthetic(q, n_out, n_in, c)).collect();
-            let mut b = Vec::with_capacity(copies * size);
-            for (c, d) in data.iter().enumerate() {
-                b.extend(synthetic(q, n_in, n_out, c + copies));
-                debug_assert_eq!(d.len(), size);
-            }
-            (data, b)
+            let b = (0..copies).flat_map(|c| synthetic(q, n_in, n_out, c + copies));
+            (data, b.collect())
         }
         false => {
             let mut src = Vec::with_capacity(size);
